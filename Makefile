@@ -1,0 +1,38 @@
+# Two commands on a fresh machine: `make demo` and `make test`. Both build .venv first.
+#
+# TORCH_SPEC chooses the PyTorch build. The default is the CPU build (pinned: a bare
+# `torch` would pull a multi-GB CUDA build). Examples:
+#   make test TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128"   # GPU workstation
+#   make test TORCH_SPEC="/path/to/torch-2.5.0a0+nv24.08-cp310-cp310-linux_aarch64.whl"      # Jetson (JetPack wheel)
+PYTHON      ?= python3.11
+VENV        ?= .venv
+TORCH_SPEC  ?= torch==2.13.0
+PY          := $(VENV)/bin/python
+STAMP       := $(VENV)/.installed
+
+.PHONY: venv demo test bench lint clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "error: $(PYTHON) not found; install Python 3.11 or run 'make PYTHON=python3 ...'"; exit 2; }
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet $(TORCH_SPEC)
+	$(PY) -m pip install --quiet -e '.[train,dev]'
+	@touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m sdk.demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+bench: $(STAMP)
+	$(PY) bench/bench_spine.py
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+
+clean:
+	rm -rf $(VENV) build *.egg-info
