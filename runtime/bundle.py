@@ -1,0 +1,228 @@
+"""Load and verify a bundle: the only way a model enters the runtime.
+
+``load_bundle`` refuses, with an error naming the file and the problem, a bundle
+that misses a file, has a file whose SHA-256 differs from the manifest, has an
+unknown schema version, whose graphs' inputs or outputs do not match the manifest,
+or whose family plug-in rejects it (for example an observer whose certificate no
+longer holds). ``check_bundle`` returns every problem instead of raising on the
+first, for ``closedloop inspect``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import hashlib
+import shutil
+import tempfile
+import zipfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .errors import BundleError
+from .manifest import MANIFEST_NAME, GraphSpec, Manifest, TensorSpec
+from .onnx_reader import OnnxFormatError, OnnxModel, read_onnx
+
+
+def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+@dataclass
+class Bundle:
+    """A verified bundle on disk (a zipped bundle is unpacked to a private temp folder)."""
+
+    root: Path
+    manifest: Manifest
+    source: Path
+    checksums_verified: bool = True
+    _onnx: dict[str, OnnxModel] = field(default_factory=dict, repr=False)
+
+    def graph(self, name: str = "main") -> GraphSpec:
+        try:
+            return self.manifest.graphs[name]
+        except KeyError:
+            raise BundleError(
+                f"bundle {self.source}: no graph named {name!r}; it has {sorted(self.manifest.graphs)}"
+            ) from None
+
+    def graph_path(self, name: str = "main", variant: str | None = None) -> Path:
+        spec = self.graph(name)
+        if variant in (None, "fp32"):
+            return self.root / spec.file
+        if variant not in spec.variants:
+            raise BundleError(
+                f"bundle {self.source}: graph {name!r} has no variant {variant!r}; it has {sorted(spec.variants) or 'none'}"
+            )
+        return self.root / spec.variants[variant]["file"]
+
+    def onnx(self, name: str = "main", variant: str | None = None) -> OnnxModel:
+        key = f"{name}:{variant or 'fp32'}"
+        if key not in self._onnx:
+            self._onnx[key] = read_onnx(self.graph_path(name, variant))
+        return self._onnx[key]
+
+
+_TEMP_DIRS: list[str] = []
+
+
+@atexit.register
+def _cleanup_temp_dirs() -> None:
+    for d in _TEMP_DIRS:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def _unpack_zip(path: Path) -> Path:
+    tmp = tempfile.mkdtemp(prefix="closedloop-bundle-")
+    _TEMP_DIRS.append(tmp)
+    try:
+        with zipfile.ZipFile(path) as zf:
+            for member in zf.namelist():
+                # Refuse path traversal: a bundle is something someone may hand you.
+                target = (Path(tmp) / member).resolve()
+                if not str(target).startswith(str(Path(tmp).resolve())):
+                    raise BundleError(f"bundle {path}: member {member!r} escapes the bundle folder; refusing it")
+            zf.extractall(tmp)
+    except zipfile.BadZipFile as exc:
+        raise BundleError(f"bundle {path}: not a readable zip ({exc}); re-export or re-copy it") from exc
+    entries = list(Path(tmp).iterdir())
+    # A zip may hold the bundle folder itself or its contents.
+    if not (Path(tmp) / MANIFEST_NAME).exists() and len(entries) == 1 and entries[0].is_dir():
+        return entries[0]
+    return Path(tmp)
+
+
+def _check_tensors(
+    where: str, kind: str, declared: list[TensorSpec], actual: list, problems: list[str]
+) -> None:
+    names_decl = [t.name for t in declared]
+    names_act = [v.name for v in actual]
+    if names_decl != names_act:
+        problems.append(f"{where}: graph {kind}s are {names_act} but the manifest declares {names_decl}")
+        return
+    for t, v in zip(declared, actual, strict=True):
+        if v.dtype is not None and v.dtype != t.dtype:
+            problems.append(f"{where}: {kind} {t.name!r} has dtype {v.dtype} in the graph, {t.dtype} in the manifest")
+        if len(v.shape) != len(t.shape):
+            problems.append(
+                f"{where}: {kind} {t.name!r} has rank {len(v.shape)} in the graph ({v.shape}), "
+                f"{len(t.shape)} in the manifest ({t.shape})"
+            )
+            continue
+        for i, (dm, dg) in enumerate(zip(t.shape, v.shape, strict=True)):
+            if isinstance(dm, int) and isinstance(dg, int) and dm != dg:
+                problems.append(
+                    f"{where}: {kind} {t.name!r} axis {i} is {dg} in the graph, {dm} in the manifest"
+                )
+            elif isinstance(dm, int) != isinstance(dg, int) and dg is not None:
+                problems.append(
+                    f"{where}: {kind} {t.name!r} axis {i} is {dg!r} in the graph, {dm!r} in the manifest "
+                    "(one fixed, one dynamic)"
+                )
+
+
+def _check_state_pairs(where: str, spec: GraphSpec, problems: list[str]) -> None:
+    outs = {t.name: t for t in spec.outputs}
+    for t in spec.state_inputs:
+        pair = outs.get(t.state_pair or "")
+        if pair is None or not pair.state:
+            problems.append(f"{where}: state input {t.name!r} names output {t.state_pair!r}, which is not a state output")
+        elif pair.shape != t.shape:
+            problems.append(f"{where}: state {t.name!r} has shape {t.shape} but its output {pair.name!r} has {pair.shape}")
+
+
+def _collect_problems(root: Path, manifest: Manifest, verify_checksums: bool) -> tuple[list[str], list[str]]:
+    problems: list[str] = []
+    notes: list[str] = []
+    for rel, meta in manifest.files.items():
+        p = root / rel
+        if not p.is_file():
+            problems.append(f"file {rel}: missing from the bundle (the manifest lists it); re-export the bundle")
+            continue
+        if not verify_checksums:
+            continue
+        want = meta.get("sha256")
+        got = sha256_file(p)
+        if want != got:
+            problems.append(
+                f"file {rel}: SHA-256 is {got[:16]}..., the manifest says {str(want)[:16]}...; "
+                "the file changed after export (corruption or tampering); re-export or restore it"
+            )
+    if not verify_checksums:
+        notes.append("checksums NOT verified (asked to skip); do not run this bundle on hardware")
+    for gname, spec in manifest.graphs.items():
+        where = f"graph {gname!r} (file {spec.file})"
+        files = [spec.file] + [v["file"] for v in spec.variants.values()]
+        for f in files:
+            if f not in manifest.files:
+                problems.append(f"{where}: file {f} is not listed in the manifest's files, so it has no checksum")
+        if spec.kind not in ("recurrent", "feedforward"):
+            problems.append(f"{where}: kind {spec.kind!r} is not 'recurrent' or 'feedforward'")
+        _check_state_pairs(where, spec, problems)
+        for variant, f in [(None, spec.file)] + [(k, v["file"]) for k, v in spec.variants.items()]:
+            path = root / f
+            if not path.is_file():
+                continue
+            try:
+                model = read_onnx(path)
+            except OnnxFormatError as exc:
+                problems.append(f"{where}: {exc}")
+                continue
+            w = where if variant is None else f"{where} variant {variant} (file {f})"
+            _check_tensors(w, "input", spec.inputs, model.graph_inputs(), problems)
+            _check_tensors(w, "output", spec.outputs, model.outputs, problems)
+    return problems, notes
+
+
+def _read_manifest(root: Path, source: Path) -> Manifest:
+    mpath = root / MANIFEST_NAME
+    if not mpath.is_file():
+        raise BundleError(
+            f"bundle {source}: {MANIFEST_NAME} is missing; this is not a bundle or it was not written completely"
+        )
+    return Manifest.from_json(mpath.read_text(encoding="utf-8"), source=f"{source}/{MANIFEST_NAME}")
+
+
+def _open(path: str | Path) -> tuple[Path, Path]:
+    source = Path(path)
+    if not source.exists():
+        raise BundleError(f"bundle {source}: no such file or folder")
+    root = _unpack_zip(source) if source.is_file() else source
+    return root, source
+
+
+def check_bundle(path: str | Path, verify_checksums: bool = True) -> tuple[Manifest | None, list[str], list[str]]:
+    """Return ``(manifest, problems, notes)`` without raising for the bundle's own faults."""
+    root, source = _open(path)
+    try:
+        manifest = _read_manifest(root, source)
+    except BundleError as exc:
+        return None, [str(exc)], []
+    problems, notes = _collect_problems(root, manifest, verify_checksums)
+    if not problems:
+        from .families import family_problems  # local: families import the session machinery
+
+        problems += family_problems(Bundle(root=root, manifest=manifest, source=source))
+    return manifest, problems, notes
+
+
+def load_bundle(path: str | Path, verify_checksums: bool = True) -> Bundle:
+    """Load a bundle folder or zip and verify it; raise ``BundleError`` naming every problem.
+
+    ``verify_checksums=False`` exists only for fault-injection studies that model
+    corruption in memory; such a bundle says so in ``Bundle.checksums_verified``.
+    """
+    root, source = _open(path)
+    manifest = _read_manifest(root, source)
+    problems, _notes = _collect_problems(root, manifest, verify_checksums)
+    bundle = Bundle(root=root, manifest=manifest, source=source, checksums_verified=verify_checksums)
+    if not problems:
+        from .families import family_problems
+
+        problems = family_problems(bundle)
+    if problems:
+        raise BundleError(f"bundle {source} refused:\n  - " + "\n  - ".join(problems))
+    return bundle

@@ -1,0 +1,83 @@
+"""The generic family: normalise, run, scale and clip. Used by plain exported models.
+
+Manifest fields it reads (all optional):
+
+- ``preprocess.mean`` / ``preprocess.std``: per-feature normalisation ``(x - mean) / std``.
+- ``postprocess.scale`` / ``postprocess.offset``: ``y * scale + offset`` (action scaling).
+- ``postprocess.low`` / ``postprocess.high``: clip limits of the command actually sent.
+- ``postprocess.safe_output``: the safe command (default zeros).
+- ``postprocess.output``: which graph output is the command (default the first data output).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .base import FamilyPlugin
+from .registry import register_family
+
+
+def _vec(d: dict, key: str, n: int, default: float) -> np.ndarray:
+    v = np.asarray(d.get(key, default), dtype=np.float32)
+    if v.ndim == 0:
+        v = np.full(n, float(v), dtype=np.float32)
+    if v.shape != (n,):
+        raise ValueError(f"{key} has shape {v.shape}, expected ({n},) to match the graph")
+    return v
+
+
+@register_family
+class GenericFamily(FamilyPlugin):
+    name = "generic"
+
+    @classmethod
+    def problems(cls, bundle) -> list[str]:
+        out = []
+        spec = bundle.graph()
+        if not spec.data_inputs or not spec.data_outputs:
+            return ["generic family: the main graph needs one data input and one data output"]
+        n_in = spec.data_inputs[0].shape[-1]
+        n_out = spec.data_outputs[0].shape[-1]
+        for section, keys, n in (
+            (bundle.manifest.preprocess, ("mean", "std"), n_in),
+            (bundle.manifest.postprocess, ("scale", "offset", "low", "high", "safe_output"), n_out),
+        ):
+            for k in keys:
+                if k in section:
+                    try:
+                        _vec(section, k, int(n), 0.0)
+                    except (ValueError, TypeError) as exc:
+                        out.append(f"generic family: {exc}")
+        std = bundle.manifest.preprocess.get("std")
+        if std is not None and np.any(np.asarray(std, dtype=np.float64) <= 0):
+            out.append("generic family: preprocess.std has values <= 0; normalisation would divide by zero")
+        return out
+
+    def __init__(self, bundle, model):
+        super().__init__(bundle, model)
+        pre, post = bundle.manifest.preprocess, bundle.manifest.postprocess
+        self._x = model.inputs[model.spec.data_inputs[0].name]
+        out_name = post.get("output", model.spec.data_outputs[0].name)
+        self._y = model.outputs[out_name]
+        n_in, n_out = self._x.shape[-1], self._y.shape[-1]
+        self._mean = _vec(pre, "mean", n_in, 0.0)
+        self._inv_std = (1.0 / _vec(pre, "std", n_in, 1.0)).astype(np.float32)
+        self._scale = _vec(post, "scale", n_out, 1.0)
+        self._offset = _vec(post, "offset", n_out, 0.0)
+        self._low = _vec(post, "low", n_out, -np.inf)
+        self._high = _vec(post, "high", n_out, np.inf)
+        self._safe = _vec(post, "safe_output", n_out, 0.0)
+        self._cmd = np.zeros(self._y.shape, dtype=np.float32)
+
+    def preprocess(self, frame: np.ndarray) -> None:
+        np.subtract(frame, self._mean, out=self._x)
+        np.multiply(self._x, self._inv_std, out=self._x)
+
+    def postprocess(self) -> np.ndarray:
+        np.multiply(self._y, self._scale, out=self._cmd)
+        np.add(self._cmd, self._offset, out=self._cmd)
+        np.clip(self._cmd, self._low, self._high, out=self._cmd)
+        return self._cmd
+
+    def safe_output(self) -> np.ndarray:
+        return np.broadcast_to(self._safe, self._cmd.shape)

@@ -1,0 +1,192 @@
+"""The fixed-rate real-time loop.
+
+One step per period against absolute deadlines ``t0 + k * period``: sleep until
+about ``spin_us`` before the deadline, then spin on ``time.perf_counter_ns`` (plain
+sleep overshoots by tens to hundreds of microseconds; spinning a whole period
+wastes a core and, under SCHED_FIFO, gets the task throttled). Every step's latency
+(its own duration) and lateness (start minus deadline) is recorded. A step that
+ends after the next deadline is an overrun, handled by policy:
+
+- ``skip``: drop the periods that were missed and resume at the next future deadline;
+- ``hold``: like skip, but call ``on_hold(k)`` once per missed period (a session
+  re-sends its last command, so the device holds the last output);
+- ``stop``: end the loop (``stopped_by="overrun"``).
+
+Ctrl-C ends the loop cleanly with a summary. Spare time after a step can be given
+to ``on_idle(k, budget_ns)`` (status lines, weight scrubbing) with a stated budget.
+"""
+
+from __future__ import annotations
+
+import enum
+import signal
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from .stats import LoopSummary, RingRecorder
+
+
+class OverrunPolicy(str, enum.Enum):
+    SKIP = "skip"
+    HOLD = "hold"
+    STOP = "stop"
+
+
+@dataclass
+class LoopConfig:
+    """Settings of the real-time loop."""
+
+    rate_hz: float
+    duration_s: float | None = None
+    max_steps: int | None = None
+    overrun: OverrunPolicy = OverrunPolicy.SKIP
+    spin_us: int = 300
+    idle_margin_us: int = 200  # keep this much of the period free after an idle task
+    capacity: int = 1 << 20
+
+    def __post_init__(self) -> None:
+        if not self.rate_hz > 0:
+            raise ValueError(f"rate_hz must be > 0, got {self.rate_hz}")
+        self.overrun = OverrunPolicy(self.overrun)
+        if self.spin_us < 0:
+            raise ValueError(f"spin_us must be >= 0, got {self.spin_us}")
+
+    @property
+    def period_ns(self) -> int:
+        return round(1e9 / self.rate_hz)
+
+
+StepFn = Callable[[int], object]
+
+
+class RealTimeLoop:
+    """Run ``step(k)`` once per period until a duration, a step count, Ctrl-C or ``stop()``."""
+
+    def __init__(self, config: LoopConfig):
+        self.config = config
+        self.latency = RingRecorder(config.capacity)
+        self.lateness = RingRecorder(config.capacity)
+        self._stop = threading.Event()
+        self.missed = 0
+        self.skipped = 0
+        self.overruns = 0
+
+    def stop(self) -> None:
+        """Ask the loop to end after the current step (thread-safe)."""
+        self._stop.set()
+
+    def run(
+        self,
+        step: StepFn,
+        on_hold: Callable[[int], object] | None = None,
+        on_idle: Callable[[int, int], object] | None = None,
+    ) -> LoopSummary:
+        cfg = self.config
+        period = cfg.period_ns
+        spin = cfg.spin_us * 1000
+        idle_margin = cfg.idle_margin_us * 1000
+        clock = time.perf_counter_ns
+        sleep = time.sleep
+        max_steps = cfg.max_steps if cfg.max_steps is not None else 1 << 62
+        end_ns = None
+        lat_add = self.latency.add
+        late_add = self.lateness.add
+        stopped_by = "steps"
+        steps = 0
+        k = 0
+        t0 = clock() + period  # first deadline one period out: time to settle
+        if cfg.duration_s is not None:
+            end_ns = t0 + int(cfg.duration_s * 1e9)
+        restore = _install_sigint(self._stop)
+        try:
+            while steps < max_steps:
+                deadline = t0 + k * period
+                if end_ns is not None and deadline >= end_ns:
+                    stopped_by = "duration"
+                    break
+                if self._stop.is_set():
+                    stopped_by = "interrupt" if getattr(self._stop, "by_sigint", False) else "stop"
+                    break
+                now = clock()
+                wait = deadline - now - spin
+                if wait > 0:
+                    sleep(wait / 1e9)
+                while clock() < deadline:
+                    pass
+                start = clock()
+                step(k)
+                end = clock()
+                steps += 1
+                late_add(start - deadline)
+                lat_add(end - start)
+                next_deadline = deadline + period
+                if end > next_deadline:
+                    self.overruns += 1
+                    self.missed += 1
+                    if cfg.overrun is OverrunPolicy.STOP:
+                        stopped_by = "overrun"
+                        break
+                    # Resume at the first deadline still ahead; periods in between are skipped.
+                    n_skip = (end - next_deadline) // period + 1
+                    if cfg.overrun is OverrunPolicy.HOLD and on_hold is not None:
+                        for j in range(n_skip):
+                            on_hold(k + 1 + j)
+                    self.skipped += n_skip
+                    self.missed += n_skip
+                    k += 1 + n_skip
+                else:
+                    k += 1
+                    if on_idle is not None:
+                        budget = next_deadline - clock() - idle_margin - spin
+                        if budget > 0:
+                            on_idle(k, budget)
+        except KeyboardInterrupt:
+            stopped_by = "interrupt"
+        finally:
+            restore()
+        return self._summary(steps, stopped_by)
+
+    def _summary(self, steps: int, stopped_by: str) -> LoopSummary:
+        cfg = self.config
+        lat = self.latency.samples()
+        late = self.lateness.samples()
+        periods = steps + self.skipped
+        duration = periods / cfg.rate_hz
+
+        def pct(a: np.ndarray, q: float) -> float:
+            return float(np.percentile(a, q)) / 1e3 if a.size else float("nan")
+
+        return LoopSummary(
+            rate_hz=cfg.rate_hz,
+            steps=steps,
+            duration_s=duration,
+            achieved_rate_hz=steps / duration if duration else 0.0,
+            latency_p50_us=pct(lat, 50),
+            latency_p99_us=pct(lat, 99),
+            latency_max_us=self.latency.max / 1e3,
+            lateness_p50_us=pct(late, 50),
+            lateness_p99_us=pct(late, 99),
+            lateness_max_us=self.lateness.max / 1e3,
+            jitter_us=float(np.std(late)) / 1e3 if late.size else float("nan"),
+            missed_deadlines=self.missed,
+            skipped_periods=self.skipped,
+            overruns=self.overruns,
+            stopped_by=stopped_by,
+        )
+
+
+def _install_sigint(stop: threading.Event) -> Callable[[], None]:
+    """Turn Ctrl-C into a clean stop after the current step (main thread only)."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+
+    def handler(signum, frame):  # noqa: ARG001
+        stop.by_sigint = True  # type: ignore[attr-defined]
+        stop.set()
+
+    previous = signal.signal(signal.SIGINT, handler)
+    return lambda: signal.signal(signal.SIGINT, previous)

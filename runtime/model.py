@@ -1,0 +1,81 @@
+"""A bundle's graph on a chosen backend, with recurrent state carried between steps.
+
+``Model.step(x)`` is the streaming call: one bin in, one output out, state kept.
+For a recurrent graph the state outputs are copied into the state inputs after
+every step (in place, no allocation); ``reset()`` zeroes the state.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from .backends import BackendChoice, BackendOptions, create_backend
+from .bundle import Bundle, load_bundle
+
+
+class Model:
+    """Run one graph of a verified bundle.
+
+    Parameters
+    ----------
+    bundle
+        A loaded bundle (see ``load_bundle``) or a path to one.
+    backend
+        A backend name (``closedloop backends`` lists them) or ``"auto"``, which times
+        every available backend on this graph and keeps the fastest at p99.
+    variant
+        ``None``/``"fp32"``, or a variant the bundle holds (``"fp16"``, ``"int8"``).
+    """
+
+    def __init__(
+        self,
+        bundle: Bundle | str | Path,
+        backend: str = "auto",
+        graph: str = "main",
+        variant: str | None = None,
+        options: BackendOptions | None = None,
+    ):
+        self.bundle = bundle if isinstance(bundle, Bundle) else load_bundle(bundle)
+        self.spec = self.bundle.graph(graph)
+        path = self.bundle.graph_path(graph, variant)
+        self.backend, self.choice = create_backend(backend, path, self.spec, options)
+        self.inputs = self.backend.inputs
+        self.outputs = self.backend.outputs
+        self._pairs = [(self.inputs[t.name], self.outputs[t.state_pair]) for t in self.spec.state_inputs]
+        self._x = self.inputs[self.spec.data_inputs[0].name]
+        self._y = self.outputs[self.spec.data_outputs[0].name]
+        self._run = self.backend.run
+        self.reset()
+
+    @property
+    def backend_name(self) -> str:
+        return self.backend.name
+
+    @property
+    def choice_report(self) -> BackendChoice:
+        return self.choice
+
+    def reset(self) -> None:
+        """Zero the recurrent state (start of a trial or session)."""
+        for state_in, _ in self._pairs:
+            state_in.fill(0)
+
+    def run(self) -> None:
+        """One step on whatever is in ``inputs``; state carried forward."""
+        self._run()
+        for state_in, state_out in self._pairs:
+            np.copyto(state_in, state_out)
+
+    def step(self, x: np.ndarray) -> np.ndarray:
+        """Copy ``x`` into the first data input, step, and return the first data output.
+
+        The returned array is the backend's buffer: it is overwritten by the next step.
+        """
+        np.copyto(self._x, x, casting="same_kind")
+        self.run()
+        return self._y
+
+    def close(self) -> None:
+        self.backend.close()
