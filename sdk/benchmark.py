@@ -1,0 +1,273 @@
+"""The spine benchmark: per-step latency of a GRU decoder and an MLP policy on torch
+eager, ONNX Runtime and the Numba backend, back to back and at the real cadence,
+beside each step's floor; and the real-time loop's lateness at 1 kHz and 50 Hz.
+
+Run with ``python bench/bench_spine.py`` or ``closedloop bench``; ``make demo`` runs a
+short version. Results go to ``bench/results/spine.json`` and ``spine_latency.png``.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from export import export_bundle
+from runtime import LoopConfig, Model, RealTimeLoop
+
+from .models import GRUDecoder, MLPPolicy
+from .roofline import gru_flops, mlp_flops, read_bandwidth_gbs, single_core_peak_gflops
+
+GRU_SHAPE = dict(n_inputs=192, n_hidden=256, n_layers=2, n_outputs=32)
+MLP_SHAPE = dict(n_obs=40, n_actions=8, hidden=(256, 256))
+METHODS = ("torch-eager", "onnxruntime", "numba")
+
+
+@dataclass
+class SpineBenchConfig:
+    back_to_back_steps: int = 5000
+    cadence_s: float = 6.0  # per model and method, one step every 20 ms
+    loop_s: float = 20.0  # per loop rate (1 kHz and 50 Hz)
+    seed: int = 0
+    out_dir: str | None = "bench/results"
+    name: str = "spine"
+    bundle_dir: str | None = None  # keep the exported bundles here (default: a temp folder)
+
+    @classmethod
+    def quick(cls) -> SpineBenchConfig:
+        """A few seconds per part: what ``make demo`` runs."""
+        return cls(back_to_back_steps=1000, cadence_s=2.0, loop_s=3.0, out_dir=None, bundle_dir="out/demo")
+
+
+def _pct(a: np.ndarray, q: float) -> float:
+    return float(np.percentile(a, q)) / 1e3
+
+
+def _stats(ns: np.ndarray) -> dict:
+    return {
+        "p50_us": _pct(ns, 50),
+        "p99_us": _pct(ns, 99),
+        "max_us": float(ns.max()) / 1e3,
+        "mean_us": float(ns.mean()) / 1e3,
+        "first_us": float(ns[0]) / 1e3,
+        "n": int(ns.size),
+    }
+
+
+def _torch_step_fn(model: torch.nn.Module, kind: str, n_in: int, seed: int) -> Callable[[], None]:
+    rng = np.random.default_rng(seed)
+    x = torch.from_numpy(rng.standard_normal((1, n_in)).astype(np.float32))
+    if kind == "recurrent":
+        state = list(model.init_state(1))
+
+        def step() -> None:
+            with torch.inference_mode():
+                _, state[0] = model.step(x, state[0])
+
+    else:
+
+        def step() -> None:
+            with torch.inference_mode():
+                model(x)
+
+    return step
+
+
+def _runtime_step_fn(bundle: Path, backend: str, n_in: int, seed: int) -> tuple[Callable[[], None], Model]:
+    m = Model(bundle, backend=backend)
+    m.inputs[m.spec.data_inputs[0].name][...] = np.random.default_rng(seed).standard_normal((1, n_in))
+    return m.run, m
+
+
+def _time_back_to_back(step: Callable[[], None], steps: int) -> np.ndarray:
+    out = np.empty(steps, dtype=np.int64)
+    clock = time.perf_counter_ns
+    for i in range(steps):
+        t0 = clock()
+        step()
+        out[i] = clock() - t0
+    return out
+
+
+def _time_at_cadence(step: Callable[[], None], rate_hz: float, duration_s: float) -> np.ndarray:
+    loop = RealTimeLoop(LoopConfig(rate_hz=rate_hz, duration_s=duration_s))
+    loop.run(lambda k: step())
+    return loop.latency.samples()
+
+
+def _weight_bytes(module: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in module.parameters())
+
+
+def run_spine_benchmark(cfg: SpineBenchConfig | None = None, report: Callable[[str], None] = print) -> dict:
+    cfg = cfg or SpineBenchConfig()
+    torch.set_num_threads(1)
+    torch.manual_seed(cfg.seed)
+    models = {
+        "gru": (GRUDecoder(**GRU_SHAPE).eval(), "recurrent", GRU_SHAPE["n_inputs"], 50.0),
+        "mlp": (MLPPolicy(**MLP_SHAPE).eval(), "feedforward", MLP_SHAPE["n_obs"], 1000.0),
+    }
+    flops = {
+        "gru": gru_flops(192, 256, 2, 32),
+        "mlp": mlp_flops([40, 256, 256, 8]),
+    }
+    report("measuring this machine's single-core peak and read bandwidth ...")
+    peak = single_core_peak_gflops()
+    results: dict = {
+        "config": asdict(cfg),
+        "machine": {
+            "processor": platform.processor() or platform.machine(),
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "single_core_peak_gflops": peak,
+        },
+        "models": {},
+    }
+    work = Path(cfg.bundle_dir) if cfg.bundle_dir else Path(tempfile.mkdtemp(prefix="closedloop-bench-"))
+    samples: dict[str, np.ndarray] = {}
+    for mname, (module, kind, n_in, _rate) in models.items():
+        report(f"exporting the {mname} to a bundle ...")
+        bundle = export_bundle(
+            module,
+            work / mname,
+            kind=kind,
+            example_input=torch.zeros(1, n_in),
+            rate_hz=50.0 if mname == "gru" else 1000.0,
+            name=f"bench-{mname}",
+            variants=(),
+            tensorrt=False,
+            overwrite=True,
+            report=lambda s: None,
+        )
+        wbytes = _weight_bytes(module)
+        bw = read_bandwidth_gbs(wbytes)
+        floor_us = max(flops[mname] / (peak * 1e3), wbytes / (bw * 1e3))
+        entry: dict = {
+            "flops": flops[mname],
+            "weight_bytes": wbytes,
+            "read_bandwidth_gbs": bw,
+            "floor_us": floor_us,
+            "floor_bound": "flops" if flops[mname] / peak > wbytes / bw else "bandwidth",
+            "methods": {},
+        }
+        for method in METHODS:
+            if method == "torch-eager":
+                step = _torch_step_fn(module, kind, n_in, cfg.seed)
+                holder = None
+            else:
+                step, holder = _runtime_step_fn(bundle, method, n_in, cfg.seed)
+            report(f"  {mname} / {method}: back to back x{cfg.back_to_back_steps}, then {cfg.cadence_s:g} s at 50 Hz")
+            b2b = _time_back_to_back(step, cfg.back_to_back_steps)
+            cad = _time_at_cadence(step, 50.0, cfg.cadence_s)
+            samples[f"{mname}/{method}/b2b"] = b2b
+            samples[f"{mname}/{method}/cadence"] = cad
+            entry["methods"][method] = {"back_to_back": _stats(b2b), "cadence_50hz": _stats(cad)}
+            if holder is not None:
+                holder.close()
+        results["models"][mname] = entry
+
+    # Loop timing: the MLP at 1 kHz and the GRU at 50 Hz, on the Numba backend.
+    results["loops"] = {}
+    for mname, rate in (("mlp", 1000.0), ("gru", 50.0)):
+        step, holder = _runtime_step_fn(work / mname, "numba", models[mname][2], cfg.seed)
+        report(f"loop: {mname} on numba at {rate:g} Hz for {cfg.loop_s:g} s ...")
+        loop = RealTimeLoop(LoopConfig(rate_hz=rate, duration_s=cfg.loop_s))
+        summary = loop.run(lambda k, s=step: s())
+        results["loops"][f"{rate:g}Hz"] = summary.to_dict() | {"model": mname}
+        samples[f"loop/{rate:g}Hz/lateness"] = loop.lateness.samples()
+        holder.close()
+
+    results["targets"] = _targets(results)
+    report(format_table(results))
+    if cfg.out_dir:
+        out = Path(cfg.out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"{cfg.name}.json").write_text(json.dumps(results, indent=2) + "\n")
+        _plot(samples, results, out / f"{cfg.name}_latency.png")
+        report(f"wrote {out / (cfg.name + '.json')} and {out / (cfg.name + '_latency.png')}")
+    return results
+
+
+def _targets(r: dict) -> list[dict]:
+    g = r["models"]["gru"]["methods"]
+    m = r["models"]["mlp"]["methods"]
+    floor = r["models"]["gru"]["floor_us"]
+    t = []
+    for mode in ("back_to_back", "cadence_50hz"):
+        ratio = g["torch-eager"][mode]["p99_us"] / g["numba"][mode]["p99_us"]
+        t.append({"target": f"numba GRU p99 >= 3x faster than torch eager ({mode})", "value": f"{ratio:.2f}x", "met": ratio >= 3})
+    fr = g["numba"]["back_to_back"]["p50_us"] / floor
+    t.append({"target": "numba GRU within 3x of its floor (p50, back to back)", "value": f"{fr:.2f}x of {floor:.1f} us", "met": fr <= 3})
+    frc = g["numba"]["cadence_50hz"]["p50_us"] / floor
+    t.append({"target": "numba GRU within 3x of its floor (p50, at 50 Hz cadence)", "value": f"{frc:.2f}x", "met": frc <= 3})
+    mp = max(m["numba"]["back_to_back"]["p99_us"], m["numba"]["cadence_50hz"]["p99_us"])
+    t.append({"target": "numba MLP step p99 < 20 us (worse of the two modes)", "value": f"{mp:.1f} us", "met": mp < 20})
+    lk = r["loops"]["1000Hz"]["missed_fraction"]
+    t.append({"target": "1 kHz loop < 0.1% missed deadlines", "value": f"{100 * lk:.3f}%", "met": lk < 0.001})
+    return t
+
+
+def format_table(r: dict) -> str:
+    lines = [
+        "per-step latency, batch 1, one core (us)",
+        f"{'model':5} {'method':12} {'b2b p50':>9} {'b2b p99':>9} {'50Hz p50':>9} {'50Hz p99':>9} {'first':>8} {'floor':>7}",
+    ]
+    for mname, entry in r["models"].items():
+        for method, s in entry["methods"].items():
+            b, c = s["back_to_back"], s["cadence_50hz"]
+            lines.append(
+                f"{mname:5} {method:12} {b['p50_us']:9.1f} {b['p99_us']:9.1f} {c['p50_us']:9.1f} {c['p99_us']:9.1f} "
+                f"{b['first_us']:8.1f} {entry['floor_us']:7.1f}"
+            )
+    lines.append("")
+    lines.append(f"{'loop':8} {'model':5} {'steps':>7} {'late p50':>9} {'late p99':>9} {'late max':>9} {'missed':>8}")
+    for rate, s in r["loops"].items():
+        lines.append(
+            f"{rate:8} {s['model']:5} {s['steps']:7d} {s['lateness_p50_us']:9.1f} {s['lateness_p99_us']:9.1f} "
+            f"{s['lateness_max_us']:9.1f} {100 * s['missed_fraction']:7.3f}%"
+        )
+    if "targets" in r:
+        lines.append("")
+        for t in r["targets"]:
+            lines.append(f"[{'met' if t['met'] else 'NOT MET'}] {t['target']}: {t['value']}")
+    return "\n".join(lines)
+
+
+def _plot(samples: dict[str, np.ndarray], results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 5, figsize=(22, 4))
+    panels = [("gru", "b2b"), ("gru", "cadence"), ("mlp", "b2b"), ("mlp", "cadence")]
+    for ax, (mname, mode) in zip(axes, panels, strict=False):
+        all_us = np.concatenate([samples[f"{mname}/{m}/{mode}"] for m in METHODS]) / 1e3
+        bins = np.logspace(np.log10(max(all_us.min(), 0.5)), np.log10(all_us.max() * 1.05), 60)
+        for method in METHODS:
+            ax.hist(samples[f"{mname}/{method}/{mode}"] / 1e3, bins=bins, histtype="step", label=method)
+        ax.axvline(results["models"][mname]["floor_us"], color="k", ls="--", lw=0.8, label="floor")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("step latency (us)")
+        ax.set_title(f"{mname}, {'back to back' if mode == 'b2b' else 'one step / 20 ms'}")
+        ax.legend(fontsize=7)
+    ax = axes[-1]
+    for key in ("loop/1000Hz/lateness", "loop/50Hz/lateness"):
+        us = samples[key] / 1e3
+        ax.hist(np.clip(us, 0.1, None), bins=np.logspace(-1, np.log10(max(us.max(), 1.0) * 1.05), 60), histtype="step", label=key.split("/")[1])
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("loop lateness (us)")
+    ax.set_title("real-time loop lateness")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

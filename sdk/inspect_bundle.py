@@ -1,0 +1,90 @@
+"""Human-readable rendering of a bundle's manifest and its verification result."""
+
+from __future__ import annotations
+
+import json
+
+from runtime import check_bundle
+from runtime.manifest import GraphSpec, Manifest
+
+
+def _shape(s: list) -> str:
+    return "(" + ", ".join(str(d) for d in s) + ")"
+
+
+def _graph_lines(name: str, g: GraphSpec) -> list[str]:
+    out = [f"  graph {name!r}: {g.file} ({g.kind})"]
+    for t in g.inputs:
+        extra = f"  state -> {t.state_pair}" if t.state else ""
+        out.append(f"    in  {t.name:<12} {t.dtype:<8} {_shape(t.shape)}{extra}")
+    for t in g.outputs:
+        extra = f"  state -> {t.state_pair}" if t.state else ""
+        out.append(f"    out {t.name:<12} {t.dtype:<8} {_shape(t.shape)}{extra}")
+    if g.parity:
+        for check, rec in g.parity.items():
+            if isinstance(rec, dict) and "max_abs" in rec:
+                out.append(
+                    f"    parity {check:<10} max abs {rec['max_abs']:.2e}  max rel {rec.get('max_rel', float('nan')):.2e}"
+                    + (f"  ({rec['steps']} steps)" if "steps" in rec else "")
+                )
+        tol = g.parity.get("tolerance")
+        if tol:
+            out.append(f"    parity tolerance {tol}")
+    for vname, v in g.variants.items():
+        p = v.get("parity_vs_fp32", {})
+        ok = v.get("within_tolerance")
+        out.append(
+            f"    variant {vname:<5} {v.get('file')}  vs fp32: max abs {p.get('max_abs', float('nan')):.2e}"
+            + ("" if ok is None else ("  within tolerance" if ok else "  OUTSIDE tolerance"))
+        )
+    trt = g.tensorrt_compatibility
+    if trt:
+        verdict = "compatible" if trt.get("compatible") else f"NOT compatible: {trt.get('unsupported_ops')}"
+        out.append(f"    TensorRT parser: {verdict}")
+    for e in g.tensorrt_engines:
+        out.append(f"    TensorRT engine {e.get('file')} for {e.get('gpu')} / TensorRT {e.get('tensorrt_version')}")
+    return out
+
+
+def render_manifest(m: Manifest) -> str:
+    lines = [
+        f"bundle {m.name or '(unnamed)'}: family {m.family}, schema v{m.schema_version}, loop {m.rate_hz:g} Hz",
+    ]
+    for name, g in m.graphs.items():
+        lines += _graph_lines(name, g)
+    for title, section in (("preprocess", m.preprocess), ("postprocess", m.postprocess)):
+        if section:
+            lines.append(f"  {title}: " + ", ".join(f"{k}={_brief(v)}" for k, v in section.items()))
+    if m.certificate:
+        lines.append("  certificate: " + ", ".join(f"{k}={_brief(v)}" for k, v in m.certificate.items()))
+    if m.provenance:
+        lines.append("  provenance: " + ", ".join(f"{k}={_brief(v)}" for k, v in m.provenance.items()))
+    lines.append("  files:")
+    for rel, meta in m.files.items():
+        lines.append(f"    {rel:<32} {meta.get('bytes', 0):>10} B  sha256 {str(meta.get('sha256'))[:16]}...")
+    return "\n".join(lines)
+
+
+def _brief(v) -> str:
+    if isinstance(v, list | tuple) and len(v) > 4:
+        return f"[{len(v)} values]"
+    if isinstance(v, dict):
+        return "{" + ", ".join(list(v)[:5]) + ("..." if len(v) > 5 else "") + "}"
+    s = json.dumps(v) if not isinstance(v, str) else v
+    return s if len(s) <= 60 else s[:57] + "..."
+
+
+def inspect_bundle(path: str, as_json: bool = False) -> tuple[str, bool]:
+    """Return (text, ok)."""
+    manifest, problems, notes = check_bundle(path)
+    if as_json:
+        return json.dumps(
+            {"manifest": manifest.to_dict() if manifest else None, "problems": problems, "notes": notes}, indent=2
+        ), not problems
+    parts = [render_manifest(manifest)] if manifest else []
+    parts += [f"note: {n}" for n in notes]
+    if problems:
+        parts.append("REFUSED:\n  - " + "\n  - ".join(problems))
+    else:
+        parts.append("verified: every file present with its SHA-256, schema known, graphs match the manifest")
+    return "\n".join(parts), not problems

@@ -1,0 +1,109 @@
+"""The real-time loop: absolute deadlines, overrun policies, clean stops, idle budget."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from runtime import LoopConfig, OverrunPolicy, RealTimeLoop
+
+
+def test_runs_at_rate_without_drift():
+    rate, duration = 200.0, 0.5
+    t0 = time.perf_counter()
+    summary = RealTimeLoop(LoopConfig(rate_hz=rate, duration_s=duration)).run(lambda k: None)
+    elapsed = time.perf_counter() - t0
+    # Deadlines are absolute, so the count is exact unless periods were skipped.
+    assert summary.steps + summary.skipped_periods == int(rate * duration)
+    assert summary.stopped_by == "duration"
+    # one settling period + the run; no accumulated drift beyond a few periods
+    assert duration <= elapsed < duration + 0.1
+    assert summary.latency_p50_us >= 0 and summary.lateness_p50_us >= 0
+
+
+def test_step_indices_are_consecutive_without_overruns():
+    seen = []
+    RealTimeLoop(LoopConfig(rate_hz=500.0, max_steps=20)).run(seen.append)
+    assert seen == list(range(20))
+
+
+def _slow_at(k_slow: int, period_s: float, periods: float):
+    def step(k):
+        if k == k_slow:
+            time.sleep(period_s * periods)
+
+    return step
+
+
+@pytest.mark.parametrize("policy", ["skip", "hold"])
+def test_overrun_skips_missed_periods(policy):
+    period = 0.01
+    seen, held = [], []
+
+    def step(k):
+        seen.append(k)
+        _slow_at(3, period, 2.5)(k)
+
+    loop = RealTimeLoop(LoopConfig(rate_hz=1 / period, max_steps=8, overrun=policy))
+    summary = loop.run(step, on_hold=held.append)
+    assert summary.overruns == 1
+    assert summary.skipped_periods >= 2
+    # after the overrun the loop resumes on a future deadline: indices jump by the skipped count
+    i = seen.index(3)
+    assert seen[i + 1] == 3 + 1 + summary.skipped_periods
+    assert summary.missed_deadlines == 1 + summary.skipped_periods
+    if policy == "hold":
+        assert held == list(range(4, 4 + summary.skipped_periods))
+    else:
+        assert held == []
+
+
+def test_overrun_stop_policy_ends_loop():
+    period = 0.01
+    summary = RealTimeLoop(LoopConfig(rate_hz=1 / period, max_steps=50, overrun=OverrunPolicy.STOP)).run(
+        _slow_at(5, period, 1.5)
+    )
+    assert summary.stopped_by == "overrun"
+    assert summary.steps == 6
+
+
+def test_stop_from_step():
+    loop = RealTimeLoop(LoopConfig(rate_hz=1000.0))
+
+    def step(k):
+        if k == 9:
+            loop.stop()
+
+    summary = loop.run(step)
+    assert summary.steps == 10 and summary.stopped_by == "stop"
+
+
+@pytest.mark.skipif(os.name != "posix", reason="SIGINT delivery to self is POSIX-only")
+def test_ctrl_c_stops_cleanly_with_summary():
+    timer = threading.Timer(0.2, lambda: os.kill(os.getpid(), signal.SIGINT))
+    timer.start()
+    summary = RealTimeLoop(LoopConfig(rate_hz=100.0, duration_s=5.0)).run(lambda k: None)
+    timer.join()
+    assert summary.stopped_by == "interrupt"
+    assert 5 <= summary.steps < 100
+    # the previous SIGINT handler is back
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_idle_hook_gets_budget_within_period():
+    budgets = []
+    cfg = LoopConfig(rate_hz=100.0, max_steps=10)
+    RealTimeLoop(cfg).run(lambda k: None, on_idle=lambda k, b: budgets.append(b))
+    assert budgets, "idle hook never called"
+    assert all(0 < b < cfg.period_ns for b in budgets)
+
+
+def test_bad_config_is_refused():
+    with pytest.raises(ValueError, match="rate_hz"):
+        LoopConfig(rate_hz=0)
+    with pytest.raises(ValueError):
+        LoopConfig(rate_hz=10, overrun="explode")
