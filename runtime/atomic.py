@@ -72,14 +72,24 @@ def atomic_directory(target: str | Path, overwrite: bool = False) -> Iterator[Pa
         raise FileExistsError(f"{target} already exists; pass overwrite=True or choose another path")
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
+    # mkdtemp makes the folder 0700; give it the mode a plain mkdir would (umask applied).
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)
     try:
         yield tmp
         fsync_tree(tmp)
         if target.exists():
+            # Two renames: a reader may briefly find nothing at target, never a mix.
+            # If the second rename fails the old folder is put back.
             old = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".old", dir=target.parent))
             os.rmdir(old)
             os.replace(target, old)
-            os.replace(tmp, target)
+            try:
+                os.replace(tmp, target)
+            except BaseException:
+                os.replace(old, target)
+                raise
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.replace(tmp, target)

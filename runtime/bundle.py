@@ -83,7 +83,7 @@ def _unpack_zip(path: Path) -> Path:
             for member in zf.namelist():
                 # Refuse path traversal: a bundle is something someone may hand you.
                 target = (Path(tmp) / member).resolve()
-                if not str(target).startswith(str(Path(tmp).resolve())):
+                if not target.is_relative_to(Path(tmp).resolve()):
                     raise BundleError(f"bundle {path}: member {member!r} escapes the bundle folder; refusing it")
             zf.extractall(tmp)
     except zipfile.BadZipFile as exc:

@@ -21,7 +21,13 @@ def _graph_lines(name: str, g: GraphSpec) -> list[str]:
         extra = f"  state -> {t.state_pair}" if t.state else ""
         out.append(f"    out {t.name:<12} {t.dtype:<8} {_shape(t.shape)}{extra}")
     if g.parity:
-        for check, rec in g.parity.items():
+        checks = g.parity.get("checks", {})
+        verdict = "within tolerance" if g.parity.get("within_tolerance") else "OUTSIDE tolerance"
+        out.append(
+            f"    parity vs {g.parity.get('reference', 'torch')}: max abs {g.parity.get('max_abs', float('nan')):.2e}, "
+            f"max rel {g.parity.get('max_rel', float('nan')):.2e} ({verdict})"
+        )
+        for check, rec in checks.items():
             if isinstance(rec, dict) and "max_abs" in rec:
                 out.append(
                     f"    parity {check:<10} max abs {rec['max_abs']:.2e}  max rel {rec.get('max_rel', float('nan')):.2e}"

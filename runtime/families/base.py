@@ -11,11 +11,15 @@ preallocated buffers.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
+from .io import command_kind, input_kind
+
 if TYPE_CHECKING:
+    from firmware_bridge import Hello, Message
+
     from ..bundle import Bundle
     from ..model import Model
 
@@ -24,10 +28,21 @@ class FamilyPlugin:
     """Base class; subclasses register with ``@register_family``."""
 
     name: ClassVar[str]
+    #: Session defaults, overridable per bundle in ``manifest.extra["session"]``.
+    default_input: ClassVar[str] = "plant_measurement"
+    default_command: ClassVar[str] = "actuator_command"
+    #: "newest": act once per period on the newest input frame (control: never fall
+    #: behind); "all": process every frame in order (a decoder needs every bin).
+    consume: ClassVar[str] = "newest"
 
     def __init__(self, bundle: Bundle, model: Model):
         self.bundle = bundle
         self.model = model
+        session: dict[str, Any] = bundle.manifest.extra.get("session", {})
+        self.input = input_kind(session.get("input", self.default_input))
+        self.command = command_kind(session.get("command", self.default_command))
+        x = model.inputs[model.spec.data_inputs[0].name]
+        self._frame = np.zeros(x.shape[-1], dtype=np.float32)
 
     @classmethod
     def problems(cls, bundle: Bundle) -> list[str]:
@@ -50,5 +65,48 @@ class FamilyPlugin:
         """The command that puts actuators in a safe state."""
         raise NotImplementedError
 
-    def live_metrics(self) -> dict[str, float]:
+    def live_metrics(self) -> dict[str, float | str]:
         return {}
+
+    # --- session hooks -------------------------------------------------------------
+
+    def check_device(self, hello: Hello) -> list[str]:
+        """Reasons this device cannot run this bundle, each naming both values."""
+        problems = []
+        n_in = self._frame.size
+        if self.input.size_field and getattr(hello, self.input.size_field) != n_in:
+            problems.append(
+                f"device {hello.kind!r} has {self.input.size_field}={getattr(hello, self.input.size_field)}, "
+                f"the bundle's model takes {n_in} inputs"
+            )
+        rate = self.bundle.manifest.rate_hz
+        if hello.rate_hz and abs(hello.rate_hz - rate) > 0.01 * rate:
+            problems.append(f"device streams at {hello.rate_hz:g} Hz, the bundle runs at {rate:g} Hz")
+        low, high = self.command_limits()
+        if self.command.message is not None and hello.command_low.size:
+            if low is None or low.size != hello.command_low.size:
+                n = None if low is None else low.size
+                problems.append(f"device takes {hello.command_low.size} command values, the bundle sends {n}")
+            else:
+                lo_bad = np.flatnonzero(low < hello.command_low - 1e-6)
+                hi_bad = np.flatnonzero(high > hello.command_high + 1e-6)
+                for i in lo_bad:
+                    problems.append(f"command {i}: bundle low limit {low[i]:g} is below the device's {hello.command_low[i]:g}")
+                for i in hi_bad:
+                    problems.append(f"command {i}: bundle high limit {high[i]:g} is above the device's {hello.command_high[i]:g}")
+        return problems
+
+    def command_limits(self) -> tuple[np.ndarray | None, np.ndarray | None]:
+        """The clip limits of the command actually sent, if the bundle states them."""
+        return None, None
+
+    def on_message(self, message: Message) -> None:
+        """Turn one input message into the model input (``preprocess``)."""
+        self.input.to_vector(message, self._frame)
+        self.preprocess(self._frame)
+
+    def command_message(self, command: np.ndarray, step: int) -> Message | None:
+        return self.command.build(command, step)
+
+    def safe_message(self, step: int) -> Message | None:
+        return self.command.build(np.ascontiguousarray(self.safe_output()), step)

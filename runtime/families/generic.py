@@ -7,6 +7,9 @@ Manifest fields it reads (all optional):
 - ``postprocess.low`` / ``postprocess.high``: clip limits of the command actually sent.
 - ``postprocess.safe_output``: the safe command (default zeros).
 - ``postprocess.output``: which graph output is the command (default the first data output).
+- ``extra.session.input`` / ``extra.session.command``: what the device streams and what
+  is sent back (see ``runtime.families.io``; default plant measurement in, actuator
+  command out).
 """
 
 from __future__ import annotations
@@ -81,3 +84,9 @@ class GenericFamily(FamilyPlugin):
 
     def safe_output(self) -> np.ndarray:
         return np.broadcast_to(self._safe, self._cmd.shape)
+
+    def command_limits(self) -> tuple[np.ndarray | None, np.ndarray | None]:
+        post = self.bundle.manifest.postprocess
+        if "low" not in post and "high" not in post:
+            return None, None
+        return self._low, self._high

@@ -1,0 +1,230 @@
+"""``export_bundle``: a trained torch module in, a verified bundle out.
+
+The one public entry of the export stage. It traces the module to ONNX
+(``export.onnx_export``), proves parity with torch (``export.parity``), makes the
+optional FP16/INT8 variants and measures them (``export.variants``), reports
+TensorRT compatibility and builds an engine where TensorRT and a GPU are present
+(``export.tensorrt``), records provenance, and writes the bundle atomically
+(``export.writer``). Nothing is written unless every step succeeds.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from runtime.manifest import GraphSpec, Manifest
+
+from .errors import ExportError
+from .onnx_export import KINDS, export_onnx, initial_states, module_device, to_numpy
+from .parity import (
+    FP32_TOLERANCE,
+    Tolerance,
+    compare,
+    fmt_error,
+    full_sequence_check,
+    make_parity_inputs,
+    offers_full_sequence,
+    ort_runner,
+    raise_if_outside,
+    summarize,
+    torch_runner,
+)
+from .provenance import export_provenance, jsonable
+from .tensorrt import build_tensorrt_engines, tensorrt_compatibility
+from .variants import VARIANT_TOLERANCES, build_variant, check_variant_names
+from .writer import write_bundle
+
+GRAPH_NAME = "main"
+
+
+@dataclass
+class ExportOptions:
+    """Less common export settings (recorded in ``provenance.export.settings``)."""
+
+    state_names: tuple[str, ...] | None = None  # default "h" (one state) or "h0", "h1", ...
+    opset: int = 17
+    parity_batch_sizes: tuple[int, ...] = (1, 3)
+    sequence_steps: int = 64  # length of the generated random walk when no recorded_sequence is given
+    seed: int = 0
+    full_sequence_check: bool | None = None  # None: when module.forward takes (seq, *states)
+    variant_tolerances: dict[str, Tolerance] = field(default_factory=lambda: dict(VARIANT_TOLERANCES))
+    tensorrt_max_batch: int = 8
+
+    def __post_init__(self) -> None:
+        if not self.parity_batch_sizes or any(int(b) < 1 for b in self.parity_batch_sizes):
+            raise ExportError(f"parity_batch_sizes {self.parity_batch_sizes} must be positive integers")
+        if self.sequence_steps < 2:
+            raise ExportError(f"sequence_steps {self.sequence_steps} must be at least 2")
+        if self.tensorrt_max_batch < 1:
+            raise ExportError(f"tensorrt_max_batch {self.tensorrt_max_batch} must be at least 1")
+
+
+def _check_args(kind: str, family: str, rate_hz: float, provenance: dict | None) -> None:
+    if kind not in KINDS:
+        raise ExportError(f"kind {kind!r} is not one of {KINDS}")
+    if not family or not isinstance(family, str):
+        raise ExportError(f"family {family!r} must be a non-empty string naming a runtime family plug-in (e.g. 'generic')")
+    if not isinstance(rate_hz, int | float) or not math.isfinite(rate_hz) or rate_hz <= 0:
+        raise ExportError(f"rate_hz {rate_hz!r} must be a positive number of loop steps per second (e.g. 50 for 20 ms bins)")
+    if provenance and "export" in provenance:
+        raise ExportError("provenance key 'export' is reserved for what export_bundle records; rename your key")
+
+
+def _initial_state_feeds(module: nn.Module, spec: GraphSpec) -> dict[str, np.ndarray]:
+    states = initial_states(module, 1)
+    return {s.name: to_numpy(t) for s, t in zip(spec.state_inputs, states, strict=True)}
+
+
+def export_bundle(
+    module: nn.Module,
+    out: str | Path,
+    *,
+    kind: str,
+    example_input: torch.Tensor | np.ndarray,
+    rate_hz: float,
+    family: str = "generic",
+    name: str = "",
+    preprocess: dict[str, Any] | None = None,
+    postprocess: dict[str, Any] | None = None,
+    extra: dict[str, Any] | None = None,
+    provenance: dict[str, Any] | None = None,
+    recorded_sequence: np.ndarray | torch.Tensor | None = None,
+    variants: Sequence[str] = ("fp16", "int8"),
+    tolerance: Tolerance | None = None,
+    tensorrt: bool = True,
+    overwrite: bool = False,
+    zip: bool = False,
+    input_name: str = "x",
+    output_name: str | Sequence[str] = "y",
+    options: ExportOptions | None = None,
+    report: Callable[[str], None] = print,
+) -> Path:
+    """Export ``module`` to a bundle at ``out`` and return its path.
+
+    Parameters
+    ----------
+    module
+        The trained module. ``kind="feedforward"``: ``module(x)`` returns the output(s).
+        ``kind="recurrent"``: it has ``step(x, *states) -> (y, *new_states)`` and
+        ``init_state(batch)``; see ``sdk.models.GRUDecoder``.
+    example_input
+        One input batch ``(batch, features...)`` (a single step for recurrent modules).
+    rate_hz
+        The loop rate the model was trained for (e.g. 50 for 20 ms bins).
+    family, name, preprocess, postprocess, extra
+        Written to the manifest as given (numpy arrays become lists); the runtime's
+        ``family`` plug-in interprets ``preprocess``/``postprocess``/``extra``.
+    provenance
+        The caller's record (training config, data, seeds), stored beside the
+        automatic ``provenance["export"]``.
+    recorded_sequence
+        Inputs ``(T, features...)`` from real use for the sequence parity check; a
+        random walk when None.
+    variants
+        Reduced-precision variants to add, from ``("fp16", "int8")``.
+    tolerance
+        FP32 parity tolerance (default ``Tolerance(abs=1e-4, rel=1e-3)``); a larger
+        error raises ``ParityError`` and nothing is written.
+    tensorrt
+        Build a TensorRT FP16 engine when TensorRT and a CUDA GPU are present.
+    overwrite, zip
+        Replace an existing bundle; write one zip file instead of a folder.
+    input_name, output_name
+        Graph tensor names (state tensors are named by ``options.state_names``).
+    report
+        Called with one line per stage (``print`` by default; pass ``logging.info``
+        or ``lambda s: None``).
+    """
+    options = options or ExportOptions()
+    _check_args(kind, family, rate_hz, provenance)
+    variant_names = check_variant_names(list(variants))
+    tolerance = tolerance or FP32_TOLERANCE
+    meta = {
+        "preprocess": jsonable(dict(preprocess or {}), "preprocess"),
+        "postprocess": jsonable(dict(postprocess or {}), "postprocess"),
+        "extra": jsonable(dict(extra or {}), "extra"),
+        "provenance": jsonable(dict(provenance or {}), "provenance"),
+    }
+    example = torch.as_tensor(example_input)
+    was_training = module.training
+    module.eval()
+    try:
+        exported = export_onnx(
+            module, example, kind=kind, input_name=input_name, output_name=output_name,
+            state_names=options.state_names, opset=options.opset, file=f"{GRAPH_NAME}.onnx", report=report,
+        )
+        spec = exported.spec
+        report(f"exported {spec.file}: {exported.checks['nodes']} nodes, opset {exported.checks['opset']}, "
+               f"{exported.checks['gru_nodes']} GRU node(s)")
+        init = _initial_state_feeds(module, spec) if kind == "recurrent" else {}
+        inputs = make_parity_inputs(
+            spec, batch_sizes=tuple(options.parity_batch_sizes), sequence=recorded_sequence,
+            sequence_steps=options.sequence_steps, seed=options.seed, initial_state=init,
+        )
+        onnx_run = ort_runner(exported.onnx_bytes)
+        parity = compare(torch_runner(exported.torch_fn, spec), onnx_run, spec, inputs, tolerance)
+        full = options.full_sequence_check
+        if kind == "recurrent" and (full or (full is None and offers_full_sequence(module, len(spec.state_inputs)))):
+            checks = dict(parity["checks"])
+            checks["sequence_vs_torch_full_forward"] = full_sequence_check(module, onnx_run, spec, inputs, tolerance)
+            parity = summarize(checks, tolerance, inputs)
+        parity["reference"] = "torch (" + str(module_device(module)) + ")"
+        spec.parity = parity
+        raise_if_outside(parity, f"graph {GRAPH_NAME!r} ({type(module).__name__})")
+        report(f"parity fp32 vs torch: max abs {fmt_error(parity['max_abs'])}, max rel {fmt_error(parity['max_rel'])} "
+               f"over {len(parity['checks'])} checks ({parity['sequence_steps']}-step sequence): OK")
+    finally:
+        module.train(was_training)
+
+    files: dict[str, bytes] = {spec.file: exported.onnx_bytes}
+    for vname in variant_names:
+        data, record = build_variant(
+            vname, exported.onnx_bytes, spec, onnx_run, inputs, options.variant_tolerances.get(vname)
+        )
+        rel = f"{GRAPH_NAME}.{vname}.onnx"
+        record = {"file": rel, **record, "tensorrt_compatibility": tensorrt_compatibility(data)}
+        spec.variants[vname] = record
+        files[rel] = data
+        p = record["parity_vs_fp32"]
+        flag = "OK" if record["within_tolerance"] else f"OUTSIDE its tolerance {record['tolerance']} (written, flagged)"
+        report(f"variant {vname}: max abs {fmt_error(p['max_abs'])}, max rel {fmt_error(p['max_rel'])} vs fp32: {flag}")
+
+    spec.tensorrt_compatibility = tensorrt_compatibility(exported.model)
+    trt = spec.tensorrt_compatibility
+    report(f"TensorRT compatibility (no TensorRT needed): {'compatible' if trt['compatible'] else 'NOT compatible'}"
+           + (f", unsupported {trt['unsupported_ops']}" if trt["unsupported_ops"] else ""))
+    if tensorrt:
+        fp16 = files.get(spec.variants.get("fp16", {}).get("file", ""))
+        files.update(build_tensorrt_engines(
+            GRAPH_NAME, spec, exported.onnx_bytes, fp16, max_batch=options.tensorrt_max_batch, report=report
+        ))
+
+    settings = {
+        "kind": kind, "input_name": input_name, "output_name": output_name, "variants": list(variant_names),
+        "tolerance": tolerance.to_dict(), "tensorrt": tensorrt, "example_input_shape": list(example.shape),
+        "recorded_sequence": recorded_sequence is not None,
+        "options": {**asdict(options), "variant_tolerances": {k: v.to_dict() for k, v in options.variant_tolerances.items()}},
+        "graph_checks": exported.checks, "export_warnings": exported.warnings,
+    }
+    manifest = Manifest(
+        family=family,
+        name=name,
+        rate_hz=float(rate_hz),
+        graphs={GRAPH_NAME: spec},
+        files={},
+        preprocess=meta["preprocess"],
+        postprocess=meta["postprocess"],
+        provenance={**meta["provenance"], "export": jsonable(export_provenance(settings), "provenance.export")},
+        extra=meta["extra"],
+    )
+    path = write_bundle(out, manifest, files, overwrite=overwrite, zip=zip)
+    report(f"wrote bundle {path} ({len(files)} files + manifest)")
+    return path

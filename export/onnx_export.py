@@ -1,0 +1,305 @@
+"""Trace a torch module into one ONNX graph with a dynamic batch axis, and check the graph.
+
+Two kinds of graph (``GraphSpec.kind``):
+
+* ``"feedforward"``: ``module(x) -> y`` (or a tuple of outputs).
+* ``"recurrent"``: a single-step graph with explicit state in and out, so streaming
+  is one call per bin. The module exposes ``step(x, *states) -> (y, *new_states)``
+  and ``init_state(batch) -> tuple[Tensor, ...]``; the exported graph's ``forward``
+  is ``step``. State input ``h`` pairs with state output ``h_out``.
+
+Export uses the TorchScript exporter (``torch.onnx.export(..., dynamo=False)``): it
+writes one ONNX ``GRU`` node per layer with PyTorch's semantics
+(``linear_before_reset=1``), whereas the dynamo exporter was silently wrong for GRU
+with onnxscript < 0.7.1 and fixes example-sized axes. Which axis of each tensor is
+the batch is measured, not assumed: the module runs at batch 2 and 3 and the axis
+that changes is marked dynamic and named ``"batch"`` (for ``nn.GRU`` state
+``(layers, batch, hidden)`` that is axis 1). The graph is then checked against
+those shapes and, for GRU nodes, against PyTorch's GRU semantics.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import onnx
+import torch
+from torch import nn
+
+from runtime.manifest import GraphSpec, TensorSpec
+from runtime.onnx_reader import OnnxModel, parse_onnx
+
+from .errors import ExportError, GraphCheckError
+
+KINDS = ("feedforward", "recurrent")
+BATCH = "batch"  # the one dynamic axis name we export (TensorSpec.concrete_shape relies on it)
+
+
+def as_outputs(value: Any, what: str) -> tuple[torch.Tensor, ...]:
+    """A tensor or a tuple/list of tensors, as a tuple; anything else is refused by name."""
+    if isinstance(value, torch.Tensor):
+        return (value,)
+    if isinstance(value, tuple | list) and value and all(isinstance(v, torch.Tensor) for v in value):
+        return tuple(value)
+    raise ExportError(f"{what} returned {type(value).__name__}; expected a Tensor or a tuple of Tensors")
+
+
+class _FeedForward(nn.Module):
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        self.module = module
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return as_outputs(self.module(x), f"{type(self.module).__name__}.forward")
+
+
+class _Step(nn.Module):
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        self.module = module
+
+    def forward(self, x: torch.Tensor, *states: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return as_outputs(self.module.step(x, *states), f"{type(self.module).__name__}.step")
+
+
+def initial_states(module: nn.Module, batch: int) -> tuple[torch.Tensor, ...]:
+    """``module.init_state(batch)`` as a tuple of tensors."""
+    return as_outputs(module.init_state(batch), f"{type(module).__name__}.init_state({batch})")
+
+
+def check_recurrent_protocol(module: nn.Module) -> None:
+    missing = [m for m in ("step", "init_state") if not callable(getattr(module, m, None))]
+    if missing:
+        raise ExportError(
+            f"{type(module).__name__} has no {' or '.join(missing)}(); a recurrent export needs "
+            "step(x, *states) -> (y, *new_states) and init_state(batch) -> tuple of state tensors "
+            "(see sdk.models.GRUDecoder)"
+        )
+
+
+def example_batch(example: torch.Tensor, batch: int) -> torch.Tensor:
+    """The example input's first row repeated to ``batch`` rows."""
+    return example[:1].repeat(batch, *([1] * (example.dim() - 1)))
+
+
+def _batch_axis(a: Sequence[int], b: Sequence[int], what: str) -> int | None:
+    if len(a) != len(b):
+        raise ExportError(f"{what} has rank {len(a)} at batch 2 but rank {len(b)} at batch 3; its rank must not depend on the batch")
+    changed = [i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y]
+    if len(changed) > 1:
+        raise ExportError(
+            f"{what} has shape {tuple(a)} at batch 2 and {tuple(b)} at batch 3: axes {changed} follow the batch; "
+            "exactly one axis (or none) may"
+        )
+    return changed[0] if changed else None
+
+
+@dataclass
+class ExportedGraph:
+    """An exported ONNX graph and what is needed to run its torch twin."""
+
+    onnx_bytes: bytes
+    spec: GraphSpec
+    torch_fn: nn.Module  # forward(x, *states) -> tuple of outputs, in the graph's I/O order
+    model: OnnxModel
+    checks: dict[str, Any] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
+
+
+def _names(given: str | Sequence[str] | None, count: int, default: str, what: str) -> list[str]:
+    given = default if given is None else given
+    if isinstance(given, str):
+        return [given] if count == 1 else [f"{given}{i}" for i in range(count)]
+    names = list(given)
+    if len(names) != count:
+        raise ExportError(f"{len(names)} {what} names given ({names}) but the module has {count} {what}s")
+    return names
+
+
+def _check_dims(t: TensorSpec, graph_shape: list, torch_shape: Sequence[int], axis: int | None, role: str) -> list:
+    """The manifest shape: the graph's, checked against torch's (batch axis named, the rest fixed)."""
+    if len(graph_shape) != len(torch_shape):
+        raise GraphCheckError(
+            f"{role} {t.name!r}: the ONNX graph has rank {len(graph_shape)} ({graph_shape}), torch gives shape "
+            f"{tuple(torch_shape)}; the exporter changed the tensor's rank"
+        )
+    out: list = []
+    for i, (g, d) in enumerate(zip(graph_shape, torch_shape, strict=True)):
+        if i == axis:
+            if g != BATCH:
+                raise GraphCheckError(f"{role} {t.name!r} axis {i} is the batch axis but the graph has {g!r} there, not {BATCH!r}")
+            out.append(BATCH)
+        elif g != d:
+            raise GraphCheckError(
+                f"{role} {t.name!r} axis {i} is {g!r} in the graph but torch gives a fixed {d}; only the batch axis may be "
+                "dynamic (a data-dependent size cannot stream at a fixed rate)"
+            )
+        else:
+            out.append(int(g))
+    return out
+
+
+def check_gru_nodes(model: OnnxModel, module: nn.Module) -> dict[str, Any]:
+    """Each GRU node must follow PyTorch's semantics, one node per ``nn.GRU`` layer."""
+    grus = [n for n in model.nodes if n.op_type == "GRU"]
+    for n in grus:
+        lbr = n.attributes.get("linear_before_reset", 0)
+        if lbr != 1:
+            raise GraphCheckError(
+                f"GRU node {n.name!r} has linear_before_reset={lbr}; PyTorch's GRU applies the reset gate after the "
+                "recurrent linear layer (linear_before_reset=1), so this graph computes something else. Export with "
+                "torch.onnx.export(..., dynamo=False) (what export_bundle does) or fix the exporter"
+            )
+        if n.attributes.get("layout", 0) != 0:
+            raise GraphCheckError(f"GRU node {n.name!r} has layout={n.attributes['layout']}; expected 0 (time-major)")
+    layers = sum(m.num_layers for m in module.modules() if isinstance(m, nn.GRU))
+    if layers and len(grus) != layers:
+        raise GraphCheckError(
+            f"the module has {layers} nn.GRU layer(s) but the graph has {len(grus)} GRU node(s); the exporter "
+            "decomposed the GRU (the dynamo exporter does), which backends run slower and differently"
+        )
+    return {"gru_nodes": len(grus), "gru_linear_before_reset": [n.attributes.get("linear_before_reset", 0) for n in grus]}
+
+
+def export_onnx(
+    module: nn.Module,
+    example_input: torch.Tensor,
+    *,
+    kind: str,
+    input_name: str = "x",
+    output_name: str | Sequence[str] = "y",
+    state_names: Sequence[str] | None = None,
+    opset: int = 17,
+    file: str = "main.onnx",
+    report: Callable[[str], None] = print,
+) -> ExportedGraph:
+    """Export ``module`` (in eval mode) to ONNX bytes and a checked ``GraphSpec``."""
+    if kind not in KINDS:
+        raise ExportError(f"kind {kind!r} is not one of {KINDS}")
+    if not isinstance(example_input, torch.Tensor) or not example_input.is_floating_point() or example_input.dim() < 2:
+        raise ExportError(
+            f"example_input must be a floating-point tensor shaped (batch, features...), got "
+            f"{getattr(example_input, 'dtype', type(example_input).__name__)} {tuple(getattr(example_input, 'shape', ()))}"
+        )
+    example_input = example_input.to(module_device(module))
+    if kind == "recurrent":
+        check_recurrent_protocol(module)
+        fn: nn.Module = _Step(module)
+    else:
+        fn = _FeedForward(module)
+    fn.eval()
+
+    def run(batch: int) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+        x = example_batch(example_input, batch)
+        states = tuple(s.to(x.device) for s in initial_states(module, batch)) if kind == "recurrent" else ()
+        with torch.no_grad():
+            return (x, *states), fn(x, *states)
+
+    (ins2, outs2), (ins3, outs3) = run(2), run(3)
+    n_states = len(ins2) - 1
+    n_data_out = len(outs2) - n_states
+    if n_data_out < 1:
+        raise ExportError(f"step() returned {len(outs2)} tensors for {n_states} states; it must return (y, *new_states)")
+    for s_in, s_out, i in zip(ins2[1:], outs2[n_data_out:], range(n_states), strict=True):
+        if s_in.shape != s_out.shape:
+            raise ExportError(
+                f"state {i}: init_state gives shape {tuple(s_in.shape)} but step returns its next value with shape "
+                f"{tuple(s_out.shape)}; step must return (y, *new_states) with each new state shaped like its input"
+            )
+    for i, s in enumerate(initial_states(module, 1) if kind == "recurrent" else ()):
+        if s.dtype.is_floating_point and bool(torch.any(s != 0)):
+            raise ExportError(
+                f"init_state(1)[{i}] is not all zeros; the runtime starts (and resets) recurrent state at zeros, "
+                "so a learned initial state would be lost. Fold it into the model (e.g. add it inside step) "
+                "and make init_state return zeros"
+            )
+    s_names = _names(state_names, n_states, "h", "state") if n_states else []
+    in_names = [input_name, *s_names]
+    out_names = [*_names(output_name, n_data_out, "y", "output"), *[f"{s}_out" for s in s_names]]
+    if len(set(in_names + out_names)) != len(in_names) + len(out_names):
+        raise ExportError(f"input/output names must be distinct, got inputs {in_names} and outputs {out_names}")
+
+    in_axes = [0] + [_batch_axis(a.shape, b.shape, f"state {n!r}") for a, b, n in zip(ins2[1:], ins3[1:], s_names, strict=True)]
+    out_axes = [_batch_axis(a.shape, b.shape, f"output {n!r}") for a, b, n in zip(outs2, outs3, out_names, strict=True)]
+    dynamic_axes = {n: {ax: BATCH} for n, ax in zip(in_names + out_names, in_axes + out_axes, strict=True) if ax is not None}
+
+    buf = io.BytesIO()
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.onnx.export(
+            fn,
+            ins2,
+            buf,
+            dynamo=False,
+            opset_version=opset,
+            input_names=in_names,
+            output_names=out_names,
+            dynamic_axes=dynamic_axes,
+            do_constant_folding=True,
+        )
+    # The legacy-exporter deprecation notice is expected (we chose that exporter on purpose), and
+    # torch's own tracer notes about nn.GRU internals are noise; the user's code's warnings are kept.
+    torch_dir = os.path.dirname(torch.__file__)
+    noted = [
+        f"{w.category.__name__}: {w.message}"
+        for w in caught
+        if not issubclass(w.category, DeprecationWarning) and not str(w.filename).startswith(torch_dir)
+    ]
+    if noted:
+        report(f"torch.onnx.export: {len(noted)} warning(s), first: {noted[0][:160]} (parity checks below test the result)")
+    data = buf.getvalue()
+    try:
+        onnx.checker.check_model(onnx.load_from_string(data), full_check=True)
+    except onnx.checker.ValidationError as exc:
+        raise GraphCheckError(f"the exported graph fails onnx.checker: {exc}") from exc
+    model = parse_onnx(data)
+    g_in, g_out = model.graph_inputs(), model.outputs
+    if [v.name for v in g_in] != in_names or [v.name for v in g_out] != out_names:
+        raise GraphCheckError(
+            f"the exported graph has inputs {[v.name for v in g_in]} and outputs {[v.name for v in g_out]}, expected "
+            f"{in_names} and {out_names}; an input the module does not use is dropped by the exporter"
+        )
+
+    pair = {**dict(zip(s_names, out_names[n_data_out:], strict=True)), **dict(zip(out_names[n_data_out:], s_names, strict=True))}
+    inputs, outputs = [], []
+    for v, t, ax in zip(g_in, ins2, in_axes, strict=True):
+        spec = TensorSpec(name=v.name, dtype=v.dtype or "", shape=[], state=v.name in pair, state_pair=pair.get(v.name))
+        spec.shape = _check_dims(spec, v.shape, t.shape, ax, "input")
+        inputs.append(spec)
+    for v, t, ax in zip(g_out, outs2, out_axes, strict=True):
+        spec = TensorSpec(name=v.name, dtype=v.dtype or "", shape=[], state=v.name in pair, state_pair=pair.get(v.name))
+        spec.shape = _check_dims(spec, v.shape, t.shape, ax, "output")
+        outputs.append(spec)
+    for t in inputs + outputs:
+        if t.dtype not in ("float32", "float16", "float64"):
+            raise GraphCheckError(f"tensor {t.name!r} has dtype {t.dtype!r}; export_bundle handles floating-point I/O only")
+
+    checks = check_gru_nodes(model, module)
+    checks["opset"] = model.opset.get("ai.onnx", opset)
+    checks["nodes"] = len(model.nodes)
+    spec = GraphSpec(file=file, kind=kind, inputs=inputs, outputs=outputs)
+    return ExportedGraph(onnx_bytes=data, spec=spec, torch_fn=fn, model=model, checks=checks, warnings=noted)
+
+
+def op_counts(model: OnnxModel) -> dict[str, int]:
+    """Op type -> node count (custom domains written as ``domain::Op``)."""
+    counts: dict[str, int] = {}
+    for n in model.nodes:
+        key = n.op_type if n.domain in ("", "ai.onnx") else f"{n.domain}::{n.op_type}"
+        counts[key] = counts.get(key, 0) + 1
+    return dict(sorted(counts.items()))
+
+
+def module_device(module: nn.Module) -> torch.device:
+    p = next(module.parameters(), None)
+    return p.device if p is not None else torch.device("cpu")
+
+
+def to_numpy(t: torch.Tensor) -> np.ndarray:
+    return t.detach().cpu().numpy()

@@ -1,0 +1,84 @@
+"""Message <-> vector adapters for sessions: what a family reads from and sends to a device.
+
+Each input kind names the message a device streams and how it becomes the model's
+input vector; each command kind names the message sent back and how a command
+vector becomes it. Registries keyed by name, so a family (or a bundle's
+``extra.session`` block, for the generic family) selects them by name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from firmware_bridge import (
+    ActuatorCommand,
+    DecoderOutput,
+    JointCommand,
+    JointMode,
+    JointState,
+    Message,
+    NeuralFrame,
+    PlantMeasurement,
+)
+
+
+@dataclass(frozen=True)
+class InputKind:
+    message: type[Message]
+    #: Write the vector for this message into ``out`` (preallocated, float32).
+    to_vector: Callable[[Message, np.ndarray], None]
+    #: The device's Hello field that must equal the vector length (or None).
+    size_field: str | None = "n_channels"
+
+
+@dataclass(frozen=True)
+class CommandKind:
+    message: type[Message] | None
+    build: Callable[[np.ndarray, int], Message | None]
+
+
+def _counts(m: NeuralFrame, out: np.ndarray) -> None:
+    np.copyto(out.reshape(-1), m.counts, casting="unsafe")
+
+
+def _plant_y(m: PlantMeasurement, out: np.ndarray) -> None:
+    np.copyto(out.reshape(-1), m.y, casting="unsafe")
+
+
+def _joint_q_dq(m: JointState, out: np.ndarray) -> None:
+    flat = out.reshape(-1)
+    n = m.q.size
+    flat[:n] = m.q
+    flat[n : 2 * n] = m.dq
+
+
+INPUT_KINDS: dict[str, InputKind] = {
+    "neural_frame": InputKind(NeuralFrame, _counts),
+    "plant_measurement": InputKind(PlantMeasurement, _plant_y),
+    "joint_state": InputKind(JointState, _joint_q_dq, size_field=None),
+}
+
+COMMAND_KINDS: dict[str, CommandKind] = {
+    "actuator_command": CommandKind(ActuatorCommand, lambda v, k: ActuatorCommand(u=v.reshape(-1))),
+    "joint_position": CommandKind(JointCommand, lambda v, k: JointCommand(JointMode.POSITION, v.reshape(-1))),
+    "joint_velocity": CommandKind(JointCommand, lambda v, k: JointCommand(JointMode.VELOCITY, v.reshape(-1))),
+    "decoder_output": CommandKind(DecoderOutput, lambda v, k: DecoderOutput(bin_index=k, char_probs=v.reshape(-1))),
+    "none": CommandKind(None, lambda v, k: None),
+}
+
+
+def input_kind(name: str) -> InputKind:
+    try:
+        return INPUT_KINDS[name]
+    except KeyError:
+        raise ValueError(f"unknown session input {name!r}; known: {sorted(INPUT_KINDS)}") from None
+
+
+def command_kind(name: str) -> CommandKind:
+    try:
+        return COMMAND_KINDS[name]
+    except KeyError:
+        raise ValueError(f"unknown session command {name!r}; known: {sorted(COMMAND_KINDS)}") from None

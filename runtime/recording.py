@@ -1,0 +1,223 @@
+"""Crash-safe session recordings: an append-only file of checksummed records.
+
+Layout (little-endian), documented for outside readers in ``docs/recording.md``::
+
+    file    := MAGIC record*
+    MAGIC   := b"CLREC" 0x00 u16(version=1)                       (8 bytes)
+    record  := u32 length | u32 crc | u8 type | u64 host_ns | payload[length]
+    crc     := zlib.crc32 (CRC-32/ISO-HDLC) over length, type, host_ns and payload
+
+``host_ns`` is ``time.monotonic_ns()`` of the recording host (the wall-clock start
+time is in the first META record). Record types: META (JSON), RX (bytes exactly as
+received from the device, so replay sees what the session saw, garbage included),
+TX (bytes exactly as sent: the command after clipping), OUTPUT (u32 step index +
+float32 model output), EVENT (JSON: watchdog, reconnects, device status...),
+SUMMARY (JSON, last).
+
+The hot path only appends to an in-memory buffer; a background thread writes it
+out at least every ``flush_interval_s`` (default 0.5 s), so a session killed with
+SIGKILL loses at most that much. The reader stops at a torn or corrupt tail and
+reports how many bytes it dropped.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import os
+import struct
+import threading
+import time
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+MAGIC = b"CLREC\x00" + struct.pack("<H", 1)
+_HEAD = struct.Struct("<IIBQ")  # length, crc, type, host_ns
+_CRC_HEAD = struct.Struct("<IBQ")
+MAX_RECORD = 16 << 20
+
+
+class RecordType(enum.IntEnum):
+    META = 1
+    RX = 2
+    TX = 3
+    OUTPUT = 4
+    EVENT = 5
+    SUMMARY = 6
+
+
+class RecordingError(ValueError):
+    """A file is not a closedloop recording, or a recording cannot be written."""
+
+
+def _crc(length: int, rtype: int, host_ns: int, payload: bytes | memoryview) -> int:
+    return zlib.crc32(payload, zlib.crc32(_CRC_HEAD.pack(length, rtype, host_ns)))
+
+
+def encode_record(rtype: int, payload: bytes | memoryview, host_ns: int) -> bytes:
+    n = len(payload)
+    return _HEAD.pack(n, _crc(n, rtype, host_ns, payload), rtype, host_ns) + bytes(payload)
+
+
+class RecordingWriter:
+    """Append records; a background thread flushes to disk at least every ``flush_interval_s``."""
+
+    def __init__(self, path: str | Path, flush_interval_s: float = 0.5, fsync: bool = True):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o644)
+        except FileExistsError:
+            raise RecordingError(f"{self.path} already exists; recordings are never overwritten, choose a new name") from None
+        os.write(self._fd, MAGIC)
+        self._buf = bytearray()
+        self._lock = threading.Lock()
+        self._fsync = fsync
+        self._interval = flush_interval_s
+        self._closed = threading.Event()
+        self.bytes_written = len(MAGIC)
+        self.records = 0
+        self._thread = threading.Thread(target=self._flusher, name="closedloop-recorder", daemon=True)
+        self._thread.start()
+
+    def append(self, rtype: int, payload: bytes | memoryview, host_ns: int | None = None) -> None:
+        if host_ns is None:
+            host_ns = time.monotonic_ns()
+        n = len(payload)
+        if n > MAX_RECORD:
+            raise RecordingError(f"record of {n} bytes exceeds the {MAX_RECORD}-byte limit")
+        head = _HEAD.pack(n, _crc(n, rtype, host_ns, payload), rtype, host_ns)
+        with self._lock:
+            self._buf += head
+            self._buf += payload
+            self.records += 1
+
+    def append_json(self, rtype: int, obj: Any, host_ns: int | None = None) -> None:
+        self.append(rtype, json.dumps(obj, default=_json_default).encode(), host_ns)
+
+    def append_output(self, step: int, values: np.ndarray, host_ns: int | None = None) -> None:
+        self.append(RecordType.OUTPUT, struct.pack("<I", step & 0xFFFFFFFF) + values.astype(np.float32, copy=False).tobytes(), host_ns)
+
+    def flush(self) -> None:
+        with self._lock:
+            data, self._buf = self._buf, bytearray()
+        if data:
+            view = memoryview(data)
+            while view:
+                n = os.write(self._fd, view)
+                view = view[n:]
+            self.bytes_written += len(data)
+            if self._fsync:
+                os.fsync(self._fd)
+
+    def _flusher(self) -> None:
+        while not self._closed.wait(self._interval):
+            self.flush()
+
+    def close(self) -> None:
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        self._thread.join()
+        self.flush()
+        os.close(self._fd)
+
+    def __enter__(self) -> RecordingWriter:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _json_default(o: Any) -> Any:
+    if isinstance(o, np.ndarray):
+        return o.tolist()
+    if isinstance(o, np.generic):
+        return o.item()
+    if isinstance(o, enum.Enum):
+        return o.value
+    if isinstance(o, Path):
+        return str(o)
+    raise TypeError(f"cannot record {type(o).__name__} as JSON")
+
+
+@dataclass
+class Record:
+    type: RecordType | int
+    host_ns: int
+    payload: bytes
+
+    def json(self) -> Any:
+        return json.loads(self.payload)
+
+    def output(self) -> tuple[int, np.ndarray]:
+        (step,) = struct.unpack_from("<I", self.payload)
+        return step, np.frombuffer(self.payload, dtype=np.float32, offset=4)
+
+
+class RecordingReader:
+    """Read every intact record; stop at a torn or corrupt tail and say how much was dropped."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        data = self.path.read_bytes()
+        if not data.startswith(MAGIC[:6]):
+            raise RecordingError(f"{self.path} is not a closedloop recording (bad magic {data[:8]!r})")
+        version = struct.unpack_from("<H", data, 6)[0] if len(data) >= 8 else None
+        if version != 1:
+            raise RecordingError(f"{self.path}: recording format version {version} is not supported (this reads 1)")
+        self.records: list[Record] = []
+        pos = len(MAGIC)
+        self.tail_problem = ""
+        while pos < len(data):
+            if pos + _HEAD.size > len(data):
+                self.tail_problem = "torn record header"
+                break
+            n, crc, rtype, host_ns = _HEAD.unpack_from(data, pos)
+            end = pos + _HEAD.size + n
+            if n > MAX_RECORD or end > len(data):
+                self.tail_problem = "torn record (length runs past the end of the file)"
+                break
+            payload = data[pos + _HEAD.size : end]
+            if _crc(n, rtype, host_ns, payload) != crc:
+                self.tail_problem = "record checksum mismatch"
+                break
+            try:
+                t: RecordType | int = RecordType(rtype)
+            except ValueError:
+                t = rtype  # a newer writer's record type: keep it, readers skip what they don't know
+            self.records.append(Record(t, host_ns, payload))
+            pos = end
+        self.valid_bytes = pos
+        self.dropped_bytes = len(data) - pos
+
+    def __iter__(self) -> Iterator[Record]:
+        return iter(self.records)
+
+    def of_type(self, rtype: RecordType) -> list[Record]:
+        return [r for r in self.records if r.type == rtype]
+
+    @property
+    def meta(self) -> dict:
+        metas = self.of_type(RecordType.META)
+        return metas[0].json() if metas else {}
+
+    @property
+    def summary(self) -> dict | None:
+        s = self.of_type(RecordType.SUMMARY)
+        return s[-1].json() if s else None
+
+    def describe(self) -> str:
+        counts: dict[str, int] = {}
+        for r in self.records:
+            name = r.type.name if isinstance(r.type, RecordType) else f"type{r.type}"
+            counts[name] = counts.get(name, 0) + 1
+        s = f"{self.path}: {len(self.records)} records ({', '.join(f'{k} {v}' for k, v in counts.items())})"
+        if self.dropped_bytes:
+            s += f"; dropped a {self.dropped_bytes}-byte tail ({self.tail_problem}) - the session did not end cleanly"
+        return s

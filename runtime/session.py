@@ -1,0 +1,402 @@
+"""Closed-loop sessions: a bundle, a device, the real-time loop between them.
+
+``run_session`` opens the device URL (a serial port, ``sim://`` emulator, ``replay://``
+recording, ``loop://``, ``socket://``; the session cannot tell them apart), does the
+handshake, refuses a device that does not match the bundle (naming both values),
+then runs one step per period: read everything that arrived, act on the newest
+input frame (or on every frame in order, for families that need every bin), run
+the model, send the clipped command, and record. A watchdog sends the safe command
+when input stops for ``watchdog_s`` and the session resumes when frames return; a
+lost transport is reopened every ``reconnect_interval_s``. A live status line and a
+summary report rate, latency, missed deadlines and link errors.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+import numpy as np
+
+from firmware_bridge import (
+    DeviceNotConnectedError,
+    Frame,
+    Hello,
+    Link,
+    Status,
+    Transport,
+    open_transport,
+)
+
+from .bundle import Bundle, load_bundle
+from .families import FamilyPlugin, get_family
+from .loop import LoopConfig, RealTimeLoop
+from .model import Model
+from .recording import RecordingWriter, RecordType
+from .stats import LoopSummary
+
+
+class SessionError(RuntimeError):
+    """The session could not start (no handshake, device does not match the bundle)."""
+
+
+class DeviceMismatchError(SessionError, ValueError):
+    """The device's Hello contradicts the bundle (channels, rate, limits)."""
+
+
+@dataclass
+class SessionConfig:
+    device: str
+    backend: str = "auto"
+    variant: str | None = None
+    duration_s: float | None = None
+    max_steps: int | None = None
+    rate_hz: float | None = None  # default: the bundle's
+    record: str | None = None  # recording path
+    watchdog_s: float = 0.25
+    handshake_timeout_s: float = 10.0
+    reconnect_interval_s: float = 0.2
+    overrun: str = "hold"
+    key: str | None = None  # hex shared secret for a signed link
+    status: bool = True  # live status line on stderr
+    status_interval_s: float = 1.0
+
+
+@dataclass
+class SessionSummary:
+    loop: LoopSummary
+    device: dict[str, Any]
+    backend: str
+    frames_received: int = 0
+    inputs_used: int = 0
+    inputs_skipped: int = 0  # older frames dropped because a newer one was there
+    commands_sent: int = 0
+    safe_commands_sent: int = 0
+    watchdog_trips: int = 0
+    disconnects: int = 0
+    reconnects: int = 0
+    link: dict[str, Any] = field(default_factory=dict)
+    family: dict[str, Any] = field(default_factory=dict)
+    recording: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["loop"] = self.loop.to_dict()
+        return d
+
+    def format(self) -> str:
+        lk = self.link
+        lines = [
+            self.loop.format(),
+            f"  device {self.device.get('kind')} {self.device.get('name', '')!r} on backend {self.backend}",
+            f"  frames received {self.frames_received}, used {self.inputs_used}, skipped for newer {self.inputs_skipped}; "
+            f"commands sent {self.commands_sent} (safe {self.safe_commands_sent})",
+            f"  link: lost {lk.get('lost', 0)}, crc errors {lk.get('crc_errors', 0)}, duplicates {lk.get('duplicate', 0)}, "
+            f"out of order {lk.get('out_of_order', 0)}, bad tag {lk.get('bad_tag', 0)}",
+            f"  watchdog trips {self.watchdog_trips}, disconnects {self.disconnects}, reconnects {self.reconnects}",
+        ]
+        for k, v in self.family.items():
+            lines.append(f"  {k}: {v}")
+        if self.recording:
+            lines.append(f"  recorded to {self.recording}")
+        return "\n".join(lines)
+
+
+class _Tap(Transport):
+    """Records every byte read and written, exactly as it crossed the transport."""
+
+    def __init__(self, inner: Transport, writer: RecordingWriter | None):
+        super().__init__(inner.url)
+        self.inner = inner
+        self.writer = writer
+
+    def _read(self, max_bytes: int, timeout: float | None) -> bytes:
+        data = self.inner.read(max_bytes, timeout)
+        if data and self.writer is not None:
+            self.writer.append(RecordType.RX, data)
+        return data
+
+    def _write(self, data: bytes) -> int:
+        n = self.inner.write(data)
+        if self.writer is not None:
+            self.writer.append(RecordType.TX, data)
+        return n
+
+    def _close(self) -> None:
+        self.inner.close()
+
+    def fileno(self) -> int | None:
+        return self.inner.fileno()
+
+
+def _hello_dict(h: Hello) -> dict[str, Any]:
+    return {
+        "kind": h.kind,
+        "name": h.name,
+        "protocol_version": h.protocol_version,
+        "n_channels": h.n_channels,
+        "rate_hz": h.rate_hz,
+        "command_low": h.command_low.tolist(),
+        "command_high": h.command_high.tolist(),
+    }
+
+
+class Session:
+    """One closed-loop session. Use ``run()``; see ``run_session`` for the one-call form."""
+
+    def __init__(self, bundle: Bundle | str | Path, config: SessionConfig, out: TextIO | None = None):
+        self.config = config
+        self.out = out if out is not None else sys.stderr
+        self.bundle = bundle if isinstance(bundle, Bundle) else load_bundle(bundle)
+        self.model = Model(self.bundle, backend=config.backend, variant=config.variant)
+        self.family: FamilyPlugin = get_family(self.bundle.manifest.family)(self.bundle, self.model)
+        self.rate_hz = config.rate_hz or self.bundle.manifest.rate_hz
+        self.writer = RecordingWriter(config.record) if config.record else None
+        self._key = bytes.fromhex(config.key) if config.key else None
+        self.link: Link | None = None
+        self.hello: Hello | None = None
+        self.summary_counts = dict(
+            frames_received=0, inputs_used=0, inputs_skipped=0, commands_sent=0, safe_commands_sent=0,
+            watchdog_trips=0, disconnects=0, reconnects=0,
+        )
+        self._last_input_ns = 0
+        self._safe = False
+        self._next_reconnect_ns = 0
+        self._next_status_ns = 0
+        self._last_cmd = None
+        self._step = 0
+
+    # --- connection -------------------------------------------------------------
+
+    def _open_link(self) -> Link:
+        transport = _Tap(open_transport(self.config.device), self.writer)
+        return Link(transport, shared_secret=self._key, role="host")
+
+    def _handshake(self, link: Link, timeout_s: float) -> Hello:
+        deadline = time.monotonic() + timeout_s
+        next_hello = 0.0
+        while time.monotonic() < deadline:
+            if time.monotonic() >= next_hello:
+                link.send(Hello(kind="host", name="closedloop", rate_hz=self.rate_hz))
+                next_hello = time.monotonic() + 0.5
+            frame = link.recv(timeout=0.1)
+            if frame is not None and isinstance(frame.message, Hello):
+                return frame.message
+        raise SessionError(
+            f"no Hello from {self.config.device} within {timeout_s:g} s; check the port, baud rate and that the "
+            "device speaks closedloop protocol (docs/protocol.md)"
+        )
+
+    def _event(self, kind: str, **fields: Any) -> None:
+        if self.writer is not None:
+            self.writer.append_json(RecordType.EVENT, {"event": kind, "step": self._step, **fields})
+
+    def start(self) -> Hello:
+        self.link = self._open_link()
+        try:
+            hello = self._handshake(self.link, self.config.handshake_timeout_s)
+        except BaseException:
+            self.link.close()
+            raise
+        problems = self.family.check_device(hello)
+        if problems:
+            self.link.close()
+            raise DeviceMismatchError(
+                f"device at {self.config.device} does not match bundle {self.bundle.source}:\n  - " + "\n  - ".join(problems)
+            )
+        self.hello = hello
+        if self.writer is not None:
+            mpath = self.bundle.root / "manifest.json"
+            self.writer.append_json(
+                RecordType.META,
+                {
+                    "format": "closedloop-recording",
+                    "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                    "device_url": self.config.device,
+                    "device": _hello_dict(hello),
+                    "bundle": str(self.bundle.source),
+                    "bundle_name": self.bundle.manifest.name,
+                    "family": self.bundle.manifest.family,
+                    "manifest_sha256": hashlib.sha256(mpath.read_bytes()).hexdigest(),
+                    "rate_hz": self.rate_hz,
+                    "backend": self.model.backend_name,
+                    "output_shape": list(self.model._y.shape),
+                    "config": asdict(self.config) | {"key": "***" if self.config.key else None},
+                },
+            )
+        self.family.reset()
+        self._last_input_ns = time.monotonic_ns()
+        return hello
+
+    # --- one period -------------------------------------------------------------
+
+    def _poll(self) -> list[Frame]:
+        if self.link is None or not self.link.is_open:
+            now = time.monotonic_ns()
+            if now >= self._next_reconnect_ns:
+                self._next_reconnect_ns = now + int(self.config.reconnect_interval_s * 1e9)
+                try:
+                    self.link = self._open_link()
+                    self.link.send(Hello(kind="host", name="closedloop", rate_hz=self.rate_hz))
+                    self.summary_counts["reconnects"] += 1
+                    self._event("reconnected")
+                except (OSError, DeviceNotConnectedError, ValueError):
+                    self.link = None
+            return []
+        try:
+            return self.link.poll()
+        except (DeviceNotConnectedError, OSError) as exc:
+            self.summary_counts["disconnects"] += 1
+            self._event("disconnected", reason=str(exc))
+            self.link = None
+            return []
+
+    def _send(self, message) -> bool:
+        if message is None or self.link is None:
+            return False
+        try:
+            self.link.send(message)
+            return True
+        except (DeviceNotConnectedError, OSError) as exc:
+            self.summary_counts["disconnects"] += 1
+            self._event("disconnected", reason=str(exc))
+            self.link = None
+            return False
+
+    def _act(self, message, k: int) -> None:
+        fam = self.family
+        fam.on_message(message)
+        self.model.run()
+        cmd = fam.postprocess()
+        if self.writer is not None:
+            self.writer.append_output(k, self.model._y)
+        out = fam.command_message(cmd, k)
+        if self._send(out):
+            self.summary_counts["commands_sent"] += 1
+            self._last_cmd = out
+
+    def step(self, k: int) -> None:
+        self._step = k
+        frames = self._poll()
+        counts = self.summary_counts
+        counts["frames_received"] += len(frames)
+        want = self.family.input.message
+        newest = None
+        for f in frames:
+            m = f.message
+            if isinstance(m, want):
+                if self.family.consume == "all":
+                    self._act(m, k)
+                    counts["inputs_used"] += 1
+                else:
+                    if newest is not None:
+                        counts["inputs_skipped"] += 1
+                    newest = m
+                self._last_input_ns = time.monotonic_ns()
+            elif isinstance(m, Hello):
+                self._on_hello(m)
+            elif isinstance(m, Status):
+                self._event("device_status", code=int(m.code), severity=int(m.severity), message=m.message)
+        if newest is not None:
+            self._act(newest, k)
+            counts["inputs_used"] += 1
+        if self._last_input_ns and frames and self._safe and newest is not None:
+            pass
+        now = time.monotonic_ns()
+        if now - self._last_input_ns > self.config.watchdog_s * 1e9:
+            if not self._safe:
+                self._safe = True
+                counts["watchdog_trips"] += 1
+                self._event("watchdog", silent_s=(now - self._last_input_ns) / 1e9)
+            if self._send(self.family.safe_message(k)):
+                counts["safe_commands_sent"] += 1
+        elif self._safe:
+            self._safe = False
+            self._event("input_resumed")
+
+    def _on_hello(self, hello: Hello) -> None:
+        problems = self.family.check_device(hello)
+        self._event("device_hello", device=_hello_dict(hello), problems=problems)
+        if problems:
+            # A different device came back on this port: stop acting on it.
+            raise DeviceMismatchError("device changed mid-session:\n  - " + "\n  - ".join(problems))
+        self.hello = hello
+        self.family.reset()
+
+    def hold(self, k: int) -> None:
+        """Overrun policy 'hold': re-send the last command for a skipped period."""
+        if self._last_cmd is not None and not self._safe:
+            self._send(self._last_cmd)
+
+    def idle(self, k: int, budget_ns: int) -> None:
+        now = time.monotonic_ns()
+        if self.config.status and now >= self._next_status_ns:
+            self._next_status_ns = now + int(self.config.status_interval_s * 1e9)
+            self.out.write("\r" + self.status_line() + "\x1b[K")
+            self.out.flush()
+
+    def status_line(self) -> str:
+        lat = self._loop.latency if hasattr(self, "_loop") else None
+        p99 = lat.percentile_us(99) if lat is not None and lat.count else float("nan")
+        missed = self._loop.missed if hasattr(self, "_loop") else 0
+        lost = self.link.parser.stats.lost if self.link is not None else 0
+        state = "SAFE" if self._safe else ("DISCONNECTED" if self.link is None else "running")
+        parts = [f"{self.rate_hz:g} Hz", f"p99 {p99:.0f} us", f"missed {missed}", f"lost {lost}", state]
+        parts += [f"{k} {v}" for k, v in self.family.live_metrics().items()]
+        return " | ".join(parts)
+
+    def run(self) -> SessionSummary:
+        if self.hello is None:
+            self.start()
+        cfg = self.config
+        self._loop = RealTimeLoop(
+            LoopConfig(rate_hz=self.rate_hz, duration_s=cfg.duration_s, max_steps=cfg.max_steps, overrun=cfg.overrun)
+        )
+        try:
+            loop_summary = self._loop.run(self.step, on_hold=self.hold, on_idle=self.idle)
+        finally:
+            if self.link is not None:
+                self._send(self.family.safe_message(self._step))
+        if cfg.status:
+            self.out.write("\n")
+        stats = self.link.parser.stats if self.link is not None else None
+        summary = SessionSummary(
+            loop=loop_summary,
+            device=_hello_dict(self.hello) if self.hello else {},
+            backend=self.model.backend_name,
+            link=asdict(stats) if stats is not None else {},
+            family={k: v for k, v in self.family.live_metrics().items()},
+            recording=str(cfg.record) if cfg.record else None,
+            **self.summary_counts,
+        )
+        if self.writer is not None:
+            self.writer.append_json(RecordType.SUMMARY, summary.to_dict())
+        return summary
+
+    def close(self) -> None:
+        if self.link is not None:
+            self.link.close()
+            self.link = None
+        if self.writer is not None:
+            self.writer.close()
+        self.model.close()
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def run_session(bundle: Bundle | str | Path, config: SessionConfig, out: TextIO | None = None) -> SessionSummary:
+    """Open, handshake, run until the duration or Ctrl-C, send the safe command, close."""
+    with Session(bundle, config, out) as s:
+        s.start()
+        return s.run()
+
+
+_ = np

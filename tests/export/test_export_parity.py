@@ -1,0 +1,104 @@
+"""Parity checks: recorded in the manifest, and an export that differs from torch raises and writes nothing."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from export import ExportError, ParityError, Tolerance, export_bundle
+from runtime.bundle import load_bundle
+
+
+class FrozenBranch(nn.Module):
+    """Python control flow on data: tracing freezes the branch the example took."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 2)
+
+    def forward(self, x):
+        if x.sum() > 0:  # the example is all zeros, so the graph keeps the else-branch
+            return self.lin(x) * 2.0
+        return self.lin(x) * 3.0
+
+
+def test_tolerance_rule():
+    tol = Tolerance(abs=1e-4, rel=1e-3)
+    assert tol.passes(5e-5, 1.0)  # small absolute error
+    assert tol.passes(1.0, 5e-4)  # large output, small relative error
+    assert not tol.passes(2e-4, 2e-3)
+
+
+def test_zero_tolerance_raises_with_numbers_and_writes_nothing(tmp_path, gru_module, quiet):
+    out = tmp_path / "gru"
+    with pytest.raises(ParityError) as info:
+        export_bundle(gru_module, out, kind="recurrent", example_input=torch.zeros(1, 12), rate_hz=50.0,
+                      variants=(), tolerance=Tolerance(abs=0.0, rel=0.0), report=quiet)
+    msg = str(info.value)
+    assert "max abs" in msg and "max rel" in msg and "abs 0 or rel 0" in msg
+    assert "random_batch_3" in msg or "sequence_step_by_step" in msg
+    assert isinstance(info.value, ValueError)
+    assert not out.exists() and list(tmp_path.iterdir()) == []
+
+
+def test_graph_that_differs_from_torch_raises(tmp_path, quiet):
+    lines: list[str] = []
+    with pytest.raises(ParityError, match="differs from torch"):
+        export_bundle(FrozenBranch(), tmp_path / "b", kind="feedforward", example_input=torch.zeros(1, 4),
+                      rate_hz=10.0, variants=(), report=lines.append)
+    assert any("TracerWarning" in line for line in lines)  # the user's own trace warning is passed on
+    assert not (tmp_path / "b").exists()
+
+
+def test_recorded_sequence_is_used_and_checked(tmp_path, gru_module, quiet):
+    seq = np.random.default_rng(1).standard_normal((30, 12)).astype(np.float32)
+    out = export_bundle(gru_module, tmp_path / "g", kind="recurrent", example_input=torch.zeros(1, 12),
+                        rate_hz=50.0, variants=(), recorded_sequence=seq, report=quiet)
+    parity = load_bundle(out).manifest.graphs["main"].parity
+    assert parity["sequence_source"] == "recorded" and parity["sequence_steps"] == 30
+    assert parity["checks"]["sequence_vs_torch_full_forward"]["steps"] == 30
+    assert parity["tolerance"] == {"abs": 1e-4, "rel": 1e-3} and parity["ort_threads"] == 1
+
+    with pytest.raises(ExportError, match=r"expected \(T, 12\)"):
+        export_bundle(gru_module, tmp_path / "bad", kind="recurrent", example_input=torch.zeros(1, 12),
+                      rate_hz=50.0, variants=(), recorded_sequence=seq[:, :5], report=quiet)
+    seq[4, 2] = np.nan
+    with pytest.raises(ExportError, match=r"non-finite value at index \(4, 2\)"):
+        export_bundle(gru_module, tmp_path / "nan", kind="recurrent", example_input=torch.zeros(1, 12),
+                      rate_hz=50.0, variants=(), recorded_sequence=seq, report=quiet)
+
+
+def test_bad_arguments_are_named(tmp_path, gru_module, mlp_module, quiet):
+    with pytest.raises(ExportError, match="kind 'rnn'"):
+        export_bundle(gru_module, tmp_path / "a", kind="rnn", example_input=torch.zeros(1, 12), rate_hz=50.0)
+    with pytest.raises(ExportError, match="rate_hz 0"):
+        export_bundle(gru_module, tmp_path / "a", kind="recurrent", example_input=torch.zeros(1, 12), rate_hz=0)
+    with pytest.raises(ExportError, match="no step or init_state"):
+        export_bundle(mlp_module, tmp_path / "a", kind="recurrent", example_input=torch.zeros(1, 6), rate_hz=50.0,
+                      report=quiet)
+    with pytest.raises(ExportError, match="reserved"):
+        export_bundle(mlp_module, tmp_path / "a", kind="feedforward", example_input=torch.zeros(1, 6), rate_hz=50.0,
+                      provenance={"export": 1}, report=quiet)
+    assert not (tmp_path / "a").exists()
+
+
+class LearnedInitialState(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.cell = nn.GRUCell(3, 4)
+        self.h0 = nn.Parameter(torch.ones(1, 4))
+
+    def init_state(self, batch):
+        return (self.h0.expand(batch, 4).detach().clone(),)
+
+    def step(self, x, h):
+        h = self.cell(x, h)
+        return h.sum(-1, keepdim=True), h
+
+
+def test_nonzero_initial_state_is_refused(tmp_path, quiet):
+    with pytest.raises(ExportError, match=r"init_state\(1\)\[0\] is not all zeros"):
+        export_bundle(LearnedInitialState(), tmp_path / "a", kind="recurrent", example_input=torch.zeros(1, 3),
+                      rate_hz=50.0, report=quiet)
