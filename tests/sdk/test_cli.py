@@ -1,0 +1,50 @@
+"""The closedloop CLI: inspect verifies and renders, run drives the loop, errors are clear."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+from sdk.cli import main
+
+
+def test_inspect_prints_and_verifies(gru_bundle, capsys):
+    assert main(["inspect", str(gru_bundle)]) == 0
+    out = capsys.readouterr().out
+    assert "family generic" in out and "state -> h_out" in out
+    assert "parity vs" in out and "variant fp16" in out and "TensorRT parser" in out
+    assert "verified" in out
+
+
+def test_inspect_reports_tampering(gru_bundle, tmp_path, capsys):
+    bad = tmp_path / "bad"
+    shutil.copytree(gru_bundle, bad)
+    with open(bad / "main.onnx", "ab") as f:
+        f.write(b"\x00")
+    assert main(["inspect", str(bad)]) == 1
+    out = capsys.readouterr().out
+    assert "REFUSED" in out and "main.onnx" in out and "SHA-256" in out
+
+
+def test_inspect_json(gru_bundle, capsys):
+    assert main(["inspect", str(gru_bundle), "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["problems"] == [] and d["manifest"]["family"] == "generic"
+
+
+def test_backends_lists_availability(capsys):
+    assert main(["backends"]) == 0
+    out = capsys.readouterr().out
+    assert "onnxruntime" in out and "numba" in out and "tensorrt" in out
+
+
+def test_run_reports_summary(mlp_bundle, capsys):
+    assert main(["run", str(mlp_bundle), "--duration", "0.3", "--backend", "numba", "--json"]) == 0
+    out = capsys.readouterr().out
+    d = json.loads(out[out.index("{"):])
+    assert d["steps"] > 100 and d["stopped_by"] == "duration"
+
+
+def test_missing_bundle_is_a_clear_error(tmp_path, capsys):
+    assert main(["inspect", str(tmp_path / "nope")]) == 2
+    assert "no such file or folder" in capsys.readouterr().err
