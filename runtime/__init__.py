@@ -11,6 +11,10 @@ from .families import FamilyPlugin, get_family, register_family
 from .loop import LoopConfig, OverrunPolicy, RealTimeLoop
 from .manifest import SCHEMA_VERSION, GraphSpec, Manifest, TensorSpec
 from .model import Model
+from .recording import RecordingReader, RecordingWriter, RecordType
+from . import replay as _replay  # noqa: F401  (registers the replay:// transport)
+from .replay import ReplayReport, replay_recording
+from .session import DeviceMismatchError, Session, SessionConfig, SessionError, SessionSummary, run_session
 from .stats import LoopSummary
 
 __all__ = [
@@ -29,6 +33,17 @@ __all__ = [
     "LoopSummary",
     "Manifest",
     "Model",
+    "RecordType",
+    "RecordingReader",
+    "RecordingWriter",
+    "ReplayReport",
+    "Session",
+    "SessionConfig",
+    "SessionError",
+    "SessionSummary",
+    "DeviceMismatchError",
+    "replay_recording",
+    "run_session",
     "OverrunPolicy",
     "RealTimeLoop",
     "TensorSpec",

@@ -10,8 +10,8 @@ Layout (little-endian), documented for outside readers in ``docs/recording.md``:
 ``host_ns`` is ``time.monotonic_ns()`` of the recording host (the wall-clock start
 time is in the first META record). Record types: META (JSON), RX (bytes exactly as
 received from the device, so replay sees what the session saw, garbage included),
-TX (bytes exactly as sent: the command after clipping), OUTPUT (u32 step index +
-float32 model output), EVENT (JSON: watchdog, reconnects, device status...),
+TX (bytes exactly as sent: the command after clipping), OUTPUT (u32 step index, u32 input
+frame sequence number, float32 model output), EVENT (JSON: watchdog, reconnects, device status...),
 SUMMARY (JSON, last).
 
 The hot path only appends to an in-memory buffer; a background thread writes it
@@ -100,8 +100,10 @@ class RecordingWriter:
     def append_json(self, rtype: int, obj: Any, host_ns: int | None = None) -> None:
         self.append(rtype, json.dumps(obj, default=_json_default).encode(), host_ns)
 
-    def append_output(self, step: int, values: np.ndarray, host_ns: int | None = None) -> None:
-        self.append(RecordType.OUTPUT, struct.pack("<I", step & 0xFFFFFFFF) + values.astype(np.float32, copy=False).tobytes(), host_ns)
+    def append_output(self, step: int, input_seq: int, values: np.ndarray, host_ns: int | None = None) -> None:
+        """A model output: loop step, sequence number of the input frame it answered, values."""
+        head = struct.pack("<II", step & 0xFFFFFFFF, input_seq & 0xFFFFFFFF)
+        self.append(RecordType.OUTPUT, head + values.astype(np.float32, copy=False).tobytes(), host_ns)
 
     def flush(self) -> None:
         with self._lock:
@@ -155,9 +157,10 @@ class Record:
     def json(self) -> Any:
         return json.loads(self.payload)
 
-    def output(self) -> tuple[int, np.ndarray]:
-        (step,) = struct.unpack_from("<I", self.payload)
-        return step, np.frombuffer(self.payload, dtype=np.float32, offset=4)
+    def output(self) -> tuple[int, int, np.ndarray]:
+        """(loop step, input frame sequence number, float32 values) of an OUTPUT record."""
+        step, seq = struct.unpack_from("<II", self.payload)
+        return step, seq, np.frombuffer(self.payload, dtype=np.float32, offset=8)
 
 
 class RecordingReader:

@@ -20,8 +20,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-import numpy as np
-
 from firmware_bridge import (
     DeviceNotConnectedError,
     Frame,
@@ -267,13 +265,13 @@ class Session:
             self.link = None
             return False
 
-    def _act(self, message, k: int) -> None:
+    def _act(self, frame: Frame, k: int) -> None:
         fam = self.family
-        fam.on_message(message)
+        fam.on_message(frame.message)
         self.model.run()
         cmd = fam.postprocess()
         if self.writer is not None:
-            self.writer.append_output(k, self.model._y)
+            self.writer.append_output(k, frame.seq, self.model._y)
         out = fam.command_message(cmd, k)
         if self._send(out):
             self.summary_counts["commands_sent"] += 1
@@ -290,12 +288,12 @@ class Session:
             m = f.message
             if isinstance(m, want):
                 if self.family.consume == "all":
-                    self._act(m, k)
+                    self._act(f, k)
                     counts["inputs_used"] += 1
                 else:
                     if newest is not None:
                         counts["inputs_skipped"] += 1
-                    newest = m
+                    newest = f
                 self._last_input_ns = time.monotonic_ns()
             elif isinstance(m, Hello):
                 self._on_hello(m)
@@ -304,8 +302,6 @@ class Session:
         if newest is not None:
             self._act(newest, k)
             counts["inputs_used"] += 1
-        if self._last_input_ns and frames and self._safe and newest is not None:
-            pass
         now = time.monotonic_ns()
         if now - self._last_input_ns > self.config.watchdog_s * 1e9:
             if not self._safe:
@@ -398,5 +394,3 @@ def run_session(bundle: Bundle | str | Path, config: SessionConfig, out: TextIO 
         s.start()
         return s.run()
 
-
-_ = np

@@ -57,17 +57,35 @@ def _backends(a: argparse.Namespace) -> int:
 
 def _run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("bundle")
+    p.add_argument("--device", default=None,
+                   help="device URL: a port path, serial:///dev/ttyACM0?baud=921600, sim://NAME?..., replay://FILE, "
+                        "loop://, socket://HOST:PORT (spy+URL hexdumps traffic). Without it, synthetic frames drive the loop")
     p.add_argument("--backend", default="auto", help="backend name or 'auto' (fastest measured here)")
     p.add_argument("--variant", default=None, help="graph variant: fp32 (default), fp16, int8")
-    p.add_argument("--duration", type=float, default=5.0, help="seconds to run")
+    p.add_argument("--duration", type=float, default=None, help="seconds to run (default: until Ctrl-C; 5 s without a device)")
     p.add_argument("--rate", type=float, default=None, help="loop rate in Hz (default: the bundle's)")
-    p.add_argument("--overrun", choices=["skip", "hold", "stop"], default="skip")
+    p.add_argument("--overrun", choices=["skip", "hold", "stop"], default="hold")
+    p.add_argument("--record", default=None, help="write a crash-safe recording of the session here")
+    p.add_argument("--watchdog", type=float, default=0.25, help="seconds without input before the safe command")
+    p.add_argument("--key", default=None, help="hex shared secret for a signed link")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quiet", action="store_true", help="no live status line")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
 
 
-@command("run", "run a bundle in the real-time loop (synthetic input frames)", _run_args)
+@command("run", "run a bundle in the real-time loop against a device (or synthetic frames)", _run_args)
 def _run(a: argparse.Namespace) -> int:
+    if a.device:
+        from runtime import SessionConfig, run_session
+
+        _register_device_schemes()
+        cfg = SessionConfig(
+            device=a.device, backend=a.backend, variant=a.variant, duration_s=a.duration, rate_hz=a.rate,
+            record=a.record, watchdog_s=a.watchdog, overrun=a.overrun, key=a.key, status=not a.quiet,
+        )
+        summary = run_session(a.bundle, cfg)
+        print(json.dumps(summary.to_dict(), indent=2, default=str) if a.json else summary.format())
+        return 0
     from runtime import LoopConfig, Model, RealTimeLoop, get_family, load_bundle
 
     bundle = load_bundle(a.bundle)
@@ -77,20 +95,82 @@ def _run(a: argparse.Namespace) -> int:
     n_in = model.spec.data_inputs[0].concrete_shape(1)
     frames = rng.standard_normal((256, *n_in)).astype(np.float32)
     rate = a.rate or bundle.manifest.rate_hz
+    duration = 5.0 if a.duration is None else a.duration
     choice = model.choice
     if choice.p99_us:
         print("backend auto-selection (p99 us): " + ", ".join(f"{k} {v:.1f}" for k, v in choice.p99_us.items()))
     for k, why in choice.skipped.items():
         print(f"  skipped {k}: {why}")
-    print(f"running {bundle.manifest.name or a.bundle} on {model.backend_name} at {rate:g} Hz for {a.duration:g} s (Ctrl-C stops)")
+    print(f"no --device: synthetic frames into {bundle.manifest.name or a.bundle} on {model.backend_name} "
+          f"at {rate:g} Hz for {duration:g} s (Ctrl-C stops)")
 
     def step(k: int) -> None:
         fam.preprocess(frames[k & 255])
         model.run()
         fam.postprocess()
 
-    summary = RealTimeLoop(LoopConfig(rate_hz=rate, duration_s=a.duration, overrun=a.overrun)).run(step)
+    summary = RealTimeLoop(LoopConfig(rate_hz=rate, duration_s=duration, overrun=a.overrun)).run(step)
     print(json.dumps(summary.to_dict(), indent=2) if a.json else summary.format())
+    return 0
+
+
+def _register_device_schemes() -> None:
+    """sim:// is registered by the sim package (emulators), replay:// by the runtime."""
+    try:
+        import sim  # noqa: F401
+    except ImportError:  # a deployed board without the simulators: real ports still work
+        pass
+
+
+def _replay_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("recording")
+    p.add_argument("--bundle", required=True, help="bundle to re-run over the recorded input frames")
+    p.add_argument("--backend", default="auto")
+    p.add_argument("--tolerance", type=float, default=None,
+                   help="fail (exit 1) if any output differs from the recorded one by more than this")
+
+
+@command("replay", "re-run a bundle over a recorded session and compare outputs", _replay_args)
+def _replay(a: argparse.Namespace) -> int:
+    from runtime import replay_recording
+
+    report = replay_recording(a.recording, a.bundle, backend=a.backend)
+    print(report.format())
+    if a.tolerance is not None and not report.max_abs_diff <= a.tolerance:
+        print(f"outputs differ by more than {a.tolerance:g}")
+        return 1
+    return 0
+
+
+def _nwb_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("recording")
+    p.add_argument("out", help="NWB file to write")
+    p.add_argument("--overwrite", action="store_true")
+
+
+@command("export-nwb", "convert a session recording to NWB", _nwb_args)
+def _export_nwb(a: argparse.Namespace) -> int:
+    from .nwb_export import recording_to_nwb
+
+    path = recording_to_nwb(a.recording, a.out, overwrite=a.overwrite)
+    print(f"wrote {path}")
+    return 0
+
+
+def _recording_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("recording")
+
+
+@command("recording", "summarise a recording (records, torn tail, session summary)", _recording_args)
+def _recording(a: argparse.Namespace) -> int:
+    from runtime import RecordingReader
+
+    r = RecordingReader(a.recording)
+    print(r.describe())
+    if r.meta:
+        print(f"device {r.meta.get('device_url')}, bundle {r.meta.get('bundle_name')}, started {r.meta.get('started_utc')}")
+    if r.summary:
+        print(json.dumps(r.summary.get("loop", {}), indent=2))
     return 0
 
 

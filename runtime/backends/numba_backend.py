@@ -255,6 +255,8 @@ class _Planner:
                 arrays.append(a)
             return index[id(a)]
 
+        slot(np.zeros((1, self.k.LANES), dtype=np.float32))  # row LANES_SLOT: matmul scratch
+
         program = np.zeros((len(self.ops), self.k.PROGRAM_WIDTH), dtype=np.int64)
         for row, op in enumerate(self.ops):
             program[row, 0] = op.code
@@ -671,9 +673,13 @@ class NumbaBackend(Backend):
         except GraphUnsupportedError as exc:
             raise GraphUnsupportedError(f"{self.path.name}: {exc}{_ADVICE}") from exc
         self._program = plan.program
-        self._params = plan.params
-        self._arrays = kernels.array_list(plan.arrays)
-        self._lanes = np.zeros((1, kernels.LANES), dtype=np.float32)
+        self._arena, self._table, views, twins = kernels.pack_arena(plan.arrays)
+        # From here on the buffers live in the arena: hand out its views.
+        where = {id(a): v for a, v in zip(plan.arrays, views, strict=True)}
+        self._params = [where[id(a)] for a in plan.params]
+        for buffers in (self.inputs, self.outputs):
+            for name, arr in buffers.items():
+                buffers[name] = twins.get(id(arr), arr)
         self._run_plan = kernels.run_plan
         # Compile (or load from Numba's disk cache) and touch every buffer now, so
         # the first step of the loop is as fast as the rest. Inputs are zeros here.
@@ -683,7 +689,7 @@ class NumbaBackend(Backend):
             arr[...] = 0
 
     def run(self) -> None:
-        self._run_plan(self._program, self._arrays, self._lanes)
+        self._run_plan(self._program, self._table, self._arena)
 
     def set_initializers(self, initializers: dict[str, np.ndarray]) -> None:
         """Copy new weight values into the kernels' arrays (re-laid out as at load)."""

@@ -1,0 +1,166 @@
+"""Replaying recordings: as a device (``replay://RECORDING``) and offline through a bundle.
+
+``replay://PATH?speed=1`` is a transport that plays back the bytes a session
+received, with their original timing (``speed=2`` twice as fast, ``speed=0`` as
+fast as they are read); whatever the host writes is accepted and dropped. A
+session over it cannot tell it from the device that was recorded.
+
+``replay_recording(recording, bundle)`` re-runs a bundle offline over the input
+frames that produced each recorded model output, in the recorded order (state
+resets where the device said Hello again), and compares the outputs: the same
+bundle reproduces them; a new bundle (say, recalibrated) shows how it would have
+answered the same session.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import parse_qsl, urlsplit
+
+import numpy as np
+
+from firmware_bridge import FrameParser, Transport, register_transport
+
+from .bundle import Bundle, load_bundle
+from .families import get_family
+from .model import Model
+from .recording import RecordingReader, RecordType
+
+
+class ReplayTransport(Transport):
+    """Plays back a recording's received bytes with their original timing."""
+
+    def __init__(self, url: str, path: str | Path, speed: float = 1.0):
+        super().__init__(url)
+        self.reader = RecordingReader(path)
+        rx = self.reader.of_type(RecordType.RX)
+        if not rx:
+            raise ValueError(f"recording {path} holds no received bytes to replay")
+        self._chunks = [r.payload for r in rx]
+        t0 = rx[0].host_ns
+        self._offsets_ns = [r.host_ns - t0 for r in rx]
+        self._speed = speed
+        self._start = time.monotonic_ns()
+        self._next = 0
+
+    def _due(self) -> int:
+        if self._speed <= 0:
+            return len(self._chunks)
+        elapsed = (time.monotonic_ns() - self._start) * self._speed
+        n = self._next
+        while n < len(self._chunks) and self._offsets_ns[n] <= elapsed:
+            n += 1
+        return n
+
+    @property
+    def finished(self) -> bool:
+        return self._next >= len(self._chunks)
+
+    def _read(self, max_bytes: int, timeout: float | None) -> bytes:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            n = self._due()
+            if n > self._next:
+                data = b"".join(self._chunks[self._next : n])
+                self._next = n
+                return data
+            if self.finished or (deadline is not None and time.monotonic() >= deadline):
+                return b""
+            time.sleep(0.0005)
+
+    def _write(self, data: bytes) -> int:
+        return len(data)
+
+    def _close(self) -> None:
+        self._chunks = []
+
+
+def _open_replay(url: str, **_options) -> ReplayTransport:
+    parts = urlsplit(url)
+    path = (parts.netloc + parts.path) if parts.netloc else parts.path
+    params = dict(parse_qsl(parts.query))
+    unknown = set(params) - {"speed"}
+    if unknown:
+        raise ValueError(f"replay:// takes only 'speed'; got {sorted(unknown)}")
+    try:
+        speed = float(params.get("speed", 1.0))
+    except ValueError:
+        raise ValueError(f"replay:// speed must be a number, got {params['speed']!r}") from None
+    return ReplayTransport(url, path, speed)
+
+
+register_transport("replay", _open_replay, replace=True)
+
+
+@dataclass
+class ReplayReport:
+    outputs_compared: int
+    max_abs_diff: float
+    mean_abs_diff: float
+    missing_inputs: int
+    backend: str
+    recording_note: str
+    per_output_max: list[float] = field(default_factory=list, repr=False)
+
+    def format(self) -> str:
+        return (
+            f"re-ran {self.outputs_compared} recorded steps on {self.backend}: "
+            f"max |difference| {self.max_abs_diff:.3g}, mean {self.mean_abs_diff:.3g}"
+            + (f"; {self.missing_inputs} outputs had no recorded input frame" if self.missing_inputs else "")
+            + f"\n{self.recording_note}"
+        )
+
+
+def replay_recording(recording: str | Path, bundle: Bundle | str | Path, backend: str = "auto") -> ReplayReport:
+    reader = RecordingReader(recording)
+    b = bundle if isinstance(bundle, Bundle) else load_bundle(bundle)
+    model = Model(b, backend=backend)
+    fam = get_family(b.manifest.family)(b, model)
+    fam.reset()
+    parser = FrameParser()
+    inputs: dict[int, object] = {}
+    want = fam.input.message
+    diffs: list[float] = []
+    total = 0.0
+    count = 0
+    missing = 0
+    for rec in reader:
+        if rec.type == RecordType.RX:
+            for f in parser.feed(rec.payload):
+                if isinstance(f.message, want):
+                    inputs[f.seq] = f.message
+        elif rec.type == RecordType.EVENT:
+            ev = rec.json()
+            if ev.get("event") == "device_hello" and not ev.get("problems"):
+                fam.reset()
+        elif rec.type == RecordType.OUTPUT:
+            _, seq, recorded = rec.output()
+            msg = inputs.pop(seq, None)
+            if msg is None:
+                missing += 1
+                continue
+            fam.on_message(msg)
+            model.run()
+            fam.postprocess()
+            y = model.outputs[model.spec.data_outputs[0].name].reshape(-1)
+            if y.size != recorded.size:
+                raise ValueError(
+                    f"bundle output has {y.size} values but the recording's outputs have {recorded.size}; "
+                    "replay a bundle with the same output layout"
+                )
+            d = np.abs(y - recorded)
+            diffs.append(float(d.max()))
+            total += float(d.mean())
+            count += 1
+    model.close()
+    return ReplayReport(
+        outputs_compared=count,
+        max_abs_diff=max(diffs) if diffs else float("nan"),
+        mean_abs_diff=total / count if count else float("nan"),
+        missing_inputs=missing,
+        backend=model.backend_name,
+        recording_note=reader.describe(),
+        per_output_max=diffs,
+    )
