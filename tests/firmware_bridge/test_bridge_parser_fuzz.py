@@ -18,7 +18,7 @@ def _stream(messages: list) -> tuple[list[bytes], dict[int, bytes]]:
 
 def _chunks(data: bytes, cuts: list[int]) -> list[bytes]:
     points = sorted({c % (len(data) + 1) for c in cuts})
-    return [data[a:b] for a, b in zip([0, *points], [*points, len(data)])]
+    return [data[a:b] for a, b in zip([0, *points], [*points, len(data)], strict=True)]
 
 
 @SETTINGS

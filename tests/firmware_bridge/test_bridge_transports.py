@@ -192,3 +192,24 @@ def test_url_grammar() -> None:
     assert split_device_url("replay://runs/a.rec") == ("replay", "runs/a.rec", {})
     with pytest.raises(ValueError, match="unknown option"):
         open_transport("serial:///dev/null?parity=E")
+
+
+def test_spy_can_log_to_a_logger(caplog: pytest.LogCaptureFixture) -> None:
+    import logging
+
+    logger = logging.getLogger("closedloop.test.spy")
+    with caplog.at_level(logging.DEBUG, logger=logger.name), open_transport("spy+loop://", spy_stream=logger) as spy:
+        spy.write(b"\x00\x01")
+        _read_until(spy, 2)
+    assert any("TX 2 bytes" in r.getMessage() for r in caplog.records)
+    assert any("RX " in r.getMessage() for r in caplog.records)
+
+
+def test_ftdi_latency_timer_is_read_from_sysfs(tmp_path) -> None:
+    from firmware_bridge.transports import ftdi_latency_timer_ms
+
+    (tmp_path / "ttyUSB3").mkdir()
+    (tmp_path / "ttyUSB3" / "latency_timer").write_text("16\n")
+    assert ftdi_latency_timer_ms("/dev/ttyUSB3", sysfs_root=str(tmp_path)) == 16
+    assert ftdi_latency_timer_ms("/dev/ttyUSB9", sysfs_root=str(tmp_path)) is None
+    assert ftdi_latency_timer_ms("/dev/ttyACM0", sysfs_root=str(tmp_path)) is None

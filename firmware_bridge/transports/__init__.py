@@ -1,0 +1,30 @@
+"""Transports: byte pipes to devices, opened by URL through a registry keyed by scheme.
+
+Importing this package registers the built-in schemes: ``serial`` (and bare device
+paths), pyserial's ``loop``, ``socket`` and ``rfc2217``, and ``pty``.  Other packages
+add theirs (``sim``, ``replay``) with :func:`register_transport`.
+"""
+
+from .base import (
+    Transport,
+    TransportFactory,
+    open_transport,
+    register_transport,
+    registered_schemes,
+    split_device_url,
+)
+from .pty_pair import FdTransport, open_pty, open_pty_pair
+from .serial_port import (
+    LatencyWarning,
+    SerialTransport,
+    ftdi_latency_timer_ms,
+    open_pyserial_url,
+    open_serial,
+)
+from .spy import SpyTransport, hexdump
+
+__all__ = [
+    "Transport", "TransportFactory", "open_transport", "register_transport", "registered_schemes",
+    "split_device_url", "FdTransport", "open_pty", "open_pty_pair", "LatencyWarning", "SerialTransport",
+    "ftdi_latency_timer_ms", "open_pyserial_url", "open_serial", "SpyTransport", "hexdump",
+]

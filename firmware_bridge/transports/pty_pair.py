@@ -1,0 +1,103 @@
+"""Pseudo-terminal pairs: a real tty link between two ends on one machine, no hardware.
+
+:func:`open_pty_pair` returns both ends of a pty as transports (raw mode: no echo, no
+line editing), so a test or a device emulator can talk over the same kernel tty layer
+a USB serial port uses.  The ``pty://`` URL opens a pair and returns the host end;
+its ``peer_path`` (``/dev/pts/N``) is what another process, such as an emulator, opens
+as its serial port.  POSIX only.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import select
+from typing import Any
+
+from ..errors import TransportError
+from .base import Transport, register_transport, split_device_url
+
+__all__ = ["FdTransport", "open_pty_pair", "open_pty"]
+
+
+class FdTransport(Transport):
+    """A transport over one read/write file descriptor (a pty end, a pipe, a tty)."""
+
+    def __init__(self, fd: int, url: str, keep_open: tuple[int, ...] = (), path: str | None = None,
+                 peer_path: str | None = None) -> None:
+        super().__init__(url)
+        self.fd = fd
+        #: The tty path of this end (``/dev/pts/N``) when it has one.
+        self.path = path
+        #: For ``pty://``: the path another process opens to reach this end.
+        self.peer_path = peer_path
+        self._keep_open = keep_open
+
+    def fileno(self) -> int | None:
+        return self.fd
+
+    def _read(self, max_bytes: int, timeout: float | None) -> bytes:
+        try:
+            ready, _, _ = select.select([self.fd], [], [], timeout)
+            if not ready:
+                return b""
+            data = os.read(self.fd, max_bytes)
+        except OSError as exc:
+            if exc.errno in (errno.EAGAIN, errno.EINTR):
+                return b""
+            raise self._lost(exc) from exc  # EIO: the other end was closed
+        if not data:
+            raise self._lost(EOFError("end of file"))
+        return data
+
+    def _write(self, data: bytes) -> int:
+        view = memoryview(data)
+        try:
+            while view:
+                written = os.write(self.fd, view)
+                view = view[written:]
+        except OSError as exc:
+            raise self._lost(exc) from exc
+        return len(data)
+
+    def _close(self) -> None:
+        for fd in (self.fd, *self._keep_open):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
+def _raw_pty() -> tuple[int, int, str]:
+    import tty
+
+    try:
+        master, slave = os.openpty()
+    except (OSError, AttributeError) as exc:
+        raise TransportError(f"cannot open a pty pair on this system ({exc}); ptys need a POSIX OS") from exc
+    tty.setraw(slave)
+    return master, slave, os.ttyname(slave)
+
+
+def open_pty_pair() -> tuple[FdTransport, FdTransport]:
+    """Open a pty pair; return ``(host_end, device_end)`` as transports.
+
+    Bytes written to one end are read from the other.  ``device_end.path`` is the
+    ``/dev/pts/N`` name.  Close both ends when done (each is a context manager).
+    """
+    master, slave, name = _raw_pty()
+    return (FdTransport(master, f"pty://{name}#host", path=None),
+            FdTransport(slave, f"pty://{name}#device", path=name))
+
+
+def open_pty(url: str = "pty://", **options: Any) -> FdTransport:
+    """``pty://``: open a pair, return the host end; another process opens ``peer_path``."""
+    _, target, params = split_device_url(url)
+    if target or params or options:
+        raise ValueError(f"{url!r}: pty:// takes no path or options; it creates a fresh pair")
+    master, slave, name = _raw_pty()
+    # Keep the device end open so the host end does not see EIO before the peer opens it.
+    return FdTransport(master, f"pty://{name}", keep_open=(slave,), peer_path=name)
+
+
+register_transport("pty", open_pty)
