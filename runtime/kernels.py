@@ -1,12 +1,14 @@
 """Numba kernels of the torch-free runtime, and the compiled plan runner that chains them.
 
-``runtime.backends.numba_backend`` turns an ONNX graph into a *plan*: a small int64
-program (one row per step: an opcode and indices into a list of float32 arrays) and
-a typed list of preallocated 2-D float32 C arrays (weights, scratch, and views of the
-backend's input and output buffers). ``run_plan`` walks the program and calls the
-kernels below, so a model step is one call from Python into compiled code, and every
-model shares the same compiled signature (compiled once, then loaded from Numba's
-disk cache). Nothing here allocates: results go into arrays passed in.
+The Numba backend (``runtime.backends._numba_plan``) turns an ONNX graph into a
+*plan*: a small int64 program (one row per step: an opcode and rows of an array
+table) and one float32 arena holding every array the plan touches (weights, scratch,
+and the backend's input and output buffers), described by the table as (offset,
+rows, cols).
+``run_plan`` walks the program and calls the kernels below, so a model step is one
+call from Python into compiled code, and every model shares the same compiled
+signature (compiled once, then loaded from Numba's disk cache). Nothing here
+allocates: results go into arrays passed in.
 
 Every activation is stored as a ``(rows, features)`` matrix, rows being the batch.
 Weights are stored in *panels* (``panel_layout``): for each block of ``LANES``
@@ -15,8 +17,8 @@ product streams the weights once, front to back, into a vector of accumulators.
 A batch-1 step is bound by how fast the weights come from cache (a 2-layer,
 256-unit GRU holds 3 MB of them), and this layout reaches that limit where plain
 row-major dot products spend a third of their time on horizontal sums. Sums are
-reordered (SIMD lanes, ``fastmath``), so results differ from a strict
-left-to-right sum in the last bits.
+reordered (SIMD lanes, ``fastmath``) and tanh/sigmoid are rational approximations
+(``fast_tanh``), so results differ from torch's in the last bits (about 1e-6).
 """
 
 from __future__ import annotations
@@ -27,9 +29,13 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-# error_model="numpy": no ZeroDivisionError check on float division, whose branch
-# would stop LLVM from vectorising every loop that divides.
-_JIT = {"cache": True, "fastmath": True, "nogil": True, "error_model": "numpy"}
+# fastmath without nnan/ninf: reassociation is what lets LLVM vectorise sums, while
+# NaN and inf must keep their meaning so a NaN input shows up as NaN outputs (which
+# the runtime's guards catch) rather than as plausible numbers. error_model="numpy":
+# no ZeroDivisionError check on float division, whose branch would stop LLVM from
+# vectorising every loop that divides.
+_FASTMATH = {"reassoc", "contract", "arcp", "nsz", "afn"}
+_JIT = {"cache": True, "fastmath": _FASTMATH, "nogil": True, "error_model": "numpy"}
 
 # Activation codes (fused into DENSE, or applied alone by ACT). Row-wise ones act on
 # each row (batch element) as a whole.
@@ -79,6 +85,9 @@ def _panel_dot(typingctx, panels, block, x, row, lanes):
     the FMA latency. ``<LANES x float>`` is legal IR everywhere; LLVM splits it into
     native vectors (AVX-512, AVX2, NEON).
     """
+    for a in (panels, x, lanes):
+        if not (isinstance(a, types.Array) and a.dtype == types.float32 and a.ndim == 2 and a.layout == "C"):
+            return None  # only 2-D C-contiguous float32 arrays: the IR below assumes that layout
     sig = types.void(panels, block, x, row, lanes)
 
     def codegen(context, builder, signature, args):
@@ -135,6 +144,8 @@ def _panel_dot(typingctx, panels, block, x, row, lanes):
 def matmul_panel(x, panels, b, y, lanes):
     """``y[i, j] = b[0, j] + dot(w[j], x[i])`` with ``panels = panel_layout(w)``; ``lanes`` is (1, LANES) scratch."""
     rows, n = y.shape
+    if panels.shape[1] != x.shape[1] * LANES or n > panels.shape[0] * LANES or x.shape[0] != rows:
+        raise ValueError("matmul_panel: panels, x and y do not fit together")  # the IR reads unchecked
     for block in range(panels.shape[0]):
         o = block * LANES
         count = min(LANES, n - o)
@@ -146,32 +157,40 @@ def matmul_panel(x, panels, b, y, lanes):
 
 @njit(inline="always", **_JIT)
 def fast_tanh(x):
-    """tanh as a clamped rational polynomial (Eigen's float ``ptanh``): max error 3e-7.
+    """tanh as an odd rational function ``x P(x^2) / Q(x^2)`` clamped at +-9: max error 3.3e-7.
 
     libm's ``tanhf``/``expf`` are scalar calls that LLVM cannot vectorise (no SVML
-    here): they made the GRU gate loop 9x slower than this. Inputs beyond +-7.9
-    saturate at +-(1 - 2.4e-7).
+    here): they made the GRU gate loop 9x slower than this. Beyond +-9, where
+    ``1 - tanh`` is below 3e-8, the result saturates at +-(1 - 6e-8); it never
+    exceeds 1 in magnitude.
     """
-    c = np.float32(7.90531110763549805)
-    x = min(max(x, -c), c)
+    # Near-minimax fit on [0, 9] by tools/fit_tanh.py (Loeb's method with Lawson's
+    # weights): 1.9e-8 in float64; max abs error of this float32 evaluation against
+    # float64 tanh over [-10, 10] and +-inf: 3.3e-7 without FMA, 3.1e-7 compiled here
+    # (float32 rounding dominates).
+    c = np.float32(9.0)
+    x = c if x > c else x  # comparisons, not min/max: a NaN must stay NaN
+    x = -c if x < -c else x
     x2 = x * x
-    p = np.float32(-2.76076847742355e-16)
-    p = p * x2 + np.float32(2.00018790482477e-13)
-    p = p * x2 + np.float32(-8.60467152213735e-11)
-    p = p * x2 + np.float32(5.12229709037114e-08)
-    p = p * x2 + np.float32(1.48572235717979e-05)
-    p = p * x2 + np.float32(6.37261928875436e-04)
-    p = p * x2 + np.float32(4.89352455891786e-03)
-    q = np.float32(1.19825839466702e-06)
-    q = q * x2 + np.float32(1.18534705686654e-04)
-    q = q * x2 + np.float32(2.26843463243900e-03)
-    q = q * x2 + np.float32(4.89352518554385e-03)
-    return x * p / q
+    p = np.float32(1.3184214e-08)
+    p = p * x2 + np.float32(2.0471824e-05)
+    p = p * x2 + np.float32(0.0034865814)
+    p = p * x2 + np.float32(0.13373198)
+    p = p * x2 + np.float32(0.9999999)
+    q = np.float32(7.7026596e-07)
+    q = q * x2 + np.float32(0.00032713846)
+    q = q * x2 + np.float32(0.025841977)
+    q = q * x2 + np.float32(0.46706495)
+    q = q * x2 + np.float32(1.0)
+    y = x * p / q
+    one = np.float32(1.0)
+    y = one if y > one else y  # rounding can overshoot by 2e-7: keep |tanh| <= 1, sigmoid in [0, 1]
+    return -one if y < -one else y
 
 
 @njit(inline="always", **_JIT)
 def fast_sigmoid(x):
-    """The logistic function as ``(1 + tanh(x / 2)) / 2``: max error 2e-7, vectorisable."""
+    """The logistic function as ``(1 + tanh(x / 2)) / 2``: max error 1.9e-7, vectorisable."""
     half = np.float32(0.5)
     return half * fast_tanh(half * x) + half
 
@@ -185,7 +204,7 @@ def activate(x, y, act):
         for i in range(rows):
             for j in range(n):
                 v = x[i, j]
-                y[i, j] = v if v > 0 else np.float32(0.0)
+                y[i, j] = np.float32(0.0) if v <= 0 else v  # NaN passes through, as in torch
     elif act == ACT_TANH:
         for i in range(rows):
             for j in range(n):

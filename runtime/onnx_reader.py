@@ -130,7 +130,7 @@ def _packed_floats(val: Any, wt: int, fmt: str) -> list[float]:
     if wt in (1, 5):
         return [struct.unpack("<" + fmt, bytes(val))[0]]
     size = struct.calcsize(fmt)
-    return list(struct.unpack("<%d%s" % (len(val) // size, fmt), bytes(val)))
+    return list(struct.unpack(f"<{len(val) // size}{fmt}", bytes(val)))
 
 
 def _tensor(buf: memoryview) -> tuple[str, np.ndarray]:

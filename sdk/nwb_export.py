@@ -23,7 +23,14 @@ from pathlib import Path
 
 import numpy as np
 
-from firmware_bridge import ActuatorCommand, FrameParser, JointCommand, JointState, NeuralFrame, PlantMeasurement
+from firmware_bridge import (
+    ActuatorCommand,
+    FrameParser,
+    JointCommand,
+    JointState,
+    NeuralFrame,
+    PlantMeasurement,
+)
 from runtime.atomic import atomic_write_bytes
 from runtime.recording import RecordingReader, RecordType
 

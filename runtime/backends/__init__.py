@@ -1,5 +1,9 @@
 """Backends that run a graph: ONNX Runtime (CPU/CUDA/TensorRT EPs), native TensorRT, Numba."""
 
+from . import (
+    onnxruntime_backend,  # noqa: F401  (registers)
+    tensorrt_backend,  # noqa: F401
+)
 from .base import Availability, Backend, BackendOptions
 from .registry import (
     BackendChoice,
@@ -10,8 +14,6 @@ from .registry import (
     register_backend,
     time_backend,
 )
-from . import onnxruntime_backend  # noqa: F401  (registers)
-from . import tensorrt_backend  # noqa: F401
 
 try:  # the Numba backend is added by its own module
     from . import numba_backend  # noqa: F401

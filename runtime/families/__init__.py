@@ -1,7 +1,7 @@
 """Family plug-ins: pre/postprocessing, safe output and load-time checks per model family."""
 
+from . import generic  # noqa: F401  (registers "generic")
 from .base import FamilyPlugin
 from .registry import family_names, family_problems, get_family, register_family
-from . import generic  # noqa: F401  (registers "generic")
 
 __all__ = ["FamilyPlugin", "family_names", "family_problems", "get_family", "register_family"]

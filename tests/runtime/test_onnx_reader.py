@@ -7,7 +7,7 @@ import pytest
 
 onnx = pytest.importorskip("onnx")
 torch = pytest.importorskip("torch")
-from onnx import helper, numpy_helper, TensorProto  # noqa: E402
+from onnx import TensorProto, helper, numpy_helper  # noqa: E402
 
 from runtime.onnx_reader import OnnxFormatError, parse_onnx, read_onnx  # noqa: E402
 
