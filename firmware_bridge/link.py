@@ -104,8 +104,16 @@ class Link:
         return frame
 
     def poll(self) -> list[Frame]:
-        """Every frame received so far, without blocking (may be empty)."""
-        self._pump(0.0)
+        """Every frame received so far, without blocking (may be empty).
+
+        If the transport fails while frames are already parsed, those frames are
+        returned first; the failure is raised by the next call.
+        """
+        try:
+            self._pump(0.0)
+        except (ConnectionError, OSError):
+            if not self._inbox:
+                raise
         frames = list(self._inbox)
         self._inbox.clear()
         return frames

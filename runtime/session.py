@@ -127,6 +127,10 @@ class _Tap(Transport):
     def _close(self) -> None:
         self.inner.close()
 
+    @property
+    def is_open(self) -> bool:
+        return self._open and self.inner.is_open
+
     def fileno(self) -> int | None:
         return self.inner.fileno()
 
@@ -163,6 +167,7 @@ class Session:
         )
         self._last_input_ns = 0
         self._safe = False
+        self._disconnected = False
         self._next_reconnect_ns = 0
         self._next_status_ns = 0
         self._last_cmd = None
@@ -171,8 +176,10 @@ class Session:
     # --- connection -------------------------------------------------------------
 
     def _open_link(self) -> Link:
-        transport = _Tap(open_transport(self.config.device), self.writer)
-        return Link(transport, shared_secret=self._key, role="host")
+        inner = open_transport(self.config.device)
+        # A sim:// URL with key=... carries its secret; --key overrides.
+        key = self._key if self._key is not None else getattr(inner, "shared_secret", None)
+        return Link(_Tap(inner, self.writer), shared_secret=key, role="host")
 
     def _handshake(self, link: Link, timeout_s: float) -> Hello:
         deadline = time.monotonic() + timeout_s
@@ -233,25 +240,41 @@ class Session:
     # --- one period -------------------------------------------------------------
 
     def _poll(self) -> list[Frame]:
-        if self.link is None or not self.link.is_open:
+        counts = self.summary_counts
+        if self.link is None:
+            # The transport closed itself (the device is gone for good): reopen the URL.
             now = time.monotonic_ns()
             if now >= self._next_reconnect_ns:
                 self._next_reconnect_ns = now + int(self.config.reconnect_interval_s * 1e9)
                 try:
                     self.link = self._open_link()
-                    self.link.send(Hello(kind="host", name="closedloop", rate_hz=self.rate_hz))
-                    self.summary_counts["reconnects"] += 1
-                    self._event("reconnected")
                 except (OSError, DeviceNotConnectedError, ValueError):
-                    self.link = None
+                    return []
+                self._on_reconnect()
             return []
         try:
-            return self.link.poll()
+            frames = self.link.poll()
         except (DeviceNotConnectedError, OSError) as exc:
-            self.summary_counts["disconnects"] += 1
-            self._event("disconnected", reason=str(exc))
-            self.link = None
+            # The device's end is gone. A transport that stays open (a pty whose peer
+            # closed, a USB adapter mid-replug) may come back: keep polling it. One that
+            # closed itself is reopened from its URL.
+            if not self._disconnected:
+                self._disconnected = True
+                counts["disconnects"] += 1
+                self._event("disconnected", reason=str(exc))
+            if not self.link.transport.is_open:
+                self.link.close()
+                self.link = None
             return []
+        if self._disconnected:
+            self._on_reconnect()
+        return frames
+
+    def _on_reconnect(self) -> None:
+        self._disconnected = False
+        self.summary_counts["reconnects"] += 1
+        self._event("reconnected")
+        self._send(Hello(kind="host", name="closedloop", rate_hz=self.rate_hz))
 
     def _send(self, message) -> bool:
         if message is None or self.link is None:
@@ -260,9 +283,13 @@ class Session:
             self.link.send(message)
             return True
         except (DeviceNotConnectedError, OSError) as exc:
-            self.summary_counts["disconnects"] += 1
-            self._event("disconnected", reason=str(exc))
-            self.link = None
+            if not self._disconnected:
+                self._disconnected = True
+                self.summary_counts["disconnects"] += 1
+                self._event("disconnected", reason=str(exc))
+            if not self.link.transport.is_open:
+                self.link.close()
+                self.link = None
             return False
 
     def _act(self, frame: Frame, k: int) -> None:
@@ -298,7 +325,7 @@ class Session:
             elif isinstance(m, Hello):
                 self._on_hello(m)
             elif isinstance(m, Status):
-                self._event("device_status", code=int(m.code), severity=int(m.severity), message=m.message)
+                self._event("device_status", code=int(m.code), severity=int(m.severity), text=m.text)
         if newest is not None:
             self._act(newest, k)
             counts["inputs_used"] += 1
@@ -340,7 +367,7 @@ class Session:
         p99 = lat.percentile_us(99) if lat is not None and lat.count else float("nan")
         missed = self._loop.missed if hasattr(self, "_loop") else 0
         lost = self.link.parser.stats.lost if self.link is not None else 0
-        state = "SAFE" if self._safe else ("DISCONNECTED" if self.link is None else "running")
+        state = "DISCONNECTED" if (self.link is None or self._disconnected) else ("SAFE" if self._safe else "running")
         parts = [f"{self.rate_hz:g} Hz", f"p99 {p99:.0f} us", f"missed {missed}", f"lost {lost}", state]
         parts += [f"{k} {v}" for k, v in self.family.live_metrics().items()]
         return " | ".join(parts)

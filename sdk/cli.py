@@ -189,6 +189,19 @@ def _bench(a: argparse.Namespace) -> int:
     return 0
 
 
+def _device_passthrough(argv: list[str]) -> int:
+    from sim import cli_main
+
+    return int(cli_main(argv) or 0)
+
+
+# Commands whose arguments belong to another parser (the emulators') are handed over whole.
+_PASSTHROUGH: dict[str, tuple[str, Callable[[list[str]], int]]] = {
+    "device": ("start a device emulator on a serial port: device NAME --port PATH [--PARAM VALUE ...] "
+               "(device --list, device NAME --help)", _device_passthrough),
+}
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="closedloop", description="closed-loop deployment of neural models")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -196,10 +209,15 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_, description=help_)
         setup(p)
         p.set_defaults(func=fn)
+    for name, (help_, _fn) in _PASSTHROUGH.items():
+        sub.add_parser(name, help=help_, description=help_, add_help=False)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in _PASSTHROUGH:
+        return _PASSTHROUGH[argv[0]][1](argv[1:])
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)

@@ -14,7 +14,7 @@ import os
 import select
 from typing import Any
 
-from ..errors import TransportError
+from ..errors import DeviceNotConnectedError, TransportError
 from .base import Transport, register_transport, split_device_url
 
 __all__ = ["FdTransport", "open_pty_pair", "open_pty"]
@@ -45,7 +45,13 @@ class FdTransport(Transport):
         except OSError as exc:
             if exc.errno in (errno.EAGAIN, errno.EINTR):
                 return b""
-            raise self._lost(exc) from exc  # EIO: the other end was closed
+            if exc.errno == errno.EIO:
+                # The other end of the pty is closed for now. The pty itself lives on
+                # while we keep this end, so the peer can reopen it: stay open.
+                raise DeviceNotConnectedError(
+                    f"{self.url}: the other end of the pty is closed ({exc}); it may reopen, keep reading"
+                ) from exc
+            raise self._lost(exc) from exc
         if not data:
             raise self._lost(EOFError("end of file"))
         return data

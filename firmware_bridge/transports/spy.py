@@ -69,5 +69,12 @@ class SpyTransport(Transport):
         self._log("TX", data)
         return self.inner.write(data)
 
+    def __getattr__(self, name: str):
+        # Pass through what the wrapped transport offers (a sim:// emulator's process,
+        # its shared secret, ...), so spy+URL works wherever URL does.
+        if name == "inner":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
     def _close(self) -> None:
         self.inner.close()

@@ -13,8 +13,10 @@ from sim import ParamError, open_sim
 
 def test_device_announces_hello_before_the_host_speaks(host):
     h = host("sim://headstage?channels=4")
-    frame = h.wait_for(lambda f: isinstance(f.message, Hello), timeout=2.5)
-    assert frame.message.kind == "headstage"
+    first = h.recv(2.0)
+    assert first is not None and isinstance(first.message, Hello) and first.seq == 0  # a device starts with HELLO
+    again = h.wait_for(lambda f: isinstance(f.message, Hello), timeout=1.5)  # repeated once per second
+    assert again.message.kind == "headstage" and 0.9e6 < again.timestamp_us - first.timestamp_us < 1.1e6
     assert not h.collect(0.3, NeuralFrame)  # nothing streams before a host HELLO
 
 
