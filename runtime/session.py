@@ -62,6 +62,7 @@ class SessionConfig:
     key: str | None = None  # hex shared secret for a signed link
     status: bool = True  # live status line on stderr
     status_interval_s: float = 1.0
+    prewarm: bool = True  # run the model once just before each deadline (warm caches)
 
 
 @dataclass
@@ -380,7 +381,9 @@ class Session:
             LoopConfig(rate_hz=self.rate_hz, duration_s=cfg.duration_s, max_steps=cfg.max_steps, overrun=cfg.overrun)
         )
         try:
-            loop_summary = self._loop.run(self.step, on_hold=self.hold, on_idle=self.idle)
+            loop_summary = self._loop.run(
+                self.step, on_hold=self.hold, on_idle=self.idle, prewarm=self.model.prewarm if cfg.prewarm else None
+            )
         finally:
             if self.link is not None:
                 self._send(self.family.safe_message(self._step))

@@ -62,6 +62,37 @@ def read_bandwidth_gbs(n_bytes: int, repeats: int = 50) -> float:
     return a.nbytes / best / 1e9
 
 
+def cold_read_bandwidth_gbs(n_bytes: int, repeats: int = 30, evict_bytes: int = 96 << 20) -> float:
+    """Read bandwidth (GB/s) for ``n_bytes`` that are *not* in cache: each read follows a
+    pass over ``evict_bytes`` of other data (larger than the last-level cache), the
+    situation of a step that runs once every 20 ms after other work. Median of repeats."""
+    from numba import njit
+
+    @njit(fastmath=True, cache=False)
+    def _sum(a):
+        s = np.float32(0.0)
+        for i in range(a.size):
+            s += a[i]
+        return s
+
+    @njit(cache=False)
+    def _scribble(b, v):
+        for i in range(0, b.size, 16):
+            b[i] = v
+
+    a = np.ones(max(n_bytes // 4, 1024), dtype=np.float32)
+    b = np.zeros(evict_bytes // 4, dtype=np.float32)
+    _sum(a)
+    _scribble(b, 1.0)
+    times = []
+    for r in range(repeats):
+        _scribble(b, float(r))
+        t = time.perf_counter()
+        _sum(a)
+        times.append(time.perf_counter() - t)
+    return a.nbytes / float(np.median(times)) / 1e9
+
+
 def gru_flops(n_in: int, n_hidden: int, n_layers: int, n_out: int) -> int:
     """Multiply-adds counted as 2 FLOPs; gate nonlinearities ignored (small)."""
     flops = 0

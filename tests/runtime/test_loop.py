@@ -107,3 +107,42 @@ def test_bad_config_is_refused():
         LoopConfig(rate_hz=0)
     with pytest.raises(ValueError):
         LoopConfig(rate_hz=10, overrun="explode")
+
+
+def test_gc_is_off_during_the_loop_and_restored_after():
+    import gc
+
+    states = []
+    RealTimeLoop(LoopConfig(rate_hz=500.0, max_steps=5)).run(lambda k: states.append(gc.isenabled()))
+    assert states == [False] * 5
+    assert gc.isenabled()
+    states.clear()
+    RealTimeLoop(LoopConfig(rate_hz=500.0, max_steps=3, freeze_gc=False)).run(lambda k: states.append(gc.isenabled()))
+    assert states == [True] * 3
+
+
+def test_prewarm_runs_before_each_deadline():
+    events = []
+    RealTimeLoop(LoopConfig(rate_hz=200.0, max_steps=6)).run(
+        lambda k: events.append(("step", k, time.perf_counter_ns())),
+        prewarm=lambda: events.append(("warm", None, time.perf_counter_ns())),
+    )
+    kinds = [e[0] for e in events]
+    assert kinds == ["warm", "step"] * 6
+    # the prewarm happens in the last part of the period, not right after the previous step
+    for (_, _, tw), (_, _, ts) in zip(events[0::2], events[1::2], strict=True):
+        assert 0 <= ts - tw < 2_000_000
+
+
+def test_model_prewarm_leaves_state_and_outputs_alone(gru_bundle):
+    import numpy as np
+
+    from runtime import Model
+
+    a, b = Model(gru_bundle, backend="numba"), Model(gru_bundle, backend="numba")
+    xs = np.random.default_rng(0).standard_normal((15, 1, 12)).astype(np.float32)
+    for i, x in enumerate(xs):
+        if i % 2:
+            b.inputs["x"][...] = x  # prewarm on the next input, as a loop would
+            b.prewarm()
+        np.testing.assert_array_equal(a.step(x), b.step(x))
