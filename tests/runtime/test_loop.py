@@ -72,10 +72,12 @@ def test_overrun_stop_policy_ends_loop():
 
 
 def test_stop_from_step():
-    loop = RealTimeLoop(LoopConfig(rate_hz=1000.0))
+    loop = RealTimeLoop(LoopConfig(rate_hz=1000.0, max_steps=10_000))  # max_steps: a failing test must not hang
+    calls = []
 
     def step(k):
-        if k == 9:
+        calls.append(k)
+        if len(calls) == 10:
             loop.stop()
 
     summary = loop.run(step)
