@@ -71,4 +71,6 @@ class Headstage(Device):
     def report(self) -> dict[str, Any]:
         return {"decoder_outputs": self.decoder_outputs, "last_decoded_bin": self.last_decoded_bin,
                 "decoded_text": self.decoded_text[-_MAX_REPORTED_TEXT:],
-                "decoded_chars": len(self.decoded_text)}
+                "decoded_chars": len(self.decoded_text),
+                # what the source is playing (e.g. the prompted sentence of a handwriting trial)
+                "source": getattr(self.source, "report", dict)()}

@@ -6,6 +6,12 @@ streams ``y``.  Plants are registered by name (``register_plant``), so adding on
 (X-29A, flexible-joint robot, Van der Pol, cart-pole) is one class in this package and
 one decorator; ``sim://plant?model=NAME`` selects it, and the class's own ``PARAMS``
 become URL parameters of that plant.
+
+Two optional hooks: a plant driven by an unknown input reports it through
+:meth:`Plant.disturbance` (so observers can be scored against it), and a plant whose
+truth comes from a physics engine (the PyBullet cart-pole) defines
+``advance(x, u, t, dt) -> x_next``; :func:`rk4_step` then hands the step to the engine,
+so the plant emulator and the simulation harness step every plant the same way.
 """
 
 from __future__ import annotations
@@ -47,6 +53,8 @@ class Plant(ABC):
     n_states: int
     n_inputs: int
     n_outputs: int
+    #: Channels of the unknown input ``d(t)`` (0: none); see :meth:`disturbance`.
+    n_disturbances: int = 0
     x0: np.ndarray
     u_low: np.ndarray
     u_high: np.ndarray
@@ -58,6 +66,10 @@ class Plant(ABC):
     @abstractmethod
     def h(self, x: np.ndarray) -> np.ndarray:
         """Measured outputs at state ``x`` (before measurement noise)."""
+
+    def disturbance(self, t: float) -> np.ndarray:
+        """The unknown input ``d(t)`` acting on the plant at time ``t``, shape ``(n_disturbances,)``."""
+        return np.zeros(self.n_disturbances)
 
     def check(self) -> None:
         """Raise ``ValueError`` when the declared sizes disagree with ``x0``, ``f`` or ``h``."""
@@ -116,7 +128,14 @@ def make_plant(name: str, **params: Any) -> Plant:
 
 
 def rk4_step(plant: Plant, x: np.ndarray, u: np.ndarray, t: float, dt: float) -> np.ndarray:
-    """One classical Runge-Kutta step of ``dt`` seconds with ``u`` held constant (zero-order hold)."""
+    """One classical Runge-Kutta step of ``dt`` seconds with ``u`` held constant (zero-order hold).
+
+    A physics-backed plant (one that defines ``advance(x, u, t, dt)``) is stepped by its
+    engine instead: its ``f`` is then only a model, not the truth.
+    """
+    advance = getattr(plant, "advance", None)
+    if advance is not None:
+        return advance(x, u, t, dt)
     k1 = plant.f(x, u, t)
     k2 = plant.f(x + 0.5 * dt * k1, u, t + 0.5 * dt)
     k3 = plant.f(x + 0.5 * dt * k2, u, t + 0.5 * dt)

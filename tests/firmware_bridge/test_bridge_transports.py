@@ -71,12 +71,26 @@ def test_closed_transport_raises_device_not_connected(pty_pair: tuple[Transport,
 
 def test_unplugged_peer_surfaces_as_device_not_connected() -> None:
     host, device = open_pty_pair()
+    path = device.path
     device.close()
     with pytest.raises(DeviceNotConnectedError):
         for _ in range(3):
             host.read(10, 0.05)
             host.write(b"ping")
-    assert not host.is_open
+    # The host end stays open: the pty lives on, and a peer that reopens it is heard again.
+    assert host.is_open
+    with open_transport(f"serial://{path}?baud=115200") as again:
+        again.write(b"back")
+        got = b""
+        for _ in range(20):
+            try:
+                got += host.read(10, 0.05)
+            except DeviceNotConnectedError:
+                continue
+            if got:
+                break
+        assert got == b"back"
+    host.close()
 
 
 def test_pyserial_opens_the_pty_device_end_by_path(pty_pair: tuple[Transport, Transport]) -> None:

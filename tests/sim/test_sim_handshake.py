@@ -60,7 +60,9 @@ def test_heartbeats_come_once_per_second(host):
     h.handshake()
     beats = h.collect(2.2, Heartbeat)
     assert 2 <= len(beats) <= 3
-    assert all(f.message.state.name == "RUNNING" for _, f in beats)
+    states = [f.message.state.name for _, f in beats]
+    # an IDLE beat sent just before our HELLO was handled may still arrive first
+    assert states[-1] == "RUNNING" and set(states[1:]) == {"RUNNING"}, states
 
 
 def test_signed_link_with_key(host):

@@ -1,0 +1,1 @@
+"""iBCI handwriting decoder family."""

@@ -1,0 +1,329 @@
+"""FALCON H2 NWB files: write synthetic sessions in its layout, and one loader for these and the real files.
+
+Layout (as the ``falcon_challenge`` package reads it): ``acquisition['binned_spikes']``
+(bins x channels threshold-crossing counts with irregular ``timestamps``; consecutive
+trials are 10 s apart, and a timestamp gap over 0.021 s ends a trial),
+``acquisition['eval_mask']`` (one bool per bin, on the same timestamps) and the
+``trials`` table whose ``cue`` column holds each trial's prompted sentence (plus
+``block_num``, ``start_time``, ``stop_time``).
+
+The loader cuts trials by timestamp gaps, as FALCON does, and pairs them in order with
+the ``cue`` rows. What a file is (held-in or held-out, calibration or evaluation data,
+which day) comes from its name, as in DANDI 000950: ``sub-T5-held-in-calib_ses-20220518...``,
+``sub-T5-held-in-minival_ses-...`` or ``sub-T5-held-out-calib_ses-...`` (FALCON's local
+names ``T5_2022.05.18_held_in_eval.nwb`` work too); files written here also carry it in
+``notes``. :func:`load_falcon_h2_dir` merges a day's calibration and evaluation files
+into one :class:`~sim.handwriting.Session`. See ``docs/handwriting_data.md``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import tempfile
+from dataclasses import dataclass
+from datetime import date, datetime, timezone
+from pathlib import Path
+
+import numpy as np
+
+from sim.handwriting.config import FALCON_H2_HELD_IN_DATES, FALCON_H2_HELD_OUT_DATES
+from sim.handwriting.types import BIN_S, Session, Trial
+
+__all__ = ["write_falcon_h2", "write_falcon_h2_dir", "load_falcon_h2", "load_falcon_h2_dir",
+           "parse_falcon_name", "FalconFileInfo", "FalconFileError", "TRIAL_SPACING_S", "TRIAL_GAP_S"]
+
+#: Time between the last bin of a trial and the first bin of the next, as in FALCON H2 files.
+TRIAL_SPACING_S = 10.0
+#: A timestamp step above this ends a trial (FALCON's loader: ``np.diff(time) > 0.021``).
+TRIAL_GAP_S = 0.021
+#: Day 0 of FALCON H2 (its first held-in session); real files get ``day`` relative to it.
+FALCON_H2_DAY0 = date.fromisoformat(FALCON_H2_HELD_IN_DATES[0])
+_NOTES_KEY = "closedloop_handwriting"
+
+
+class FalconFileError(ValueError):
+    """A file is not a readable FALCON H2 NWB file; the message names the file and what is missing."""
+
+
+@dataclass(frozen=True)
+class FalconFileInfo:
+    """What a file's name says: ``split`` (held_in/held_out), ``role`` (calib/eval) and ``date``."""
+
+    split: str | None
+    role: str | None
+    date: date | None
+
+
+_SPLIT_RE = re.compile(r"held[-_]?(in|out)(?![a-z])")
+_ROLE_RE = re.compile(r"(?:^|[-_.])(calib|minival|eval)(?=$|[-_.])")
+_DATE_RES = (re.compile(r"ses-(\d{4})(\d{2})(\d{2})"), re.compile(r"(?<!\d)(\d{4})[.-](\d{2})[.-](\d{2})(?!\d)"),
+             re.compile(r"(?<!\d)(20\d{2})(\d{2})(\d{2})(?!\d)"))
+
+
+def parse_falcon_name(path: str | Path) -> FalconFileInfo:
+    """Split, role and date from a FALCON H2 file name (DANDI ``sub-T5-held-out-calib_ses-20230417``
+    or local ``T5_2023.04.17_held_out_eval``); ``None`` where the name does not say."""
+    stem = Path(path).name.lower()
+    m = _SPLIT_RE.search(stem)
+    split = f"held_{m.group(1)}" if m else None
+    m = _ROLE_RE.search(stem)
+    role = None if m is None else ("calib" if m.group(1) == "calib" else "eval")
+    day = None
+    for rx in _DATE_RES:
+        m = rx.search(stem)
+        if m:
+            with contextlib.suppress(ValueError):
+                day = date(int(m.group(1)), int(m.group(2)), int(m.group(3)))
+                break
+    return FalconFileInfo(split, role, day)
+
+
+# -- writing ---------------------------------------------------------------------------------------------
+def _session_date(session: Session) -> date:
+    iso = session.meta.get("date") or session.name.replace(".", "-")
+    try:
+        return date.fromisoformat(iso)
+    except ValueError:
+        raise ValueError(f"session {session.name!r}: no date (meta['date'] or a YYYY.MM.DD name) to write into "
+                         "the NWB file's session_start_time") from None
+
+
+def _write_file(path: Path, session: Session, indices: list[int], role: str | None, metadata: bool) -> Path:
+    from hdmf.backends.hdf5.h5_utils import H5DataIO
+    from pynwb import NWBHDF5IO, NWBFile, TimeSeries
+
+    if not indices:
+        raise ValueError(f"session {session.name!r}: no trials to write to {path}")
+    trials = [session.trials[i] for i in indices]
+    evaluation = set(session.evaluation)
+    spikes = np.concatenate([t.spikes for t in trials])
+    if spikes.dtype.kind not in "ui":
+        raise ValueError(f"session {session.name!r}: spikes must be integer counts, got dtype {spikes.dtype}")
+    timestamps, mask, starts, stops = [], [], [], []
+    t0 = 0.0
+    for i, trial in zip(indices, trials, strict=True):
+        ts = t0 + BIN_S * np.arange(trial.n_bins)
+        timestamps.append(ts)
+        mask.append(np.full(trial.n_bins, i in evaluation))
+        starts.append(float(ts[0]))
+        stops.append(float(ts[-1] + BIN_S))
+        t0 = float(ts[-1]) + TRIAL_SPACING_S
+    when = _session_date(session)
+    notes = {"name": session.name, "day": session.day, "split": session.split, "date": when.isoformat(),
+             "role": role, "meta": {k: v for k, v in session.meta.items() if _jsonable(v)}}
+    nwb = NWBFile(
+        session_description=f"handwriting iBCI session {session.name} ({session.split}) in the FALCON H2 layout",
+        identifier=f"{session.name}_{session.split}_{role or 'all'}",
+        session_start_time=datetime(when.year, when.month, when.day, tzinfo=timezone.utc),
+        notes=json.dumps({_NOTES_KEY: notes}) if metadata else "")
+    binned = TimeSeries(name="binned_spikes", data=H5DataIO(spikes, compression="gzip", compression_opts=4),
+                        unit="count", timestamps=np.concatenate(timestamps),
+                        description="threshold crossings per 20 ms bin; a timestamp gap over 0.021 s ends a trial")
+    nwb.add_acquisition(binned)
+    nwb.add_acquisition(TimeSeries(name="eval_mask", data=np.concatenate(mask), unit="n/a", timestamps=binned,
+                                   description="True on bins of evaluation trials"))
+    nwb.add_trial_column(name="cue", description="prompted sentence ('>' space, '~' period)")
+    nwb.add_trial_column(name="block_num", description="block of the trial")
+    for trial, start, stop in zip(trials, starts, stops, strict=True):
+        nwb.add_trial(start_time=start, stop_time=stop, cue=trial.sentence, block_num=int(trial.block))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # Hidden temporary sibling (the loader skips dot-files), renamed into place when complete.
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=".tmp.nwb", dir=path.parent)
+    os.close(fd)
+    try:
+        with NWBHDF5IO(tmp, "w") as io:
+            io.write(nwb)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    return path
+
+
+def _jsonable(value: object) -> bool:
+    try:
+        json.dumps(value)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+def write_falcon_h2(session: Session, path: str | Path, *, metadata: bool = True) -> Path:
+    """Write ``session`` (all trials, ``eval_mask`` True on its evaluation trials) to ``path`` atomically.
+
+    ``metadata=False`` leaves out the ``notes`` this package adds (name, day, split), so
+    the file carries only what real FALCON files have.
+    """
+    return _write_file(Path(path), session, list(range(len(session.trials))), None, metadata)
+
+
+def write_falcon_h2_dir(sessions: list[Session], folder: str | Path, *, layout: str = "dandi",
+                        subject: str = "SIM", metadata: bool = True) -> list[Path]:
+    """Write sessions under ``folder`` with DANDI-style names; returns the paths.
+
+    ``layout="dandi"`` mirrors DANDI 000950: each session's non-evaluation trials go to
+    ``sub-SIM-held-in-calib/sub-SIM-held-in-calib_ses-YYYYMMDD.nwb`` and its evaluation
+    trials (the last 40%) to ``sub-SIM-held-in-minival/...`` (``held-out`` likewise).
+    ``layout="session"`` writes one file per session, ``sub-SIM-held-in_ses-YYYYMMDD.nwb``.
+    """
+    if layout not in ("dandi", "session"):
+        raise ValueError(f"layout must be 'dandi' or 'session', got {layout!r}")
+    folder, paths = Path(folder), []
+    for s in sessions:
+        tag = f"sub-{subject}-{s.split.replace('_', '-')}"
+        ses = f"ses-{_session_date(s).strftime('%Y%m%d')}"
+        if layout == "session":
+            paths.append(write_falcon_h2(s, folder / f"{tag}_{ses}.nwb", metadata=metadata))
+            continue
+        n, evaluation = len(s.trials), sorted(s.evaluation)
+        if evaluation != list(range(n - len(evaluation), n)):
+            raise ValueError(f"session {s.name!r}: the dandi layout needs the evaluation trials at the end "
+                             f"(got {evaluation} of {n}); use layout='session'")
+        calib = list(range(n - len(evaluation)))
+        for role, indices in (("calib", calib), ("minival", evaluation)):
+            if indices:
+                paths.append(_write_file(folder / f"{tag}-{role}" / f"{tag}-{role}_{ses}.nwb", s, indices,
+                                         "calib" if role == "calib" else "eval", metadata))
+    return paths
+
+
+# -- reading ---------------------------------------------------------------------------------------------
+def _fail(path: Path, what: str) -> FalconFileError:
+    return FalconFileError(f"{path}: {what} (a FALCON H2 file has acquisition 'binned_spikes' with timestamps, "
+                           "acquisition 'eval_mask' and a trials table with a 'cue' column)")
+
+
+def _as_counts(path: Path, spikes: np.ndarray) -> np.ndarray:
+    if spikes.ndim != 2:
+        raise _fail(path, f"binned_spikes has shape {spikes.shape}, expected (bins, channels)")
+    if spikes.dtype.kind in "ui":
+        return spikes
+    if spikes.dtype.kind == "f" and np.all(np.isfinite(spikes)) and np.all(spikes == np.round(spikes)) \
+            and spikes.min(initial=0) >= 0:
+        return spikes.astype(np.uint8 if spikes.max(initial=0) <= 255 else np.uint16)
+    raise _fail(path, f"binned_spikes holds {spikes.dtype} values that are not non-negative counts")
+
+
+def _read(path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[str], np.ndarray, dict, date | None]:
+    from pynwb import NWBHDF5IO
+
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such file (expected a FALCON H2 .nwb file)")
+    try:
+        io = NWBHDF5IO(str(path), "r")
+        nwb = io.read()
+    except Exception as exc:  # h5py/hdmf raise many types for a non-NWB file
+        raise _fail(path, f"cannot be read as an NWB file ({type(exc).__name__}: {exc})") from exc
+    with io:
+        acq = nwb.acquisition
+        for name in ("binned_spikes", "eval_mask"):
+            if name not in acq:
+                raise _fail(path, f"missing acquisition {name!r} (found: {sorted(acq) or 'none'})")
+        series = acq["binned_spikes"]
+        if series.timestamps is None:
+            raise _fail(path, "binned_spikes has no timestamps (trials are cut at timestamp gaps)")
+        spikes = _as_counts(path, np.asarray(series.data[()]))
+        timestamps = np.asarray(series.timestamps[()], dtype=float)
+        mask = np.asarray(acq["eval_mask"].data[()]).astype(bool).reshape(-1)
+        if nwb.trials is None:
+            raise _fail(path, "missing the trials table")
+        if "cue" not in nwb.trials.colnames:
+            raise _fail(path, f"the trials table has no 'cue' column (columns: {list(nwb.trials.colnames)})")
+        cues = [c.decode() if isinstance(c, bytes) else str(c) for c in nwb.trials["cue"].data[:]]
+        blocks = (np.asarray(nwb.trials["block_num"].data[:]).astype(int) if "block_num" in nwb.trials.colnames
+                  else np.zeros(len(cues), dtype=int))
+        notes = {}
+        with contextlib.suppress(TypeError, ValueError, AttributeError):
+            notes = json.loads(nwb.notes or "{}").get(_NOTES_KEY, {})
+        start = nwb.session_start_time.date() if nwb.session_start_time is not None else None
+    if not len(timestamps) == spikes.shape[0] == len(mask):
+        raise _fail(path, f"binned_spikes has {spikes.shape[0]} bins, its timestamps {len(timestamps)} and "
+                          f"eval_mask {len(mask)}; they must match")
+    return spikes, timestamps, mask, cues, blocks, notes, start
+
+
+def _falcon_split(day: date | None) -> str | None:
+    if day is None:
+        return None
+    iso = day.isoformat()
+    return "held_in" if iso in FALCON_H2_HELD_IN_DATES else "held_out" if iso in FALCON_H2_HELD_OUT_DATES else None
+
+
+def load_falcon_h2(path: str | Path, *, n_calibration: int = 3) -> Session:
+    """One FALCON H2 NWB file (real or written here) as a :class:`~sim.handwriting.Session`.
+
+    Trials are cut where a timestamp step exceeds 0.021 s and take their sentence from
+    the ``cue`` rows in order. Splits follow FALCON: a calibration file (``calib`` in its
+    name) is never scored, and provides all its trials (held-in) or its first
+    ``n_calibration`` (held-out) for calibration; an evaluation file (``minival`` or
+    ``eval``) is scored on every trial; a file with neither (one whole session) is
+    scored on trials whose ``eval_mask`` is set, the others are calibration data.
+    """
+    path = Path(path)
+    spikes, timestamps, mask, cues, blocks, notes, start = _read(path)
+    ends = np.flatnonzero(np.diff(timestamps) > TRIAL_GAP_S) + 1
+    bounds = np.concatenate([[0], ends, [len(timestamps)]]) if len(timestamps) else np.zeros(1, dtype=int)
+    if len(bounds) - 1 != len(cues):
+        raise _fail(path, f"timestamp gaps over {TRIAL_GAP_S} s cut {len(bounds) - 1} trials but the trials table "
+                          f"has {len(cues)} cue rows")
+    trials = [Trial(spikes=spikes[a:b], sentence=cue, block=int(blk))
+              for a, b, cue, blk in zip(bounds[:-1], bounds[1:], cues, blocks, strict=True)]
+    scored = [i for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)) if mask[a:b].any()]
+
+    info = parse_falcon_name(path)
+    when = info.date or (date.fromisoformat(notes["date"]) if "date" in notes else start)
+    role = info.role or notes.get("role")
+    split = info.split or notes.get("split") or _falcon_split(when) or "held_in"
+    name = notes.get("name") or (when.strftime("%Y.%m.%d") if when else path.stem)
+    day = float(notes["day"]) if "day" in notes else float((when - FALCON_H2_DAY0).days) if when else 0.0
+    n = len(trials)
+    if role == "calib":
+        evaluation, candidates = [], list(range(n))
+    elif role == "eval":
+        evaluation, candidates = list(range(n)), []
+    else:
+        evaluation = scored
+        candidates = [i for i in range(n) if i not in set(scored)]
+    calibration = candidates[:n_calibration] if split == "held_out" else candidates
+    meta = dict(notes.get("meta", {}))
+    meta.update({"date": when.isoformat() if when else None, "role": role, "files": [str(path)]})
+    meta.setdefault("source", "falcon")
+    return Session(name=name, day=day, split=split, trials=trials, calibration=calibration,
+                   evaluation=evaluation, meta=meta)
+
+
+def load_falcon_h2_dir(folder: str | Path, *, n_calibration: int = 3) -> list[Session]:
+    """Every ``*.nwb`` under ``folder`` (recursively), one :class:`Session` per day and split, by day.
+
+    A day's calibration and evaluation files (DANDI's ``-calib`` and ``-minival``
+    folders) are merged: calibration trials first, then the evaluation trials.
+    """
+    folder = Path(folder)
+    files = sorted(f for f in folder.rglob("*.nwb") if not f.name.startswith("."))
+    if not files:
+        raise FileNotFoundError(f"{folder}: no .nwb files found (point at the folder holding DANDI 000950's "
+                                "sub-T5-held-in-calib, sub-T5-held-in-minival and sub-T5-held-out-calib)")
+    order = {"calib": 0, None: 1, "eval": 2}
+    groups: dict[tuple[str, str], list[Session]] = {}
+    for f in files:
+        s = load_falcon_h2(f, n_calibration=n_calibration)
+        groups.setdefault((s.name, s.split), []).append(s)
+    sessions = []
+    for parts in groups.values():
+        parts.sort(key=lambda s: (order.get(s.meta.get("role"), 1), s.meta["files"][0]))
+        merged = parts[0]
+        for extra in parts[1:]:
+            offset = len(merged.trials)
+            merged.trials.extend(extra.trials)
+            merged.calibration.extend(i + offset for i in extra.calibration)
+            merged.evaluation.extend(i + offset for i in extra.evaluation)
+            merged.meta["files"].extend(extra.meta["files"])
+        if merged.split == "held_out":
+            merged.calibration = merged.calibration[:n_calibration]
+        merged.meta["role"] = None if len(parts) > 1 else merged.meta.get("role")
+        sessions.append(merged)
+    return sorted(sessions, key=lambda s: (s.day, s.name, s.split))

@@ -1,0 +1,153 @@
+"""FALCON H2 NWB files: generator -> NWB -> loader round trips, trial cutting, real-file naming, clear errors."""
+
+from __future__ import annotations
+
+import warnings
+from datetime import date, datetime, timezone
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("pynwb")
+
+from sdk.bci.nwb import (  # noqa: E402
+    FalconFileError,
+    load_falcon_h2,
+    load_falcon_h2_dir,
+    parse_falcon_name,
+    write_falcon_h2,
+    write_falcon_h2_dir,
+)
+from sim.handwriting import HandwritingConfig, Session, Trial, generate_recording  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def recording():
+    return generate_recording(HandwritingConfig.tiny(seed=7))
+
+
+def assert_same_session(a: Session, b: Session) -> None:
+    assert (a.name, a.day, a.split) == (b.name, b.day, b.split)
+    assert a.calibration == b.calibration and a.evaluation == b.evaluation
+    assert len(a.trials) == len(b.trials)
+    for x, y in zip(a.trials, b.trials, strict=True):
+        assert x.sentence == y.sentence and x.block == y.block
+        assert x.spikes.dtype == y.spikes.dtype and np.array_equal(x.spikes, y.spikes)
+
+
+def test_one_session_round_trip(recording, tmp_path):
+    for s in (recording[0], recording[3]):
+        path = write_falcon_h2(s, tmp_path / f"{s.name}.nwb")
+        assert_same_session(s, load_falcon_h2(path))
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp file left behind
+
+
+def test_dandi_layout_round_trip_through_the_real_data_path(recording, tmp_path):
+    # metadata=False: the loader sees only what real FALCON files carry (names, timestamps, cue, eval_mask).
+    paths = write_falcon_h2_dir(recording, tmp_path, metadata=False)
+    names = {p.parent.name for p in paths}
+    assert names == {"sub-SIM-held-in-calib", "sub-SIM-held-in-minival", "sub-SIM-held-out-calib",
+                     "sub-SIM-held-out-minival"}
+    assert paths[0].name == "sub-SIM-held-in-calib_ses-20220518.nwb"
+    loaded = load_falcon_h2_dir(tmp_path)
+    assert len(loaded) == len(recording)
+    for a, b in zip(recording, loaded, strict=True):
+        assert_same_session(a, b)
+        assert b.meta["source"] == "falcon" and len(b.meta["files"]) == 2
+
+
+def test_names_of_real_falcon_files_are_recognised():
+    info = parse_falcon_name("000950/sub-T5-held-out-calib/sub-T5-held-out-calib_ses-20230417_behavior+ecephys.nwb")
+    assert (info.split, info.role, info.date) == ("held_out", "calib", date(2023, 4, 17))
+    info = parse_falcon_name("sub-T5-held-in-minival_ses-20220523.nwb")
+    assert (info.split, info.role, info.date) == ("held_in", "eval", date(2022, 5, 23))
+    info = parse_falcon_name("T5_2022.12.15_held_in_eval.nwb")
+    assert (info.split, info.role, info.date) == ("held_in", "eval", date(2022, 12, 15))
+    assert parse_falcon_name("recording.nwb") == parse_falcon_name("other.nwb")
+
+
+def _write_raw(path: Path, *, timestamps=None, cues=("ab~", "c?"), skip=(), n_channels=4) -> Path:
+    """A hand-made NWB file in (or deliberately not quite in) the FALCON H2 layout."""
+    from pynwb import NWBHDF5IO, NWBFile, TimeSeries
+
+    if timestamps is None:
+        timestamps = np.concatenate([np.arange(5) * 0.02, 10.0 + np.arange(3) * 0.02])
+    n = len(timestamps)
+    nwb = NWBFile(session_description="test", identifier="t", session_start_time=datetime(2023, 4, 17, tzinfo=timezone.utc))
+    spikes = TimeSeries(name="binned_spikes", data=np.arange(n * n_channels, dtype=np.uint8).reshape(n, n_channels),
+                        unit="count", timestamps=np.asarray(timestamps, dtype=float))
+    if "binned_spikes" not in skip:
+        nwb.add_acquisition(spikes)
+    if "eval_mask" not in skip:
+        nwb.add_acquisition(TimeSeries(name="eval_mask", data=np.ones(n, dtype=bool), unit="n/a",
+                                       timestamps=np.asarray(timestamps, dtype=float)))
+    if "cue" not in skip:
+        nwb.add_trial_column(name="cue", description="sentence")
+    for i, cue in enumerate(cues):
+        kwargs = {} if "cue" in skip else {"cue": cue}
+        nwb.add_trial(start_time=float(i), stop_time=float(i) + 0.5, **kwargs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with NWBHDF5IO(str(path), "w") as io:
+            io.write(nwb)
+    return path
+
+
+def test_trials_are_cut_at_timestamp_gaps(tmp_path):
+    ts = np.concatenate([np.arange(4) * 0.02, 10 + np.arange(2) * 0.02, 20 + np.arange(3) * 0.02])
+    path = _write_raw(tmp_path / "sub-T5-held-out-calib_ses-20230417.nwb", timestamps=ts, cues=("a~", "b~", "c~"))
+    s = load_falcon_h2(path)
+    assert [t.n_bins for t in s.trials] == [4, 2, 3] and [t.sentence for t in s.trials] == ["a~", "b~", "c~"]
+    assert s.split == "held_out" and s.day == 334.0 and s.name == "2023.04.17"
+    assert s.calibration == [0, 1, 2] and s.evaluation == []   # a calib file is never scored
+    np.testing.assert_array_equal(s.trials[1].spikes[0], np.arange(16, 20))
+    # A step of 0.0205 s does not end a trial (FALCON's threshold is 0.021 s).
+    near = np.concatenate([np.arange(3) * 0.02, 0.0605 + np.arange(2) * 0.02])
+    one = load_falcon_h2(_write_raw(tmp_path / "near.nwb", timestamps=near, cues=("x~",)))
+    assert [t.n_bins for t in one.trials] == [5] and one.evaluation == [0]
+
+
+@pytest.mark.parametrize("skip, message", [
+    (("binned_spikes",), "missing acquisition 'binned_spikes'"),
+    (("eval_mask",), "missing acquisition 'eval_mask'"),
+    (("cue",), "no 'cue' column"),
+])
+def test_a_file_missing_a_field_names_the_file_and_the_field(tmp_path, skip, message):
+    path = _write_raw(tmp_path / "bad.nwb", skip=skip)
+    with pytest.raises(FalconFileError, match=message) as err:
+        load_falcon_h2(path)
+    assert str(path) in str(err.value)
+
+
+def test_unreadable_or_inconsistent_files_are_refused_clearly(tmp_path):
+    junk = tmp_path / "junk.nwb"
+    junk.write_bytes(b"not an hdf5 file at all")
+    with pytest.raises(FalconFileError, match="cannot be read as an NWB file") as err:
+        load_falcon_h2(junk)
+    assert str(junk) in str(err.value)
+    mismatch = _write_raw(tmp_path / "mismatch.nwb", cues=("only one~",))
+    with pytest.raises(FalconFileError, match="cut 2 trials but the trials table has 1 cue rows"):
+        load_falcon_h2(mismatch)
+    with pytest.raises(FileNotFoundError, match="no .nwb files"):
+        load_falcon_h2_dir(tmp_path / "empty")
+
+
+def test_writer_refuses_float_spikes(tmp_path):
+    s = Session("2022.05.18", 0.0, "held_in", [Trial(np.zeros((3, 2)), "a~")], [0], [])
+    with pytest.raises(ValueError, match="integer counts"):
+        write_falcon_h2(s, tmp_path / "x.nwb")
+
+
+def test_falcons_own_loader_reads_our_files(recording, tmp_path):
+    pytest.importorskip("falcon_challenge")
+    from falcon_challenge.config import FalconTask
+    from falcon_challenge.dataloaders import load_nwb
+
+    s = recording[3]
+    spikes, targets, trial_change, eval_mask = load_nwb(write_falcon_h2(s, tmp_path / "x.nwb"), FalconTask.h2)
+    assert np.array_equal(spikes, np.concatenate([t.spikes for t in s.trials]))
+    assert ["".join(map(chr, t)) for t in targets] == [t.sentence for t in s.trials]
+    ends = np.flatnonzero(trial_change)
+    assert list(ends + 1) == list(np.cumsum([t.n_bins for t in s.trials]))
+    assert eval_mask.sum() == sum(s.trials[i].n_bins for i in s.evaluation)
