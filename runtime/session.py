@@ -395,7 +395,7 @@ class Session:
             device=_hello_dict(self.hello) if self.hello else {},
             backend=self.model.backend_name,
             link=asdict(stats) if stats is not None else {},
-            family={k: v for k, v in self.family.live_metrics().items()},
+            family=dict(self.family.summary_metrics()),
             recording=str(cfg.record) if cfg.record else None,
             **self.summary_counts,
         )

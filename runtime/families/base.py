@@ -68,6 +68,10 @@ class FamilyPlugin:
     def live_metrics(self) -> dict[str, float | str]:
         return {}
 
+    def summary_metrics(self) -> dict[str, float | str]:
+        """What the session summary reports for this family (default: the live metrics)."""
+        return self.live_metrics()
+
     # --- session hooks -------------------------------------------------------------
 
     def check_device(self, hello: Hello) -> list[str]:

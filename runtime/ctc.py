@@ -1,0 +1,156 @@
+"""Numba kernels for streaming character decoders: per-channel normalisation and greedy CTC.
+
+A handwriting decoder (``runtime.families.bci``) runs once per 20 ms bin: the bin's
+spike counts are normalised per channel (``normalize``), the model emits one vector
+of CTC log-probabilities (blank + characters), and ``ctc_greedy_step`` turns that
+vector into at most one new character. Greedy CTC decoding is the argmax per step,
+repeats collapsed and blanks dropped; done one step at a time it needs only the
+previous step's argmax, so streaming gives exactly the text that offline decoding
+(``greedy_decode``) gives for the same log-probabilities.
+
+Nothing here allocates per step: the kernels write into arrays passed in, and
+``StreamingCTC`` keeps the emitted output indices in a preallocated ring and hands
+out each new character as an element of a prebuilt label list (one-character strings
+are shared objects in CPython). Text is assembled only when asked for (the status
+line, the end of a trial), off the hot path.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+# Reassociation lets LLVM vectorise the loops; no nnan/ninf, so a NaN from a broken
+# model stays NaN (and loses every argmax comparison) instead of turning into an
+# arbitrary character. Same flags as ``runtime.kernels``.
+_FASTMATH = {"reassoc", "contract", "arcp", "nsz", "afn"}
+
+#: ``state`` layout of ``ctc_greedy_step``: previous argmax (-1 at a trial's start),
+#: then the number of characters emitted since the last reset.
+STATE_PREV = 0
+STATE_COUNT = 1
+STATE_SIZE = 2
+
+
+@njit(cache=True, fastmath=_FASTMATH, nogil=True)
+def normalize(x: np.ndarray, mean: np.ndarray, inv_std: np.ndarray, out: np.ndarray) -> None:
+    """``out[i] = (x[i] - mean[i]) * inv_std[i]`` in float32; ``out`` may be ``x``."""
+    for i in range(out.shape[0]):
+        out[i] = (np.float32(x[i]) - mean[i]) * inv_std[i]
+
+
+@njit(cache=True, fastmath=_FASTMATH, nogil=True)
+def ctc_greedy_step(logp: np.ndarray, blank: int, state: np.ndarray, ring: np.ndarray) -> int:
+    """One step of greedy CTC decoding; returns the emitted output index, or -1.
+
+    ``logp`` holds one step's scores (log-probabilities or logits: the argmax is the
+    same). A character is emitted when the step's argmax is not the blank and differs
+    from the previous step's argmax (CTC collapses repeats; a blank between two equal
+    characters separates them). Emitted indices are written to ``ring`` at
+    ``state[STATE_COUNT] % ring.size``.
+    """
+    best = 0
+    best_v = logp[0]
+    for k in range(1, logp.shape[0]):
+        if logp[k] > best_v:  # strict: ties go to the lower index, as numpy.argmax does
+            best_v = logp[k]
+            best = k
+    prev = state[STATE_PREV]
+    state[STATE_PREV] = best
+    if best == blank or best == prev:
+        return -1
+    n = state[STATE_COUNT]
+    ring[n % ring.shape[0]] = best
+    state[STATE_COUNT] = n + 1
+    return best
+
+
+def output_labels(charset: str, blank: int) -> list[str]:
+    """The string each model output stands for: ``''`` for the blank, else one character.
+
+    Outputs other than the blank map to ``charset`` in order, so with ``blank=0``
+    output ``k`` is ``charset[k - 1]`` (FALCON H2's convention).
+    """
+    n = len(charset) + 1
+    if not 0 <= blank < n:
+        raise ValueError(f"blank index {blank} is outside 0..{n - 1} for a {len(charset)}-character charset")
+    chars = iter(charset)
+    return ["" if k == blank else next(chars) for k in range(n)]
+
+
+def greedy_decode(logp: np.ndarray, charset: str, blank: int = 0) -> str:
+    """Offline greedy CTC decoding of ``logp`` (T, outputs): the reference for streaming."""
+    logp = np.asarray(logp)
+    if logp.ndim != 2 or logp.shape[1] != len(charset) + 1:
+        raise ValueError(f"logp has shape {logp.shape}; expected (T, {len(charset) + 1}) for a "
+                         f"{len(charset)}-character charset plus the blank")
+    best = np.argmax(logp, axis=1)
+    keep = np.ones(best.shape, dtype=bool)
+    keep[1:] = best[1:] != best[:-1]
+    labels = output_labels(charset, blank)
+    return "".join(labels[k] for k in best[keep & (best != blank)])
+
+
+class StreamingCTC:
+    """Greedy CTC decoding one step at a time, with the text kept in a preallocated ring.
+
+    Parameters
+    ----------
+    charset
+        The characters of the non-blank outputs, in output order.
+    blank
+        Index of the CTC blank among the outputs.
+    capacity
+        How many characters the ring keeps; ``text()`` returns at most this many (the
+        newest). A trial is one sentence, so the default is generous.
+    """
+
+    def __init__(self, charset: str, blank: int = 0, capacity: int = 16384):
+        if capacity < 1:
+            raise ValueError(f"capacity {capacity} must be at least 1 character")
+        self.charset, self.blank = charset, int(blank)
+        self.labels = output_labels(charset, self.blank)
+        self._state = np.zeros(STATE_SIZE, dtype=np.int64)
+        self._ring = np.zeros(int(capacity), dtype=np.int64)
+        self.last = ""  # the character the last step emitted ('' for none)
+        self.warm_up()
+        self.reset()
+
+    @property
+    def n_outputs(self) -> int:
+        return len(self.labels)
+
+    @property
+    def count(self) -> int:
+        """Characters emitted since the last reset (may exceed the ring's capacity)."""
+        return int(self._state[STATE_COUNT])
+
+    def warm_up(self) -> None:
+        """Compile (or load from Numba's cache) the step kernel for these array types."""
+        ctc_greedy_step(np.zeros(self.n_outputs, dtype=np.float32), self.blank, self._state, self._ring)
+        self.reset()
+
+    def reset(self) -> None:
+        self._state[STATE_PREV] = -1
+        self._state[STATE_COUNT] = 0
+        self.last = ""
+
+    def step(self, logp: np.ndarray) -> str:
+        """Decode one step (a 1-D float32 view of the scores); return the new character or ''."""
+        k = ctc_greedy_step(logp, self.blank, self._state, self._ring)
+        self.last = self.labels[k] if k >= 0 else ""
+        return self.last
+
+    def indices(self, last_n: int | None = None) -> np.ndarray:
+        """The newest emitted output indices, oldest first (a copy)."""
+        n = self.count
+        cap = self._ring.size
+        keep = min(n, cap) if last_n is None else min(n, cap, max(int(last_n), 0))
+        start = n - keep
+        idx = (np.arange(start, n) % cap) if keep else np.zeros(0, dtype=np.int64)
+        return self._ring[idx]
+
+    def text(self, last_n: int | None = None) -> str:
+        """The text decoded since the last reset (its newest ``last_n`` characters if given)."""
+        labels = self.labels
+        return "".join(labels[k] for k in self.indices(last_n))

@@ -1,0 +1,253 @@
+"""The ``bci_handwriting`` family: spike-count bins in, characters of typed text out.
+
+A handwriting decoder sees every 20 ms bin of threshold crossings in order (``consume
+= "all"``: a skipped bin would change the text). Per bin the family normalises the
+channels with the session's calibration statistics (a Numba kernel, in place), the
+model steps its recurrent state, and greedy CTC decoding (``runtime.ctc``) turns the
+bin's log-probabilities into at most one new character, sent to the device or display
+as a ``DecoderOutput`` whose ``text`` is that character (usually ``''``). Streaming
+gives the same text as offline greedy decoding of the same bins.
+
+Manifest fields it reads (written by ``sdk.bci.deploy.export_bci_bundle``; documented
+in ``docs/bci_deployment.md``):
+
+- ``preprocess.mean`` / ``preprocess.std`` (required): per-channel normalisation
+  ``(x - mean) / std``, computed from the session's calibration data.
+- ``extra.bci.charset`` (required): the characters of the non-blank outputs in order.
+- ``extra.bci.blank``: index of the CTC blank among the outputs (default 0).
+- ``extra.bci.output``: the graph output holding the log-probabilities (default the
+  first data output).
+- ``extra.bci.n_channels``: channels per bin, checked against the graph.
+- ``extra.bci.display``: character replacements for people (default ``>`` -> space,
+  ``~`` -> period), used by the status line and ``display_text``.
+- ``extra.bci.char_probs``: also send each bin's character probabilities (default false).
+- ``extra.bci.text_capacity``: characters of text kept per trial (default 16384).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from firmware_bridge import DecoderOutput
+
+from .base import FamilyPlugin
+from .registry import register_family
+
+if TYPE_CHECKING:
+    from firmware_bridge import Message
+
+    from ..bundle import Bundle
+    from ..ctc import StreamingCTC
+    from ..model import Model
+
+BLOCK = "bci"
+DEFAULT_DISPLAY = {">": " ", "~": "."}
+DEFAULT_TEXT_CAPACITY = 16384
+STATUS_TAIL_CHARS = 40
+_COMMANDS = ("decoder_output", "none")
+
+
+def _row(buf: np.ndarray) -> np.ndarray:
+    """A 1-D view of a (1, n) or (n,) buffer that writes through to it."""
+    row = buf[0] if buf.ndim == 2 else buf.reshape(-1)
+    if buf.ndim > 2 or (buf.ndim == 2 and buf.shape[0] != 1) or not np.shares_memory(row, buf):
+        raise ValueError(f"bci_handwriting: expected a (1, n) model buffer, got shape {buf.shape}")
+    return row
+
+
+def _channel_vector(pre: dict[str, Any], key: str, n: int) -> tuple[np.ndarray | None, str | None]:
+    if key not in pre:
+        return None, (f"bci_handwriting: preprocess.{key} is missing; a decoder bundle carries the per-channel "
+                      "normalisation from its session's calibration data (export with sdk.bci.export_bci_bundle)")
+    try:
+        v = np.asarray(pre[key], dtype=np.float64)
+    except (TypeError, ValueError):
+        return None, f"bci_handwriting: preprocess.{key} is not a list of numbers"
+    if v.shape != (n,):
+        return None, f"bci_handwriting: preprocess.{key} has shape {v.shape}, expected ({n},): one value per channel"
+    if not np.all(np.isfinite(v)):
+        return None, f"bci_handwriting: preprocess.{key} has non-finite values at channels {np.flatnonzero(~np.isfinite(v))[:8].tolist()}"
+    return v, None
+
+
+@register_family
+class BCIHandwritingFamily(FamilyPlugin):
+    """Streaming handwriting decoder: normalise, step, greedy CTC; one ``DecoderOutput`` per bin."""
+
+    name = "bci_handwriting"
+    default_input = "neural_frame"
+    default_command = "decoder_output"
+    consume = "all"
+
+    @classmethod
+    def problems(cls, bundle: Bundle) -> list[str]:
+        spec = bundle.graph()
+        if not spec.data_inputs or not spec.data_outputs:
+            return ["bci_handwriting: the main graph needs one data input (a bin) and one data output (log-probabilities)"]
+        m = bundle.manifest
+        cfg = m.extra.get(BLOCK)
+        if not isinstance(cfg, dict):
+            return [f"bci_handwriting: manifest extra.{BLOCK} is missing; it names the charset and the CTC blank "
+                    "(see docs/bci_deployment.md)"]
+        out: list[str] = []
+        n_in = spec.data_inputs[0].shape[-1]
+        out_name = cfg.get("output", spec.data_outputs[0].name)
+        outputs = {t.name: t for t in spec.data_outputs}
+        if out_name not in outputs:
+            out.append(f"bci_handwriting: extra.bci.output {out_name!r} is not a data output of the graph ({sorted(outputs)})")
+            n_out = None
+        else:
+            n_out = outputs[out_name].shape[-1]
+        charset, blank = cfg.get("charset"), cfg.get("blank", 0)
+        if not isinstance(charset, str) or not charset:
+            out.append(f"bci_handwriting: extra.bci.charset must be a non-empty string, got {charset!r}")
+        else:
+            dup = sorted({c for c in charset if charset.count(c) > 1})
+            if dup:
+                out.append(f"bci_handwriting: extra.bci.charset repeats {dup}; each output needs its own character")
+            if isinstance(n_out, int) and len(charset) + 1 != n_out:
+                out.append(f"bci_handwriting: charset has {len(charset)} characters + blank = {len(charset) + 1} outputs, "
+                           f"but the graph's output {out_name!r} has {n_out}")
+            if not isinstance(blank, int) or isinstance(blank, bool) or not 0 <= blank <= len(charset):
+                out.append(f"bci_handwriting: extra.bci.blank {blank!r} must be an output index in 0..{len(charset)}")
+        if "n_channels" in cfg and cfg["n_channels"] != n_in:
+            out.append(f"bci_handwriting: extra.bci.n_channels is {cfg['n_channels']}, the graph takes {n_in} channels")
+        cap = cfg.get("text_capacity", DEFAULT_TEXT_CAPACITY)
+        if not isinstance(cap, int) or cap < 1:
+            out.append(f"bci_handwriting: extra.bci.text_capacity {cap!r} must be a positive integer")
+        display = cfg.get("display", DEFAULT_DISPLAY)
+        if not isinstance(display, dict) or not all(isinstance(k, str) and len(k) == 1 and isinstance(v, str)
+                                                    for k, v in display.items()):
+            out.append(f"bci_handwriting: extra.bci.display must map single characters to strings, got {display!r}")
+        command = m.extra.get("session", {}).get("command", cls.default_command)
+        if command not in _COMMANDS:
+            out.append(f"bci_handwriting: session command {command!r} is not one of {_COMMANDS}")
+        if isinstance(n_in, int):
+            _, why = _channel_vector(m.preprocess, "mean", n_in)
+            out += [why] if why else []
+            std, why = _channel_vector(m.preprocess, "std", n_in)
+            out += [why] if why else []
+            if std is not None and np.any(std <= 0):
+                bad = np.flatnonzero(std <= 0)
+                out.append(f"bci_handwriting: preprocess.std is <= 0 at channels {bad[:8].tolist()}"
+                           f"{' ...' if bad.size > 8 else ''}; a silent calibration channel needs std 1 (or drop it)")
+        return out
+
+    def __init__(self, bundle: Bundle, model: Model):
+        # Numba is imported only when a decoder is built: ``import runtime`` must work
+        # (and say what is missing) without it.
+        from ..ctc import StreamingCTC, normalize
+
+        super().__init__(bundle, model)
+        self._normalize = normalize
+        cfg = bundle.manifest.extra[BLOCK]
+        spec = model.spec
+        pre = bundle.manifest.preprocess
+        self.charset: str = cfg["charset"]
+        self.blank: int = int(cfg.get("blank", 0))
+        self._x = _row(model.inputs[spec.data_inputs[0].name])
+        self._y_buf = model.outputs[cfg.get("output", spec.data_outputs[0].name)]
+        self._y = _row(self._y_buf)
+        n = self._x.size
+        self._mean = np.ascontiguousarray(pre["mean"], dtype=np.float32).reshape(n)
+        self._inv_std = (1.0 / np.asarray(pre["std"], dtype=np.float64)).astype(np.float32).reshape(n)
+        self._display = str.maketrans(cfg.get("display", DEFAULT_DISPLAY))
+        self._probs = np.zeros(self._y.size, dtype=np.float32) if cfg.get("char_probs", False) else None
+        self._no_probs = np.zeros(0, dtype=np.float32)
+        self.ctc: StreamingCTC = StreamingCTC(self.charset, self.blank, int(cfg.get("text_capacity", DEFAULT_TEXT_CAPACITY)))
+        self._frame_bin: int | None = None
+        self.bins = 0  # bins decoded since the last reset
+        # Compile (or load from Numba's cache) both kernels for the exact array types of
+        # the hot path now, so that the first bin of a session compiles nothing.
+        normalize(self._frame, self._mean, self._inv_std, self._x)
+        self.ctc.step(self._y)
+        self.reset()
+
+    # --- per trial -------------------------------------------------------------------
+
+    def reset(self) -> None:
+        """Start of a session or trial: zero the recurrent state and the decoded text."""
+        super().reset()
+        self.ctc.reset()
+        self._frame_bin = None
+        self.bins = 0
+
+    def end_trial(self) -> str:
+        """Return the trial's decoded text (in the charset, e.g. ``he>was~``) and reset."""
+        text = self.ctc.text()
+        self.reset()
+        return text
+
+    def text(self, last_n: int | None = None) -> str:
+        """Text decoded since the last reset, in the charset (its newest ``last_n`` characters)."""
+        return self.ctc.text(last_n)
+
+    def display_text(self, last_n: int | None = None) -> str:
+        """The same text for people: ``>`` as a space, ``~`` as a period (``extra.bci.display``)."""
+        return self.ctc.text(last_n).translate(self._display)
+
+    @property
+    def n_channels(self) -> int:
+        return int(self._frame.size)
+
+    @property
+    def log_probs(self) -> np.ndarray:
+        """The last bin's output, shape (1, outputs) (the backend's buffer: overwritten each bin)."""
+        return self._y_buf
+
+    @property
+    def new_text(self) -> str:
+        """What the last bin added: one character or ''."""
+        return self.ctc.last
+
+    # --- per bin ---------------------------------------------------------------------
+
+    def preprocess(self, frame: np.ndarray) -> None:
+        if frame.dtype != np.float32 or frame.ndim != 1:
+            np.copyto(self._frame, frame.reshape(-1), casting="unsafe")
+            frame = self._frame
+        self._normalize(frame, self._mean, self._inv_std, self._x)
+
+    def postprocess(self) -> np.ndarray:
+        self.ctc.step(self._y)
+        self.bins += 1
+        return self._y_buf
+
+    def decode_bin(self, counts: np.ndarray) -> str:
+        """One bin, start to end (normalise, step, decode); return the new character or ''."""
+        self.preprocess(counts)
+        self.model.run()
+        self.postprocess()
+        return self.ctc.last
+
+    def safe_output(self) -> np.ndarray:
+        return self._no_probs  # a decoder drives no actuator
+
+    def live_metrics(self) -> dict[str, float | str]:
+        return {"chars": self.ctc.count, "text": self.display_text(STATUS_TAIL_CHARS)}
+
+    def summary_metrics(self) -> dict[str, float | str]:
+        # the whole decoded text (as far as the ring holds it), not the status line's tail
+        return {"chars": self.ctc.count, "text": self.display_text()}
+
+    # --- session hooks ---------------------------------------------------------------
+
+    def on_message(self, message: Message) -> None:
+        self._frame_bin = getattr(message, "bin_index", None)
+        super().on_message(message)
+
+    def command_message(self, command: np.ndarray, step: int) -> Message | None:
+        if self.command.message is None:
+            return None
+        probs = None
+        if self._probs is not None:
+            np.exp(self._y, out=self._probs)
+            probs = self._probs
+        k = self._frame_bin if self._frame_bin is not None else step
+        return DecoderOutput(bin_index=k & 0xFFFFFFFF, text=self.ctc.last, char_probs=probs)
+
+    def safe_message(self, step: int) -> Message | None:
+        """None: a decoder has no actuator to make safe, and an empty output would read as a bin."""
+        return None

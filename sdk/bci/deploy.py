@@ -1,0 +1,242 @@
+"""Deploying a handwriting decoder: export to a ``bci_handwriting`` bundle, and measure it.
+
+``export_bci_bundle`` wraps ``export.export_bundle`` for the decoder family: a
+recurrent module whose single step takes one 20 ms bin of (normalised) spike counts
+and returns CTC log-probabilities over the blank and the characters. Whatever the
+module holds in front of its backbone (a session's calibrated alignment layer) is part
+of the exported graph, so a calibrated bundle is self-contained; the session's
+per-channel normalisation goes in ``preprocess``, the charset and session facts in
+``extra.bci`` (see ``docs/bci_deployment.md``). The runtime plug-in that reads them
+is ``runtime.families.bci``.
+
+``bench_bci_step_latency`` times the deployed per-bin path (frame to normalised input,
+model step, greedy CTC) on each backend, back to back or paced as in a session.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from sim.handwriting.types import BIN_S, CHARSET
+
+__all__ = ["BCI_FAMILY", "BCI_MANIFEST_VERSION", "bench_bci_step_latency", "check_bci_module", "export_bci_bundle"]
+
+BCI_FAMILY = "bci_handwriting"
+BCI_MANIFEST_VERSION = 1
+
+
+def _channel_stats(name: str, v: Any, n_channels: int) -> np.ndarray:
+    a = np.asarray(v, dtype=np.float64).reshape(-1)
+    if a.shape != (n_channels,):
+        raise ValueError(f"{name} has {a.size} values; expected {n_channels}, one per channel")
+    if not np.all(np.isfinite(a)):
+        raise ValueError(f"{name} has non-finite values at channels {np.flatnonzero(~np.isfinite(a))[:8].tolist()}")
+    return a
+
+
+def check_bci_module(module: Any, n_channels: int, n_outputs: int) -> None:
+    """Raise ``ValueError`` naming what is wrong if ``module`` cannot be a decoder bundle.
+
+    It needs ``init_state(batch)`` and ``step(x, *state) -> (logp, *state)`` with ``x``
+    of shape (batch, ``n_channels``) and ``logp`` of shape (batch, ``n_outputs``).
+    """
+    import torch
+
+    for attr in ("init_state", "step"):
+        if not callable(getattr(module, attr, None)):
+            raise ValueError(f"{type(module).__name__} has no {attr}(); a decoder needs init_state(batch) and "
+                             "step(x, h) -> (log_probs, h), as sdk.models.GRUDecoder has")
+    was_training = module.training
+    module.eval()
+    try:
+        with torch.no_grad():
+            state = module.init_state(1)
+            state = state if isinstance(state, tuple | list) else (state,)
+            param = next(module.parameters(), None)
+            x = torch.zeros(1, n_channels, device=param.device if param is not None else "cpu")
+            out = module.step(x, *state)
+    except (RuntimeError, TypeError, ValueError) as exc:
+        raise ValueError(f"{type(module).__name__}.step failed on one bin of {n_channels} channels: {exc}") from exc
+    finally:
+        module.train(was_training)
+    y = out[0] if isinstance(out, tuple | list) else out
+    if tuple(y.shape) != (1, n_outputs):
+        raise ValueError(f"{type(module).__name__}.step returns shape {tuple(y.shape)}; expected (1, {n_outputs}): "
+                         f"the blank and {n_outputs - 1} characters")
+
+
+def export_bci_bundle(
+    module: Any,
+    out: str | Path,
+    *,
+    n_channels: int,
+    mean: Sequence[float] | np.ndarray,
+    std: Sequence[float] | np.ndarray,
+    session_name: str,
+    calibration_info: Mapping[str, Any] | None = None,
+    provenance: Mapping[str, Any] | None = None,
+    charset: str = CHARSET,
+    blank: int = 0,
+    name: str | None = None,
+    rate_hz: float = 1.0 / BIN_S,
+    recorded_bins: np.ndarray | None = None,
+    display: Mapping[str, str] | None = None,
+    char_probs: bool = False,
+    variants: Sequence[str] = ("fp16", "int8"),
+    tensorrt: bool = True,
+    overwrite: bool = False,
+    zip: bool = False,
+    report: Callable[[str], None] = print,
+) -> Path:
+    """Export a streaming handwriting decoder for one session; return the bundle's path.
+
+    Parameters
+    ----------
+    module
+        A torch module with ``init_state(batch)``, ``step(x, h) -> (log_probs, h)`` and
+        ``forward(seq, h)``, whose step takes a bin of ``n_channels`` normalised counts and
+        returns ``len(charset) + 1`` log-probabilities (for example the training stage's
+        ``AlignedDecoder(alignment, backbone)``: the alignment layer is exported with it).
+    out
+        Where to write the bundle (a folder, or a zip with ``zip=True``).
+    n_channels
+        Channels per bin (192 for FALCON H2).
+    mean, std
+        Per-channel normalisation ``(counts - mean) / std`` from this session's
+        calibration data only. ``std`` must be > 0 (give silent channels 1).
+    session_name, calibration_info
+        Which session this bundle is calibrated for and how (trials used, bins, method,
+        the data file): stored in ``extra.bci`` for people and for ``closedloop inspect``.
+    provenance
+        Training record (config, data, seeds), stored beside the export's own.
+    charset, blank
+        The characters of the non-blank outputs in order, and the blank's output index.
+    recorded_bins
+        Raw counts ``(T, n_channels)`` from the session (e.g. a calibration sentence) for
+        the sequence parity check, normalised here; a random walk when None.
+    display, char_probs
+        Status-line replacements (default ``>`` -> space, ``~`` -> period); whether each
+        bin's ``DecoderOutput`` carries the character probabilities.
+    variants, tensorrt, overwrite, zip, report
+        As for ``export.export_bundle``.
+    """
+    import torch
+
+    from export import export_bundle
+    from runtime.families.bci import DEFAULT_DISPLAY
+
+    n_channels = int(n_channels)
+    mean_a = _channel_stats("mean", mean, n_channels)
+    std_a = _channel_stats("std", std, n_channels)
+    if np.any(std_a <= 0):
+        raise ValueError(f"std is <= 0 at channels {np.flatnonzero(std_a <= 0)[:8].tolist()}; "
+                         "set silent calibration channels to std 1")
+    if len(set(charset)) != len(charset):
+        raise ValueError(f"charset {charset!r} repeats characters")
+    if not 0 <= blank <= len(charset):
+        raise ValueError(f"blank {blank} must be an output index in 0..{len(charset)}")
+    check_bci_module(module, n_channels, len(charset) + 1)
+    sequence = None
+    if recorded_bins is not None:
+        bins = np.asarray(recorded_bins, dtype=np.float64)
+        if bins.ndim != 2 or bins.shape[1] != n_channels:
+            raise ValueError(f"recorded_bins has shape {bins.shape}; expected (T, {n_channels})")
+        sequence = ((bins - mean_a) / std_a).astype(np.float32)
+    bci = {
+        "version": BCI_MANIFEST_VERSION,
+        "charset": charset,
+        "blank": int(blank),
+        "n_channels": n_channels,
+        "bin_s": 1.0 / float(rate_hz),
+        "session": session_name,
+        "calibration": dict(calibration_info or {}),
+        "display": dict(DEFAULT_DISPLAY if display is None else display),
+        "char_probs": bool(char_probs),
+    }
+    return export_bundle(
+        module, out, kind="recurrent", example_input=torch.zeros(1, n_channels), rate_hz=float(rate_hz),
+        family=BCI_FAMILY, name=name or f"bci-{session_name}",
+        preprocess={"mean": mean_a.tolist(), "std": std_a.tolist()},
+        extra={"bci": bci}, provenance=dict(provenance or {}), recorded_sequence=sequence,
+        variants=variants, tensorrt=tensorrt, overwrite=overwrite, zip=zip, report=report,
+    )
+
+
+def bench_bci_step_latency(
+    bundle: str | Path,
+    backends: Sequence[str] = ("numba", "onnxruntime"),
+    n_bins: int = 3000,
+    warmup: int = 200,
+    paced: bool = False,
+    seed: int = 0,
+) -> dict[str, dict[str, float]]:
+    """Per-bin latency of the deployed decoder, in microseconds, per backend.
+
+    One bin is what a session does with a frame: copy the ``NeuralFrame`` counts into
+    the input, normalise (Numba), step the model, decode greedy CTC (Numba). With
+    ``paced=True`` bins run in the real-time loop at the bundle's rate with its cache
+    prewarm, as in a session (``n_bins`` then takes ``n_bins / rate`` seconds);
+    otherwise back to back with the garbage collector frozen.
+
+    Returns ``{backend: {"p50_us", "p99_us", "max_us", "mean_us", "bins"}}``; a backend
+    that is not available here reports ``{"error": why}`` instead.
+    """
+    from firmware_bridge import NeuralFrame
+    from runtime import LoopConfig, Model, RealTimeLoop, get_family, load_bundle
+    from runtime.errors import BackendUnavailableError, GraphUnsupportedError
+
+    b = load_bundle(bundle)
+    rng = np.random.default_rng(seed)
+    out: dict[str, Any] = {}
+    for backend in backends:
+        try:
+            model = Model(b, backend=backend)
+        except (BackendUnavailableError, GraphUnsupportedError) as exc:
+            out[backend] = {"error": str(exc)}
+            continue
+        fam = get_family(b.manifest.family)(b, model)
+        n_ch = fam.n_channels
+        frames = [NeuralFrame(i, rng.poisson(0.16, n_ch).astype(np.uint16)) for i in range(256)]
+
+        def one_bin(k: int, fam: Any = fam, model: Model = model, frames: list = frames) -> None:
+            fam.on_message(frames[k & 255])
+            model.run()
+            fam.postprocess()
+
+        for k in range(warmup):
+            one_bin(k)
+        fam.reset()
+        if paced:
+            loop = RealTimeLoop(LoopConfig(rate_hz=b.manifest.rate_hz, max_steps=n_bins))
+            loop.run(one_bin, prewarm=model.prewarm)
+            samples = loop.latency.samples() / 1e3
+        else:
+            samples = np.zeros(n_bins, dtype=np.float64)
+            gc.collect()
+            gc.freeze()
+            gc.disable()
+            try:
+                clock = time.perf_counter_ns
+                for k in range(n_bins):
+                    t0 = clock()
+                    one_bin(k)
+                    samples[k] = clock() - t0
+            finally:
+                gc.enable()
+                gc.unfreeze()
+            samples /= 1e3
+        out[backend] = {
+            "p50_us": float(np.percentile(samples, 50)),
+            "p99_us": float(np.percentile(samples, 99)),
+            "max_us": float(samples.max()),
+            "mean_us": float(samples.mean()),
+            "bins": int(samples.size),
+        }
+        model.close()
+    return out
