@@ -7,7 +7,7 @@ This package is what goes on a board. It depends on numpy, numba, onnxruntime an
 from . import replay as _replay  # noqa: F401  (registers the replay:// transport)
 from .backends import Availability, Backend, BackendOptions, backend_names, backend_report, create_backend
 from .bundle import Bundle, check_bundle, load_bundle
-from .errors import BackendUnavailableError, BundleError, DeadlineStop, GraphUnsupportedError
+from .errors import BackendUnavailableError, BundleError, GraphUnsupportedError
 from .families import FamilyPlugin, get_family, register_family
 from .loop import LoopConfig, OverrunPolicy, RealTimeLoop
 from .manifest import SCHEMA_VERSION, GraphSpec, Manifest, TensorSpec
@@ -25,7 +25,6 @@ __all__ = [
     "BackendUnavailableError",
     "Bundle",
     "BundleError",
-    "DeadlineStop",
     "FamilyPlugin",
     "GraphSpec",
     "GraphUnsupportedError",

@@ -17,7 +17,3 @@ class BackendUnavailableError(RuntimeError):
 
 class GraphUnsupportedError(BackendUnavailableError):
     """A backend cannot run this graph (an op or pattern it does not implement)."""
-
-
-class DeadlineStop(RuntimeError):
-    """The real-time loop stopped because a step overran and the policy is ``stop``."""
