@@ -7,12 +7,15 @@
 :func:`register_plant`.
 """
 
+# Registration order is the order plants are listed in errors: the generic ones first.
 from .base import PLANTS, Plant, UnknownPlantError, make_plant, plant_class, register_plant, rk4_step
-from .cartpole import CARTPOLE, CartPole, cartpole_linearization, cartpole_model
 from .dc_motor import DCMotor
+from .msd import MassSpringDamper
+
+# isort: split
+from .cartpole import CARTPOLE, CartPole, cartpole_linearization, cartpole_model
 from .disturbance import DISTURBANCE_KINDS, DisturbanceSignal
 from .flexible_joint import FLEXIBLE_JOINT, FlexibleJoint
-from .msd import MassSpringDamper
 from .structured import StructuredPlant
 from .van_der_pol import VanDerPol, van_der_pol_matrices
 from .x29 import X29, X29_MODELS, x29_matrices

@@ -113,7 +113,7 @@ def plant_class(name: str) -> type[Plant]:
     try:
         return PLANTS[name]
     except KeyError:
-        raise UnknownPlantError(f"no plant named {name!r}; registered plants: {', '.join(sorted(PLANTS))} "
+        raise UnknownPlantError(f"no plant named {name!r}; registered plants: {', '.join(PLANTS)} "
                                 "(add one with sim.plants.register_plant)") from None
 
 
