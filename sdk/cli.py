@@ -189,6 +189,35 @@ def _bench(a: argparse.Namespace) -> int:
     return 0
 
 
+def _generate_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("out", help="folder for the NWB files (FALCON H2 layout, DANDI-style names)")
+    p.add_argument("--preset", choices=["default", "tiny"], default="default")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--config", default=None, help="a HandwritingConfig JSON (overrides --preset)")
+    p.add_argument("--ablate", default=None, help="switch one drift component off (see docs/handwriting_data.md)")
+
+
+@command("generate-data", "write a synthetic handwriting iBCI recording as FALCON H2 NWB files", _generate_args)
+def _generate(a: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from sim.handwriting import HandwritingConfig, generate_recording
+
+    from .bci.nwb import write_falcon_h2_dir
+
+    if a.config:
+        cfg = HandwritingConfig.from_json(Path(a.config).read_text())
+    else:
+        cfg = HandwritingConfig.tiny(seed=a.seed) if a.preset == "tiny" else HandwritingConfig(seed=a.seed)
+    if a.ablate:
+        cfg = cfg.ablate(a.ablate)
+    sessions = generate_recording(cfg)
+    paths = write_falcon_h2_dir(sessions, a.out)
+    Path(a.out, "handwriting_config.json").write_text(cfg.to_json())
+    print(f"wrote {len(paths)} NWB files for {len(sessions)} sessions to {a.out} (config in handwriting_config.json)")
+    return 0
+
+
 def _device_passthrough(argv: list[str]) -> int:
     from sim import cli_main
 

@@ -48,3 +48,14 @@ def test_run_reports_summary(mlp_bundle, capsys):
 def test_missing_bundle_is_a_clear_error(tmp_path, capsys):
     assert main(["inspect", str(tmp_path / "nope")]) == 2
     assert "no such file or folder" in capsys.readouterr().err
+
+
+def test_generate_data_writes_loadable_falcon_files(tmp_path, capsys):
+    from sdk.bci.nwb import load_falcon_h2_dir
+
+    assert main(["generate-data", str(tmp_path / "d"), "--preset", "tiny", "--seed", "3"]) == 0
+    sessions = load_falcon_h2_dir(tmp_path / "d")
+    assert [s.split for s in sessions].count("held_out") == 2
+    held_out = [s for s in sessions if s.split == "held_out"][0]
+    assert len(held_out.calibration) == 3 and held_out.evaluation
+    assert (tmp_path / "d" / "handwriting_config.json").exists()
