@@ -218,6 +218,20 @@ def _generate(a: argparse.Namespace) -> int:
     return 0
 
 
+def _certify_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("bundle", help="an observer bundle")
+
+
+@command("certify", "re-check an observer bundle's stability certificate from its own weights and print the report",
+         _certify_args)
+def _certify(a: argparse.Namespace) -> int:
+    from runtime.certificate import certify_bundle
+
+    text = certify_bundle(a.bundle)
+    print(text)
+    return 0 if text.rstrip().endswith("PASS") else 1
+
+
 def _device_passthrough(argv: list[str]) -> int:
     from sim import cli_main
 

@@ -1,0 +1,178 @@
+"""The observer bundle's certificate re-checked at load, the observer family and its Numba kernel."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from firmware_bridge import PlantMeasurement
+from runtime.bundle import load_bundle, sha256_file
+from runtime.certificate import certify_bundle, check_bundle_certificate
+from runtime.errors import BundleError
+from runtime.families import get_family
+from runtime.model import Model
+
+
+@pytest.fixture(scope="module")
+def observer_setup(tmp_path_factory):
+    import torch
+
+    from sdk.observer.certify import certify
+    from sdk.observer.neural import NeuralObserver, ObserverModel, export_observer_bundle
+    from sdk.observer.systems import observer_system
+    from sdk.observer.train import TrainConfig, _initial_net
+
+    model = ObserverModel.from_system(observer_system("flexible-joint"))
+    torch.manual_seed(0)
+    net = _initial_net(model, TrainConfig(hidden=(6, 6), init_gain=0.1)).scale_(0.5)
+    report = certify(model, net, rho=0.995, local_vbar=None, coverage_eps=0.05, coverage_beta=1e-2)
+    assert report.certified
+    obs = NeuralObserver(model, net)
+    path = export_observer_bundle(obs, report, tmp_path_factory.mktemp("obs") / "fj", report=lambda s: None)
+    return model, net, obs, report, path
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _rehash(bundle: Path, manifest_edit=None) -> None:
+    """Rewrite the manifest's checksums (and optionally edit it): tampering that the SHA-256 check misses."""
+    mpath = bundle / "manifest.json"
+    m = json.loads(mpath.read_text())
+    if manifest_edit:
+        manifest_edit(m)
+    for rel in m["files"]:
+        m["files"][rel]["sha256"] = sha256_file(bundle / rel)
+    mpath.write_text(json.dumps(m))
+
+
+def _scale_weights(bundle: Path, weights: list[np.ndarray], factor: float) -> None:
+    """Scale every stored weight in the ONNX file's raw bytes (no onnx package needed)."""
+    onnx = bundle / "main.onnx"
+    data = onnx.read_bytes()
+    for w in weights:
+        for cand in (w, w.T):
+            raw = np.ascontiguousarray(cand, dtype=np.float32).tobytes()
+            if raw in data:
+                data = data.replace(raw, (np.ascontiguousarray(cand, dtype=np.float32) * np.float32(factor)).tobytes())
+                break
+        else:
+            raise AssertionError("weight bytes not found in the ONNX file")
+    onnx.write_bytes(data)
+
+
+def test_bundle_loads_and_the_certificate_passes_from_its_own_weights(observer_setup):
+    model, net, obs, report, path = observer_setup
+    bundle = load_bundle(path)
+    assert bundle.manifest.family == "observer"
+    result = check_bundle_certificate(bundle)
+    assert result.passed and result.fingerprint_ok
+    assert result.check.max_eig == pytest.approx(report.max_eig, abs=1e-12)
+    text = certify_bundle(path)
+    assert "PASS" in text and "decay rate rho" in text and "weights             match" in text
+
+
+def test_tampered_weights_are_refused_naming_the_margin(observer_setup, tmp_path):
+    _, net, _, _, path = observer_setup
+    bad = _copy(path, tmp_path / "bad")
+    _scale_weights(bad, net.weights(), 8.0)
+    _rehash(bad)
+    with pytest.raises(BundleError) as err:
+        load_bundle(bad)
+    msg = str(err.value)
+    assert "LMI violated" in msg and "margin 0.0001 violated by" in msg
+    assert "weights differ from the certified ones" in msg
+    assert "FAIL" in certify_bundle(bad)
+
+
+def test_a_slightly_changed_network_is_refused_by_its_fingerprint(observer_setup, tmp_path):
+    _, net, _, _, path = observer_setup
+    bad = _copy(path, tmp_path / "tweaked")
+    _scale_weights(bad, net.weights(), 1.001)
+    _rehash(bad)
+    with pytest.raises(BundleError, match="weights differ from the certified ones"):
+        load_bundle(bad)
+
+
+@pytest.mark.parametrize("edit, expected", [
+    (lambda m: m["certificate"].update(P=(-np.asarray(m["certificate"]["P"])).tolist()), "not positive definite"),
+    (lambda m: m["certificate"].update(rho=0.9), "LMI violated"),
+    (lambda m: m["extra"]["observer"].update(L=(np.asarray(m["extra"]["observer"]["L"]) * 3).tolist()), "LMI violated"),
+    (lambda m: m.update(certificate=None), "certificate is missing"),
+])
+def test_a_changed_certificate_or_model_is_refused(observer_setup, tmp_path, edit, expected):
+    bad = _copy(observer_setup[4], tmp_path / "edited")
+    _rehash(bad, edit)
+    with pytest.raises(BundleError, match=expected):
+        load_bundle(bad)
+
+
+def test_numba_observer_step_equals_the_numpy_reference(observer_setup):
+    model, net, obs, _, path = observer_setup
+    bundle = load_bundle(path)
+    fam = get_family("observer")(bundle, Model(bundle, backend="onnxruntime"))
+    rng = np.random.default_rng(0)
+    obs.reset(np.zeros(5))
+    fam.reset()
+    for _ in range(300):
+        y, u = rng.normal(size=1) * 0.3, rng.normal(size=1)
+        want = obs.update(y, u)
+        got = fam.step(y, u)
+        assert np.allclose(got, want, rtol=1e-10, atol=1e-10)
+        assert np.allclose(fam.u_cmd, obs.command(), rtol=1e-10, atol=1e-10)
+    # through the session hooks: message in, network output recorded, clipped command out
+    fam.reset()
+    obs.reset(np.zeros(5))
+    msg = PlantMeasurement(np.array([0.4], dtype=np.float32), np.array([1.0], dtype=np.float32))
+    fam.on_message(msg)
+    fam.model.run()
+    cmd = fam.postprocess()
+    want = obs.update(msg.y.astype(float), msg.u.astype(float))
+    assert np.allclose(fam.z_hat, want, atol=1e-9)
+    assert np.allclose(cmd, np.clip(-model.K @ want, -5, 5), atol=1e-5)
+    r = fam.r.copy()
+    assert np.allclose(fam.model._y.reshape(-1), obs.correction(r), atol=1e-5)
+    assert fam.consume == "newest" and fam.command_limits()[1][0] == pytest.approx(5.0)
+
+
+def test_certificate_module_needs_neither_torch_nor_cvxpy():
+    code = ("import sys, runtime.certificate, runtime.families.observer; "
+            "bad = [m for m in ('torch', 'cvxpy', 'scipy') if m in sys.modules]; assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[2])
+
+
+@pytest.mark.parametrize("plant", ["van-der-pol", "x29-nd-pa-lon", "cartpole"])
+def test_kernel_nonlinearities_match_the_reference(plant):
+    """Each runtime nonlinearity (output-scaled, none) in the kernel against the numpy observer."""
+    import torch
+
+    from runtime.families.observer import ObserverArrays, _kernel, pack_network
+    from sdk.observer.neural import NeuralObserver, ObserverModel
+    from sdk.observer.systems import observer_system
+    from sdk.observer.train import TrainConfig, _initial_net
+
+    model = ObserverModel.from_system(observer_system(plant))
+    torch.manual_seed(1)
+    net = _initial_net(model, TrainConfig(hidden=(5, 4), activation="relu" if plant == "cartpole" else "tanh"))
+    obs = NeuralObserver(model, net)
+    a = ObserverArrays(model.manifest_block())
+    w, dims, acts = pack_network(net.weights(), list(net.activations))
+    buf_a, buf_b = np.zeros(dims.max()), np.zeros(dims.max())
+    z, r, f, zn, ucmd = np.zeros(a.nz), np.zeros(a.ny), np.zeros(a.Fd.shape[1]), np.zeros(a.nz), np.zeros(a.nu)
+    rng = np.random.default_rng(2)
+    obs.reset(z)
+    for _ in range(100):
+        y, u = rng.normal(size=a.ny), rng.normal(size=a.nu)
+        _kernel()(z, y, u, a.Ad, a.Bd, a.Cd, a.L, a.Fd, a.nl_code, a.nl_E, a.nl_H, a.nl_index, a.nl_a, a.nl_b,
+                  w, dims, acts, buf_a, buf_b, r, f, zn, a.K, a.u_low, a.u_high, ucmd)
+        want = obs.update(y, u)
+        assert np.allclose(z, want, rtol=1e-9, atol=1e-9 * (1 + np.abs(want).max()))
+        assert np.allclose(ucmd, obs.command(), rtol=1e-9, atol=1e-6)
