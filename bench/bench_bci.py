@@ -1,0 +1,33 @@
+"""iBCI handwriting benchmark: every calibration method on the default synthetic FALCON H2-like data.
+
+    python bench/bench_bci.py          # 3 seeds, sized for 2 CPU cores in < 45 min; writes bench/results/bci.*
+    python bench/bench_bci.py --tiny   # about a minute; writes bench/results/bci_tiny.*
+
+It prints the estimated run time before it starts. Methods, metrics and the harness
+are described in docs/bci.md.
+"""
+
+import argparse
+import sys
+
+from sdk.bci.benchmark import BciBenchConfig, run_bci_benchmark
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tiny", action="store_true", help="tiny data and models (about a minute)")
+    ap.add_argument("--seeds", type=int, nargs="+", help="model seeds (default 0 1 2)")
+    ap.add_argument("--jobs", type=int, help="parallel seed processes (default: min(seeds, CPU cores))")
+    ap.add_argument("--device", help="auto (default), cpu or cuda")
+    ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--config", help="a BciBenchConfig JSON file (overrides the defaults)")
+    a = ap.parse_args()
+    cfg = BciBenchConfig.load(a.config) if a.config else (BciBenchConfig.tiny() if a.tiny else BciBenchConfig())
+    cfg.out_dir = a.out
+    if a.seeds:
+        cfg.seeds = tuple(a.seeds)
+    if a.jobs:
+        cfg.jobs = a.jobs
+    if a.device:
+        cfg.harness.device = a.device
+    run_bci_benchmark(cfg)
+    sys.exit(0)

@@ -1,0 +1,159 @@
+"""The iBCI handwriting benchmark: synthetic FALCON H2-like data, every method, several seeds.
+
+``run_bci_benchmark(BciBenchConfig())`` generates the default synthetic recording
+(fixed data seed), runs :func:`sdk.bci.evaluate.run_harness` once per model seed
+(seeds in parallel worker processes, one thread each), aggregates the seeds and
+writes ``bci.json``, ``bci.md`` and ``bci_wer_vs_days.png``. Before it starts it
+measures this machine's GRU throughput and prints the estimated run time.
+``BciBenchConfig.tiny()`` is the one-minute version.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import multiprocessing as mp
+import os
+import pickle
+import platform
+import tempfile
+import time
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+import torch
+
+from .augment import DriftAugmentation
+from .calibrate import CalibrationConfig
+from .config import JsonConfig
+from .data import collate, ctc_loss, resolve_device
+from .evaluate import HarnessConfig, build_lexicon, run_harness
+from .meta import MetaConfig
+from .models import GRUBackbone
+from .report import markdown_table, summarize, write_results
+from .train import BackboneConfig, TrainConfig, held_in_examples
+
+
+@dataclass
+class BciBenchConfig(JsonConfig):
+    """Data, harness and seeds of the benchmark (sized for 2 CPU cores in under 45 minutes)."""
+
+    data_seed: int = 0
+    data_tiny: bool = False
+    seeds: tuple[int, ...] = (0, 1, 2)
+    jobs: int = 0  # parallel seed processes (one thread each); 0: one per seed
+    harness: HarnessConfig = field(default_factory=lambda: HarnessConfig(
+        train=TrainConfig(backbone=BackboneConfig(128, 1, 0.1), steps=600, batch_size=16, lr=1e-2),
+        meta=MetaConfig(inner_steps=3, n_support=3, n_query=3, tasks_per_step=4, meta_steps=60),
+        calibration=CalibrationConfig(steps=20, eval_every=4, folds=3, meta_max_steps=9),
+        beam_width=16, progress=False,
+    ))
+    out_dir: str = "bench/results"
+    stem: str = "bci"
+
+    @classmethod
+    def tiny(cls) -> BciBenchConfig:
+        """About a minute on 2 cores: 16 channels, 3 + 2 sessions, small models, few steps."""
+        return cls(data_tiny=True, stem="bci_tiny", harness=HarnessConfig(
+            train=TrainConfig(backbone=BackboneConfig(32, 1, 0.0), steps=60, batch_size=8, lr=1e-2,
+                              augmentation=DriftAugmentation(noise_std=0.2, offset_std=0.1, gain_std=0.1)),
+            meta=MetaConfig(inner_steps=2, n_query=2, tasks_per_step=2, meta_steps=15),
+            calibration=CalibrationConfig(steps=8, eval_every=2, folds=3),
+            beam_width=8, progress=False,
+        ))
+
+
+def generate_data(config: BciBenchConfig) -> list:
+    from sim.handwriting import HandwritingConfig, generate_recording
+
+    hw = HandwritingConfig.tiny(config.data_seed) if config.data_tiny else HandwritingConfig(seed=config.data_seed)
+    return generate_recording(hw), hw
+
+
+def measure_bins_per_s(sessions: list, config: HarnessConfig, reps: int = 2) -> float:
+    """Training throughput (bins per second, forward + backward) of the configured backbone on this machine."""
+    torch.set_num_threads(1)
+    ex = held_in_examples(sessions)[: config.train.batch_size]
+    bc = config.train.backbone
+    bb = GRUBackbone(ex[0].x.shape[1], bc.n_hidden, bc.n_layers).to(resolve_device(config.device))
+    batch = collate(ex, resolve_device(config.device))
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        ctc_loss(bb(batch.x)[0], batch).backward()
+    return reps * float(batch.x_lens.sum()) / (time.perf_counter() - t0)
+
+
+def estimate_seconds(sessions: list, config: BciBenchConfig, bins_per_s: float) -> dict:
+    """Bins pushed through the GRU (forward + backward) by each part, over this machine's throughput."""
+    h = config.harness
+    mean_bins = float(np.mean([t.n_bins for s in sessions for t in s.trials]))
+    held_out = [s for s in sessions if s.split == "held_out"]
+    n_eval = sum(len(s.evaluation) for s in held_out)
+    n_eval_all = sum(len(s.evaluation) for s in sessions)
+    m, c, n = h.meta, h.calibration, h.n_calibration
+    folds = min(c.folds, n)
+    per_step = (folds * 3 * (n - 1) + n) * mean_bins  # leave-one-out fits on every grid value + the final fit
+    adam_methods = sum(x in h.methods for x in ("session_layers", "alignment", "finetune"))
+    parts = {
+        "stage 1 + session layers": 2 * h.train.steps * h.train.batch_size * mean_bins,
+        "meta-learning": m.meta_steps * m.tasks_per_step * (m.inner_steps * m.n_support + m.n_query) * mean_bins
+        * (3 if m.second_order else 1),
+        "calibration": len(held_out) * per_step * (adam_methods * c.steps + (c.meta_max_steps or 2 * m.inner_steps)),
+        "decoding": (len(h.methods) * n_eval + n_eval_all) * mean_bins / 3,
+    }
+    per_seed = {k: v / bins_per_s for k, v in parts.items()}
+    per_seed["calibration"] *= 1.3  # validation passes, model copies and small batches, as measured on 2 cores
+    per_seed["beam search"] = 0.06 * (len(h.methods) * n_eval + n_eval_all) if h.beam_width else 0.0
+    jobs = config.jobs or len(config.seeds)
+    cores = os.cpu_count() or 1
+    # ceil(seeds / jobs) rounds, each slowed down when more jobs than cores share the machine
+    factor = math.ceil(len(config.seeds) / jobs) * max(1.0, min(jobs, len(config.seeds)) / cores)
+    return {"per_seed_s": per_seed, "total_s": factor * sum(per_seed.values()), "jobs": jobs,
+            "cores": cores, "bins_per_s": bins_per_s}
+
+
+def _run_seed(args: tuple[str, dict, int]) -> dict:
+    data_path, harness_dict, seed = args
+    torch.set_num_threads(1)
+    with open(data_path, "rb") as f:
+        sessions, words = pickle.load(f)
+    cfg = replace(HarnessConfig.from_dict(harness_dict), seed=seed)
+    return run_harness(sessions, cfg, lexicon=build_lexicon(sessions, words))
+
+
+def run_bci_benchmark(config: BciBenchConfig, report=print) -> dict:
+    """Run the benchmark; write results under ``config.out_dir``; return the summary."""
+    from sim.handwriting import VOCABULARY
+
+    t0 = time.perf_counter()
+    sessions, hw = generate_data(config)
+    held_in = [s for s in sessions if s.split == "held_in"]
+    report(f"data: {len(held_in)} held-in + {len(sessions) - len(held_in)} held-out sessions, {sessions[0].n_channels} "
+           f"channels, {sum(len(s.trials) for s in sessions)} trials, "
+           f"{np.mean([t.n_bins for s in sessions for t in s.trials]):.0f} bins per trial "
+           f"(generated in {time.perf_counter() - t0:.0f} s)")
+    est = estimate_seconds(sessions, config, measure_bins_per_s(sessions, config.harness))
+    report(f"estimated time: {est['total_s'] / 60:.1f} min ({est['jobs']} parallel seed job(s) on {est['cores']} cores, "
+           f"{est['bins_per_s']:.0f} training bins/s per job; per seed: "
+           + ", ".join(f"{k} {v:.0f} s" for k, v in est["per_seed_s"].items()) + ")")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "data.pkl")
+        with open(path, "wb") as f:
+            pickle.dump((sessions, list(VOCABULARY)), f)
+        jobs = [(path, config.harness.to_dict(), s) for s in config.seeds]
+        if est["jobs"] > 1:
+            with mp.get_context("spawn").Pool(est["jobs"]) as pool:
+                runs = pool.map(_run_seed, jobs)
+        else:
+            runs = [_run_seed(j) for j in jobs]
+    summary = summarize(runs)
+    wall = time.perf_counter() - t0
+    extra = {"benchmark": {"wall_s": wall, "estimated_s": est["total_s"], "estimate": est,
+                           "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
+                                       "torch": torch.__version__, "device": runs[0]["device"]},
+                           "data_config": json.loads(hw.to_json()), "bench_config": config.to_dict()}}
+    paths = write_results(summary, runs, config.out_dir, config.stem, extra)
+    report(markdown_table(summary))
+    report(f"wall time {wall / 60:.1f} min (estimated {est['total_s'] / 60:.1f}); wrote "
+           + ", ".join(str(p) for p in paths.values()))
+    return summary

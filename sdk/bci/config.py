@@ -1,0 +1,58 @@
+"""JSON round-trips for the family's configuration dataclasses (nested dataclasses included)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import typing
+from pathlib import Path
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+def to_dict(obj: Any) -> dict:
+    return dataclasses.asdict(obj)
+
+
+def from_dict(cls: type[T], data: dict) -> T:
+    """Build ``cls`` from ``data``; nested dataclass fields are rebuilt; unknown keys are refused by name."""
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise ValueError(f"{cls.__name__} has no field(s) {unknown}; known fields: {sorted(names)}")
+    kwargs = {}
+    for k, v in data.items():
+        t = hints.get(k)
+        if dataclasses.is_dataclass(t) and isinstance(v, dict):
+            v = from_dict(t, v)
+        elif isinstance(v, list) and typing.get_origin(t) is tuple:
+            v = tuple(v)
+        kwargs[k] = v
+    return cls(**kwargs)
+
+
+class JsonConfig:
+    """Mixin: ``to_json`` / ``from_json`` / ``save`` / ``load`` for a config dataclass."""
+
+    def to_dict(self) -> dict:
+        return to_dict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    @classmethod
+    def from_dict(cls: type[T], data: dict) -> T:
+        return from_dict(cls, data)
+
+    @classmethod
+    def from_json(cls: type[T], text: str) -> T:
+        return from_dict(cls, json.loads(text))
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.to_json())
+
+    @classmethod
+    def load(cls: type[T], path: str | Path) -> T:
+        return from_dict(cls, json.loads(Path(path).read_text()))

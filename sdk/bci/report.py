@@ -1,0 +1,146 @@
+"""Aggregate harness runs over seeds into the results table (markdown + JSON) and the WER-vs-days plot."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+DECODERS = ("greedy", "beam")
+
+
+def _ms(values: Sequence[float]) -> dict:
+    v = np.asarray(values, dtype=np.float64)
+    return {"mean": float(v.mean()), "std": float(v.std()), "values": v.tolist()}
+
+
+def _agg_scores(blocks: Sequence[dict]) -> dict:
+    """Mean/std over seeds of {decoder: {CER, WER}} blocks."""
+    out = {}
+    for dec in DECODERS:
+        rows = [b[dec] for b in blocks if dec in b]
+        if rows:
+            out[dec] = {k: _ms([r[k] for r in rows]) for k in ("CER", "WER")}
+    return out
+
+
+def summarize(runs: Sequence[dict]) -> dict:
+    """Combine :func:`sdk.bci.evaluate.run_harness` outputs (one per seed) into one summary."""
+    if not runs:
+        raise ValueError("no runs to summarize")
+    first = runs[0]
+    out: dict = {"seeds": [r["seed"] for r in runs], "sessions": first["sessions"], "methods": {}}
+    for m in first["methods"]:
+        per = [r["methods"][m] for r in runs]
+        out["methods"][m] = {
+            "mean": _agg_scores([p["mean"] for p in per]),
+            "sessions": {s: _agg_scores([p["sessions"][s] for p in per]) for s in first["sessions"]},
+            "train_s": _ms([p["train_s"] for p in per]),
+            "calibrate_s": _ms([p["calibrate_s"] for p in per]),
+            "chosen": [p["chosen"] for p in per],
+        }
+    if all("reference" in r for r in runs):
+        out["reference"] = {k: _agg_scores([r["reference"][k]["mean"] for r in runs])
+                            for k in ("held_in", "held_out_zero_shot")}
+        out["reference"]["published"] = first["reference"]["published"]
+    return out
+
+
+def _pct(block: dict | None, key: str) -> str:
+    if not block:
+        return "-"
+    return f"{100 * block[key]['mean']:.2f} ± {100 * block[key]['std']:.2f}"
+
+
+def markdown_table(summary: dict, title: str = "iBCI handwriting: held-out sessions") -> str:
+    """The results as markdown: mean table, per-session WER/CER table, and the drift reference."""
+    seeds = summary["seeds"]
+    lines = [f"## {title}", "",
+             f"Mean over held-out sessions, then mean ± std over {len(seeds)} seed(s) {seeds}; percentages. "
+             "Train s: held-in training time the method needs; calibrate s: all held-out sessions.", "",
+             "| method | CER greedy | WER greedy | CER beam | WER beam | train s | calibrate s |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for m, v in summary["methods"].items():
+        g, b = v["mean"].get("greedy"), v["mean"].get("beam")
+        lines.append(f"| {m} | {_pct(g, 'CER')} | {_pct(g, 'WER')} | {_pct(b, 'CER')} | {_pct(b, 'WER')} | "
+                     f"{v['train_s']['mean']:.1f} | {v['calibrate_s']['mean']:.1f} |")
+    sessions = summary["sessions"]
+    for dec in DECODERS:
+        if not any(dec in v["mean"] for v in summary["methods"].values()):
+            continue
+        for key in ("WER", "CER"):
+            head = " | ".join(f"{s} (+{sessions[s]['days_since_last_held_in']:.0f} d)" for s in sessions)
+            lines += ["", f"{key} per held-out session, {dec} decoding (mean ± std over seeds):", "",
+                      f"| method | {head} |", "| --- |" + " --- |" * len(sessions)]
+            for m, v in summary["methods"].items():
+                cells = " | ".join(_pct(v["sessions"][s].get(dec), key) for s in sessions)
+                lines.append(f"| {m} | {cells} |")
+    ref = summary.get("reference")
+    if ref:
+        pub = ref["published"]
+        lines += ["", "Drift reference (per-session input layers; held-out decoded zero-shot with the last held-in "
+                  f"session's layer). Published FALCON H2: held-in CER {100 * pub['held_in_CER']:.2f}%, zero-shot "
+                  f"held-out CER {100 * pub['held_out_zero_shot_CER'][0]:.0f}-{100 * pub['held_out_zero_shot_CER'][1]:.0f}%.",
+                  "", "| | CER greedy | WER greedy | CER beam | WER beam |", "| --- | --- | --- | --- | --- |"]
+        for k in ("held_in", "held_out_zero_shot"):
+            g, b = ref[k].get("greedy"), ref[k].get("beam")
+            lines.append(f"| {k} | {_pct(g, 'CER')} | {_pct(g, 'WER')} | {_pct(b, 'CER')} | {_pct(b, 'WER')} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_wer_vs_days(summary: dict, path: str | Path) -> Path:
+    """PNG: WER against days since the last held-in session, one line per method, one panel per decoder."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sessions = summary["sessions"]
+    names = sorted(sessions, key=lambda s: sessions[s]["days_since_last_held_in"])
+    days = [sessions[s]["days_since_last_held_in"] for s in names]
+    decs = [d for d in DECODERS if any(d in v["mean"] for v in summary["methods"].values())]
+    fig, axes = plt.subplots(1, len(decs), figsize=(5.5 * len(decs), 4), squeeze=False, sharey=True)
+    for ax, dec in zip(axes[0], decs, strict=True):
+        for m, v in summary["methods"].items():
+            if dec not in v["mean"]:
+                continue
+            y = [100 * v["sessions"][s][dec]["WER"]["mean"] for s in names]
+            e = [100 * v["sessions"][s][dec]["WER"]["std"] for s in names]
+            ax.errorbar(days, y, yerr=e, marker="o", capsize=3, label=m)
+        ax.set_xlabel("days since the last held-in session")
+        ax.set_title(f"{dec} decoding")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("WER (%)")
+    axes[0][-1].legend(fontsize=8)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def write_results(summary: dict, runs: Sequence[dict], folder: str | Path, stem: str = "bci",
+                  extra: dict | None = None) -> dict[str, Path]:
+    """Write ``STEM.json`` (summary + runs without loss curves), ``STEM.md`` and ``STEM_wer_vs_days.png``."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    slim = [{k: v for k, v in r.items() if k != "logs"} | {"loss_curves": _thin(r.get("logs", {}))} for r in runs]
+    paths = {"json": folder / f"{stem}.json", "md": folder / f"{stem}.md", "png": folder / f"{stem}_wer_vs_days.png"}
+    paths["json"].write_text(json.dumps({"summary": summary, "runs": slim, **(extra or {})}, indent=1))
+    paths["md"].write_text(markdown_table(summary))
+    plot_wer_vs_days(summary, paths["png"])
+    return paths
+
+
+def _thin(logs: dict, points: int = 100) -> dict:
+    """Loss curves subsampled to about ``points`` values each (the JSON stays small)."""
+    out = {}
+    for k, log in logs.items():
+        loss = log.get("loss", [])
+        step = max(1, len(loss) // points)
+        out[k] = {"every": step, "loss": [float(np.mean(loss[i: i + step])) for i in range(0, len(loss), step)],
+                  "wall_s": log.get("wall_s", 0.0)}
+    return out

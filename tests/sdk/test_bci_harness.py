@@ -1,0 +1,123 @@
+"""Every method runs end-to-end through the one harness on tiny data; seeds aggregate into table, JSON and plot."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from sdk.bci.baselines import METHODS, nearest_session_layer
+from sdk.bci.calibrate import CalibrationConfig
+from sdk.bci.evaluate import DEFAULT_METHODS, HarnessConfig, build_lexicon, run_harness, train_models
+from sdk.bci.meta import MetaConfig
+from sdk.bci.report import markdown_table, summarize, write_results
+from sdk.bci.toy import toy_recording
+from sdk.bci.train import BackboneConfig, TrainConfig
+
+
+def tiny_harness(seed: int = 0, **kw) -> HarnessConfig:
+    return HarnessConfig(
+        train=TrainConfig(backbone=BackboneConfig(16, 1, 0.0), steps=30, batch_size=4, lr=1e-2),
+        meta=MetaConfig(inner_steps=2, n_query=2, tasks_per_step=2, meta_steps=4),
+        calibration=CalibrationConfig(steps=4, eval_every=2, folds=2),
+        beam_width=4, seed=seed, device="cpu", progress=False, **kw,
+    )
+
+
+@pytest.fixture(scope="module")
+def sessions():
+    return toy_recording(n_channels=8, n_held_in=3, n_held_out=2, n_trials=8, seed=2)
+
+
+@pytest.fixture(scope="module")
+def runs(sessions):
+    torch.set_num_threads(1)
+    return [run_harness(sessions, tiny_harness(seed)) for seed in (0, 1)]
+
+
+def test_every_registered_method_is_in_the_default_harness():
+    assert set(DEFAULT_METHODS) == set(METHODS)
+
+
+def test_every_method_returns_per_session_metrics_for_both_decoders(runs, sessions):
+    held_out = [s.name for s in sessions if s.split == "held_out"]
+    r = runs[0]
+    assert set(r["methods"]) == set(DEFAULT_METHODS)
+    for name, m in r["methods"].items():
+        assert set(m["sessions"]) == set(held_out), name
+        for s in held_out:
+            for dec in ("greedy", "beam"):
+                score = m["sessions"][s][dec]
+                assert 0 <= score["CER"] and 0 <= score["WER"] and score["n_trials"] == 3
+        assert set(m["mean"]) == {"greedy", "beam"}
+        assert m["train_s"] > 0
+    assert r["methods"]["zero_shot"]["calibrate_s"] == 0.0
+    assert r["methods"]["two_stage"]["chosen"][held_out[0]]["optimizer"] == "meta"
+    assert "start_layer" in r["methods"]["session_layers"]["chosen"][held_out[0]]
+    assert [v["days_since_last_held_in"] for v in r["sessions"].values()] == [1.0, 2.0]
+
+
+def test_drift_reference_reports_held_in_and_zero_shot_held_out(runs, sessions):
+    ref = runs[0]["reference"]
+    assert set(ref["held_in"]["sessions"]) == {s.name for s in sessions if s.split == "held_in"}
+    assert set(ref["held_out_zero_shot"]["sessions"]) == {s.name for s in sessions if s.split == "held_out"}
+    assert 0 <= ref["held_in"]["mean"]["greedy"]["CER"]
+
+
+def test_results_aggregate_over_seeds_into_markdown_json_and_png(runs, tmp_path):
+    summary = summarize(runs)
+    assert summary["seeds"] == [0, 1]
+    wer = summary["methods"]["two_stage"]["mean"]["beam"]["WER"]
+    assert len(wer["values"]) == 2 and wer["mean"] == pytest.approx(np.mean(wer["values"]))
+    md = markdown_table(summary)
+    assert "| two_stage |" in md and "Drift reference" in md
+    paths = write_results(summary, runs, tmp_path)
+    data = json.loads(paths["json"].read_text())
+    assert data["summary"]["methods"].keys() == summary["methods"].keys()
+    assert "backbone" in data["runs"][0]["loss_curves"]
+    assert paths["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_nearest_layer_by_day_is_the_latest_held_in_session(sessions):
+    cfg = tiny_harness()
+    cfg = cfg.seeded()
+    models = train_models(sessions, cfg, {"session_layers"})
+    s = [s for s in sessions if s.split == "held_out"][0]
+    idx, info = nearest_session_layer(models.session_model, models.held_in_days, s, [], "day", torch.device("cpu"))
+    assert models.session_model.session_names[idx] == "toy-02" and info["nearest_by"] == "day"
+
+
+def test_lexicon_comes_from_trials_methods_may_learn_from(sessions):
+    lex = build_lexicon(sessions)
+    seen = {w.rstrip(",~?") for s in sessions for i in s.calibration + [j for j in range(len(s.trials))
+            if s.split == "held_in" and j not in s.evaluation] for w in s.trials[i].sentence.split(">")}
+    assert set(lex.words) == seen - {""}
+    assert set(build_lexicon(sessions, extra_words=["zebra"]).words) == seen | {"zebra"} - {""}
+
+
+def test_held_out_sessions_without_evaluation_trials_are_calibrated_not_scored(sessions):
+    """Real FALCON H2 held-out files carry calibration trials only."""
+    from dataclasses import replace
+
+    from sdk.bci.evaluate import adapt_held_out
+
+    cfg = tiny_harness(methods=("zero_shot", "two_stage")).seeded()
+    unscored = [replace(s, evaluation=[]) if s.split == "held_out" else s for s in sessions]
+    with pytest.raises(ValueError, match="FalconBundleDecoder"):
+        run_harness(unscored, replace(cfg, reference=False))
+    models = train_models(unscored, cfg, {"backbone", "meta"})
+    adapted = adapt_held_out(unscored, models, "two_stage", cfg)
+    assert set(adapted) == {s.name for s in sessions if s.split == "held_out"}
+    decoder, norm, info = adapted["toy-03"]
+    assert decoder.backbone is models.backbone and norm.mean.shape == (8,) and info["optimizer"] == "meta"
+
+
+def test_the_real_generators_tiny_recording_runs_through_the_harness():
+    from sim.handwriting import HandwritingConfig, generate_recording
+
+    rec = generate_recording(HandwritingConfig.tiny(seed=4))
+    r = run_harness(rec, tiny_harness(methods=("zero_shot", "alignment"), reference=False))
+    assert set(r["methods"]) == {"zero_shot", "alignment"}
+    assert all(np.isfinite(v["mean"]["beam"]["WER"]) for v in r["methods"].values())

@@ -1,0 +1,140 @@
+"""Stage 1 learns, stage 2 meta-learns step sizes, calibration touches only the alignment layer."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from sdk.bci.augment import DriftAugmentation, time_mask
+from sdk.bci.calibrate import CalibrationConfig, calibrate_session
+from sdk.bci.data import Normalization, session_normalization
+from sdk.bci.meta import MetaConfig, meta_train_alignment
+from sdk.bci.models import AffineAlignment, AlignedDecoder
+from sdk.bci.toy import toy_recording
+from sdk.bci.train import BackboneConfig, TrainConfig, train_backbone
+
+TINY_TRAIN = TrainConfig(backbone=BackboneConfig(16, 1, 0.0), steps=60, batch_size=4, lr=1e-2, device="cpu",
+                         progress=False)
+TINY_META = MetaConfig(inner_steps=2, n_query=2, tasks_per_step=2, meta_steps=6, device="cpu", progress=False)
+
+
+@pytest.fixture(scope="module")
+def sessions():
+    return toy_recording(n_channels=8, n_held_in=3, n_held_out=2, n_trials=8, seed=1)
+
+
+@pytest.fixture(scope="module")
+def trained(sessions):
+    torch.set_num_threads(1)
+    return train_backbone(sessions, TINY_TRAIN)
+
+
+def test_stage1_reduces_ctc_loss(trained):
+    backbone, log = trained
+    assert len(log.loss) == TINY_TRAIN.steps and log.wall_s > 0 and log.device == "cpu"
+    assert np.mean(log.loss[-10:]) < 0.7 * np.mean(log.loss[:10])
+    assert not backbone.training
+
+
+def test_training_is_reproducible_from_its_seed(sessions):
+    cfg = TrainConfig.from_json(TINY_TRAIN.to_json())
+    cfg.steps = 5
+    a, la = train_backbone(sessions, cfg)
+    b, lb = train_backbone(sessions, cfg)
+    assert la.loss == lb.loss
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))
+
+
+def test_config_json_round_trip_keeps_nested_dataclasses():
+    cfg = MetaConfig(drift=DriftAugmentation(mixing_std=0.7), inner_steps=3)
+    back = MetaConfig.from_json(cfg.to_json())
+    assert back == cfg and isinstance(back.drift, DriftAugmentation)
+    with pytest.raises(ValueError, match="no field"):
+        TrainConfig.from_dict({"stepz": 3})
+
+
+def test_meta_learning_runs_and_learns_step_sizes_without_touching_the_backbone(sessions, trained):
+    backbone, _ = trained
+    before = [p.detach().clone() for p in backbone.parameters()]
+    meta, log = meta_train_alignment(backbone, sessions, TINY_META)
+    assert len(log.loss) == TINY_META.meta_steps and np.all(np.isfinite(log.loss))
+    aw, ab = meta.step_sizes()
+    assert aw.shape == (8, 8) and ab.shape == (8,)
+    assert torch.all(aw > 0) and not torch.allclose(aw, torch.full_like(aw, TINY_META.init_step_size))
+    assert all(torch.equal(p, q) for p, q in zip(before, backbone.parameters(), strict=True))
+    assert all(p.requires_grad for p in backbone.parameters())  # restored after freezing
+
+
+def test_second_order_meta_learning_runs(sessions, trained):
+    backbone, _ = trained
+    cfg = MetaConfig.from_dict({**TINY_META.to_dict(), "second_order": True, "meta_steps": 2})
+    meta, log = meta_train_alignment(backbone, sessions, cfg)
+    assert len(log.loss) == 2 and np.all(np.isfinite(log.loss))
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "meta"])
+def test_calibration_fits_only_the_alignment_backbone_bit_identical(sessions, trained, optimizer):
+    backbone, _ = trained
+    meta = meta_train_alignment(backbone, sessions, TINY_META)[0] if optimizer == "meta" else None
+    held_out = [s for s in sessions if s.split == "held_out"][0]
+    calib = [held_out.trials[i] for i in held_out.calibration]
+    start = AlignedDecoder(meta.new_alignment() if meta else AffineAlignment(8), backbone)
+    before = {k: v.detach().clone() for k, v in backbone.state_dict().items()}
+    start_align = [p.detach().clone() for p in start.alignment.parameters()]
+    cfg = CalibrationConfig(optimizer=optimizer, steps=6, eval_every=2, device="cpu")
+    res = calibrate_session(start, calib, cfg, meta=meta)
+    after = backbone.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert res.model.backbone is backbone
+    assert all(torch.equal(p, q) for p, q in zip(start_align, start.alignment.parameters(), strict=True))
+    assert res.chosen["optimizer"] == optimizer and 0 <= res.chosen["steps"] <= (6 if optimizer == "adam" else 4)
+    assert res.validation["mean_loss"]  # leave-one-sentence-out curves were recorded
+    # untuned, a fixed number of steps always moves the layer
+    fixed = calibrate_session(start, calib, CalibrationConfig(optimizer=optimizer, steps=3, tune=False,
+                                                              meta_max_steps=3, device="cpu"), meta=meta)
+    assert not torch.equal(fixed.model.alignment.weight, start.alignment.weight)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    # normalisation came from the three calibration sentences only
+    ref = Normalization.from_trials(calib)
+    np.testing.assert_array_equal(res.normalization.mean, ref.mean)
+
+
+def test_held_out_normalisation_uses_only_calibration_trials(sessions):
+    s = [s for s in sessions if s.split == "held_out"][0]
+    norm = session_normalization(s)
+    x = np.concatenate([s.trials[i].spikes for i in s.calibration])
+    np.testing.assert_allclose(norm.mean, x.mean(0), rtol=1e-6)
+    assert np.all(norm.std >= 0.3 - 1e-7)
+
+
+def test_drift_augmentation_per_batch_shares_one_drift_and_time_mask_zeroes_a_span():
+    g = torch.Generator().manual_seed(0)
+    x = torch.ones(2, 6, 4)
+    y = DriftAugmentation(gain_std=0.5, offset_std=0.5)(x, g, per="batch")
+    torch.testing.assert_close(y[0], y[1])
+    z = DriftAugmentation(gain_std=0.5, offset_std=0.5)(x, g, per="trial")
+    assert not torch.allclose(z[0], z[1])
+    m = time_mask(x, 3, torch.Generator().manual_seed(1))
+    assert m.shape == x.shape and set(m.unique().tolist()) <= {0.0, 1.0}
+
+
+def test_twice_differentiable_ctc_matches_torch():
+    import torch.nn.functional as F
+
+    from sdk.bci.ctc import ctc_nll
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 12, 32, generator=g).requires_grad_()
+    logp = logits.log_softmax(-1)
+    targets = torch.tensor([3, 3, 5, 7, 1, 2, 2, 2, 9])  # repeats need a blank between them
+    tl, il = torch.tensor([3, 2, 4]), torch.tensor([12, 9, 11])
+    ref = F.ctc_loss(logits.log_softmax(-1).transpose(0, 1), targets, il, tl, reduction="none")
+    ours = ctc_nll(logp, targets, il, tl)
+    torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-5)
+    # torch's CTC gradient is only right through the log-softmax, so compare gradients of the logits
+    (g1,) = torch.autograd.grad(ours.sum(), logits, create_graph=True)
+    (g_ref,) = torch.autograd.grad(ref.sum(), logits)
+    torch.testing.assert_close(g1, g_ref, atol=1e-4, rtol=1e-4)
+    (g2,) = torch.autograd.grad((g1 * torch.randn_like(g1)).sum(), logits)  # a second derivative exists
+    assert torch.isfinite(g2).all()
