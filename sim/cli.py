@@ -97,7 +97,8 @@ def cli_main(argv: Sequence[str] | None = None) -> int:
     log = stderr_log if "verbose" in control else None
     device = cls(params, log)
     runner = DeviceRunner(device, control["port"], faults=FaultConfig.from_params(params), seed=params["seed"],
-                          shared_secret=key, log=log)
+                          shared_secret=key, log=log,
+                          host_pid=os.getppid() if "ready_fd" in control else None)
     handler = lambda signum, frame: runner.stop()  # noqa: E731
     signal.signal(signal.SIGTERM, handler)
     signal.signal(signal.SIGINT, handler)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import select
 import sys
 import time
@@ -73,12 +74,14 @@ class DeviceRunner:
 
     def __init__(self, device: Device, port: str, *, faults: FaultConfig | None = None, seed: int = 0,
                  shared_secret: bytes | None = None, log: Callable[[str], None] | None = None,
-                 reopen_s: float = 2.0) -> None:
+                 reopen_s: float = 2.0, host_pid: int | None = None) -> None:
         self.device = device
         self.port = port
         self.faults = faults or FaultConfig()
         self.shared_secret = shared_secret
         self.reopen_s = reopen_s
+        #: The pid of the process that started this emulator behind a pty (sim://), if any.
+        self.host_pid = host_pid
         self._log = log
         self._t0_ns = time.monotonic_ns()
         self._fault_rng = np.random.default_rng(np.random.SeedSequence([seed, 0xFA17]))
@@ -275,6 +278,10 @@ class DeviceRunner:
         self.send(Status(int(StatusCode.RECONNECTED), Severity.INFO, f"port reopened {why}"))
 
     def _recover(self, exc: Exception) -> None:
+        if self.host_pid is not None and os.getppid() != self.host_pid:
+            # Started by a sim:// host that has died: its pty is gone for good, and its number
+            # may already belong to another host's new pty. Reopening the path would steal it.
+            raise PortGoneError(f"{self.port} failed ({exc}) and the host that started this emulator is gone")
         self.log(f"port lost ({exc}); reopening")
         self.faulty.detach()  # type: ignore[union-attr]
         self._reopen("after the port failed")
