@@ -18,6 +18,7 @@ from typing import Any, ClassVar, TypeVar
 from firmware_bridge import DeviceState, Hello, Message, Severity, Status
 
 from ..params import COMMON_PARAMS, FAULT_PARAMS, Param, ParamError, import_plugins, parse_params
+from ..registry import registrar
 
 __all__ = ["Device", "StatusCode", "DEVICES", "register_device", "device_class", "device_params",
            "UnknownDeviceError"]
@@ -137,16 +138,7 @@ DEVICES: dict[str, type[Device]] = {}
 
 def register_device(name: str, *, replace: bool = False) -> Callable[[D], D]:
     """Class decorator: make ``sim://NAME`` and ``python -m sim NAME`` start this device."""
-
-    def deco(cls: D) -> D:
-        if name in DEVICES and DEVICES[name] is not cls and not replace:
-            raise ValueError(f"device name {name!r} is already registered to {DEVICES[name].__name__}; "
-                             "pick another name or pass replace=True")
-        cls.NAME = name
-        DEVICES[name] = cls
-        return cls
-
-    return deco
+    return registrar(DEVICES, "device name", name, replace)
 
 
 def device_class(name: str) -> type[Device]:

@@ -18,6 +18,8 @@ from typing import Any, ClassVar, TypeVar
 
 import numpy as np
 
+from ..registry import registrar
+
 __all__ = ["PandaScene", "Task", "TASKS", "register_task", "task_class", "ReachTask"]
 
 T = TypeVar("T", bound=type["Task"])
@@ -172,16 +174,7 @@ TASKS: dict[str, type[Task]] = {}
 
 def register_task(name: str, *, replace: bool = False) -> Callable[[T], T]:
     """Class decorator: make ``sim://panda?task=NAME`` plug this task into the scene."""
-
-    def deco(cls: T) -> T:
-        if name in TASKS and TASKS[name] is not cls and not replace:
-            raise ValueError(f"task {name!r} is already registered to {TASKS[name].__name__}; "
-                             "pick another name or pass replace=True")
-        cls.NAME = name
-        TASKS[name] = cls
-        return cls
-
-    return deco
+    return registrar(TASKS, "task", name, replace)
 
 
 def task_class(name: str) -> type[Task]:

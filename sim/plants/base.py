@@ -23,6 +23,7 @@ from typing import Any, ClassVar, TypeVar
 import numpy as np
 
 from ..params import Param
+from ..registry import registrar
 
 __all__ = ["Plant", "PLANTS", "register_plant", "plant_class", "make_plant", "rk4_step", "UnknownPlantError"]
 
@@ -96,16 +97,7 @@ PLANTS: dict[str, type[Plant]] = {}
 
 def register_plant(name: str, *, replace: bool = False) -> Callable[[P], P]:
     """Class decorator: make ``sim://plant?model=NAME`` build this plant."""
-
-    def deco(cls: P) -> P:
-        if name in PLANTS and PLANTS[name] is not cls and not replace:
-            raise ValueError(f"plant name {name!r} is already registered to {PLANTS[name].__name__}; "
-                             "pick another name or pass replace=True")
-        cls.NAME = name
-        PLANTS[name] = cls
-        return cls
-
-    return deco
+    return registrar(PLANTS, "plant name", name, replace)
 
 
 def plant_class(name: str) -> type[Plant]:
