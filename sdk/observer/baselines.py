@@ -187,7 +187,8 @@ def _canonical_chain(system: ObserverSystem) -> ObserverSystem:
     return ObserverSystem(name=f"{system.name}-chain", dt=system.dt, A=chain, B=B[-1, 0] * e_n, E=e_n, C=C,
                           nonlinearity=None, poles_c=_eso_poles(system.omega_o, n + 1, 1), omega_o=system.omega_o,
                           nominal_x0=system.nominal_x0, error_box=system.error_box,
-                          meas_noise_std=system.meas_noise_std, process_noise_std=system.process_noise_std)
+                          meas_noise_std=system.meas_noise_std, process_noise_std=system.process_noise_std,
+                          gain="poles")
 
 
 class ExtendedKalmanFilter:

@@ -144,6 +144,10 @@ class ObserverModel:
     u_low: np.ndarray
     u_high: np.ndarray
     meas_noise_std: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    process_noise_std: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    #: ``truth_step(z, u) -> z+``: the full model a training rollout's truth follows (numpy or torch,
+    #: batched; default the observer's own model). Training only: not in the manifest.
+    truth_step: Any = field(default=None, repr=False, compare=False)
 
     @classmethod
     def from_system(cls, system: ObserverSystem, *, u_max: float | None = None, K: np.ndarray | None = None,
@@ -159,7 +163,8 @@ class ObserverModel:
         nu = system.n_u
         return cls(system.name, float(system.dt), system.Ad.copy(), system.Bd.copy(), system.Cd.copy(),
                    system.L.copy(), system.Fd.copy(), system.n_x, spec, system.error_box.copy(), K,
-                   np.full(nu, -u_max), np.full(nu, u_max), system.meas_noise_std.copy())
+                   np.full(nu, -u_max), np.full(nu, u_max), system.meas_noise_std.copy(),
+                   system.process_noise_std.copy(), system.step)
 
     @property
     def n_z(self) -> int:

@@ -121,6 +121,9 @@ class _Problem:
         self.box = t(model.error_box)
         self.u_low, self.u_high = t(model.u_low), t(model.u_high)
         self.noise = t(model.meas_noise_std if model.meas_noise_std.size else np.zeros(model.n_y))
+        q = model.process_noise_std if model.process_noise_std.size else np.zeros(model.n_z)
+        self.w_std = t(q * np.sqrt(model.dt))  # per-sample process noise of the truth
+        self.truth_step = model.truth_step
         self.f = _torch_nonlinearity(model)
         npch = em.Gf.shape[1]
         verts = list(itertools.product(*[(lo, hi) for lo, hi in zip(em.f_lo, em.f_hi, strict=True)]))[:16]
@@ -154,11 +157,13 @@ class _Problem:
         z0 = (torch.rand(n, m.n_z, generator=gen, dtype=_F64) * 2 - 1) * self.box
         e0 = (torch.rand(n, m.n_z, generator=gen, dtype=_F64) * 2 - 1) * self.box
         noise = torch.randn(self.cfg.horizon, n, m.n_y, generator=gen, dtype=_F64) * self.noise
+        w = torch.randn(self.cfg.horizon, n, m.n_z, generator=gen, dtype=_F64) * self.w_std
         with torch.no_grad():
-            ref = self._rollout(None, z0, e0, noise)
-        return self._rollout(net, z0, e0, noise) / ref
+            ref = self._rollout(None, z0, e0, noise, w)
+        return self._rollout(net, z0, e0, noise, w) / ref
 
-    def _rollout(self, net: ObserverNet | None, z: torch.Tensor, e0: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    def _rollout(self, net: ObserverNet | None, z: torch.Tensor, e0: torch.Tensor, noise: torch.Tensor,
+                 w: torch.Tensor) -> torch.Tensor:
         zh = z - e0
         total = torch.zeros((), dtype=_F64)
         for k in range(self.cfg.horizon):
@@ -166,7 +171,10 @@ class _Problem:
             y = y_true + noise[k]
             u = torch.clamp(-(zh @ self.K.T), self.u_low, self.u_high).detach()
             r = y - zh @ self.Cd.T
-            z_next = z @ self.Ad.T + u @ self.Bd.T + self.f(z, y_true)
+            if self.truth_step is not None:  # the full model (e.g. the cart-pole's nonlinear one)
+                z_next = self.truth_step(z, u) + w[k]
+            else:
+                z_next = z @ self.Ad.T + u @ self.Bd.T + self.f(z, y_true) + w[k]
             zh = zh @ self.Ad.T + u @ self.Bd.T + self.f(zh, y) + r @ self.L.T
             if net is not None:
                 zh = zh + net(r)

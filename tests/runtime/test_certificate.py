@@ -31,7 +31,7 @@ def observer_setup(tmp_path_factory):
     model = ObserverModel.from_system(observer_system("flexible-joint"))
     torch.manual_seed(0)
     net = _initial_net(model, TrainConfig(hidden=(6, 6), init_gain=0.1)).scale_(0.5)
-    report = certify(model, net, rho=0.995, local_vbar=None, coverage_eps=0.05, coverage_beta=1e-2)
+    report = certify(model, net, rho=0.999, local_vbar=None, coverage_eps=0.05, coverage_beta=1e-2)
     assert report.certified
     obs = NeuralObserver(model, net)
     path = export_observer_bundle(obs, report, tmp_path_factory.mktemp("obs") / "fj", report=lambda s: None)

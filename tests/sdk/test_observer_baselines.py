@@ -51,7 +51,10 @@ def _drop(s, r):
 @pytest.mark.parametrize("name", ["x29-nd-ua-lon", "flexible-joint"])
 def test_every_baseline_converges_on_the_linear_plants(name, baseline):
     u_fn = _excitation if name == "flexible-joint" else None
-    s, r = _run(name, baseline, 2.0, u_fn=u_fn)
+    # the flexible joint's Luenberger gain is its steady-state Kalman gain: its slowest error mode decays at
+    # 2.4 /s (the measurement noise is small, the link's process noise too), so it needs longer than 2 s
+    T = 4.0 if (name, baseline) == ("flexible-joint", "luenberger") else 2.0
+    s, r = _run(name, baseline, T, u_fn=u_fn)
     assert _drop(s, r) < 1e-2
 
 
