@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet $(TORCH_SPEC)
-	$(PY) -m pip install --quiet -e '.[train,sim,dev]'
+	$(PY) -m pip install --quiet -e '.[train,sim,rl,dev]'
 	@touch $(STAMP)
 
 demo: $(STAMP)

@@ -1,6 +1,6 @@
 """Robot-arm emulator: a PyBullet Franka Panda that streams JOINT_STATE and follows JOINT_COMMAND.
 
-``sim://panda?rate=50&physics_hz=240&hold_s=0.2&task=reach``.  Each tick the physics
+``sim://panda?rate=50&physics_hz=240&hold_s=0.2&task=push``.  Each tick the physics
 is stepped up to device time and a JOINT_STATE is sent: 8 positions and velocities
 (7 arm joints in rad, gripper opening in m) and the end-effector pose.  A
 JOINT_COMMAND is applied as it arrives: POSITION (7 or 8 targets, clipped to the
@@ -8,6 +8,16 @@ URDF joint limits), VELOCITY (7 or 8 rates, clipped to the URDF velocity limits)
 END_EFFECTOR (``[x, y, z]`` or with a quaternion; solved by PyBullet IK, then as
 POSITION).  Clipping and refused commands are reported by STATUS.  With no command
 for ``hold_s`` the arm holds where it is (position control at the current angles).
+
+With a ``task`` the emulator runs the task's episodes: ``rate`` and ``physics_hz``
+default to the task's control and physics rates, every ``episode_steps`` ticks the
+episode's outcome (success at its last tick) is counted and a new episode starts
+(arm back to the start pose, object and goal drawn again), and each tick also sends
+a PLANT_MEASUREMENT whose ``y`` is the task's observation vector (the layout of
+``sim.manipulation.tasks``) and whose ``u`` is ``[episode, step, success now,
+episodes done, episodes succeeded]``; a host reads the deployed success rate there.
+The first episode's clock starts with the first JOINT_COMMAND (the arm waits at the
+start pose until the host acts), so a slow host start does not cost it steps.
 """
 
 from __future__ import annotations
@@ -17,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from firmware_bridge import Hello, JointCommand, JointMode, JointState, Message, Severity
+from firmware_bridge import Hello, JointCommand, JointMode, JointState, Message, PlantMeasurement, Severity
 
 from ..params import Param
 from .base import Device, StatusCode, register_device
@@ -36,20 +46,32 @@ class PandaDevice(Device):
 
     KIND = "panda"
     PARAMS = (
-        Param("rate", float, 50.0, "JOINT_STATE frames per second", low=0.1, high=1000.0),
-        Param("physics_hz", float, 240.0, "PyBullet step rate in Hz", low=10.0, high=10_000.0),
+        Param("rate", float, None, "JOINT_STATE frames per second (default 50, or the task's control rate)",
+              low=0.1, high=1000.0),
+        Param("physics_hz", float, None, "PyBullet step rate in Hz (default 240, or the task's)", low=10.0,
+              high=10_000.0),
         Param("hold_s", float, 0.2, "hold the current pose after this long without a command", low=0.0),
         Param("task", str, "", "task plugged into the scene (sim.devices.panda_scene.TASKS); empty: none",
               choices=lambda: ["", *TASKS]),
+        Param("episode_steps", int, 0, "ticks per task episode (0: the task's own length)", low=0),
     )
 
     def __init__(self, params: Mapping[str, Any], log: Callable[[str], None] | None = None) -> None:
         super().__init__(params, log)
-        self.scene = PandaScene(self.params["physics_hz"])
+        cls = task_class(self.params["task"]) if self.params["task"] else None
+        if self.params["rate"] is None:
+            self.params["rate"] = cls.control_hz if cls is not None else 50.0
+        if self.params["physics_hz"] is None:
+            self.params["physics_hz"] = cls.physics_hz if cls is not None else 240.0
+        self.scene = PandaScene(self.params["physics_hz"], ik_iterations=cls.ik_iterations if cls else 200)
         self.task: Task | None = None
-        if self.params["task"]:
-            self.task = task_class(self.params["task"])()
-            self.task.setup(self.scene, np.random.default_rng(np.random.SeedSequence([self.params["seed"], 7])))
+        self.rng = np.random.default_rng(np.random.SeedSequence([self.params["seed"], 7]))
+        if cls is not None:
+            self.task = cls()
+            self.task.setup(self.scene, self.rng)
+        self.episode_steps = self.params["episode_steps"] or (cls.episode_steps if cls is not None else 0)
+        self.episode = self.episode_step = self.episodes_done = self.episodes_succeeded = 0
+        self.commanded = False
         self.t_start_s = 0.0
         self.mode: JointMode | None = None
         self.last_command_s: float | None = None
@@ -64,6 +86,11 @@ class PandaDevice(Device):
 
     def start(self, t_s: float) -> None:
         self.t_start_s = t_s
+        if self.task is not None:  # the first episode starts with the stream
+            self.task.reset(self.scene, self.rng)
+            self.episode = self.episode_step = self.episodes_done = self.episodes_succeeded = 0
+            self.solved = False
+            self.commanded = False
         self._physics_base = self.scene.steps
 
     def _advance(self, t_s: float) -> None:
@@ -84,12 +111,28 @@ class PandaDevice(Device):
             self.notify(StatusCode.HOLD, Severity.WARNING,
                         f"no JOINT_COMMAND for {self.params['hold_s']:g} s: holding the current pose", t_s,
                         min_interval_s=0.0)
-        if self.task is not None and not self.solved and self.task.success(self.scene):
+        if self.task is None:
+            q, dq = self.scene.state()
+            return [JointState(q, dq, self.scene.ee_pose())]
+        success = self.task.success(self.scene)
+        if success and not self.solved:
             self.solved = True
-            self.notify(StatusCode.TASK_SUCCESS, Severity.INFO, f"task {self.task.NAME!r} solved: "
-                        f"{self.task.info(self.scene)}", t_s, min_interval_s=0.0)
+            self.notify(StatusCode.TASK_SUCCESS, Severity.INFO, f"task {self.task.NAME!r} solved in episode "
+                        f"{self.episode}: {self.task.info(self.scene)}", t_s, min_interval_s=0.0)
+        if index > 0 and self.commanded:
+            self.episode_step += 1
+        if self.episode_steps and self.episode_step >= self.episode_steps:
+            # The episode's outcome is its state after its last control step; then a new one starts.
+            self.episodes_done += 1
+            self.episodes_succeeded += bool(success)
+            self.episode += 1
+            self.episode_step = 0
+            self.solved = False
+            self.task.reset(self.scene, self.rng)
+            success = self.task.success(self.scene)
         q, dq = self.scene.state()
-        return [JointState(q, dq, self.scene.ee_pose())]
+        counters = [self.episode, self.episode_step, float(success), self.episodes_done, self.episodes_succeeded]
+        return [JointState(q, dq, self.scene.ee_pose()), PlantMeasurement(self.task.observation(self.scene), counters)]
 
     def on_message(self, message: Message, t_s: float) -> None:
         if not isinstance(message, JointCommand):
@@ -104,6 +147,9 @@ class PandaDevice(Device):
                         f"{values.tolist()[:8]}: expected {' or '.join(map(str, sizes))} finite values", t_s)
             return
         self._advance(t_s)
+        if not self.commanded:  # the first episode's clock starts now
+            self.commanded = True
+            self.episode_step = 0
         scene, n = self.scene, values.size
         if message.mode is JointMode.POSITION:
             applied = np.clip(values, scene.lower[:n], scene.upper[:n])
@@ -118,7 +164,7 @@ class PandaDevice(Device):
             orn = values[3:] / np.linalg.norm(values[3:]) if n == 7 and np.linalg.norm(values[3:]) > 0 else None
             applied = np.concatenate([pos, values[3:]])
             what = "the workspace box"
-            scene.command_positions(np.clip(scene.solve_ik(pos, orn), scene.lower[:7], scene.upper[:7]))
+            scene.command_ee(pos, orn)
         if np.any(applied != values):
             self.clipped += 1
             self.notify(StatusCode.COMMAND_CLIPPED, Severity.WARNING,
@@ -137,7 +183,9 @@ class PandaDevice(Device):
             "ee_pose": np.round(self.scene.ee_pose(), 4).tolist(),
         }
         if self.task is not None:
-            out["task"] = {"name": self.task.NAME, "solved": self.solved, **self.task.info(self.scene)}
+            out["task"] = {"name": self.task.NAME, "solved": self.solved, "episode": self.episode,
+                           "episode_step": self.episode_step, "episodes_done": self.episodes_done,
+                           "episodes_succeeded": self.episodes_succeeded, **self.task.info(self.scene)}
         return out
 
     def close(self) -> None:

@@ -4,9 +4,11 @@
 Panda from ``pybullet_data`` (``franka_panda/panda.urdf``, fixed base), with joint
 limits, efforts and velocity limits read from the URDF.  Its state has 8 dimensions:
 the 7 arm joints and the gripper opening (the sum of the two finger joints, 0..0.08 m).
-A :class:`Task` adds bodies to the scene and says when it is solved; tasks are
-registered by name (``sim://panda?task=NAME``), so manipulation tasks (push, reach,
-pick-and-place) plug in without touching the emulator.  PyBullet is imported when a
+A :class:`Task` adds bodies to the scene, starts episodes, turns the scene into an
+observation vector and says when it is solved; tasks are registered by name
+(``sim://panda?task=NAME``).  The same task objects drive the gymnasium environments
+of :mod:`sim.manipulation` (reach, push, pick-and-place live there), so an emulated
+episode and an in-process episode run the same code.  PyBullet is imported when a
 scene is built, so importing this module is cheap.
 """
 
@@ -20,7 +22,7 @@ import numpy as np
 
 from ..registry import registrar
 
-__all__ = ["PandaScene", "Task", "TASKS", "register_task", "task_class", "ReachTask"]
+__all__ = ["PandaScene", "Task", "TASKS", "register_task", "task_class", "ReachTask", "HOME_Q"]
 
 T = TypeVar("T", bound=type["Task"])
 
@@ -35,15 +37,19 @@ class PandaScene:
     ----------
     physics_hz : float
         Physics step rate (PyBullet's default is 240 Hz).
+    ik_iterations : int
+        Iterations of PyBullet's IK per end-effector command (each ~5 us).  Many give a
+        precise one-shot solve; a closed loop that re-solves every step needs few.
     """
 
-    def __init__(self, physics_hz: float = 240.0) -> None:
+    def __init__(self, physics_hz: float = 240.0, ik_iterations: int = 200) -> None:
         import pybullet as p
         import pybullet_data
 
         self.p = p
         self.client = p.connect(p.DIRECT)
         self.physics_hz = physics_hz
+        self.ik_iterations = int(ik_iterations)
         kw = {"physicsClientId": self.client}
         p.setAdditionalSearchPath(pybullet_data.getDataPath(), **kw)
         p.setGravity(0.0, 0.0, -9.81, **kw)
@@ -80,12 +86,16 @@ class PandaScene:
 
     def reset_home(self) -> None:
         """Put the arm in its home pose, gripper open, and hold it there."""
+        self.reset_arm(np.array(HOME_Q), _GRIPPER_MAX_M)
+
+    def reset_arm(self, q: np.ndarray, gripper_m: float) -> None:
+        """Teleport the arm to joint angles ``q`` (7) at rest, gripper opening ``gripper_m``, and hold there."""
         p, kw = self.p, {"physicsClientId": self.client}
-        for j, q in zip(self.arm_joints, HOME_Q, strict=True):
-            p.resetJointState(self.robot, j, q, 0.0, **kw)
+        for j, v in zip(self.arm_joints, q, strict=True):
+            p.resetJointState(self.robot, j, float(v), 0.0, **kw)
         for j in self.finger_joints:
-            p.resetJointState(self.robot, j, _GRIPPER_MAX_M / 2, 0.0, **kw)
-        self.command_positions(np.array([*HOME_Q, _GRIPPER_MAX_M]))
+            p.resetJointState(self.robot, j, gripper_m / 2, 0.0, **kw)
+        self.command_positions(np.array([*q, gripper_m]))
 
     def step(self, n: int = 1) -> None:
         for _ in range(n):
@@ -104,6 +114,21 @@ class PandaScene:
         s = self.p.getLinkState(self.robot, self.ee_link, computeForwardKinematics=True,
                                 physicsClientId=self.client)
         return np.array([*s[4], *s[5]])
+
+    def ee_velocity(self) -> np.ndarray:
+        """End-effector linear velocity ``[vx, vy, vz]`` (m/s, world frame)."""
+        s = self.p.getLinkState(self.robot, self.ee_link, computeLinkVelocity=True, physicsClientId=self.client)
+        return np.array(s[6])
+
+    def command_ee(self, position: np.ndarray, orientation: np.ndarray | None = None) -> np.ndarray:
+        """Move the hand towards ``position``: IK, clipped to the joint limits, as position targets.
+
+        Returns the 7 joint targets sent.  The emulator's END_EFFECTOR command and the
+        manipulation environments' actions both come here, so they move the arm alike.
+        """
+        q = np.clip(self.solve_ik(position, orientation), self.lower[:7], self.upper[:7])
+        self.command_positions(q)
+        return q
 
     def command_positions(self, q: np.ndarray) -> None:
         """Position-control targets for the 8 dims (7 given: the gripper keeps its target)."""
@@ -128,8 +153,21 @@ class PandaScene:
                 p.setJointMotorControl2(self.robot, j, p.VELOCITY_CONTROL, targetVelocity=float(dq[7]) / 2,
                                         force=float(self.max_force[7]), **kw)
 
-    def solve_ik(self, position: np.ndarray, orientation: np.ndarray | None = None) -> np.ndarray:
-        """The 7 arm joint angles that put the end effector at ``position`` (and ``orientation``)."""
+    def command_gripper(self, opening_m: float) -> None:
+        """Position-control target for the gripper opening (0..0.08 m; both fingers move together)."""
+        p, kw = self.p, {"physicsClientId": self.client}
+        width = float(np.clip(opening_m, 0.0, _GRIPPER_MAX_M))
+        for j in self.finger_joints:
+            p.setJointMotorControl2(self.robot, j, p.POSITION_CONTROL, targetPosition=width / 2,
+                                    force=float(self.max_force[7]), maxVelocity=float(self.max_velocity[7]) / 2, **kw)
+
+    def solve_ik(self, position: np.ndarray, orientation: np.ndarray | None = None,
+                 iterations: int | None = None) -> np.ndarray:
+        """The 7 arm joint angles that put the end effector at ``position`` (and ``orientation``).
+
+        PyBullet's IK starts from the current joint angles; ``iterations`` overrides
+        :attr:`ik_iterations` for this call.
+        """
         orn = self.home_ee_orientation if orientation is None else orientation
         ranges = (self.upper - self.lower)[:7]
         rest = list(HOME_Q) + [_GRIPPER_MAX_M / 2] * 2
@@ -138,7 +176,7 @@ class PandaScene:
         sol = self.p.calculateInverseKinematics(
             self.robot, self.ee_link, [float(v) for v in position], [float(v) for v in orn],
             lowerLimits=lower, upperLimits=upper, jointRanges=list(ranges) + [0.04, 0.04], restPoses=rest,
-            maxNumIterations=200, residualThreshold=1e-5, physicsClientId=self.client)
+            maxNumIterations=iterations or self.ik_iterations, residualThreshold=1e-5, physicsClientId=self.client)
         return np.asarray(sol[:7], dtype=float)
 
     def close(self) -> None:
@@ -149,20 +187,38 @@ class PandaScene:
 
 
 class Task(ABC):
-    """Something to do in a :class:`PandaScene`: adds its bodies, and says when it is solved.
+    """Something to do in a :class:`PandaScene`: adds its bodies, starts episodes, says when it is solved.
 
-    ``setup`` runs once after the scene is built; ``success`` after every tick (the
-    emulator sends a TASK_SUCCESS status when it turns true); ``info`` goes into the
-    device's REPORT (targets, object poses) so a host can read them.
+    ``setup`` runs once after the scene is built (add bodies, then start the first
+    episode); ``reset`` starts a new episode (arm to the start pose, object and goal
+    drawn from ``rng``); ``observation`` is the task's state as one float vector (the
+    policy's input: its layout is the task's, see ``docs/rl.md``); ``success`` is
+    checked after every control step; ``info`` goes into the device's REPORT.  The
+    class attributes are the control settings a task is designed for: an environment
+    and the emulator both run it at ``control_hz`` with ``physics_hz`` physics.
     """
 
     NAME: ClassVar[str] = ""
+    #: Control steps per second, physics steps per second, control steps per episode.
+    control_hz: ClassVar[float] = 25.0
+    physics_hz: ClassVar[float] = 250.0
+    episode_steps: ClassVar[int] = 50
+    #: IK iterations per end-effector command (see :class:`PandaScene`).
+    ik_iterations: ClassVar[int] = 200
 
     @abstractmethod
     def setup(self, scene: PandaScene, rng: np.random.Generator) -> None: ...
 
     @abstractmethod
     def success(self, scene: PandaScene) -> bool: ...
+
+    def reset(self, scene: PandaScene, rng: np.random.Generator) -> None:
+        """Start a new episode (default: arm home)."""
+        scene.reset_home()
+
+    def observation(self, scene: PandaScene) -> np.ndarray:
+        """The task's observation vector (default: none)."""
+        return np.zeros(0)
 
     def info(self, scene: PandaScene) -> dict[str, Any]:
         return {}
@@ -184,23 +240,6 @@ def task_class(name: str) -> type[Task]:
         raise KeyError(f"no panda task named {name!r}; registered: {', '.join(sorted(TASKS))}") from None
 
 
-@register_task("reach")
-class ReachTask(Task):
-    """Bring the end effector within 3 cm of a (seeded) target point, shown as a sphere."""
-
-    tolerance_m = 0.03
-
-    def setup(self, scene: PandaScene, rng: np.random.Generator) -> None:
-        self.target = np.array([0.5, 0.0, 0.35]) + rng.uniform([-0.1, -0.2, -0.1], [0.1, 0.2, 0.1])
-        p, kw = scene.p, {"physicsClientId": scene.client}
-        shape = p.createVisualShape(p.GEOM_SPHERE, radius=self.tolerance_m, rgbaColor=[0, 1, 0, 0.5], **kw)
-        p.createMultiBody(baseMass=0, baseVisualShapeIndex=shape, basePosition=self.target.tolist(), **kw)
-
-    def distance_m(self, scene: PandaScene) -> float:
-        return float(np.linalg.norm(scene.ee_pose()[:3] - self.target))
-
-    def success(self, scene: PandaScene) -> bool:
-        return self.distance_m(scene) < self.tolerance_m
-
-    def info(self, scene: PandaScene) -> dict[str, Any]:
-        return {"target": self.target.round(4).tolist(), "distance_m": round(self.distance_m(scene), 4)}
+# The manipulation tasks (reach, push, pick_and_place) live with their environments and
+# register themselves here; imported last so that they find Task and register_task defined.
+from ..manipulation.tasks import ReachTask  # noqa: E402

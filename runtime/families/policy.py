@@ -1,0 +1,168 @@
+"""The ``policy`` family: a robot policy from a task observation to a clipped end-effector command.
+
+Per step the device sends a PLANT_MEASUREMENT whose ``y`` is the task observation (the
+panda emulator with ``task=...`` does; a real cell would send its own tracker's
+estimate in the same layout) and whose ``u`` carries the task's episode counters
+``[episode, step, success now, episodes done, episodes succeeded]``.  The family
+standardises ``y`` with the bundle's ``preprocess.mean``/``std``, runs the policy
+(actions in ``[-1, 1]``), and turns the action into a hand target::
+
+    target = clip(y[ee_index] + action_scale_m * action[:3], low, high)
+
+sent as a JOINT_COMMAND in END_EFFECTOR mode (``[x, y, z]``).  ``low``/``high`` are
+``postprocess.low``/``high`` (the task's workspace box).  The safe command holds the
+hand where it was last seen (the bundle's ``extra.policy.safe_position`` before any
+observation).  From the counters it reports the deployed success rate with a Wilson
+95% interval.  Manifest block ``extra.policy``: ``task``, ``ee_index``,
+``action_scale_m``, ``safe_position``, ``n_actions`` (written by
+``sdk.rl.deploy.export_policy``; see ``docs/rl.md``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from firmware_bridge import JointCommand, JointMode
+
+from .base import FamilyPlugin
+from .registry import register_family
+
+if TYPE_CHECKING:
+    from firmware_bridge import Hello, Message
+
+    from ..bundle import Bundle
+    from ..model import Model
+
+BLOCK = "policy"
+_COUNTERS = 5
+
+
+def wilson_interval(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """Wilson score interval of a binomial proportion (95% for ``z = 1.96``); ``(0, 1)`` when ``n == 0``."""
+    if n <= 0:
+        return 0.0, 1.0
+    p = successes / n
+    denom = 1.0 + z * z / n
+    centre = (p + z * z / (2 * n)) / denom
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+@register_family
+class PolicyFamily(FamilyPlugin):
+    """Task observation in, END_EFFECTOR hand target out, success counted per episode."""
+
+    name = "policy"
+    default_input = "plant_measurement"
+    default_command = "none"  # built here: END_EFFECTOR JointCommands are not a generic command kind
+    consume = "newest"
+
+    @classmethod
+    def problems(cls, bundle: Bundle) -> list[str]:
+        pol = bundle.manifest.extra.get(BLOCK)
+        if not isinstance(pol, dict):
+            return [f"policy: manifest extra.{BLOCK} is missing (ee_index, action_scale_m, safe_position)"]
+        out = []
+        spec = bundle.graph()
+        n_in, n_out = int(spec.data_inputs[0].shape[-1]), int(spec.data_outputs[0].shape[-1])
+        idx = pol.get("ee_index", [])
+        if len(idx) != 3 or any(not 0 <= int(i) < n_in for i in idx):
+            out.append(f"policy: extra.policy.ee_index={idx} must be 3 indices into the {n_in}-value observation")
+        if n_out < 3:
+            out.append(f"policy: the graph outputs {n_out} actions; at least 3 (hand dx, dy, dz) are needed")
+        pre, post = bundle.manifest.preprocess, bundle.manifest.postprocess
+        for key, section, n in (("mean", pre, n_in), ("std", pre, n_in), ("low", post, 3), ("high", post, 3)):
+            if key not in section or np.asarray(section[key]).shape != (n,):
+                out.append(f"policy: {'preprocess' if section is pre else 'postprocess'}.{key} must hold {n} values")
+        if "std" in pre and np.any(np.asarray(pre["std"], dtype=float) <= 0):
+            out.append("policy: preprocess.std has values <= 0")
+        if len(pol.get("safe_position", [])) != 3:
+            out.append("policy: extra.policy.safe_position must be [x, y, z]")
+        return out
+
+    def __init__(self, bundle: Bundle, model: Model):
+        super().__init__(bundle, model)
+        pol, pre, post = bundle.manifest.extra[BLOCK], bundle.manifest.preprocess, bundle.manifest.postprocess
+        self._x = model.inputs[model.spec.data_inputs[0].name]
+        self._y = model.outputs[model.spec.data_outputs[0].name]
+        self._mean = np.asarray(pre["mean"], dtype=np.float32)
+        self._inv_std = (1.0 / np.asarray(pre["std"], dtype=np.float32)).astype(np.float32)
+        self._ee_index = np.asarray(pol["ee_index"], dtype=np.int64)
+        self._scale = np.float32(pol["action_scale_m"])
+        self._low = np.asarray(post["low"], dtype=np.float32)
+        self._high = np.asarray(post["high"], dtype=np.float32)
+        self._safe_home = np.asarray(pol["safe_position"], dtype=np.float32)
+        self._obs = np.zeros(self._mean.size, dtype=np.float32)
+        self._ee = self._safe_home.copy()
+        self._cmd = np.zeros(3, dtype=np.float32)
+        self._counters = np.zeros(_COUNTERS)
+        self._seen = False
+
+    def reset(self) -> None:
+        super().reset()
+        self._ee[:] = self._safe_home
+        self._seen = False
+
+    def check_device(self, hello: Hello) -> list[str]:
+        rate = self.bundle.manifest.rate_hz
+        problems = []
+        if hello.rate_hz and abs(hello.rate_hz - rate) > 0.01 * rate:
+            problems.append(f"device streams at {hello.rate_hz:g} Hz, the policy was trained at {rate:g} Hz "
+                            f"(for the emulator: sim://panda?task=...&rate={rate:g})")
+        return problems
+
+    def on_message(self, message: Message) -> None:
+        y, u = message.y, message.u  # a PlantMeasurement (the session only passes the input kind)
+        if y.size != self._obs.size:
+            raise ValueError(f"policy: the device sent a {y.size}-value observation, the bundle's policy takes "
+                             f"{self._obs.size} (task {self.bundle.manifest.extra[BLOCK].get('task')!r}); "
+                             "is the device running the same task?")
+        if u.size >= _COUNTERS:
+            self._counters[:] = u[:_COUNTERS]
+        self.preprocess(y)
+
+    def preprocess(self, frame: np.ndarray) -> None:
+        np.copyto(self._obs, frame.reshape(-1), casting="unsafe")
+        self._ee[:] = self._obs[self._ee_index]
+        self._seen = True
+        x = self._x.reshape(-1)
+        np.subtract(self._obs, self._mean, out=x)
+        np.multiply(x, self._inv_std, out=x)
+
+    def postprocess(self) -> np.ndarray:
+        a = self._y.reshape(-1)[:3]
+        np.clip(a, -1.0, 1.0, out=self._cmd)
+        np.multiply(self._cmd, self._scale, out=self._cmd)
+        np.add(self._cmd, self._ee, out=self._cmd)
+        np.clip(self._cmd, self._low, self._high, out=self._cmd)
+        return self._cmd
+
+    def safe_output(self) -> np.ndarray:
+        return np.clip(self._ee, self._low, self._high)
+
+    def command_limits(self) -> tuple[np.ndarray | None, np.ndarray | None]:
+        return self._low, self._high
+
+    def command_message(self, command: np.ndarray, step: int) -> Message | None:
+        return JointCommand(JointMode.END_EFFECTOR, command)
+
+    def safe_message(self, step: int) -> Message | None:
+        return JointCommand(JointMode.END_EFFECTOR, np.ascontiguousarray(self.safe_output()))
+
+    def episodes(self) -> tuple[int, int]:
+        """``(episodes done, episodes succeeded)`` as the device last reported them."""
+        return int(self._counters[3]), int(self._counters[4])
+
+    def live_metrics(self) -> dict[str, float | str]:
+        done, won = self.episodes()
+        return {"episode": int(self._counters[0]), "success": f"{won}/{done}"}
+
+    def summary_metrics(self) -> dict[str, float | str]:
+        done, won = self.episodes()
+        lo, hi = wilson_interval(won, done)
+        rate = won / done if done else float("nan")
+        return {"episodes": done, "successes": won, "success_rate": rate,
+                "success_rate_wilson95": f"[{lo:.3f}, {hi:.3f}]"}

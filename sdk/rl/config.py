@@ -1,0 +1,164 @@
+"""Configuration of success-visitation fine-tuning, as dataclasses that round-trip through JSON.
+
+:class:`ShapingConfig` is the reward (which form, lambda, beta, the discriminator and
+its training); :class:`FineTuneConfig` is one fine-tuning run (task, pre-training,
+SAC settings, budget, evaluation).  ``to_dict``/``from_dict`` make every run
+reproducible from its record (``bench/results/rl.json`` stores them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+__all__ = ["ShapingConfig", "FineTuneConfig", "SHAPING_KINDS"]
+
+#: ``sparse``: outcome reward only.  ``svm``: success visitation matching,
+#: r + lambda clip_beta(logit f(s, a)), f from successful vs failed trajectories.
+#: ``potential``: r + lambda (gamma Phi(s') - Phi(s)), Phi = clip_beta(logit g(s)), g state-only.
+#: ``gail``: like ``svm`` but f from successful trajectories vs the policy's own recent data (no failure labels).
+SHAPING_KINDS = ("sparse", "svm", "potential", "gail")
+
+
+class _Json:
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)  # type: ignore[call-overload]
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]):
+        known = {f.name: f for f in fields(cls)}  # type: ignore[arg-type]
+        unknown = sorted(set(d) - set(known))
+        if unknown:
+            raise ValueError(f"{cls.__name__}: unknown field(s) {unknown}; known: {sorted(known)}")
+        kw = {}
+        for k, v in d.items():
+            if isinstance(v, dict) and k == "shaping":
+                v = ShapingConfig.from_dict(v)
+            elif isinstance(v, list):
+                v = tuple(v)
+            kw[k] = v
+        return cls(**kw)
+
+
+@dataclass
+class ShapingConfig(_Json):
+    """The dense process reward and its discriminator.
+
+    Attributes
+    ----------
+    kind : str
+        One of :data:`SHAPING_KINDS`.
+    lam : float
+        lambda, the weight of the discriminator term.
+    beta : float
+        Logits are clipped to ``[-beta, beta]`` (bounds the bonus at ``lam * beta`` per step).
+    gamma : float
+        Discount in the potential-based form (use the RL algorithm's).
+    hidden : tuple of int
+        Discriminator hidden widths (ReLU MLP).
+    lr, weight_decay : float
+        AdamW settings of the discriminator.
+    batch_size : int
+        Per class (positives and negatives are sampled in equal numbers).
+    updates_per_episode : int
+        Gradient steps after every finished episode ("refit as episodes arrive").
+    capacity : int
+        Transitions kept per label (oldest dropped first).
+    policy_window : int
+        ``gail``: negatives are the policy's most recent transitions, this many.
+    success_when : {"final", "any"}
+        A trajectory is successful if ``info["is_success"]`` holds at its last step, or at any step.
+    device : str
+        Torch device of the discriminator.
+    """
+
+    kind: str = "svm"
+    lam: float = 0.05
+    beta: float = 5.0
+    gamma: float = 0.95
+    hidden: tuple[int, ...] = (64, 64)
+    lr: float = 1e-3
+    weight_decay: float = 1e-4
+    batch_size: int = 128
+    updates_per_episode: int = 10
+    capacity: int = 50_000
+    policy_window: int = 5_000
+    success_when: str = "final"
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        if self.kind not in SHAPING_KINDS:
+            raise ValueError(f"ShapingConfig.kind={self.kind!r}; expected one of {SHAPING_KINDS}")
+        if self.success_when not in ("final", "any"):
+            raise ValueError(f"ShapingConfig.success_when={self.success_when!r}; expected 'final' or 'any'")
+        if self.beta <= 0 or self.lam < 0 or not 0 < self.gamma <= 1:
+            raise ValueError(f"ShapingConfig needs beta > 0, lam >= 0, 0 < gamma <= 1; got beta={self.beta}, "
+                             f"lam={self.lam}, gamma={self.gamma}")
+        self.hidden = tuple(int(h) for h in self.hidden)
+
+
+@dataclass
+class FineTuneConfig(_Json):
+    """One pre-train + fine-tune run on a Panda task (see :func:`sdk.rl.fine_tune`).
+
+    Attributes
+    ----------
+    task : str
+        ``reach``, ``push`` or ``pick_and_place``.
+    seed : int
+        Seeds torch, the environments and the demonstrations.
+    shaping : ShapingConfig
+        The reward.
+    demos : int
+        Scripted demonstrations for behaviour cloning (their successful episodes are cloned).
+    demo_noise : float
+        Gaussian action noise on the scripted controller (diverse demonstrations).
+    bc_epochs : int
+        Behaviour-cloning epochs over the demonstrations.
+    prior_episodes : int
+        Episodes of the pre-trained policy that seed the discriminator's labelled replay.
+    total_steps : int
+        Environment steps of fine-tuning.
+    net : tuple of int
+        Actor and critic hidden widths.
+    batch_size, gradient_steps, train_freq : int
+        SAC settings (no random warm-up steps: the replay starts with demonstrations and prior episodes).
+    actor_warmup_steps : int
+        The actor is frozen for this many steps while the critic learns the pre-trained policy's values.
+    actor_lr_scale : float
+        The actor's learning rate is ``learning_rate * actor_lr_scale``.
+    init_log_std : float
+        Log standard deviation of the pre-trained actor's (pre-tanh) Gaussian.
+    ent_coef : str
+        SAC's entropy coefficient: a number, or ``"auto_0.01"`` (tuned from 0.01; its target entropy
+        drags a pre-trained policy whose actions saturate the tanh towards noise, so the default is fixed).
+    eval_every, eval_episodes : int
+        In-process evaluation (deterministic policy, outcome only) every so many steps.
+    """
+
+    task: str = "push"
+    seed: int = 0
+    shaping: ShapingConfig = field(default_factory=ShapingConfig)
+    demos: int = 30
+    demo_noise: float = 0.1
+    bc_epochs: int = 200
+    prior_episodes: int = 20
+    total_steps: int = 20_000
+    net: tuple[int, ...] = (256, 256)
+    learning_rate: float = 3e-4
+    gamma: float = 0.95
+    batch_size: int = 256
+    gradient_steps: int = 1
+    train_freq: int = 1
+    actor_warmup_steps: int = 2_000
+    actor_lr_scale: float = 0.1
+    init_log_std: float = -1.5
+    ent_coef: str = "0.002"
+    eval_every: int = 2_000
+    eval_episodes: int = 30
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        self.net = tuple(int(h) for h in self.net)
+        if isinstance(self.shaping, dict):
+            self.shaping = ShapingConfig.from_dict(self.shaping)

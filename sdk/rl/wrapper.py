@@ -1,0 +1,117 @@
+"""The success-visitation reward as a gymnasium wrapper, for any environment that reports ``is_success``.
+
+:class:`SuccessVisitationWrapper` records every transition of the episode in progress;
+when the episode ends it labels the trajectory by ``info["is_success"]`` (at the last
+step, or at any step), adds it to the :class:`~sdk.rl.reward.VisitationReward`'s
+labelled replay and refits the discriminator.  Each step's reward is the outcome
+reward plus the bonus of the current discriminator; ``info`` carries both parts
+(``outcome_reward``, ``shaping_bonus``) and, at an episode's end, the outcome-only
+``episode_success`` and returns, so a logger never confuses the shaped return with
+success.  Dict observations (panda-gym's goal-conditioned ones) are flattened for the
+discriminator; the agent still sees them unchanged.  :class:`FixedNormalization`
+standardises observations with frozen statistics (the exported bundle repeats it).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+from gymnasium import spaces
+
+from .config import ShapingConfig
+from .reward import VisitationReward
+
+__all__ = ["SuccessVisitationWrapper", "FixedNormalization", "flat_dim"]
+
+
+def flat_dim(space: spaces.Space) -> int:
+    return int(spaces.flatdim(space))
+
+
+class SuccessVisitationWrapper(gym.Wrapper):
+    """Outcome reward + ``lam`` x discriminator bonus; labels and refits after each episode.
+
+    Parameters
+    ----------
+    env : gymnasium.Env
+        Must put ``is_success`` in ``info`` (at least at the end of an episode).
+    config : ShapingConfig
+        The reward form and discriminator settings.
+    reward : VisitationReward, optional
+        Share one discriminator between several wrappers or with a relabelling replay
+        buffer (:class:`sdk.rl.sb3.ShapedReplayBuffer`); built from ``config`` if None.
+    seed : int
+        Seeds the discriminator.
+    """
+
+    def __init__(self, env: gym.Env, config: ShapingConfig, reward: VisitationReward | None = None,
+                 seed: int = 0) -> None:
+        super().__init__(env)
+        self.config = config
+        self.obs_dim = flat_dim(env.observation_space)
+        self.act_dim = flat_dim(env.action_space)
+        self.reward_model = reward or VisitationReward(config, self.obs_dim, self.act_dim, seed=seed)
+        self._rows: dict[str, list[np.ndarray]] = {"obs": [], "actions": [], "next_obs": []}
+        self._any_success = False
+        self._returns = [0.0, 0.0]
+        self._obs: np.ndarray | None = None
+        self.episodes = 0
+
+    def _flat(self, obs: Any) -> np.ndarray:
+        return np.asarray(spaces.flatten(self.env.observation_space, obs), dtype=np.float32)
+
+    def reset(self, **kwargs):
+        obs, info = self.env.reset(**kwargs)
+        self._obs = self._flat(obs)
+        for rows in self._rows.values():
+            rows.clear()
+        self._any_success = bool(info.get("is_success", False))
+        self._returns = [0.0, 0.0]
+        return obs, info
+
+    def step(self, action):
+        if self._obs is None:
+            raise RuntimeError("SuccessVisitationWrapper.step called before reset()")
+        obs, reward, terminated, truncated, info = self.env.step(action)
+        flat_next = self._flat(obs)
+        flat_action = np.asarray(spaces.flatten(self.env.action_space, action), dtype=np.float32)
+        bonus = float(self.reward_model.bonus(self._obs[None], flat_action[None], flat_next[None],
+                                              np.array([terminated]))[0])
+        self._rows["obs"].append(self._obs)
+        self._rows["actions"].append(flat_action)
+        self._rows["next_obs"].append(flat_next)
+        self._any_success |= bool(info.get("is_success", False))
+        self._returns[0] += float(reward)
+        self._returns[1] += float(reward) + bonus
+        info = dict(info)
+        info["outcome_reward"] = float(reward)
+        info["shaping_bonus"] = bonus
+        if terminated or truncated:
+            final = bool(info.get("is_success", False))
+            success = final if self.config.success_when == "final" else self._any_success
+            self.reward_model.add_episode(np.stack(self._rows["obs"]), np.stack(self._rows["actions"]),
+                                          np.stack(self._rows["next_obs"]), success)
+            self.reward_model.fit()
+            self.episodes += 1
+            info["episode_success"] = success
+            info["episode_outcome_return"], info["episode_shaped_return"] = self._returns
+        self._obs = flat_next
+        return obs, float(reward) + bonus, terminated, truncated, info
+
+
+class FixedNormalization(gym.ObservationWrapper):
+    """``(obs - mean) / std`` with frozen statistics (float32 Box observations)."""
+
+    def __init__(self, env: gym.Env, mean: np.ndarray, std: np.ndarray) -> None:
+        super().__init__(env)
+        self.mean = np.asarray(mean, np.float32)
+        self.std = np.asarray(std, np.float32)
+        if self.mean.shape != env.observation_space.shape or np.any(self.std <= 0):
+            raise ValueError(f"FixedNormalization: mean/std of shape {self.mean.shape} (std > 0) must match the "
+                             f"observation shape {env.observation_space.shape}")
+        self.observation_space = spaces.Box(-np.inf, np.inf, shape=self.mean.shape, dtype=np.float32)
+
+    def observation(self, observation: np.ndarray) -> np.ndarray:
+        return ((np.asarray(observation, np.float32) - self.mean) / self.std).astype(np.float32)

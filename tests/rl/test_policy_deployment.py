@@ -1,0 +1,85 @@
+"""An exported policy runs in the torch-free runtime with the same outputs, clips its commands, and plays
+episodes against ``sim://panda?task=push`` over the wire, reporting success per episode."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from runtime import Model, get_family, load_bundle
+from runtime.families.policy import wilson_interval
+from sdk.rl.deploy import export_policy, run_deployed
+from sim.manipulation import PandaTaskEnv, PushTask
+
+TOL = 1e-5  # float32 graph vs float32 torch: well inside the exporter's 1e-4 parity bound
+
+
+@pytest.fixture(scope="module")
+def push_bundle(tmp_path_factory):
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(21, 32), torch.nn.ReLU(), torch.nn.Linear(32, 3), torch.nn.Tanh())
+    env = PandaTaskEnv("push")
+    obs = np.stack([env.reset(seed=s)[0] for s in range(20)])
+    env.close()
+    mean, std = obs.mean(0), np.maximum(obs.std(0), 0.01)
+    path = export_policy(net, mean, std, "push", tmp_path_factory.mktemp("rl") / "push-policy")
+    return path, net, mean, std
+
+
+@pytest.mark.parametrize("backend", ["numba", "onnxruntime"])
+def test_runtime_matches_torch_and_the_environment_target(push_bundle, backend):
+    path, net, mean, std = push_bundle
+    bundle = load_bundle(path)
+    model = Model(bundle, backend=backend)
+    fam = get_family("policy")(bundle, model)
+    env = PandaTaskEnv("push")
+    try:
+        obs, _ = env.reset(seed=3)
+        for _ in range(10):
+            fam.preprocess(obs)
+            model.run()
+            cmd = fam.postprocess().copy()
+            with torch.no_grad():
+                a = net(torch.as_tensor((obs - mean) / std, dtype=torch.float32)[None]).numpy()[0]
+            np.testing.assert_allclose(model.outputs[model.spec.data_outputs[0].name].reshape(-1), a, atol=TOL)
+            np.testing.assert_allclose(cmd, env.task.ee_target(env.scene, a), atol=TOL)
+            obs = env.step(a)[0]
+    finally:
+        env.close()
+        model.close()
+
+
+def test_commands_are_clipped_to_the_bundles_workspace(push_bundle):
+    path = push_bundle[0]
+    bundle = load_bundle(path)
+    model = Model(bundle, backend="onnxruntime")
+    fam = get_family("policy")(bundle, model)
+    obs = np.zeros(21, np.float32)
+    obs[:3] = [0.9, -0.9, -0.5]  # a hand far outside the box
+    fam.preprocess(obs)
+    model.run()
+    cmd = fam.postprocess()
+    assert np.all(cmd >= PushTask.workspace_low - 1e-6) and np.all(cmd <= PushTask.workspace_high + 1e-6)
+    assert np.all(fam.safe_output() <= PushTask.workspace_high + 1e-6)
+    model.close()
+
+
+def test_export_refuses_a_task_the_wire_cannot_command(tmp_path):
+    net = torch.nn.Sequential(torch.nn.Linear(22, 4), torch.nn.Tanh())
+    with pytest.raises(ValueError, match="hand-only"):
+        export_policy(net, np.zeros(22), np.ones(22), "pick_and_place", tmp_path / "pp")
+
+
+def test_session_against_the_push_emulator_counts_episodes(push_bundle):
+    summary = run_deployed(push_bundle[0], episodes=2, seed=1)
+    fam = summary["family"]
+    assert fam["episodes"] == 2 and 0 <= fam["successes"] <= 2
+    assert summary["commands_sent"] >= 95 and summary["device"]["kind"] == "panda"
+    assert summary["loop"]["latency_p99_us"] < 20_000
+
+
+def test_wilson_interval():
+    lo, hi = wilson_interval(8, 10)
+    assert 0.49 < lo < 0.5 and 0.94 < hi < 0.95
+    assert wilson_interval(0, 0) == (0.0, 1.0)
