@@ -232,6 +232,9 @@ def _certify(a: argparse.Namespace) -> int:
     return 0 if text.rstrip().endswith("PASS") else 1
 
 
+from .bci import cli as _bci_cli  # noqa: E402, F401  (registers calibrate and evaluate)
+
+
 def _device_passthrough(argv: list[str]) -> int:
     from sim import cli_main
 

@@ -7,7 +7,16 @@
 2. A closed-loop session: the decoder against the headstage emulator (a separate
    process speaking the wire protocol over a pty), recorded, then the recording
    replayed through the bundle offline.
-3. A certified neural observer: trained in two stages on the flexible-joint robot
+3. A trained handwriting decoder typing: a small synthetic handwriting recording
+   (the tiny preset at 192 channels and 160 trials per session: 3 held-in sessions and the first held-out one), a
+   pooled GRU backbone and its meta-learned alignment trained on the held-in sessions,
+   exported as a calibratable bundle, calibrated on the held-out session's first three
+   sentences by the function ``closedloop calibrate`` runs, scored on the session's
+   evaluation trials through the runtime (``closedloop evaluate``: greedy, and the beam
+   search over the generator's vocabulary), then run live against the headstage emulator
+   playing that same session from its first trial, printing the text as it is typed, its
+   CER against the prompt and the per-bin latency.
+4. A certified neural observer: trained in two stages on the flexible-joint robot
    (seconds), certified (an SDP), exported with its certificate, re-checked at load,
    and run at 1 kHz with a state-feedback controller against the plant emulator.
 
@@ -17,8 +26,10 @@ The full measurement is ``closedloop bench`` (minutes).
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from export import export_bundle
@@ -46,6 +57,119 @@ def _session_demo(out: Path) -> None:
     print(summary.format())
     print("\n== replay: the recorded frames through the same bundle, offline ==")
     print(replay_recording(rec, bundle).format())
+
+
+# The typing demo's recording: what sim://headstage?source=handwriting&preset=tiny&... plays, at 192 channels
+# and with more trials per session than the preset's 8 (the pooled backbone needs some hundreds of sentences).
+TYPING_SEED = 0
+TYPING_CHANNELS = 192
+TYPING_TRIALS = 160
+TYPING_GAP_S = 0.5
+
+
+def _typing_harness():
+    from .bci.augment import DriftAugmentation
+    from .bci.calibrate import CalibrationConfig
+    from .bci.evaluate import HarnessConfig
+    from .bci.meta import MetaConfig
+    from .bci.train import BackboneConfig, TrainConfig
+
+    return HarnessConfig(
+        train=TrainConfig(backbone=BackboneConfig(128, 1, 0.0), steps=250, batch_size=16, lr=2e-2,
+                          augmentation=DriftAugmentation(noise_std=0.2, offset_std=0.1, gain_std=0.1)),
+        meta=MetaConfig(inner_steps=2, n_query=2, tasks_per_step=2, meta_steps=10),
+        calibration=CalibrationConfig(steps=8, eval_every=2, folds=3, device="cpu"),
+        seed=TYPING_SEED, device="cpu", progress=False,
+    ).seeded()
+
+
+def _live_trial_texts(record: Path, starts: list[int], ends: list[int]) -> list[str]:
+    """Text typed during each trial (and the rest after it, where CTC may still emit its last letters)."""
+    from firmware_bridge import DecoderOutput, FrameParser
+    from runtime import RecordingReader, RecordType
+
+    parser = FrameParser()
+    texts = [""] * len(starts)
+    for rec in RecordingReader(record).of_type(RecordType.TX):
+        for f in parser.feed(rec.payload):
+            m = f.message
+            if isinstance(m, DecoderOutput) and m.text:
+                k = int(np.searchsorted(starts, m.bin_index, side="right")) - 1
+                if 0 <= k < len(starts) and m.bin_index < ends[k]:
+                    texts[k] += m.text
+    return texts
+
+
+def _typing_demo(out: Path) -> None:
+    import sim  # noqa: F401  (registers sim://)
+    from sim.handwriting import VOCABULARY, HandwritingConfig, generate_session
+
+    from .bci.cli import calibrate_bundle, evaluate_bundle, format_evaluation
+    from .bci.data import session_normalization
+    from .bci.deploy import export_bci_bundle
+    from .bci.evaluate import train_models
+    from .bci.metrics import falcon_metrics
+    from .bci.models import AlignedDecoder
+    from .bci.nwb import write_falcon_h2
+
+    print("\n== trained handwriting decoder: pooled GRU + meta-learned alignment, 3-sentence calibration, live typing ==")
+    t0 = time.perf_counter()
+    torch.set_num_threads(1)
+    cfg = HandwritingConfig.tiny(seed=TYPING_SEED)
+    cfg.n_channels, cfg.trials_per_session = TYPING_CHANNELS, TYPING_TRIALS
+    index = len(cfg.held_in_dates)  # the first held-out session
+    sessions = [generate_session(cfg, i) for i in range(index + 1)]
+    target = sessions[index]
+    print(f"data: {index} held-in sessions + held-out {target.name}, {TYPING_CHANNELS} channels, {TYPING_TRIALS} trials "
+          f"each ({time.perf_counter() - t0:.1f} s)")
+    hc = _typing_harness()
+    models = train_models(sessions, hc, {"backbone", "meta"})
+    print(f"stage 1 (pooled backbone) {models.logs['backbone'].wall_s:.1f} s, stage 2 (meta-learned alignment) "
+          f"{models.logs['meta'].wall_s:.1f} s")
+    norm = session_normalization(sessions[index - 1])  # a placeholder: calibration replaces it
+    pooled = export_bci_bundle(
+        AlignedDecoder(models.meta.new_alignment(), models.backbone), out / "bci_pooled", n_channels=TYPING_CHANNELS,
+        mean=norm.mean, std=norm.std, session_name="pooled", meta=models.meta, std_floor=hc.calibration.std_floor,
+        calibration_config=hc.calibration.to_dict(), provenance={"training": hc.to_dict(), "data": cfg.to_dict()},
+        variants=(), tensorrt=False, overwrite=True, report=lambda s: None,
+    )
+    data = write_falcon_h2(target, out / "bci_data" / f"sub-SIM-held-out_ses-{target.name.replace('.', '')}.nwb")
+    report = calibrate_bundle(pooled, data, n_sentences=3, out=out / "bci_decoder", overwrite=True)
+    print(report.format())
+    words = out / "bci_data" / "vocabulary.txt"  # the generator's vocabulary: the beam search's lexicon
+    words.write_text("\n".join(VOCABULARY) + "\n")
+    scores = evaluate_bundle(report.bundle, data, beam=True, beam_width=16, lexicon=words, backend="numba")
+    print(format_evaluation(scores))
+
+    # live: the emulator plays the session from its first evaluation trial (never seen in training or calibration)
+    first = int(target.evaluation[0])
+    starts, ends, k = [], [], 0
+    gap = int(round(TYPING_GAP_S * 50))
+    for t in target.trials[first: first + 2]:
+        starts.append(k + gap)
+        ends.append(k + gap + t.spikes.shape[0] + gap)
+        k = ends[-1] - gap
+    n_bins = ends[-1] if ends[-1] <= 700 else ends[0]
+    n_trials = 2 if ends[-1] <= 700 else 1
+    url = (f"sim://headstage?source=handwriting&preset=tiny&session={index}&channels={TYPING_CHANNELS}"
+           f"&trials={TYPING_TRIALS}&seed={TYPING_SEED}&gap_s={TYPING_GAP_S}&loop=0&first_trial={first}")
+    print(f"\nclosedloop run {report.bundle} --device \"{url}\"  ({n_bins / 50:.1f} s: evaluation trials "
+          f"{first}-{first + n_trials - 1})")
+    rec = out / "typing.clrec"
+    rec.unlink(missing_ok=True)
+    summary = run_session(report.bundle, SessionConfig(device=url, max_steps=n_bins, record=str(rec), backend="auto",
+                                                       status_interval_s=0.5))
+    print(summary.format())
+    typed = _live_trial_texts(rec, starts[:n_trials], ends[:n_trials])
+    prompts = [t.sentence for t in target.trials[first: first + n_trials]]
+    for p, t in zip(prompts, typed, strict=True):
+        print(f"  prompt {p.replace('>', ' ').replace('~', '.')!r:<40} typed {t.replace('>', ' ').replace('~', '.')!r}")
+    live = falcon_metrics([typed], [prompts])
+    g, b = scores["mean"]["greedy"], scores["mean"]["beam"]
+    print(f"live typing CER {live['CER']:.1%} on {n_trials} evaluation sentence(s) (greedy, streaming); all the session's "
+          f"{len(target.evaluation)} evaluation trials, never seen in training or calibration: greedy CER {g['CER']:.1%} "
+          f"WER {g['WER']:.1%}, lexicon beam CER {b['CER']:.1%} WER {b['WER']:.1%}; "
+          f"section {time.perf_counter() - t0:.1f} s")
 
 
 def _observer_demo(out: Path) -> None:
@@ -78,10 +202,13 @@ def main() -> int:
     run_spine_benchmark(cfg)
     out = Path(cfg.bundle_dir or "out/demo")
     _session_demo(out)
+    _typing_demo(out)
     _observer_demo(out)
     print(
         f"\nbundles and the recording are in {out}/: try  .venv/bin/closedloop inspect {out}/decoder"
         f"  or  .venv/bin/closedloop run {out}/decoder --device sim://headstage"
+        f"\nthe handwriting decoder: .venv/bin/closedloop evaluate {out}/bci_decoder --data {out}/bci_data --beam "
+        f"--lexicon {out}/bci_data/vocabulary.txt"
     )
     return 0
 

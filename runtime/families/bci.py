@@ -22,16 +22,24 @@ in ``docs/bci_deployment.md``):
   ``~`` -> period), used by the status line and ``display_text``.
 - ``extra.bci.char_probs``: also send each bin's character probabilities (default false).
 - ``extra.bci.text_capacity``: characters of text kept per trial (default 16384).
+- ``extra.bci.calibration_state``: ``{"file", "version", "meta", "config"}`` naming the
+  bundle's calibration state file (an ``.npz`` listed, with its checksum, in the
+  manifest's files): the frozen backbone's weights, the alignment layer in the graph and,
+  for a two-stage model, the meta-learned alignment initialisation and step sizes, so
+  ``closedloop calibrate`` can fit a new session's alignment from the bundle alone. The
+  runtime never needs it to decode; it checks it at load (:func:`read_calibration_state`).
 """
 
 from __future__ import annotations
 
+import zipfile
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from firmware_bridge import DecoderOutput
 
+from ..errors import BundleError
 from .base import FamilyPlugin
 from .registry import register_family
 
@@ -47,6 +55,8 @@ DEFAULT_DISPLAY = {">": " ", "~": "."}
 DEFAULT_TEXT_CAPACITY = 16384
 STATUS_TAIL_CHARS = 40
 _COMMANDS = ("decoder_output", "none")
+STATE_BLOCK = "calibration_state"
+STATE_VERSION = 1
 
 
 def _row(buf: np.ndarray) -> np.ndarray:
@@ -133,6 +143,11 @@ class BCIHandwritingFamily(FamilyPlugin):
                 bad = np.flatnonzero(std <= 0)
                 out.append(f"bci_handwriting: preprocess.std is <= 0 at channels {bad[:8].tolist()}"
                            f"{' ...' if bad.size > 8 else ''}; a silent calibration channel needs std 1 (or drop it)")
+        if STATE_BLOCK in cfg and not out:
+            try:
+                read_calibration_state(bundle)
+            except BundleError as exc:
+                out.append(str(exc))
         return out
 
     def __init__(self, bundle: Bundle, model: Model):
@@ -251,3 +266,108 @@ class BCIHandwritingFamily(FamilyPlugin):
     def safe_message(self, step: int) -> Message | None:
         """None: a decoder has no actuator to make safe, and an empty output would read as a bin."""
         return None
+
+
+# --- the calibration state file ----------------------------------------------------------
+
+_STATE_SCALARS = {"format": "i", "n_channels": "i", "charset": "U", "blank": "i", "std_floor": "f",
+                  "n_hidden": "i", "n_layers": "i", "inner_steps": "i"}
+_META_KEYS = ("meta.init_weight", "meta.init_bias", "meta.log_step_weight", "meta.log_step_bias")
+
+
+def calibration_state_shapes(n_channels: int, n_hidden: int, n_layers: int, n_outputs: int,
+                             meta: bool) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every float32 array of a version-1 calibration state file.
+
+    The backbone arrays are torch's ``nn.GRU`` / ``nn.Linear`` parameters as they are
+    (gate order r, z, n); ``alignment.*`` is the layer :math:`x \\mapsto W x + b` in the
+    graph; ``meta.*`` the meta-learned initialisation and log step sizes (two-stage only).
+    """
+    c, h = n_channels, n_hidden
+    shapes: dict[str, tuple[int, ...]] = {}
+    for k in range(n_layers):
+        shapes[f"backbone.gru.weight_ih_l{k}"] = (3 * h, c if k == 0 else h)
+        shapes[f"backbone.gru.weight_hh_l{k}"] = (3 * h, h)
+        shapes[f"backbone.gru.bias_ih_l{k}"] = (3 * h,)
+        shapes[f"backbone.gru.bias_hh_l{k}"] = (3 * h,)
+    shapes["backbone.readout.weight"] = (n_outputs, h)
+    shapes["backbone.readout.bias"] = (n_outputs,)
+    shapes["alignment.weight"] = (c, c)
+    shapes["alignment.bias"] = (c,)
+    if meta:
+        shapes.update({"meta.init_weight": (c, c), "meta.init_bias": (c,),
+                       "meta.log_step_weight": (c, c), "meta.log_step_bias": (c,)})
+    return shapes
+
+
+def _load_npz(path: Any, where: str) -> dict[str, np.ndarray]:
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            return {k: z[k] for k in z.files}
+    except (OSError, ValueError, zipfile.BadZipFile, EOFError) as exc:
+        raise BundleError(f"{where}: not a readable .npz of plain arrays ({type(exc).__name__}: {exc}); "
+                          "re-export the bundle") from exc
+
+
+def read_calibration_state(bundle: Bundle) -> dict[str, Any] | None:
+    """The arrays of ``bundle``'s calibration state file, checked; None when it has none.
+
+    Scalars come back as Python values (``charset`` a str, counts ints, ``std_floor`` a
+    float), arrays as float32 ``np.ndarray``. Raises :class:`~runtime.errors.BundleError`
+    naming the first thing that is wrong (file not listed with a checksum, a missing or
+    misshapen array, a wrong dtype, a non-finite value, a charset that is not the
+    bundle's). No torch: a board can read it, though only ``sdk`` calibrates.
+    """
+    m = bundle.manifest
+    cfg = m.extra.get(BLOCK, {})
+    block = cfg.get(STATE_BLOCK)
+    if block is None:
+        return None
+    if not isinstance(block, dict) or not isinstance(block.get("file"), str):
+        raise BundleError(f"bci_handwriting: extra.bci.{STATE_BLOCK} must be an object with a 'file' name, got {block!r}")
+    rel = block["file"]
+    where = f"bci_handwriting: calibration state {rel}"
+    if rel not in m.files:
+        raise BundleError(f"{where} is not listed in the manifest's files, so it has no checksum; re-export the bundle")
+    if block.get("version", STATE_VERSION) != STATE_VERSION:
+        raise BundleError(f"{where}: version {block.get('version')!r}; this runtime reads version {STATE_VERSION}")
+    raw = _load_npz(bundle.root / rel, where)
+    state: dict[str, Any] = {}
+    for key, kind in _STATE_SCALARS.items():
+        a = raw.get(key)
+        if a is None or a.shape != () or a.dtype.kind not in (kind + ("iu" if kind == "i" else "")):
+            got = "missing" if a is None else f"{a.dtype} shape {a.shape}"
+            raise BundleError(f"{where}: scalar {key!r} is {got}; expected a 0-d {'str' if kind == 'U' else kind} array")
+        state[key] = str(a) if kind == "U" else int(a) if kind == "i" else float(a)
+    if state["format"] != STATE_VERSION:
+        raise BundleError(f"{where}: format {state['format']}; this runtime reads format {STATE_VERSION}")
+    spec = bundle.graph()
+    n_in = spec.data_inputs[0].shape[-1]
+    out_name = cfg.get("output", spec.data_outputs[0].name)
+    n_out = {t.name: t.shape[-1] for t in spec.data_outputs}.get(out_name)
+    if state["n_channels"] != n_in:
+        raise BundleError(f"{where}: n_channels {state['n_channels']}, the graph takes {n_in}")
+    if state["charset"] != cfg.get("charset") or state["blank"] != cfg.get("blank", 0):
+        raise BundleError(f"{where}: charset {state['charset']!r} / blank {state['blank']} differ from "
+                          f"extra.bci's {cfg.get('charset')!r} / {cfg.get('blank', 0)}")
+    if state["n_hidden"] < 1 or state["n_layers"] < 1 or state["inner_steps"] < 0 or not state["std_floor"] > 0:
+        raise BundleError(f"{where}: n_hidden {state['n_hidden']}, n_layers {state['n_layers']}, inner_steps "
+                          f"{state['inner_steps']}, std_floor {state['std_floor']} out of range")
+    has_meta = any(k in raw for k in _META_KEYS)
+    shapes = calibration_state_shapes(n_in, state["n_hidden"], state["n_layers"], int(n_out or 0), has_meta)
+    for key, shape in shapes.items():
+        a = raw.get(key)
+        if a is None:
+            raise BundleError(f"{where}: array {key!r} is missing"
+                              + (" (a meta state needs all of " + ", ".join(_META_KEYS) + ")" if has_meta else ""))
+        if a.dtype != np.float32 or a.shape != shape:
+            raise BundleError(f"{where}: array {key!r} is {a.dtype} {a.shape}; expected float32 {shape}")
+        if not np.all(np.isfinite(a)):
+            raise BundleError(f"{where}: array {key!r} has non-finite values")
+        state[key] = a
+    unknown = sorted(set(raw) - set(shapes) - set(_STATE_SCALARS))
+    if unknown:
+        raise BundleError(f"{where}: unknown arrays {unknown}; a version-{STATE_VERSION} state has "
+                          f"{sorted(shapes)} and the scalars {sorted(_STATE_SCALARS)}")
+    state["has_meta"] = has_meta
+    return state

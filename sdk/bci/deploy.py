@@ -9,6 +9,16 @@ per-channel normalisation goes in ``preprocess``, the charset and session facts 
 ``extra.bci`` (see ``docs/bci_deployment.md``). The runtime plug-in that reads them
 is ``runtime.families.bci``.
 
+A bundle exported from an ``AlignedDecoder`` (alignment + ``GRUBackbone``) is also
+*calibratable*: it carries ``calibration_state.npz`` (listed with its checksum in the
+manifest) holding the frozen backbone's weights, the alignment layer in the graph and,
+for a two-stage model, the meta-learned alignment initialisation and per-parameter step
+sizes, with the inner-step count, normalisation floor, charset and channel count.
+``closedloop calibrate`` (:mod:`sdk.bci.cli`) rebuilds the torch modules from it alone
+(:func:`decoder_from_state`), fits a new session's alignment and exports the next bundle.
+The runtime reads and checks the file without torch
+(``runtime.families.bci.read_calibration_state``); the format is in ``docs/bci_deployment.md``.
+
 ``bench_bci_step_latency`` times the deployed per-bin path (frame to normalised input,
 model step, greedy CTC) on each backend, back to back or paced as in a session.
 """
@@ -16,6 +26,9 @@ model step, greedy CTC) on each backend, back to back or paced as in a session.
 from __future__ import annotations
 
 import gc
+import io
+import shutil
+import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -25,10 +38,12 @@ import numpy as np
 
 from sim.handwriting.types import BIN_S, CHARSET
 
-__all__ = ["BCI_FAMILY", "BCI_MANIFEST_VERSION", "bench_bci_step_latency", "check_bci_module", "export_bci_bundle"]
+__all__ = ["BCI_FAMILY", "BCI_MANIFEST_VERSION", "CALIBRATION_STATE_FILE", "bench_bci_step_latency",
+           "calibration_state_arrays", "check_bci_module", "decoder_from_state", "export_bci_bundle"]
 
 BCI_FAMILY = "bci_handwriting"
 BCI_MANIFEST_VERSION = 1
+CALIBRATION_STATE_FILE = "calibration_state.npz"
 
 
 def _channel_stats(name: str, v: Any, n_channels: int) -> np.ndarray:
@@ -71,6 +86,84 @@ def check_bci_module(module: Any, n_channels: int, n_outputs: int) -> None:
                          f"the blank and {n_outputs - 1} characters")
 
 
+def _is_calibratable(module: Any) -> bool:
+    from .models import AffineAlignment, AlignedDecoder, GRUBackbone
+
+    return (isinstance(module, AlignedDecoder) and isinstance(module.alignment, AffineAlignment)
+            and isinstance(module.backbone, GRUBackbone))
+
+
+def calibration_state_arrays(module: Any, meta: Any = None, *, std_floor: float | None = None,
+                             charset: str = CHARSET, blank: int = 0) -> dict[str, np.ndarray]:
+    """The calibration state of ``module`` (an ``AlignedDecoder`` over a ``GRUBackbone``) as named arrays.
+
+    ``meta`` is the stage-2 ``MetaAlignment`` (its initialisation, log step sizes and
+    inner-step count go in too), or None for a decoder calibrated from identity;
+    ``std_floor`` defaults to ``sdk.bci.data.DEFAULT_STD_FLOOR``. Every array is a
+    bit-exact float32 copy of the torch parameter. Names, shapes and dtypes are listed in
+    ``docs/bci_deployment.md``.
+    """
+    if std_floor is None:
+        from .data import DEFAULT_STD_FLOOR as std_floor
+    if not _is_calibratable(module):
+        raise ValueError(f"{type(module).__name__} has no calibration state: a calibratable bundle needs "
+                         "sdk.bci.models.AlignedDecoder(AffineAlignment, GRUBackbone)")
+    bb = module.backbone
+    c = int(module.n_inputs)
+
+    def f32(t: Any) -> np.ndarray:
+        return t.detach().cpu().numpy().astype(np.float32, copy=True)
+
+    out: dict[str, np.ndarray] = {
+        "format": np.array(1, dtype=np.int64), "n_channels": np.array(c, dtype=np.int64),
+        "charset": np.array(charset), "blank": np.array(int(blank), dtype=np.int64),
+        "std_floor": np.array(float(std_floor), dtype=np.float64),
+        "n_hidden": np.array(bb.n_hidden, dtype=np.int64), "n_layers": np.array(bb.n_layers, dtype=np.int64),
+        "inner_steps": np.array(int(meta.inner_steps) if meta is not None else 0, dtype=np.int64),
+    }
+    out.update({f"backbone.{k}": f32(v) for k, v in bb.state_dict().items()})
+    out["alignment.weight"] = f32(module.alignment.weight)
+    out["alignment.bias"] = f32(module.alignment.bias)
+    if meta is not None:
+        if meta.n_channels != c:
+            raise ValueError(f"meta alignment has {meta.n_channels} channels; the decoder takes {c}")
+        for k in ("init_weight", "init_bias", "log_step_weight", "log_step_bias"):
+            out[f"meta.{k}"] = f32(getattr(meta, k))
+    return out
+
+
+def decoder_from_state(state: Mapping[str, Any]) -> tuple[Any, Any]:
+    """Rebuild ``(AlignedDecoder, MetaAlignment or None)`` from ``runtime.families.bci.read_calibration_state``.
+
+    The torch parameters are bit-exact copies of the stored float32 arrays.
+    """
+    import torch
+
+    from .meta import MetaAlignment
+    from .models import AffineAlignment, AlignedDecoder, GRUBackbone
+
+    c = int(state["n_channels"])
+    bb = GRUBackbone(c, int(state["n_hidden"]), int(state["n_layers"]))
+    bb.load_state_dict({k[len("backbone."):]: torch.from_numpy(np.array(v)) for k, v in state.items()
+                        if k.startswith("backbone.")})
+    alignment = AffineAlignment(c).load(torch.from_numpy(np.array(state["alignment.weight"])),
+                                        torch.from_numpy(np.array(state["alignment.bias"])))
+    meta = None
+    if state.get("has_meta", "meta.init_weight" in state):
+        meta = MetaAlignment(c, max(int(state["inner_steps"]), 1))
+        with torch.no_grad():
+            for k in ("init_weight", "init_bias", "log_step_weight", "log_step_bias"):
+                getattr(meta, k).copy_(torch.from_numpy(np.array(state[f"meta.{k}"])))
+        meta.eval()
+    return AlignedDecoder(alignment, bb).eval(), meta
+
+
+def _npz_bytes(arrays: Mapping[str, np.ndarray]) -> bytes:
+    buf = io.BytesIO()
+    np.savez(buf, **arrays)
+    return buf.getvalue()
+
+
 def export_bci_bundle(
     module: Any,
     out: str | Path,
@@ -88,6 +181,10 @@ def export_bci_bundle(
     recorded_bins: np.ndarray | None = None,
     display: Mapping[str, str] | None = None,
     char_probs: bool = False,
+    meta: Any = None,
+    std_floor: float | None = None,
+    calibration_config: Mapping[str, Any] | None = None,
+    calibratable: bool | None = None,
     variants: Sequence[str] = ("fp16", "int8"),
     tensorrt: bool = True,
     overwrite: bool = False,
@@ -123,6 +220,14 @@ def export_bci_bundle(
     display, char_probs
         Status-line replacements (default ``>`` -> space, ``~`` -> period); whether each
         bin's ``DecoderOutput`` carries the character probabilities.
+    meta, std_floor, calibration_config
+        For the calibration state: the stage-2 ``MetaAlignment`` (None: a new session's
+        alignment is fitted from identity), the normalisation's std floor (default
+        ``sdk.bci.data.DEFAULT_STD_FLOOR``), and the ``CalibrationConfig`` (as a dict)
+        that ``closedloop calibrate`` should use.
+    calibratable
+        Write ``calibration_state.npz``: None (default) when ``module`` is an
+        ``AlignedDecoder`` over a ``GRUBackbone``; True requires it; False never.
     variants, tensorrt, overwrite, zip, report
         As for ``export.export_bundle``.
     """
@@ -142,6 +247,16 @@ def export_bci_bundle(
     if not 0 <= blank <= len(charset):
         raise ValueError(f"blank {blank} must be an output index in 0..{len(charset)}")
     check_bci_module(module, n_channels, len(charset) + 1)
+    if calibratable is None:
+        calibratable = _is_calibratable(module)
+    state = None
+    if calibratable:
+        state = calibration_state_arrays(module, meta, std_floor=std_floor, charset=charset, blank=blank)
+    elif meta is not None:
+        raise ValueError("meta given with calibratable=False: the meta state is only stored in a calibratable bundle")
+    out = Path(out)
+    if out.exists() and not overwrite:
+        raise FileExistsError(f"{out} already exists; pass overwrite=True or choose another path")
     sequence = None
     if recorded_bins is not None:
         bins = np.asarray(recorded_bins, dtype=np.float64)
@@ -159,13 +274,46 @@ def export_bci_bundle(
         "display": dict(DEFAULT_DISPLAY if display is None else display),
         "char_probs": bool(char_probs),
     }
-    return export_bundle(
-        module, out, kind="recurrent", example_input=torch.zeros(1, n_channels), rate_hz=float(rate_hz),
-        family=BCI_FAMILY, name=name or f"bci-{session_name}",
-        preprocess={"mean": mean_a.tolist(), "std": std_a.tolist()},
-        extra={"bci": bci}, provenance=dict(provenance or {}), recorded_sequence=sequence,
-        variants=variants, tensorrt=tensorrt, overwrite=overwrite, zip=zip, report=report,
-    )
+    kwargs = dict(kind="recurrent", example_input=torch.zeros(1, n_channels), rate_hz=float(rate_hz),
+                  family=BCI_FAMILY, name=name or f"bci-{session_name}",
+                  preprocess={"mean": mean_a.tolist(), "std": std_a.tolist()},
+                  extra={"bci": bci}, provenance=dict(provenance or {}), recorded_sequence=sequence,
+                  variants=variants, tensorrt=tensorrt, report=report)
+    if state is None:
+        return export_bundle(module, out, overwrite=overwrite, zip=zip, **kwargs)
+    return _export_with_state(module, out, state, {"file": CALIBRATION_STATE_FILE, "version": 1,
+                                                   "meta": meta is not None,
+                                                   "config": dict(calibration_config or {})},
+                              overwrite=overwrite, zip=zip, **kwargs)
+
+
+def _export_with_state(module: Any, out: Path, state: Mapping[str, np.ndarray], block: dict, *, overwrite: bool,
+                       zip: bool, **kwargs: Any) -> Path:
+    """Export to a scratch folder, then publish graph files + state file + manifest in one atomic write.
+
+    ``export.export_bundle`` writes only what it makes itself; the state file joins its
+    files here and ``export.writer.write_bundle`` checksums everything again.
+    """
+    from export import export_bundle
+    from export.writer import write_bundle
+    from runtime.manifest import MANIFEST_NAME, Manifest
+
+    report = kwargs["report"]
+    kwargs["report"] = lambda line: None if line.startswith("wrote bundle ") else report(line)  # not the scratch one
+    out.parent.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix=f".{out.name}.export-", dir=out.parent))
+    try:
+        first = export_bundle(module, scratch / "b", overwrite=False, zip=False, **kwargs)
+        manifest = Manifest.from_json((first / MANIFEST_NAME).read_text(), source=str(first / MANIFEST_NAME))
+        files: dict[str, Any] = {rel: first / rel for rel in manifest.files}
+        files[CALIBRATION_STATE_FILE] = _npz_bytes(state)
+        manifest.extra["bci"]["calibration_state"] = block
+        path = write_bundle(out, manifest, files, overwrite=overwrite, zip=zip)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    report(f"wrote calibratable bundle {path} ({CALIBRATION_STATE_FILE}: backbone, alignment"
+           f"{', meta-learned initialisation and step sizes' if block['meta'] else ''})")
+    return path
 
 
 def bench_bci_step_latency(

@@ -42,16 +42,20 @@ class HandwritingSource(NeuralSource):
         Param("trials", int, 0, "trials in the session (0: the preset's)", low=0, high=100_000),
         Param("gap_s", float, 1.0, "resting seconds before each trial", 0.0, 3600.0),
         Param("loop", bool, True, "start the session again after its last trial (else rest)"),
+        Param("first_trial", int, 0, "start at this trial (e.g. the first evaluation trial); loops restart at 0",
+              low=0, high=100_000),
     )
 
     def __init__(self, n_channels: int, rate_hz: float, seed: int = 0, *, session: int = 0,
-                 preset: str = "default", trials: int = 0, gap_s: float = 1.0, loop: bool = True) -> None:
+                 preset: str = "default", trials: int = 0, gap_s: float = 1.0, loop: bool = True,
+                 first_trial: int = 0) -> None:
         super().__init__(n_channels, rate_hz, seed)
         if preset not in PRESETS:
             raise ValueError(f"unknown handwriting preset {preset!r}; expected one of {', '.join(PRESETS)}")
         self.session_index, self.preset, self.trials = int(session), preset, int(trials)
         self.gap_bins = int(round(gap_s * rate_hz))
         self.loop = bool(loop)
+        self.first_trial = int(first_trial)
         self.reset(seed)
 
     def _config(self, seed: int) -> HandwritingConfig:
@@ -73,6 +77,12 @@ class HandwritingSource(NeuralSource):
         self._gap_rng = stream(self.config.seed, _GAP_STREAM, self.session_index)
         self._trials: Iterator[tuple[Trial, Any]] = iter_trials(self.config, self.session_index, self.params)
         self.trial_index = -1
+        if self.first_trial >= self.config.trials_per_session:
+            raise ValueError(f"handwriting source: first_trial={self.first_trial} but the session has "
+                             f"{self.config.trials_per_session} trials (0..{self.config.trials_per_session - 1})")
+        for _ in range(self.first_trial):  # same random streams as the whole session: skip, don't reseed
+            next(self._trials)
+            self.trial_index += 1
         self.trial: Trial | None = None
         self._block = np.zeros((0, self.n_channels), dtype=np.uint8)
         self._pos = 0

@@ -50,6 +50,16 @@ def test_loops_and_replays_after_reset():
     np.testing.assert_array_equal(np.stack([src.next_bin() for _ in range(n)]), first)
 
 
+def test_first_trial_starts_inside_the_session_with_the_same_data():
+    src = make_source("handwriting", 16, 50.0, seed=2, session=4, preset="tiny", gap_s=0.0, first_trial=5)
+    session = generate_session(HandwritingConfig.tiny(seed=2), 4)
+    trial = session.trials[5]
+    np.testing.assert_array_equal(np.stack([src.next_bin() for _ in range(trial.n_bins)]), trial.spikes)
+    assert src.report()["trial"] == 5 and src.report()["sentence"] == trial.sentence
+    with pytest.raises(ValueError, match=r"first_trial=8 but the session has 8 trials"):
+        make_source("handwriting", 16, 50.0, session=4, preset="tiny", first_trial=8)
+
+
 def test_session_out_of_range_is_refused_with_the_range():
     with pytest.raises(ValueError, match=r"session=7 is outside 0..4"):
         make_source("handwriting", 16, 50.0, session=7, preset="tiny")

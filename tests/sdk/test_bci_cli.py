@@ -1,0 +1,219 @@
+"""``closedloop calibrate`` and ``closedloop evaluate`` on tiny NWB files, and the calibratable bundle they rely on.
+
+A toy recording (:mod:`sdk.bci.toy`) trains a tiny two-stage decoder (pooled backbone,
+meta-learned alignment) in a second; it is exported as a calibratable bundle, a
+held-out session is written in the FALCON H2 layout, and the commands run through
+``sdk.cli.main`` as a user would call them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from runtime import BundleError, load_bundle
+from runtime.families.bci import read_calibration_state
+from sdk.bci.calibrate import CalibrationConfig
+from sdk.bci.cli import calibrate_bundle, evaluate_bundle
+from sdk.bci.data import Normalization, make_examples, session_normalization
+from sdk.bci.deploy import CALIBRATION_STATE_FILE, decoder_from_state, export_bci_bundle
+from sdk.bci.evaluate import decode_examples
+from sdk.bci.meta import MetaConfig, meta_train_alignment
+from sdk.bci.metrics import falcon_metrics
+from sdk.bci.models import AffineAlignment, AlignedDecoder
+from sdk.bci.nwb import write_falcon_h2, write_falcon_h2_dir
+from sdk.bci.toy import toy_recording
+from sdk.bci.train import BackboneConfig, TrainConfig, train_backbone
+from sdk.cli import main
+from sdk.models import GRUDecoder
+
+pytest.importorskip("pynwb")
+
+C = 8
+DATES = ("2022-05-18", "2022-06-22", "2023-02-28", "2023-04-17", "2023-10-09")
+# untuned: with a backbone this small, leave-one-sentence-out tuning may rightly choose 0 steps
+CALIB = CalibrationConfig(steps=4, tune=False, device="cpu")
+
+
+@pytest.fixture(scope="module")
+def sessions():
+    ss = toy_recording(n_channels=C, n_held_in=3, n_held_out=2, n_trials=8, seed=1)
+    for s, d in zip(ss, DATES, strict=True):
+        s.name, s.meta["date"] = d.replace("-", "."), d
+        for t in s.trials:  # NWB holds integer counts
+            t.spikes = t.spikes.astype(np.uint8)
+    return ss
+
+
+@pytest.fixture(scope="module")
+def two_stage(sessions):
+    torch.set_num_threads(1)
+    backbone, _ = train_backbone(sessions, TrainConfig(backbone=BackboneConfig(16, 1, 0.0), steps=60, batch_size=4,
+                                                       lr=1e-2, device="cpu", progress=False))
+    meta, _ = meta_train_alignment(backbone, sessions, MetaConfig(inner_steps=2, n_query=2, tasks_per_step=2,
+                                                                  meta_steps=4, device="cpu", progress=False))
+    return backbone, meta
+
+
+def _export(module, path, sessions, **kw):
+    norm = session_normalization(sessions[2])
+    return export_bci_bundle(module, path, n_channels=C, mean=norm.mean, std=norm.std, session_name="pooled",
+                             std_floor=0.3, calibration_config=CALIB.to_dict(), variants=(), tensorrt=False,
+                             report=lambda s: None, **kw)
+
+
+@pytest.fixture(scope="module")
+def bundle(two_stage, sessions, tmp_path_factory):
+    backbone, meta = two_stage
+    return _export(AlignedDecoder(meta.new_alignment(), backbone), tmp_path_factory.mktemp("bci") / "pooled",
+                   sessions, meta=meta)
+
+
+@pytest.fixture(scope="module")
+def held_out_file(sessions, tmp_path_factory):
+    return write_falcon_h2(sessions[3], tmp_path_factory.mktemp("nwb") / "sub-SIM-held-out_ses-20230417.nwb")
+
+
+@pytest.fixture(scope="module")
+def calibrated(bundle, held_out_file, tmp_path_factory):
+    out = tmp_path_factory.mktemp("cal") / "calibrated"
+    report = calibrate_bundle(bundle, held_out_file, n_sentences=3, out=out, report=lambda s: None)
+    return out, report
+
+
+def _graph_initializers(path):
+    return load_bundle(path).onnx().initializers
+
+
+def test_calibratable_bundle_carries_backbone_meta_state_and_its_checksum(bundle, two_stage):
+    b = load_bundle(bundle)
+    block = b.manifest.extra["bci"]["calibration_state"]
+    assert block["file"] == CALIBRATION_STATE_FILE and block["meta"] is True and block["config"]["steps"] == 4
+    data = (bundle / CALIBRATION_STATE_FILE).read_bytes()
+    assert b.manifest.files[CALIBRATION_STATE_FILE]["sha256"] == hashlib.sha256(data).hexdigest()
+    state = read_calibration_state(b)
+    assert state["has_meta"] and state["inner_steps"] == 2 and state["n_channels"] == C and state["std_floor"] == 0.3
+    backbone, meta = two_stage
+    for k, v in backbone.state_dict().items():
+        assert state[f"backbone.{k}"].tobytes() == v.numpy().tobytes()
+    assert state["meta.log_step_weight"].tobytes() == meta.log_step_weight.detach().numpy().tobytes()
+    decoder, meta2 = decoder_from_state(state)
+    assert torch.equal(meta2.init_weight, meta.init_weight) and meta2.inner_steps == meta.inner_steps
+    assert all(torch.equal(a, b) for a, b in zip(decoder.backbone.parameters(), backbone.parameters(), strict=True))
+
+
+def test_calibrate_writes_a_bundle_with_the_same_backbone_and_a_fitted_alignment(bundle, calibrated, sessions):
+    out, report = calibrated
+    new = load_bundle(out)
+    bci = new.manifest.extra["bci"]
+    assert bci["session"] == "2023.04.17" and bci["calibration"]["trials"] == [0, 1, 2]
+    assert bci["calibration"]["method"] == "two_stage" and report.backbone_identical
+    assert report.loss_after < report.loss_start
+    # the graph's backbone initializers are bit-identical; only the alignment's changed
+    old_init, new_init = _graph_initializers(bundle), _graph_initializers(out)
+    assert old_init.keys() == new_init.keys()
+    same = {k for k in old_init if old_init[k].tobytes() == new_init[k].tobytes()}
+    assert {k for k in old_init if k.startswith(("module.backbone.", "onnx::GRU"))} <= same
+    assert set(old_init) - same, "the alignment layer in the graph did not change"
+    old_s, new_s = read_calibration_state(load_bundle(bundle)), read_calibration_state(new)
+    for k in old_s:
+        if k.startswith(("backbone.", "meta.")):
+            assert old_s[k].tobytes() == new_s[k].tobytes(), k
+    assert not np.allclose(new_s["alignment.weight"], np.eye(C))
+    # normalisation from the three calibration sentences only
+    norm = Normalization.from_trials(sessions[3].trials[:3], 0.3)
+    np.testing.assert_allclose(new.manifest.preprocess["mean"], norm.mean, rtol=1e-6)
+    # and the new bundle is calibratable in turn
+    assert new_s["has_meta"] and bci["calibration_state"]["config"]["steps"] == 4
+
+
+def test_calibrate_command_prints_what_it_did(bundle, held_out_file, tmp_path, capsys):
+    out = tmp_path / "cli-calibrated"
+    assert main(["calibrate", str(bundle), "--data", str(held_out_file), "--sentences", "3", "--out", str(out),
+                 "--device", "cpu"]) == 0
+    text = capsys.readouterr().out
+    assert "meta-learned" in text and "backbone bit-identical: yes" in text and "calibration CTC loss" in text
+    assert load_bundle(out).manifest.extra["bci"]["session"] == "2023.04.17"
+    assert main(["calibrate", str(bundle), "--data", str(held_out_file), "--out", str(out)]) == 2  # exists
+    assert "already exists" in capsys.readouterr().err
+
+
+def test_tampered_or_inconsistent_state_is_refused(bundle, held_out_file, tmp_path):
+    bad = tmp_path / "tampered"
+    shutil.copytree(bundle, bad)
+    data = bytearray((bad / CALIBRATION_STATE_FILE).read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    (bad / CALIBRATION_STATE_FILE).write_bytes(bytes(data))
+    with pytest.raises(BundleError, match=f"{CALIBRATION_STATE_FILE}: SHA-256"):
+        load_bundle(bad)
+    with pytest.raises(BundleError, match="tampering"):
+        calibrate_bundle(bad, held_out_file, out=tmp_path / "never", report=lambda s: None)
+    assert not (tmp_path / "never").exists()
+    # a state file whose checksum was updated but whose arrays do not fit the graph
+    odd = tmp_path / "odd"
+    shutil.copytree(bundle, odd)
+    with np.load(odd / CALIBRATION_STATE_FILE) as z:
+        arrays = {k: z[k] for k in z.files}
+    arrays["alignment.weight"] = arrays["alignment.weight"][:, :-1]
+    np.savez(odd / CALIBRATION_STATE_FILE, **arrays)
+    m = json.loads((odd / "manifest.json").read_text())
+    m["files"][CALIBRATION_STATE_FILE]["sha256"] = hashlib.sha256((odd / CALIBRATION_STATE_FILE).read_bytes()).hexdigest()
+    m["files"][CALIBRATION_STATE_FILE]["bytes"] = (odd / CALIBRATION_STATE_FILE).stat().st_size
+    (odd / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(BundleError, match=r"'alignment.weight' is float32 \(8, 7\); expected float32 \(8, 8\)"):
+        load_bundle(odd)
+
+
+def test_without_meta_state_calibration_fits_from_identity(two_stage, sessions, held_out_file, tmp_path):
+    backbone, _ = two_stage
+    plain = _export(AlignedDecoder(AffineAlignment(C), backbone), tmp_path / "plain", sessions)
+    assert read_calibration_state(load_bundle(plain))["has_meta"] is False
+    r = calibrate_bundle(plain, held_out_file, out=tmp_path / "plain-cal", report=lambda s: None)
+    assert "from identity" in r.method and "no meta" in r.method
+    assert load_bundle(tmp_path / "plain-cal").manifest.extra["bci"]["calibration"]["method"] == "alignment"
+
+
+def test_a_bundle_without_calibration_state_is_refused_clearly(sessions, held_out_file, tmp_path):
+    plain = _export(GRUDecoder(C, 8, 1, 32), tmp_path / "gru", sessions)
+    assert "calibration_state" not in load_bundle(plain).manifest.extra["bci"]
+    with pytest.raises(ValueError, match="has no calibration state"):
+        calibrate_bundle(plain, held_out_file, out=tmp_path / "x", report=lambda s: None)
+
+
+def test_evaluate_scores_match_falcon_metrics_and_offline_decoding(calibrated, held_out_file, sessions, capsys):
+    out, _ = calibrated
+    assert main(["evaluate", str(out), "--data", str(held_out_file), "--json", "--beam", "--beam-width", "4"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    row = r["sessions"]["2023.04.17"]
+    refs = [sessions[3].trials[i].sentence for i in sessions[3].evaluation]
+    assert row["references"] == refs and row["greedy"]["n_trials"] == len(refs) == 3
+    for dec in ("greedy", "beam"):
+        expect = falcon_metrics([row["predictions"][dec]], [refs])
+        assert row[dec] == expect["per_session"][0]
+        assert r["mean"][dec] == {"CER": expect["CER"], "WER": expect["WER"]}
+    # the runtime's streaming text equals torch's offline greedy decoding of the same bundle
+    b = load_bundle(out)
+    decoder, _ = decoder_from_state(read_calibration_state(b))
+    norm = Normalization(np.asarray(b.manifest.preprocess["mean"], np.float32),
+                         np.asarray(b.manifest.preprocess["std"], np.float32))
+    offline, _ = decode_examples(decoder, make_examples(sessions[3], sessions[3].evaluation, norm), None, 0, 0.0,
+                                 torch.device("cpu"))
+    assert row["predictions"]["greedy"] == offline
+    assert main(["evaluate", str(out), "--data", str(held_out_file)]) == 0
+    text = capsys.readouterr().out
+    assert "greedy CER" in text and f"{row['greedy']['CER']:.2%}" in text
+
+
+def test_evaluate_a_folder_scores_every_session_with_evaluation_trials(bundle, sessions, tmp_path):
+    write_falcon_h2_dir(sessions, tmp_path / "data")
+    r = evaluate_bundle(bundle, tmp_path / "data", backend="numba")
+    assert list(r["sessions"]) == [s.name for s in sessions]  # held-in minival and held-out files alike
+    cers = [v["greedy"]["CER"] for v in r["sessions"].values()]
+    assert r["mean"]["greedy"]["CER"] == pytest.approx(np.mean(cers)) and r["skipped"] == []
+    with pytest.raises(ValueError, match="no evaluation trials"):
+        evaluate_bundle(bundle, next((tmp_path / "data").glob("*held-out-calib/*.nwb")))
