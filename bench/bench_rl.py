@@ -9,7 +9,7 @@ there count as not reached), and, for the best final policy, the deployed succes
 rate through the runtime and the panda emulator (Wilson 95% interval, next to the
 in-process rate) and the runtime's policy step latency (family + model, p99).
 
-    python bench/bench_rl.py            # the full comparison (about 2 h on 2 cores)
+    python bench/bench_rl.py            # the full comparison (about 45 min on 2 loaded cores)
     python bench/bench_rl.py --tiny     # a smoke run of about a minute (outputs *_tiny*, gitignored)
 
 Writes ``bench/results/rl.json``, ``rl.md`` and ``rl_success.png`` (``rl_tiny.*`` with ``--tiny``).
@@ -35,17 +35,41 @@ KINDS = ("sparse", "svm", "potential", "gail")
 
 
 def full_config() -> dict:
+    # 12 runs of 10k steps with an evaluation (30 episodes) every 250 steps: about 45 min on 2 loaded cores
+    # (estimate_minutes); every reward gets the same budget and SAC settings, only ``kind`` differs.
     return {"task": "push", "seeds": [0, 1, 2], "kinds": list(KINDS), "workers": 2, "deploy_episodes": 30,
-            "run": {"total_steps": 30_000, "demos": 30, "prior_episodes": 20, "net": [128, 128], "batch_size": 128,
-                    "eval_every": 2_000, "eval_episodes": 30, "actor_warmup_steps": 3_000},
+            "run": {"total_steps": 10_000, "demos": 30, "prior_episodes": 20, "net": [256, 256], "batch_size": 256,
+                    "eval_every": 250, "eval_episodes": 30, "critic_pretrain_steps": 2_000, "actor_warmup_steps": 500,
+                    "actor_lr_scale": 0.3, "prior_weight": 1.0},
             "shaping": {"lam": 0.05, "beta": 5.0, "updates_per_episode": 10}}
 
 
 def tiny_config() -> dict:
     return {"task": "push", "seeds": [0], "kinds": ["sparse", "svm"], "workers": 2, "deploy_episodes": 2,
             "run": {"total_steps": 150, "demos": 4, "prior_episodes": 2, "net": [32, 32], "batch_size": 32,
-                    "bc_epochs": 20, "eval_every": 150, "eval_episodes": 2, "actor_warmup_steps": 50},
+                    "bc_epochs": 20, "eval_every": 150, "eval_episodes": 2, "critic_pretrain_steps": 20,
+                    "actor_warmup_steps": 50},
             "shaping": {"lam": 0.05, "beta": 5.0, "updates_per_episode": 2, "hidden": [16, 16]}}
+
+
+# Measured on 2 cores shared with other work (load about 5), one torch thread, 256x256 nets: demonstrations, BC,
+# prior episodes and 2000 critic steps; one fine-tuning step (environment + one SAC update); one 30-episode
+# evaluation.  Two runs side by side slow each other down by about CONTENTION.
+_PRETRAIN_S, _STEP_S, _EVAL_EPISODE_S, _CONTENTION = 27.0, 0.015, 0.10, 1.5
+
+
+def estimate_minutes(cfg: dict) -> float:
+    """Rough wall time of the whole benchmark (runs in rounds of ``workers``, then the deployment check)."""
+    r = cfg["run"]
+    width = max(r.get("net", [256]))
+    per_step = _STEP_S * (0.5 + 0.5 * (width / 256) ** 2)
+    evals = r["total_steps"] // r["eval_every"] + 1
+    run_s = (_PRETRAIN_S * r.get("demos", 30) / 30 + r["total_steps"] * per_step
+             + evals * r["eval_episodes"] * _EVAL_EPISODE_S)
+    workers = max(1, min(cfg["workers"], len(cfg["seeds"]) * len(cfg["kinds"])))
+    rounds = -(-len(cfg["seeds"]) * len(cfg["kinds"]) // workers)
+    deploy_s = cfg["deploy_episodes"] * 2.0 * 2 + 10.0  # deployed episodes at 25 Hz, then in-process ones
+    return (rounds * run_s * (_CONTENTION if workers > 1 else 1.0) + deploy_s) / 60.0
 
 
 def _one_run(args: tuple[str, int, dict, str]) -> dict:
@@ -202,6 +226,9 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = "rl_tiny" if a.tiny else "rl"
+    print(f"bench_rl: {len(cfg['kinds'])} rewards x {len(cfg['seeds'])} seeds on {cfg['task']}, "
+          f"{cfg['run']['total_steps']:,} steps each, {cfg['workers']} processes of one thread; estimated "
+          f"{estimate_minutes(cfg):.0f} min", flush=True)
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="bench-rl-") as tmp:
         jobs = [(kind, seed, cfg, tmp) for seed in cfg["seeds"] for kind in cfg["kinds"]]

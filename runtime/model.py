@@ -39,6 +39,7 @@ class Model:
     ):
         self.bundle = bundle if isinstance(bundle, Bundle) else load_bundle(bundle)
         self.spec = self.bundle.graph(graph)
+        self.graph_name, self.variant = graph, variant
         path = self.bundle.graph_path(graph, variant)
         self.backend, self.choice = create_backend(backend, path, self.spec, options)
         self.inputs = self.backend.inputs

@@ -35,6 +35,7 @@ from .families import FamilyPlugin, get_family
 from .loop import LoopConfig, RealTimeLoop
 from .model import Model
 from .recording import RecordingWriter, RecordType
+from .scrubber import session_scrubber
 from .stats import LoopSummary
 
 
@@ -63,6 +64,13 @@ class SessionConfig:
     status: bool = True  # live status line on stderr
     status_interval_s: float = 1.0
     prewarm: bool = True  # run the model once just before each deadline (warm caches)
+    # Weight scrubbing of protected bundles (runtime.scrubber, docs/robustness.md): "auto" (when the
+    # bundle is protected) or "off"; idle-time budget per period; on an unrepairable block, "fallback"
+    # (restore it from the last-good copy) or "stop" (safe output, end the session).
+    scrub: str = "auto"
+    scrub_budget_us: float = 200.0
+    scrub_policy: str = "fallback"
+    weights_key_file: str | None = None
 
 
 @dataclass
@@ -75,12 +83,14 @@ class SessionSummary:
     inputs_skipped: int = 0  # older frames dropped because a newer one was there
     commands_sent: int = 0
     safe_commands_sent: int = 0
+    commands_resent: int = 0  # overrun policy "hold": the last command sent again for a skipped period
     watchdog_trips: int = 0
     disconnects: int = 0
     reconnects: int = 0
     link: dict[str, Any] = field(default_factory=dict)
     family: dict[str, Any] = field(default_factory=dict)
     recording: str | None = None
+    scrub: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -93,13 +103,17 @@ class SessionSummary:
             self.loop.format(),
             f"  device {self.device.get('kind')} {self.device.get('name', '')!r} on backend {self.backend}",
             f"  frames received {self.frames_received}, used {self.inputs_used}, skipped for newer {self.inputs_skipped}; "
-            f"commands sent {self.commands_sent} (safe {self.safe_commands_sent})",
+            f"commands sent {self.commands_sent} (safe {self.safe_commands_sent}, re-sent on overrun {self.commands_resent})",
             f"  link: lost {lk.get('lost', 0)}, crc errors {lk.get('crc_errors', 0)}, duplicates {lk.get('duplicate', 0)}, "
             f"out of order {lk.get('out_of_order', 0)}, bad tag {lk.get('bad_tag', 0)}",
             f"  watchdog trips {self.watchdog_trips}, disconnects {self.disconnects}, reconnects {self.reconnects}",
         ]
         for k, v in self.family.items():
             lines.append(f"  {k}: {v}")
+        if self.scrub:
+            sc = self.scrub
+            lines.append(f"  weights scrubbed: {sc['full_passes']} full passes, repaired {sc['repaired']}, restored "
+                         f"{sc['restored']}, unrepairable {sc['unrepairable']} (full scrub {sc['full_scrub_us']:.0f} us)")
         if self.recording:
             lines.append(f"  recorded to {self.recording}")
         return "\n".join(lines)
@@ -157,6 +171,7 @@ class Session:
         self.bundle = bundle if isinstance(bundle, Bundle) else load_bundle(bundle)
         self.model = Model(self.bundle, backend=config.backend, variant=config.variant)
         self.family: FamilyPlugin = get_family(self.bundle.manifest.family)(self.bundle, self.model)
+        self.scrubber = session_scrubber(self.model, config)  # None unless the bundle is protected
         self.rate_hz = config.rate_hz or self.bundle.manifest.rate_hz
         self.writer = RecordingWriter(config.record) if config.record else None
         self._key = bytes.fromhex(config.key) if config.key else None
@@ -164,6 +179,7 @@ class Session:
         self.hello: Hello | None = None
         self.summary_counts = dict(
             frames_received=0, inputs_used=0, inputs_skipped=0, commands_sent=0, safe_commands_sent=0,
+            commands_resent=0,
             watchdog_trips=0, disconnects=0, reconnects=0,
         )
         self._last_input_ns = 0
@@ -353,10 +369,13 @@ class Session:
 
     def hold(self, k: int) -> None:
         """Overrun policy 'hold': re-send the last command for a skipped period."""
-        if self._last_cmd is not None and not self._safe:
-            self._send(self._last_cmd)
+        if self._last_cmd is not None and not self._safe and self._send(self._last_cmd):
+            self.summary_counts["commands_resent"] += 1
 
     def idle(self, k: int, budget_ns: int) -> None:
+        if self.scrubber is not None and self.scrubber.on_idle(budget_ns, self._event) == "stop":
+            self._send(self.family.safe_message(k))
+            self._loop.stop()
         now = time.monotonic_ns()
         if self.config.status and now >= self._next_status_ns:
             self._next_status_ns = now + int(self.config.status_interval_s * 1e9)
@@ -397,6 +416,7 @@ class Session:
             link=asdict(stats) if stats is not None else {},
             family=dict(self.family.summary_metrics()),
             recording=str(cfg.record) if cfg.record else None,
+            scrub=self.scrubber.summary() if self.scrubber is not None else {},
             **self.summary_counts,
         )
         if self.writer is not None:

@@ -233,6 +233,8 @@ def _certify(a: argparse.Namespace) -> int:
 
 
 from .bci import cli as _bci_cli  # noqa: E402, F401  (registers calibrate and evaluate)
+from .rl import cli as _rl_cli  # noqa: E402, F401  (registers rl-train)
+from .robust import cli as _robust_cli  # noqa: E402, F401  (registers inject-faults and scrub)
 
 
 def _device_passthrough(argv: list[str]) -> int:
@@ -274,4 +276,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # run the imported module's main: family modules register their commands on sdk.cli, not on __main__
+    from sdk.cli import main as _main
+
+    sys.exit(_main())

@@ -14,11 +14,17 @@
    sentences by the function ``closedloop calibrate`` runs, scored on the session's
    evaluation trials through the runtime (``closedloop evaluate``: greedy, and the beam
    search over the generator's vocabulary), then run live against the headstage emulator
-   playing that same session from its first trial, printing the text as it is typed, its
+   playing that same session from its first evaluation trial, printing the text as it is typed, its
    CER against the prompt and the per-bin latency.
 4. A certified neural observer: trained in two stages on the flexible-joint robot
    (seconds), certified (an SDP), exported with its certificate, re-checked at load,
    and run at 1 kHz with a state-feedback controller against the plant emulator.
+5. A robot policy: a push policy cloned from scripted demonstrations, exported with its
+   observation normalisation and action limits, run for a few episodes against the
+   PyBullet Panda emulator over the wire (success counted by the emulator).
+6. Weights that survive bit flips: a decoder trained into the zero-sum block form, bits
+   flipped in its weights while a session runs, located and repaired by the scrubber in
+   the loop's spare time.
 
 The full measurement is ``closedloop bench`` (minutes).
 """
@@ -196,6 +202,20 @@ def _observer_demo(out: Path) -> None:
     print(summary.format())
 
 
+def _rl_demo(out: Path) -> None:
+    from .rl.demo import rl_demo
+
+    print("\n== robot policy: behaviour-cloned push policy exported and run against the PyBullet Panda emulator ==")
+    rl_demo(out / "rl")
+
+
+def _robust_demo(out: Path) -> None:
+    from .robust.demo import robust_demo
+
+    print("\n== weights that survive bit flips: a protected decoder, flips injected mid-session, scrubbed ==")
+    robust_demo(out / "robust")
+
+
 def main() -> int:
     print("closedloop demo: export a GRU decoder and an MLP policy, run them in the real-time loop\n")
     cfg = SpineBenchConfig.quick()
@@ -204,6 +224,8 @@ def main() -> int:
     _session_demo(out)
     _typing_demo(out)
     _observer_demo(out)
+    _rl_demo(out)
+    _robust_demo(out)
     print(
         f"\nbundles and the recording are in {out}/: try  .venv/bin/closedloop inspect {out}/decoder"
         f"  or  .venv/bin/closedloop run {out}/decoder --device sim://headstage"

@@ -103,5 +103,39 @@ class NumbaBackend(Backend):
             old[...] = new
         self._model = model
 
+    def weight_locations(self, names: list[str]) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        """The arena and, per named initializer, the arena index of each element (ONNX shape; -1 if not held
+        as a plain copy), so a weight scrubber can check the memory the kernels compute with.
+
+        Found by building the plan twice with coded values (``c`` and ``2c + 7``): an arena element is a
+        copy of initializer element ``c`` exactly when both builds put those codes there.
+        """
+        known = self._model.initializers
+        codes, start = {}, 1
+        for name in names:
+            codes[name] = (start, known[name].shape)
+            start += known[name].size
+        if 2 * start + 7 >= 1 << 24:
+            raise ValueError(f"{start - 1} weights are too many to locate with float32 codes")
+
+        def probe(fn):
+            merged = dict(known)
+            merged.update({n: fn(np.arange(s, s + int(np.prod(sh)), dtype=np.float64)).reshape(sh).astype(np.float32)
+                           for n, (s, sh) in codes.items()})
+            return build_plan(dataclasses.replace(self._model, initializers=merged), self.spec, self.options.batch).params
+
+        first, second = probe(lambda c: c), probe(lambda c: 2 * c + 7)
+        where = np.full(start, -1, dtype=np.int64)
+        seen = np.zeros(start, dtype=np.int64)
+        base = self._arena.ctypes.data
+        for arena_view, a, b in zip(self._params, first, second, strict=True):
+            a, b = a.reshape(-1).astype(np.float64), b.reshape(-1).astype(np.float64)
+            hit = np.flatnonzero((a >= 1) & (a < start) & (a == np.round(a)) & (b == 2 * a + 7))
+            c = a[hit].astype(np.int64)
+            where[c] = (arena_view.ctypes.data - base) // 4 + hit
+            np.add.at(seen, c, 1)
+        where[seen != 1] = -1
+        return self._arena, {n: where[s: s + int(np.prod(sh))].reshape(sh) for n, (s, sh) in codes.items()}
+
     def describe(self) -> str:
         return f"{self.name} ({len(self._program)} kernel steps)"

@@ -52,7 +52,10 @@ class _OrtBackend(Backend):
         so.intra_op_num_threads = self.options.threads
         so.inter_op_num_threads = 1
         so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        # ORT 1.32 at ENABLE_ALL silently ignores add_initializer overrides of float16 weights (measured:
+        # the file's values are used); EXTENDED honours them, so a session with overrides uses that.
+        level = "ORT_ENABLE_EXTENDED" if self._overrides else "ORT_ENABLE_ALL"
+        so.graph_optimization_level = getattr(ort.GraphOptimizationLevel, level)
         self._keep = []  # OrtValues must outlive the session that uses them
         for name, arr in self._overrides.items():
             v = ort.OrtValue.ortvalue_from_numpy(arr)
@@ -78,7 +81,8 @@ class _OrtBackend(Backend):
 
     def set_initializers(self, initializers: dict[str, np.ndarray]) -> None:
         """Rebuild the session with these initializers replacing the file's (ORT add_initializer)."""
-        self._overrides = {k: np.ascontiguousarray(v) for k, v in initializers.items()}
+        # Merged with earlier overrides: a partial update must not revert the others to the file's values.
+        self._overrides = {**self._overrides, **{k: np.ascontiguousarray(v) for k, v in initializers.items()}}
         self._build()
 
     def close(self) -> None:

@@ -50,6 +50,7 @@ class BciBenchConfig(JsonConfig):
     ))
     out_dir: str = "bench/results"
     stem: str = "bci"
+    ablate: str = ""  # a drift component switched off in the data (docs/handwriting_data.md), or "all"
 
     @classmethod
     def tiny(cls) -> BciBenchConfig:
@@ -67,6 +68,8 @@ def generate_data(config: BciBenchConfig) -> list:
     from sim.handwriting import HandwritingConfig, generate_recording
 
     hw = HandwritingConfig.tiny(config.data_seed) if config.data_tiny else HandwritingConfig(seed=config.data_seed)
+    if config.ablate:
+        hw = hw.ablate(config.ablate)
     return generate_recording(hw), hw
 
 

@@ -123,10 +123,16 @@ class FineTuneConfig(_Json):
         Actor and critic hidden widths.
     batch_size, gradient_steps, train_freq : int
         SAC settings (no random warm-up steps: the replay starts with demonstrations and prior episodes).
+    critic_pretrain_steps : int
+        Critic gradient steps (actor frozen) on the seeded replay before the first environment step.
     actor_warmup_steps : int
         The actor is frozen for this many steps while the critic learns the pre-trained policy's values.
     actor_lr_scale : float
         The actor's learning rate is ``learning_rate * actor_lr_scale``.
+    prior_weight : float
+        Weight of the pull towards the frozen pre-trained policy in the actor's loss
+        (:class:`~sdk.rl.regularised_sac.PriorRegularisedSAC`, TD3+BC-style: the Q term is divided by
+        the batch's mean |Q|).  0: plain SAC, which collapses the cloned push policy.
     init_log_std : float
         Log standard deviation of the pre-trained actor's (pre-tanh) Gaussian.
     ent_coef : str
@@ -150,8 +156,10 @@ class FineTuneConfig(_Json):
     batch_size: int = 256
     gradient_steps: int = 1
     train_freq: int = 1
-    actor_warmup_steps: int = 2_000
-    actor_lr_scale: float = 0.1
+    critic_pretrain_steps: int = 2_000
+    actor_warmup_steps: int = 500
+    actor_lr_scale: float = 0.3
+    prior_weight: float = 1.0
     init_log_std: float = -1.5
     ent_coef: str = "0.002"
     eval_every: int = 2_000

@@ -13,9 +13,11 @@ deviation; :func:`fine_tune` then
    sharing the discriminator,
 3. seeds the SAC replay and the discriminator's labelled replay with the
    demonstrations and ``prior_episodes`` episodes of the pre-trained policy,
-4. learns for ``total_steps`` environment steps (actor frozen for the first
-   ``actor_warmup_steps``), evaluating the deterministic policy in-process on the
-   outcome only.
+4. fits the critic on that replay (``critic_pretrain_steps``, actor frozen),
+5. learns for ``total_steps`` environment steps with
+   :class:`~sdk.rl.regularised_sac.PriorRegularisedSAC` (actor frozen for the first
+   ``actor_warmup_steps``, then pulled towards the frozen cloned policy: plain SAC
+   collapses it), evaluating the deterministic policy in-process on the outcome only.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import torch
 from torch import nn
 
 from .config import FineTuneConfig
+from .regularised_sac import PriorRegularisedSAC
 from .sb3 import ActorWarmup, OutcomeLogger, ShapedReplayBuffer, evaluate_success
 from .wrapper import FixedNormalization, SuccessVisitationWrapper
 
@@ -118,22 +121,6 @@ class FineTuneResult:
         return self.model.predict((np.asarray(raw_obs, np.float32) - self.mean) / self.std, deterministic=True)[0]
 
 
-def _fine_tune_sac():
-    """SAC whose actor learns ``actor_lr_scale`` times slower than its critic (a pre-trained actor must not
-    chase a young critic's errors)."""
-    from stable_baselines3 import SAC
-
-    class FineTuneSAC(SAC):
-        actor_lr_scale = 1.0
-
-        def _update_learning_rate(self, optimizers) -> None:
-            super()._update_learning_rate(optimizers)
-            for group in self.actor.optimizer.param_groups:
-                group["lr"] *= self.actor_lr_scale
-
-    return FineTuneSAC
-
-
 def _add(model, obs, nxt, action, reward, success) -> None:
     model.replay_buffer.add(obs[None], nxt[None], action[None], np.array([reward], np.float32), np.array([False]),
                             [{"outcome_reward": float(reward), "is_success": success}])
@@ -151,7 +138,8 @@ def fine_tune(config: FineTuneConfig, verbose: int = 0, env_factory=None) -> Fin
     train_env = SuccessVisitationWrapper(factory(cfg.task, mean, std), cfg.shaping, seed=cfg.seed)
     eval_env = factory(cfg.task, mean, std)
     vr = train_env.reward_model
-    model = _fine_tune_sac()("MlpPolicy", train_env, learning_rate=cfg.learning_rate, buffer_size=max(cfg.total_steps * 2, 10_000),
+    model = PriorRegularisedSAC(
+                "MlpPolicy", train_env, learning_rate=cfg.learning_rate, buffer_size=max(cfg.total_steps * 2, 10_000),
                 learning_starts=0, batch_size=cfg.batch_size, gamma=cfg.gamma, train_freq=cfg.train_freq,
                 gradient_steps=cfg.gradient_steps, ent_coef=cfg.ent_coef, policy_kwargs={"net_arch": list(cfg.net)},
                 replay_buffer_class=ShapedReplayBuffer, replay_buffer_kwargs={"reward_model": vr},
@@ -179,6 +167,8 @@ def fine_tune(config: FineTuneConfig, verbose: int = 0, env_factory=None) -> Fin
             obs, done = nxt, term or trunc
         prior_success += info["episode_success"]
     vr.fit(200)
+    model.set_prior(cfg.prior_weight)
+    model.pretrain_critic(cfg.critic_pretrain_steps)
     logger = OutcomeLogger(eval_env, cfg.eval_every, cfg.eval_episodes, reward_model=vr, verbose=verbose)
     t_pre = time.perf_counter() - t0
     model.learn(cfg.total_steps, callback=[logger, ActorWarmup(cfg.actor_warmup_steps)], reset_num_timesteps=True)

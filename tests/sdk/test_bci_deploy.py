@@ -83,8 +83,10 @@ def test_typing_session_decodes_every_bin_and_reports_the_text(bundle, tmp_path)
     assert s.inputs_used == s.commands_sent and s.inputs_skipped == 0
     assert s.safe_commands_sent == 0 and s.link["lost"] == 0
     sent = _sent_outputs(cfg.record)
-    assert len(sent) == s.commands_sent
+    # overrun policy "hold" re-sends the last output for a skipped period (a loaded machine overruns)
+    assert len(sent) == s.commands_sent + s.commands_resent
     received = _received_bins(cfg.record)
+    sent = [m for k, m in enumerate(sent) if k == 0 or m.bin_index != sent[k - 1].bin_index]  # drop re-sends
     assert [m.bin_index for m in sent] == received  # one output per frame, in order
     typed = "".join(m.text for m in sent)
     assert len(typed) >= 3 and all(len(m.text) <= 1 for m in sent)

@@ -1,0 +1,105 @@
+"""Record the protected layout in a bundle, with an int8 variant that keeps the constraints exact.
+
+``protect_bundle`` takes a bundle exported (by ``export.export_bundle`` or a family's
+exporter such as ``sdk.bci.deploy.export_bci_bundle``) from a model that went through
+``protect`` and ``finalize``. It checks that every protected initializer really holds
+the constraints, measures the float check tolerances of each stored precision (fp32,
+and fp16 when the bundle has that variant), adds (or replaces) the ``int8`` variant with
+the exact-zero-sum weight-only quantization, and writes ``manifest.extra["robust"]``:
+block size, window, whether keyed and the key's fingerprint (never the key), and per
+precision the file, storage dtype, initializer names and tolerances. The bundle is then
+re-written atomically with fresh checksums.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from export.parity import Tolerance, compare, make_parity_inputs, ort_runner
+from export.writer import write_bundle
+from runtime.bundle import load_bundle
+from runtime.scrubber import (
+    LAYOUT_VERSION,
+    ROBUST_EXTRA,
+    block_positions,
+    key_fingerprint,
+    syndromes,
+    tolerances,
+)
+
+from .protect import ProtectionPlan
+from .quantize import int8_weight_only, quantize_blocks
+
+INT8_TOLERANCE = Tolerance(abs=5e-2, rel=5e-2)
+
+
+def _precision(inits: dict, plan: ProtectionPlan, key: bytes | None, names: dict[str, str]) -> dict:
+    tol = {}
+    for t in plan.tensors:
+        w = inits[names[t.onnx_name]]
+        tol[t.onnx_name] = list(tolerances(w, block_positions(w.size, plan.k, key, t.onnx_name, plan.window)))
+    return {"dtype": str(inits[names[plan.tensors[0].onnx_name]].dtype), "names": names, "tolerance": tol}
+
+
+def protect_bundle(path: str | Path, plan: ProtectionPlan, key: bytes | None = None, int8: bool = True,
+                   report=print) -> Path:
+    """Add the protection record (and the exact int8 variant) to the bundle at ``path``; return the path."""
+    path = Path(path)
+    if plan.keyed and (key is None or key_fingerprint(key) != plan.key_fingerprint):
+        raise ValueError("protect_bundle needs the key the plan was made with")
+    bundle = load_bundle(path)
+    m = bundle.manifest
+    spec = m.graphs["main"]
+    inits = bundle.onnx("main").initializers
+    key = key if plan.keyed else None
+    for t in plan.tensors:
+        w = inits.get(t.onnx_name)
+        if w is None or list(w.shape) != t.shape:
+            raise ValueError(f"initializer {t.onnx_name!r} is missing or reshaped in {path}; export the model the plan "
+                             "was made for")
+        s0, _ = syndromes(w, block_positions(w.size, plan.k, key, t.onnx_name, plan.window))
+        if np.max(np.abs(s0)) > 1e-4 * max(1e-12, float(np.abs(w).max())) * plan.k:
+            raise ValueError(f"initializer {t.onnx_name!r} does not hold the block constraints (largest block sum "
+                             f"{np.max(np.abs(s0)):.3g}); call sdk.robust.finalize(model, plan, key) before exporting")
+    ident = {t.onnx_name: t.onnx_name for t in plan.tensors}
+    precisions = {"fp32": {"file": spec.file, **_precision(inits, plan, key, ident)}}
+    if "fp16" in spec.variants:
+        precisions["fp16"] = {"file": spec.variants["fp16"]["file"],
+                              **_precision(bundle.onnx("main", "fp16").initializers, plan, key, ident)}
+    files = {rel: (bundle.root / rel).read_bytes() for rel in m.files}
+    if int8:
+        fp32 = files[spec.file]
+        qw = {}
+        for t in plan.tensors:
+            w = inits[t.onnx_name]
+            qw[t.onnx_name] = quantize_blocks(w, block_positions(w.size, plan.k, key, t.onnx_name, plan.window))
+        data = int8_weight_only(fp32, qw)
+        rel = "main.int8.onnx"
+        zeros = {t.name: np.zeros(t.concrete_shape(1), np.dtype(t.dtype)) for t in spec.state_inputs}
+        inputs = make_parity_inputs(spec, batch_sizes=(1,), sequence_steps=32, seed=0, initial_state=zeros)
+        parity = compare(ort_runner(fp32), ort_runner(data), spec, inputs, INT8_TOLERANCE)
+        old = spec.variants.pop("int8", None)
+        if old is not None and old["file"] != rel:
+            files.pop(old["file"], None)
+        spec.variants["int8"] = {
+            "file": rel, "quantizer": "sdk.robust weight-only int8, per-tensor symmetric, block sums exactly zero",
+            "parity_vs_fp32": parity, "within_tolerance": parity["within_tolerance"],
+            "tolerance": INT8_TOLERANCE.to_dict(),
+        }
+        files[rel] = data
+        names = {t.onnx_name: t.onnx_name + "_q" for t in plan.tensors}
+        precisions["int8"] = {"file": rel, "dtype": "int8", "names": names,
+                              "tolerance": {t.onnx_name: [0.0, 0.0] for t in plan.tensors}}
+        report(f"int8 variant (exact zero-sum blocks): max abs {parity['max_abs']:.3g} vs fp32")
+    m.extra[ROBUST_EXTRA] = {
+        "version": LAYOUT_VERSION, "scheme": "block zero-sum (sum w = 0, sum j w = 0)",
+        "k": plan.k, "window": plan.window, "keyed": plan.keyed, "key_fingerprint": plan.key_fingerprint,
+        "tensors": {t.onnx_name: t.shape for t in plan.tensors},
+        "precisions": precisions,
+        "notes": {"torch_parameters": {t.onnx_name: t.param for t in plan.tensors}, "unprotected": plan.skipped},
+    }
+    write_bundle(path, m, files, overwrite=True, zip=path.is_file())
+    report(f"protected {len(plan.tensors)} tensors (k={plan.k}, {'keyed' if plan.keyed else 'unkeyed'}) in {path}")
+    return path

@@ -1,0 +1,69 @@
+"""``closedloop inject-faults`` and ``closedloop scrub``: fault injection and weight checks from the shell."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from sdk.cli import command
+
+
+def _inject_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("bundle", help="bundle folder")
+    p.add_argument("--flips", type=int, required=True, help="number of bits to flip")
+    p.add_argument("--mode", choices=("random", "targeted"), default="random",
+                   help="random: uniform over all weight bits; targeted: Bit-Flip-Attack-style progressive search")
+    p.add_argument("--adaptive", action="store_true",
+                   help="targeted only: flip only sets that keep the block constraints of the unkeyed layout")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--variant", choices=("fp32", "fp16", "int8"), default="fp32", help="which stored precision to hit")
+    p.add_argument("--data", help="targeted only: .npy of model inputs (recurrent: batch x steps x features)")
+    p.add_argument("--out", help="where to write the corrupted copy (default BUNDLE.faulty)")
+    p.add_argument("--overwrite", action="store_true")
+
+
+@command("inject-faults", "write a copy of a bundle with flipped weight bits (refused by its checksum unless skipped)",
+         _inject_args)
+def _inject(a: argparse.Namespace) -> int:
+    import numpy as np
+
+    from .faults import inject_faults
+
+    out = Path(a.out) if a.out else Path(str(Path(a.bundle)).rstrip("/") + ".faulty")
+    data = np.load(a.data) if a.data else None
+    inject_faults(a.bundle, out, a.flips, a.mode, a.seed, None if a.variant == "fp32" else a.variant,
+                  adaptive=a.adaptive, data=data, overwrite=a.overwrite)
+    return 0
+
+
+def _scrub_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("bundle", help="bundle folder or zip (protected with sdk.robust)")
+    p.add_argument("--variant", choices=("fp32", "fp16", "int8"), default="fp32")
+    p.add_argument("--backend", default="onnxruntime", help="backend whose weights are checked (numba, onnxruntime)")
+    p.add_argument("--skip-checksum", action="store_true",
+                   help="load a bundle whose checksums fail (fault-injection studies only)")
+    p.add_argument("--weights-key-file", help="key of a keyed layout (or $CLOSEDLOOP_WEIGHTS_KEY_FILE)")
+
+
+@command("scrub", "load a protected bundle, check every weight block, repair single bit flips and report",
+         _scrub_args)
+def _scrub(a: argparse.Namespace) -> int:
+    from runtime import Model, load_bundle
+    from runtime.scrubber import WeightsCorruptedError, attach_scrubber, read_key
+
+    bundle = load_bundle(a.bundle, verify_checksums=not a.skip_checksum)
+    model = Model(bundle, backend=a.backend, variant=None if a.variant == "fp32" else a.variant)
+    try:
+        scrubber = attach_scrubber(model, key=read_key(key_file=a.weights_key_file))
+    except WeightsCorruptedError as exc:
+        print(f"UNREPAIRABLE: {exc}")
+        return 1
+    if scrubber is None:
+        print(f"{a.bundle} is not protected (no manifest.extra.robust); nothing to check")
+        return 1
+    st = scrubber.stats
+    for line in st.events:
+        print(line)
+    print(f"{st.blocks} blocks on {scrubber.targets[0].name}: repaired {st.repaired}, unrepairable {st.unrepairable}; "
+          f"full scrub {st.full_scrub_us:.0f} us")
+    return 0

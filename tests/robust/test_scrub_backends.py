@@ -1,0 +1,90 @@
+"""Repair through each backend (Numba arena in place, ONNX Runtime rebuilt), load-time scrub, time budget."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from runtime import Model, load_bundle
+from runtime.errors import BundleError
+from runtime.scrubber import ScrubError, WeightsCorruptedError, attach_scrubber
+from sdk.robust.faults import BitFlip, write_corrupted_copy
+
+from .conftest import KEY
+
+
+def _outputs(model, steps=20, seed=0):
+    rng = np.random.default_rng(seed)
+    model.reset()
+    return np.stack([model.step(rng.standard_normal(12).astype(np.float32)).copy() for _ in range(steps)])
+
+
+def _exponent_flips(bundle, variant, n, seed):
+    """One high-bit flip in each of ``n`` different blocks of the protected tensors."""
+    layout = bundle.manifest.extra["robust"]
+    prec = layout["precisions"][variant or "fp32"]
+    inits = bundle.onnx("main", variant).initializers
+    rng = np.random.default_rng(seed)
+    out = []
+    for name in list(layout["tensors"])[:n]:
+        o = prec["names"][name]
+        top = {1: 6, 2: 14, 4: 30}[inits[o].itemsize]
+        out.append(BitFlip(o, int(rng.integers(inits[o].size)), top))
+    return out
+
+
+@pytest.mark.parametrize("variant", [None, "fp16", "int8"])
+@pytest.mark.parametrize("backend", ["numba", "onnxruntime"])
+def test_corrupted_copy_is_refused_then_repaired_at_load_to_the_clean_outputs(keyed_bundle, tmp_path, backend, variant):
+    clean_bundle = load_bundle(keyed_bundle)
+    try:
+        clean = _outputs(Model(clean_bundle, backend=backend, variant=variant))
+    except Exception as exc:  # noqa: BLE001 - numba runs fp32 graphs only
+        pytest.skip(f"{backend} cannot run {variant}: {exc}")
+    flips = _exponent_flips(clean_bundle, variant, 3, seed=1)
+    bad = write_corrupted_copy(keyed_bundle, tmp_path / "bad", variant, flips)
+    with pytest.raises(BundleError, match="SHA-256"):
+        load_bundle(bad)
+    model = Model(load_bundle(bad, verify_checksums=False), backend=backend, variant=variant)
+    corrupted = _outputs(model)
+    assert not np.allclose(corrupted, clean, atol=1e-3)
+    scrubber = attach_scrubber(model, key=KEY)
+    assert scrubber.stats.repaired == len(flips) and scrubber.stats.unrepairable == 0
+    np.testing.assert_allclose(_outputs(model), clean, atol=1e-6)
+
+
+def test_keyed_bundle_needs_the_right_key(keyed_bundle):
+    model = Model(load_bundle(keyed_bundle), backend="onnxruntime")
+    with pytest.raises(ScrubError, match="keyed"):
+        attach_scrubber(model, key=None)
+    with pytest.raises(ScrubError, match="fingerprint"):
+        attach_scrubber(model, key=b"wrong key")
+    assert KEY.hex() not in (load_bundle(keyed_bundle).root / "manifest.json").read_text()
+
+
+def test_two_faults_in_one_block_at_load_are_refused(unkeyed_bundle, tmp_path):
+    b = load_bundle(unkeyed_bundle)
+    name = next(iter(b.manifest.extra["robust"]["tensors"]))
+    bad = write_corrupted_copy(unkeyed_bundle, tmp_path / "bad", None, [BitFlip(name, 1, 30), BitFlip(name, 5, 30)])
+    model = Model(load_bundle(bad, verify_checksums=False), backend="numba")
+    with pytest.raises(WeightsCorruptedError, match="cannot be repaired"):
+        attach_scrubber(model, key=None)
+
+
+def test_step_keeps_to_its_budget_and_covers_every_block_round_robin(unkeyed_bundle):
+    model = Model(load_bundle(unkeyed_bundle), backend="numba")
+    s = attach_scrubber(model)
+    total = s.stats.blocks
+    per_step = max(1, int(20_000 / s.stats.ns_per_block))  # a 20 us budget
+    target = s.targets[0]
+    p = int(target.pos[total - 1, 3])  # a fault in the last block: found only when the cursor gets there
+    target.words[p] ^= np.uint32(1 << 30)
+    checked0 = s.stats.blocks_checked
+    events = s.step(20_000)
+    assert s.stats.blocks_checked - checked0 == min(per_step, total)
+    steps = 1
+    while not events:
+        events = s.step(20_000)
+        steps += 1
+        assert steps <= total // per_step + 2
+    assert events[0].status == "repaired" and events[0].block == total - 1
