@@ -2,6 +2,8 @@
 
     python bench/bench_bci.py          # 3 seeds, sized for 2 CPU cores in < 45 min; writes bench/results/bci.*
     python bench/bench_bci.py --tiny   # about a minute; writes bench/results/bci_tiny.*
+    python bench/bench_bci.py --ablate tuning_rotation --seeds 0 --methods session_layers two_stage
+                                       # one drift component off: writes bench/results/bci_ablate_tuning_rotation.*
 
 It prints the estimated run time before it starts. Methods, metrics and the harness
 are described in docs/bci.md.
@@ -20,6 +22,8 @@ if __name__ == "__main__":
     ap.add_argument("--device", help="auto (default), cpu or cuda")
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--config", help="a BciBenchConfig JSON file (overrides the defaults)")
+    ap.add_argument("--ablate", help="switch one drift component off in the data (or 'all'): the drift ablation")
+    ap.add_argument("--methods", nargs="+", help="methods to run (default: all)")
     a = ap.parse_args()
     cfg = BciBenchConfig.load(a.config) if a.config else (BciBenchConfig.tiny() if a.tiny else BciBenchConfig())
     cfg.out_dir = a.out
@@ -29,5 +33,10 @@ if __name__ == "__main__":
         cfg.jobs = a.jobs
     if a.device:
         cfg.harness.device = a.device
+    if a.methods:
+        cfg.harness.methods = tuple(a.methods)
+    if a.ablate:
+        cfg.ablate = a.ablate
+        cfg.stem = f"{cfg.stem}_ablate_{a.ablate}"
     run_bci_benchmark(cfg)
     sys.exit(0)

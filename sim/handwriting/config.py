@@ -62,11 +62,11 @@ class PopulationConfig:
     + shared latent noise; rates are in Hz, velocity in x-heights per second.
     """
 
-    baseline_hz: float = 6.0         # median baseline rate (log-normal across channels)
+    baseline_hz: float = 10.0        # median baseline rate (log-normal across channels); calibrated, see below
     baseline_spread: float = 0.6
-    velocity_depth: float = 0.7      # mean |modulation| per v_ref, log units
+    velocity_depth: float = 3.0      # mean |modulation| per v_ref, log units; calibrated
     depth_spread: float = 0.3
-    accel_depth: float = 0.25
+    accel_depth: float = 1.0         # calibrated
     speed_gain: float = 0.15
     writing_gain: float = 0.3        # condition-independent "writing" component
     v_ref: float = 4.0               # x-heights per second
@@ -75,7 +75,7 @@ class PopulationConfig:
     dead_fraction: float = 0.08      # channels without a unit on day 0
     dead_rate_hz: float = 1.5
     overdispersion: float = 0.1      # gamma-Poisson: variance = mean + overdispersion * mean^2 (0: Poisson)
-    shared_noise: float = 0.15       # SD of shared latent log-rate fluctuations
+    shared_noise: float = 0.08       # SD of shared latent log-rate fluctuations; calibrated
     shared_noise_dims: int = 3
     shared_noise_tau_s: float = 0.3
     max_rate_hz: float = 400.0
@@ -86,11 +86,13 @@ class DriftConfig:
     """Cross-session drift: independent random walks in day units (std grows as sqrt(days)).
 
     Every magnitude below is multiplied by ``scale``; set one to 0 (or use
-    :meth:`HandwritingConfig.ablate`) to switch that component off. Defaults are a first
-    guess, NOT calibrated against FALCON H2; calibration belongs to the benchmark.
+    :meth:`HandwritingConfig.ablate`) to switch that component off. ``scale`` (1.3) and
+    the population's signal settings were calibrated against FALCON H2's published
+    figures with ``bench/calibrate_bci_drift.py`` (docs/handwriting_data.md,
+    "Calibration"); the generator is frozen at these values.
     """
 
-    scale: float = 1.0
+    scale: float = 1.3
     tuning_rotation: float = 0.03    # preferred-direction angle, rad per sqrt(day), per channel
     gain: float = 0.02               # log modulation gain per sqrt(day) (per channel + array-wide)
     baseline: float = 0.03           # log baseline rate per sqrt(day) (per channel + array-wide)
