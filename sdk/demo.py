@@ -110,12 +110,8 @@ def _typing_demo(out: Path) -> None:
     import sim  # noqa: F401  (registers sim://)
     from sim.handwriting import VOCABULARY, HandwritingConfig, generate_session
 
-    from .bci.cli import calibrate_bundle, evaluate_bundle, format_evaluation
-    from .bci.data import session_normalization
-    from .bci.deploy import export_bci_bundle
-    from .bci.evaluate import train_models
+    from .bci.cli import calibrate_bundle, evaluate_bundle, format_evaluation, train_pooled_bundle
     from .bci.metrics import falcon_metrics
-    from .bci.models import AlignedDecoder
     from .bci.nwb import write_falcon_h2
 
     print("\n== trained handwriting decoder: pooled GRU + meta-learned alignment, 3-sentence calibration, live typing ==")
@@ -129,16 +125,7 @@ def _typing_demo(out: Path) -> None:
     print(f"data: {index} held-in sessions + held-out {target.name}, {TYPING_CHANNELS} channels, {TYPING_TRIALS} trials "
           f"each ({time.perf_counter() - t0:.1f} s)")
     hc = _typing_harness()
-    models = train_models(sessions, hc, {"backbone", "meta"})
-    print(f"stage 1 (pooled backbone) {models.logs['backbone'].wall_s:.1f} s, stage 2 (meta-learned alignment) "
-          f"{models.logs['meta'].wall_s:.1f} s")
-    norm = session_normalization(sessions[index - 1])  # a placeholder: calibration replaces it
-    pooled = export_bci_bundle(
-        AlignedDecoder(models.meta.new_alignment(), models.backbone), out / "bci_pooled", n_channels=TYPING_CHANNELS,
-        mean=norm.mean, std=norm.std, session_name="pooled", meta=models.meta, std_floor=hc.calibration.std_floor,
-        calibration_config=hc.calibration.to_dict(), provenance={"training": hc.to_dict(), "data": cfg.to_dict()},
-        variants=(), tensorrt=False, overwrite=True, report=lambda s: None,
-    )
+    pooled = train_pooled_bundle(sessions, hc, out / "bci_pooled", provenance={"data": cfg.to_dict()}, overwrite=True)
     data = write_falcon_h2(target, out / "bci_data" / f"sub-SIM-held-out_ses-{target.name.replace('.', '')}.nwb")
     report = calibrate_bundle(pooled, data, n_sentences=3, out=out / "bci_decoder", overwrite=True)
     print(report.format())

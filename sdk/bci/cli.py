@@ -225,6 +225,68 @@ def _calibrate(a: argparse.Namespace) -> int:
     return 0
 
 
+# --- train ----------------------------------------------------------------------------------
+
+
+def train_pooled_bundle(sessions: list, harness: Any, out: str | Path, *, provenance: dict | None = None,
+                        overwrite: bool = False, report=print) -> Path:
+    """Stage 1 (pooled backbone) and stage 2 (meta-learned alignment) on the held-in sessions; a calibratable bundle.
+
+    The bundle decodes with the meta-learned initial alignment and the last held-in
+    session's normalisation until ``closedloop calibrate`` fits it to a session.
+    """
+    from .data import session_normalization
+    from .deploy import export_bci_bundle
+    from .evaluate import train_models
+    from .models import AlignedDecoder
+
+    held_in = [s for s in sessions if s.split == "held_in"]
+    if not held_in:
+        raise ValueError(f"none of the {len(sessions)} sessions is held-in: training needs held-in sessions "
+                         "(FALCON H2's held-in files, or `closedloop generate-data`)")
+    models = train_models(sessions, harness, {"backbone", "meta"})
+    report(f"stage 1 (pooled backbone) {models.logs['backbone'].wall_s:.1f} s, stage 2 (meta-learned alignment) "
+           f"{models.logs['meta'].wall_s:.1f} s")
+    norm = session_normalization(held_in[-1])  # a placeholder until calibration replaces it
+    return export_bci_bundle(
+        AlignedDecoder(models.meta.new_alignment(), models.backbone), out, n_channels=held_in[0].n_channels,
+        mean=norm.mean, std=norm.std, session_name="pooled", meta=models.meta, std_floor=harness.calibration.std_floor,
+        calibration_config=harness.calibration.to_dict(),
+        provenance={"training": harness.to_dict(), **(provenance or {})},
+        variants=(), tensorrt=False, overwrite=overwrite, report=lambda s: None,
+    )
+
+
+def _train_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("data", help="folder of FALCON H2 NWB files (real or from `closedloop generate-data`)")
+    p.add_argument("--out", required=True, help="bundle to write (calibratable: `closedloop calibrate` it per session)")
+    p.add_argument("--config", help="a HarnessConfig JSON (train/meta/calibration sections); default: the benchmark's")
+    p.add_argument("--tiny", action="store_true", help="the tests' tiny training configuration (a minute)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    p.add_argument("--overwrite", action="store_true")
+
+
+@command("bci-train", "train the pooled handwriting decoder and its meta-learned alignment; write a calibratable bundle",
+         _train_args)
+def _train(a: argparse.Namespace) -> int:
+    import dataclasses
+
+    from .benchmark import BciBenchConfig
+    from .evaluate import HarnessConfig
+
+    if a.config:
+        harness = HarnessConfig.load(a.config)
+    else:
+        harness = (BciBenchConfig.tiny() if a.tiny else BciBenchConfig()).harness
+    harness = dataclasses.replace(harness, seed=a.seed, device=a.device).seeded()
+    sessions = load_sessions(a.data)
+    print(f"{len(sessions)} sessions from {a.data} ({sum(s.split == 'held_in' for s in sessions)} held-in)")
+    path = train_pooled_bundle(sessions, harness, a.out, provenance={"data": str(a.data)}, overwrite=a.overwrite)
+    print(f"wrote {path}: calibrate it per session with `closedloop calibrate {path} --data SESSION.nwb --sentences 3`")
+    return 0
+
+
 # --- evaluate -------------------------------------------------------------------------------
 
 

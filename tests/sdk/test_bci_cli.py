@@ -217,3 +217,28 @@ def test_evaluate_a_folder_scores_every_session_with_evaluation_trials(bundle, s
     assert r["mean"]["greedy"]["CER"] == pytest.approx(np.mean(cers)) and r["skipped"] == []
     with pytest.raises(ValueError, match="no evaluation trials"):
         evaluate_bundle(bundle, next((tmp_path / "data").glob("*held-out-calib/*.nwb")))
+
+
+def test_bci_train_then_calibrate_from_the_shell(sessions, tmp_path):
+    """The whole workflow a user types: NWB folder -> bci-train -> calibrate -> evaluate."""
+    data = tmp_path / "data"
+    write_falcon_h2_dir(sessions, data)
+    cfg = tmp_path / "harness.json"
+    from sdk.bci.evaluate import HarnessConfig
+
+    HarnessConfig(train=TrainConfig(backbone=BackboneConfig(16, 1, 0.0), steps=20, batch_size=4, lr=1e-2),
+                  meta=MetaConfig(inner_steps=2, n_query=2, tasks_per_step=2, meta_steps=3),
+                  calibration=CALIB, progress=False).save(cfg)
+    assert main(["bci-train", str(data), "--out", str(tmp_path / "pooled"), "--config", str(cfg),
+                 "--device", "cpu"]) == 0
+    state = read_calibration_state(load_bundle(tmp_path / "pooled"))
+    assert state["n_channels"] == C and state["has_meta"]  # the meta-learned init and step sizes travel in the bundle
+    held_out = next(p for p in sorted(data.rglob("*.nwb")) if "held-out" in p.name or "held_out" in p.name)
+    assert main(["calibrate", str(tmp_path / "pooled"), "--data", str(held_out), "--sentences", "3",
+                 "--out", str(tmp_path / "cal")]) == 0
+    assert main(["evaluate", str(tmp_path / "cal"), "--data", str(data), "--json"]) == 0
+    # bad input: a folder with no held-in session is refused with what to do
+    only_out = tmp_path / "only_out"
+    only_out.mkdir()
+    shutil.copy(held_out, only_out / held_out.name)
+    assert main(["bci-train", str(only_out), "--out", str(tmp_path / "x"), "--config", str(cfg)]) == 2
