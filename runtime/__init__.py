@@ -14,6 +14,7 @@ from .manifest import SCHEMA_VERSION, GraphSpec, Manifest, TensorSpec
 from .model import Model
 from .recording import RecordingReader, RecordingWriter, RecordType
 from .replay import ReplayReport, replay_recording
+from .scrubber import ProtectionLayout, Scrubber, ScrubError, ScrubEvent, WeightsCorruptedError, attach_scrubber
 from .session import DeviceMismatchError, Session, SessionConfig, SessionError, SessionSummary, run_session
 from .stats import LoopSummary
 
@@ -44,8 +45,14 @@ __all__ = [
     "replay_recording",
     "run_session",
     "OverrunPolicy",
+    "ProtectionLayout",
     "RealTimeLoop",
+    "ScrubError",
+    "ScrubEvent",
+    "Scrubber",
     "TensorSpec",
+    "WeightsCorruptedError",
+    "attach_scrubber",
     "backend_names",
     "backend_report",
     "check_bundle",

@@ -7,9 +7,10 @@ session over it cannot tell it from the device that was recorded.
 
 ``replay_recording(recording, bundle)`` re-runs a bundle offline over the input
 frames that produced each recorded model output, in the recorded order (state
-resets where the device said Hello again), and compares the outputs: the same
-bundle reproduces them; a new bundle (say, recalibrated) shows how it would have
-answered the same session.
+resets where the device said Hello again; a step with a non-finite value refused,
+as the session refused it), and compares the outputs: the same bundle reproduces
+them; a new bundle (say, recalibrated) shows how it would have answered the same
+session.
 """
 
 from __future__ import annotations
@@ -141,16 +142,17 @@ def replay_recording(recording: str | Path, bundle: Bundle | str | Path, backend
             if msg is None:
                 missing += 1
                 continue
-            fam.on_message(msg)
-            model.run()
-            fam.postprocess()
+            _, bad = fam.guarded_step(msg)  # as the session did: a non-finite step is refused, bad state reset
+            if bad is not None:
+                fam.recover_nonfinite()
             y = model.outputs[model.spec.data_outputs[0].name].reshape(-1)
             if y.size != recorded.size:
                 raise ValueError(
                     f"bundle output has {y.size} values but the recording's outputs have {recorded.size}; "
                     "replay a bundle with the same output layout"
                 )
-            d = np.abs(y - recorded)
+            # NaN where the recording has NaN (a refused step) agrees; NaN on one side only is a difference
+            d = np.nan_to_num(np.where(np.isnan(y) & np.isnan(recorded), 0.0, np.abs(y - recorded)), nan=np.inf)
             diffs.append(float(d.max()))
             total += float(d.mean())
             count += 1

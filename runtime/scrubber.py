@@ -1,243 +1,48 @@
 """Weight scrubbing: find, locate and repair single bit flips in a protected bundle's weights.
 
-A *protected* bundle (``manifest.extra["robust"]``, written by ``sdk.robust``) holds
-weights whose every block of ``k`` satisfies two linear constraints, with no extra
-parameters stored: the block sum is zero and the index-weighted sum is zero. A fault
-that changes one member ``p`` by ``d`` shows as syndromes ``S0 = d`` and ``S1 = p d``,
-so ``S1 / S0`` names the member and the other members give back its value. Block
-membership can be keyed: a secret key (never in the bundle; the manifest keeps only an
-HMAC fingerprint of it) seeds a permutation of each tensor's elements into blocks.
-
-This module sits in ``runtime`` (no torch). It rebuilds the block layout from the
-manifest and the key, scans blocks with Numba kernels (fp32, fp16 and int8 storage),
-repairs a single faulty member per block (only to a value one bit flip away from the
-stored word: the fault model is single-event upsets), and reports what it did. It reaches
-the weights each backend computes with: the Numba backend's arena in place, or for
-ONNX Runtime a host copy of the initializers whose repairs rebuild the session.
+A protected bundle's weights sit in blocks whose sum and index-weighted sum are zero
+(``runtime.scrubber_layout``: keys, block membership, syndromes, tolerances; re-exported
+here), so a single fault in a block names its member and the other members give back
+its value. This module sits in ``runtime`` (no torch). It scans blocks with Numba
+kernels (``runtime.scrubber_kernels``; fp32, fp16 and int8 storage), repairs a single
+faulty member per block (only to a value one bit flip away from the stored word: the
+fault model is single-event upsets), and reports what it did. It reaches the weights
+each backend computes with: the Numba backend's arena in place, or for ONNX Runtime a
+host copy of the initializers whose repairs rebuild the session.
 ``Scrubber.step(budget_ns)`` scrubs round-robin under a time budget (the loop's idle
 hook); ``session_scrubber`` wires this into ``runtime.session``. See docs/robustness.md.
 """
 
 from __future__ import annotations
 
-import hashlib
-import hmac
-import os
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-ROBUST_EXTRA = "robust"
-LAYOUT_VERSION = 1
-KEY_ENV = "CLOSEDLOOP_WEIGHTS_KEY"  # hex
-KEY_FILE_ENV = "CLOSEDLOOP_WEIGHTS_KEY_FILE"
-MIN_BLOCK = 3  # two constraints need at least three members to leave any freedom
+from .scrubber_kernels import kernels
+from .scrubber_layout import (
+    KEY_ENV,
+    KEY_FILE_ENV,
+    LAYOUT_VERSION,
+    MIN_BLOCK,
+    ROBUST_EXTRA,
+    ProtectionLayout,
+    ScrubError,
+    WeightsCorruptedError,
+    block_positions,
+    key_fingerprint,
+    read_key,
+    syndromes,
+    tolerances,
+)
 
-
-class ScrubError(RuntimeError):
-    """The scrubber cannot run (key missing or wrong, layout unreadable)."""
-
-
-class WeightsCorruptedError(ScrubError):
-    """Weights hold faults the scrubber cannot repair (several in one block)."""
-
-
-# --- keys and layout -------------------------------------------------------------------
-
-
-def key_fingerprint(key: bytes) -> str:
-    """HMAC-SHA256 of a fixed string under ``key`` (first 16 hex digits): names the key, does not reveal it."""
-    return hmac.new(key, b"closedloop.robust.v1/fingerprint", hashlib.sha256).hexdigest()[:16]
-
-
-def read_key(key: bytes | str | None = None, key_file: str | Path | None = None) -> bytes | None:
-    """The weights key from an argument (bytes, or hex text), a key file, or the environment."""
-    if key is not None:
-        return key if isinstance(key, bytes) else bytes.fromhex(key)
-    key_file = key_file or os.environ.get(KEY_FILE_ENV)
-    if key_file:
-        data = Path(key_file).read_bytes().strip()
-        try:
-            return bytes.fromhex(data.decode("ascii"))
-        except (UnicodeDecodeError, ValueError):
-            return data
-    env = os.environ.get(KEY_ENV)
-    return bytes.fromhex(env) if env else None
-
-
-def _window_permutation(n: int, window: int, seed: np.uint64) -> np.ndarray:
-    """Fisher-Yates inside each window of ``window`` elements, driven by splitmix64 (version-stable)."""
-    perm = np.arange(n)
-    state = np.uint64(seed)
-    for start in range(0, n, window):
-        size = min(window, n - start)
-        for i in range(size - 1, 0, -1):
-            state += np.uint64(0x9E3779B97F4A7C15)
-            z = state
-            z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-            z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-            z = z ^ (z >> np.uint64(31))
-            j = int(z % np.uint64(i + 1))
-            a = perm[start + i]
-            perm[start + i] = perm[start + j]
-            perm[start + j] = a
-    return perm
-
-
-def block_positions(n: int, k: int, key: bytes | None = None, name: str = "", window: int = 4096) -> np.ndarray:
-    """Block membership of a tensor of ``n`` elements: ``(blocks, k)`` flat indices, ``-1`` padding.
-
-    Unkeyed, block ``b`` is elements ``b*k .. b*k+k-1`` of the flattened tensor. Keyed, the
-    elements are first permuted inside windows of ``window`` (a multiple of ``k``, which keeps
-    a block's members close in memory) by a permutation seeded from HMAC(key, name). A last
-    block of fewer than three members is left out (unprotected).
-    """
-    if window % k:
-        raise ValueError(f"window {window} must be a multiple of the block size k={k}")
-    if key is None:
-        perm = np.arange(n, dtype=np.int64)
-    else:
-        seed = hmac.new(key, b"closedloop.robust.v1/perm/" + name.encode(), hashlib.sha256).digest()[:8]
-        perm = _kernels()["permutation"](n, window, np.uint64(int.from_bytes(seed, "little")))
-    nb = -(-n // k)
-    pos = np.full(nb * k, -1, dtype=np.int64)
-    pos[:n] = perm
-    pos = pos.reshape(nb, k)
-    if nb and n - (nb - 1) * k < MIN_BLOCK:
-        pos = pos[:-1]
-    return pos
-
-
-def syndromes(values: np.ndarray, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Per-block ``(S0, S1)`` in float64 (``values`` flat, ``pos`` from ``block_positions``)."""
-    v = np.where(pos >= 0, np.asarray(values).reshape(-1)[np.maximum(pos, 0)].astype(np.float64), 0.0)
-    j = np.arange(pos.shape[1], dtype=np.float64)
-    return v.sum(axis=1), v @ j
-
-
-def tolerances(values: np.ndarray, pos: np.ndarray) -> tuple[float, float]:
-    """Check thresholds of a clean float tensor: twice its largest clean syndromes, with a floor
-    covering float64 re-association (so a clean block never trips the check); 0 for integers."""
-    if np.asarray(values).dtype.kind in "iu":
-        return 0.0, 0.0
-    s0, s1 = syndromes(values, pos)
-    k = pos.shape[1]
-    top = float(np.max(np.abs(values))) if np.size(values) else 0.0
-    floor = 64.0 * k * 2.0**-52 * top * k
-    return max(2.0 * float(np.max(np.abs(s0), initial=0.0)), floor), max(2.0 * float(np.max(np.abs(s1), initial=0.0)), floor * k)
-
-
-@dataclass
-class ProtectionLayout:
-    """What ``manifest.extra["robust"]`` says: block size, keying, tensors and per-precision checks."""
-
-    k: int
-    window: int
-    keyed: bool
-    key_fingerprint: str | None
-    tensors: dict[str, list[int]]  # fp32 initializer name -> shape
-    precisions: dict[str, dict[str, Any]]  # "fp32"/"fp16"/"int8" -> {"file", "dtype", "names", "tolerance"}
-    version: int = LAYOUT_VERSION
-    notes: dict[str, Any] = field(default_factory=dict)
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_manifest(cls, manifest: Any) -> ProtectionLayout | None:
-        d = manifest.extra.get(ROBUST_EXTRA)
-        if d is None:
-            return None
-        if d.get("version") != LAYOUT_VERSION:
-            raise ScrubError(f"robust layout version {d.get('version')!r}; this runtime reads {LAYOUT_VERSION}")
-        return cls(**{k: d[k] for k in ("k", "window", "keyed", "key_fingerprint", "tensors", "precisions")},
-                   notes=dict(d.get("notes", {})))
-
-    def check_key(self, key: bytes | None) -> None:
-        if not self.keyed:
-            return
-        if key is None:
-            raise ScrubError(f"this bundle's weights are keyed (fingerprint {self.key_fingerprint}); supply the key "
-                             f"with --weights-key-file, ${KEY_FILE_ENV} or ${KEY_ENV}, or run with scrub='off'")
-        if key_fingerprint(key) != self.key_fingerprint:
-            raise ScrubError(f"the weights key has fingerprint {key_fingerprint(key)}, the bundle was protected with "
-                             f"{self.key_fingerprint}; use the key the bundle was exported with")
-
-    def positions(self, name: str, key: bytes | None) -> np.ndarray:
-        n = int(np.prod(self.tensors[name]))
-        return block_positions(n, self.k, key if self.keyed else None, name, self.window)
-
-    def precision(self, variant: str | None) -> dict[str, Any]:
-        p = variant or "fp32"
-        if p not in self.precisions:
-            raise ScrubError(f"variant {p!r} is not protected; protected precisions: {sorted(self.precisions)}")
-        return self.precisions[p]
-
-
-# --- scan kernels ------------------------------------------------------------------------
-
-
-def _scan_float(buf, pos, seg, tol0, tol1, b0, b1, out):
-    """Indices of blocks in [b0, b1) whose syndromes exceed their tensor's tolerances (float32 or int8 words)."""
-    n = 0
-    k = pos.shape[1]
-    for t in range(seg.size - 1):
-        a, c = tol0[t], tol1[t]
-        for b in range(max(seg[t], b0), min(seg[t + 1], b1)):
-            s0 = 0.0
-            s1 = 0.0
-            for j in range(k):
-                p = pos[b, j]
-                if p >= 0:
-                    v = float(buf[p])
-                    s0 += v
-                    s1 += j * v
-            if not (abs(s0) <= a and abs(s1) <= c):  # NaN fails too
-                if n < out.size:
-                    out[n] = b
-                n += 1
-    return n
-
-
-def _scan_half(words, table, pos, seg, tol0, tol1, b0, b1, out):
-    """``_scan_float`` for float16 weights read as uint16 words, decoded through a 65536-entry table."""
-    n = 0
-    k = pos.shape[1]
-    for t in range(seg.size - 1):
-        a, c = tol0[t], tol1[t]
-        for b in range(max(seg[t], b0), min(seg[t + 1], b1)):
-            s0 = 0.0
-            s1 = 0.0
-            for j in range(k):
-                p = pos[b, j]
-                if p >= 0:
-                    v = float(table[words[p]])
-                    s0 += v
-                    s1 += j * v
-            if not (abs(s0) <= a and abs(s1) <= c):
-                if n < out.size:
-                    out[n] = b
-                n += 1
-    return n
-
-
-_KERNELS: dict = {}
-
-
-def _kernels() -> dict:
-    """The Numba-compiled kernels, compiled (or loaded from cache) on first use: importing the runtime
-    must not import numba (which pulls in scipy) until a kernel is needed."""
-    if not _KERNELS:
-        from numba import njit
-
-        _KERNELS["permutation"] = njit(cache=True)(_window_permutation)
-        _KERNELS["float"] = njit(cache=True, nogil=True)(_scan_float)
-        _KERNELS["half"] = njit(cache=True, nogil=True)(_scan_half)
-    return _KERNELS
-
+__all__ = [
+    "KEY_ENV", "KEY_FILE_ENV", "LAYOUT_VERSION", "MIN_BLOCK", "ROBUST_EXTRA", "ProtectionLayout", "ScrubError",
+    "WeightsCorruptedError", "block_positions", "key_fingerprint", "read_key", "syndromes", "tolerances",
+    "ScrubEvent", "ScrubTarget", "ScrubStats", "Scrubber", "attach_scrubber", "SessionScrubber", "session_scrubber",
+]
 
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
@@ -283,9 +88,12 @@ class ScrubTarget:
         self.tol0 = np.array([b[3] for b in blocks], dtype=np.float64)
         self.tol1 = np.array([b[4] for b in blocks], dtype=np.float64)
         self.words = buf.view(_UINT[buf.dtype.itemsize])
-        self._half = buf.dtype == np.float16
-        if self._half:
+        # float16 is scanned as uint16 words through a decode table; other dtypes as they are (empty table)
+        if buf.dtype == np.float16:
+            self._scan_words = self.words
             self._table = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
+        else:
+            self._scan_words, self._table = buf, np.zeros(0, dtype=np.float32)
         self.last_good: np.ndarray | None = None
 
     @property
@@ -293,9 +101,8 @@ class ScrubTarget:
         return int(self.seg[-1])
 
     def scan(self, b0: int, b1: int, out: np.ndarray) -> int:
-        if self._half:
-            return int(_kernels()["half"](self.words, self._table, self.pos, self.seg, self.tol0, self.tol1, b0, b1, out))
-        return int(_kernels()["float"](self.buf, self.pos, self.seg, self.tol0, self.tol1, b0, b1, out))
+        return int(kernels()["scan"](self._scan_words, self._table, self.pos, self.seg, self.tol0, self.tol1, b0, b1,
+                                     out))
 
     def tensor_of(self, b: int) -> int:
         return int(np.searchsorted(self.seg, b, side="right") - 1)

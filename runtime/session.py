@@ -7,7 +7,10 @@ then runs one step per period: read everything that arrived, act on the newest
 input frame (or on every frame in order, for families that need every bin), run
 the model, send the clipped command, and record. A watchdog sends the safe command
 when input stops for ``watchdog_s`` and the session resumes when frames return; a
-lost transport is reopened every ``reconnect_interval_s``. A live status line and a
+lost transport is reopened every ``reconnect_interval_s``. A model input (after the
+family's preprocessing), model output or command that is not finite is never acted
+on: the safe command goes out instead, counted, and state that became non-finite is
+reset (``FamilyPlugin.guarded_step``, ``recover_nonfinite``). A live status line and a
 summary report rate, latency, missed deadlines and link errors.
 """
 
@@ -85,6 +88,8 @@ class SessionSummary:
     safe_commands_sent: int = 0
     commands_resent: int = 0  # overrun policy "hold": the last command sent again for a skipped period
     watchdog_trips: int = 0
+    nonfinite_inputs: int = 0  # model inputs (after preprocessing) with a NaN/inf: safe command sent instead
+    nonfinite_outputs: int = 0  # model outputs or commands with a NaN/inf: safe command sent instead
     disconnects: int = 0
     reconnects: int = 0
     link: dict[str, Any] = field(default_factory=dict)
@@ -107,6 +112,7 @@ class SessionSummary:
             f"  link: lost {lk.get('lost', 0)}, crc errors {lk.get('crc_errors', 0)}, duplicates {lk.get('duplicate', 0)}, "
             f"out of order {lk.get('out_of_order', 0)}, bad tag {lk.get('bad_tag', 0)}",
             f"  watchdog trips {self.watchdog_trips}, disconnects {self.disconnects}, reconnects {self.reconnects}",
+            f"  non-finite inputs {self.nonfinite_inputs}, outputs {self.nonfinite_outputs} (safe command sent instead)",
         ]
         for k, v in self.family.items():
             lines.append(f"  {k}: {v}")
@@ -180,10 +186,11 @@ class Session:
         self.summary_counts = dict(
             frames_received=0, inputs_used=0, inputs_skipped=0, commands_sent=0, safe_commands_sent=0,
             commands_resent=0,
-            watchdog_trips=0, disconnects=0, reconnects=0,
+            watchdog_trips=0, nonfinite_inputs=0, nonfinite_outputs=0, disconnects=0, reconnects=0,
         )
         self._last_input_ns = 0
         self._safe = False
+        self._nonfinite_run = 0  # consecutive steps refused for a non-finite value (0: acting normally)
         self._disconnected = False
         self._next_reconnect_ns = 0
         self._next_status_ns = 0
@@ -311,15 +318,30 @@ class Session:
 
     def _act(self, frame: Frame, k: int) -> None:
         fam = self.family
-        fam.on_message(frame.message)
-        self.model.run()
-        cmd = fam.postprocess()
+        cmd, bad = fam.guarded_step(frame.message)
         if self.writer is not None:
             self.writer.append_output(k, frame.seq, self.model._y)
+        if bad is not None:
+            self._refuse_nonfinite(bad, k)
+            return
+        if self._nonfinite_run:
+            self._event("finite_resumed", steps_refused=self._nonfinite_run)
+            self._nonfinite_run = 0
         out = fam.command_message(cmd, k)
         if self._send(out):
             self.summary_counts["commands_sent"] += 1
             self._last_cmd = out
+
+    def _refuse_nonfinite(self, where: str, k: int) -> None:
+        """A step with a non-finite model input, output or command: send the safe command instead, reset bad state."""
+        counts = self.summary_counts
+        counts["nonfinite_inputs" if where == "input" else "nonfinite_outputs"] += 1
+        state_reset = self.family.recover_nonfinite()
+        if not self._nonfinite_run:
+            self._event("nonfinite", where=where, state_reset=state_reset)
+        self._nonfinite_run += 1
+        if self._send(self.family.safe_message(k)):
+            counts["safe_commands_sent"] += 1
 
     def step(self, k: int) -> None:
         self._step = k
@@ -369,7 +391,7 @@ class Session:
 
     def hold(self, k: int) -> None:
         """Overrun policy 'hold': re-send the last command for a skipped period."""
-        if self._last_cmd is not None and not self._safe and self._send(self._last_cmd):
+        if self._last_cmd is not None and not self._safe and not self._nonfinite_run and self._send(self._last_cmd):
             self.summary_counts["commands_resent"] += 1
 
     def idle(self, k: int, budget_ns: int) -> None:
@@ -387,7 +409,8 @@ class Session:
         p99 = lat.percentile_us(99) if lat is not None and lat.count else float("nan")
         missed = self._loop.missed if hasattr(self, "_loop") else 0
         lost = self.link.parser.stats.lost if self.link is not None else 0
-        state = "DISCONNECTED" if (self.link is None or self._disconnected) else ("SAFE" if self._safe else "running")
+        safe = self._safe or self._nonfinite_run
+        state = "DISCONNECTED" if (self.link is None or self._disconnected) else ("SAFE" if safe else "running")
         parts = [f"{self.rate_hz:g} Hz", f"p99 {p99:.0f} us", f"missed {missed}", f"lost {lost}", state]
         parts += [f"{k} {v}" for k, v in self.family.live_metrics().items()]
         return " | ".join(parts)

@@ -11,12 +11,13 @@ A pty's host end reads EIO while no process holds the device end open.  When an
 emulator closes its port (an injected disconnect), :class:`SimTransport` raises
 :class:`~firmware_bridge.DeviceNotConnectedError` from ``read`` but stays open, and
 reading again works once the emulator reopens its end; only when the emulator process
-has exited does the transport close itself.
+has exited does the transport close itself.  The read loop is
+:class:`~firmware_bridge.FdTransport`'s; this class only decides, in ``_peer_lost``,
+what a failed read or write means.
 """
 
 from __future__ import annotations
 
-import errno
 import os
 import select
 import signal
@@ -108,7 +109,8 @@ class SimTransport(FdTransport):
         """The tail of the emulator's stderr (errors, and everything with ``verbose``)."""
         return _tail(self._stderr)
 
-    def _gone(self, exc: BaseException) -> DeviceNotConnectedError:
+    def _peer_lost(self, exc: BaseException) -> DeviceNotConnectedError:
+        """A failed read or write: the emulator exited (close, say so), or only closed its port (stay open)."""
         try:  # a dying emulator's pty closes a moment before the process can be reaped
             self.process.wait(timeout=_EXIT_GRACE_S)
         except subprocess.TimeoutExpired:
@@ -121,25 +123,11 @@ class SimTransport(FdTransport):
         return DeviceNotConnectedError(f"{self.url}: the device closed its end of the pty ({exc}); the transport "
                                        "stays open: keep reading, frames resume when the device reopens its port")
 
-    def _read(self, max_bytes: int, timeout: float | None) -> bytes:
-        try:
-            ready, _, _ = select.select([self.fd], [], [], timeout)
-            if not ready:
-                return b""
-            data = os.read(self.fd, max_bytes)
-        except OSError as exc:
-            if exc.errno in (errno.EAGAIN, errno.EINTR):
-                return b""
-            raise self._gone(exc) from exc
-        if not data:
-            raise self._gone(EOFError("end of file"))
-        return data
-
     def _write(self, data: bytes) -> int:
         try:
             return super()._write(data)
         except DeviceNotConnectedError as exc:  # FdTransport closed itself; report why
-            raise self._gone(exc) from exc
+            raise self._peer_lost(exc) from exc
 
     def _close(self) -> None:
         self._finalizer()

@@ -45,16 +45,24 @@ class FdTransport(Transport):
         except OSError as exc:
             if exc.errno in (errno.EAGAIN, errno.EINTR):
                 return b""
-            if exc.errno == errno.EIO:
-                # The other end of the pty is closed for now. The pty itself lives on
-                # while we keep this end, so the peer can reopen it: stay open.
-                raise DeviceNotConnectedError(
-                    f"{self.url}: the other end of the pty is closed ({exc}); it may reopen, keep reading"
-                ) from exc
-            raise self._lost(exc) from exc
+            raise self._peer_lost(exc) from exc
         if not data:
-            raise self._lost(EOFError("end of file"))
+            raise self._peer_lost(EOFError("end of file"))
         return data
+
+    def _peer_lost(self, exc: BaseException) -> DeviceNotConnectedError:
+        """The error to raise when a read fails (``exc``: the ``OSError``, or ``EOFError`` at end of file).
+
+        Subclasses that know more about the other end (``sim://``: is the emulator still
+        running?) override this rather than copy the read loop.
+        """
+        if isinstance(exc, OSError) and exc.errno == errno.EIO:
+            # The other end of the pty is closed for now. The pty itself lives on
+            # while we keep this end, so the peer can reopen it: stay open.
+            return DeviceNotConnectedError(
+                f"{self.url}: the other end of the pty is closed ({exc}); it may reopen, keep reading"
+            )
+        return self._lost(exc)
 
     def _write(self, data: bytes) -> int:
         view = memoryview(data)

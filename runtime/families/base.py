@@ -6,7 +6,9 @@ A family (BCI decoder, observer, RL policy, ...) owns the steps around the model
 is what the actuators get when the session must stop acting, ``live_metrics`` feeds
 the status line, and ``problems`` runs family-specific checks at bundle load (an
 observer re-checks its stability certificate there). All per-step methods work in
-preallocated buffers.
+preallocated buffers. ``guarded_step`` is the whole step as a session takes it: a
+non-finite model input, model output or command is reported, never returned to act on,
+and ``recover_nonfinite`` then puts state that became non-finite back to its start.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ class FamilyPlugin:
         self.command = command_kind(session.get("command", self.default_command))
         x = model.inputs[model.spec.data_inputs[0].name]
         self._frame = np.zeros(x.shape[-1], dtype=np.float32)
+        self._command_mask = np.zeros(0, dtype=bool)
 
     @classmethod
     def problems(cls, bundle: Bundle) -> list[str]:
@@ -108,6 +111,36 @@ class FamilyPlugin:
         """Turn one input message into the model input (``preprocess``)."""
         self.input.to_vector(message, self._frame)
         self.preprocess(self._frame)
+
+    def guarded_step(self, message: Message) -> tuple[np.ndarray | None, str | None]:
+        """One input message through ``on_message``, the model and ``postprocess``, guarded.
+
+        Returns ``(command, None)``; or ``(None, "input")`` when the model input (after
+        preprocessing) is not finite, and ``(None, "output")`` when the model output or the
+        command is not. Then nothing of this step may be acted on: send the safe command
+        and call ``recover_nonfinite``. ``postprocess`` never sees a non-finite model output
+        (its clip would turn +inf into the high limit, a command that looks fine).
+        """
+        self.on_message(message)
+        bad = self.model.run_checked()
+        if bad is not None:
+            return None, bad
+        command = self.postprocess()
+        if command.dtype.kind in "fc":
+            if self._command_mask.shape != command.shape:
+                self._command_mask = np.empty(command.shape, dtype=bool)
+            if not np.isfinite(command, out=self._command_mask).all():
+                return None, "output"
+        return command, None
+
+    def recover_nonfinite(self) -> bool:
+        """After a step ``guarded_step`` refused: reset whatever state became non-finite, so
+        one bad frame does not poison every later step; return whether anything was reset.
+
+        The default resets the model's recurrent state when it is not finite; a family
+        with state of its own (the observer's estimate) extends this.
+        """
+        return self.model.reset_nonfinite_state()
 
     def command_message(self, command: np.ndarray, step: int) -> Message | None:
         return self.command.build(command, step)

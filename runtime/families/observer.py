@@ -139,6 +139,17 @@ class ObserverFamily(FamilyPlugin):
     def reset(self) -> None:
         """Start of a session: the estimate back to ``z0``, the command to ``-K z0`` (clipped)."""
         super().reset()
+        self._reset_estimate()
+
+    def recover_nonfinite(self) -> bool:
+        """A NaN measurement makes the estimate NaN, and every later step would stay NaN: restart it at ``z0``."""
+        reset = super().recover_nonfinite()
+        if np.isfinite(self.z_hat).all() and np.isfinite(self._cmd).all():
+            return reset
+        self._reset_estimate()
+        return True
+
+    def _reset_estimate(self) -> None:
         self.z_hat[:] = self.arrays.z0
         np.clip(-(self.arrays.K @ self.z_hat), self.arrays.u_low, self.arrays.u_high, out=self.u_cmd)
         self._cmd[:] = self.u_cmd

@@ -126,7 +126,9 @@ class PolicyFamily(FamilyPlugin):
 
     def preprocess(self, frame: np.ndarray) -> None:
         np.copyto(self._obs, frame.reshape(-1), casting="unsafe")
-        self._ee[:] = self._obs[self._ee_index]
+        ee = self._obs[self._ee_index]
+        if np.isfinite(ee).all():  # the safe command holds the last finite position, never a NaN one
+            self._ee[:] = ee
         self._seen = True
         x = self._x.reshape(-1)
         np.subtract(self._obs, self._mean, out=x)

@@ -1,0 +1,154 @@
+"""The block layout of a protected bundle's weights: keys, block membership, syndromes, tolerances.
+
+A *protected* bundle (``manifest.extra["robust"]``, written by ``sdk.robust``) holds
+weights whose every block of ``k`` satisfies two linear constraints, with no extra
+parameters stored: the block sum is zero and the index-weighted sum is zero. A fault
+that changes one member ``p`` by ``d`` shows as syndromes ``S0 = d`` and ``S1 = p d``,
+so ``S1 / S0`` names the member and the other members give back its value. Block
+membership can be keyed: a secret key (never in the bundle; the manifest keeps only an
+HMAC fingerprint of it) seeds a permutation of each tensor's elements into blocks.
+
+This module is shared by the export side (``sdk.robust`` writes the layout) and the
+runtime side (``runtime.scrubber`` rebuilds it to check and repair the weights, and
+re-exports everything here). No torch, and numba only when a keyed layout is built.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .scrubber_kernels import kernels
+
+ROBUST_EXTRA = "robust"
+LAYOUT_VERSION = 1
+KEY_ENV = "CLOSEDLOOP_WEIGHTS_KEY"  # hex
+KEY_FILE_ENV = "CLOSEDLOOP_WEIGHTS_KEY_FILE"
+MIN_BLOCK = 3  # two constraints need at least three members to leave any freedom
+
+
+class ScrubError(RuntimeError):
+    """The scrubber cannot run (key missing or wrong, layout unreadable)."""
+
+
+class WeightsCorruptedError(ScrubError):
+    """Weights hold faults the scrubber cannot repair (several in one block)."""
+
+
+# --- keys and layout -------------------------------------------------------------------
+
+
+def key_fingerprint(key: bytes) -> str:
+    """HMAC-SHA256 of a fixed string under ``key`` (first 16 hex digits): names the key, does not reveal it."""
+    return hmac.new(key, b"closedloop.robust.v1/fingerprint", hashlib.sha256).hexdigest()[:16]
+
+
+def read_key(key: bytes | str | None = None, key_file: str | Path | None = None) -> bytes | None:
+    """The weights key from an argument (bytes, or hex text), a key file, or the environment."""
+    if key is not None:
+        return key if isinstance(key, bytes) else bytes.fromhex(key)
+    key_file = key_file or os.environ.get(KEY_FILE_ENV)
+    if key_file:
+        data = Path(key_file).read_bytes().strip()
+        try:
+            return bytes.fromhex(data.decode("ascii"))
+        except (UnicodeDecodeError, ValueError):
+            return data
+    env = os.environ.get(KEY_ENV)
+    return bytes.fromhex(env) if env else None
+
+
+def block_positions(n: int, k: int, key: bytes | None = None, name: str = "", window: int = 4096) -> np.ndarray:
+    """Block membership of a tensor of ``n`` elements: ``(blocks, k)`` flat indices, ``-1`` padding.
+
+    Unkeyed, block ``b`` is elements ``b*k .. b*k+k-1`` of the flattened tensor. Keyed, the
+    elements are first permuted inside windows of ``window`` (a multiple of ``k``, which keeps
+    a block's members close in memory) by a permutation seeded from HMAC(key, name). A last
+    block of fewer than three members is left out (unprotected).
+    """
+    if window % k:
+        raise ValueError(f"window {window} must be a multiple of the block size k={k}")
+    if key is None:
+        perm = np.arange(n, dtype=np.int64)
+    else:
+        seed = hmac.new(key, b"closedloop.robust.v1/perm/" + name.encode(), hashlib.sha256).digest()[:8]
+        perm = kernels()["permutation"](n, window, np.uint64(int.from_bytes(seed, "little")))
+    nb = -(-n // k)
+    pos = np.full(nb * k, -1, dtype=np.int64)
+    pos[:n] = perm
+    pos = pos.reshape(nb, k)
+    if nb and n - (nb - 1) * k < MIN_BLOCK:
+        pos = pos[:-1]
+    return pos
+
+
+def syndromes(values: np.ndarray, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per-block ``(S0, S1)`` in float64 (``values`` flat, ``pos`` from ``block_positions``)."""
+    v = np.where(pos >= 0, np.asarray(values).reshape(-1)[np.maximum(pos, 0)].astype(np.float64), 0.0)
+    j = np.arange(pos.shape[1], dtype=np.float64)
+    return v.sum(axis=1), v @ j
+
+
+def tolerances(values: np.ndarray, pos: np.ndarray) -> tuple[float, float]:
+    """Check thresholds of a clean float tensor: twice its largest clean syndromes, with a floor
+    covering float64 re-association (so a clean block never trips the check); 0 for integers."""
+    if np.asarray(values).dtype.kind in "iu":
+        return 0.0, 0.0
+    s0, s1 = syndromes(values, pos)
+    k = pos.shape[1]
+    top = float(np.max(np.abs(values))) if np.size(values) else 0.0
+    floor = 64.0 * k * 2.0**-52 * top * k
+    return max(2.0 * float(np.max(np.abs(s0), initial=0.0)), floor), max(2.0 * float(np.max(np.abs(s1), initial=0.0)), floor * k)
+
+
+@dataclass
+class ProtectionLayout:
+    """What ``manifest.extra["robust"]`` says: block size, keying, tensors and per-precision checks."""
+
+    k: int
+    window: int
+    keyed: bool
+    key_fingerprint: str | None
+    tensors: dict[str, list[int]]  # fp32 initializer name -> shape
+    precisions: dict[str, dict[str, Any]]  # "fp32"/"fp16"/"int8" -> {"file", "dtype", "names", "tolerance"}
+    version: int = LAYOUT_VERSION
+    notes: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_manifest(cls, manifest: Any) -> ProtectionLayout | None:
+        d = manifest.extra.get(ROBUST_EXTRA)
+        if d is None:
+            return None
+        if d.get("version") != LAYOUT_VERSION:
+            raise ScrubError(f"robust layout version {d.get('version')!r}; this runtime reads {LAYOUT_VERSION}")
+        return cls(**{k: d[k] for k in ("k", "window", "keyed", "key_fingerprint", "tensors", "precisions")},
+                   notes=dict(d.get("notes", {})))
+
+    def check_key(self, key: bytes | None) -> None:
+        if not self.keyed:
+            return
+        if key is None:
+            raise ScrubError(f"this bundle's weights are keyed (fingerprint {self.key_fingerprint}); supply the key "
+                             f"with --weights-key-file, ${KEY_FILE_ENV} or ${KEY_ENV}, or run with scrub='off'")
+        if key_fingerprint(key) != self.key_fingerprint:
+            raise ScrubError(f"the weights key has fingerprint {key_fingerprint(key)}, the bundle was protected with "
+                             f"{self.key_fingerprint}; use the key the bundle was exported with")
+
+    def positions(self, name: str, key: bytes | None) -> np.ndarray:
+        n = int(np.prod(self.tensors[name]))
+        return block_positions(n, self.k, key if self.keyed else None, name, self.window)
+
+    def precision(self, variant: str | None) -> dict[str, Any]:
+        p = variant or "fp32"
+        if p not in self.precisions:
+            raise ScrubError(f"variant {p!r} is not protected; protected precisions: {sorted(self.precisions)}")
+        return self.precisions[p]

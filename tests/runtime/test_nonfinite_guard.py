@@ -1,0 +1,199 @@
+"""The non-finite guard: a NaN or inf in a model's input or output is never acted on.
+
+A device on a real pty pair (a thread speaking the wire protocol) streams plant
+measurements, some with NaN or inf, in lockstep: one frame, then the command it
+produced. On both the Numba backend (which propagates a NaN) and ONNX Runtime (whose
+GRU turns a NaN into ordinary numbers), the session sends the safe command for each bad
+frame, counts it, records one event per run of bad frames, and the recurrent state is
+untouched, so later finite frames give exactly what they give when the bad ones never
+came. ``Model.step`` itself does not raise and recovers from a poisoned state.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+from export import export_bundle
+from firmware_bridge import ActuatorCommand, Hello, Link, PlantMeasurement, open_pty_pair, register_transport
+from runtime import Model, RecordingReader, RecordType, Session, SessionConfig, get_family, replay_recording
+from sdk.models import GRUDecoder, MLPPolicy
+
+BACKENDS = ("numba", "onnxruntime")
+RATE_HZ = 100.0
+SAFE = 0.5
+N_IN, N_OUT = 4, 3
+
+
+@pytest.fixture(scope="module")
+def gru_bundle(tmp_path_factory):
+    torch.manual_seed(3)
+    return export_bundle(
+        GRUDecoder(N_IN, 8, 1, N_OUT).eval(), tmp_path_factory.mktemp("nf") / "gru", kind="recurrent",
+        example_input=torch.zeros(1, N_IN), rate_hz=RATE_HZ, name="nf-gru",
+        postprocess={"safe_output": [SAFE] * N_OUT},
+        extra={"session": {"input": "plant_measurement", "command": "actuator_command"}},
+        variants=(), tensorrt=False, report=lambda s: None,
+    )
+
+
+@pytest.fixture(scope="module")
+def overflow_bundle(tmp_path_factory):
+    """y = 1.6e37 * relu(x): finite for x = 0.1, +inf in float32 for x = 100, clipped to [-1, 1]."""
+    net = MLPPolicy(1, 1, (8,)).eval()
+    net.net[-1] = torch.nn.Identity()
+    with torch.no_grad():
+        net.net[0].weight.fill_(1.0), net.net[0].bias.zero_()
+        net.net[2].weight.fill_(2e36), net.net[2].bias.zero_()
+    return export_bundle(
+        net, tmp_path_factory.mktemp("nf") / "overflow", kind="feedforward", example_input=torch.zeros(1, 1),
+        rate_hz=RATE_HZ, name="nf-overflow", postprocess={"low": [-1.0], "high": [1.0], "safe_output": [SAFE]},
+        extra={"session": {"input": "plant_measurement", "command": "actuator_command"}},
+        variants=(), tensorrt=False, report=lambda s: None,
+    )
+
+
+class LockstepDevice:
+    """The device end of a pty pair: answers the host's Hello, then sends each measurement and
+    waits for the command it produced before sending the next (so every frame is acted on)."""
+
+    def __init__(self, n_channels: int, frames: list[np.ndarray]):
+        self.host, device = open_pty_pair()
+        self.link = Link(device, role="device")
+        self.n_channels, self.frames = n_channels, frames
+        self.replies: list[np.ndarray | None] = []
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _wait(self, kind, timeout_s: float = 5.0):
+        while (f := self.link.recv(timeout_s)) is not None:
+            if isinstance(f.message, kind):
+                return f.message
+        return None
+
+    def _serve(self) -> None:
+        if self._wait(Hello) is None:
+            return
+        self.link.send(Hello(kind="plant", name="lockstep", n_channels=self.n_channels, rate_hz=RATE_HZ))
+        for y in self.frames:
+            self.link.send(PlantMeasurement(y, np.zeros(0, np.float32)))
+            reply = self._wait(ActuatorCommand)
+            self.replies.append(None if reply is None else reply.u.copy())
+
+    def close(self) -> None:
+        self.thread.join(10.0)
+        self.link.close()
+
+
+@pytest.fixture
+def lockstep(request):
+    """``lockstep(n_channels, frames) -> URL`` of a fresh lockstep device (closed after the test)."""
+    devices = []
+
+    def make(n_channels: int, frames: list[np.ndarray]) -> tuple[str, LockstepDevice]:
+        dev = LockstepDevice(n_channels, frames)
+        devices.append(dev)
+        scheme = f"nftest{len(devices)}"
+        register_transport(scheme, lambda url, **_: dev.host, replace=True)
+        return f"{scheme}://", dev
+
+    yield make
+    for dev in devices:
+        dev.close()
+
+
+def _run(bundle, url, backend, record):
+    cfg = SessionConfig(device=url, backend=backend, duration_s=2.0, status=False, watchdog_s=30.0,
+                        record=str(record), prewarm=True)
+    with Session(bundle, cfg) as s:
+        s.start()
+        return s.run()
+
+
+def _events(record):
+    return [r.json() for r in RecordingReader(record).of_type(RecordType.EVENT)
+            if r.json()["event"] in ("nonfinite", "finite_resumed")]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_nan_input_sends_the_safe_command_and_leaves_the_state_alone(gru_bundle, lockstep, backend, tmp_path):
+    rng = np.random.default_rng(0)
+    frames = [rng.normal(size=N_IN).astype(np.float32) for _ in range(16)]
+    bad = {5: np.nan, 9: np.nan, 10: np.inf, 11: -np.inf}  # one bad frame, then a run of three
+    for i, v in bad.items():
+        frames[i][i % N_IN] = v
+    url, dev = lockstep(N_IN, frames)
+    record = tmp_path / "nan.clrec"
+    s = _run(gru_bundle, url, backend, record)
+    dev.thread.join(10.0)
+
+    assert len(dev.replies) == len(frames) and all(r is not None for r in dev.replies)
+    replies = np.array(dev.replies)
+    assert np.all(np.isfinite(replies)), "a non-finite command reached the device"
+    # the same backend stepping only the finite frames: the bad ones left no trace in the state
+    ref = Model(gru_bundle, backend=backend)
+    for i, (y, got) in enumerate(zip(frames, replies, strict=True)):
+        if i in bad:
+            np.testing.assert_array_equal(got, np.full(N_OUT, SAFE, np.float32))
+        else:
+            np.testing.assert_allclose(got, ref.step(y[None]).reshape(-1), rtol=0, atol=1e-6)
+    assert (s.nonfinite_inputs, s.nonfinite_outputs) == (len(bad), 0)
+    assert s.safe_commands_sent == len(bad) and s.commands_sent == len(frames) - len(bad)
+    assert s.watchdog_trips == 0
+    assert f"non-finite inputs {len(bad)}, outputs 0" in s.format()
+    ev = _events(record)
+    assert [e["event"] for e in ev] == ["nonfinite", "finite_resumed"] * 2  # once per run of bad frames
+    assert [e["where"] for e in ev if e["event"] == "nonfinite"] == ["input", "input"]
+    assert [e["steps_refused"] for e in ev if e["event"] == "finite_resumed"] == [1, 3]
+    # replay refuses the same frames and so reproduces every recorded output
+    rep = replay_recording(record, gru_bundle, backend=backend)
+    assert rep.outputs_compared == len(frames) and rep.max_abs_diff <= 1e-6
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_nonfinite_output_is_not_clipped_into_a_command(overflow_bundle, lockstep, backend, tmp_path):
+    frames = [np.array([x], np.float32) for x in (0.1, 100.0, 100.0, 0.1)]
+    url, dev = lockstep(1, frames)
+    s = _run(overflow_bundle, url, backend, tmp_path / "inf.clrec")
+    dev.thread.join(10.0)
+    # without the guard, clip(+inf, -1, 1) would have sent 1.0 for the overflowing frames
+    assert [float(r[0]) for r in dev.replies] == [1.0, SAFE, SAFE, 1.0]
+    assert (s.nonfinite_inputs, s.nonfinite_outputs, s.safe_commands_sent) == (0, 2, 2)
+    assert [e["where"] for e in _events(tmp_path / "inf.clrec") if e["event"] == "nonfinite"] == ["output"]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_model_step_does_not_raise_and_a_poisoned_state_is_reset(gru_bundle, backend):
+    m, ref = Model(gru_bundle, backend=backend), Model(gru_bundle, backend=backend)
+    state = m.inputs[m.spec.state_inputs[0].name]
+    x = np.linspace(-1, 1, N_IN, dtype=np.float32)[None]
+    first = ref.step(x).copy()
+    np.testing.assert_allclose(m.step(x), first, atol=1e-6)
+    before = state.copy()
+    with np.errstate(all="raise"), warnings.catch_warnings():  # the guard itself neither raises nor warns
+        warnings.simplefilter("error")
+        y = m.step(np.full((1, N_IN), np.nan, np.float32))  # every backend alike: all NaN, the state not advanced
+    assert np.all(np.isnan(y)) and np.array_equal(state, before)
+    np.testing.assert_allclose(m.step(x), ref.step(x), atol=1e-6)
+    # a state that is already non-finite (a flipped bit, say) shows as a NaN output once, then is zeroed
+    state[...] = np.nan
+    assert not np.all(np.isfinite(m.step(x)))
+    assert np.all(state == 0)
+    np.testing.assert_allclose(m.step(x), first, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_guarded_step_and_recovery_on_the_family(gru_bundle, backend):
+    m = Model(gru_bundle, backend=backend)
+    fam = get_family(m.bundle.manifest.family)(m.bundle, m)
+    good = PlantMeasurement(np.ones(N_IN, np.float32), np.zeros(0, np.float32))
+    cmd, bad = fam.guarded_step(good)
+    assert bad is None and np.all(np.isfinite(cmd))
+    cmd, bad = fam.guarded_step(PlantMeasurement(np.array([1, np.nan, 1, 1], np.float32), np.zeros(0, np.float32)))
+    assert (cmd, bad) == (None, "input") and fam.recover_nonfinite() is False  # the state never saw it
+    m.inputs[m.spec.state_inputs[0].name][0, 0, 0] = np.inf
+    assert fam.guarded_step(good)[1] == "output" and fam.recover_nonfinite() is True
