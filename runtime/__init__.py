@@ -14,7 +14,14 @@ from .manifest import SCHEMA_VERSION, GraphSpec, Manifest, TensorSpec
 from .model import Model
 from .recording import RecordingReader, RecordingWriter, RecordType
 from .replay import ReplayReport, replay_recording
-from .scrubber import ProtectionLayout, Scrubber, ScrubError, ScrubEvent, WeightsCorruptedError, attach_scrubber
+from .scrubber import (
+    ProtectionLayout,
+    Scrubber,
+    ScrubError,
+    ScrubEvent,
+    WeightsCorruptedError,
+    attach_scrubber,
+)
 from .session import DeviceMismatchError, Session, SessionConfig, SessionError, SessionSummary, run_session
 from .stats import LoopSummary
 
