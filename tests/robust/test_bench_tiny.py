@@ -17,7 +17,8 @@ def test_tiny_bench_writes_json_markdown_and_plot(tmp_path):
     from bench_bitflip import BitflipBenchConfig, run
 
     cfg = replace(BitflipBenchConfig.tiny_config(str(tmp_path)), train_steps=8, finetune_steps=4,
-                  random_flips=(1, 100), targeted_flips=(1,), attack_steps=8, timing_reps=2, observer_flips=(1,))
+                  random_flips=(1, 100), targeted_flips=(1,), attack_steps=8, timing_reps=2, observer_flips=(1,),
+                  families=("bci", "observer"))
     results = run(cfg, report=lambda s: None)
     data = json.loads((tmp_path / "bitflip_tiny.json").read_text())
     assert set(data["bci"]["random"]) == {"fp32", "int8"} and set(data["observer"]["random"]) == {"fp32"}

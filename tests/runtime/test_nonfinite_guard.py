@@ -107,8 +107,10 @@ def lockstep(request):
 
 
 def _run(bundle, url, backend, record):
-    cfg = SessionConfig(device=url, backend=backend, duration_s=2.0, status=False, watchdog_s=30.0,
-                        record=str(record), prewarm=True)
+    # overrun "skip": on a loaded machine "hold" would re-send the last command for a missed period, and the
+    # lockstep device would take that re-send for the reply to its next frame
+    cfg = SessionConfig(device=url, backend=backend, duration_s=3.0, status=False, watchdog_s=30.0,
+                        record=str(record), prewarm=True, overrun="skip")
     with Session(bundle, cfg) as s:
         s.start()
         return s.run()

@@ -96,9 +96,11 @@ def test_sigkill_loses_at_most_the_last_flush_interval(tmp_path):
     p = tmp_path / "killed.clrec"
     proc = subprocess.Popen([sys.executable, "-c", WRITER, str(p)], stdout=subprocess.PIPE, text=True)
     try:
+        # kill once the writer has appended 500 records (>= 0.5 s at 1 ms each: at least two flush
+        # intervals), however long a loaded machine takes to start it
         last = 0
-        t_end = time.monotonic() + 1.5
-        while time.monotonic() < t_end:
+        t_end = time.monotonic() + 60.0
+        while last < 500 and time.monotonic() < t_end:
             line = proc.stdout.readline()
             if line:
                 last = int(line)
