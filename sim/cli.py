@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import time
 from collections.abc import Sequence
 
 from firmware_bridge import DeviceNotConnectedError, TransportError
@@ -103,11 +104,19 @@ def cli_main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, handler)
     signal.signal(signal.SIGINT, handler)
     try:
-        try:
-            runner.open()
-        except (TransportError, DeviceNotConnectedError, OSError) as exc:
-            print(f"error: cannot open {control['port']} for the {name} emulator: {exc}", file=sys.stderr)
-            return 3
+        # A pty number is reused as soon as it is free; an emulator of an earlier session that is still exiting
+        # may hold its lock on the same path for a moment (seen under heavy load): retry that case briefly.
+        deadline = time.monotonic() + 5.0
+        while True:
+            try:
+                runner.open()
+                break
+            except (TransportError, DeviceNotConnectedError, OSError) as exc:
+                if "exclusively lock" in str(exc) and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                    continue
+                print(f"error: cannot open {control['port']} for the {name} emulator: {exc}", file=sys.stderr)
+                return 3
         if "ready_fd" in control:  # the sim:// transport waits for this before it lets go of the pty
             fd = int(control["ready_fd"])
             os.write(fd, b"ready\n")
