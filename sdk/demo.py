@@ -192,8 +192,7 @@ def _observer_demo(out: Path) -> None:
 def _rl_demo(out: Path) -> None:
     from .rl.demo import rl_demo
 
-    print("\n== robot policy: behaviour-cloned push policy exported and run against the PyBullet Panda emulator ==")
-    rl_demo(out / "rl")
+    rl_demo(out / "rl")  # prints its own heading
 
 
 def _robust_demo(out: Path) -> None:
