@@ -27,8 +27,13 @@ def test_runs_at_rate_without_drift():
 
 def test_step_indices_are_consecutive_without_overruns():
     seen = []
-    RealTimeLoop(LoopConfig(rate_hz=500.0, max_steps=20)).run(seen.append)
-    assert seen == list(range(20))
+    summary = RealTimeLoop(LoopConfig(rate_hz=500.0, max_steps=20)).run(seen.append)
+    # step k is period k; a gap appears only where the loop skipped a period (a loaded machine can preempt
+    # the process for more than the 2 ms period), and every gap is counted
+    assert len(seen) == 20 and seen[0] == 0 and all(b > a for a, b in zip(seen, seen[1:], strict=False))
+    assert seen[-1] == 19 + summary.skipped_periods
+    if summary.skipped_periods == 0:
+        assert seen == list(range(20))
 
 
 def _slow_at(k_slow: int, period_s: float, periods: float):
