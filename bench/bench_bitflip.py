@@ -436,21 +436,11 @@ class ObserverEvaluator:
 
 def _behaviour_clone(net, x: np.ndarray, y: np.ndarray, epochs: int, lr: float, seed: int):
     """Mean squared error on the (squashed) scripted actions, Adam with cosine decay; ``net`` in place."""
-    import torch
+    from sdk.rl.finetune import fit_actions
 
-    xt, yt = torch.as_tensor(x, dtype=torch.float32), torch.as_tensor(np.clip(y, -0.95, 0.95), dtype=torch.float32)
-    gen = torch.Generator().manual_seed(seed)
-    opt = torch.optim.Adam(net.parameters(), lr=lr)
-    n_batches = -(-len(xt) // 128)
-    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, epochs * n_batches, eta_min=lr * 0.05)
     net.train()
-    for _ in range(epochs):
-        for idx in torch.randperm(len(xt), generator=gen).split(128):
-            loss = ((net(xt[idx]) - yt[idx]) ** 2).mean()
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            sched.step()
+    fit_actions(net, list(net.parameters()), x, y, epochs=epochs, lr=lr, batch_size=128, seed=seed,
+                lr_final_fraction=0.05)
     return net.eval()
 
 

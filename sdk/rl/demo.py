@@ -23,18 +23,12 @@ __all__ = ["rl_demo"]
 
 
 def _clone(x: np.ndarray, y: np.ndarray, hidden: int, epochs: int, seed: int) -> nn.Module:
+    from .finetune import fit_actions
+
     torch.manual_seed(seed)
     net = nn.Sequential(nn.Linear(x.shape[1], hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(),
                         nn.Linear(hidden, y.shape[1]), nn.Tanh())
-    opt = torch.optim.Adam(net.parameters(), lr=2e-3)
-    xt, yt = torch.as_tensor(x, dtype=torch.float32), torch.as_tensor(np.clip(y, -0.95, 0.95), dtype=torch.float32)
-    gen = torch.Generator().manual_seed(seed)
-    for _ in range(epochs):
-        for idx in torch.randperm(len(xt), generator=gen).split(128):
-            loss = ((net(xt[idx]) - yt[idx]) ** 2).mean()
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
+    fit_actions(net, list(net.parameters()), x, y, epochs=epochs, lr=2e-3, batch_size=128, seed=seed)
     return net.eval()
 
 

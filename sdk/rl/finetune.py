@@ -79,6 +79,35 @@ def observation_stats(episodes: list[dict[str, Any]], floor: float = 0.01) -> tu
     return x.mean(0).astype(np.float32), np.maximum(x.std(0), floor).astype(np.float32)
 
 
+def fit_actions(forward, params: list, obs: np.ndarray, actions: np.ndarray, *, epochs: int, lr: float,
+                batch_size: int, seed: int, lr_final_fraction: float | None = None,
+                device: str | torch.device = "cpu") -> float:
+    """Minibatch Adam on the mean squared error of ``forward(obs)`` to ``actions`` (clipped to +-0.95).
+
+    The one behaviour-cloning loop of the package (SAC actors, the demo's MLP, the bit-flip
+    benchmark's policy). ``lr_final_fraction``: cosine decay per batch to ``lr`` times it
+    (None: constant rate). Returns the last batch's loss.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.as_tensor(obs, dtype=torch.float32, device=device)
+    y = torch.as_tensor(np.clip(actions, -0.95, 0.95), dtype=torch.float32, device=device)
+    opt = torch.optim.Adam(params, lr=lr)
+    sched = None
+    if lr_final_fraction is not None:
+        n_batches = -(-len(x) // batch_size)
+        sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, epochs * n_batches, eta_min=lr * lr_final_fraction)
+    loss = torch.tensor(float("nan"))
+    for _ in range(epochs):
+        for idx in torch.randperm(len(x), generator=gen).split(batch_size):
+            loss = ((forward(x[idx]) - y[idx]) ** 2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            if sched is not None:
+                sched.step()
+    return float(loss.detach())
+
+
 def behaviour_clone(actor: nn.Module, obs: np.ndarray, actions: np.ndarray, epochs: int = 200,
                     lr: float = 1e-3, batch_size: int = 256, init_log_std: float = -1.5, seed: int = 0) -> float:
     """Fit a stable-baselines3 SAC actor's mean action ``tanh(mu(latent_pi(obs)))`` to ``actions``.
@@ -86,23 +115,13 @@ def behaviour_clone(actor: nn.Module, obs: np.ndarray, actions: np.ndarray, epoc
     ``obs`` are already standardised.  The log-std head is reset to output ``init_log_std``.
     Returns the final mean squared error.
     """
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.as_tensor(obs, dtype=torch.float32, device=actor.device)
-    y = torch.as_tensor(np.clip(actions, -0.95, 0.95), dtype=torch.float32, device=actor.device)
     params = list(actor.latent_pi.parameters()) + list(actor.mu.parameters())
-    opt = torch.optim.Adam(params, lr=lr)
-    loss = torch.tensor(float("nan"))
-    for _ in range(epochs):
-        for idx in torch.randperm(len(x), generator=gen).split(batch_size):
-            pred = torch.tanh(actor.mu(actor.latent_pi(x[idx])))
-            loss = ((pred - y[idx]) ** 2).mean()
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
+    loss = fit_actions(lambda b: torch.tanh(actor.mu(actor.latent_pi(b))), params, obs, actions, epochs=epochs, lr=lr,
+                       batch_size=batch_size, seed=seed, device=actor.device)
     with torch.no_grad():
         actor.log_std.weight.zero_()
         actor.log_std.bias.fill_(init_log_std)
-    return float(loss.detach())
+    return loss
 
 
 @dataclass
