@@ -34,7 +34,7 @@ def _apply(cfg, assignment: str):
     section, _, name = path.rpartition(".")
     target = getattr(cfg, section) if section else cfg
     if not hasattr(target, name):
-        raise SystemExit(f"{path}: no such setting in HandwritingConfig")
+        raise SystemExit(f"{path}: no such setting in {type(target).__name__}")
     old = getattr(target, name)
     new = type(old)(json.loads(value)) if not isinstance(old, tuple) else tuple(json.loads(value))
     if section:
@@ -46,11 +46,13 @@ def main() -> None:
     from sdk.bci.benchmark import BciBenchConfig
     from sdk.bci.evaluate import build_lexicon, drift_reference, train_models
     from sim.handwriting import VOCABULARY, HandwritingConfig, generate_recording
+    from sim.handwriting.generator import GENERATOR_VERSION
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--set", action="append", default=[], help="generator setting, e.g. drift.scale=2.0")
     ap.add_argument("--ablate", help="switch one drift component off (or 'all')")
     ap.add_argument("--steps", type=int, help="training steps (default: the benchmark's)")
+    ap.add_argument("--train", action="append", default=[], help="training setting, e.g. lr=3e-3 or warmup_steps=50")
     ap.add_argument("--seed", type=int, default=0, help="model seed")
     ap.add_argument("--data-seed", type=int, default=0)
     ap.add_argument("--table", action="store_true", help="print every recorded run and exit")
@@ -59,7 +61,8 @@ def main() -> None:
     if a.table:
         for line in Path(a.out).read_text().splitlines():
             r = json.loads(line)
-            print(f"{r['label']:<60} steps {r['steps']:>4}  held-in CER {100 * r['held_in_CER']:5.2f}%  "
+            print(f"v{r.get('generator_version', 2)} {r['label']:<60} steps {r['steps']:>4}  "
+                  f"held-in CER {100 * r['held_in_CER']:5.2f}%  "
                   f"zero-shot held-out CER {100 * r['held_out_zero_shot_CER']:5.2f}%  ({r['wall_s'] / 60:.1f} min)")
         return
     torch.set_num_threads(1)
@@ -73,10 +76,14 @@ def main() -> None:
     harness = BciBenchConfig().harness
     harness = dataclasses.replace(harness, seed=a.seed, beam_width=0, progress=False,
                                   train=dataclasses.replace(harness.train, steps=a.steps or harness.train.steps))
+    for t in a.train:
+        harness = dataclasses.replace(harness, train=_apply(harness.train, t))
     harness = harness.seeded()
     models = train_models(sessions, harness, {"session_layers"})
     ref = drift_reference(sessions, models, harness, build_lexicon(sessions, VOCABULARY))
-    row = {"label": " ".join(a.set + ([f"ablate={a.ablate}"] if a.ablate else [])) or "defaults",
+    row = {"label": " ".join(a.set + ([f"ablate={a.ablate}"] if a.ablate else []) + [f"train.{t}" for t in a.train]
+                             + ([f"seed={a.seed}"] if a.seed else [])) or "defaults",
+           "train_settings": a.train, "generator_version": GENERATOR_VERSION,
            "settings": a.set, "ablate": a.ablate, "steps": harness.train.steps, "seed": a.seed,
            "data_seed": a.data_seed,
            "held_in_CER": ref["held_in"]["mean"]["greedy"]["CER"],

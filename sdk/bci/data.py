@@ -111,18 +111,27 @@ def collate(examples: Sequence[Example], device: torch.device | str = "cpu") -> 
     )
 
 
-def iterate_batches(examples: Sequence[Example], batch_size: int, rng: np.random.Generator) -> Iterator[list[Example]]:
-    """Endless shuffled batches of trials of similar length (less padding, same randomness)."""
+def iterate_batches(examples: Sequence[Example], batch_size: int, rng: np.random.Generator,
+                    shortest_first_epochs: int = 0) -> Iterator[list[Example]]:
+    """Endless shuffled batches of trials of similar length (less padding, same randomness).
+
+    During the first ``shortest_first_epochs`` epochs the batches come shortest first
+    instead of shuffled (SortaGrad, Amodei et al. 2016, Deep Speech 2: CTC training
+    starts more reliably on short sequences).
+    """
     n = len(examples)
     if n == 0:
         raise ValueError("no training trials")
     lengths = np.array([e.x.shape[0] for e in examples])
+    epoch = 0
     while True:
         # sort by length with random tie-breaking noise, cut into batches, shuffle the batches
         order = np.argsort(lengths * rng.uniform(0.8, 1.2, n))
         chunks = [order[i: i + batch_size] for i in range(0, n, batch_size)]
-        for k in rng.permutation(len(chunks)):
+        ks = rng.permutation(len(chunks))
+        for k in (range(len(chunks)) if epoch < shortest_first_epochs else ks):
             yield [examples[j] for j in chunks[k]]
+        epoch += 1
 
 
 def ctc_loss(logp: torch.Tensor, batch: Batch, reduction: str = "mean") -> torch.Tensor:

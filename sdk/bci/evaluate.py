@@ -36,7 +36,7 @@ from .data import (
     session_normalization,
 )
 from .decoding import Lexicon, beam_decode, greedy_decode
-from .meta import MetaConfig, meta_train_alignment
+from .meta import MetaConfig, meta_summary, meta_train_alignment
 from .metrics import falcon_metrics
 from .models import AlignedDecoder
 from .train import TrainConfig, train_backbone, train_session_layers
@@ -163,6 +163,8 @@ def run_harness(sessions: Sequence[Session], config: HarnessConfig | None = None
         "logs": {k: log.to_dict() for k, log in models.logs.items()},
         "methods": {},
     }
+    if models.meta is not None:
+        out["meta"] = meta_summary(models.meta)
     options = {"nearest": config.nearest, "finetune_lr_grid": config.finetune_lr_grid}
     prepared = []
     for s in held_out:

@@ -212,6 +212,27 @@ class _TaskSampler:
         return sb.x, sb, qb.x, qb
 
 
+def meta_summary(meta: MetaAlignment) -> dict:
+    """What meta-learning changed: the initialisation's distance from identity and the learned step sizes.
+
+    Recorded by the benchmark next to each run, so it can be read whether the two-stage
+    method differs from the identity-initialised alignment by its start, its steps, or neither.
+    """
+    with torch.no_grad():
+        eye = torch.eye(meta.n_channels, device=meta.init_weight.device)
+        dw = (meta.init_weight - eye).abs()
+        aw, ab = meta.step_sizes()
+        q = [0.05, 0.5, 0.95]
+        return {
+            "init_weight_offset_fro": float(dw.pow(2).sum().sqrt()),
+            "init_weight_offset_max": float(dw.max()),
+            "init_bias_max": float(meta.init_bias.abs().max()),
+            "step_weight_quantiles": [float(v) for v in torch.quantile(aw.flatten().float().cpu(), torch.tensor(q))],
+            "step_bias_quantiles": [float(v) for v in torch.quantile(ab.flatten().float().cpu(), torch.tensor(q))],
+            "quantiles": q,
+        }
+
+
 def meta_train_alignment(
     backbone: GRUBackbone, sessions: Sequence[Session], config: MetaConfig | None = None
 ) -> tuple[MetaAlignment, TrainingLog]:

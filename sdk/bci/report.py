@@ -45,6 +45,8 @@ def summarize(runs: Sequence[dict]) -> dict:
         out["reference"] = {k: _agg_scores([r["reference"][k]["mean"] for r in runs])
                             for k in ("held_in", "held_out_zero_shot")}
         out["reference"]["published"] = first["reference"]["published"]
+    if all("meta" in r for r in runs):
+        out["meta"] = [r["meta"] for r in runs]
     return out
 
 
@@ -87,7 +89,37 @@ def markdown_table(summary: dict, title: str = "iBCI handwriting: held-out sessi
         for k in ("held_in", "held_out_zero_shot"):
             g, b = ref[k].get("greedy"), ref[k].get("beam")
             lines.append(f"| {k} | {_pct(g, 'CER')} | {_pct(g, 'WER')} | {_pct(b, 'CER')} | {_pct(b, 'WER')} |")
+    lines += _chosen_steps_table(summary) + _meta_table(summary)
     return "\n".join(lines) + "\n"
+
+
+def _chosen_steps_table(summary: dict) -> list[str]:
+    """Calibration steps each adaptive method chose (over sessions and seeds): shows when the step budget binds."""
+    rows = []
+    for m, v in summary["methods"].items():
+        steps = [c["steps"] for per_seed in v["chosen"] for c in per_seed.values() if "steps" in c]
+        if steps:
+            rows.append(f"| {m} | {min(steps)} | {float(np.median(steps)):.0f} | {max(steps)} | {len(steps)} |")
+    if not rows:
+        return []
+    return ["", "Calibration steps chosen by cross-validation on the calibration sentences (all sessions and seeds):",
+            "", "| method | min | median | max | fits |", "| --- | --- | --- | --- | --- |", *rows]
+
+
+def _meta_table(summary: dict) -> list[str]:
+    """What meta-learning changed, per seed: the initialisation's distance from identity and the step sizes."""
+    metas = summary.get("meta")
+    if not metas:
+        return []
+    lines = ["", "Meta-learned alignment per seed: distance of the initialisation from identity and the learned "
+             "per-parameter step sizes (5% / 50% / 95% quantiles).", "",
+             "| seed | init offset (Frobenius) | init offset (max entry) | weight step sizes | bias step sizes |",
+             "| --- | --- | --- | --- | --- |"]
+    for seed, m in zip(summary["seeds"], metas, strict=True):
+        qw = " / ".join(f"{x:.3g}" for x in m["step_weight_quantiles"])
+        qb = " / ".join(f"{x:.3g}" for x in m["step_bias_quantiles"])
+        lines.append(f"| {seed} | {m['init_weight_offset_fro']:.3g} | {m['init_weight_offset_max']:.3g} | {qw} | {qb} |")
+    return lines
 
 
 def plot_wer_vs_days(summary: dict, path: str | Path) -> Path:

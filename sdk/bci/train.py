@@ -57,6 +57,8 @@ class TrainConfig(JsonConfig):
     batch_size: int = 16
     lr: float = 3e-3
     lr_final_fraction: float = 0.05  # cosine decay from lr to lr * this
+    warmup_steps: int = 0  # linear warm-up from lr / warmup_steps to lr before the cosine decay
+    shortest_first_epochs: int = 1  # SortaGrad: the first epochs' batches shortest first (data.iterate_batches)
     weight_decay: float = 1e-5
     grad_clip: float = 1.0
     augmentation: DriftAugmentation = field(
@@ -105,8 +107,12 @@ def held_in_examples(sessions: Sequence[Session], std_floor: float = DEFAULT_STD
     return out
 
 
-def cosine_lr(step: int, steps: int, lr: float, final_fraction: float) -> float:
-    return lr * (final_fraction + (1 - final_fraction) * 0.5 * (1 + math.cos(math.pi * step / max(steps, 1))))
+def cosine_lr(step: int, steps: int, lr: float, final_fraction: float, warmup: int = 0) -> float:
+    """Linear warm-up over ``warmup`` steps, then cosine decay from ``lr`` to ``lr * final_fraction``."""
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    done = (step - warmup) / max(steps - warmup, 1)
+    return lr * (final_fraction + (1 - final_fraction) * 0.5 * (1 + math.cos(math.pi * done)))
 
 
 def fit_ctc(
@@ -134,12 +140,12 @@ def fit_ctc(
     opt = torch.optim.Adam([{"params": ps, "scale": k} for k, ps in groups.items()], lr=config.lr,
                            weight_decay=config.weight_decay)
     log = TrainingLog(device=str(device), n_trials=len(examples), what=what)
-    batches = iterate_batches(examples, config.batch_size, rng)
+    batches = iterate_batches(examples, config.batch_size, rng, config.shortest_first_epochs)
     t0 = time.perf_counter()
     bar = tqdm(range(config.steps), desc=what, disable=not config.progress, leave=False)
     for step in bar:
         for g in opt.param_groups:
-            g["lr"] = g["scale"] * cosine_lr(step, config.steps, config.lr, config.lr_final_fraction)
+            g["lr"] = g["scale"] * cosine_lr(step, config.steps, config.lr, config.lr_final_fraction, config.warmup_steps)
         batch = collate(next(batches), device)
         x = config.augmentation(batch.x, gen, per="trial")
         x = time_mask(x, config.time_mask_bins, gen)

@@ -86,13 +86,13 @@ class DriftConfig:
     """Cross-session drift: independent random walks in day units (std grows as sqrt(days)).
 
     Every magnitude below is multiplied by ``scale``; set one to 0 (or use
-    :meth:`HandwritingConfig.ablate`) to switch that component off. ``scale`` (1.3) and
+    :meth:`HandwritingConfig.ablate`) to switch that component off. ``scale`` (0.9) and
     the population's signal settings were calibrated against FALCON H2's published
     figures with ``bench/calibrate_bci_drift.py`` (docs/handwriting_data.md,
     "Calibration"); the generator is frozen at these values.
     """
 
-    scale: float = 1.3
+    scale: float = 0.9
     tuning_rotation: float = 0.03    # preferred-direction angle, rad per sqrt(day), per channel
     gain: float = 0.02               # log modulation gain per sqrt(day) (per channel + array-wide)
     baseline: float = 0.03           # log baseline rate per sqrt(day) (per channel + array-wide)

@@ -23,7 +23,8 @@ from .vocabulary import make_sentence
 
 __all__ = ["generate_recording", "generate_session", "iter_trials", "session_name", "spike_counts", "idle_counts"]
 
-GENERATOR_VERSION = 2  # 2: population signal and drift scale calibrated against FALCON H2
+GENERATOR_VERSION = 3  # 2: population signal and drift scale calibrated against FALCON H2; 3: '>' and '~'
+#                         drawn as glyphs (chevron, tilde) instead of a short move and a dot, recalibrated
 _SENTENCES, _BEHAVIOUR, _SPIKES = 4, 2, 3  # random stream keys (stable: changing them changes the data)
 
 

@@ -8,8 +8,10 @@ each segment a duration that grows with its length (plus a fixed cost per corner
 interpolating in time and smoothing with a Gaussian; the pen therefore slows at
 corners and starts and ends each character near rest. :func:`char_velocity` samples
 one instance at bin resolution with a monotone time warp. Shapes are our own design:
-``>`` (space) is a short rightward move (followed by a pause, added by the trial
-builder), ``~`` (period) a dot, and ``,``, ``'``, ``?`` look like their glyphs.
+``>`` (space) and ``~`` (period) are drawn as their glyphs, a chevron and a tilde, as the
+participant of the source experiment wrote them (Willett et al. 2021: ">" for space,
+"~" for period); the trial builder adds a pause after each space. ``,``, ``'`` and ``?``
+look like their glyphs too.
 """
 
 from __future__ import annotations
@@ -71,8 +73,8 @@ CHAR_STROKES: dict[str, list[list[Point]]] = {
     "'": [[(0.1, 2.0), (0.05, 1.45)]],
     ",": [[(0.15, 0.15), (0.12, -0.1), (-0.05, -0.45)]],
     "?": [_arc(0.4, 1.5, 0.4, 150, -60) + [(0.4, 0.9), (0.4, 0.5)], _dot(0.4, 0.1)],
-    ">": [[(0.0, 0.5), (0.6, 0.5)]],
-    "~": [_dot(0.1, 0.1, 0.1)],
+    ">": [[(0.0, 1.0), (0.6, 0.5), (0.0, 0.0)]],
+    "~": [[(0.0, 0.4), (0.2, 0.65), (0.45, 0.5), (0.7, 0.35), (0.9, 0.6)]],
 }
 
 assert set(CHAR_STROKES) == set(CHARSET), "every character of CHARSET needs a template"

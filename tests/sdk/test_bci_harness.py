@@ -80,6 +80,18 @@ def test_results_aggregate_over_seeds_into_markdown_json_and_png(runs, tmp_path)
     assert paths["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_runs_record_what_meta_learning_changed_and_the_steps_calibration_chose(runs):
+    meta = runs[0]["meta"]
+    # the tiny meta-training takes a few Adam steps on the initialisation: it leaves identity, but not by much
+    assert 0 < meta["init_weight_offset_fro"] < 1
+    lo, mid, hi = meta["step_weight_quantiles"]
+    assert 0 < lo <= mid <= hi
+    md = markdown_table(summarize(runs))
+    assert "Meta-learned alignment per seed" in md
+    steps = [c["steps"] for c in runs[0]["methods"]["two_stage"]["chosen"].values()]
+    assert f"| two_stage | {min(steps)} |" in md
+
+
 def test_nearest_layer_by_day_is_the_latest_held_in_session(sessions):
     cfg = tiny_harness()
     cfg = cfg.seeded()
