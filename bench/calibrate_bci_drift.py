@@ -30,7 +30,7 @@ RESULTS = Path("bench/results/bci_drift_calibration.jsonl")
 def _apply(cfg, assignment: str):
     path, _, value = assignment.partition("=")
     if not value:
-        raise SystemExit(f"--set expects SECTION.FIELD=VALUE, got {assignment!r}")
+        raise SystemExit(f"--set expects SECTION.FIELD=VALUE and --train FIELD=VALUE, got {assignment!r}")
     section, _, name = path.rpartition(".")
     target = getattr(cfg, section) if section else cfg
     if not hasattr(target, name):

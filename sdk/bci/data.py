@@ -128,8 +128,8 @@ def iterate_batches(examples: Sequence[Example], batch_size: int, rng: np.random
         # sort by length with random tie-breaking noise, cut into batches, shuffle the batches
         order = np.argsort(lengths * rng.uniform(0.8, 1.2, n))
         chunks = [order[i: i + batch_size] for i in range(0, n, batch_size)]
-        ks = rng.permutation(len(chunks))
-        for k in (range(len(chunks)) if epoch < shortest_first_epochs else ks):
+        shuffled = rng.permutation(len(chunks))  # drawn every epoch: the random stream does not depend on the option
+        for k in (range(len(chunks)) if epoch < shortest_first_epochs else shuffled):
             yield [examples[j] for j in chunks[k]]
         epoch += 1
 
