@@ -110,6 +110,7 @@ class RealTimeLoop:
         stopped_by = "steps"
         steps = 0
         k = 0
+        t_setup = clock()
         restore = _install_sigint(self._stop)
         gc_was_enabled = gc.isenabled()
         if cfg.freeze_gc:
@@ -166,14 +167,15 @@ class RealTimeLoop:
         except KeyboardInterrupt:
             stopped_by = "interrupt"
         finally:
+            t_end = clock()
             restore()
             if cfg.freeze_gc:
                 gc.unfreeze()
                 if gc_was_enabled:
                     gc.enable()
-        return self._summary(steps, stopped_by)
+        return self._summary(steps, stopped_by, wall_s=(t_end - t0) / 1e9, setup_s=(t0 - t_setup) / 1e9)
 
-    def _summary(self, steps: int, stopped_by: str) -> LoopSummary:
+    def _summary(self, steps: int, stopped_by: str, wall_s: float = 0.0, setup_s: float = 0.0) -> LoopSummary:
         cfg = self.config
         lat = self.latency.samples()
         late = self.lateness.samples()
@@ -199,6 +201,8 @@ class RealTimeLoop:
             skipped_periods=self.skipped,
             overruns=self.overruns,
             stopped_by=stopped_by,
+            wall_s=wall_s,
+            setup_s=setup_s,
         )
 
 

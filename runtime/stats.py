@@ -57,6 +57,10 @@ class LoopSummary:
     skipped_periods: int
     overruns: int
     stopped_by: str  # "duration", "steps", "interrupt", "stop", "overrun"
+    # wall time from the first deadline to the loop's end, and the set-up before it (GC pass, settling period);
+    # 0.0 where the summary was not measured by the loop
+    wall_s: float = 0.0
+    setup_s: float = 0.0
 
     @property
     def missed_fraction(self) -> float:

@@ -20,8 +20,12 @@ def test_runs_at_rate_without_drift():
     # Deadlines are absolute, so the count is exact unless periods were skipped.
     assert summary.steps + summary.skipped_periods == int(rate * duration)
     assert summary.stopped_by == "duration"
-    # the run takes its duration (plus set-up: a GC pass and one settling period)
-    assert duration <= elapsed < duration + 0.5
+    # The loop's own span, first deadline to the end of the last step, is its duration less one period: no drift.
+    # The set-up before it (a GC pass over every object in the process, then one settling period) grows with the
+    # process (0.5 s once in CI, late in the suite), so it is reported and not bounded here.
+    assert duration - 1 / rate <= summary.wall_s < duration + 0.25
+    assert summary.setup_s >= 1 / rate
+    assert summary.wall_s + summary.setup_s <= elapsed
     assert summary.latency_p50_us >= 0 and summary.lateness_p50_us >= 0
 
 
