@@ -3,11 +3,13 @@
 One :class:`DriftAugmentation` describes random perturbations of a batch ``x``
 (B, T, C) in normalised units:
 
-.. math::  x' = \\big((P x \\odot g) M + o + r_t\\big) \\odot m + \\epsilon
+.. math::  x' = \\big((F(P x) \\odot g) M + o + r_t\\big) \\odot m + \\epsilon
 
 with :math:`P` a partial channel permutation (each channel, with probability
 ``swap_p``, records what another channel did: a unit lost and a differently tuned
-one found, the commonest change on a Utah array), per-channel gains :math:`g = e^{\\sigma_g z}`, offsets :math:`o \\sim N(0, \\sigma_o^2)`,
+one found, the commonest change on a Utah array), a fresh-unit replacement :math:`F` (each channel, with
+probability ``fresh_p``, records a new unit whose tuning is new: a random mixture of all channels, standardised,
+since a new unit's rate is another function of the same low-dimensional neural state), per-channel gains :math:`g = e^{\\sigma_g z}`, offsets :math:`o \\sim N(0, \\sigma_o^2)`,
 a slowly wandering offset :math:`r_t` (a random walk with step :math:`\\sigma_r`), a channel
 mixing :math:`M = I + \\sigma_m Z / \\sqrt{C}`, a dropout mask :math:`m` (each channel silenced
 with probability :math:`p`) and white noise :math:`\\epsilon \\sim N(0, \\sigma_w^2)`.
@@ -34,6 +36,7 @@ class DriftAugmentation:
     mixing_std: float = 0.0
     dropout_p: float = 0.0
     swap_p: float = 0.0
+    fresh_p: float = 0.0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -62,6 +65,13 @@ class DriftAugmentation:
             src[hit] = torch.randint(0, c, (int(hit.sum()),), generator=generator)
             src = src.to(dev)
             out = torch.gather(out, 2, src[:, None, :].expand(b, t, c)) if n == b else out[..., src[0]]
+        if self.fresh_p > 0:
+            hit = (torch.rand(n, 1, c, generator=generator) < self.fresh_p).to(dev)
+            mix = (randn(n, c, c) / c**0.5).expand(b, c, c) if n == b else randn(c, c) / c**0.5
+            fresh = torch.bmm(out, mix) if n == b else out @ mix
+            dims = (1,) if n == b else (0, 1)
+            fresh = (fresh - fresh.mean(dims, keepdim=True)) / fresh.std(dims, keepdim=True).clamp(min=1e-6)
+            out = torch.where(hit, fresh, out)
         if self.gain_std > 0:
             out = out * torch.exp(self.gain_std * randn(n, 1, c))
         if self.mixing_std > 0:

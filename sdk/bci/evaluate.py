@@ -104,9 +104,11 @@ def decode_examples(model: AlignedDecoder, examples: Sequence[Example], lexicon:
 
 
 def _score(greedy: list[str], beam: list[str], refs: list[str]) -> dict:
+    """One session's FALCON scores per decoder, and the decoded text of every trial (for paired bootstraps)."""
     out = {"greedy": falcon_metrics([greedy], [refs])["per_session"][0]}
     if beam:
         out["beam"] = falcon_metrics([beam], [refs])["per_session"][0]
+    out["texts"] = {"reference": list(refs), "greedy": list(greedy), **({"beam": list(beam)} if beam else {})}
     return out
 
 

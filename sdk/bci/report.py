@@ -8,6 +8,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .metrics import edit_distance, to_words
+
 DECODERS = ("greedy", "beam")
 
 
@@ -47,7 +49,56 @@ def summarize(runs: Sequence[dict]) -> dict:
         out["reference"]["published"] = first["reference"]["published"]
     if all("meta" in r for r in runs):
         out["meta"] = [r["meta"] for r in runs]
+    if "two_stage" in first["methods"] and _has_texts(runs):
+        out["paired"] = {b: paired_bootstrap(runs, "two_stage", b) for b in first["methods"] if b != "two_stage"}
     return out
+
+
+def _has_texts(runs: Sequence[dict]) -> bool:
+    return all("texts" in sc for r in runs for v in r["methods"].values() for sc in v["sessions"].values())
+
+
+def _word_errors(texts: dict, decoder: str) -> tuple[np.ndarray, np.ndarray]:
+    """Per-trial word edit distances and reference word counts (FALCON's word split)."""
+    refs = [to_words(t) for t in texts["reference"]]
+    dist = [edit_distance(to_words(p), r) for p, r in zip(texts[decoder], refs, strict=True)]
+    return np.asarray(dist, dtype=np.float64), np.asarray([len(r) for r in refs], dtype=np.float64)
+
+
+def paired_bootstrap(runs: Sequence[dict], method: str, against: str, decoder: str = "beam", n_boot: int = 2000,
+                     seed: int = 0) -> dict:
+    """``method``'s mean held-out WER against ``against``'s: difference and ratio with 95% bootstrap intervals.
+
+    The figure is the benchmark's (WER per session, mean over sessions, mean over seeds).
+    In each replicate the evaluation trials of every seed and session are resampled with
+    replacement, the same trials for both methods (paired), so the interval says how much
+    the comparison could move with other evaluation sentences of the same sessions; the
+    spread over model seeds is the separate ``± std`` of the tables. ``p_better`` is the
+    fraction of replicates in which ``method`` has the lower WER.
+    """
+    rng = np.random.default_rng(seed)
+    wa, wb = np.zeros(n_boot), np.zeros(n_boot)
+    point_a = point_b = 0.0
+    for r in runs:
+        sess_a, sess_b = r["methods"][method]["sessions"], r["methods"][against]["sessions"]
+        for name in sess_a:
+            da, n = _word_errors(sess_a[name]["texts"], decoder)
+            db, _ = _word_errors(sess_b[name]["texts"], decoder)
+            idx = rng.integers(0, len(n), (n_boot, len(n)))
+            words = n[idx].sum(1)
+            wa += da[idx].sum(1) / words
+            wb += db[idx].sum(1) / words
+            point_a += da.sum() / n.sum()
+            point_b += db.sum() / n.sum()
+    k = sum(len(r["methods"][method]["sessions"]) for r in runs)
+    wa, wb, point_a, point_b = wa / k, wb / k, point_a / k, point_b / k
+    ratio = np.divide(wa, wb, out=np.full(n_boot, np.inf), where=wb > 0)
+    return {"method": method, "against": against, "decoder": decoder, "n_boot": n_boot,
+            "wer": point_a, "wer_against": point_b, "difference": point_a - point_b,
+            "difference_95": [float(v) for v in np.percentile(wa - wb, [2.5, 97.5])],
+            "ratio": point_a / point_b if point_b > 0 else float("inf"),
+            "ratio_95": [float(v) for v in np.percentile(ratio, [2.5, 97.5])],
+            "p_better": float(np.mean(wa < wb))}
 
 
 def _pct(block: dict | None, key: str) -> str:
@@ -89,8 +140,29 @@ def markdown_table(summary: dict, title: str = "iBCI handwriting: held-out sessi
         for k in ("held_in", "held_out_zero_shot"):
             g, b = ref[k].get("greedy"), ref[k].get("beam")
             lines.append(f"| {k} | {_pct(g, 'CER')} | {_pct(g, 'WER')} | {_pct(b, 'CER')} | {_pct(b, 'WER')} |")
-    lines += _chosen_steps_table(summary) + _meta_table(summary)
+    lines += _paired_table(summary) + _chosen_steps_table(summary) + _meta_table(summary)
     return "\n".join(lines) + "\n"
+
+
+def _paired_table(summary: dict) -> list[str]:
+    """Two-stage against each baseline, with 95% intervals from resampling evaluation trials (paired)."""
+    paired = summary.get("paired")
+    if not paired:
+        return []
+    first = next(iter(paired.values()))
+    lines = ["", f"Two-stage against each baseline, {first['decoder']} WER (mean over sessions and seeds), 95% "
+             f"intervals from {first['n_boot']} paired bootstrap resamples of the evaluation trials (sentence "
+             "sampling only; the seed spread is the ± std above). P(better): share of resamples in which two-stage "
+             "has the lower WER.", "",
+             "| against | two-stage WER | its WER | difference (points) | 95% | ratio | 95% | P(better) |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for b, p in paired.items():
+        lo, hi = p["difference_95"]
+        rlo, rhi = p["ratio_95"]
+        lines.append(f"| {b} | {100 * p['wer']:.2f} | {100 * p['wer_against']:.2f} | {100 * p['difference']:+.2f} | "
+                     f"[{100 * lo:+.2f}, {100 * hi:+.2f}] | {p['ratio']:.2f} | [{rlo:.2f}, {rhi:.2f}] | "
+                     f"{p['p_better']:.2f} |")
+    return lines
 
 
 def _chosen_steps_table(summary: dict) -> list[str]:

@@ -92,6 +92,50 @@ def test_runs_record_what_meta_learning_changed_and_the_steps_calibration_chose(
     assert f"| two_stage | {min(steps)} |" in md
 
 
+def test_paired_bootstrap_reproduces_the_falcon_figure_and_orders_methods(runs):
+    from sdk.bci.metrics import falcon_metrics
+    from sdk.bci.report import paired_bootstrap
+
+    # every session keeps the decoded text of each trial, and the point figure is FALCON's mean over sessions
+    p = paired_bootstrap(runs, "two_stage", "zero_shot", n_boot=200)
+    expected = np.mean([r["methods"]["two_stage"]["mean"]["beam"]["WER"] for r in runs])
+    assert p["wer"] == pytest.approx(expected)
+    for score in runs[0]["methods"]["alignment"]["sessions"].values():
+        texts = score["texts"]
+        assert len(texts["reference"]) == len(texts["beam"]) == len(texts["greedy"]) == score["beam"]["n_trials"]
+        assert falcon_metrics([texts["beam"]], [texts["reference"]])["WER"] == pytest.approx(score["beam"]["WER"])
+    summary = summarize(runs)
+    assert set(summary["paired"]) == set(DEFAULT_METHODS) - {"two_stage"}
+    assert "| zero_shot | " in markdown_table(summary).split("Two-stage against each baseline")[1]
+    # a method against itself: no difference in any resample
+    same = paired_bootstrap(runs, "alignment", "alignment", n_boot=200)
+    assert same["difference"] == 0 and same["difference_95"] == [0.0, 0.0] and same["p_better"] == 0.0
+
+
+def test_paired_bootstrap_separates_a_clearly_better_method_from_a_tie():
+    from sdk.bci.report import paired_bootstrap
+
+    refs = [f"the>cat>sat>on>mat>{i}~" for i in range(20)]
+
+    def run(pred_a, pred_b):
+        def block(preds):
+            return {"sessions": {"s1": {"texts": {"reference": refs, "beam": preds}}}}
+        return {"methods": {"a": block(pred_a), "b": block(pred_b)}}
+
+    wrong_every_trial = [r.replace("cat", "dog") for r in refs]
+    clear = paired_bootstrap([run(refs, wrong_every_trial)], "a", "b", n_boot=500)
+    assert clear["wer"] == 0 and clear["wer_against"] == pytest.approx(1 / 7)
+    assert clear["p_better"] == 1.0 and clear["difference_95"][1] < 0
+    # one trial better and another worse: the interval straddles zero
+    a = list(refs)
+    a[0] = wrong_every_trial[0]
+    b = list(refs)
+    b[1] = wrong_every_trial[1]
+    tie = paired_bootstrap([run(a, b)], "a", "b", n_boot=500)
+    assert tie["difference"] == 0 and tie["difference_95"][0] < 0 < tie["difference_95"][1]
+    assert 0.2 < tie["p_better"] < 0.8
+
+
 def test_nearest_layer_by_day_is_the_latest_held_in_session(sessions):
     cfg = tiny_harness()
     cfg = cfg.seeded()

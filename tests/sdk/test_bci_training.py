@@ -119,6 +119,26 @@ def test_drift_augmentation_per_batch_shares_one_drift_and_time_mask_zeroes_a_sp
     assert m.shape == x.shape and set(m.unique().tolist()) <= {0.0, 1.0}
 
 
+
+def test_fresh_unit_drift_replaces_channels_with_standardised_mixtures_of_the_population():
+    g = torch.Generator().manual_seed(0)
+    latent = torch.randn(3, 200, 2, generator=g)  # a 2-d neural state behind 12 channels
+    x = latent @ torch.randn(2, 12, generator=g)
+    y = DriftAugmentation(fresh_p=0.5)(x, g, per="batch")
+    changed = (y != x).any(dim=(0, 1))
+    assert 0 < int(changed.sum()) < 12  # some channels got a new unit, the others are untouched
+    fresh = y[..., changed].reshape(-1, int(changed.sum()))
+    torch.testing.assert_close(fresh.std(0), torch.ones(int(changed.sum())), atol=1e-4, rtol=0)
+    # a new unit is tuned to the same neural state: the latent explains it exactly, with a new tuning
+    flat = latent.reshape(-1, 2)
+    fit = torch.linalg.lstsq(torch.cat([flat, torch.ones(len(flat), 1)], 1), fresh).solution
+    resid = fresh - torch.cat([flat, torch.ones(len(flat), 1)], 1) @ fit
+    assert float(resid.abs().max()) < 1e-3
+    # per trial, two copies of one trial get different new units
+    same = x[:1].repeat(2, 1, 1)
+    z = DriftAugmentation(fresh_p=0.5)(same, torch.Generator().manual_seed(1), per="trial")
+    assert not torch.allclose(z[0], z[1])
+
 def test_twice_differentiable_ctc_matches_torch():
     import torch.nn.functional as F
 

@@ -1,0 +1,124 @@
+"""Stage-2 variants on the benchmark's own stage-1 backbones: what moves the two-stage method's held-out WER.
+
+    python bench/explore_bci_meta.py --seed 0 --variant base --variant lr3e-3:meta.outer_lr_init=3e-3
+    python bench/explore_bci_meta.py --seed 0 --variant fresh:meta.drift.fresh_p=0.1 --methods two_stage alignment
+
+Each ``--variant NAME:FIELD=VALUE,FIELD=VALUE`` overrides fields of the benchmark's
+harness configuration (``meta.*``, ``calibration.*``; nested with dots). The stage-1
+backbone of a model seed is trained once with the benchmark's recipe and cached under
+``--cache`` (it depends only on the data seed, the model seed and the training recipe),
+so each variant costs only its meta-learning and calibration. Every variant is scored
+by the benchmark's harness on the benchmark's data (held-out beam and greedy WER/CER,
+mean of the held-out sessions) and appended, with its full configuration, to
+``bench/results/bci_meta_variants.jsonl``. This is an exploration tool: the numbers
+that count are those of ``bench/bench_bci.py`` with the chosen defaults.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from sdk.bci.baselines import TrainedModels
+from sdk.bci.benchmark import BciBenchConfig, generate_data
+from sdk.bci.config import to_dict
+from sdk.bci.evaluate import HarnessConfig, build_lexicon, run_harness
+from sdk.bci.meta import meta_train_alignment
+from sdk.bci.train import train_backbone
+
+
+def _coerce(text: str):
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def apply_overrides(harness: HarnessConfig, overrides: dict[str, str]) -> HarnessConfig:
+    """``harness`` with dotted fields replaced (``meta.drift.fresh_p=0.1``); unknown fields are refused by name."""
+    data = harness.to_dict()
+    for key, value in overrides.items():
+        node, parts = data, key.split(".")
+        for p in parts[:-1]:
+            if not isinstance(node.get(p), dict):
+                raise SystemExit(f"--variant: {key!r}: {p!r} is not a section of the harness configuration")
+            node = node[p]
+        if parts[-1] not in node:
+            raise SystemExit(f"--variant: {key!r}: no field {parts[-1]!r}; fields here: {sorted(node)}")
+        node[parts[-1]] = _coerce(value)
+    return HarnessConfig.from_dict(data)
+
+
+def parse_variant(text: str) -> tuple[str, dict[str, str]]:
+    name, _, rest = text.partition(":")
+    overrides = {}
+    for item in filter(None, rest.split(",")):
+        k, eq, v = item.partition("=")
+        if not eq:
+            raise SystemExit(f"--variant {text!r}: expected NAME:FIELD=VALUE[,FIELD=VALUE]")
+        overrides[k.strip()] = v.strip()
+    return name, overrides
+
+
+def cached_backbone(sessions, harness: HarnessConfig, cache: Path):
+    key = hashlib.sha256(json.dumps(to_dict(harness.train), sort_keys=True).encode()).hexdigest()[:12]
+    path = cache / f"backbone_seed{harness.seed}_{key}.pt"
+    if path.exists():
+        return torch.load(path, weights_only=False), json.loads(path.with_suffix(".json").read_text())["wall_s"]
+    backbone, log = train_backbone(sessions, harness.train)
+    cache.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    torch.save(backbone, tmp)
+    tmp.replace(path)
+    path.with_suffix(".json").write_text(json.dumps({"wall_s": log.wall_s}))
+    return backbone, log.wall_s
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--seed", type=int, default=0, help="model seed")
+    ap.add_argument("--variant", action="append", default=[], help="NAME:FIELD=VALUE[,FIELD=VALUE] (repeatable)")
+    ap.add_argument("--methods", nargs="+", default=["two_stage"])
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--cache", default="/tmp/closedloop_bci_cache")
+    ap.add_argument("--out", default="bench/results/bci_meta_variants.jsonl")
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    bench = BciBenchConfig()
+    sessions, _ = generate_data(bench)
+    from sim.handwriting import VOCABULARY
+
+    lexicon = build_lexicon(sessions, list(VOCABULARY))
+    base = replace(bench.harness, seed=a.seed, methods=tuple(a.methods), reference=False).seeded()
+    backbone, backbone_s = cached_backbone(sessions, base, Path(a.cache))
+    for text in a.variant or ["base:"]:
+        name, overrides = parse_variant(text)
+        harness = apply_overrides(base, overrides).seeded()
+        t0 = time.perf_counter()
+        models = TrainedModels(backbone=backbone, held_in_days={s.name: float(s.day) for s in sessions
+                                                               if s.split == "held_in"})
+        if "two_stage" in harness.methods:
+            models.meta, models.logs["meta"] = meta_train_alignment(backbone, sessions, harness.meta)
+        out = run_harness(sessions, harness, lexicon=lexicon, models=models)
+        row = {"variant": name, "overrides": overrides, "seed": a.seed, "wall_s": time.perf_counter() - t0,
+               "backbone_train_s": backbone_s, "meta": out.get("meta"),
+               "methods": {m: {"mean": v["mean"], "chosen": v["chosen"], "calibrate_s": v["calibrate_s"],
+                               "sessions": {s: {d: r[d] for d in r} for s, r in v["sessions"].items()}}
+                           for m, v in out["methods"].items()},
+               "config": harness.to_dict()}
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        with open(a.out, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        cells = "  ".join(f"{m}: beam WER {100 * v['mean']['beam']['WER']:.2f}% greedy CER "
+                          f"{100 * v['mean']['greedy']['CER']:.2f}%" for m, v in out["methods"].items())
+        print(f"seed {a.seed} {name:>16s} ({row['wall_s']:.0f} s)  {cells}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
