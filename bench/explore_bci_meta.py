@@ -31,6 +31,7 @@ from sdk.bci.config import to_dict
 from sdk.bci.evaluate import HarnessConfig, build_lexicon, run_harness
 from sdk.bci.meta import meta_train_alignment
 from sdk.bci.train import train_backbone
+from sim.handwriting import VOCABULARY
 
 
 def _coerce(text: str):
@@ -92,8 +93,6 @@ def main() -> None:
     torch.set_num_threads(a.threads)
     bench = BciBenchConfig()
     sessions, _ = generate_data(bench)
-    from sim.handwriting import VOCABULARY
-
     lexicon = build_lexicon(sessions, list(VOCABULARY))
     base = replace(bench.harness, seed=a.seed, methods=tuple(a.methods), reference=False).seeded()
     backbone, backbone_s = cached_backbone(sessions, base, Path(a.cache))

@@ -49,13 +49,11 @@ def summarize(runs: Sequence[dict]) -> dict:
         out["reference"]["published"] = first["reference"]["published"]
     if all("meta" in r for r in runs):
         out["meta"] = [r["meta"] for r in runs]
-    if "two_stage" in first["methods"] and _has_texts(runs):
-        out["paired"] = {b: paired_bootstrap(runs, "two_stage", b) for b in first["methods"] if b != "two_stage"}
+    texts = [sc.get("texts", {}) for r in runs for v in r["methods"].values() for sc in v["sessions"].values()]
+    if "two_stage" in first["methods"] and texts and all(texts):
+        dec = "beam" if all("beam" in t for t in texts) else "greedy"  # beam_width 0: greedy only
+        out["paired"] = {b: paired_bootstrap(runs, "two_stage", b, dec) for b in first["methods"] if b != "two_stage"}
     return out
-
-
-def _has_texts(runs: Sequence[dict]) -> bool:
-    return all("texts" in sc for r in runs for v in r["methods"].values() for sc in v["sessions"].values())
 
 
 def _word_errors(texts: dict, decoder: str) -> tuple[np.ndarray, np.ndarray]:
