@@ -28,18 +28,12 @@ RESULTS = Path("bench/results/bci_drift_calibration.jsonl")
 
 
 def _apply(cfg, assignment: str):
-    path, _, value = assignment.partition("=")
-    if not value:
-        raise SystemExit(f"--set expects SECTION.FIELD=VALUE and --train FIELD=VALUE, got {assignment!r}")
-    section, _, name = path.rpartition(".")
-    target = getattr(cfg, section) if section else cfg
-    if not hasattr(target, name):
-        raise SystemExit(f"{path}: no such setting in {type(target).__name__}")
-    old = getattr(target, name)
-    new = type(old)(json.loads(value)) if not isinstance(old, tuple) else tuple(json.loads(value))
-    if section:
-        return dataclasses.replace(cfg, **{section: dataclasses.replace(target, **{name: new})})
-    return dataclasses.replace(cfg, **{name: new})
+    from sdk.bci.config import override
+
+    try:
+        return override(cfg, assignment)
+    except ValueError as exc:
+        raise SystemExit(f"--set / --train: {exc}") from None
 
 
 def main() -> None:

@@ -27,33 +27,21 @@ import torch
 
 from sdk.bci.baselines import TrainedModels
 from sdk.bci.benchmark import BciBenchConfig, generate_data
-from sdk.bci.config import to_dict
+from sdk.bci.config import override, to_dict
 from sdk.bci.evaluate import HarnessConfig, build_lexicon, run_harness
 from sdk.bci.meta import meta_train_alignment
 from sdk.bci.train import train_backbone
 from sim.handwriting import VOCABULARY
 
 
-def _coerce(text: str):
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError:
-        return text
-
-
 def apply_overrides(harness: HarnessConfig, overrides: dict[str, str]) -> HarnessConfig:
     """``harness`` with dotted fields replaced (``meta.drift.fresh_p=0.1``); unknown fields are refused by name."""
-    data = harness.to_dict()
-    for key, value in overrides.items():
-        node, parts = data, key.split(".")
-        for p in parts[:-1]:
-            if not isinstance(node.get(p), dict):
-                raise SystemExit(f"--variant: {key!r}: {p!r} is not a section of the harness configuration")
-            node = node[p]
-        if parts[-1] not in node:
-            raise SystemExit(f"--variant: {key!r}: no field {parts[-1]!r}; fields here: {sorted(node)}")
-        node[parts[-1]] = _coerce(value)
-    return HarnessConfig.from_dict(data)
+    try:
+        for key, value in overrides.items():
+            harness = override(harness, f"{key}={value}")
+    except ValueError as exc:
+        raise SystemExit(f"--variant: {exc}") from None
+    return harness
 
 
 def parse_variant(text: str) -> tuple[str, dict[str, str]]:
@@ -74,10 +62,10 @@ def cached_backbone(sessions, harness: HarnessConfig, cache: Path):
         return torch.load(path, weights_only=False), json.loads(path.with_suffix(".json").read_text())["wall_s"]
     backbone, log = train_backbone(sessions, harness.train)
     cache.mkdir(parents=True, exist_ok=True)
+    path.with_suffix(".json").write_text(json.dumps({"wall_s": log.wall_s}))  # before the .pt that marks it done
     tmp = path.with_suffix(".tmp")
     torch.save(backbone, tmp)
     tmp.replace(path)
-    path.with_suffix(".json").write_text(json.dumps({"wall_s": log.wall_s}))
     return backbone, log.wall_s
 
 
@@ -108,7 +96,7 @@ def main() -> None:
         row = {"variant": name, "overrides": overrides, "seed": a.seed, "wall_s": time.perf_counter() - t0,
                "backbone_train_s": backbone_s, "meta": out.get("meta"),
                "methods": {m: {"mean": v["mean"], "chosen": v["chosen"], "calibrate_s": v["calibrate_s"],
-                               "sessions": {s: {d: r[d] for d in r} for s, r in v["sessions"].items()}}
+                               "sessions": v["sessions"]}
                            for m, v in out["methods"].items()},
                "config": harness.to_dict()}
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)

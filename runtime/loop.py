@@ -175,7 +175,7 @@ class RealTimeLoop:
                     gc.enable()
         return self._summary(steps, stopped_by, wall_s=(t_end - t0) / 1e9, setup_s=(t0 - t_setup) / 1e9)
 
-    def _summary(self, steps: int, stopped_by: str, wall_s: float = 0.0, setup_s: float = 0.0) -> LoopSummary:
+    def _summary(self, steps: int, stopped_by: str, wall_s: float, setup_s: float) -> LoopSummary:
         cfg = self.config
         lat = self.latency.samples()
         late = self.lateness.samples()

@@ -67,8 +67,8 @@ class DriftAugmentation:
             out = torch.gather(out, 2, src[:, None, :].expand(b, t, c)) if n == b else out[..., src[0]]
         if self.fresh_p > 0:
             hit = (torch.rand(n, 1, c, generator=generator) < self.fresh_p).to(dev)
-            mix = (randn(n, c, c) / c**0.5).expand(b, c, c) if n == b else randn(c, c) / c**0.5
-            fresh = torch.bmm(out, mix) if n == b else out @ mix
+            mix = randn(n, c, c) / c**0.5
+            fresh = torch.bmm(out, mix) if n == b else out @ mix[0]
             dims = (1,) if n == b else (0, 1)
             fresh = (fresh - fresh.mean(dims, keepdim=True)) / fresh.std(dims, keepdim=True).clamp(min=1e-6)
             out = torch.where(hit, fresh, out)

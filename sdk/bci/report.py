@@ -56,11 +56,9 @@ def summarize(runs: Sequence[dict]) -> dict:
     return out
 
 
-def _word_errors(texts: dict, decoder: str) -> tuple[np.ndarray, np.ndarray]:
-    """Per-trial word edit distances and reference word counts (FALCON's word split)."""
-    refs = [to_words(t) for t in texts["reference"]]
-    dist = [edit_distance(to_words(p), r) for p, r in zip(texts[decoder], refs, strict=True)]
-    return np.asarray(dist, dtype=np.float64), np.asarray([len(r) for r in refs], dtype=np.float64)
+def _word_distances(predictions: Sequence[str], ref_words: Sequence[list[str]]) -> np.ndarray:
+    """Per-trial word edit distances (FALCON's word split)."""
+    return np.asarray([edit_distance(to_words(p), r) for p, r in zip(predictions, ref_words, strict=True)], float)
 
 
 def paired_bootstrap(runs: Sequence[dict], method: str, against: str, decoder: str = "beam", n_boot: int = 2000,
@@ -77,18 +75,21 @@ def paired_bootstrap(runs: Sequence[dict], method: str, against: str, decoder: s
     rng = np.random.default_rng(seed)
     wa, wb = np.zeros(n_boot), np.zeros(n_boot)
     point_a = point_b = 0.0
+    k = 0
     for r in runs:
         sess_a, sess_b = r["methods"][method]["sessions"], r["methods"][against]["sessions"]
         for name in sess_a:
-            da, n = _word_errors(sess_a[name]["texts"], decoder)
-            db, _ = _word_errors(sess_b[name]["texts"], decoder)
+            ref_words = [to_words(t) for t in sess_a[name]["texts"]["reference"]]
+            n = np.asarray([len(w) for w in ref_words], float)
+            da = _word_distances(sess_a[name]["texts"][decoder], ref_words)
+            db = _word_distances(sess_b[name]["texts"][decoder], ref_words)
             idx = rng.integers(0, len(n), (n_boot, len(n)))
             words = n[idx].sum(1)
             wa += da[idx].sum(1) / words
             wb += db[idx].sum(1) / words
             point_a += da.sum() / n.sum()
             point_b += db.sum() / n.sum()
-    k = sum(len(r["methods"][method]["sessions"]) for r in runs)
+            k += 1
     wa, wb, point_a, point_b = wa / k, wb / k, point_a / k, point_b / k
     ratio = np.divide(wa, wb, out=np.full(n_boot, np.inf), where=wb > 0)
     return {"method": method, "against": against, "decoder": decoder, "n_boot": n_boot,

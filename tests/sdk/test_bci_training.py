@@ -158,3 +158,17 @@ def test_twice_differentiable_ctc_matches_torch():
     torch.testing.assert_close(g1, g_ref, atol=1e-4, rtol=1e-4)
     (g2,) = torch.autograd.grad((g1 * torch.randn_like(g1)).sum(), logits)  # a second derivative exists
     assert torch.isfinite(g2).all()
+
+
+def test_override_replaces_a_nested_setting_by_its_dotted_path_and_refuses_unknown_names():
+    from sdk.bci.config import override
+    from sdk.bci.evaluate import HarnessConfig
+
+    h = HarnessConfig()
+    h2 = override(override(h, "meta.drift.fresh_p=0.1"), "calibration.tune=false")
+    assert h2.meta.drift.fresh_p == 0.1 and h2.calibration.tune is False and h.meta.drift.fresh_p == 0.0
+    assert override(h, "device=cpu").device == "cpu" and override(h, "train.steps=7").train.steps == 7
+    with pytest.raises(ValueError, match="no setting 'fresh' in DriftAugmentation"):
+        override(h, "meta.drift.fresh=0.1")
+    with pytest.raises(ValueError, match="SECTION.FIELD=VALUE"):
+        override(h, "meta.inner_steps")
