@@ -94,9 +94,13 @@ def test_headstage_session_decodes_records_and_replays(neural_bundle, tmp_path):
 def test_replay_url_drives_a_session(neural_bundle, tmp_path):
     cfg = _cfg("sim://headstage?channels=12&seed=4", tmp_path, duration_s=1.0)
     first = run_session(neural_bundle, cfg)
-    again = run_session(neural_bundle, _cfg(f"replay://{cfg.record}", duration_s=1.5))
+    # long enough to play the whole recording whatever each run's set-up (gc freeze, prewarm) took
+    again = run_session(neural_bundle, _cfg(f"replay://{cfg.record}", duration_s=3.0))
     assert again.device["kind"] == "headstage"
-    assert again.inputs_used >= first.inputs_used - 3
+    assert again.frames_received == first.frames_received  # every recorded frame arrives again
+    # and drives the model; a frame is skipped when two land between ticks (more often on a loaded machine,
+    # in either run), so the count of steps that had a new frame is only bounded
+    assert again.inputs_used >= 0.7 * first.inputs_used
 
 
 def test_mismatched_device_is_refused_naming_both_values(neural_bundle):
