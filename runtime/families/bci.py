@@ -272,16 +272,37 @@ class BCIHandwritingFamily(FamilyPlugin):
 
 _STATE_SCALARS = {"format": "i", "n_channels": "i", "charset": "U", "blank": "i", "std_floor": "f",
                   "n_hidden": "i", "n_layers": "i", "inner_steps": "i"}
-_META_KEYS = ("meta.init_weight", "meta.init_bias", "meta.log_step_weight", "meta.log_step_bias")
+#: The meta-learned state of each alignment form: parameter names (``meta.init_<name>`` and
+#: ``meta.log_step_<name>`` are stored for each). ``full``: A0 (C, C), b0 (C,); ``lowrank``:
+#: A0 = diag(gain) + u @ v with gain (C,), bias (C,), u (C, r), v (r, C).
+META_FORMS = {"full": ("weight", "bias"), "lowrank": ("gain", "bias", "u", "v")}
+
+
+def _meta_keys(form: str) -> list[str]:
+    return [f"meta.{kind}_{name}" for kind in ("init", "log_step") for name in META_FORMS[form]]
+
+
+def meta_form_of(names: Any) -> str | None:
+    """The alignment form whose meta arrays are among ``names`` (None: no meta state).
+
+    ``full`` is told by ``meta.init_weight``, ``lowrank`` by ``meta.init_u``; anything else
+    that starts with ``meta.`` alone still counts as a (broken) ``full`` state, so the
+    reader names what is missing.
+    """
+    names = set(names)
+    if "meta.init_u" in names or "meta.init_gain" in names:
+        return "lowrank"
+    return "full" if any(n.startswith("meta.") for n in names) else None
 
 
 def calibration_state_shapes(n_channels: int, n_hidden: int, n_layers: int, n_outputs: int,
-                             meta: bool) -> dict[str, tuple[int, ...]]:
+                             meta: bool | str, rank: int = 0) -> dict[str, tuple[int, ...]]:
     """Name -> shape of every float32 array of a version-1 calibration state file.
 
     The backbone arrays are torch's ``nn.GRU`` / ``nn.Linear`` parameters as they are
     (gate order r, z, n); ``alignment.*`` is the layer :math:`x \\mapsto W x + b` in the
-    graph; ``meta.*`` the meta-learned initialisation and log step sizes (two-stage only).
+    graph; ``meta.*`` the meta-learned initialisation and log step sizes (two-stage only)
+    of the alignment form ``meta`` (``True`` means ``"full"``; ``rank`` for ``"lowrank"``).
     """
     c, h = n_channels, n_hidden
     shapes: dict[str, tuple[int, ...]] = {}
@@ -294,9 +315,10 @@ def calibration_state_shapes(n_channels: int, n_hidden: int, n_layers: int, n_ou
     shapes["backbone.readout.bias"] = (n_outputs,)
     shapes["alignment.weight"] = (c, c)
     shapes["alignment.bias"] = (c,)
-    if meta:
-        shapes.update({"meta.init_weight": (c, c), "meta.init_bias": (c,),
-                       "meta.log_step_weight": (c, c), "meta.log_step_bias": (c,)})
+    form = "full" if meta is True else meta or None
+    if form is not None:
+        per = {"weight": (c, c), "bias": (c,), "gain": (c,), "u": (c, rank), "v": (rank, c)}
+        shapes.update({key: per[key.rsplit("_", 1)[-1]] for key in _meta_keys(form)})
     return shapes
 
 
@@ -353,13 +375,21 @@ def read_calibration_state(bundle: Bundle) -> dict[str, Any] | None:
     if state["n_hidden"] < 1 or state["n_layers"] < 1 or state["inner_steps"] < 0 or not state["std_floor"] > 0:
         raise BundleError(f"{where}: n_hidden {state['n_hidden']}, n_layers {state['n_layers']}, inner_steps "
                           f"{state['inner_steps']}, std_floor {state['std_floor']} out of range")
-    has_meta = any(k in raw for k in _META_KEYS)
-    shapes = calibration_state_shapes(n_in, state["n_hidden"], state["n_layers"], int(n_out or 0), has_meta)
+    form = meta_form_of(raw)
+    has_meta = form is not None
+    rank = 0
+    if form == "lowrank":
+        u = raw.get("meta.init_u")
+        if u is None or u.ndim != 2 or not 1 <= u.shape[1] <= n_in:
+            raise BundleError(f"{where}: a lowrank meta state needs meta.init_u of shape ({n_in}, r) with "
+                              f"1 <= r <= {n_in}, got {None if u is None else u.shape}")
+        rank = int(u.shape[1])
+    shapes = calibration_state_shapes(n_in, state["n_hidden"], state["n_layers"], int(n_out or 0), form, rank)
     for key, shape in shapes.items():
         a = raw.get(key)
         if a is None:
             raise BundleError(f"{where}: array {key!r} is missing"
-                              + (" (a meta state needs all of " + ", ".join(_META_KEYS) + ")" if has_meta else ""))
+                              + (f" (a {form} meta state needs all of " + ", ".join(_meta_keys(form)) + ")" if has_meta else ""))
         if a.dtype != np.float32 or a.shape != shape:
             raise BundleError(f"{where}: array {key!r} is {a.dtype} {a.shape}; expected float32 {shape}")
         if not np.all(np.isfinite(a)):
@@ -370,4 +400,5 @@ def read_calibration_state(bundle: Bundle) -> dict[str, Any] | None:
         raise BundleError(f"{where}: unknown arrays {unknown}; a version-{STATE_VERSION} state has "
                           f"{sorted(shapes)} and the scalars {sorted(_STATE_SCALARS)}")
     state["has_meta"] = has_meta
+    state["meta_form"] = form
     return state

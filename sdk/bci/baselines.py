@@ -17,7 +17,8 @@ session's calibration trials and normalisation, and returns an
     The pooled backbone, every weight fine-tuned with Adam on the calibration sentences.
 ``alignment``
     The pooled backbone, frozen; the alignment layer fitted from identity with Adam
-    (no meta-learning).
+    (no meta-learning), in the same parameterisation as the two-stage method's
+    (``options["alignment_form"]``, the harness's ``meta.form`` and ``meta.rank``).
 ``two_stage``
     The method: pooled backbone, frozen; the alignment layer starts from the
     meta-learned initialisation and takes the meta-learned steps.
@@ -48,7 +49,7 @@ from .calibrate import (
 )
 from .data import Example, Normalization, collate, ctc_loss, resolve_device
 from .meta import MetaAlignment
-from .models import AffineAlignment, AlignedDecoder, GRUBackbone, SessionInputDecoder
+from .models import AffineAlignment, AlignedDecoder, GRUBackbone, SessionInputDecoder, alignment_params
 from .train import TrainingLog
 
 
@@ -148,7 +149,9 @@ def alignment_from_identity(models, session, calib, norm, config, options) -> Ad
     """Frozen pooled backbone; alignment layer fitted from identity with Adam (no meta-learning)."""
     bb = _need(models, "backbone", "alignment")
     start = AlignedDecoder(AffineAlignment(bb.n_inputs).to(bb.readout.weight.device), bb)
-    res = calibrate_session(start, calib, _with(config, optimizer="adam"), normalization=norm)
+    form, rank = options.get("alignment_form", ("full", 0))
+    params = alignment_params(form, bb.n_inputs, rank, options.get("seed", 0))
+    res = calibrate_session(start, calib, _with(config, optimizer="adam"), normalization=norm, start=params)
     return Adapted(res.model, res.chosen, res.wall_s)
 
 

@@ -37,7 +37,7 @@ from .charset import encode
 from .config import JsonConfig
 from .data import DEFAULT_STD_FLOOR, Example, Normalization, collate, resolve_device
 from .meta import MetaAlignment, task_losses
-from .models import AffineAlignment, AlignedDecoder, GRUBackbone
+from .models import AffineAlignment, AlignedDecoder, GRUBackbone, compose_alignment
 
 OPTIMIZERS = ("adam", "meta")
 
@@ -88,7 +88,7 @@ def loo_folds(n: int, folds: int) -> list[tuple[list[int], list[int]]]:
 
 def fit_alignment_batch(
     backbone: GRUBackbone,
-    start: tuple[torch.Tensor, torch.Tensor],
+    start: dict[str, torch.Tensor],
     support: Sequence[Sequence[Example]],
     knobs: Sequence[float],
     steps: int,
@@ -97,23 +97,29 @@ def fit_alignment_batch(
     validation: Sequence[Sequence[Example]] | None = None,
     eval_every: int = 1,
     device: torch.device | str = "cpu",
-) -> tuple[torch.Tensor, torch.Tensor, list[int], np.ndarray]:
+) -> tuple[dict[str, torch.Tensor], list[int], np.ndarray]:
     """Fit one alignment per task at once (tasks share the backbone, each has its own knob and sentences).
 
-    Returns the fitted ``(A, b)`` per task, the checkpoint steps, and the validation
-    loss per checkpoint and task (empty without ``validation``).
+    ``start`` holds the parameters of one alignment form (:func:`~sdk.bci.models.alignment_params`;
+    ``{"weight": A, "bias": b}`` for a full map), without a task axis. Returns the fitted
+    parameters per task (compose them with :func:`~sdk.bci.models.compose_alignment`), the
+    checkpoint steps, and the validation loss per checkpoint and task (empty without ``validation``).
     """
     n = len(support)
     sup = collate([e for task in support for e in task], device)
     val = collate([e for task in validation for e in task], device) if validation else None
     knob = torch.tensor(list(knobs), dtype=torch.float32, device=device)
-    w = start[0].to(device).expand(n, -1, -1).clone()
-    b = start[1].to(device).expand(n, -1).clone()
+    names = list(start)
+    p = {k: start[k].detach().to(device).expand(n, *start[k].shape).clone() for k in names}
+    scale = {k: knob.view(n, *([1] * start[k].dim())) for k in names}
     if optimizer == "meta":
         if meta is None:
             raise ValueError("optimizer='meta' needs the MetaAlignment from meta_train_alignment")
-        aw, ab = (a.detach().to(device) for a in meta.step_sizes())
-    mw, vw, mb, vb = torch.zeros_like(w), torch.zeros_like(w), torch.zeros_like(b), torch.zeros_like(b)
+        if set(meta.log_step) != set(names):
+            raise ValueError(f"the meta step sizes are for {sorted(meta.log_step)}, the start has {sorted(names)}")
+        alpha = {k: a.detach().to(device) for k, a in meta.step_sizes().items()}
+    m1 = {k: torch.zeros_like(v) for k, v in p.items()}
+    m2 = {k: torch.zeros_like(v) for k, v in p.items()}
     beta1, beta2, eps = 0.9, 0.999, 1e-8
     checkpoints: list[int] = []
     curve: list[np.ndarray] = []
@@ -121,27 +127,25 @@ def fit_alignment_batch(
     def record(k: int) -> None:
         if val is not None and (k % eval_every == 0 or k == steps):
             with torch.no_grad():
-                curve.append(task_losses(backbone, val.x, val, w, b, n, reduce=False).cpu().numpy())
+                curve.append(task_losses(backbone, val.x, val, *compose_alignment(p), n, reduce=False).cpu().numpy())
             checkpoints.append(k)
 
     record(0)
     for k in range(1, steps + 1):
-        wd, bd = w.requires_grad_(), b.requires_grad_()
-        gw, gb = torch.autograd.grad(task_losses(backbone, sup.x, sup, wd, bd, n), (wd, bd))
+        leaves = {name: v.requires_grad_() for name, v in p.items()}
+        grads = torch.autograd.grad(task_losses(backbone, sup.x, sup, *compose_alignment(leaves), n),
+                                    [leaves[name] for name in names])
         with torch.no_grad():
-            if optimizer == "meta":
-                w = w - knob[:, None, None] * aw * gw
-                b = b - knob[:, None] * ab * gb
-            else:
-                mw.mul_(beta1).add_((1 - beta1) * gw)
-                vw.mul_(beta2).add_((1 - beta2) * gw * gw)
-                mb.mul_(beta1).add_((1 - beta1) * gb)
-                vb.mul_(beta2).add_((1 - beta2) * gb * gb)
-                c1, c2 = 1 - beta1**k, 1 - beta2**k
-                w = w - knob[:, None, None] * (mw / c1) / ((vw / c2).sqrt() + eps)
-                b = b - knob[:, None] * (mb / c1) / ((vb / c2).sqrt() + eps)
+            for name, g in zip(names, grads, strict=True):
+                if optimizer == "meta":
+                    p[name] = p[name] - scale[name] * alpha[name] * g
+                else:
+                    m1[name].mul_(beta1).add_((1 - beta1) * g)
+                    m2[name].mul_(beta2).add_((1 - beta2) * g * g)
+                    c1, c2 = 1 - beta1**k, 1 - beta2**k
+                    p[name] = p[name] - scale[name] * (m1[name] / c1) / ((m2[name] / c2).sqrt() + eps)
         record(k)
-    return w.detach(), b.detach(), checkpoints, np.array(curve)
+    return {k: v.detach() for k, v in p.items()}, checkpoints, np.array(curve)
 
 
 def choose_by_validation(
@@ -169,6 +173,7 @@ def calibrate_session(
     config: CalibrationConfig | None = None,
     meta: MetaAlignment | None = None,
     normalization: Normalization | None = None,
+    start: dict[str, torch.Tensor] | None = None,
 ) -> CalibrationResult:
     """Fit only ``model``'s alignment layer to a new session's calibration trials.
 
@@ -186,6 +191,10 @@ def calibrate_session(
         The meta-learned step sizes (needed for ``optimizer="meta"``).
     normalization
         The session's normalisation; by default computed from ``calib_trials``.
+    start
+        The alignment's parameters to start from and fit (:func:`~sdk.bci.models.alignment_params`):
+        by default the meta-learned initialisation with ``optimizer="meta"``, else the full
+        map of ``model``'s alignment.
     """
     config = config or CalibrationConfig()
     device = resolve_device(config.device)
@@ -193,12 +202,14 @@ def calibrate_session(
     norm = normalization or Normalization.from_trials(calib_trials, config.std_floor)
     examples = trials_to_examples(calib_trials, norm)
     backbone = model.backbone.to(device).eval()
-    start = (model.alignment.weight.detach().clone(), model.alignment.bias.detach().clone())
     is_meta = config.optimizer == "meta"
     if is_meta:
         if meta is None:
             raise ValueError("optimizer='meta' needs the MetaAlignment returned by meta_train_alignment")
         meta = meta.to(device)
+    if start is None:
+        start = ({k: v.detach() for k, v in meta.init.items()} if is_meta else
+                 {"weight": model.alignment.weight.detach(), "bias": model.alignment.bias.detach()})
     steps = (config.meta_max_steps or 2 * meta.inner_steps) if is_meta else config.steps
     every = 1 if is_meta else config.eval_every
     grid = config.step_scale_grid if is_meta else config.lr_grid
@@ -211,7 +222,7 @@ def calibrate_session(
             def run(knobs: list[float], n_steps: int, splits: list) -> tuple[list[int], np.ndarray]:
                 sup = [[examples[j] for j in fit] for _ in grid for fit, _ in splits]
                 val = [[examples[j] for j in v] for _ in grid for _, v in splits]
-                _, _, ck, curve = fit_alignment_batch(backbone, start, sup, knobs, n_steps, config.optimizer, meta,
+                _, ck, curve = fit_alignment_batch(backbone, start, sup, knobs, n_steps, config.optimizer, meta,
                                                       val, every, device)
                 return ck, curve
 
@@ -219,8 +230,9 @@ def calibrate_session(
                 knob, n_steps, cv = choose_by_validation(run, grid, steps, len(examples), config.folds)
             else:
                 knob, n_steps, cv = default, steps, {}
-            w, b, _, _ = fit_alignment_batch(backbone, start, [examples], [knob], n_steps, config.optimizer, meta,
-                                             device=device)
+            fitted, _, _ = fit_alignment_batch(backbone, start, [examples], [knob], n_steps, config.optimizer, meta,
+                                               device=device)
+            w, b = compose_alignment(fitted)
     finally:
         for p, f in zip(backbone.parameters(), flags, strict=True):
             p.requires_grad_(f)

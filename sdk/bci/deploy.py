@@ -127,8 +127,9 @@ def calibration_state_arrays(module: Any, meta: Any = None, *, std_floor: float 
     if meta is not None:
         if meta.n_channels != c:
             raise ValueError(f"meta alignment has {meta.n_channels} channels; the decoder takes {c}")
-        for k in ("init_weight", "init_bias", "log_step_weight", "log_step_bias"):
-            out[f"meta.{k}"] = f32(getattr(meta, k))
+        for name in meta.init:
+            out[f"meta.init_{name}"] = f32(meta.init[name])
+            out[f"meta.log_step_{name}"] = f32(meta.log_step[name])
     return out
 
 
@@ -138,6 +139,8 @@ def decoder_from_state(state: Mapping[str, Any]) -> tuple[Any, Any]:
     The torch parameters are bit-exact copies of the stored float32 arrays.
     """
     import torch
+
+    from runtime.families.bci import meta_form_of
 
     from .meta import MetaAlignment
     from .models import AffineAlignment, AlignedDecoder, GRUBackbone
@@ -149,11 +152,14 @@ def decoder_from_state(state: Mapping[str, Any]) -> tuple[Any, Any]:
     alignment = AffineAlignment(c).load(torch.from_numpy(np.array(state["alignment.weight"])),
                                         torch.from_numpy(np.array(state["alignment.bias"])))
     meta = None
-    if state.get("has_meta", "meta.init_weight" in state):
-        meta = MetaAlignment(c, max(int(state["inner_steps"]), 1))
+    form = state.get("meta_form", meta_form_of(state))
+    if form is not None:
+        rank = int(np.shape(state["meta.init_u"])[1]) if form == "lowrank" else 0
+        meta = MetaAlignment(c, max(int(state["inner_steps"]), 1), form=form, rank=rank)
         with torch.no_grad():
-            for k in ("init_weight", "init_bias", "log_step_weight", "log_step_bias"):
-                getattr(meta, k).copy_(torch.from_numpy(np.array(state[f"meta.{k}"])))
+            for name in meta.init:
+                meta.init[name].copy_(torch.from_numpy(np.array(state[f"meta.init_{name}"])))
+                meta.log_step[name].copy_(torch.from_numpy(np.array(state[f"meta.log_step_{name}"])))
         meta.eval()
     return AlignedDecoder(alignment, bb).eval(), meta
 

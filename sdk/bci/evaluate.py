@@ -167,7 +167,7 @@ def run_harness(sessions: Sequence[Session], config: HarnessConfig | None = None
     }
     if models.meta is not None:
         out["meta"] = meta_summary(models.meta)
-    options = {"nearest": config.nearest, "finetune_lr_grid": config.finetune_lr_grid}
+    options = method_options(config)
     prepared = []
     for s in held_out:
         if s.evaluation:  # real FALCON H2 held-out files have none: their scores come from FALCON's server
@@ -207,6 +207,12 @@ def held_out_calibration(session: Session, config: HarnessConfig) -> tuple[list,
     return calib, Normalization.from_trials(calib, config.calibration.std_floor)
 
 
+def method_options(config: HarnessConfig) -> dict:
+    """The per-method settings of ``config`` that :data:`~sdk.bci.baselines.METHODS` read."""
+    return {"nearest": config.nearest, "finetune_lr_grid": config.finetune_lr_grid,
+            "alignment_form": (config.meta.form, config.meta.rank), "seed": config.seed}
+
+
 def adapt_held_out(sessions: Sequence[Session], models: TrainedModels, method: str = "two_stage",
                    config: HarnessConfig | None = None) -> dict[str, tuple[AlignedDecoder, Normalization, dict]]:
     """Calibrate every held-out session with ``method``: ``{name: (decoder, normalisation, what was chosen)}``.
@@ -216,7 +222,7 @@ def adapt_held_out(sessions: Sequence[Session], models: TrainedModels, method: s
     """
     config = (config or HarnessConfig()).seeded()
     m = get_method(method)
-    options = {"nearest": config.nearest, "finetune_lr_grid": config.finetune_lr_grid}
+    options = method_options(config)
     out = {}
     for s in sessions:
         if s.split != "held_out":

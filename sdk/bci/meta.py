@@ -56,7 +56,15 @@ from .data import (
     resolve_device,
     session_normalization,
 )
-from .models import AffineAlignment, GRUBackbone, affine
+from .models import (
+    ALIGNMENT_FORMS,
+    AffineAlignment,
+    GRUBackbone,
+    affine,
+    alignment_form_of,
+    alignment_params,
+    compose_alignment,
+)
 from .train import TrainingLog
 
 
@@ -72,6 +80,8 @@ class MetaConfig(JsonConfig):
     outer_lr_init: float = 3e-4  # Adam on (A0, b0): small, or its sign-like steps add noise to every entry
     outer_lr_step: float = 2e-2  # Adam on the log step sizes
     init_step_size: float = 0.1
+    form: str = "full"  # alignment parameterisation, sdk.bci.models.ALIGNMENT_FORMS
+    rank: int = 0  # rank of the cross-channel part for form "lowrank"
     second_order: bool = False
     drift: DriftAugmentation = field(
         default_factory=lambda: DriftAugmentation(gain_std=0.3, offset_std=0.3, mixing_std=0.2, walk_std=0.1,
@@ -83,6 +93,12 @@ class MetaConfig(JsonConfig):
     seed: int = 0
     device: str = "auto"
     progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.form not in ALIGNMENT_FORMS:
+            raise ValueError(f"meta.form {self.form!r} is not one of {ALIGNMENT_FORMS}")
+        if self.form == "lowrank" and self.rank < 1:
+            raise ValueError(f"meta.form 'lowrank' needs meta.rank >= 1 (the rank of the cross-channel part), got {self.rank}")
 
 
 def task_losses(backbone: GRUBackbone, x: torch.Tensor, batch: Batch, weight: torch.Tensor, bias: torch.Tensor,
@@ -109,7 +125,7 @@ def task_losses(backbone: GRUBackbone, x: torch.Tensor, batch: Batch, weight: to
 
 
 class MetaAlignment(nn.Module):
-    """Meta-learned alignment: initialisation :math:`(A_0, b_0)`, log step sizes, and the inner loop.
+    """Meta-learned alignment: initialisation :math:`\\theta_0`, log step sizes, and the inner loop.
 
     Parameters
     ----------
@@ -119,51 +135,63 @@ class MetaAlignment(nn.Module):
         :math:`K`, the number of calibration steps it was meta-trained for.
     init_step_size
         Initial :math:`\\alpha` for every parameter.
+    form, rank
+        The alignment's parameterisation (:data:`~sdk.bci.models.ALIGNMENT_FORMS`):
+        ``"full"`` learns :math:`(A_0, b_0)` and a step size per entry; ``"lowrank"``
+        learns :math:`(g_0, b_0, U_0, V_0)` of :math:`A = \\operatorname{diag}(g) + UV`,
+        the directions :math:`V_0` included.
     """
 
-    def __init__(self, n_channels: int, inner_steps: int = 5, init_step_size: float = 0.1):
+    def __init__(self, n_channels: int, inner_steps: int = 5, init_step_size: float = 0.1, form: str = "full",
+                 rank: int = 0, seed: int = 0):
         super().__init__()
         self.n_channels, self.inner_steps = n_channels, inner_steps
-        self.init_weight = nn.Parameter(torch.eye(n_channels))
-        self.init_bias = nn.Parameter(torch.zeros(n_channels))
+        start = alignment_params(form, n_channels, rank, seed)
+        self.form, self.rank = alignment_form_of(start)
         ls = float(np.log(init_step_size))
-        self.log_step_weight = nn.Parameter(torch.full((n_channels, n_channels), ls))
-        self.log_step_bias = nn.Parameter(torch.full((n_channels,), ls))
+        self.init = nn.ParameterDict({k: nn.Parameter(v) for k, v in start.items()})
+        self.log_step = nn.ParameterDict({k: nn.Parameter(torch.full_like(v, ls)) for k, v in start.items()})
 
-    def step_sizes(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.log_step_weight.exp(), self.log_step_bias.exp()
+    def step_sizes(self) -> dict[str, torch.Tensor]:
+        """:math:`\\alpha = e^{s}` per parameter, by name."""
+        return {k: v.exp() for k, v in self.log_step.items()}
+
+    def start(self, n_tasks: int = 1) -> dict[str, torch.Tensor]:
+        """The initialisation, with a task axis of ``n_tasks`` (differentiable, not copied)."""
+        return {k: v.expand(n_tasks, *v.shape) for k, v in self.init.items()}
+
+    def init_map(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """:math:`(A_0, b_0)`, the map a new session starts from."""
+        return compose_alignment(dict(self.init.items()))
 
     def new_alignment(self) -> AffineAlignment:
         """An :class:`AffineAlignment` at the meta-learned initialisation."""
-        return AffineAlignment(self.n_channels).to(self.init_weight.device).load(self.init_weight.detach(),
-                                                                                   self.init_bias.detach())
+        w, b = (t.detach() for t in self.init_map())
+        return AffineAlignment(self.n_channels).to(w.device).load(w, b)
 
     def adapt(self, backbone: GRUBackbone, x: torch.Tensor, batch: Batch, n_tasks: int = 1, steps: int | None = None,
-              step_scale: float = 1.0, second_order: bool = False, start: tuple[torch.Tensor, torch.Tensor] | None = None
-              ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Run the inner loop on support sequences ``x`` (task-major) and return the adapted ``(A, b)`` per task.
+              step_scale: float = 1.0, second_order: bool = False, start: dict[str, torch.Tensor] | None = None
+              ) -> dict[str, torch.Tensor]:
+        """Run the inner loop on support sequences ``x`` (task-major) and return the adapted parameters per task.
 
         The result stays differentiable with respect to the initialisation and the step
-        sizes (first-order unless ``second_order``).
+        sizes (first-order unless ``second_order``); :func:`~sdk.bci.models.compose_alignment`
+        turns it into :math:`(A, b)`.
         """
         steps = self.inner_steps if steps is None else steps
-        aw, ab = self.step_sizes()
-        if start is None:
-            w = self.init_weight.expand(n_tasks, -1, -1)
-            b = self.init_bias.expand(n_tasks, -1)
-        else:
-            w, b = start
+        alpha = self.step_sizes()
+        params = self.start(n_tasks) if start is None else start
+        names = list(params)
         for _ in range(steps):
             if second_order:
-                loss = task_losses(backbone, x, batch, w, b, n_tasks, twice_differentiable=True)
-                gw, gb = torch.autograd.grad(loss, (w, b), create_graph=True)
+                loss = task_losses(backbone, x, batch, *compose_alignment(params), n_tasks, twice_differentiable=True)
+                grads = torch.autograd.grad(loss, [params[k] for k in names], create_graph=True)
             else:
-                wd, bd = w.detach().requires_grad_(), b.detach().requires_grad_()
-                loss = task_losses(backbone, x, batch, wd, bd, n_tasks)
-                gw, gb = torch.autograd.grad(loss, (wd, bd))
-            w = w - step_scale * aw * gw
-            b = b - step_scale * ab * gb
-        return w, b
+                leaves = {k: params[k].detach().requires_grad_() for k in names}
+                loss = task_losses(backbone, x, batch, *compose_alignment(leaves), n_tasks)
+                grads = torch.autograd.grad(loss, [leaves[k] for k in names])
+            params = {k: params[k] - step_scale * alpha[k] * g for k, g in zip(names, grads, strict=True)}
+        return params
 
 
 def _renormalize(x: torch.Tensor, lens: torch.Tensor, n_support: int, floor: float) -> torch.Tensor:
@@ -217,18 +245,22 @@ def meta_summary(meta: MetaAlignment) -> dict:
 
     Recorded by the benchmark next to each run, so it can be read whether the two-stage
     method differs from the identity-initialised alignment by its start, its steps, or neither.
+    Step-size quantiles are over the entries of :math:`A` (``full``) or of :math:`(g, U, V)`
+    (``lowrank``), and over :math:`b`.
     """
     with torch.no_grad():
-        eye = torch.eye(meta.n_channels, device=meta.init_weight.device)
-        dw = (meta.init_weight - eye).abs()
-        aw, ab = meta.step_sizes()
+        w0, b0 = meta.init_map()
+        dw = (w0 - torch.eye(meta.n_channels, device=w0.device)).abs()
+        alpha = meta.step_sizes()
+        aw = torch.cat([a.flatten() for k, a in alpha.items() if k != "bias"])
         q = [0.05, 0.5, 0.95]
         return {
+            "form": meta.form, "rank": meta.rank,
             "init_weight_offset_fro": float(dw.pow(2).sum().sqrt()),
             "init_weight_offset_max": float(dw.max()),
-            "init_bias_max": float(meta.init_bias.abs().max()),
-            "step_weight_quantiles": [float(v) for v in torch.quantile(aw.flatten().float().cpu(), torch.tensor(q))],
-            "step_bias_quantiles": [float(v) for v in torch.quantile(ab.flatten().float().cpu(), torch.tensor(q))],
+            "init_bias_max": float(b0.abs().max()),
+            "step_weight_quantiles": [float(v) for v in torch.quantile(aw.float().cpu(), torch.tensor(q))],
+            "step_bias_quantiles": [float(v) for v in torch.quantile(alpha["bias"].float().cpu(), torch.tensor(q))],
             "quantiles": q,
         }
 
@@ -251,10 +283,11 @@ def meta_train_alignment(
     frozen = [p.requires_grad for p in backbone.parameters()]
     for p in backbone.parameters():
         p.requires_grad_(False)
-    meta = MetaAlignment(backbone.n_inputs, config.inner_steps, config.init_step_size).to(device)
+    meta = MetaAlignment(backbone.n_inputs, config.inner_steps, config.init_step_size, config.form, config.rank,
+                         config.seed).to(device)
     opt = torch.optim.Adam([
-        {"params": [meta.init_weight, meta.init_bias], "lr": config.outer_lr_init},
-        {"params": [meta.log_step_weight, meta.log_step_bias], "lr": config.outer_lr_step},
+        {"params": list(meta.init.values()), "lr": config.outer_lr_init},
+        {"params": list(meta.log_step.values()), "lr": config.outer_lr_step},
     ])
     sampler = _TaskSampler(sessions, config, device)
     log = TrainingLog(device=str(device), n_trials=sum(len(p) for p in sampler.pools), what="stage 2: meta-learning")
@@ -265,8 +298,9 @@ def meta_train_alignment(
         with torch.backends.cudnn.flags(enabled=False):
             for step in bar:
                 sx, sb, qx, qb = sampler.sample(config.tasks_per_step)
-                w, b = meta.adapt(backbone, sx, sb, config.tasks_per_step, second_order=config.second_order)
-                loss = task_losses(backbone, qx, qb, w, b, config.tasks_per_step) / config.tasks_per_step
+                params = meta.adapt(backbone, sx, sb, config.tasks_per_step, second_order=config.second_order)
+                loss = task_losses(backbone, qx, qb, *compose_alignment(params), config.tasks_per_step)
+                loss = loss / config.tasks_per_step
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
                 opt.step()

@@ -97,6 +97,43 @@ def affine(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.T
     return x @ weight.T + bias
 
 
+#: How the alignment :math:`(A, b)` is parameterised while it is fitted (the result is always a plain
+#: :class:`AffineAlignment`): ``"full"`` fits every entry of :math:`A`; ``"lowrank"`` fits
+#: :math:`A = \operatorname{diag}(g) + U V` with ``rank`` r (per-channel gains plus a rank-r
+#: cross-channel part), :math:`C(2 + 2r)` numbers instead of :math:`C(C + 1)`.
+ALIGNMENT_FORMS = ("full", "lowrank")
+
+
+def alignment_params(form: str, n_channels: int, rank: int = 0, seed: int = 0) -> dict[str, torch.Tensor]:
+    """The starting parameters of ``form`` at the identity map.
+
+    ``lowrank`` starts with :math:`U = 0` and :math:`V` drawn with orthonormal rows from
+    ``seed`` (so :math:`UV = 0`; the first steps move :math:`U` along the directions :math:`V`).
+    """
+    c = n_channels
+    if form == "full":
+        return {"weight": torch.eye(c), "bias": torch.zeros(c)}
+    if form != "lowrank":
+        raise ValueError(f"alignment form {form!r} is not one of {ALIGNMENT_FORMS}")
+    if not 1 <= rank <= c:
+        raise ValueError(f"alignment form 'lowrank' needs 1 <= rank <= {c} channels, got rank {rank}")
+    g = torch.Generator().manual_seed(seed)
+    q, _ = torch.linalg.qr(torch.randn(c, rank, generator=g))
+    return {"gain": torch.ones(c), "bias": torch.zeros(c), "u": torch.zeros(c, rank), "v": q.T.contiguous()}
+
+
+def compose_alignment(params: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """:math:`(A, b)` from the parameters of a form (a leading task axis is kept)."""
+    if "weight" in params:
+        return params["weight"], params["bias"]
+    return torch.diag_embed(params["gain"]) + params["u"] @ params["v"], params["bias"]
+
+
+def alignment_form_of(params: dict[str, torch.Tensor]) -> tuple[str, int]:
+    """``(form, rank)`` of a parameter dict from :func:`alignment_params`."""
+    return ("full", 0) if "weight" in params else ("lowrank", int(params["u"].shape[-1]))
+
+
 class AlignedDecoder(nn.Module):
     """``alignment`` followed by ``backbone``: the deployable decoder of one session.
 

@@ -101,10 +101,45 @@ def test_calibratable_bundle_carries_backbone_meta_state_and_its_checksum(bundle
     backbone, meta = two_stage
     for k, v in backbone.state_dict().items():
         assert state[f"backbone.{k}"].tobytes() == v.numpy().tobytes()
-    assert state["meta.log_step_weight"].tobytes() == meta.log_step_weight.detach().numpy().tobytes()
+    assert state["meta_form"] == "full"
+    assert state["meta.log_step_weight"].tobytes() == meta.log_step["weight"].detach().numpy().tobytes()
     decoder, meta2 = decoder_from_state(state)
-    assert torch.equal(meta2.init_weight, meta.init_weight) and meta2.inner_steps == meta.inner_steps
+    assert torch.equal(meta2.init["weight"], meta.init["weight"]) and meta2.inner_steps == meta.inner_steps
     assert all(torch.equal(a, b) for a, b in zip(decoder.backbone.parameters(), backbone.parameters(), strict=True))
+
+
+def test_a_lowrank_meta_state_travels_in_the_bundle_and_calibrates(two_stage, sessions, held_out_file, tmp_path):
+    backbone, _ = two_stage
+    meta, _ = meta_train_alignment(backbone, sessions, MetaConfig(inner_steps=2, n_query=2, tasks_per_step=2,
+                                                                  meta_steps=3, form="lowrank", rank=3, device="cpu",
+                                                                  progress=False))
+    path = _export(AlignedDecoder(meta.new_alignment(), backbone), tmp_path / "lowrank", sessions, meta=meta)
+    state = read_calibration_state(load_bundle(path))
+    assert state["meta_form"] == "lowrank" and state["meta.init_u"].shape == (C, 3) and state["meta.init_v"].shape == (3, C)
+    _, meta2 = decoder_from_state(state)
+    assert meta2.form == "lowrank" and meta2.rank == 3
+    assert all(torch.equal(meta2.init[k], meta.init[k]) and torch.equal(meta2.log_step[k], meta.log_step[k])
+               for k in ("gain", "bias", "u", "v"))
+    r = calibrate_bundle(path, held_out_file, out=tmp_path / "lowrank-cal", report=lambda s: None)
+    assert r.backbone_identical and r.loss_after < r.loss_start
+    assert read_calibration_state(load_bundle(tmp_path / "lowrank-cal"))["meta_form"] == "lowrank"
+    # a lowrank state missing one of its arrays is refused by name
+    with pytest.raises(BundleError, match="'meta.log_step_v' is missing"):
+        load_bundle(_with_state(path, tmp_path / "broken", lambda a: a.pop("meta.log_step_v")))
+
+
+def _with_state(bundle, dst, edit):
+    """A copy of ``bundle`` whose state arrays went through ``edit`` (in place), checksum updated to match."""
+    shutil.copytree(bundle, dst)
+    with np.load(dst / CALIBRATION_STATE_FILE) as z:
+        arrays = {k: z[k] for k in z.files}
+    edit(arrays)
+    np.savez(dst / CALIBRATION_STATE_FILE, **arrays)
+    m = json.loads((dst / "manifest.json").read_text())
+    m["files"][CALIBRATION_STATE_FILE]["sha256"] = hashlib.sha256((dst / CALIBRATION_STATE_FILE).read_bytes()).hexdigest()
+    m["files"][CALIBRATION_STATE_FILE]["bytes"] = (dst / CALIBRATION_STATE_FILE).stat().st_size
+    (dst / "manifest.json").write_text(json.dumps(m))
+    return dst
 
 
 def test_calibrate_writes_a_bundle_with_the_same_backbone_and_a_fitted_alignment(bundle, calibrated, sessions):
@@ -155,16 +190,7 @@ def test_tampered_or_inconsistent_state_is_refused(bundle, held_out_file, tmp_pa
         calibrate_bundle(bad, held_out_file, out=tmp_path / "never", report=lambda s: None)
     assert not (tmp_path / "never").exists()
     # a state file whose checksum was updated but whose arrays do not fit the graph
-    odd = tmp_path / "odd"
-    shutil.copytree(bundle, odd)
-    with np.load(odd / CALIBRATION_STATE_FILE) as z:
-        arrays = {k: z[k] for k in z.files}
-    arrays["alignment.weight"] = arrays["alignment.weight"][:, :-1]
-    np.savez(odd / CALIBRATION_STATE_FILE, **arrays)
-    m = json.loads((odd / "manifest.json").read_text())
-    m["files"][CALIBRATION_STATE_FILE]["sha256"] = hashlib.sha256((odd / CALIBRATION_STATE_FILE).read_bytes()).hexdigest()
-    m["files"][CALIBRATION_STATE_FILE]["bytes"] = (odd / CALIBRATION_STATE_FILE).stat().st_size
-    (odd / "manifest.json").write_text(json.dumps(m))
+    odd = _with_state(bundle, tmp_path / "odd", lambda a: a.update({"alignment.weight": a["alignment.weight"][:, :-1]}))
     with pytest.raises(BundleError, match=r"'alignment.weight' is float32 \(8, 7\); expected float32 \(8, 8\)"):
         load_bundle(odd)
 

@@ -7,10 +7,11 @@ import pytest
 import torch
 
 from sdk.bci.augment import DriftAugmentation, time_mask
-from sdk.bci.calibrate import CalibrationConfig, calibrate_session
+from sdk.bci.baselines import mean_calibration_loss
+from sdk.bci.calibrate import CalibrationConfig, calibrate_session, trials_to_examples
 from sdk.bci.data import Normalization, session_normalization
 from sdk.bci.meta import MetaConfig, meta_train_alignment
-from sdk.bci.models import AffineAlignment, AlignedDecoder
+from sdk.bci.models import AffineAlignment, AlignedDecoder, alignment_params, compose_alignment
 from sdk.bci.toy import toy_recording
 from sdk.bci.train import BackboneConfig, TrainConfig, train_backbone
 
@@ -59,7 +60,8 @@ def test_meta_learning_runs_and_learns_step_sizes_without_touching_the_backbone(
     before = [p.detach().clone() for p in backbone.parameters()]
     meta, log = meta_train_alignment(backbone, sessions, TINY_META)
     assert len(log.loss) == TINY_META.meta_steps and np.all(np.isfinite(log.loss))
-    aw, ab = meta.step_sizes()
+    alpha = meta.step_sizes()
+    aw, ab = alpha["weight"], alpha["bias"]
     assert aw.shape == (8, 8) and ab.shape == (8,)
     assert torch.all(aw > 0) and not torch.allclose(aw, torch.full_like(aw, TINY_META.init_step_size))
     assert all(torch.equal(p, q) for p, q in zip(before, backbone.parameters(), strict=True))
@@ -98,6 +100,30 @@ def test_calibration_fits_only_the_alignment_backbone_bit_identical(sessions, tr
     # normalisation came from the three calibration sentences only
     ref = Normalization.from_trials(calib)
     np.testing.assert_array_equal(res.normalization.mean, ref.mean)
+
+
+def test_lowrank_alignment_starts_at_identity_and_its_fit_is_a_plain_affine_map(sessions, trained):
+    p = alignment_params("lowrank", 8, 3, seed=4)
+    w, b = compose_alignment(p)
+    assert torch.equal(w, torch.eye(8)) and torch.equal(b, torch.zeros(8)) and p["u"].shape == (8, 3)
+    torch.testing.assert_close(p["v"] @ p["v"].T, torch.eye(3), atol=1e-5, rtol=0)  # orthonormal directions
+    with pytest.raises(ValueError, match="rank"):
+        alignment_params("lowrank", 8, 0)
+    with pytest.raises(ValueError, match="not one of"):
+        MetaConfig(form="diagonal")
+    # Adam on (g, b, U, V): the result is diag(g) + U V, it left identity and lowered the calibration loss
+    backbone, _ = trained
+    held_out = [s for s in sessions if s.split == "held_out"][0]
+    calib = [held_out.trials[i] for i in held_out.calibration]
+    start = AlignedDecoder(AffineAlignment(8), backbone)
+    cfg = CalibrationConfig(steps=20, lr=3e-2, tune=False, device="cpu")
+    res = calibrate_session(start, calib, cfg, start=p)
+    ex = trials_to_examples(calib, res.normalization)
+    loss = [mean_calibration_loss(m, ex, torch.device("cpu")) for m in (start, res.model)]
+    assert loss[1] < loss[0] and not torch.equal(res.model.alignment.weight, torch.eye(8))
+    # off the diagonal the map is U V, of rank 3: its off-diagonal 4 x 4 block is singular
+    sv = torch.linalg.svdvals(res.model.alignment.weight.detach()[:4, 4:])
+    assert sv[0] > 1e-3 and sv[3] < 1e-5 * sv[0]
 
 
 def test_held_out_normalisation_uses_only_calibration_trials(sessions):
