@@ -278,10 +278,14 @@ class DeviceRunner:
         self.send(Status(int(StatusCode.RECONNECTED), Severity.INFO, f"port reopened {why}"))
 
     def _recover(self, exc: Exception) -> None:
-        if self.host_pid is not None and os.getppid() != self.host_pid:
-            # Started by a sim:// host that has died: its pty is gone for good, and its number
-            # may already belong to another host's new pty. Reopening the path would steal it.
-            raise PortGoneError(f"{self.port} failed ({exc}) and the host that started this emulator is gone")
+        if self.host_pid is not None:
+            # Started behind a sim:// host's pty: the device end fails only when the host closed
+            # the master (its session ended) or died, and a pty whose master is closed is gone
+            # for good. Its number may already belong to another host's new pty (a test suite
+            # opens many), so reopening the path would take that one over: stop instead.
+            alive = os.getppid() == self.host_pid
+            raise PortGoneError(f"{self.port} failed ({exc}); the host that started this emulator "
+                                + ("closed its end" if alive else "is gone"))
         self.log(f"port lost ({exc}); reopening")
         self.faulty.detach()  # type: ignore[union-attr]
         self._reopen("after the port failed")

@@ -89,6 +89,22 @@ def test_emulator_exits_when_its_host_is_killed():
         host.wait()
 
 
+def test_emulator_stops_without_reopening_when_its_host_closes_the_pty():
+    transport = open_url("sim://headstage?channels=2")
+    process = transport.process
+    try:
+        os.close(transport.fd)  # the master only: the pty is gone, its number free for the next one
+        t0 = time.monotonic()
+        code = process.wait(timeout=10.0)
+        # it stops at once (exit 3, saying why) instead of reopening the path for reopen_s (2 s), which could
+        # reach another host's new pty with the same number
+        assert code == 3 and time.monotonic() - t0 < 1.5
+        assert "closed its end" in transport.emulator_log()
+    finally:
+        transport.fd = -1  # already closed above
+        transport.close()
+
+
 def test_emulator_crash_closes_the_transport_with_the_reason(host):
     h = host("sim://headstage?channels=2")
     h.handshake()
