@@ -2,16 +2,23 @@
 
     python bench/explore_bci_meta.py --seed 0 --variant base --variant lr3e-3:meta.outer_lr_init=3e-3
     python bench/explore_bci_meta.py --seed 0 --variant fresh:meta.drift.fresh_p=0.1 --methods two_stage alignment
+    python bench/explore_bci_meta.py --seed 0 --methods alignment session_layers --calibration-trials 24 \
+        --variant many:calibration.tune=false,calibration.steps=120
+
 
 Each ``--variant NAME:FIELD=VALUE,FIELD=VALUE`` overrides fields of the benchmark's
 harness configuration (``meta.*``, ``calibration.*``; nested with dots). The stage-1
 backbone of a model seed is trained once with the benchmark's recipe and cached under
 ``--cache`` (it depends only on the data seed, the model seed and the training recipe),
-so each variant costs only its meta-learning and calibration. Every variant is scored
+so each variant costs only its meta-learning and calibration (the per-session-input-layer
+decoder of ``session_layers`` is cached the same way). Every variant is scored
 by the benchmark's harness on the benchmark's data (held-out beam and greedy WER/CER,
 mean of the held-out sessions) and appended, with its full configuration, to
-``bench/results/bci_meta_variants.jsonl``. This is an exploration tool: the numbers
-that count are those of ``bench/bench_bci.py`` with the chosen defaults.
+``bench/results/bci_meta_variants.jsonl``. ``--calibration-trials N`` is a diagnostic:
+held-out sessions are calibrated on their first N non-evaluation trials instead of three,
+which shows how far any calibration of the same layer could go on this data. This is an
+exploration tool: the numbers that count are those of ``bench/bench_bci.py`` with the
+chosen defaults.
 """
 
 from __future__ import annotations
@@ -30,7 +37,7 @@ from sdk.bci.benchmark import BciBenchConfig, generate_data
 from sdk.bci.config import override, to_dict
 from sdk.bci.evaluate import HarnessConfig, build_lexicon, run_harness
 from sdk.bci.meta import meta_train_alignment
-from sdk.bci.train import train_backbone
+from sdk.bci.train import train_backbone, train_session_layers
 from sim.handwriting import VOCABULARY
 
 
@@ -55,18 +62,36 @@ def parse_variant(text: str) -> tuple[str, dict[str, str]]:
     return name, overrides
 
 
-def cached_backbone(sessions, harness: HarnessConfig, cache: Path):
+def cached(what: str, train, sessions, harness: HarnessConfig, cache: Path):
+    """``train(sessions, harness.train)``'s model, trained once per recipe and seed and kept under ``cache``."""
     key = hashlib.sha256(json.dumps(to_dict(harness.train), sort_keys=True).encode()).hexdigest()[:12]
-    path = cache / f"backbone_seed{harness.seed}_{key}.pt"
+    path = cache / f"{what}_seed{harness.seed}_{key}.pt"
     if path.exists():
         return torch.load(path, weights_only=False), json.loads(path.with_suffix(".json").read_text())["wall_s"]
-    backbone, log = train_backbone(sessions, harness.train)
+    model, log = train(sessions, harness.train)
     cache.mkdir(parents=True, exist_ok=True)
     path.with_suffix(".json").write_text(json.dumps({"wall_s": log.wall_s}))  # before the .pt that marks it done
     tmp = path.with_suffix(".tmp")
-    torch.save(backbone, tmp)
+    torch.save(model, tmp)
     tmp.replace(path)
-    return backbone, log.wall_s
+    return model, log.wall_s
+
+
+def with_calibration_trials(sessions, n: int):
+    """Copies of ``sessions`` whose held-out sessions offer their first ``n`` non-evaluation trials for calibration.
+
+    A diagnostic, not a method: FALCON allows three. With many more, the calibrated
+    decoders show how far any calibration of the same layer could take a method.
+    """
+    out = []
+    for s in sessions:
+        if s.split == "held_out":
+            free = [i for i in range(len(s.trials)) if i not in set(s.evaluation)]
+            if len(free) < n:
+                raise SystemExit(f"--calibration-trials {n}: held-out session {s.name} has {len(free)} non-evaluation trials")
+            s = replace(s, calibration=free[:n])
+        out.append(s)
+    return out
 
 
 def main() -> None:
@@ -76,6 +101,8 @@ def main() -> None:
     ap.add_argument("--methods", nargs="+", default=["two_stage"])
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--cache", default="/tmp/closedloop_bci_cache")
+    ap.add_argument("--calibration-trials", type=int, default=0,
+                    help="diagnostic: calibrate held-out sessions on their first N non-evaluation trials, not 3")
     ap.add_argument("--out", default="bench/results/bci_meta_variants.jsonl")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
@@ -83,17 +110,23 @@ def main() -> None:
     sessions, _ = generate_data(bench)
     lexicon = build_lexicon(sessions, list(VOCABULARY))
     base = replace(bench.harness, seed=a.seed, methods=tuple(a.methods), reference=False).seeded()
-    backbone, backbone_s = cached_backbone(sessions, base, Path(a.cache))
+    backbone, backbone_s = cached("backbone", train_backbone, sessions, base, Path(a.cache))
+    session_model = None
+    if "session_layers" in a.methods:
+        session_model, _ = cached("session_layers", train_session_layers, sessions, base, Path(a.cache))
+    if a.calibration_trials:
+        sessions = with_calibration_trials(sessions, a.calibration_trials)
+        base = replace(base, n_calibration=a.calibration_trials)
     for text in a.variant or ["base:"]:
         name, overrides = parse_variant(text)
         harness = apply_overrides(base, overrides).seeded()
         t0 = time.perf_counter()
-        models = TrainedModels(backbone=backbone, held_in_days={s.name: float(s.day) for s in sessions
-                                                               if s.split == "held_in"})
+        models = TrainedModels(backbone=backbone, session_model=session_model,
+                               held_in_days={s.name: float(s.day) for s in sessions if s.split == "held_in"})
         if "two_stage" in harness.methods:
             models.meta, models.logs["meta"] = meta_train_alignment(backbone, sessions, harness.meta)
         out = run_harness(sessions, harness, lexicon=lexicon, models=models)
-        row = {"variant": name, "overrides": overrides, "seed": a.seed, "wall_s": time.perf_counter() - t0,
+        row = {"variant": name, "overrides": overrides, "seed": a.seed, "calibration_trials": harness.n_calibration, "wall_s": time.perf_counter() - t0,
                "backbone_train_s": backbone_s, "meta": out.get("meta"),
                "methods": {m: {"mean": v["mean"], "chosen": v["chosen"], "calibrate_s": v["calibrate_s"],
                                "sessions": v["sessions"]}

@@ -180,9 +180,10 @@ def calibrate_session(
     Parameters
     ----------
     model
-        The decoder to calibrate; its alignment is the starting point (identity, a
-        neighbouring session's input layer, or ``meta.new_alignment()``). It is not
-        modified: the result holds a new alignment and the *same* backbone object.
+        The decoder to calibrate; with ``optimizer="adam"`` and no ``start`` its alignment
+        is the starting point (identity, or a neighbouring session's input layer); with
+        ``optimizer="meta"`` the start is ``meta``'s initialisation. It is not modified:
+        the result holds a new alignment and the *same* backbone object.
     calib_trials
         The session's calibration trials (raw spike counts and prompted sentences).
     config
