@@ -86,7 +86,8 @@ def with_calibration_trials(sessions, n: int):
     out = []
     for s in sessions:
         if s.split == "held_out":
-            free = [i for i in range(len(s.trials)) if i not in set(s.evaluation)]
+            scored = set(s.evaluation)
+            free = [i for i in range(len(s.trials)) if i not in scored]
             if len(free) < n:
                 raise SystemExit(f"--calibration-trials {n}: held-out session {s.name} has {len(free)} non-evaluation trials")
             s = replace(s, calibration=free[:n])
@@ -126,7 +127,8 @@ def main() -> None:
         if "two_stage" in harness.methods:
             models.meta, models.logs["meta"] = meta_train_alignment(backbone, sessions, harness.meta)
         out = run_harness(sessions, harness, lexicon=lexicon, models=models)
-        row = {"variant": name, "overrides": overrides, "seed": a.seed, "calibration_trials": harness.n_calibration, "wall_s": time.perf_counter() - t0,
+        row = {"variant": name, "overrides": overrides, "seed": a.seed, "calibration_trials": harness.n_calibration,
+               "wall_s": time.perf_counter() - t0,
                "backbone_train_s": backbone_s, "meta": out.get("meta"),
                "methods": {m: {"mean": v["mean"], "chosen": v["chosen"], "calibrate_s": v["calibrate_s"],
                                "sessions": v["sessions"]}

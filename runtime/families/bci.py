@@ -296,13 +296,13 @@ def meta_form_of(names: Any) -> str | None:
 
 
 def calibration_state_shapes(n_channels: int, n_hidden: int, n_layers: int, n_outputs: int,
-                             meta: bool | str, rank: int = 0) -> dict[str, tuple[int, ...]]:
+                             meta_form: str | None, rank: int = 0) -> dict[str, tuple[int, ...]]:
     """Name -> shape of every float32 array of a version-1 calibration state file.
 
     The backbone arrays are torch's ``nn.GRU`` / ``nn.Linear`` parameters as they are
     (gate order r, z, n); ``alignment.*`` is the layer :math:`x \\mapsto W x + b` in the
     graph; ``meta.*`` the meta-learned initialisation and log step sizes (two-stage only)
-    of the alignment form ``meta`` (``True`` means ``"full"``; ``rank`` for ``"lowrank"``).
+    of the alignment form ``meta_form`` (None: no meta state; ``rank`` for ``"lowrank"``).
     """
     c, h = n_channels, n_hidden
     shapes: dict[str, tuple[int, ...]] = {}
@@ -315,10 +315,9 @@ def calibration_state_shapes(n_channels: int, n_hidden: int, n_layers: int, n_ou
     shapes["backbone.readout.bias"] = (n_outputs,)
     shapes["alignment.weight"] = (c, c)
     shapes["alignment.bias"] = (c,)
-    form = "full" if meta is True else meta or None
-    if form is not None:
+    if meta_form is not None:
         per = {"weight": (c, c), "bias": (c,), "gain": (c,), "u": (c, rank), "v": (rank, c)}
-        shapes.update({key: per[key.rsplit("_", 1)[-1]] for key in _meta_keys(form)})
+        shapes.update({key: per[key.rsplit("_", 1)[-1]] for key in _meta_keys(meta_form)})
     return shapes
 
 

@@ -61,7 +61,6 @@ from .models import (
     AffineAlignment,
     GRUBackbone,
     affine,
-    alignment_form_of,
     alignment_params,
     compose_alignment,
 )
@@ -146,8 +145,8 @@ class MetaAlignment(nn.Module):
                  rank: int = 0, seed: int = 0):
         super().__init__()
         self.n_channels, self.inner_steps = n_channels, inner_steps
-        start = alignment_params(form, n_channels, rank, seed)
-        self.form, self.rank = alignment_form_of(start)
+        start = alignment_params(form, n_channels, rank, seed)  # checks form and rank
+        self.form, self.rank = form, (rank if form == "lowrank" else 0)
         ls = float(np.log(init_step_size))
         self.init = nn.ParameterDict({k: nn.Parameter(v) for k, v in start.items()})
         self.log_step = nn.ParameterDict({k: nn.Parameter(torch.full_like(v, ls)) for k, v in start.items()})

@@ -129,11 +129,6 @@ def compose_alignment(params: dict[str, torch.Tensor]) -> tuple[torch.Tensor, to
     return torch.diag_embed(params["gain"]) + params["u"] @ params["v"], params["bias"]
 
 
-def alignment_form_of(params: dict[str, torch.Tensor]) -> tuple[str, int]:
-    """``(form, rank)`` of a parameter dict from :func:`alignment_params`."""
-    return ("full", 0) if "weight" in params else ("lowrank", int(params["u"].shape[-1]))
-
-
 class AlignedDecoder(nn.Module):
     """``alignment`` followed by ``backbone``: the deployable decoder of one session.
 
