@@ -57,7 +57,9 @@ def main() -> None:
             r = json.loads(line)
             print(f"v{r.get('generator_version', 2)} {r['label']:<60} steps {r['steps']:>4}  "
                   f"held-in CER {100 * r['held_in_CER']:5.2f}%  "
-                  f"zero-shot held-out CER {100 * r['held_out_zero_shot_CER']:5.2f}%  ({r['wall_s'] / 60:.1f} min)")
+                  f"zero-shot held-out CER {100 * r['held_out_zero_shot_CER']:5.2f}%  ({r['wall_s'] / 60:.1f} min)"
+                  + (f"  greedy + end: {100 * r['held_in_CER_end']:5.2f}% / {100 * r['held_out_zero_shot_CER_end']:5.2f}%"
+                     if "held_in_CER_end" in r else ""))
         return
     torch.set_num_threads(1)
     t0 = time.perf_counter()
@@ -83,13 +85,18 @@ def main() -> None:
            "held_in_CER": ref["held_in"]["mean"]["greedy"]["CER"],
            "held_out_zero_shot_CER": ref["held_out_zero_shot"]["mean"]["greedy"]["CER"],
            "held_out_per_session": {k: v["greedy"]["CER"] for k, v in ref["held_out_zero_shot"]["sessions"].items()},
+           "held_in_per_session": {k: v["greedy"]["CER"] for k, v in ref["held_in"]["sessions"].items()},
+           # greedy with end-of-trial completion (sdk.bci.decoding.end_completion, the sentence-end rule)
+           "held_in_CER_end": ref["held_in"]["mean"]["greedy_end"]["CER"],
+           "held_out_zero_shot_CER_end": ref["held_out_zero_shot"]["mean"]["greedy_end"]["CER"],
            "final_loss": float(np.mean(models.logs["session_layers"].loss[-20:])),
            "wall_s": time.perf_counter() - t0, "data_config": json.loads(hw.to_json())}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     with open(a.out, "a") as f:
         f.write(json.dumps(row) + "\n")
     print(f"{row['label']}: held-in CER {100 * row['held_in_CER']:.2f}% (published 3.35%), zero-shot held-out CER "
-          f"{100 * row['held_out_zero_shot_CER']:.2f}% (published 22-38%), {row['wall_s'] / 60:.1f} min")
+          f"{100 * row['held_out_zero_shot_CER']:.2f}% (published 22-38%), {row['wall_s'] / 60:.1f} min; greedy with "
+          f"end-of-trial completion: {100 * row['held_in_CER_end']:.2f}% / {100 * row['held_out_zero_shot_CER_end']:.2f}%")
 
 
 if __name__ == "__main__":

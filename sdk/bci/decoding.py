@@ -4,7 +4,11 @@ Two decoders over the 32-way output of the family's models (blank = 0, see
 :mod:`sdk.bci.charset`):
 
 * :func:`greedy_decode`: the most likely class per bin, repeats collapsed, blanks
-  dropped. This is what the runtime's streaming CTC kernel computes.
+  dropped. This is what the runtime's streaming CTC kernel computes. With
+  ``complete_end=True`` it also applies *end-of-trial completion*
+  (:func:`end_completion`): when the trial is over, one more character is appended if
+  CTC rates it more probable than none over the bins after the last emitted one, or,
+  with ``sentence_end``, the sentence-final mark the text lacks.
 * :func:`beam_decode`: CTC prefix beam search constrained to a :class:`Lexicon`.
   Text is a sequence of lexicon words separated by ``>``; a word may be followed by
   one punctuation mark (``,``, ``~`` or ``?``). When every training sentence ends with
@@ -25,18 +29,25 @@ import numpy as np
 
 from .charset import BLANK, PUNCTUATION, SPACE, decode, encode
 
+#: The harness's decoders, in the order tables show them: best path, best path with end-of-trial
+#: completion (:func:`end_completion`), lexicon beam search.
+DECODERS = ("greedy", "greedy_end", "beam")
 NEG_INF = -math.inf
 _SPACE_ID = encode(SPACE)[0]
 _PUNCT_IDS = frozenset(encode(PUNCTUATION))
 
 
-def greedy_decode(logp: np.ndarray) -> str:
+def greedy_decode(logp: np.ndarray, complete_end: bool = False, sentence_end: str = "") -> str:
     """Best path: argmax per bin, collapse repeats, drop blanks.
 
     Parameters
     ----------
     logp
-        ``(T, 32)`` log-probabilities (or any scores; only the argmax matters).
+        ``(T, 32)`` log-probabilities of a whole trial (without ``complete_end`` any scores
+        do; only the argmax matters).
+    complete_end, sentence_end
+        With ``complete_end`` the trial is over: apply :func:`end_completion` (append the
+        character the tail holds; with ``sentence_end``, the sentence-final mark it lacks).
     """
     best = np.asarray(logp).argmax(axis=-1)
     if best.size == 0:
@@ -44,7 +55,69 @@ def greedy_decode(logp: np.ndarray) -> str:
     keep = np.empty(best.shape, dtype=bool)
     keep[0] = True
     keep[1:] = best[1:] != best[:-1]
-    return decode(best[keep & (best != BLANK)])
+    text = decode(best[keep & (best != BLANK)])
+    if complete_end:
+        label, _ = end_completion(logp, sentence_end)
+        if label != BLANK:
+            text += decode([label])
+    return text
+
+
+def end_completion(logp: np.ndarray, sentence_end: str = "") -> tuple[int, float]:
+    """The character greedy decoding leaves out at the end of a trial.
+
+    Greedy decoding drops a character whose probability is spread thinly over many bins:
+    each bin's argmax stays blank. Sentence-final marks behave like this (after the pen
+    stops every bin looks like rest, and a decoder trained with CTC spreads ``~`` over
+    them, about 0.04 per bin), so greedy decoding never emits them. Once the trial has
+    ended the question can be asked of the whole tail, the bins after the last one whose
+    argmax is not blank: does the tail emit nothing (every bin blank) or exactly one more
+    character ``c`` (blanks, a run of ``c``, blanks)? With
+    :math:`r_t = p_t(c) / p_t(\text{blank})` the CTC odds of the second against the first are
+
+    .. math:: O_c = \\sum_{t \\le e} \\prod_{s=t}^{e} r_s,
+
+    summed over every run ``t..e`` in the tail (streaming: ``E <- r (1 + E)``, the runs
+    ending at this bin, and ``O <- O + E``).
+
+    Parameters
+    ----------
+    logp
+        ``(T, 32)`` log-probabilities of one whole trial.
+    sentence_end
+        ``""``: append the character with the largest odds if they exceed 1 (more probable
+        than nothing). Otherwise the characters a sentence must end with (``"~?"`` for
+        FALCON's prompts, :attr:`Lexicon.sentence_end`): when the greedy text does not end
+        with one of them, append the one with the largest odds, whatever they are (the
+        rule the lexicon beam search applies).
+
+    Returns
+    -------
+    label, odds
+        The label to append (0: none) and its odds ``O_c``.
+    """
+    logp = np.asarray(logp, dtype=np.float64)
+    if logp.size == 0:
+        return BLANK, 0.0
+    best = logp.argmax(axis=-1)
+    emitted = np.flatnonzero(best != BLANK)
+    ends = [i for i in encode(sentence_end)] if sentence_end else []
+    if ends and emitted.size and best[emitted[-1]] in ends:
+        return BLANK, 0.0  # the sentence already ends with a mark
+    tail = logp[emitted[-1] + 1:] if emitted.size else logp
+    odds = np.zeros(logp.shape[1])
+    if tail.shape[0]:
+        ratio = np.exp(tail - tail[:, BLANK: BLANK + 1])  # r_t(c) = p_t(c) / p_t(blank)
+        runs = np.zeros(logp.shape[1])
+        for r in ratio:
+            runs = r * (1.0 + runs)
+            odds += runs
+    if ends:
+        label = ends[int(np.argmax(odds[ends]))]
+        return label, float(odds[label])
+    odds[BLANK] = 0.0
+    label = int(odds.argmax())
+    return (label, float(odds[label])) if odds[label] > 1.0 else (BLANK, float(odds[label]))
 
 
 def _logaddexp(a: float, b: float) -> float:

@@ -5,7 +5,7 @@
 then for each held-out session computes the normalisation from its calibration
 sentences, gets each method's decoder from those sentences only, and scores the
 session's evaluation trials with FALCON's CER and WER (:mod:`sdk.bci.metrics`), for
-greedy CTC and for the lexicon-constrained beam search. It also runs the drift
+greedy CTC (plain, and with end-of-trial completion) and for the lexicon-constrained beam search. It also runs the drift
 reference (per-session input layers: held-in CER with each session's own layer, and
 held-out zero-shot with the last held-in session's layer), the yardstick the
 synthetic generator is calibrated against. :mod:`sdk.bci.report` aggregates seeds
@@ -35,7 +35,7 @@ from .data import (
     resolve_device,
     session_normalization,
 )
-from .decoding import Lexicon, beam_decode, greedy_decode
+from .decoding import DECODERS, Lexicon, beam_decode, greedy_decode
 from .meta import MetaConfig, meta_summary, meta_train_alignment
 from .metrics import falcon_metrics
 from .models import AlignedDecoder
@@ -86,10 +86,15 @@ def build_lexicon(sessions: Sequence[Session], extra_words: Sequence[str] = ()) 
 
 
 def decode_examples(model: AlignedDecoder, examples: Sequence[Example], lexicon: Lexicon | None, beam_width: int,
-                    word_weight: float, device: torch.device) -> tuple[list[str], list[str]]:
-    """Greedy and beam-search text of each example (beam list empty when ``beam_width`` is 0)."""
+                    word_weight: float, device: torch.device) -> dict[str, list[str]]:
+    """The text of each example per decoder: ``greedy`` (best path), ``greedy_end`` (best path with
+    end-of-trial completion, :func:`sdk.bci.decoding.end_completion`, under the lexicon's sentence-end rule
+    when there is a lexicon) and ``beam`` (only when ``beam_width`` > 0 and there is a lexicon)."""
     model = model.to(device).eval()
-    greedy, beam = [], []
+    sentence_end = lexicon.sentence_end if lexicon is not None else ""
+    out: dict[str, list[str]] = {"greedy": [], "greedy_end": []}
+    if beam_width and lexicon is not None:
+        out["beam"] = []
     for i in range(0, len(examples), 16):
         chunk = examples[i: i + 16]
         batch = collate(chunk, device)
@@ -97,18 +102,17 @@ def decode_examples(model: AlignedDecoder, examples: Sequence[Example], lexicon:
             logp = model(batch.x)[0].cpu().numpy()
         for k, e in enumerate(chunk):
             lp = logp[k, : e.x.shape[0]]
-            greedy.append(greedy_decode(lp))
-            if beam_width and lexicon is not None:
-                beam.append(beam_decode(lp, lexicon, beam_width, word_weight=word_weight))
-    return greedy, beam
+            out["greedy"].append(greedy_decode(lp))
+            out["greedy_end"].append(greedy_decode(lp, complete_end=True, sentence_end=sentence_end))
+            if "beam" in out:
+                out["beam"].append(beam_decode(lp, lexicon, beam_width, word_weight=word_weight))
+    return out
 
 
-def _score(greedy: list[str], beam: list[str], refs: list[str]) -> dict:
+def _score(decoded: dict[str, list[str]], refs: list[str]) -> dict:
     """One session's FALCON scores per decoder, and the decoded text of every trial (for paired bootstraps)."""
-    out = {"greedy": falcon_metrics([greedy], [refs])["per_session"][0]}
-    if beam:
-        out["beam"] = falcon_metrics([beam], [refs])["per_session"][0]
-    out["texts"] = {"reference": list(refs), "greedy": list(greedy), **({"beam": list(beam)} if beam else {})}
+    out: dict = {dec: falcon_metrics([texts], [refs])["per_session"][0] for dec, texts in decoded.items()}
+    out["texts"] = {"reference": list(refs), **{dec: list(texts) for dec, texts in decoded.items()}}
     return out
 
 
@@ -126,7 +130,7 @@ def train_models(sessions: Sequence[Session], config: HarnessConfig, needs: set[
 
 def _mean_over_sessions(per_session: dict[str, dict]) -> dict:
     out = {}
-    for dec in ("greedy", "beam"):
+    for dec in DECODERS:
         rows = [v[dec] for v in per_session.values() if dec in v]
         if rows:
             out[dec] = {"CER": float(np.mean([r["CER"] for r in rows])), "WER": float(np.mean([r["WER"] for r in rows]))}
@@ -184,8 +188,8 @@ def run_harness(sessions: Sequence[Session], config: HarnessConfig | None = None
         for s, calib, norm, ev in prepared:
             adapted = m.adapt(models, s, calib, norm, config.calibration, options)
             calib_s += adapted.wall_s
-            g, b = decode_examples(adapted.model, ev, lexicon, config.beam_width, config.word_weight, device)
-            per_session[s.name] = _score(g, b, [e.sentence for e in ev])
+            decoded = decode_examples(adapted.model, ev, lexicon, config.beam_width, config.word_weight, device)
+            per_session[s.name] = _score(decoded, [e.sentence for e in ev])
             chosen[s.name] = adapted.info
             bar.update()
         train_s = sum(out["train_s"].get(n, 0.0) for n in m.needs)
@@ -250,8 +254,8 @@ def drift_reference(sessions: Sequence[Session], models: TrainedModels, config: 
         if not s.evaluation:
             continue
         ev = make_examples(s, s.evaluation, norm)
-        g, b = decode_examples(model, ev, lexicon, config.beam_width, config.word_weight, device)
-        (held_in if s.split == "held_in" else held_out)[s.name] = _score(g, b, [e.sentence for e in ev])
+        decoded = decode_examples(model, ev, lexicon, config.beam_width, config.word_weight, device)
+        (held_in if s.split == "held_in" else held_out)[s.name] = _score(decoded, [e.sentence for e in ev])
     return {"held_in": {"sessions": held_in, "mean": _mean_over_sessions(held_in)},
             "held_out_zero_shot": {"sessions": held_out, "mean": _mean_over_sessions(held_out)},
             "published": {"held_in_CER": 0.0335, "held_out_zero_shot_CER": [0.22, 0.38]}}

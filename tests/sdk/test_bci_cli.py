@@ -227,8 +227,8 @@ def test_evaluate_scores_match_falcon_metrics_and_offline_decoding(calibrated, h
     decoder, _ = decoder_from_state(read_calibration_state(b))
     norm = Normalization(np.asarray(b.manifest.preprocess["mean"], np.float32),
                          np.asarray(b.manifest.preprocess["std"], np.float32))
-    offline, _ = decode_examples(decoder, make_examples(sessions[3], sessions[3].evaluation, norm), None, 0, 0.0,
-                                 torch.device("cpu"))
+    offline = decode_examples(decoder, make_examples(sessions[3], sessions[3].evaluation, norm), None, 0, 0.0,
+                              torch.device("cpu"))["greedy"]
     assert row["predictions"]["greedy"] == offline
     assert main(["evaluate", str(out), "--data", str(held_out_file)]) == 0
     text = capsys.readouterr().out

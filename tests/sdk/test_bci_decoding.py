@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from sdk.bci.charset import BLANK, N_CLASSES, CharsetError, decode, encode
-from sdk.bci.decoding import Lexicon, beam_decode, greedy_decode
+from sdk.bci.decoding import Lexicon, beam_decode, end_completion, greedy_decode
 
 
 def path_logp(path: str, confusions: dict[int, dict[str, float]] | None = None, p_top: float = 0.9) -> np.ndarray:
@@ -77,3 +77,51 @@ def test_sentence_end_rule_prefers_a_final_period_the_model_was_unsure_of():
     assert beam_decode(lp, lex) == "the>cat~"
     assert beam_decode(lp, Lexicon(lex.words)) == "the>cat"  # no rule: the likelier text wins
     assert Lexicon.from_sentences(["the>cat", "a>dog?"]).sentence_end == ""
+
+
+def spread_tail(text: str, mark: str, n_tail: int, p_mark: float) -> np.ndarray:
+    """Log-probs that spell ``text`` one symbol per bin, then ``n_tail`` bins each giving ``mark`` ``p_mark``
+    (the rest to blank): how a CTC decoder spreads a sentence-final mark over the rest bins after the pen stops."""
+    head = path_logp("_".join(text) + "_")
+    p = np.full((n_tail, N_CLASSES), 1e-6)
+    p[:, encode(mark)[0]] = p_mark
+    p[:, BLANK] = 1.0 - p_mark - 1e-6 * (N_CLASSES - 2)
+    return np.concatenate([head, np.log(p)])
+
+
+def _odds_by_enumeration(lp: np.ndarray, label: int) -> float:
+    """P(the tail emits exactly one run of ``label``) / P(all blank), summed over every run explicitly."""
+    p = np.exp(lp)
+    total = 0.0
+    for t in range(len(p)):
+        for e in range(t, len(p)):
+            total += np.prod(p[t: e + 1, label] / p[t: e + 1, BLANK])
+    return total
+
+
+def test_end_completion_odds_are_the_exact_ctc_ratio():
+    tail = spread_tail("", "~", 7, 0.08)
+    label, odds = end_completion(tail)
+    assert odds == pytest.approx(_odds_by_enumeration(tail, encode("~")[0]), rel=1e-9)
+    assert (label == encode("~")[0]) == (odds > 1.0)
+
+
+def test_end_completion_appends_a_spread_mark_only_when_ctc_prefers_it():
+    # 25 rest bins at p(~) = 0.06: greedy never emits it; one '~' is likelier than none
+    confident = spread_tail("the>cat", "~", 25, 0.06)
+    assert greedy_decode(confident) == "the>cat"
+    assert greedy_decode(confident, complete_end=True) == "the>cat~"
+    # at 0.02 per bin 'nothing more' is likelier: plain completion leaves it out
+    unsure = spread_tail("the>cat", "~", 25, 0.02)
+    assert end_completion(unsure)[1] < 1.0
+    assert greedy_decode(unsure, complete_end=True) == "the>cat"
+    # under the sentence-end rule a sentence must end with a mark: the likelier of '~' and '?' is appended
+    assert greedy_decode(unsure, complete_end=True, sentence_end="?~") == "the>cat~"
+    assert greedy_decode(spread_tail("the>cat", "?", 25, 0.02), complete_end=True, sentence_end="?~") == "the>cat?"
+
+
+def test_end_completion_leaves_a_sentence_that_already_ends():
+    done = path_logp("t_h_e_~___")
+    assert greedy_decode(done, complete_end=True, sentence_end="?~") == "the~"
+    assert greedy_decode(done, complete_end=True) == "the~"
+    assert end_completion(np.zeros((0, N_CLASSES))) == (BLANK, 0.0)

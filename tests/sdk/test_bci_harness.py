@@ -41,17 +41,21 @@ def test_every_registered_method_is_in_the_default_harness():
     assert set(DEFAULT_METHODS) == set(METHODS)
 
 
-def test_every_method_returns_per_session_metrics_for_both_decoders(runs, sessions):
+def test_every_method_returns_per_session_metrics_for_every_decoder(runs, sessions):
     held_out = [s.name for s in sessions if s.split == "held_out"]
     r = runs[0]
     assert set(r["methods"]) == set(DEFAULT_METHODS)
     for name, m in r["methods"].items():
         assert set(m["sessions"]) == set(held_out), name
         for s in held_out:
-            for dec in ("greedy", "beam"):
+            for dec in ("greedy", "greedy_end", "beam"):
                 score = m["sessions"][s][dec]
                 assert 0 <= score["CER"] and 0 <= score["WER"] and score["n_trials"] == 3
-        assert set(m["mean"]) == {"greedy", "beam"}
+            texts = m["sessions"][s]["texts"]
+            # end-of-trial completion adds at most one character to what greedy decoding gives
+            for g, ge in zip(texts["greedy"], texts["greedy_end"], strict=True):
+                assert ge.startswith(g) and len(ge) - len(g) <= 1
+        assert set(m["mean"]) == {"greedy", "greedy_end", "beam"}
         assert m["train_s"] > 0
     assert r["methods"]["zero_shot"]["calibrate_s"] == 0.0
     assert r["methods"]["two_stage"]["chosen"][held_out[0]]["optimizer"] == "meta"
