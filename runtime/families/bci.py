@@ -22,6 +22,11 @@ in ``docs/bci_deployment.md``):
   ``~`` -> period), used by the status line and ``display_text``.
 - ``extra.bci.char_probs``: also send each bin's character probabilities (default false).
 - ``extra.bci.text_capacity``: characters of text kept per trial (default 16384).
+- ``extra.bci.end_completion``: absent or null: off. ``{"sentence_end": "~?"}``: when a
+  trial ends (``end_trial``), end-of-trial completion (``runtime.ctc``) appends the
+  sentence-final mark greedy decoding left out, the likelier of those listed;
+  ``{"sentence_end": ""}``: append whatever single character CTC rates more probable
+  than nothing.
 - ``extra.bci.calibration_state``: ``{"file", "version", "meta", "config"}`` naming the
   bundle's calibration state file (an ``.npz`` listed, with its checksum, in the
   manifest's files): the frozen backbone's weights, the alignment layer in the graph and,
@@ -131,6 +136,12 @@ class BCIHandwritingFamily(FamilyPlugin):
         if not isinstance(display, dict) or not all(isinstance(k, str) and len(k) == 1 and isinstance(v, str)
                                                     for k, v in display.items()):
             out.append(f"bci_handwriting: extra.bci.display must map single characters to strings, got {display!r}")
+        ec = cfg.get("end_completion")
+        if ec is not None:
+            ends = ec.get("sentence_end") if isinstance(ec, dict) else None
+            if not isinstance(ends, str) or (isinstance(charset, str) and any(c not in charset for c in ends)):
+                out.append(f"bci_handwriting: extra.bci.end_completion must be null or {{\"sentence_end\": S}} with S a "
+                           f"string of charset characters (\"\" for plain completion), got {ec!r}")
         command = m.extra.get("session", {}).get("command", cls.default_command)
         if command not in _COMMANDS:
             out.append(f"bci_handwriting: session command {command!r} is not one of {_COMMANDS}")
@@ -172,6 +183,8 @@ class BCIHandwritingFamily(FamilyPlugin):
         self._probs = np.zeros(self._y.size, dtype=np.float32) if cfg.get("char_probs", False) else None
         self._no_probs = np.zeros(0, dtype=np.float32)
         self.ctc: StreamingCTC = StreamingCTC(self.charset, self.blank, int(cfg.get("text_capacity", DEFAULT_TEXT_CAPACITY)))
+        ec = cfg.get("end_completion")
+        self.sentence_end: str | None = None if ec is None else str(ec["sentence_end"])  # None: no completion
         self._frame_bin: int | None = None
         self.bins = 0  # bins decoded since the last reset
         # Compile (or load from Numba's cache) both kernels for the exact array types of
@@ -190,7 +203,13 @@ class BCIHandwritingFamily(FamilyPlugin):
         self.bins = 0
 
     def end_trial(self) -> str:
-        """Return the trial's decoded text (in the charset, e.g. ``he>was~``) and reset."""
+        """Return the trial's decoded text (in the charset, e.g. ``he>was~``) and reset.
+
+        With ``extra.bci.end_completion`` set, the character end-of-trial completion picks
+        is appended first (``runtime.ctc.StreamingCTC.complete_end``).
+        """
+        if self.sentence_end is not None:
+            self.ctc.complete_end(self.sentence_end)
         text = self.ctc.text()
         self.reset()
         return text

@@ -194,7 +194,7 @@ def calibrate_bundle(
         model, out, n_channels=c, mean=norm.mean, std=norm.std, session_name=name, calibration_info=info,
         provenance=provenance, charset=state["charset"], blank=state["blank"], rate_hz=m.rate_hz,
         recorded_bins=calib[0].spikes, display=bci.get("display"), char_probs=bool(bci.get("char_probs", False)),
-        meta=meta, std_floor=state["std_floor"], calibration_config=block.get("config") or {}, calibratable=True,
+        end_completion=(bci.get("end_completion") or {}).get("sentence_end"), meta=meta, std_floor=state["std_floor"], calibration_config=block.get("config") or {}, calibratable=True,
         variants=tuple(spec.variants) if variants is None else variants, tensorrt=bool(spec.tensorrt_engines),
         overwrite=overwrite, zip=out.suffix == ".zip", report=lambda s: None,
     )
@@ -360,8 +360,12 @@ def evaluate_bundle(
     model = Model(b, backend=backend)
     fam = get_family(b.manifest.family)(b, model)
     n_ch = fam.n_channels
+    # "greedy" is the runtime's text at the end of each trial: plain greedy CTC, or with end-of-trial completion
+    # when the bundle sets extra.bci.end_completion (then reported under its own name)
+    greedy_name = "greedy" if fam.sentence_end is None else "greedy_end"
     out: dict[str, Any] = {"bundle": str(bundle), "data": str(data), "backend": model.backend_name,
-                           "decoders": ["greedy"] + (["beam"] if beam else []), "sessions": {}, "skipped": skipped}
+                           "decoders": [greedy_name] + (["beam"] if beam else []), "sessions": {}, "skipped": skipped,
+                           "end_completion": fam.sentence_end}
     try:
         for s in scored:
             greedy, beams, refs = [], [], []
@@ -379,10 +383,10 @@ def evaluate_bundle(
                 if logp is not None:
                     beams.append(beam_decode(logp, lex, beam_width))
                 refs.append(s.trials[i].sentence)
-            row: dict[str, Any] = {"greedy": falcon_metrics([greedy], [refs])["per_session"][0]}
+            row: dict[str, Any] = {greedy_name: falcon_metrics([greedy], [refs])["per_session"][0]}
             if beam:
                 row["beam"] = falcon_metrics([beams], [refs])["per_session"][0]
-            row.update(predictions={"greedy": greedy, **({"beam": beams} if beam else {})}, references=refs)
+            row.update(predictions={greedy_name: greedy, **({"beam": beams} if beam else {})}, references=refs)
             out["sessions"][s.name] = row
     finally:
         model.close()
@@ -399,7 +403,7 @@ def format_evaluation(result: dict) -> str:
     lines = [f"{result['bundle']} on {result['data']} (evaluation trials; backend {result['backend']}; "
              f"{result['wall_s']:.1f} s)", head]
     for name, r in result["sessions"].items():
-        lines.append(f"{name:<14}{r['greedy']['n_trials']:>7}"
+        lines.append(f"{name:<14}{r[decs[0]]['n_trials']:>7}"
                      + "".join(f"{r[d]['CER']:>12.2%}{r[d]['WER']:>12.2%}" for d in decs))
     lines.append(f"{'mean':<14}{'':>7}" + "".join(f"{result['mean'][d]['CER']:>12.2%}{result['mean'][d]['WER']:>12.2%}"
                                                   for d in decs))

@@ -27,12 +27,16 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from runtime.ctc import completion_label, end_outputs, output_labels, tail_odds
+from sim.handwriting.types import CHARSET
+
 from .charset import BLANK, PUNCTUATION, SPACE, decode, encode
 
 #: The harness's decoders, in the order tables show them: best path, best path with end-of-trial
 #: completion (:func:`end_completion`), lexicon beam search.
 DECODERS = ("greedy", "greedy_end", "beam")
 NEG_INF = -math.inf
+_LABELS = output_labels(CHARSET, BLANK)
 _SPACE_ID = encode(SPACE)[0]
 _PUNCT_IDS = frozenset(encode(PUNCTUATION))
 
@@ -96,28 +100,10 @@ def end_completion(logp: np.ndarray, sentence_end: str = "") -> tuple[int, float
     label, odds
         The label to append (0: none) and its odds ``O_c``.
     """
-    logp = np.asarray(logp, dtype=np.float64)
-    if logp.size == 0:
-        return BLANK, 0.0
-    best = logp.argmax(axis=-1)
-    emitted = np.flatnonzero(best != BLANK)
-    ends = [i for i in encode(sentence_end)] if sentence_end else []
-    if ends and emitted.size and best[emitted[-1]] in ends:
-        return BLANK, 0.0  # the sentence already ends with a mark
-    tail = logp[emitted[-1] + 1:] if emitted.size else logp
-    odds = np.zeros(logp.shape[1])
-    if tail.shape[0]:
-        ratio = np.exp(tail - tail[:, BLANK: BLANK + 1])  # r_t(c) = p_t(c) / p_t(blank)
-        runs = np.zeros(logp.shape[1])
-        for r in ratio:
-            runs = r * (1.0 + runs)
-            odds += runs
-    if ends:
-        label = ends[int(np.argmax(odds[ends]))]
-        return label, float(odds[label])
+    odds, last = tail_odds(logp, BLANK)
     odds[BLANK] = 0.0
-    label = int(odds.argmax())
-    return (label, float(odds[label])) if odds[label] > 1.0 else (BLANK, float(odds[label]))
+    label = completion_label(odds, BLANK, last, end_outputs(_LABELS, sentence_end))
+    return (BLANK, float(odds.max())) if label < 0 else (label, float(odds[label]))
 
 
 def _logaddexp(a: float, b: float) -> float:

@@ -187,6 +187,7 @@ def export_bci_bundle(
     recorded_bins: np.ndarray | None = None,
     display: Mapping[str, str] | None = None,
     char_probs: bool = False,
+    end_completion: str | None = None,
     meta: Any = None,
     std_floor: float | None = None,
     calibration_config: Mapping[str, Any] | None = None,
@@ -226,6 +227,12 @@ def export_bci_bundle(
     display, char_probs
         Status-line replacements (default ``>`` -> space, ``~`` -> period); whether each
         bin's ``DecoderOutput`` carries the character probabilities.
+    end_completion
+        None (default): the runtime's text is plain greedy CTC. A string: at each trial's
+        end the runtime applies end-of-trial completion (``runtime.ctc``): ``"~?"`` appends
+        the likelier of these sentence-final marks when the text lacks one (the lexicon
+        beam search's sentence-end rule, as ``greedy_end`` in the harness), ``""`` appends
+        a character only when CTC rates it more probable than none.
     meta, std_floor, calibration_config
         For the calibration state: the stage-2 ``MetaAlignment`` (None: a new session's
         alignment is fitted from identity), the normalisation's std floor (default
@@ -279,6 +286,7 @@ def export_bci_bundle(
         "calibration": dict(calibration_info or {}),
         "display": dict(DEFAULT_DISPLAY if display is None else display),
         "char_probs": bool(char_probs),
+        "end_completion": None if end_completion is None else {"sentence_end": str(end_completion)},
     }
     kwargs = dict(kind="recurrent", example_input=torch.zeros(1, n_channels), rate_hz=float(rate_hz),
                   family=BCI_FAMILY, name=name or f"bci-{session_name}",

@@ -12,7 +12,7 @@ from torch import nn
 
 from firmware_bridge import DecoderOutput, NeuralFrame
 from runtime import BundleError, Model, get_family, load_bundle
-from runtime.ctc import StreamingCTC, greedy_decode, normalize, output_labels
+from runtime.ctc import StreamingCTC, greedy_decode, normalize, output_labels, tail_odds
 from sdk.bci.deploy import export_bci_bundle
 from sdk.models import GRUDecoder
 from sim.handwriting import CHARSET
@@ -107,6 +107,40 @@ def test_streaming_kernel_equals_offline_and_ring_keeps_newest():
     assert big.text() == "" and big.count == 0
 
 
+def _spread_end(rng, mark_index: int, p_mark: float, n_tail: int = 25) -> np.ndarray:
+    """Random steps, then ``n_tail`` rest steps where ``mark_index`` gets ``p_mark`` and the blank the rest."""
+    head = rng.standard_normal((300, 32)).astype(np.float32)
+    head[rng.random(300) < 0.5, 0] += 3.0
+    tail = np.full((n_tail, 32), 1e-6, dtype=np.float64)
+    tail[:, mark_index] = p_mark
+    tail[:, 0] = 1.0 - p_mark - 31e-6
+    return np.concatenate([head, np.log(tail).astype(np.float32)])
+
+
+def test_end_of_trial_completion_streaming_equals_offline():
+    rng = np.random.default_rng(3)
+    period, question = CHARSET.index("~") + 1, CHARSET.index("?") + 1
+    for p_mark, rule, appended in [(0.06, "", "~"), (0.02, "", ""), (0.02, "~?", "~")]:
+        logp = _spread_end(rng, period, p_mark)
+        plain = greedy_decode(logp, CHARSET)
+        offline = greedy_decode(logp, CHARSET, complete_end=True, sentence_end=rule)
+        s = StreamingCTC(CHARSET)
+        streamed = "".join(s.step(row) for row in logp)
+        assert streamed == plain and not plain.endswith("~")  # greedy decoding leaves the spread mark out
+        np.testing.assert_allclose(s._tail[1], tail_odds(logp)[0], rtol=1e-5)  # the kernel's odds: the reference's
+        assert s.complete_end(rule) == appended
+        assert s.text() == offline == plain + appended
+    # the rule picks the likelier mark, and a sentence that already ends is left alone
+    logp = _spread_end(rng, question, 0.02)
+    assert greedy_decode(logp, CHARSET, complete_end=True, sentence_end="~?").endswith("?")
+    s = StreamingCTC(CHARSET, capacity=8)
+    for row in np.eye(32, dtype=np.float32)[[5, 0, period, 0, 0]] * 5:
+        s.step(row)
+    assert s.complete_end("~?") == "" and s.text() == "e~"
+    with pytest.raises(ValueError, match="not in the charset"):
+        s.complete_end("!")
+
+
 def test_normalisation_kernel_matches_numpy_in_place():
     rng = np.random.default_rng(2)
     x = rng.poisson(3.0, 192).astype(np.float32)
@@ -135,6 +169,28 @@ def test_streaming_equals_offline_decoding(decoder, backend):
         np.testing.assert_allclose(fam.log_probs[0], logp[-1], atol=1e-4)
         assert fam.end_trial() == expected  # and the next trial starts from zero state and no text
         assert fam.text() == "" and fam.bins == 0
+
+
+def test_end_completion_bundle_field_applies_at_the_end_of_each_trial(decoder, tmp_path):
+    path = export_bci_bundle(
+        decoder["module"], tmp_path / "ec", n_channels=C, mean=decoder["mean"], std=decoder["std"], session_name="s0",
+        recorded_bins=decoder["trials"][0][:50], variants=(), tensorrt=False, end_completion="~?", report=lambda s: None,
+    )
+    assert load_bundle(path).manifest.extra["bci"]["end_completion"] == {"sentence_end": "~?"}
+    fam = _family(path, "numba")
+    for counts in decoder["trials"]:
+        logp = _offline(decoder, counts)
+        streamed = "".join(fam.decode_bin(row) for row in counts)
+        assert streamed == greedy_decode(logp, CHARSET)  # the live characters are plain greedy
+        text = fam.end_trial()
+        assert text == greedy_decode(logp, CHARSET, complete_end=True, sentence_end="~?")
+        assert text[-1] in "~?"
+    # a bundle without the field decodes plain greedy text at the end of a trial too
+    plain = _family(decoder["path"], "numba")
+    assert load_bundle(decoder["path"]).manifest.extra["bci"]["end_completion"] is None
+    for row in decoder["trials"][0]:
+        plain.decode_bin(row)
+    assert plain.end_trial() == greedy_decode(_offline(decoder, decoder["trials"][0]), CHARSET)
 
 
 def test_messages_carry_the_frame_bin_and_new_characters(decoder):
@@ -179,10 +235,12 @@ def test_inconsistent_decoder_bundle_is_refused_naming_each_problem(decoder, tmp
     d["extra"]["bci"]["charset"] = CHARSET[:-1]
     d["preprocess"]["mean"] = d["preprocess"]["mean"][:-1]
     d["preprocess"]["std"][3] = 0.0
+    d["extra"]["bci"]["end_completion"] = {"sentence_end": "!"}
     mpath.write_text(json.dumps(d))
     with pytest.raises(BundleError) as e:
         load_bundle(bad)
     msg = str(e.value)
+    assert "extra.bci.end_completion must be null or" in msg and "'!'" in msg
     assert "charset has 30 characters + blank = 31 outputs, but the graph's output 'y' has 32" in msg
     assert f"preprocess.mean has shape ({C - 1},), expected ({C},)" in msg
     assert "preprocess.std is <= 0 at channels [3]" in msg
