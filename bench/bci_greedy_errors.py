@@ -77,8 +77,9 @@ def analyse(results: dict) -> dict:
     table: dict[str, dict] = {}
     for run in results["runs"]:
         for name, sessions in decoders(run).items():
-            row = table.setdefault(name, {"cer": [], "cer_end_restored": [], "hit": Counter(), "n": Counter()})
-            cer, cer_end = [], []
+            row = table.setdefault(name, {"cer": [], "cer_end_restored": [], "cer_greedy_end": [], "hit": Counter(),
+                                          "n": Counter(), "hit_end": Counter(), "n_final": Counter()})
+            cer, cer_end, cer_ge = [], [], []
             for s in sessions.values():
                 refs, greedy = s["texts"]["reference"], s["texts"]["greedy"]
                 cer.append(score_session(greedy, refs).cer)
@@ -88,8 +89,16 @@ def analyse(results: dict) -> dict:
                     for ch, ok in zip(r, matched_characters(h, r), strict=True):
                         row["n"][ch] += 1
                         row["hit"][ch] += ok
+                if "greedy_end" in s["texts"]:  # runs since end-of-trial completion was added
+                    ge = s["texts"]["greedy_end"]
+                    cer_ge.append(score_session(ge, refs).cer)
+                    for h, r in zip(ge, refs, strict=True):
+                        row["n_final"][r[-1:]] += 1
+                        row["hit_end"][r[-1:]] += h[-1:] == r[-1:]
             row["cer"].append(float(np.mean(cer)))
             row["cer_end_restored"].append(float(np.mean(cer_end)))
+            if cer_ge:
+                row["cer_greedy_end"].append(float(np.mean(cer_ge)))
     out = {}
     for name, row in table.items():
         out[name] = {
@@ -98,6 +107,10 @@ def analyse(results: dict) -> dict:
             "per_seed_CER": row["cer"],
             "per_seed_CER_end_restored": row["cer_end_restored"],
             "recall": {ch: row["hit"][ch] / row["n"][ch] for ch in sorted(row["n"])},
+            # greedy_end: its CER, and the share of prompts ending in ~ / ? whose decoded text ends with that mark
+            "greedy_end_CER": float(np.mean(row["cer_greedy_end"])) if row["cer_greedy_end"] else None,
+            "greedy_end_final_mark": ({m: row["hit_end"][m] / row["n_final"][m] for m in END_MARKS if row["n_final"][m]}
+                                      if row["cer_greedy_end"] else None),
             "count": {ch: row["n"][ch] for ch in sorted(row["n"])},
         }
     return out
@@ -107,12 +120,19 @@ def markdown(analysis: dict, source: str) -> str:
     lines = [f"# Greedy CTC errors per character ({source})", "",
              "Greedy CER: FALCON's (per session, mean over sessions), mean over seeds. 'End restored': the same with each",
              "trial's missing sentence-final `~` / `?` appended (a counterfactual; nothing else changed).", "",
-             "| decoder | greedy CER | with the end mark restored | recall `~` | recall `?` | recall `'` | recall `,` | lowest other |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "Greedy + end: the harness's greedy decoding with end-of-trial completion under the sentence-end rule",
+             "(measured, where the results hold it); 'final mark right': share of prompts ending in `~` / `?` whose",
+             "greedy + end text ends with the same mark.", "",
+             "| decoder | greedy CER | with the end mark restored | greedy + end CER | final mark right `~` / `?` "
+             "| recall `~` | recall `?` | recall `'` | recall `,` | lowest other |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name, a in analysis.items():
         rec = a["recall"]
         others = sorted((v, ch) for ch, v in rec.items() if ch not in "~?',")[:3]
+        ge, fm = a["greedy_end_CER"], a["greedy_end_final_mark"]
         lines.append(f"| {name} | {100 * a['greedy_CER']:.2f}% | {100 * a['greedy_CER_end_restored']:.2f}% | "
+                     + (f"{100 * ge:.2f}% | " if ge is not None else "- | ")
+                     + (" / ".join(f"{fm.get(m, float('nan')):.2f}" for m in END_MARKS) + " | " if fm else "- | ")
                      + " | ".join(f"{rec.get(ch, float('nan')):.2f}" for ch in "~?',")
                      + " | " + ", ".join(f"`{ch}` {v:.2f}" for v, ch in others) + " |")
     return "\n".join(lines) + "\n"

@@ -229,13 +229,18 @@ def _calibrate(a: argparse.Namespace) -> int:
 
 
 def train_pooled_bundle(sessions: list, harness: Any, out: str | Path, *, provenance: dict | None = None,
-                        overwrite: bool = False, report=print) -> Path:
+                        end_completion: str | None = None, overwrite: bool = False, report=print) -> Path:
     """Stage 1 (pooled backbone) and stage 2 (meta-learned alignment) on the held-in sessions; a calibratable bundle.
 
     The bundle decodes with the meta-learned initial alignment and the last held-in
     session's normalisation until ``closedloop calibrate`` fits it to a session.
+    ``end_completion``: None (plain greedy text), ``"plain"`` or ``"sentence-end"`` (the
+    sentence-final marks every held-in training sentence ends with): the runtime's
+    end-of-trial completion (docs/bci_deployment.md).
     """
+    from .charset import PUNCTUATION
     from .data import session_normalization
+    from .decoding import Lexicon
     from .deploy import export_bci_bundle
     from .evaluate import train_models
     from .models import AlignedDecoder
@@ -247,11 +252,21 @@ def train_pooled_bundle(sessions: list, harness: Any, out: str | Path, *, proven
     models = train_models(sessions, harness, {"backbone", "meta"})
     report(f"stage 1 (pooled backbone) {models.logs['backbone'].wall_s:.1f} s, stage 2 (meta-learned alignment) "
            f"{models.logs['meta'].wall_s:.1f} s")
+    marks = None
+    if end_completion == "plain":
+        marks = ""
+    elif end_completion == "sentence-end":
+        marks = Lexicon.from_sentences([t.sentence for s in held_in for t in s.trials]).sentence_end
+        if not marks:
+            raise ValueError("--end-completion sentence-end: the held-in sentences do not all end with one of "
+                             f"{PUNCTUATION!r}, so there is no sentence-end rule to apply; use 'plain' or 'off'")
+    elif end_completion is not None:
+        raise ValueError(f"end_completion {end_completion!r}: expected None, 'plain' or 'sentence-end'")
     norm = session_normalization(held_in[-1])  # a placeholder until calibration replaces it
     return export_bci_bundle(
         AlignedDecoder(models.meta.new_alignment(), models.backbone), out, n_channels=held_in[0].n_channels,
         mean=norm.mean, std=norm.std, session_name="pooled", meta=models.meta, std_floor=harness.calibration.std_floor,
-        calibration_config=harness.calibration.to_dict(),
+        calibration_config=harness.calibration.to_dict(), end_completion=marks,
         provenance={"training": harness.to_dict(), **(provenance or {})},
         variants=(), tensorrt=False, overwrite=overwrite, report=lambda s: None,
     )
@@ -264,6 +279,9 @@ def _train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tiny", action="store_true", help="the tests' tiny training configuration (a minute)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    p.add_argument("--end-completion", choices=("off", "sentence-end", "plain"), default="off",
+                   help="end-of-trial completion in the bundle's runtime text (docs/bci_deployment.md): 'sentence-end' "
+                        "appends the sentence-final mark greedy decoding leaves out (default off: plain greedy)")
     p.add_argument("--overwrite", action="store_true")
 
 
@@ -282,7 +300,8 @@ def _train(a: argparse.Namespace) -> int:
     harness = dataclasses.replace(harness, seed=a.seed, device=a.device).seeded()
     sessions = load_sessions(a.data)
     print(f"{len(sessions)} sessions from {a.data} ({sum(s.split == 'held_in' for s in sessions)} held-in)")
-    path = train_pooled_bundle(sessions, harness, a.out, provenance={"data": str(a.data)}, overwrite=a.overwrite)
+    path = train_pooled_bundle(sessions, harness, a.out, provenance={"data": str(a.data)}, overwrite=a.overwrite,
+                               end_completion=None if a.end_completion == "off" else a.end_completion)
     print(f"wrote {path}: calibrate it per session with `closedloop calibrate {path} --data SESSION.nwb --sentences 3`")
     return 0
 

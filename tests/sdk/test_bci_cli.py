@@ -245,8 +245,8 @@ def test_evaluate_a_folder_scores_every_session_with_evaluation_trials(bundle, s
         evaluate_bundle(bundle, next((tmp_path / "data").glob("*held-out-calib/*.nwb")))
 
 
-def test_bci_train_then_calibrate_from_the_shell(sessions, tmp_path):
-    """The whole workflow a user types: NWB folder -> bci-train -> calibrate -> evaluate."""
+def test_bci_train_then_calibrate_from_the_shell(sessions, tmp_path, capsys):
+    """The whole workflow a user types: NWB folder -> bci-train -> calibrate -> evaluate (with end-of-trial completion)."""
     data = tmp_path / "data"
     write_falcon_h2_dir(sessions, data)
     cfg = tmp_path / "harness.json"
@@ -256,13 +256,20 @@ def test_bci_train_then_calibrate_from_the_shell(sessions, tmp_path):
                   meta=MetaConfig(inner_steps=2, n_query=2, tasks_per_step=2, meta_steps=3),
                   calibration=CALIB, progress=False).save(cfg)
     assert main(["bci-train", str(data), "--out", str(tmp_path / "pooled"), "--config", str(cfg),
-                 "--device", "cpu"]) == 0
+                 "--device", "cpu", "--end-completion", "sentence-end"]) == 0
+    assert load_bundle(tmp_path / "pooled").manifest.extra["bci"]["end_completion"] == {"sentence_end": "?~"}
     state = read_calibration_state(load_bundle(tmp_path / "pooled"))
     assert state["n_channels"] == C and state["has_meta"]  # the meta-learned init and step sizes travel in the bundle
     held_out = next(p for p in sorted(data.rglob("*.nwb")) if "held-out" in p.name or "held_out" in p.name)
     assert main(["calibrate", str(tmp_path / "pooled"), "--data", str(held_out), "--sentences", "3",
                  "--out", str(tmp_path / "cal")]) == 0
+    assert load_bundle(tmp_path / "cal").manifest.extra["bci"]["end_completion"] == {"sentence_end": "?~"}  # kept
+    capsys.readouterr()
     assert main(["evaluate", str(tmp_path / "cal"), "--data", str(data), "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["decoders"] == ["greedy_end"] and result["end_completion"] == "?~"
+    texts = [t for r in result["sessions"].values() for t in r["predictions"]["greedy_end"]]
+    assert texts and all(t[-1:] in ("~", "?") for t in texts)  # every trial's text ends a sentence
     # bad input: a folder with no held-in session is refused with what to do
     only_out = tmp_path / "only_out"
     only_out.mkdir()
