@@ -418,14 +418,15 @@ def evaluate_bundle(
 def format_evaluation(result: dict) -> str:
     """The table ``closedloop evaluate`` prints."""
     decs = result["decoders"]
-    head = f"{'session':<14}{'trials':>7}" + "".join(f"{d + ' CER':>12}{d + ' WER':>12}" for d in decs)
+    width = {d: max(12, len(d) + 6) for d in decs}  # "greedy_end CER" needs more than 12
+    head = f"{'session':<14}{'trials':>7}" + "".join(f"{d + ' CER':>{width[d]}}{d + ' WER':>{width[d]}}" for d in decs)
     lines = [f"{result['bundle']} on {result['data']} (evaluation trials; backend {result['backend']}; "
              f"{result['wall_s']:.1f} s)", head]
     for name, r in result["sessions"].items():
         lines.append(f"{name:<14}{r[decs[0]]['n_trials']:>7}"
-                     + "".join(f"{r[d]['CER']:>12.2%}{r[d]['WER']:>12.2%}" for d in decs))
-    lines.append(f"{'mean':<14}{'':>7}" + "".join(f"{result['mean'][d]['CER']:>12.2%}{result['mean'][d]['WER']:>12.2%}"
-                                                  for d in decs))
+                     + "".join(f"{r[d]['CER']:>{width[d]}.2%}{r[d]['WER']:>{width[d]}.2%}" for d in decs))
+    lines.append(f"{'mean':<14}{'':>7}" + "".join(f"{result['mean'][d]['CER']:>{width[d]}.2%}"
+                                                  f"{result['mean'][d]['WER']:>{width[d]}.2%}" for d in decs))
     if result["skipped"]:
         lines.append(f"skipped (no evaluation trials): {', '.join(result['skipped'])}")
     return "\n".join(lines)
