@@ -143,10 +143,11 @@ def end_outputs(labels: Sequence[str], sentence_end: str) -> list[int] | None:
     """Output indices of the characters in ``sentence_end`` (``""``: None, plain completion)."""
     if not sentence_end:
         return None
-    missing = [c for c in sentence_end if c not in labels[:] or c == ""]
+    labels = list(labels)
+    missing = [c for c in sentence_end if c not in labels]
     if missing:
         raise ValueError(f"sentence_end {sentence_end!r} holds {missing}, not in the charset {''.join(labels)!r}")
-    return [list(labels).index(c) for c in sentence_end]
+    return [labels.index(c) for c in sentence_end]
 
 
 def greedy_decode(logp: np.ndarray, charset: str, blank: int = 0, complete_end: bool = False,
