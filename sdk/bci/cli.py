@@ -194,7 +194,8 @@ def calibrate_bundle(
         model, out, n_channels=c, mean=norm.mean, std=norm.std, session_name=name, calibration_info=info,
         provenance=provenance, charset=state["charset"], blank=state["blank"], rate_hz=m.rate_hz,
         recorded_bins=calib[0].spikes, display=bci.get("display"), char_probs=bool(bci.get("char_probs", False)),
-        end_completion=(bci.get("end_completion") or {}).get("sentence_end"), meta=meta, std_floor=state["std_floor"], calibration_config=block.get("config") or {}, calibratable=True,
+        end_completion=(bci.get("end_completion") or {}).get("sentence_end"), meta=meta, std_floor=state["std_floor"],
+        calibration_config=block.get("config") or {}, calibratable=True,
         variants=tuple(spec.variants) if variants is None else variants, tensorrt=bool(spec.tensorrt_engines),
         overwrite=overwrite, zip=out.suffix == ".zip", report=lambda s: None,
     )

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from runtime.ctc import completion_label, end_outputs, output_labels, tail_odds
+from runtime.ctc import greedy_decode as runtime_greedy_decode
 from sim.handwriting.types import CHARSET
 
 from .charset import BLANK, PUNCTUATION, SPACE, decode, encode
@@ -48,23 +49,13 @@ def greedy_decode(logp: np.ndarray, complete_end: bool = False, sentence_end: st
     ----------
     logp
         ``(T, 32)`` log-probabilities of a whole trial (without ``complete_end`` any scores
-        do; only the argmax matters).
+        do; only the argmax matters). The runtime's offline reference
+        (``runtime.ctc.greedy_decode``) with FALCON H2's charset: one implementation.
     complete_end, sentence_end
         With ``complete_end`` the trial is over: apply :func:`end_completion` (append the
         character the tail holds; with ``sentence_end``, the sentence-final mark it lacks).
     """
-    best = np.asarray(logp).argmax(axis=-1)
-    if best.size == 0:
-        return ""
-    keep = np.empty(best.shape, dtype=bool)
-    keep[0] = True
-    keep[1:] = best[1:] != best[:-1]
-    text = decode(best[keep & (best != BLANK)])
-    if complete_end:
-        label, _ = end_completion(logp, sentence_end)
-        if label != BLANK:
-            text += decode([label])
-    return text
+    return runtime_greedy_decode(logp, CHARSET, BLANK, complete_end, sentence_end)
 
 
 def end_completion(logp: np.ndarray, sentence_end: str = "") -> tuple[int, float]:
