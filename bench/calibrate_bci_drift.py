@@ -70,17 +70,17 @@ def main() -> None:
         hw = hw.ablate(a.ablate)
     sessions = generate_recording(hw)
     harness = BciBenchConfig().harness
-    harness = dataclasses.replace(harness, seed=a.seed, beam_width=0, progress=False,
-                                  train=dataclasses.replace(harness.train, steps=a.steps or harness.train.steps))
+    recipe = harness.session_recipe()  # the drift reference's own recipe (the session_layers baseline's)
+    recipe = dataclasses.replace(recipe, steps=a.steps or recipe.steps)
     for t in a.train:
-        harness = dataclasses.replace(harness, train=_apply(harness.train, t))
-    harness = harness.seeded()
+        recipe = _apply(recipe, t)
+    harness = dataclasses.replace(harness, seed=a.seed, beam_width=0, progress=False, session_train=recipe).seeded()
     models = train_models(sessions, harness, {"session_layers"})
     ref = drift_reference(sessions, models, harness, build_lexicon(sessions, VOCABULARY))
     row = {"label": " ".join(a.set + ([f"ablate={a.ablate}"] if a.ablate else []) + [f"train.{t}" for t in a.train]
                              + ([f"seed={a.seed}"] if a.seed else [])) or "defaults",
            "train_settings": a.train, "generator_version": GENERATOR_VERSION,
-           "settings": a.set, "ablate": a.ablate, "steps": harness.train.steps, "seed": a.seed,
+           "settings": a.set, "ablate": a.ablate, "steps": recipe.steps, "seed": a.seed,
            "data_seed": a.data_seed,
            "held_in_CER": ref["held_in"]["mean"]["greedy"]["CER"],
            "held_out_zero_shot_CER": ref["held_out_zero_shot"]["mean"]["greedy"]["CER"],

@@ -37,7 +37,7 @@ from sdk.bci.benchmark import BciBenchConfig, generate_data
 from sdk.bci.config import override, to_dict
 from sdk.bci.evaluate import HarnessConfig, build_lexicon, run_harness
 from sdk.bci.meta import meta_train_alignment
-from sdk.bci.train import train_backbone, train_session_layers
+from sdk.bci.train import TrainConfig, train_backbone, train_session_layers
 from sim.handwriting import VOCABULARY
 
 
@@ -62,15 +62,24 @@ def parse_variant(text: str) -> tuple[str, dict[str, str]]:
     return name, overrides
 
 
-def cached(what: str, train, sessions, harness: HarnessConfig, cache: Path):
-    """``train(sessions, harness.train)``'s model, trained once per recipe and seed and kept under ``cache``."""
-    key = hashlib.sha256(json.dumps(to_dict(harness.train), sort_keys=True).encode()).hexdigest()[:12]
-    path = cache / f"{what}_seed{harness.seed}_{key}.pt"
+def parse_setting(text: str) -> tuple[str, str]:
+    key, eq, value = text.partition("=")
+    if not eq:
+        raise SystemExit(f"--train {text!r}: expected FIELD=VALUE")
+    return key.strip(), value.strip()
+
+
+def cached(what: str, train, sessions, recipe: TrainConfig, cache: Path):
+    """``train(sessions, recipe)``'s model, trained once per recipe (seed included) and kept under ``cache``."""
+    key = hashlib.sha256(json.dumps(to_dict(recipe), sort_keys=True).encode()).hexdigest()[:12]
+    path = cache / f"{what}_seed{recipe.seed}_{key}.pt"
     if path.exists():
         return torch.load(path, weights_only=False), json.loads(path.with_suffix(".json").read_text())["wall_s"]
-    model, log = train(sessions, harness.train)
+    model, log = train(sessions, recipe)
     cache.mkdir(parents=True, exist_ok=True)
-    path.with_suffix(".json").write_text(json.dumps({"wall_s": log.wall_s}))  # before the .pt that marks it done
+    curve = [float(sum(log.loss[i:i + 50]) / len(log.loss[i:i + 50])) for i in range(0, len(log.loss), 50)]
+    info = {"wall_s": log.wall_s, "loss_per_50_steps": curve}
+    path.with_suffix(".json").write_text(json.dumps(info))  # before the .pt that marks it done
     tmp = path.with_suffix(".tmp")
     torch.save(model, tmp)
     tmp.replace(path)
@@ -104,17 +113,21 @@ def main() -> None:
     ap.add_argument("--cache", default="/tmp/closedloop_bci_cache")
     ap.add_argument("--calibration-trials", type=int, default=0,
                     help="diagnostic: calibrate held-out sessions on their first N non-evaluation trials, not 3")
+    ap.add_argument("--train", action="append", default=[], metavar="FIELD=VALUE",
+                    help="stage-1 recipe override for every model trained here (train.FIELD; repeatable), "
+                         "e.g. augmentation.dropout_p=0.1; the cache keys on the recipe")
     ap.add_argument("--out", default="bench/results/bci_meta_variants.jsonl")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     bench = BciBenchConfig()
     sessions, _ = generate_data(bench)
     lexicon = build_lexicon(sessions, list(VOCABULARY))
-    base = replace(bench.harness, seed=a.seed, methods=tuple(a.methods), reference=False).seeded()
-    backbone, backbone_s = cached("backbone", train_backbone, sessions, base, Path(a.cache))
+    base = replace(bench.harness, seed=a.seed, methods=tuple(a.methods), reference=False)
+    base = apply_overrides(base, {f"train.{k}": v for k, v in map(parse_setting, a.train)}).seeded()
+    backbone, backbone_s = cached("backbone", train_backbone, sessions, base.train, Path(a.cache))
     session_model = None
     if "session_layers" in a.methods:
-        session_model, _ = cached("session_layers", train_session_layers, sessions, base, Path(a.cache))
+        session_model, _ = cached("session_layers", train_session_layers, sessions, base.session_recipe(), Path(a.cache))
     if a.calibration_trials:
         sessions = with_calibration_trials(sessions, a.calibration_trials)
         base = replace(base, n_calibration=a.calibration_trials)
@@ -127,7 +140,7 @@ def main() -> None:
         if "two_stage" in harness.methods:
             models.meta, models.logs["meta"] = meta_train_alignment(backbone, sessions, harness.meta)
         out = run_harness(sessions, harness, lexicon=lexicon, models=models)
-        row = {"variant": name, "overrides": overrides, "seed": a.seed, "calibration_trials": harness.n_calibration,
+        row = {"variant": name, "overrides": overrides, "train_overrides": a.train, "seed": a.seed, "calibration_trials": harness.n_calibration,
                "wall_s": time.perf_counter() - t0,
                "backbone_train_s": backbone_s, "meta": out.get("meta"),
                "methods": {m: {"mean": v["mean"], "chosen": v["chosen"], "calibrate_s": v["calibrate_s"],

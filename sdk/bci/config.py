@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import types
 import typing
 from pathlib import Path
 from typing import Any, TypeVar
@@ -56,6 +57,8 @@ def from_dict(cls: type[T], data: dict) -> T:
     kwargs = {}
     for k, v in data.items():
         t = hints.get(k)
+        if typing.get_origin(t) in (typing.Union, types.UnionType):  # X | None: the dataclass X when given one
+            t = next((a for a in typing.get_args(t) if dataclasses.is_dataclass(a)), t)
         if dataclasses.is_dataclass(t) and isinstance(v, dict):
             v = from_dict(t, v)
         elif isinstance(v, list) and typing.get_origin(t) is tuple:

@@ -50,6 +50,8 @@ class HarnessConfig(JsonConfig):
 
     methods: tuple[str, ...] = DEFAULT_METHODS
     train: TrainConfig = field(default_factory=TrainConfig)
+    # the per-session-input-layer decoder's recipe (the session_layers baseline and the drift reference); None: train
+    session_train: TrainConfig | None = None
     meta: MetaConfig = field(default_factory=MetaConfig)
     calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
     n_calibration: int = 3
@@ -65,8 +67,13 @@ class HarnessConfig(JsonConfig):
     def seeded(self) -> HarnessConfig:
         """Copies of the sub-configs with this harness's seed, device and progress setting."""
         common = {"seed": self.seed, "device": self.device, "progress": self.progress}
-        return replace(self, train=replace(self.train, **common), meta=replace(self.meta, **common),
-                       calibration=replace(self.calibration, device=self.device))
+        session = None if self.session_train is None else replace(self.session_train, **common)
+        return replace(self, train=replace(self.train, **common), session_train=session,
+                       meta=replace(self.meta, **common), calibration=replace(self.calibration, device=self.device))
+
+    def session_recipe(self) -> TrainConfig:
+        """The recipe of the per-session-input-layer decoder: ``session_train``, or ``train`` when unset."""
+        return self.train if self.session_train is None else self.session_train
 
 
 def build_lexicon(sessions: Sequence[Session], extra_words: Sequence[str] = ()) -> Lexicon:
@@ -124,7 +131,7 @@ def train_models(sessions: Sequence[Session], config: HarnessConfig, needs: set[
     if "meta" in needs:
         models.meta, models.logs["meta"] = meta_train_alignment(models.backbone, sessions, config.meta)
     if "session_layers" in needs:
-        models.session_model, models.logs["session_layers"] = train_session_layers(sessions, config.train)
+        models.session_model, models.logs["session_layers"] = train_session_layers(sessions, config.session_recipe())
     return models
 
 
@@ -245,7 +252,7 @@ def drift_reference(sessions: Sequence[Session], models: TrainedModels, config: 
     for s in sessions:
         if s.split == "held_in":
             model = sm.decoder_for(s.name)
-            norm = session_normalization(s, config.train.std_floor)
+            norm = session_normalization(s, config.session_recipe().std_floor)
         else:
             if not s.evaluation:
                 continue

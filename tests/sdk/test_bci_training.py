@@ -55,6 +55,23 @@ def test_config_json_round_trip_keeps_nested_dataclasses():
         TrainConfig.from_dict({"stepz": 3})
 
 
+def test_session_layer_decoder_trains_with_its_own_recipe_and_it_survives_json(sessions):
+    from dataclasses import replace
+
+    from sdk.bci.evaluate import HarnessConfig, train_models
+
+    plain = replace(TINY_TRAIN, steps=4, augmentation=DriftAugmentation())
+    h = HarnessConfig(train=replace(TINY_TRAIN, steps=6), session_train=plain, seed=3, device="cpu",
+                      progress=False).seeded()
+    back = HarnessConfig.from_json(h.to_json())
+    assert back == h and isinstance(back.session_train, TrainConfig) and back.session_train.seed == 3
+    models = train_models(sessions, h, {"backbone", "session_layers"})
+    assert len(models.logs["backbone"].loss) == 6 and len(models.logs["session_layers"].loss) == 4
+    unset = HarnessConfig(train=replace(TINY_TRAIN, steps=5), device="cpu", progress=False).seeded()
+    assert unset.session_train is None and unset.session_recipe() is unset.train
+    assert HarnessConfig.from_json(unset.to_json()).session_train is None
+
+
 def test_meta_learning_runs_and_learns_step_sizes_without_touching_the_backbone(sessions, trained):
     backbone, _ = trained
     before = [p.detach().clone() for p in backbone.parameters()]
