@@ -140,7 +140,8 @@ def main() -> None:
         if "two_stage" in harness.methods:
             models.meta, models.logs["meta"] = meta_train_alignment(backbone, sessions, harness.meta)
         out = run_harness(sessions, harness, lexicon=lexicon, models=models)
-        row = {"variant": name, "overrides": overrides, "train_overrides": a.train, "seed": a.seed, "calibration_trials": harness.n_calibration,
+        row = {"variant": name, "overrides": overrides, "train_overrides": a.train, "seed": a.seed,
+               "calibration_trials": harness.n_calibration,
                "wall_s": time.perf_counter() - t0,
                "backbone_train_s": backbone_s, "meta": out.get("meta"),
                "methods": {m: {"mean": v["mean"], "chosen": v["chosen"], "calibrate_s": v["calibrate_s"],

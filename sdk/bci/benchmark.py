@@ -34,8 +34,7 @@ from .report import markdown_table, summarize, write_results
 from .train import BackboneConfig, TrainConfig, held_in_examples
 
 # the stage-1 default (noise, offsets, gains, a wandering offset) plus unit turnover: dead and new units
-TURNOVER_AUGMENTATION = DriftAugmentation(noise_std=0.3, offset_std=0.2, gain_std=0.15, walk_std=0.1,
-                                          dropout_p=0.1, fresh_p=0.1)
+TURNOVER_AUGMENTATION = replace(TrainConfig().augmentation, dropout_p=0.1, fresh_p=0.1)
 
 
 @dataclass
