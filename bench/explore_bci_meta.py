@@ -116,6 +116,8 @@ def main() -> None:
     ap.add_argument("--train", action="append", default=[], metavar="FIELD=VALUE",
                     help="stage-1 recipe override for every model trained here (train.FIELD; repeatable), "
                          "e.g. augmentation.dropout_p=0.1; the cache keys on the recipe")
+    ap.add_argument("--session-train", action="append", default=[], metavar="FIELD=VALUE",
+                    help="the same for the per-session-input-layer decoder's recipe (session_train.FIELD)")
     ap.add_argument("--out", default="bench/results/bci_meta_variants.jsonl")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
@@ -123,7 +125,8 @@ def main() -> None:
     sessions, _ = generate_data(bench)
     lexicon = build_lexicon(sessions, list(VOCABULARY))
     base = replace(bench.harness, seed=a.seed, methods=tuple(a.methods), reference=False)
-    base = apply_overrides(base, {f"train.{k}": v for k, v in map(parse_setting, a.train)}).seeded()
+    base = apply_overrides(base, {f"train.{k}": v for k, v in map(parse_setting, a.train)}
+                           | {f"session_train.{k}": v for k, v in map(parse_setting, a.session_train)}).seeded()
     backbone, backbone_s = cached("backbone", train_backbone, sessions, base.train, Path(a.cache))
     session_model = None
     if "session_layers" in a.methods:
@@ -140,7 +143,8 @@ def main() -> None:
         if "two_stage" in harness.methods:
             models.meta, models.logs["meta"] = meta_train_alignment(backbone, sessions, harness.meta)
         out = run_harness(sessions, harness, lexicon=lexicon, models=models)
-        row = {"variant": name, "overrides": overrides, "train_overrides": a.train, "seed": a.seed,
+        row = {"variant": name, "overrides": overrides, "train_overrides": a.train,
+               "session_train_overrides": a.session_train, "seed": a.seed,
                "calibration_trials": harness.n_calibration,
                "wall_s": time.perf_counter() - t0,
                "backbone_train_s": backbone_s, "meta": out.get("meta"),
