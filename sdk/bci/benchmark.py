@@ -55,7 +55,8 @@ class BciBenchConfig(JsonConfig):
         # calibrated with): 800 steps at lr 5e-3, the first epoch shortest first (TrainConfig default); at 600
         # steps and lr 1e-2 the drift reference's held-in CER over seeds 0-2 was 19.0 +- 8.9% (runs that had not
         # converged); see bench/results/bci_recipe_runs.jsonl, bci_drift_calibration.jsonl and
-        # docs/handwriting_data.md. The turnover augmentation did not help this decoder (docs/bci.md)
+        # docs/handwriting_data.md. Kept frozen because the drift reference is this decoder, although the turnover
+        # augmentation helps it too (docs/bci.md, "Stage-1 turnover augmentation")
         session_train=TrainConfig(backbone=BackboneConfig(128, 1, 0.1), steps=800, batch_size=16, lr=5e-3),
         meta=MetaConfig(inner_steps=3, n_support=3, n_query=3, tasks_per_step=4, meta_steps=60),
         # 40 / 18 steps: with 20 / 9, cross-validation chose the largest step count in most alignment and two-stage fits
