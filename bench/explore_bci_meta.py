@@ -51,22 +51,16 @@ def apply_overrides(harness: HarnessConfig, overrides: dict[str, str]) -> Harnes
     return harness
 
 
-def parse_variant(text: str) -> tuple[str, dict[str, str]]:
-    name, _, rest = text.partition(":")
-    overrides = {}
-    for item in filter(None, rest.split(",")):
-        k, eq, v = item.partition("=")
-        if not eq:
-            raise SystemExit(f"--variant {text!r}: expected NAME:FIELD=VALUE[,FIELD=VALUE]")
-        overrides[k.strip()] = v.strip()
-    return name, overrides
-
-
-def parse_setting(text: str) -> tuple[str, str]:
+def parse_setting(text: str, option: str = "--train") -> tuple[str, str]:
     key, eq, value = text.partition("=")
     if not eq:
-        raise SystemExit(f"--train {text!r}: expected FIELD=VALUE")
+        raise SystemExit(f"{option} {text!r}: expected FIELD=VALUE")
     return key.strip(), value.strip()
+
+
+def parse_variant(text: str) -> tuple[str, dict[str, str]]:
+    name, _, rest = text.partition(":")
+    return name, dict(parse_setting(item, f"--variant {text!r}: item") for item in filter(None, rest.split(",")))
 
 
 def cached(what: str, train, sessions, recipe: TrainConfig, cache: Path):
@@ -126,7 +120,8 @@ def main() -> None:
     lexicon = build_lexicon(sessions, list(VOCABULARY))
     base = replace(bench.harness, seed=a.seed, methods=tuple(a.methods), reference=False)
     base = apply_overrides(base, {f"train.{k}": v for k, v in map(parse_setting, a.train)}
-                           | {f"session_train.{k}": v for k, v in map(parse_setting, a.session_train)}).seeded()
+                           | {f"session_train.{k}": v for k, v in (parse_setting(t, "--session-train")
+                                                                  for t in a.session_train)}).seeded()
     backbone, backbone_s = cached("backbone", train_backbone, sessions, base.train, Path(a.cache))
     session_model = None
     if "session_layers" in a.methods:

@@ -54,7 +54,7 @@ def main() -> int:
     bench = BciBenchConfig()
     sessions, hw = generate_data(bench)
     harness = replace(bench.harness, seed=a.seed, reference=False).seeded()
-    backbone, _ = cached("backbone", train_backbone, sessions, harness, Path(a.cache))
+    backbone, _ = cached("backbone", train_backbone, sessions, harness.train, Path(a.cache))
     backbone.eval()
     rows = []
     for i in a.sessions:

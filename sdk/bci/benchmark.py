@@ -112,9 +112,9 @@ def estimate_seconds(sessions: list, config: BciBenchConfig, bins_per_s: float) 
     folds = min(c.folds, n)
     per_step = (folds * 3 * (n - 1) + n) * mean_bins  # leave-one-out fits on every grid value + the final fit
     adam_methods = sum(x in h.methods for x in ("session_layers", "alignment", "finetune"))
+    st = h.session_recipe()
     parts = {
-        "stage 1 + session layers": (h.train.steps * h.train.batch_size
-                                     + h.session_recipe().steps * h.session_recipe().batch_size) * mean_bins,
+        "stage 1 + session layers": (h.train.steps * h.train.batch_size + st.steps * st.batch_size) * mean_bins,
         "meta-learning": m.meta_steps * m.tasks_per_step * (m.inner_steps * m.n_support + m.n_query) * mean_bins
         * (3 if m.second_order else 1),
         "calibration": len(held_out) * per_step * (adam_methods * c.steps + (c.meta_max_steps or 2 * m.inner_steps)),
