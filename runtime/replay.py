@@ -1,8 +1,8 @@
 """Replaying recordings: as a device (``replay://RECORDING``) and offline through a bundle.
 
 ``replay://PATH?speed=1`` is a transport that plays back the bytes a session
-received, with their original timing (``speed=2`` twice as fast, ``speed=0`` as
-fast as they are read); whatever the host writes is accepted and dropped. A
+received, with their original timing counted from the first read (``speed=2``
+twice as fast, ``speed=0`` as fast as they are read); whatever the host writes is accepted and dropped. A
 session over it cannot tell it from the device that was recorded.
 
 ``replay_recording(recording, bundle)`` re-runs a bundle offline over the input
@@ -43,12 +43,17 @@ class ReplayTransport(Transport):
         t0 = rx[0].host_ns
         self._offsets_ns = [r.host_ns - t0 for r in rx]
         self._speed = speed
-        self._start = time.monotonic_ns()
+        # the clock starts at the session's first read, not when the transport is opened: a session that
+        # spends a while setting up (loading, prewarming) must not find a burst of overdue frames waiting,
+        # all but the newest of which it would skip
+        self._start: int | None = None
         self._next = 0
 
     def _due(self) -> int:
         if self._speed <= 0:
             return len(self._chunks)
+        if self._start is None:
+            self._start = time.monotonic_ns()
         elapsed = (time.monotonic_ns() - self._start) * self._speed
         n = self._next
         while n < len(self._chunks) and self._offsets_ns[n] <= elapsed:
