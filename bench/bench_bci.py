@@ -4,6 +4,7 @@
     python bench/bench_bci.py --tiny   # about a minute; writes bench/results/bci_tiny.*
     python bench/bench_bci.py --ablate tuning_rotation --seeds 0 --methods session_layers two_stage
                                        # one drift component off: writes bench/results/bci_ablate_tuning_rotation.*
+    python bench/bench_bci.py --reference   # also the drift reference (its own frozen recipe; ~11 min more)
 
 It prints the estimated run time before it starts. Methods, metrics and the harness
 are described in docs/bci.md.
@@ -24,6 +25,8 @@ if __name__ == "__main__":
     ap.add_argument("--config", help="a BciBenchConfig JSON file (overrides the defaults)")
     ap.add_argument("--ablate", help="switch one drift component off in the data (or 'all'): the drift ablation")
     ap.add_argument("--methods", nargs="+", help="methods to run (default: all)")
+    ap.add_argument("--reference", action="store_true",
+                    help="also train and score the drift reference (bench/calibrate_bci_drift.py; ~11 more minutes)")
     a = ap.parse_args()
     cfg = BciBenchConfig.load(a.config) if a.config else (BciBenchConfig.tiny() if a.tiny else BciBenchConfig())
     cfg.out_dir = a.out
@@ -35,6 +38,8 @@ if __name__ == "__main__":
         cfg.harness.device = a.device
     if a.methods:
         cfg.harness.methods = tuple(a.methods)
+    if a.reference:
+        cfg.harness.reference = True
     if a.ablate:
         cfg.ablate = a.ablate
         cfg.stem = f"{cfg.stem}_ablate_{a.ablate}"

@@ -4,8 +4,8 @@
     python bench/calibrate_bci_drift.py --ablate tuning_rotation      # one drift component off
 
 For one generator setting it trains the drift reference of the issue (the usual
-decoder: one input layer per held-in session, trained jointly with the benchmark's
-backbone recipe) and measures its held-in CER (each session with its own layer) and
+decoder: one input layer per held-in session, trained jointly, with the recipe the
+benchmark keeps for it, ``HarnessConfig.reference_train``) and measures its held-in CER (each session with its own layer) and
 its zero-shot held-out CER (a held-out day decoded with the last held-in session's
 layer), greedy CTC. FALCON H2's published figures: held-in CER 3.35%, zero-shot
 held-out CER 22-38%. Each run appends one JSON line to
@@ -70,12 +70,12 @@ def main() -> None:
         hw = hw.ablate(a.ablate)
     sessions = generate_recording(hw)
     harness = BciBenchConfig().harness
-    recipe = harness.session_recipe()  # the drift reference's own recipe (the session_layers baseline's)
+    recipe = harness.reference_recipe()  # the drift reference's own, frozen recipe
     recipe = dataclasses.replace(recipe, steps=a.steps or recipe.steps)
     for t in a.train:
         recipe = _apply(recipe, t)
-    harness = dataclasses.replace(harness, seed=a.seed, beam_width=0, progress=False, session_train=recipe).seeded()
-    models = train_models(sessions, harness, {"session_layers"})
+    harness = dataclasses.replace(harness, seed=a.seed, beam_width=0, progress=False, reference_train=recipe).seeded()
+    models = train_models(sessions, harness, {"reference"})
     ref = drift_reference(sessions, models, harness, build_lexicon(sessions, VOCABULARY))
     row = {"label": " ".join(a.set + ([f"ablate={a.ablate}"] if a.ablate else []) + [f"train.{t}" for t in a.train]
                              + ([f"seed={a.seed}"] if a.seed else [])) or "defaults",
@@ -89,7 +89,7 @@ def main() -> None:
            # greedy with end-of-trial completion (sdk.bci.decoding.end_completion, the sentence-end rule)
            "held_in_CER_end": ref["held_in"]["mean"]["greedy_end"]["CER"],
            "held_out_zero_shot_CER_end": ref["held_out_zero_shot"]["mean"]["greedy_end"]["CER"],
-           "final_loss": float(np.mean(models.logs["session_layers"].loss[-20:])),
+           "final_loss": float(np.mean(models.logs["reference"].loss[-20:])),
            "wall_s": time.perf_counter() - t0, "data_config": json.loads(hw.to_json())}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     with open(a.out, "a") as f:

@@ -60,6 +60,8 @@ class TrainedModels:
     backbone: GRUBackbone | None = None
     meta: MetaAlignment | None = None
     session_model: SessionInputDecoder | None = None
+    # the drift reference's decoder when its recipe differs from session_model's (None: session_model is it)
+    reference_model: SessionInputDecoder | None = None
     held_in_days: dict[str, float] = field(default_factory=dict)
     logs: dict[str, TrainingLog] = field(default_factory=dict)
 
@@ -223,7 +225,8 @@ def finetune(models, session, calib, norm, config, options) -> Adapted:
 
 def reference_layer(models: TrainedModels, session: Session) -> AlignedDecoder:
     """Drift reference: the session-layer decoder with the last held-in session's layer (by day)."""
-    sm = _need(models, "session_layers", "drift reference")
+    sm = models.reference_model if models.reference_model is not None else _need(models, "session_layers",
+                                                                                   "drift reference")
     held = [(models.held_in_days[n], i) for i, n in enumerate(sm.session_names) if models.held_in_days[n] <= session.day]
     i = max(held or [(models.held_in_days[n], i) for i, n in enumerate(sm.session_names)])[1]
     return AlignedDecoder(sm.layers[i], sm.backbone)

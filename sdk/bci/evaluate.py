@@ -50,8 +50,11 @@ class HarnessConfig(JsonConfig):
 
     methods: tuple[str, ...] = DEFAULT_METHODS
     train: TrainConfig = field(default_factory=TrainConfig)
-    # the per-session-input-layer decoder's recipe (the session_layers baseline and the drift reference); None: train
+    # the session_layers baseline's recipe (per-session input layers trained jointly); None: train
     session_train: TrainConfig | None = None
+    # the drift reference's recipe (the same kind of decoder, the yardstick the generator was calibrated with);
+    # None: the session_layers recipe, and the two share one trained decoder
+    reference_train: TrainConfig | None = None
     meta: MetaConfig = field(default_factory=MetaConfig)
     calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
     n_calibration: int = 3
@@ -68,12 +71,21 @@ class HarnessConfig(JsonConfig):
         """Copies of the sub-configs with this harness's seed, device and progress setting."""
         common = {"seed": self.seed, "device": self.device, "progress": self.progress}
         session = None if self.session_train is None else replace(self.session_train, **common)
-        return replace(self, train=replace(self.train, **common), session_train=session,
+        ref = None if self.reference_train is None else replace(self.reference_train, **common)
+        return replace(self, train=replace(self.train, **common), session_train=session, reference_train=ref,
                        meta=replace(self.meta, **common), calibration=replace(self.calibration, device=self.device))
 
     def session_recipe(self) -> TrainConfig:
         """The recipe of the per-session-input-layer decoder: ``session_train``, or ``train`` when unset."""
         return self.train if self.session_train is None else self.session_train
+
+    def reference_recipe(self) -> TrainConfig:
+        """The drift reference's recipe: ``reference_train``, or :meth:`session_recipe` when unset."""
+        return self.session_recipe() if self.reference_train is None else self.reference_train
+
+    def reference_is_separate(self) -> bool:
+        """Whether the drift reference needs a decoder of its own (its recipe differs from session_layers')."""
+        return self.reference_recipe() != self.session_recipe()
 
 
 def build_lexicon(sessions: Sequence[Session], extra_words: Sequence[str] = ()) -> Lexicon:
@@ -124,7 +136,13 @@ def _score(decoded: dict[str, list[str]], refs: list[str]) -> dict:
 
 
 def train_models(sessions: Sequence[Session], config: HarnessConfig, needs: set[str]) -> TrainedModels:
-    """Train, on held-in sessions only, what ``needs`` names ("backbone", "meta", "session_layers")."""
+    """Train, on held-in sessions only, what ``needs`` names ("backbone", "meta", "session_layers", "reference").
+
+    "reference" is the drift reference's decoder: the session_layers decoder itself when the two recipes
+    are the same, else one trained with :meth:`HarnessConfig.reference_recipe`.
+    """
+    if "reference" in needs and not config.reference_is_separate():
+        needs = (needs - {"reference"}) | {"session_layers"}
     models = TrainedModels(held_in_days={s.name: float(s.day) for s in sessions if s.split == "held_in"})
     if "backbone" in needs or "meta" in needs:
         models.backbone, models.logs["backbone"] = train_backbone(sessions, config.train)
@@ -132,6 +150,8 @@ def train_models(sessions: Sequence[Session], config: HarnessConfig, needs: set[
         models.meta, models.logs["meta"] = meta_train_alignment(models.backbone, sessions, config.meta)
     if "session_layers" in needs:
         models.session_model, models.logs["session_layers"] = train_session_layers(sessions, config.session_recipe())
+    if "reference" in needs:
+        models.reference_model, models.logs["reference"] = train_session_layers(sessions, config.reference_recipe())
     return models
 
 
@@ -165,7 +185,7 @@ def run_harness(sessions: Sequence[Session], config: HarnessConfig | None = None
     if not held_in or not held_out:
         raise ValueError(f"the harness needs held-in and held-out sessions; got {len(held_in)} and {len(held_out)}")
     lexicon = lexicon if lexicon is not None else build_lexicon(sessions)
-    needs = {n for m in methods for n in m.needs} | ({"session_layers"} if config.reference else set())
+    needs = {n for m in methods for n in m.needs} | ({"reference"} if config.reference else set())
     if models is None:
         models = train_models(sessions, config, needs)
     last_day = max(s.day for s in held_in)
@@ -247,12 +267,14 @@ def adapt_held_out(sessions: Sequence[Session], models: TrainedModels, method: s
 def drift_reference(sessions: Sequence[Session], models: TrainedModels, config: HarnessConfig, lexicon: Lexicon) -> dict:
     """Per-session-input-layer decoder: held-in CER (own layers) and held-out zero-shot CER (last held-in layer)."""
     device = resolve_device(config.device)
-    sm = models.session_model
+    sm = models.reference_model if models.reference_model is not None else models.session_model
+    if sm is None:
+        raise ValueError("the drift reference needs its per-session-input-layer decoder: train_models(..., {'reference'})")
     held_in, held_out = {}, {}
     for s in sessions:
         if s.split == "held_in":
             model = sm.decoder_for(s.name)
-            norm = session_normalization(s, config.session_recipe().std_floor)
+            norm = session_normalization(s, config.reference_recipe().std_floor)
         else:
             if not s.evaluation:
                 continue

@@ -55,21 +55,35 @@ def test_config_json_round_trip_keeps_nested_dataclasses():
         TrainConfig.from_dict({"stepz": 3})
 
 
-def test_session_layer_decoder_trains_with_its_own_recipe_and_it_survives_json(sessions):
+def test_session_layer_and_reference_decoders_train_with_their_own_recipes_and_survive_json(sessions):
     from dataclasses import replace
 
-    from sdk.bci.evaluate import HarnessConfig, train_models
+    from sdk.bci.baselines import reference_layer
+    from sdk.bci.evaluate import HarnessConfig, build_lexicon, drift_reference, train_models
 
     plain = replace(TINY_TRAIN, steps=4, augmentation=DriftAugmentation())
-    h = HarnessConfig(train=replace(TINY_TRAIN, steps=6), session_train=plain, seed=3, device="cpu",
-                      progress=False).seeded()
+    frozen = replace(TINY_TRAIN, steps=3, lr=5e-3)
+    h = HarnessConfig(train=replace(TINY_TRAIN, steps=6), session_train=plain, reference_train=frozen, seed=3,
+                      device="cpu", progress=False, beam_width=0).seeded()
     back = HarnessConfig.from_json(h.to_json())
     assert back == h and isinstance(back.session_train, TrainConfig) and back.session_train.seed == 3
-    models = train_models(sessions, h, {"backbone", "session_layers"})
-    assert len(models.logs["backbone"].loss) == 6 and len(models.logs["session_layers"].loss) == 4
+    assert isinstance(back.reference_train, TrainConfig) and back.reference_train.seed == 3
+    models = train_models(sessions, h, {"backbone", "session_layers", "reference"})
+    assert [len(models.logs[k].loss) for k in ("backbone", "session_layers", "reference")] == [6, 4, 3]
+    # the drift reference decodes with its own decoder, not the session_layers baseline's
+    held_out = next(s for s in sessions if s.split == "held_out")
+    assert reference_layer(models, held_out).backbone is models.reference_model.backbone
+    assert models.reference_model.backbone is not models.session_model.backbone
+    ref = drift_reference(sessions, models, h, build_lexicon(sessions))
+    assert set(ref["held_out_zero_shot"]["sessions"]) == {s.name for s in sessions if s.split == "held_out"}
+    # unset: session_layers uses stage 1's recipe, the reference session_layers', and they share one decoder
     unset = HarnessConfig(train=replace(TINY_TRAIN, steps=5), device="cpu", progress=False).seeded()
     assert unset.session_train is None and unset.session_recipe() is unset.train
-    assert HarnessConfig.from_json(unset.to_json()).session_train is None
+    assert unset.reference_recipe() is unset.train and not unset.reference_is_separate()
+    assert HarnessConfig.from_json(unset.to_json()).reference_train is None
+    shared = train_models(sessions, unset, {"reference"})
+    assert shared.reference_model is None and len(shared.logs["session_layers"].loss) == 5
+    assert reference_layer(shared, held_out).backbone is shared.session_model.backbone
 
 
 def test_meta_learning_runs_and_learns_step_sizes_without_touching_the_backbone(sessions, trained):
