@@ -111,7 +111,8 @@ def main() -> None:
                     help="stage-1 recipe override for every model trained here (train.FIELD; repeatable), "
                          "e.g. augmentation.dropout_p=0.1; the cache keys on the recipe")
     ap.add_argument("--session-train", action="append", default=[], metavar="FIELD=VALUE",
-                    help="the same for the per-session-input-layer decoder's recipe (session_train.FIELD)")
+                    help="the same for the session_layers baseline's recipe (session_train.FIELD; "
+                         "unset in the benchmark: stage 1's recipe)")
     ap.add_argument("--out", default="bench/results/bci_meta_variants.jsonl")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
@@ -119,6 +120,8 @@ def main() -> None:
     sessions, _ = generate_data(bench)
     lexicon = build_lexicon(sessions, list(VOCABULARY))
     base = replace(bench.harness, seed=a.seed, methods=tuple(a.methods), reference=False)
+    if a.session_train and base.session_train is None:  # unset means "stage 1's recipe": override a copy of it
+        base = replace(base, session_train=base.train)
     base = apply_overrides(base, {f"train.{k}": v for k, v in map(parse_setting, a.train)}
                            | {f"session_train.{k}": v for k, v in (parse_setting(t, "--session-train")
                                                                   for t in a.session_train)}).seeded()
