@@ -116,3 +116,27 @@ def test_sigkill_loses_at_most_the_last_flush_interval(tmp_path):
     # at ~1 record per ms and a 0.2 s flush interval, at most ~0.3 s worth may be lost
     assert n > 0 and n >= last - 400, f"recovered {n} records, the writer had reported {last}"
     assert os.path.getsize(p) == r.valid_bytes + r.dropped_bytes
+
+
+def test_replay_device_keeps_the_recorded_timing_from_the_first_read(tmp_path):
+    import time
+
+    import runtime  # noqa: F401  (registers replay://)
+    from firmware_bridge import open_transport
+
+    path = tmp_path / "paced.clrec"
+    w = RecordingWriter(path)
+    for i in range(6):
+        w.append(RecordType.RX, bytes([i]), host_ns=10**9 + i * 100_000_000)  # one byte every 100 ms
+    w.close()
+    t = open_transport(f"replay://{path}")
+    time.sleep(0.35)  # a session setting up: the device must not have "sent" 0.35 s of data meanwhile
+    assert t.read(64, 0.0) == b"\x00"  # only what is due at the first read
+    got, t0 = b"\x00", time.monotonic()
+    while len(got) < 6 and time.monotonic() - t0 < 5:
+        got += t.read(64, 0.2)
+    assert got == bytes(range(6)) and time.monotonic() - t0 >= 0.4  # in order, at the recorded pace
+    t.close()
+    fast = open_transport(f"replay://{path}?speed=0")
+    assert fast.read(64, 0.0) == bytes(range(6))  # speed=0: all at once
+    fast.close()
