@@ -75,7 +75,11 @@ def test_session_against_the_push_emulator_counts_episodes(push_bundle):
     summary = run_deployed(push_bundle[0], episodes=2, seed=1)
     fam = summary["family"]
     assert fam["episodes"] == 2 and 0 <= fam["successes"] <= 2
-    assert summary["commands_sent"] >= 95 and summary["device"]["kind"] == "panda"
+    assert summary["device"]["kind"] == "panda" and summary["watchdog_trips"] == 0
+    # every observation the loop acted on was answered by exactly one command; on a loaded machine the physics
+    # emulator falls behind and its frames land in bursts, of which the loop acts on the newest (CI once saw 63
+    # commands in 105 steps, an idle machine 105), so the count has only a loose floor
+    assert summary["commands_sent"] == summary["inputs_used"] >= summary["loop"]["steps"] // 2
     assert summary["loop"]["latency_p99_us"] < 20_000
 
 
