@@ -181,3 +181,25 @@ def test_the_real_generators_tiny_recording_runs_through_the_harness():
     r = run_harness(rec, tiny_harness(methods=("zero_shot", "alignment"), reference=False))
     assert set(r["methods"]) == {"zero_shot", "alignment"}
     assert all(np.isfinite(v["mean"]["beam"]["WER"]) for v in r["methods"].values())
+
+
+def test_time_estimate_counts_each_per_session_layer_training_the_run_does(sessions):
+    from dataclasses import replace
+
+    from sdk.bci.benchmark import BciBenchConfig, estimate_seconds
+
+    bench = BciBenchConfig()  # session_layers on stage 1's recipe, the drift reference on its own, left out
+
+    def training_s(**harness):
+        cfg = replace(bench, harness=replace(bench.harness, **harness))
+        return estimate_seconds(sessions, cfg, 1000.0)["per_seed_s"]["stage 1 + session layers"]
+
+    default = training_s()
+    without = training_s(methods=("zero_shot", "two_stage"))
+    with_reference = training_s(reference=True)
+    shared_reference = training_s(reference=True, reference_train=None)
+    assert without == pytest.approx(default / 2)  # stage 1 alone: the two recipes have the same steps and batch
+    assert with_reference == pytest.approx(1.5 * default)  # a second per-session-layer decoder
+    assert shared_reference == pytest.approx(default)  # one decoder serves both
+    # the reference alone, without the session_layers baseline: stage 1 and the reference
+    assert training_s(reference=True, methods=("two_stage",)) == pytest.approx(default)
