@@ -79,8 +79,10 @@ def test_headstage_session_decodes_records_and_replays(neural_bundle, tmp_path):
     cfg = _cfg("sim://headstage?channels=12&seed=3", tmp_path)
     s = run_session(neural_bundle, cfg)
     assert s.device["kind"] == "headstage" and s.device["n_channels"] == 12
-    assert s.frames_received >= 50 and s.inputs_used >= 50
-    assert s.commands_sent == s.inputs_used
+    # every frame of the 1.5 s stream arrives and is used or, when a newer one landed before the tick, skipped
+    # (a loaded machine delivers bursts); each used frame is answered by one command
+    assert s.frames_received >= 50 and s.inputs_used + s.inputs_skipped >= 50
+    assert s.commands_sent == s.inputs_used > 0
     assert s.watchdog_trips == 0 and s.link["lost"] == 0 and s.link["crc_errors"] == 0
     r = RecordingReader(cfg.record)
     assert r.dropped_bytes == 0 and r.summary["commands_sent"] == s.commands_sent
