@@ -18,7 +18,8 @@ import torch
 
 from sdk.bci.benchmark import BciBenchConfig, generate_data
 from sdk.bci.data import make_examples, session_normalization
-from sdk.bci.evaluate import _score, decode_examples
+from sdk.bci.evaluate import decode_examples
+from sdk.bci.metrics import falcon_metrics
 from sdk.bci.models import AffineAlignment, AlignedDecoder
 
 
@@ -36,7 +37,7 @@ def main() -> None:
         for s in held_in:
             ev = make_examples(s, s.evaluation, session_normalization(s))
             decoded = decode_examples(model, ev, None, 0, 0.0, torch.device("cpu"))
-            cers.append(_score(decoded, [e.sentence for e in ev])["greedy_end"]["CER"])
+            cers.append(falcon_metrics([decoded["greedy_end"]], [[e.sentence for e in ev]])["per_session"][0]["CER"])
         print(f"{path}: held-in greedy_end CER {100 * np.mean(cers):.2f}% over {len(cers)} sessions", flush=True)
 
 

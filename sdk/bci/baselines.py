@@ -65,6 +65,12 @@ class TrainedModels:
     held_in_days: dict[str, float] = field(default_factory=dict)
     logs: dict[str, TrainingLog] = field(default_factory=dict)
 
+    def reference_decoder(self) -> SessionInputDecoder:
+        """The drift reference's per-session-input-layer decoder: its own, or the session_layers one it shares."""
+        if self.reference_model is not None:
+            return self.reference_model
+        return _need(self, "session_layers", "drift reference")
+
 
 @dataclass
 class Adapted:
@@ -225,8 +231,7 @@ def finetune(models, session, calib, norm, config, options) -> Adapted:
 
 def reference_layer(models: TrainedModels, session: Session) -> AlignedDecoder:
     """Drift reference: the session-layer decoder with the last held-in session's layer (by day)."""
-    sm = models.reference_model if models.reference_model is not None else _need(models, "session_layers",
-                                                                                   "drift reference")
+    sm = models.reference_decoder()
     held = [(models.held_in_days[n], i) for i, n in enumerate(sm.session_names) if models.held_in_days[n] <= session.day]
     i = max(held or [(models.held_in_days[n], i) for i, n in enumerate(sm.session_names)])[1]
     return AlignedDecoder(sm.layers[i], sm.backbone)

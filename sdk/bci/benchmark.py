@@ -27,7 +27,7 @@ from .augment import DriftAugmentation
 from .calibrate import CalibrationConfig
 from .config import JsonConfig
 from .data import collate, ctc_loss, resolve_device
-from .evaluate import HarnessConfig, build_lexicon, run_harness
+from .evaluate import HarnessConfig, build_lexicon, harness_needs, run_harness
 from .meta import MetaConfig
 from .models import GRUBackbone
 from .report import markdown_table, summarize, write_results
@@ -116,9 +116,9 @@ def estimate_seconds(sessions: list, config: BciBenchConfig, bins_per_s: float) 
     per_step = (folds * 3 * (n - 1) + n) * mean_bins  # leave-one-out fits on every grid value + the final fit
     adam_methods = sum(x in h.methods for x in ("session_layers", "alignment", "finetune"))
     st, rt = h.session_recipe(), h.reference_recipe()
-    separate = h.reference_is_separate()
-    session_steps = st.steps * st.batch_size if ("session_layers" in h.methods or (h.reference and not separate)) else 0
-    reference_steps = rt.steps * rt.batch_size if (h.reference and separate) else 0
+    needs = harness_needs(h)
+    session_steps = st.steps * st.batch_size if "session_layers" in needs else 0
+    reference_steps = rt.steps * rt.batch_size if "reference" in needs else 0
     parts = {
         "stage 1 + session layers": (h.train.steps * h.train.batch_size + session_steps + reference_steps) * mean_bins,
         "meta-learning": m.meta_steps * m.tasks_per_step * (m.inner_steps * m.n_support + m.n_query) * mean_bins

@@ -135,14 +135,26 @@ def _score(decoded: dict[str, list[str]], refs: list[str]) -> dict:
     return out
 
 
+def resolve_needs(needs: set[str], config: HarnessConfig) -> set[str]:
+    """``needs`` with "reference" replaced by "session_layers" when the drift reference shares that decoder."""
+    if "reference" in needs and not config.reference_is_separate():
+        return (needs - {"reference"}) | {"session_layers"}
+    return set(needs)
+
+
+def harness_needs(config: HarnessConfig) -> set[str]:
+    """What :func:`run_harness` trains for ``config``: its methods' needs and, with ``reference``, the drift reference's."""
+    needs = {n for m in config.methods for n in get_method(m).needs} | ({"reference"} if config.reference else set())
+    return resolve_needs(needs, config)
+
+
 def train_models(sessions: Sequence[Session], config: HarnessConfig, needs: set[str]) -> TrainedModels:
     """Train, on held-in sessions only, what ``needs`` names ("backbone", "meta", "session_layers", "reference").
 
     "reference" is the drift reference's decoder: the session_layers decoder itself when the two recipes
     are the same, else one trained with :meth:`HarnessConfig.reference_recipe`.
     """
-    if "reference" in needs and not config.reference_is_separate():
-        needs = (needs - {"reference"}) | {"session_layers"}
+    needs = resolve_needs(needs, config)
     models = TrainedModels(held_in_days={s.name: float(s.day) for s in sessions if s.split == "held_in"})
     if "backbone" in needs or "meta" in needs:
         models.backbone, models.logs["backbone"] = train_backbone(sessions, config.train)
@@ -185,9 +197,8 @@ def run_harness(sessions: Sequence[Session], config: HarnessConfig | None = None
     if not held_in or not held_out:
         raise ValueError(f"the harness needs held-in and held-out sessions; got {len(held_in)} and {len(held_out)}")
     lexicon = lexicon if lexicon is not None else build_lexicon(sessions)
-    needs = {n for m in methods for n in m.needs} | ({"reference"} if config.reference else set())
     if models is None:
-        models = train_models(sessions, config, needs)
+        models = train_models(sessions, config, harness_needs(config))
     last_day = max(s.day for s in held_in)
     out: dict = {
         "seed": config.seed, "device": str(device), "config": config.to_dict(), "lexicon_words": len(lexicon),
@@ -267,9 +278,7 @@ def adapt_held_out(sessions: Sequence[Session], models: TrainedModels, method: s
 def drift_reference(sessions: Sequence[Session], models: TrainedModels, config: HarnessConfig, lexicon: Lexicon) -> dict:
     """Per-session-input-layer decoder: held-in CER (own layers) and held-out zero-shot CER (last held-in layer)."""
     device = resolve_device(config.device)
-    sm = models.reference_model if models.reference_model is not None else models.session_model
-    if sm is None:
-        raise ValueError("the drift reference needs its per-session-input-layer decoder: train_models(..., {'reference'})")
+    sm = models.reference_decoder()
     held_in, held_out = {}, {}
     for s in sessions:
         if s.split == "held_in":
@@ -295,5 +304,5 @@ def available_methods() -> list[str]:
 
 
 __all__ = ["DEFAULT_METHODS", "HarnessConfig", "CalibrationConfig", "MetaConfig", "TrainConfig", "adapt_held_out",
-           "available_methods", "build_lexicon", "decode_examples", "drift_reference", "held_out_calibration",
-           "run_harness", "train_models"]
+           "available_methods", "build_lexicon", "decode_examples", "drift_reference", "harness_needs",
+           "held_out_calibration", "resolve_needs", "run_harness", "train_models"]
