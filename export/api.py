@@ -10,6 +10,7 @@ TensorRT compatibility and builds an engine where TensorRT and a GPU are present
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -154,6 +155,13 @@ def export_bundle(
         "provenance": jsonable(dict(provenance or {}), "provenance"),
     }
     example = torch.as_tensor(example_input)
+    source_device = module_device(module)
+    if source_device.type != "cpu":
+        # The bundle runs in fp32 on the CPU (ONNX Runtime, Numba) and its parity reference must be fp32 math too:
+        # on a GPU, cuDNN's GRU and convolutions use TF32 by default, whose error can exceed the fp32 tolerance.
+        # Export a CPU copy; the caller's module stays on its device, untouched.
+        report(f"module is on {source_device}: exporting a CPU copy (parity is checked against fp32 torch on the CPU)")
+        module = copy.deepcopy(module).cpu()
     was_training = module.training
     module.eval()
     try:
@@ -210,7 +218,7 @@ def export_bundle(
     settings = {
         "kind": kind, "input_name": input_name, "output_name": output_name, "variants": list(variant_names),
         "tolerance": tolerance.to_dict(), "tensorrt": tensorrt, "example_input_shape": list(example.shape),
-        "recorded_sequence": recorded_sequence is not None,
+        "recorded_sequence": recorded_sequence is not None, "module_device": str(source_device),
         "options": {**asdict(options), "variant_tolerances": {k: v.to_dict() for k, v in options.variant_tolerances.items()}},
         "graph_checks": exported.checks, "export_warnings": exported.warnings,
     }

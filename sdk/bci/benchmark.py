@@ -94,13 +94,22 @@ def generate_data(config: BciBenchConfig) -> list:
 def measure_bins_per_s(sessions: list, config: HarnessConfig, reps: int = 2) -> float:
     """Training throughput (bins per second, forward + backward) of the configured backbone on this machine."""
     torch.set_num_threads(1)
+    device = resolve_device(config.device)
     ex = held_in_examples(sessions)[: config.train.batch_size]
     bc = config.train.backbone
-    bb = GRUBackbone(ex[0].x.shape[1], bc.n_hidden, bc.n_layers).to(resolve_device(config.device))
-    batch = collate(ex, resolve_device(config.device))
+    bb = GRUBackbone(ex[0].x.shape[1], bc.n_hidden, bc.n_layers).to(device)
+    batch = collate(ex, device)
+
+    def sync() -> None:  # CUDA runs asynchronously: time finished work only
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    ctc_loss(bb(batch.x)[0], batch).backward()  # warm-up: allocator, kernels, cuDNN plans
+    sync()
     t0 = time.perf_counter()
     for _ in range(reps):
         ctc_loss(bb(batch.x)[0], batch).backward()
+    sync()
     return reps * float(batch.x_lens.sum()) / (time.perf_counter() - t0)
 
 

@@ -136,6 +136,8 @@ def calibrate_bundle(
     from .models import AffineAlignment, AlignedDecoder
 
     t0 = time.perf_counter()
+    if device is not None:
+        resolve_device(device)  # a device this machine lacks is refused before anything is read
     src = load_bundle(bundle)  # checksums, state file included
     m = src.manifest
     if m.family != BCI_FAMILY:
@@ -292,8 +294,10 @@ def _train(a: argparse.Namespace) -> int:
     import dataclasses
 
     from .benchmark import BciBenchConfig
+    from .data import resolve_device
     from .evaluate import HarnessConfig
 
+    resolve_device(a.device)  # a device this machine lacks is refused before the data are read
     if a.config:
         harness = HarnessConfig.load(a.config)
     else:

@@ -37,15 +37,19 @@ def ctc_nll(logp: torch.Tensor, targets: torch.Tensor, input_lengths: torch.Tens
     """
     b, t_max, _ = logp.shape
     dev = logp.device
-    tl = target_lengths.to(dev).long()
-    il = input_lengths.to(dev).long()
-    l_max = int(tl.max()) if b else 0
+    # the labels are laid out on the CPU (on CUDA, reading lengths element by element would sync per sequence)
+    tl_cpu = target_lengths.detach().cpu().long()
+    flat = targets.detach().cpu().long()
+    l_max = int(tl_cpu.max()) if b else 0
     s_max = 2 * l_max + 1
-    padded = torch.full((b, max(l_max, 1)), BLANK, dtype=torch.long, device=dev)
-    offsets = torch.cumsum(tl, 0) - tl
-    for i in range(b):
-        n = int(tl[i])
-        padded[i, :n] = targets[int(offsets[i]): int(offsets[i]) + n].to(dev)
+    padded = torch.full((b, max(l_max, 1)), BLANK, dtype=torch.long)
+    start = 0
+    for i, n in enumerate(tl_cpu.tolist()):
+        padded[i, :n] = flat[start: start + n]
+        start += n
+    padded = padded.to(dev)
+    tl = tl_cpu.to(dev)
+    il = input_lengths.to(dev).long()
     ext = torch.full((b, s_max), BLANK, dtype=torch.long, device=dev)
     ext[:, 1::2] = padded[:, :l_max]
     lp = logp.gather(2, ext[:, None, :].expand(b, t_max, s_max))  # (B, T, S)

@@ -143,7 +143,25 @@ def ctc_loss(logp: torch.Tensor, batch: Batch, reduction: str = "mean") -> torch
 
 
 def resolve_device(device: str) -> torch.device:
-    """``"auto"``: CUDA when present, else CPU; anything else as given."""
+    """``"auto"``: CUDA when present, else CPU; anything else as given, checked to exist here.
+
+    Raises ``ValueError`` naming the request when it is not a device string, or asks for a
+    CUDA device this machine (or this PyTorch build) does not have, before any work starts.
+    """
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"device {device!r} is not a device: expected 'auto', 'cpu', 'cuda' or 'cuda:N'") from e
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            build = f"PyTorch {torch.__version__}" + ("" if torch.version.cuda else ", a CPU-only build")
+            raise ValueError(f"device {device!r}: no CUDA GPU is available ({build}); use device 'cpu' or 'auto', "
+                             "or install a CUDA build of PyTorch (the Makefile's TORCH_SPEC)")
+        count = torch.cuda.device_count()
+        if dev.index is not None and dev.index >= count:
+            raise ValueError(f"device {device!r}: this machine has {count} CUDA device(s), cuda:0..cuda:{count - 1}")
+    elif dev.type != "cpu":
+        raise ValueError(f"device {device!r}: the iBCI training runs on 'cpu' or 'cuda' (or 'auto')")
+    return dev

@@ -178,6 +178,26 @@ def test_calibrate_command_prints_what_it_did(bundle, held_out_file, tmp_path, c
     assert "already exists" in capsys.readouterr().err
 
 
+def test_a_device_the_machine_lacks_is_refused_before_any_work(bundle, held_out_file, tmp_path, capsys):
+    import torch
+
+    from sdk.bci.data import resolve_device
+
+    with pytest.raises(ValueError, match="'mps'.*'cpu' or 'cuda'"):
+        resolve_device("mps")
+    with pytest.raises(ValueError, match="'gpu0' is not a device"):
+        resolve_device("gpu0")
+    missing = "cuda" if not torch.cuda.is_available() else f"cuda:{torch.cuda.device_count()}"
+    assert main(["calibrate", str(bundle), "--data", str(held_out_file), "--out", str(tmp_path / "c"),
+                 "--device", missing]) == 2
+    err = capsys.readouterr().err
+    assert f"device {missing!r}" in err and ("no CUDA GPU" in err or "CUDA device(s)" in err)
+    assert not (tmp_path / "c").exists()
+    # bci-train refuses it before reading the data (the folder does not even exist)
+    assert main(["bci-train", str(tmp_path / "no-such-folder"), "--out", str(tmp_path / "t"), "--device", missing]) == 2
+    assert f"device {missing!r}" in capsys.readouterr().err
+
+
 def test_tampered_or_inconsistent_state_is_refused(bundle, held_out_file, tmp_path):
     bad = tmp_path / "tampered"
     shutil.copytree(bundle, bad)

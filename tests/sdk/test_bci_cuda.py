@@ -55,3 +55,21 @@ def test_a_backbone_decodes_the_same_on_cuda_as_on_cpu():
         b = gpu(batch.x.to("cuda"))[0].cpu()
     # float32 GRU (cuDNN vs CPU kernels) over ~100 steps: log-probabilities agree to 1e-4
     torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-4)
+
+
+def test_a_decoder_trained_on_cuda_exports_with_fp32_parity_and_stays_on_the_gpu(tmp_path):
+    """The export checks a CPU copy against ONNX Runtime: cuDNN's TF32 GRU is not the fp32 reference."""
+    import numpy as np
+
+    from runtime.bundle import load_bundle
+    from sdk.bci.deploy import export_bci_bundle
+    from sdk.bci.models import AffineAlignment, AlignedDecoder, GRUBackbone
+
+    torch.manual_seed(0)
+    module = AlignedDecoder(AffineAlignment(8), GRUBackbone(8, 32, 2)).to("cuda")
+    path = export_bci_bundle(module, tmp_path / "b", n_channels=8, mean=np.zeros(8), std=np.ones(8),
+                             session_name="s", variants=(), tensorrt=False, report=lambda s: None)
+    manifest = load_bundle(path).manifest
+    assert manifest.graphs["main"].parity["reference"] == "torch (cpu)"
+    assert manifest.provenance["export"]["settings"]["module_device"].startswith("cuda")
+    assert next(module.parameters()).device.type == "cuda"  # the caller's module was not moved
