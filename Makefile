@@ -7,19 +7,21 @@
 PYTHON      ?= python3.11
 VENV        ?= .venv
 TORCH_SPEC  ?= torch==2.13.0
+# The tested versions of every other package (constraints.txt); CONSTRAINTS= installs the newest pyproject allows.
+CONSTRAINTS ?= constraints.txt
 PY          := $(VENV)/bin/python
 STAMP       := $(VENV)/.installed
 
-.PHONY: venv demo test bench lint clean
+.PHONY: venv demo test bench lint clean constraints
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml Makefile $(CONSTRAINTS)
 	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "error: $(PYTHON) not found; install Python 3.11 or run 'make PYTHON=python3 ...'"; exit 2; }
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet $(TORCH_SPEC)
-	$(PY) -m pip install --quiet -e '.[train,sim,rl,dev]'
+	$(PY) -m pip install --quiet -e '.[train,sim,rl,dev]' $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
 	@touch $(STAMP)
 
 demo: $(STAMP)
@@ -33,6 +35,11 @@ bench: $(STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
+
+# after a green `make test` on newer packages (CONSTRAINTS=): record them as the tested set
+constraints: $(STAMP)
+	@{ sed -n '/^#/p' constraints.txt; $(PY) -m pip freeze --exclude-editable | grep -v '^torch=='; } > constraints.txt.new
+	@mv constraints.txt.new constraints.txt && echo "constraints.txt: $$(grep -vc '^#' constraints.txt) packages"
 
 clean:
 	rm -rf $(VENV) build *.egg-info
