@@ -10,14 +10,18 @@ measures this machine's GRU throughput and prints the estimated run time.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import multiprocessing as mp
 import os
 import pickle
 import platform
+import signal
 import tempfile
+import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -155,6 +159,27 @@ def _run_seed(args: tuple[str, dict, int]) -> dict:
     return run_harness(sessions, cfg, lexicon=build_lexicon(sessions, words))
 
 
+@contextlib.contextmanager
+def _sigterm_exits() -> Iterator[None]:
+    """SIGTERM raises SystemExit here, so leaving the pool's ``with`` terminates its seed processes.
+
+    Without it ``kill PID`` ends the driver and leaves its workers training for the rest of
+    the hour (a pool's workers outlive a parent that SIGTERM's default action kills).
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def run_bci_benchmark(config: BciBenchConfig, report=print) -> dict:
     """Run the benchmark; write results under ``config.out_dir``; return the summary."""
     from sim.handwriting import VOCABULARY
@@ -176,7 +201,7 @@ def run_bci_benchmark(config: BciBenchConfig, report=print) -> dict:
             pickle.dump((sessions, list(VOCABULARY)), f)
         jobs = [(path, config.harness.to_dict(), s) for s in config.seeds]
         if est["jobs"] > 1:
-            with mp.get_context("spawn").Pool(est["jobs"]) as pool:
+            with _sigterm_exits(), mp.get_context("spawn").Pool(est["jobs"]) as pool:
                 runs = pool.map(_run_seed, jobs)
         else:
             runs = [_run_seed(j) for j in jobs]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -51,3 +52,58 @@ def test_the_benchmark_script_writes_every_result_of_an_ablated_two_seed_run(tmp
     assert bench["bench_config"]["seeds"] == [0, 1] and bench["wall_s"] > 0 and bench["estimated_s"] > 0
     table = (tmp_path / f"{stem}.md").read_text()
     assert "two_stage" in table and "zero_shot" in table
+
+
+def _spawned_children(pid: int) -> set[int]:
+    """The multiprocessing workers whose parent is ``pid`` (from /proc)."""
+    out = set()
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            cmd = (d / "cmdline").read_bytes()
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == pid and b"spawn_main" in cmd:
+            out.add(int(d.name))
+    return out
+
+
+def _is_worker(pid: int) -> bool:
+    """Whether ``pid`` is still a live multiprocessing worker (a zombie's cmdline is empty)."""
+    try:
+        return b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+
+
+def test_killing_the_benchmark_ends_its_seed_processes_too(tmp_path):
+    """`kill PID` on a running benchmark must not leave its workers training for an hour."""
+    import signal
+    import time
+
+    workers: set[int] = set()
+    proc = subprocess.Popen([sys.executable, str(ROOT / "bench" / "bench_bci.py"), "--tiny", "--seeds", "0", "1",
+                             "--jobs", "2", "--methods", "zero_shot", "--out", str(tmp_path)],
+                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while len(workers) < 2 and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.2)
+            workers = _spawned_children(proc.pid)
+        assert len(workers) == 2, "the two seed processes never started"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 128 + signal.SIGTERM
+        deadline = time.monotonic() + 15
+        while any(_is_worker(w) for w in workers) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        alive = [w for w in workers if _is_worker(w)]
+        assert not alive, f"seed processes {alive} outlived the killed benchmark"
+        assert not list(tmp_path.glob("bci_tiny*"))  # nothing half-written
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for w in workers:  # a failing run must not leave them to the rest of the suite either
+            if _is_worker(w):
+                os.kill(w, signal.SIGKILL)
