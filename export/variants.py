@@ -10,9 +10,10 @@ and the user can decline it.
 * ``fp16``: ``onnxruntime.transformers.float16.convert_float_to_float16`` with
   ``keep_io_types=True`` (weights and activations in float16, I/O float32).
 * ``int8``: ``onnxruntime.quantization.quantize_dynamic`` with QInt8 weights in 7 bits
-  (``reduce_range``: correct on x86 CPUs without VNNI too; activations quantized on the fly). Only some ops have integer kernels: MatMul and
-  Gemm become ``MatMulInteger``; GRU stays float32. The record lists which ops were
-  quantized and which weight-bearing ops kept float.
+  (``reduce_range``: right on x86 CPUs without VNNI too; activations quantized on the
+  fly). Only some ops have integer kernels: MatMul and Gemm become ``MatMulInteger``;
+  GRU stays float32. The record lists which ops were quantized and which
+  weight-bearing ops kept float.
 
 Adding a variant is one builder function and one ``VARIANTS`` entry.
 """
