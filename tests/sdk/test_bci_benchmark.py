@@ -62,10 +62,9 @@ def _spawned_children(pid: int) -> set[int]:
             continue
         try:
             ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            cmd = (d / "cmdline").read_bytes()
         except (OSError, IndexError, ValueError):
             continue
-        if ppid == pid and b"spawn_main" in cmd:
+        if ppid == pid and _is_worker(int(d.name)):
             out.add(int(d.name))
     return out
 
