@@ -63,10 +63,11 @@ def parse_variant(text: str) -> tuple[str, dict[str, str]]:
     return name, dict(parse_setting(item, f"--variant {text!r}: item") for item in filter(None, rest.split(",")))
 
 
-def cached(what: str, train, sessions, recipe: TrainConfig, cache: Path):
-    """``train(sessions, recipe)``'s model, trained once per recipe (seed included) and kept under ``cache``."""
+def cached(what: str, train, sessions, recipe: TrainConfig, cache: Path, data_seed: int = 0):
+    """``train(sessions, recipe)``'s model, trained once per recipe (seed included) and data seed, kept under ``cache``."""
     key = hashlib.sha256(json.dumps(to_dict(recipe), sort_keys=True).encode()).hexdigest()[:12]
-    path = cache / f"{what}_seed{recipe.seed}_{key}.pt"
+    data = f"_data{data_seed}" if data_seed else ""  # the benchmark's own data (seed 0) keeps the older names
+    path = cache / f"{what}_seed{recipe.seed}{data}_{key}.pt"
     if path.exists():
         return torch.load(path, weights_only=False), json.loads(path.with_suffix(".json").read_text())["wall_s"]
     model, log = train(sessions, recipe)
@@ -101,6 +102,9 @@ def with_calibration_trials(sessions, n: int):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seed", type=int, default=0, help="model seed")
+    ap.add_argument("--data-seed", type=int, default=None,
+                    help="generate the recording from this seed instead of the benchmark's (a development set: "
+                         "choose stage-2 settings here, then run bench_bci.py once with the choice)")
     ap.add_argument("--variant", action="append", default=[], help="NAME:FIELD=VALUE[,FIELD=VALUE] (repeatable)")
     ap.add_argument("--methods", nargs="+", default=["two_stage"])
     ap.add_argument("--threads", type=int, default=1)
@@ -117,6 +121,8 @@ def main() -> None:
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     bench = BciBenchConfig()
+    if a.data_seed is not None:
+        bench = replace(bench, data_seed=a.data_seed)
     sessions, _ = generate_data(bench)
     lexicon = build_lexicon(sessions, list(VOCABULARY))
     base = replace(bench.harness, seed=a.seed, methods=tuple(a.methods), reference=False)
@@ -125,10 +131,11 @@ def main() -> None:
     base = apply_overrides(base, {f"train.{k}": v for k, v in map(parse_setting, a.train)}
                            | {f"session_train.{k}": v for k, v in (parse_setting(t, "--session-train")
                                                                   for t in a.session_train)}).seeded()
-    backbone, backbone_s = cached("backbone", train_backbone, sessions, base.train, Path(a.cache))
+    backbone, backbone_s = cached("backbone", train_backbone, sessions, base.train, Path(a.cache), bench.data_seed)
     session_model = None
     if "session_layers" in a.methods:
-        session_model, _ = cached("session_layers", train_session_layers, sessions, base.session_recipe(), Path(a.cache))
+        session_model, _ = cached("session_layers", train_session_layers, sessions, base.session_recipe(), Path(a.cache),
+                                  bench.data_seed)
     if a.calibration_trials:
         sessions = with_calibration_trials(sessions, a.calibration_trials)
         base = replace(base, n_calibration=a.calibration_trials)
@@ -141,7 +148,7 @@ def main() -> None:
         if "two_stage" in harness.methods:
             models.meta, models.logs["meta"] = meta_train_alignment(backbone, sessions, harness.meta)
         out = run_harness(sessions, harness, lexicon=lexicon, models=models)
-        row = {"variant": name, "overrides": overrides, "train_overrides": a.train,
+        row = {"variant": name, "data_seed": bench.data_seed, "overrides": overrides, "train_overrides": a.train,
                "session_train_overrides": a.session_train, "seed": a.seed,
                "calibration_trials": harness.n_calibration,
                "wall_s": time.perf_counter() - t0,
@@ -155,7 +162,7 @@ def main() -> None:
             f.write(json.dumps(row) + "\n")
         cells = "  ".join(f"{m}: beam WER {100 * v['mean']['beam']['WER']:.2f}% greedy CER "
                           f"{100 * v['mean']['greedy']['CER']:.2f}%" for m, v in out["methods"].items())
-        print(f"seed {a.seed} {name:>16s} ({row['wall_s']:.0f} s)  {cells}", flush=True)
+        print(f"data {bench.data_seed} seed {a.seed} {name:>16s} ({row['wall_s']:.0f} s)  {cells}", flush=True)
 
 
 if __name__ == "__main__":
