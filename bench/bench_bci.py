@@ -25,6 +25,9 @@ if __name__ == "__main__":
     ap.add_argument("--config", help="a BciBenchConfig JSON file (overrides the defaults)")
     ap.add_argument("--ablate", help="switch one drift component off in the data (or 'all'): the drift ablation")
     ap.add_argument("--methods", nargs="+", help="methods to run (default: all)")
+    ap.add_argument("--data-seed", type=int,
+                    help="generate the recording from this seed (default 0, the benchmark's): a replication on "
+                         "another recording of the same frozen generator; results go to bci_data{SEED}.*")
     ap.add_argument("--reference", action="store_true",
                     help="also train and score the drift reference (bench/calibrate_bci_drift.py; ~11 more minutes)")
     a = ap.parse_args()
@@ -40,6 +43,9 @@ if __name__ == "__main__":
         cfg.harness.methods = tuple(a.methods)
     if a.reference:
         cfg.harness.reference = True
+    if a.data_seed is not None and a.data_seed != cfg.data_seed:
+        cfg.data_seed = a.data_seed
+        cfg.stem = f"{cfg.stem}_data{a.data_seed}"
     if a.ablate:
         cfg.ablate = a.ablate
         cfg.stem = f"{cfg.stem}_ablate_{a.ablate}"

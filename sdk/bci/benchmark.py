@@ -205,6 +205,9 @@ def run_bci_benchmark(config: BciBenchConfig, report=print) -> dict:
                 runs = pool.map(_run_seed, jobs)
         else:
             runs = [_run_seed(j) for j in jobs]
+    for run in runs:
+        for warning in run.get("training_warnings", []):
+            report(f"warning (seed {run['seed']}): {warning}")
     summary = summarize(runs)
     wall = time.perf_counter() - t0
     extra = {"benchmark": {"wall_s": wall, "estimated_s": est["total_s"], "estimate": est,

@@ -255,6 +255,8 @@ def train_pooled_bundle(sessions: list, harness: Any, out: str | Path, *, proven
     models = train_models(sessions, harness, {"backbone", "meta"})
     report(f"stage 1 (pooled backbone) {models.logs['backbone'].wall_s:.1f} s, stage 2 (meta-learned alignment) "
            f"{models.logs['meta'].wall_s:.1f} s")
+    if (warning := models.logs["backbone"].warning()) is not None:
+        report(f"warning: {warning}")
     marks = None
     if end_completion == "plain":
         marks = ""

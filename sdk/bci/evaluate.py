@@ -205,6 +205,7 @@ def run_harness(sessions: Sequence[Session], config: HarnessConfig | None = None
         "sessions": {s.name: {"day": float(s.day), "days_since_last_held_in": float(s.day - last_day)} for s in held_out},
         "train_s": {k: log.wall_s for k, log in models.logs.items()},
         "logs": {k: log.to_dict() for k, log in models.logs.items()},
+        "training_warnings": [w for log in models.logs.values() if (w := getattr(log, "warning", lambda: None)())],
         "methods": {},
     }
     if models.meta is not None:

@@ -251,4 +251,7 @@ def _thin(logs: dict, points: int = 100) -> dict:
         step = max(1, len(loss) // points)
         out[k] = {"every": step, "loss": [float(np.mean(loss[i: i + step])) for i in range(0, len(loss), step)],
                   "wall_s": log.get("wall_s", 0.0)}
+        if "restarts" in log:  # stage-1 style runs: which seed was kept, which runs were abandoned on the plateau
+            out[k] |= {"seed": log["seed"], "restarted_seeds": [r["seed"] for r in log["restarts"]],
+                       "on_plateau": log["on_plateau"]}
     return out

@@ -70,9 +70,39 @@ class TrainConfig(JsonConfig):
     # the data, so at the backbone's rate the layers fill with noise
     input_layer_lr_scale: float = 0.1
     std_floor: float = DEFAULT_STD_FLOOR
+    # CTC training can sit on the plateau where the network emits blanks and the text's character statistics and
+    # ignores its input. A run whose mean loss over the 25 steps before ``plateau_steps`` is above
+    # ``plateau_fraction`` of its mean over the 25 steps before ``plateau_steps // 2`` has not left it: it is
+    # restarted from a new initialisation (seed ``seed + 1000 * attempt``), at most ``max_restarts`` times; the last
+    # attempt always runs to the end. Only runs longer than ``plateau_steps`` are checked; 0 turns the check off.
+    plateau_steps: int = 200
+    plateau_fraction: float = 0.8
+    max_restarts: int = 2
     seed: int = 0
     device: str = "auto"
     progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.plateau_steps and self.plateau_steps < 100:
+            raise ValueError(f"train.plateau_steps={self.plateau_steps}: the plateau check compares two 25-step "
+                             "windows half a check apart; use at least 100, or 0 to turn it off")
+
+
+#: Seed of restart ``attempt`` (0: the configured run) of a training with seed ``seed``.
+def restart_seed(seed: int, attempt: int) -> int:
+    return seed + 1000 * attempt
+
+
+def on_plateau(loss: Sequence[float], plateau_steps: int, fraction: float, at: int | None = None) -> bool:
+    """True when the loss over the 25 steps before ``at`` (default ``plateau_steps``) is above ``fraction`` of its
+    level over the 25 steps before ``plateau_steps // 2``: the run has not left the plateau it reached early."""
+    at = plateau_steps if at is None else at
+    if not plateau_steps or len(loss) < max(at, plateau_steps):
+        return False
+    late = float(np.mean(loss[at - 25:at]))
+    half = plateau_steps // 2
+    early = float(np.mean(loss[half - 25:half]))
+    return late > fraction * early
 
 
 @dataclass
@@ -84,9 +114,24 @@ class TrainingLog:
     device: str = "cpu"
     n_trials: int = 0
     what: str = ""
+    seed: int = 0  # the seed of the run kept (``restart_seed`` of the configured one after restarts)
+    restarts: list[dict] = field(default_factory=list)  # abandoned runs: seed, steps, loss curve
+    on_plateau: bool = False  # the kept run itself failed the plateau check (every restart was used)
 
     def to_dict(self) -> dict:
-        return {"what": self.what, "loss": self.loss, "wall_s": self.wall_s, "device": self.device, "n_trials": self.n_trials}
+        return {"what": self.what, "loss": self.loss, "wall_s": self.wall_s, "device": self.device,
+                "n_trials": self.n_trials, "seed": self.seed, "restarts": self.restarts, "on_plateau": self.on_plateau}
+
+    def warning(self) -> str | None:
+        """A sentence for the user when training had to restart or never left the CTC plateau, else None."""
+        if self.on_plateau:
+            return (f"{self.what}: the loss never left the CTC plateau ({len(self.restarts)} restart(s) used): the "
+                    "model mostly ignores its input. Train longer (train.steps), lower train.lr, or check that the "
+                    "inputs carry the signal (normalisation, channel count)")
+        if self.restarts:
+            return (f"{self.what}: restarted {len(self.restarts)} time(s) because the loss had not left the CTC "
+                    f"plateau after {len(self.restarts[0]['loss'])} steps; kept seed {self.seed}")
+        return None
 
     def smoothed(self, window: int = 25) -> np.ndarray:
         """Running mean of the loss (for plots and tests)."""
@@ -122,15 +167,20 @@ def fit_ctc(
     config: TrainConfig,
     what: str,
     lr_scales: dict[int, float] | None = None,
+    seed: int | None = None,
+    stop_on_plateau: bool = False,
 ) -> TrainingLog:
     """Train ``module`` in place: ``forward(x, batch) -> logp`` on augmented batches, CTC loss, Adam.
 
-    ``lr_scales`` maps ``id(parameter)`` to a learning-rate factor (default 1).
+    ``lr_scales`` maps ``id(parameter)`` to a learning-rate factor (default 1). ``seed``
+    (default ``config.seed``) seeds batches and augmentation. ``stop_on_plateau`` ends the
+    run at ``config.plateau_steps`` when it fails the plateau check (``log.on_plateau``).
     """
+    seed = config.seed if seed is None else seed
     device = resolve_device(config.device)
-    torch.manual_seed(config.seed)
-    rng = np.random.default_rng(config.seed)
-    gen = torch.Generator().manual_seed(config.seed + 1)
+    torch.manual_seed(seed)
+    rng = np.random.default_rng(seed)
+    gen = torch.Generator().manual_seed(seed + 1)
     module.to(device).train()
     params = [p for p in module.parameters() if p.requires_grad]
     scales = lr_scales or {}
@@ -139,7 +189,8 @@ def fit_ctc(
         groups.setdefault(scales.get(id(p), 1.0), []).append(p)
     opt = torch.optim.Adam([{"params": ps, "scale": k} for k, ps in groups.items()], lr=config.lr,
                            weight_decay=config.weight_decay)
-    log = TrainingLog(device=str(device), n_trials=len(examples), what=what)
+    log = TrainingLog(device=str(device), n_trials=len(examples), what=what, seed=seed)
+    check = config.plateau_steps if config.steps > config.plateau_steps else 0
     batches = iterate_batches(examples, config.batch_size, rng, config.shortest_first_epochs)
     t0 = time.perf_counter()
     bar = tqdm(range(config.steps), desc=what, disable=not config.progress, leave=False)
@@ -157,9 +208,36 @@ def fit_ctc(
         log.loss.append(float(loss.detach()))
         if step % 10 == 0:
             bar.set_postfix(loss=f"{np.mean(log.loss[-10:]):.3f}")
+        if step + 1 == check and on_plateau(log.loss, check, config.plateau_fraction):
+            log.on_plateau = True
+            if stop_on_plateau:
+                break
+    if log.on_plateau and len(log.loss) == config.steps:  # ran to the end anyway: did it leave the plateau later?
+        log.on_plateau = on_plateau(log.loss, check, config.plateau_fraction, at=config.steps)
     module.eval()
     log.wall_s = time.perf_counter() - t0
     return log
+
+
+def fit_ctc_restarting(build: Callable[[], tuple[nn.Module, Callable, dict[int, float] | None]],
+                       examples: Sequence[Example], config: TrainConfig, what: str) -> tuple[nn.Module, TrainingLog]:
+    """``fit_ctc`` on ``build()``'s model, restarted from a new initialisation while it sits on the CTC plateau.
+
+    ``build`` makes a fresh ``(module, forward, lr_scales)`` after ``torch.manual_seed``
+    of the attempt's seed (``restart_seed``); see ``TrainConfig.plateau_steps``.
+    """
+    abandoned: list[dict] = []
+    for attempt in range(config.max_restarts + 1):
+        seed = restart_seed(config.seed, attempt)
+        torch.manual_seed(seed)
+        module, forward, scales = build()
+        last = attempt == config.max_restarts
+        log = fit_ctc(module, forward, examples, config, what, scales, seed=seed, stop_on_plateau=not last)
+        if not log.on_plateau or last:
+            log.restarts = abandoned
+            return module, log
+        abandoned.append({"seed": seed, "loss": log.loss, "wall_s": log.wall_s})
+    raise AssertionError("unreachable")
 
 
 def train_backbone(sessions: Sequence[Session], config: TrainConfig | None = None) -> tuple[GRUBackbone, TrainingLog]:
@@ -180,11 +258,13 @@ def train_backbone(sessions: Sequence[Session], config: TrainConfig | None = Non
     """
     config = config or TrainConfig()
     examples = held_in_examples(sessions, config.std_floor)
-    torch.manual_seed(config.seed)
     bc = config.backbone
-    backbone = GRUBackbone(examples[0].x.shape[1], bc.n_hidden, bc.n_layers, bc.dropout)
-    log = fit_ctc(backbone, lambda x, b: backbone(x)[0], examples, config, "stage 1: pooled backbone")
-    return backbone, log
+
+    def build():
+        backbone = GRUBackbone(examples[0].x.shape[1], bc.n_hidden, bc.n_layers, bc.dropout)
+        return backbone, lambda x, b: backbone(x)[0], None
+
+    return fit_ctc_restarting(build, examples, config, "stage 1: pooled backbone")
 
 
 def train_session_layers(
@@ -194,10 +274,12 @@ def train_session_layers(
     config = config or TrainConfig()
     held_in = [s for s in sessions if s.split == "held_in"]
     examples = held_in_examples(sessions, config.std_floor)
-    torch.manual_seed(config.seed)
     bc = config.backbone
-    model = SessionInputDecoder([s.name for s in held_in],
-                                GRUBackbone(examples[0].x.shape[1], bc.n_hidden, bc.n_layers, bc.dropout))
-    scales = {id(p): config.input_layer_lr_scale for p in model.layers.parameters()}
-    log = fit_ctc(model, lambda x, b: model(x, b.session)[0], examples, config, "session input layers", scales)
-    return model, log
+
+    def build():
+        model = SessionInputDecoder([s.name for s in held_in],
+                                    GRUBackbone(examples[0].x.shape[1], bc.n_hidden, bc.n_layers, bc.dropout))
+        scales = {id(p): config.input_layer_lr_scale for p in model.layers.parameters()}
+        return model, lambda x, b: model(x, b.session)[0], scales
+
+    return fit_ctc_restarting(build, examples, config, "session input layers")

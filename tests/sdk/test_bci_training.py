@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -56,7 +58,6 @@ def test_config_json_round_trip_keeps_nested_dataclasses():
 
 
 def test_session_layer_and_reference_decoders_train_with_their_own_recipes_and_survive_json(sessions):
-    from dataclasses import replace
 
     from sdk.bci.baselines import reference_layer
     from sdk.bci.evaluate import HarnessConfig, build_lexicon, drift_reference, train_models
@@ -229,3 +230,30 @@ def test_override_replaces_a_nested_setting_by_its_dotted_path_and_refuses_unkno
         override(h, "meta.drift.fresh=0.1")
     with pytest.raises(ValueError, match="SECTION.FIELD=VALUE"):
         override(h, "meta.inner_steps")
+
+
+def test_plateau_check_reads_the_loss_curve():
+    from sdk.bci.train import on_plateau
+
+    flat = [20.0] * 10 + [3.0] * 190
+    falling = [20.0] * 10 + list(np.linspace(3.0, 0.5, 190))
+    assert on_plateau(flat, 200, 0.8) and not on_plateau(falling, 200, 0.8)
+    assert not on_plateau(flat[:150], 200, 0.8)  # too short to judge
+    assert not on_plateau(flat, 0, 0.8)  # off
+    assert not on_plateau(flat + [0.5] * 50, 200, 0.8, at=250)  # left it later
+
+
+def test_a_run_stuck_on_the_ctc_plateau_restarts_from_new_seeds_and_says_so(sessions):
+    # every channel silenced: nothing to learn from the input, so the loss can only sit on the plateau
+    blind = TrainConfig(backbone=BackboneConfig(16, 1, 0.0), steps=110, batch_size=4, lr=1e-2, device="cpu",
+                        progress=False, augmentation=DriftAugmentation(dropout_p=1.0), plateau_steps=100,
+                        max_restarts=1, seed=3)
+    _, log = train_backbone(sessions, blind)
+    assert [r["seed"] for r in log.restarts] == [3] and len(log.restarts[0]["loss"]) == 100
+    assert log.seed == 1003 and len(log.loss) == 110 and log.on_plateau
+    assert "never left the CTC plateau" in log.warning()
+    _, once = train_backbone(sessions, replace(blind, max_restarts=0))
+    assert once.restarts == [] and once.seed == 3 and once.on_plateau  # no restart left: flagged, kept
+    assert once.loss[:100] == log.restarts[0]["loss"]  # the abandoned run is the configured one
+    with pytest.raises(ValueError, match="plateau_steps"):
+        replace(blind, plateau_steps=50)
