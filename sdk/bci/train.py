@@ -88,8 +88,8 @@ class TrainConfig(JsonConfig):
                              "windows half a check apart; use at least 100, or 0 to turn it off")
 
 
-#: Seed of restart ``attempt`` (0: the configured run) of a training with seed ``seed``.
 def restart_seed(seed: int, attempt: int) -> int:
+    """Seed of restart ``attempt`` (0: the configured run) of a training with seed ``seed``."""
     return seed + 1000 * attempt
 
 
@@ -115,7 +115,7 @@ class TrainingLog:
     n_trials: int = 0
     what: str = ""
     seed: int = 0  # the seed of the run kept (``restart_seed`` of the configured one after restarts)
-    restarts: list[dict] = field(default_factory=list)  # abandoned runs: seed, steps, loss curve
+    restarts: list[dict] = field(default_factory=list)  # abandoned runs: seed, loss curve, wall_s
     on_plateau: bool = False  # the kept run itself failed the plateau check (every restart was used)
 
     def to_dict(self) -> dict:

@@ -37,7 +37,7 @@ def test_observer_session_at_1khz_against_the_plant_emulator(fj_bundle, tmp_path
     # 1500 periods; on a loaded 2-core machine the emulator process falls behind, so only a floor is asserted.
     # The watchdog is the session's default (0.25 s): a 0.1 s one tripped once in a full idle `make test` on a
     # 2-core AVX2 machine (529 commands sent), where the emulator process, not the loop, was starved.
-    events = [e.json() for e in RecordingReader(rec).of_type(RecordType.EVENT) if e.json()["event"] != "device_hello"]
+    events = [e for e in (r.json() for r in RecordingReader(rec).of_type(RecordType.EVENT)) if e["event"] != "device_hello"]
     assert s.commands_sent > 300 and s.watchdog_trips == 0, (s.commands_sent, s.frames_received, events[:8])
     # every command sent respects the bundle's limits
     b = load_bundle(fj_bundle)
