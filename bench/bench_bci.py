@@ -22,6 +22,7 @@ if __name__ == "__main__":
     ap.add_argument("--jobs", type=int, help="parallel seed processes (default: min(seeds, CPU cores))")
     ap.add_argument("--device", help="auto (default), cpu or cuda")
     ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--stem", help="results file stem (default bci, bci_tiny with --tiny), e.g. to keep an earlier run")
     ap.add_argument("--config", help="a BciBenchConfig JSON file (overrides the defaults)")
     ap.add_argument("--ablate", help="switch one drift component off in the data (or 'all'): the drift ablation")
     ap.add_argument("--methods", nargs="+", help="methods to run (default: all)")
@@ -39,6 +40,8 @@ if __name__ == "__main__":
         cfg.jobs = a.jobs
     if a.device:
         cfg.harness.device = a.device
+    if a.stem:
+        cfg.stem = a.stem
     if a.methods:
         cfg.harness.methods = tuple(a.methods)
     if a.reference:

@@ -42,13 +42,16 @@ from sim.handwriting.types import Session, Trial
 
 from .calibrate import (
     CalibrationConfig,
+    StackedAdam,
     calibrate_session,
     choose_by_validation,
     loo_folds,
+    task_axis,
     trials_to_examples,
 )
 from .data import Example, Normalization, collate, ctc_loss, resolve_device
-from .meta import MetaAlignment
+from .fastgru import stacked_backbone
+from .meta import MetaAlignment, per_task_ctc
 from .models import AffineAlignment, AlignedDecoder, GRUBackbone, SessionInputDecoder, alignment_params
 from .train import TrainingLog
 
@@ -177,29 +180,49 @@ def _with(config: CalibrationConfig, **changes) -> CalibrationConfig:
     return CalibrationConfig.from_dict({**config.to_dict(), **changes})
 
 
-def _finetune(backbone: GRUBackbone, support: Sequence[Example], lr: float, steps: int,
-              validation: Sequence[Example] | None, eval_every: int, device: torch.device
-              ) -> tuple[GRUBackbone, list[int], list[float]]:
-    bb = copy.deepcopy(backbone).to(device).eval()  # eval: dropout off, as in every other calibration
-    for p in bb.parameters():
-        p.requires_grad_(True)
-    opt = torch.optim.Adam(bb.parameters(), lr=lr)
-    sup = collate(support, device)
-    val = collate(validation, device) if validation else None
-    ckpts, losses = [], []
+def finetune_batch(backbone: GRUBackbone, support: Sequence[Sequence[Example]], lrs: Sequence[float], steps: int,
+                   validation: Sequence[Sequence[Example]] | None = None, eval_every: int = 1,
+                   device: torch.device | str = "cpu", max_grad_norm: float = 1.0
+                   ) -> tuple[dict[str, torch.Tensor], list[int], np.ndarray]:
+    """Fine-tune one copy of every backbone weight per task at once (Adam, learning rate ``lrs[t]``).
+
+    Each task has its own sentences (the same number per task) and its own copy of the
+    weights, clipped to gradient norm ``max_grad_norm`` per task; the copies run as one
+    batch (:func:`sdk.bci.fastgru.stacked_backbone`), in evaluation mode (dropout off, as in
+    every other calibration). Returns the fitted weights with a task axis (names as in
+    ``backbone.named_parameters()``), the checkpoint steps, and the validation loss per
+    checkpoint and task (empty without ``validation``).
+    """
+    n = len(support)
+    sup = collate([e for task in support for e in task], device)
+    val = collate([e for task in validation for e in task], device) if validation else None
+    for what, batch in (("support", sup), ("validation", val)):
+        if batch is not None and batch.x.shape[0] % n:
+            raise ValueError(f"every task needs the same number of {what} sentences; got {batch.x.shape[0]} for {n} tasks")
+    params = {k: v.detach().to(device).expand(n, *v.shape).clone() for k, v in backbone.named_parameters()}
+    adam = StackedAdam(params, torch.tensor(list(lrs), dtype=torch.float32, device=device))
+
+    def losses(p: dict[str, torch.Tensor], batch) -> torch.Tensor:
+        x = batch.x.view(n, -1, *batch.x.shape[1:])
+        return per_task_ctc(stacked_backbone(p, x, backbone.n_layers).flatten(0, 1), batch, n)
+
+    checkpoints: list[int] = []
+    curve: list[np.ndarray] = []
     for k in range(steps + 1):
         if val is not None and (k % eval_every == 0 or k == steps):
             with torch.no_grad():
-                losses.append(float(ctc_loss(bb(val.x)[0], val)))
-            ckpts.append(k)
+                curve.append(losses(params, val).cpu().numpy())
+            checkpoints.append(k)
         if k == steps:
             break
-        loss = ctc_loss(bb(sup.x)[0], sup)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(bb.parameters(), 1.0)
-        opt.step()
-    return bb.eval(), ckpts, losses
+        leaves = {name: v.requires_grad_() for name, v in params.items()}
+        grads = dict(zip(leaves, torch.autograd.grad(losses(leaves, sup).sum(), list(leaves.values())), strict=True))
+        with torch.no_grad():  # torch.nn.utils.clip_grad_norm_, per task
+            norm = torch.stack([g.flatten(1).pow(2).sum(1) for g in grads.values()]).sum(0).sqrt()
+            coef = (max_grad_norm / (norm + 1e-6)).clamp(max=1.0)
+            grads = {name: g * task_axis(coef, g.dim() - 1) for name, g in grads.items()}
+        params = adam.step(grads)
+    return {k: v.detach() for k, v in params.items()}, checkpoints, np.array(curve)
 
 
 @register_method("finetune", needs=("backbone",))
@@ -212,19 +235,20 @@ def finetune(models, session, calib, norm, config, options) -> Adapted:
     grid = tuple(options.get("finetune_lr_grid", (1e-4, 3e-4, 1e-3)))
 
     def run(knobs: list[float], steps: int, splits: list) -> tuple[list[int], np.ndarray]:
-        curves, ck = [], []
-        for i, lr in enumerate(knobs):
-            fit, val = splits[i % len(splits)]
-            _, ck, losses = _finetune(bb, [ex[j] for j in fit], lr, steps, [ex[j] for j in val], config.eval_every, device)
-            curves.append(losses)
-        return ck, np.array(curves).T
+        sup = [[ex[j] for j in splits[i % len(splits)][0]] for i in range(len(knobs))]
+        val = [[ex[j] for j in splits[i % len(splits)][1]] for i in range(len(knobs))]
+        _, ck, curve = finetune_batch(bb, sup, knobs, steps, val, config.eval_every, device)
+        return ck, curve
 
-    with torch.backends.cudnn.flags(enabled=False):
-        if config.tune and loo_folds(len(ex), config.folds):
-            lr, steps, _ = choose_by_validation(run, grid, config.steps, len(ex), config.folds)
-        else:
-            lr, steps = float(grid[len(grid) // 2]), config.steps
-        tuned, _, _ = _finetune(bb, ex, lr, steps, None, config.eval_every, device)
+    if config.tune and loo_folds(len(ex), config.folds):
+        lr, steps, _ = choose_by_validation(run, grid, config.steps, len(ex), config.folds)
+    else:
+        lr, steps = float(grid[len(grid) // 2]), config.steps
+    fitted, _, _ = finetune_batch(bb, [ex], [lr], steps, device=device)
+    tuned = copy.deepcopy(bb).to(device).eval()
+    with torch.no_grad():
+        for name, p in tuned.named_parameters():
+            p.copy_(fitted[name][0])
     model = AlignedDecoder(AffineAlignment(bb.n_inputs).to(device), tuned)
     return Adapted(model, {"optimizer": "adam (whole backbone)", "lr": lr, "steps": steps}, time.perf_counter() - t0)
 

@@ -86,6 +86,39 @@ def loo_folds(n: int, folds: int) -> list[tuple[list[int], list[int]]]:
     return [([j for j in range(n) if j != i], [i]) for i in range(min(folds, n))]
 
 
+def task_axis(values: torch.Tensor, dims: int) -> torch.Tensor:
+    """``values`` (n,) shaped (n, 1, ...) to scale tensors with a task axis and ``dims`` more."""
+    return values.view(-1, *([1] * dims))
+
+
+class StackedAdam:
+    """Adam (``torch.optim.Adam``'s update, no weight decay) on parameters with a leading task axis.
+
+    Each task has its own learning rate ``lr[t]``; the tasks do not interact. :meth:`step`
+    takes the gradients and returns the new parameters (new tensors, the old are untouched).
+    """
+
+    def __init__(self, params: dict[str, torch.Tensor], lr: torch.Tensor,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8):
+        self.params = dict(params)
+        self.lr = {k: task_axis(lr, v.dim() - 1) for k, v in params.items()}
+        self.m1 = {k: torch.zeros_like(v) for k, v in params.items()}
+        self.m2 = {k: torch.zeros_like(v) for k, v in params.items()}
+        self.betas, self.eps, self.k = betas, eps, 0
+
+    @torch.no_grad()
+    def step(self, grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        self.k += 1
+        beta1, beta2 = self.betas
+        c1, c2 = 1 - beta1**self.k, 1 - beta2**self.k
+        for name, g in grads.items():
+            self.m1[name].mul_(beta1).add_((1 - beta1) * g)
+            self.m2[name].mul_(beta2).add_((1 - beta2) * g * g)
+            self.params[name] = self.params[name] - self.lr[name] * (self.m1[name] / c1) / (
+                (self.m2[name] / c2).sqrt() + self.eps)
+        return dict(self.params)
+
+
 def fit_alignment_batch(
     backbone: GRUBackbone,
     start: dict[str, torch.Tensor],
@@ -111,16 +144,14 @@ def fit_alignment_batch(
     knob = torch.tensor(list(knobs), dtype=torch.float32, device=device)
     names = list(start)
     p = {k: start[k].detach().to(device).expand(n, *start[k].shape).clone() for k in names}
-    scale = {k: knob.view(n, *([1] * start[k].dim())) for k in names}
+    scale = {k: task_axis(knob, start[k].dim()) for k in names}
     if optimizer == "meta":
         if meta is None:
             raise ValueError("optimizer='meta' needs the MetaAlignment from meta_train_alignment")
         if set(meta.log_step) != set(names):
             raise ValueError(f"the meta step sizes are for {sorted(meta.log_step)}, the start has {sorted(names)}")
         alpha = {k: a.detach().to(device) for k, a in meta.step_sizes().items()}
-    m1 = {k: torch.zeros_like(v) for k, v in p.items()}
-    m2 = {k: torch.zeros_like(v) for k, v in p.items()}
-    beta1, beta2, eps = 0.9, 0.999, 1e-8
+    adam = StackedAdam(p, knob) if optimizer != "meta" else None
     checkpoints: list[int] = []
     curve: list[np.ndarray] = []
 
@@ -136,14 +167,11 @@ def fit_alignment_batch(
         grads = torch.autograd.grad(task_losses(backbone, sup.x, sup, *compose_alignment(leaves), n),
                                     [leaves[name] for name in names])
         with torch.no_grad():
-            for name, g in zip(names, grads, strict=True):
-                if optimizer == "meta":
+            if optimizer == "meta":
+                for name, g in zip(names, grads, strict=True):
                     p[name] = p[name] - scale[name] * alpha[name] * g
-                else:
-                    m1[name].mul_(beta1).add_((1 - beta1) * g)
-                    m2[name].mul_(beta2).add_((1 - beta2) * g * g)
-                    c1, c2 = 1 - beta1**k, 1 - beta2**k
-                    p[name] = p[name] - scale[name] * (m1[name] / c1) / ((m2[name] / c2).sqrt() + eps)
+            else:
+                p = adam.step(dict(zip(names, grads, strict=True)))
         record(k)
     return {k: v.detach() for k, v in p.items()}, checkpoints, np.array(curve)
 

@@ -114,13 +114,18 @@ def task_losses(backbone: GRUBackbone, x: torch.Tensor, batch: Batch, weight: to
     w = weight.repeat_interleave(per_task, dim=0)
     b = bias.repeat_interleave(per_task, dim=0)
     logp, _ = backbone(affine(x, w, b))
+    per_task_loss = per_task_ctc(logp, batch, n_tasks, twice_differentiable)
+    return per_task_loss.sum() if reduce else per_task_loss
+
+
+def per_task_ctc(logp: torch.Tensor, batch: Batch, n_tasks: int, twice_differentiable: bool = False) -> torch.Tensor:
+    """Each task's mean CTC loss (``ctc_loss``'s per-target-length mean) of ``logp`` grouped task-major."""
     if twice_differentiable:
         nll = ctc_nll(logp, batch.targets, batch.x_lens, batch.target_lens)
     else:
         nll = ctc_loss(logp, batch, reduction="none")
     per_seq = nll / batch.target_lens.to(logp.device).clamp(min=1)
-    per_task_loss = per_seq.view(n_tasks, per_task).mean(1)
-    return per_task_loss.sum() if reduce else per_task_loss
+    return per_seq.view(n_tasks, -1).mean(1)
 
 
 class MetaAlignment(nn.Module):

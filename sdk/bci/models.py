@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from .charset import N_CLASSES
+from .fastgru import gru_layers, gru_sequence
 
 
 class GRUBackbone(nn.Module):
@@ -45,8 +46,15 @@ class GRUBackbone(nn.Module):
         return torch.zeros(self.n_layers, batch, self.n_hidden, dtype=p.dtype, device=p.device)
 
     def forward(self, seq: torch.Tensor, h: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """``seq`` (batch, time, inputs) -> log-probabilities (batch, time, 32) and the final state."""
-        y, h = self.gru(seq, h)
+        """``seq`` (batch, time, inputs) -> log-probabilities (batch, time, 32) and the final state.
+
+        While the GRU's own weights are trained on CPU this runs :func:`sdk.bci.fastgru.gru_sequence`
+        (the same function, a faster backward pass); otherwise ``nn.GRU``.
+        """
+        if seq.device.type == "cpu" and torch.is_grad_enabled() and self.gru.weight_hh_l0.requires_grad:
+            y, h = gru_sequence(seq, gru_layers(self.gru), h, self.gru.dropout, self.training)
+        else:
+            y, h = self.gru(seq, h)
         return torch.log_softmax(self.readout(self.drop(y)), dim=-1), h
 
     def step(self, x: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

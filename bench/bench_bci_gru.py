@@ -1,0 +1,119 @@
+"""Training speed of the handwriting GRU: nn.GRU against sdk.bci.fastgru, on one CPU thread.
+
+    python bench/bench_bci_gru.py        # writes bench/results/bci_gru_speed.{json,md,png}
+
+Times one training step (forward, CTC-shaped loss, backward to every weight) of the
+benchmark's 192 -> 1 x 128 GRU + read-out over trials of 500 bins (the synthetic
+recording's mean is about 480):
+
+* stage 1's batch of 16 trials and a calibration batch of 2, through ``nn.GRU`` and
+  through the backbone's own backward pass (what ``GRUBackbone`` runs while training
+  on CPU);
+* the fine-tuning baseline's cross-validation step, 9 fits of 2 trials each (3 learning
+  rates x 3 leave-one-out folds): one ``nn.GRU`` copy after another (session 10's code)
+  against :func:`sdk.bci.fastgru.stacked_backbone`, all 9 in one batch.
+
+Each figure is the median of ``--reps`` timed steps after one warm-up step, the two sides of a
+row timed alternately, on an idle machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from sdk.bci.fastgru import stacked_backbone
+from sdk.bci.models import GRUBackbone
+
+
+def _median_pair_s(first, second, reps: int) -> tuple[float, float]:
+    """Median seconds of ``first()`` and of ``second()``, timed alternately (a busy neighbour slows both alike)."""
+    first(), second()
+    times: tuple[list[float], list[float]] = ([], [])
+    for _ in range(reps):
+        for fn, out in ((first, times[0]), (second, times[1])):
+            t0 = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - t0)
+    return float(np.median(times[0])), float(np.median(times[1]))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--reps", type=int, default=9)
+    ap.add_argument("--bins", type=int, default=500)
+    ap.add_argument("--out", default="bench/results")
+    a = ap.parse_args()
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    bb = GRUBackbone(192, 128, 1).eval()
+    params = list(bb.parameters())
+
+    def nn_gru_step(x: torch.Tensor, w: torch.Tensor) -> None:
+        logp = torch.log_softmax(bb.readout(bb.gru(x)[0]), -1)
+        torch.autograd.grad((logp * w).sum(), params)
+
+    def fast_step(x: torch.Tensor, w: torch.Tensor) -> None:
+        torch.autograd.grad((bb(x)[0] * w).sum(), params)
+
+    rows = []
+    for batch in (16, 2):
+        x, w = torch.randn(batch, a.bins, 192), torch.randn(batch, a.bins, 32)
+        ref, new = _median_pair_s(lambda x=x, w=w: nn_gru_step(x, w), lambda x=x, w=w: fast_step(x, w), a.reps)
+        rows.append({"case": f"one GRU, batch {batch}", "nn_gru_s": ref, "fastgru_s": new, "speedup": ref / new})
+
+    n_fits = 9
+    x, w = torch.randn(n_fits, 2, a.bins, 192), torch.randn(n_fits, 2, a.bins, 32)
+    stacked = {k: v.detach().expand(n_fits, *v.shape).clone().requires_grad_() for k, v in bb.named_parameters()}
+
+    def sequential() -> None:
+        for i in range(n_fits):
+            nn_gru_step(x[i], w[i])
+
+    def batched() -> None:
+        torch.autograd.grad((stacked_backbone(stacked, x, 1) * w).sum(), list(stacked.values()))
+
+    ref, new = _median_pair_s(sequential, batched, a.reps)
+    rows.append({"case": f"{n_fits} fine-tuning fits of batch 2", "nn_gru_s": ref, "fastgru_s": new,
+                 "speedup": ref / new})
+
+    table = "| training step | nn.GRU (s) | fastgru (s) | speed-up |\n| --- | --- | --- | --- |\n" + "\n".join(
+        f"| {r['case']} | {r['nn_gru_s']:.3f} | {r['fastgru_s']:.3f} | {r['speedup']:.2f}x |" for r in rows)
+    print(table)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    doc = {"command": "python bench/bench_bci_gru.py", "bins": a.bins, "reps": a.reps, "threads": 1, "rows": rows,
+           "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,
+                       "loadavg": os.getloadavg()}}
+    for name, text in (("bci_gru_speed.json", json.dumps(doc, indent=2)), ("bci_gru_speed.md", table + "\n")):
+        tmp = out / (name + ".tmp")
+        tmp.write_text(text)
+        os.replace(tmp, out / name)
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    pos = np.arange(len(rows))
+    ax.bar(pos - 0.2, [r["nn_gru_s"] for r in rows], 0.4, label="nn.GRU")
+    ax.bar(pos + 0.2, [r["fastgru_s"] for r in rows], 0.4, label="sdk.bci.fastgru")
+    ax.set_xticks(pos, [r["case"] for r in rows], fontsize=8)
+    ax.set_ylabel("seconds per training step (1 thread)")
+    ax.legend()
+    fig.tight_layout()
+    tmp_png = out / "bci_gru_speed.png.tmp"
+    fig.savefig(tmp_png, dpi=120, format="png")
+    os.replace(tmp_png, out / "bci_gru_speed.png")
+    print(f"wrote {out / 'bci_gru_speed.json'}, .md and .png")
+
+
+if __name__ == "__main__":
+    main()

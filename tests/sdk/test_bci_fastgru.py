@@ -1,0 +1,141 @@
+"""The GRU with its own backward pass (sdk.bci.fastgru) against nn.GRU, and the batched fine-tuning it serves.
+
+Tolerances: float32 sums in a different order, so outputs agree to 1e-5 and gradients to a
+relative 1e-5 of their largest entry; fitted weights after a few Adam steps to 1e-4.
+"""
+
+import numpy as np
+import pytest
+import torch
+
+from sdk.bci.baselines import finetune_batch
+from sdk.bci.data import Example, collate, ctc_loss
+from sdk.bci.fastgru import gru_layers, gru_sequence, stacked_backbone
+from sdk.bci.models import GRUBackbone
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max().clamp(min=1e-12))
+
+
+@pytest.mark.parametrize("n_layers", [1, 2])
+def test_gru_sequence_matches_nn_gru_values_and_every_gradient(n_layers):
+    torch.manual_seed(0)
+    gru = torch.nn.GRU(12, 10, n_layers, batch_first=True)
+    x = torch.randn(3, 17, 12, requires_grad=True)
+    h0 = torch.randn(n_layers, 3, 10, requires_grad=True)
+    w_out, w_last = torch.randn(3, 17, 10), torch.randn(n_layers, 3, 10)
+    ins = [x, h0, *gru.parameters()]
+
+    y_ref, h_ref = gru(x, h0)
+    g_ref = torch.autograd.grad((y_ref * w_out).sum() + (h_ref * w_last).sum(), ins)
+    y, h = gru_sequence(x, gru_layers(gru), h0)
+    g = torch.autograd.grad((y * w_out).sum() + (h * w_last).sum(), ins)
+
+    assert (y - y_ref).abs().max() < 1e-5 and (h - h_ref).abs().max() < 1e-5
+    for name, a, b in zip(["x", "h0"] + [n for n, _ in gru.named_parameters()], g, g_ref, strict=True):
+        assert _rel(a, b) < 1e-5, name
+
+
+def test_the_backward_pass_refuses_a_second_derivative():
+    """Second-order meta-learning must not run through it silently wrong: it raises instead."""
+    gru = torch.nn.GRU(4, 5, batch_first=True)
+    x = torch.randn(2, 6, 4, requires_grad=True)
+    y, _ = gru_sequence(x, gru_layers(gru))
+    (gx,) = torch.autograd.grad(y.square().sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError):
+        gx.sum().backward()
+
+
+def test_backbone_takes_the_fast_path_only_while_training_its_weights_and_both_paths_agree():
+    torch.manual_seed(1)
+    bb = GRUBackbone(8, 6, 2, dropout=0.0)
+    x = torch.randn(2, 9, 8)
+    trained, _ = bb(x)  # weights require grad, CPU: fast path
+    assert trained.grad_fn is not None
+    with torch.no_grad():
+        plain, _ = bb(x)  # nn.GRU
+    assert (trained - plain).abs().max() < 1e-5
+    for p in bb.parameters():
+        p.requires_grad_(False)
+    frozen, _ = bb(x.requires_grad_())  # frozen backbone (calibration, meta-learning): nn.GRU, twice differentiable
+    (gx,) = torch.autograd.grad(frozen.square().sum(), x, create_graph=True)
+    gx.sum().backward()
+    assert (frozen - plain).abs().max() < 1e-6
+
+
+def test_backbone_dropout_between_layers_in_training_only():
+    torch.manual_seed(2)
+    bb = GRUBackbone(8, 6, 2, dropout=0.5)
+    x = torch.randn(4, 9, 8)
+    bb.train()
+    a, b = bb(x)[0], bb(x)[0]
+    assert (a - b).abs().max() > 1e-3  # a new mask per call
+    bb.eval()
+    c, d = bb(x)[0], bb(x)[0]
+    assert torch.equal(c, d)
+
+
+def test_stacked_backbone_runs_each_task_with_its_own_weights():
+    torch.manual_seed(3)
+    backbones = [GRUBackbone(8, 6, 2).eval() for _ in range(3)]
+    params = {k: torch.stack([dict(b.named_parameters())[k].detach() for b in backbones])
+              for k, _ in backbones[0].named_parameters()}
+    x = torch.randn(3, 2, 11, 8)
+    out = stacked_backbone(params, x, n_layers=2)
+    for i, b in enumerate(backbones):
+        with torch.no_grad():
+            ref, _ = b(x[i])  # nn.GRU
+        assert (out[i] - ref).abs().max() < 1e-5
+
+
+def _examples(rng: np.random.Generator, n: int, channels: int = 8) -> list[Example]:
+    return [Example(rng.normal(size=(int(rng.integers(25, 40)), channels)).astype(np.float32),
+                    rng.integers(1, 31, size=int(rng.integers(3, 7))), "") for _ in range(n)]
+
+
+def _reference_finetune(backbone, support, lr, steps, validation, eval_every):
+    """One task the plain way: a copy of the backbone, torch.optim.Adam, clip_grad_norm_ 1.0, nn.GRU."""
+    import copy
+
+    bb = copy.deepcopy(backbone).eval()
+    opt = torch.optim.Adam(bb.parameters(), lr=lr)
+    sup, val = collate(support), collate(validation)
+    curve = []
+    for k in range(steps + 1):
+        if k % eval_every == 0 or k == steps:
+            with torch.no_grad():
+                curve.append(float(ctc_loss(torch.log_softmax(bb.readout(bb.gru(val.x)[0]), -1), val)))
+        if k == steps:
+            break
+        logp = torch.log_softmax(bb.readout(bb.gru(sup.x)[0]), -1)
+        loss = ctc_loss(logp, sup)
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(bb.parameters(), 1.0)
+        opt.step()
+    return dict(bb.named_parameters()), curve
+
+
+def test_finetune_batch_equals_one_fit_per_task_with_torch_adam():
+    torch.manual_seed(4)
+    rng = np.random.default_rng(4)
+    bb = GRUBackbone(8, 6, 1)
+    lrs = [1e-3, 3e-3, 1e-2]
+    support = [_examples(rng, 2) for _ in lrs]
+    validation = [_examples(rng, 1) for _ in lrs]
+    fitted, checkpoints, curve = finetune_batch(bb, support, lrs, steps=5, validation=validation, eval_every=2)
+    assert checkpoints == [0, 2, 4, 5] and curve.shape == (4, 3)
+    for t, lr in enumerate(lrs):
+        ref, ref_curve = _reference_finetune(bb, support[t], lr, 5, validation[t], 2)
+        np.testing.assert_allclose(curve[:, t], ref_curve, rtol=1e-4)
+        for name, p in ref.items():
+            assert _rel(fitted[name][t] - dict(bb.named_parameters())[name].detach(),
+                        p.detach() - dict(bb.named_parameters())[name].detach()) < 1e-3, (t, name)
+            assert (fitted[name][t] - p).abs().max() < 1e-4, (t, name)
+
+
+def test_finetune_batch_refuses_tasks_of_unequal_size():
+    rng = np.random.default_rng(5)
+    with pytest.raises(ValueError, match="same number of support sentences"):
+        finetune_batch(GRUBackbone(8, 6, 1), [_examples(rng, 2), _examples(rng, 1)], [1e-3, 1e-3], steps=1)
