@@ -42,7 +42,8 @@ class _GRURecurrence(torch.autograd.Function):
 
     Shapes (``...`` is empty, or the task axis of a stack): ``gi`` (..., B, T, 3H),
     ``whh`` (..., 3H, H), ``bhh`` (..., 3H), ``h0`` (..., B, H). Returns every step's
-    state (..., B, T, H) and the last one (..., B, H).
+    state (..., B, T, H) and the last one (..., B, H). Inside, time is the leading axis
+    of every buffer, so each step writes contiguous slices.
     """
 
     @staticmethod
@@ -50,51 +51,51 @@ class _GRURecurrence(torch.autograd.Function):
         n_hidden = whh.shape[-1]
         whh_t = whh.transpose(-1, -2)
         gi_rz, gi_n = gi[..., : 2 * n_hidden].unbind(-2), gi[..., 2 * n_hidden:].unbind(-2)
-        h = h0
-        states, rs, zs, ns, hns = [h0], [], [], [], []
-        for t in range(gi.shape[-2]):
-            gh = _recurrent(bhh, h, whh_t)
-            r, z = torch.sigmoid(gi_rz[t] + gh[..., : 2 * n_hidden]).chunk(2, -1)
+        n_steps = len(gi_rz)
+        states = gi.new_empty(n_steps + 1, *h0.shape)  # h_0 .. h_T
+        rz = gi.new_empty(n_steps, *h0.shape[:-1], 2 * n_hidden)  # the gates r and z
+        new = gi.new_empty(n_steps, *h0.shape)  # the candidate state n
+        hns = []  # W_hn h + b_hn
+        states[0] = h0
+        for t in range(n_steps):
+            gh = _recurrent(bhh, states[t], whh_t)
+            torch.sigmoid(gi_rz[t] + gh[..., : 2 * n_hidden], out=rz[t])
             hn = gh[..., 2 * n_hidden:]
-            n = torch.tanh(torch.addcmul(gi_n[t], r, hn))
-            h = torch.lerp(n, h, z)
-            states.append(h)
-            rs.append(r)
-            zs.append(z)
-            ns.append(n)
+            torch.tanh(torch.addcmul(gi_n[t], rz[t, ..., :n_hidden], hn), out=new[t])
+            torch.lerp(new[t], states[t], rz[t, ..., n_hidden:], out=states[t + 1])
             hns.append(hn)
         ctx.save_for_backward(whh)
-        ctx.steps = (states, rs, zs, ns, hns)
-        return torch.stack(states[1:], -2), h
+        ctx.steps = (states, rz, new, hns)
+        return states[1:].movedim(0, -2).contiguous(), states[-1].clone()
 
     @staticmethod
     @once_differentiable
     def backward(ctx, d_out, d_last):
         (whh,) = ctx.saved_tensors
-        states, rs, zs, ns, hns = ctx.steps
+        states, rz, n, hns = ctx.steps
         del ctx.steps
-        n_steps = len(rs)
-        dh = d_last.clone()  # autograd passes zeros for an output that was not used
+        n_hidden = whh.shape[-1]
+        # With dh the gradient reaching h_t, the pre-activation gradients are d_n = dh * a,
+        # d_z = dh * b and d_r = d_n * c; the hidden gates get (d_r, d_z, d_n * r) = dh * k.
+        # a, b, c and k are computed for all steps at once.
+        r, z, hn, h_prev = rz[..., :n_hidden], rz[..., n_hidden:], torch.stack(hns), states[:-1]
+        a = (1 - z) * (1 - n * n)
+        b = (h_prev - n) * z * (1 - z)
+        k = torch.cat((a * hn * r * (1 - r), b, a * r), -1)  # (T, ..., B, 3H)
         d_outs = d_out.unbind(-2)
-        d_gi: list[torch.Tensor | None] = [None] * n_steps  # input-gate gradients (r, z, n)
-        d_gh: list[torch.Tensor | None] = [None] * n_steps  # hidden-gate gradients (r, z, r * n)
-        for t in range(n_steps - 1, -1, -1):
-            dh = dh + d_outs[t]
-            r, z, n = rs[t], zs[t], ns[t]
-            d_n = dh * z.neg().add_(1) * (n * n).neg_().add_(1)
-            d_z = dh * (states[t] - n) * z * z.neg().add_(1)
-            d_r = d_n * hns[t] * r * r.neg().add_(1)
-            d_gi[t] = torch.cat((d_r, d_z, d_n), -1)
-            d_gh[t] = torch.cat((d_r, d_z, d_n * r), -1)
-            dh = torch.addmm(dh * z, d_gh[t], whh) if whh.dim() == 2 else torch.baddbmm(dh * z, d_gh[t], whh)
-        d_gi_all = torch.stack(d_gi, -2)
-        d_gh_all = torch.stack(d_gh, -2)
-        lead = d_gh_all.shape[:-3]
-        g = d_gh_all.reshape(*lead, -1, d_gh_all.shape[-1])
-        h_prev = torch.stack(states[:-1], -2)
-        d_whh = g.transpose(-1, -2) @ h_prev.reshape(*lead, -1, h_prev.shape[-1])
-        d_bhh = g.sum(-2)
-        return d_gi_all, d_whh, d_bhh, dh
+        dh_all = torch.empty_like(n)  # the gradient reaching each h_t
+        dh = d_last  # autograd passes zeros for an output that was not used
+        for t in range(n.shape[0] - 1, -1, -1):
+            dh = torch.add(dh, d_outs[t], out=dh_all[t])
+            d_gh = dh.repeat(*([1] * (dh.dim() - 1)), 3).mul_(k[t])
+            zt = z[t]
+            dh = torch.addmm(dh * zt, d_gh, whh) if whh.dim() == 2 else torch.baddbmm(dh * zt, d_gh, whh)
+        d_gh = dh_all.repeat(*([1] * (dh_all.dim() - 1)), 3).mul_(k)  # (T, ..., B, 3H)
+        d_gi = torch.cat((d_gh[..., : 2 * n_hidden], dh_all * a), -1).movedim(0, -2)  # input gates: (r, z, n)
+        # weight gradients: one product over every step (and batch row) per weight set
+        g = d_gh.movedim(0, -2).flatten(-3, -2)  # (..., B * T, 3H)
+        h_prev = h_prev.movedim(0, -2).flatten(-3, -2)  # (..., B * T, H)
+        return d_gi, g.transpose(-1, -2) @ h_prev, g.sum(-2), dh
 
 
 def gru_sequence(x: torch.Tensor, layers: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]],
