@@ -34,6 +34,9 @@ class GRUBackbone(nn.Module):
         Dropout between GRU layers and before the read-out (training only).
     """
 
+    #: train through :mod:`sdk.bci.fastgru` on CPU (False: always ``nn.GRU``, e.g. to compare the two)
+    use_fastgru: bool = True
+
     def __init__(self, n_inputs: int, n_hidden: int = 256, n_layers: int = 2, dropout: float = 0.0):
         super().__init__()
         self.n_inputs, self.n_hidden, self.n_layers = n_inputs, n_hidden, n_layers
@@ -48,10 +51,12 @@ class GRUBackbone(nn.Module):
     def forward(self, seq: torch.Tensor, h: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``seq`` (batch, time, inputs) -> log-probabilities (batch, time, 32) and the final state.
 
-        While the GRU's own weights are trained on CPU this runs :func:`sdk.bci.fastgru.gru_sequence`
-        (the same function, a faster backward pass); otherwise ``nn.GRU``.
+        While the GRU's own weights are trained on CPU (batched input) this runs
+        :func:`sdk.bci.fastgru.gru_sequence` (the same function, a faster backward pass);
+        otherwise ``nn.GRU``.
         """
-        if seq.device.type == "cpu" and torch.is_grad_enabled() and self.gru.weight_hh_l0.requires_grad:
+        if (self.use_fastgru and seq.dim() == 3 and seq.device.type == "cpu" and torch.is_grad_enabled()
+                and self.gru.weight_hh_l0.requires_grad):
             y, h = gru_sequence(seq, gru_layers(self.gru), h, self.gru.dropout, self.training)
         else:
             y, h = self.gru(seq, h)

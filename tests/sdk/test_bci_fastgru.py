@@ -14,6 +14,20 @@ from sdk.bci.fastgru import gru_layers, gru_sequence, stacked_backbone
 from sdk.bci.models import GRUBackbone
 
 
+def _through_fastgru(out: torch.Tensor) -> bool:
+    """Whether ``out``'s autograd graph contains the fastgru recurrence."""
+    seen, todo = set(), [out.grad_fn]
+    while todo:
+        fn = todo.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        if type(fn).__name__ == "_GRURecurrenceBackward":
+            return True
+        todo += [f for f, _ in fn.next_functions]
+    return False
+
+
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp(min=1e-12))
 
@@ -52,13 +66,14 @@ def test_backbone_takes_the_fast_path_only_while_training_its_weights_and_both_p
     bb = GRUBackbone(8, 6, 2, dropout=0.0)
     x = torch.randn(2, 9, 8)
     trained, _ = bb(x)  # weights require grad, CPU: fast path
-    assert trained.grad_fn is not None
+    assert _through_fastgru(trained)
     with torch.no_grad():
         plain, _ = bb(x)  # nn.GRU
     assert (trained - plain).abs().max() < 1e-5
     for p in bb.parameters():
         p.requires_grad_(False)
     frozen, _ = bb(x.requires_grad_())  # frozen backbone (calibration, meta-learning): nn.GRU, twice differentiable
+    assert not _through_fastgru(frozen)
     (gx,) = torch.autograd.grad(frozen.square().sum(), x, create_graph=True)
     gx.sum().backward()
     assert (frozen - plain).abs().max() < 1e-6
@@ -139,3 +154,24 @@ def test_finetune_batch_refuses_tasks_of_unequal_size():
     rng = np.random.default_rng(5)
     with pytest.raises(ValueError, match="same number of support sentences"):
         finetune_batch(GRUBackbone(8, 6, 1), [_examples(rng, 2), _examples(rng, 1)], [1e-3, 1e-3], steps=1)
+
+
+@pytest.mark.parametrize("which", ["backbone", "session_layers"])
+def test_training_through_fastgru_follows_nn_gru(monkeypatch, which):
+    """The whole training loop (augmentation, Adam, clipping, the session layers' lr scale) on either path.
+
+    Dropout off: nn.GRU's batch-first output is laid out time-major, so the same seed draws the
+    same dropout numbers into other positions; with dropout the two runs are different draws.
+    """
+    from sdk.bci.toy import toy_recording
+    from sdk.bci.train import BackboneConfig, TrainConfig, train_backbone, train_session_layers
+
+    sessions = toy_recording(n_channels=8, n_held_in=3, n_held_out=1, n_trials=6, seed=2)
+    config = TrainConfig(backbone=BackboneConfig(12, 2, 0.0), steps=8, batch_size=4, lr=1e-2, device="cpu",
+                         progress=False, plateau_steps=0)
+    train = train_backbone if which == "backbone" else train_session_layers
+    _, fast = train(sessions, config)
+    monkeypatch.setattr(GRUBackbone, "use_fastgru", False)
+    assert not _through_fastgru(GRUBackbone(8, 12, 2)(torch.zeros(1, 3, 8))[0])
+    _, plain = train(sessions, config)
+    np.testing.assert_allclose(fast.loss, plain.loss, rtol=1e-4)
