@@ -73,3 +73,36 @@ def test_a_decoder_trained_on_cuda_exports_with_fp32_parity_and_stays_on_the_gpu
     assert manifest.graphs["main"].parity["reference"] == "torch (cpu)"
     assert manifest.provenance["export"]["settings"]["module_device"].startswith("cuda")
     assert next(module.parameters()).device.type == "cuda"  # the caller's module was not moved
+
+
+def test_batched_fine_tuning_fits_the_same_on_cuda_as_on_cpu():
+    """The stacked backbone (fine-tuning's cross-validation copies) runs its own GRU loop on the GPU too.
+
+    Compared on the validation loss curves (smooth in the weights; Adam's first steps are
+    about lr * sign(gradient), so single weights may differ where a gradient is near zero).
+    """
+    import numpy as np
+
+    from sdk.bci.baselines import finetune_batch
+    from sdk.bci.data import Example
+    from sdk.bci.models import GRUBackbone
+
+    torch.manual_seed(0)
+    rng = np.random.default_rng(0)
+    bb = GRUBackbone(8, 16, 1).eval()
+
+    def examples(n):
+        return [Example(rng.normal(size=(30, 8)).astype(np.float32), rng.integers(1, 31, size=4), "")
+                for _ in range(n)]
+
+    sup, val = [examples(2) for _ in range(3)], [examples(1) for _ in range(3)]
+    lrs = [1e-4, 3e-4, 1e-3]
+    _, _, cpu = finetune_batch(bb, sup, lrs, steps=4, validation=val, eval_every=2, device="cpu")
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False  # fp32 products, as on the CPU
+    try:
+        _, _, gpu = finetune_batch(copy.deepcopy(bb).to("cuda"), sup, lrs, steps=4, validation=val, eval_every=2,
+                                   device="cuda")
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+    np.testing.assert_allclose(gpu, cpu, rtol=1e-3)
