@@ -127,7 +127,9 @@ def estimate_seconds(sessions: list, config: BciBenchConfig, bins_per_s: float) 
     m, c, n = h.meta, h.calibration, h.n_calibration
     folds = min(c.folds, n)
     per_step = (folds * 3 * (n - 1) + n) * mean_bins  # leave-one-out fits on every grid value + the final fit
-    adam_methods = sum(x in h.methods for x in ("session_layers", "alignment", "finetune"))
+    # fine-tuning fits its cross-validation copies as one batch (baselines.finetune_batch): per seed it took 390 s
+    # against session 9's 1,210 s one fit after another (bench/results/bci_session11.json, bci_rerun_session9.json)
+    adam_methods = sum(x in h.methods for x in ("session_layers", "alignment")) + 0.35 * ("finetune" in h.methods)
     st, rt = h.session_recipe(), h.reference_recipe()
     needs = harness_needs(h)
     session_steps = st.steps * st.batch_size if "session_layers" in needs else 0
