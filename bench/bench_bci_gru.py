@@ -20,6 +20,7 @@ row timed alternately, on an idle machine.
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import platform
@@ -29,6 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from runtime.atomic import atomic_write_bytes, atomic_write_text
 from sdk.bci.fastgru import stacked_backbone
 from sdk.bci.models import GRUBackbone
 
@@ -88,14 +90,11 @@ def main() -> None:
         f"| {r['case']} | {r['nn_gru_s']:.3f} | {r['fastgru_s']:.3f} | {r['speedup']:.2f}x |" for r in rows)
     print(table)
     out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
     doc = {"command": "python bench/bench_bci_gru.py", "bins": a.bins, "reps": a.reps, "threads": 1, "rows": rows,
            "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,
                        "loadavg": os.getloadavg()}}
-    for name, text in (("bci_gru_speed.json", json.dumps(doc, indent=2)), ("bci_gru_speed.md", table + "\n")):
-        tmp = out / (name + ".tmp")
-        tmp.write_text(text)
-        os.replace(tmp, out / name)
+    atomic_write_text(out / "bci_gru_speed.json", json.dumps(doc, indent=2))
+    atomic_write_text(out / "bci_gru_speed.md", table + "\n")
     import matplotlib
 
     matplotlib.use("Agg")
@@ -109,9 +108,9 @@ def main() -> None:
     ax.set_ylabel("seconds per training step (1 thread)")
     ax.legend()
     fig.tight_layout()
-    tmp_png = out / "bci_gru_speed.png.tmp"
-    fig.savefig(tmp_png, dpi=120, format="png")
-    os.replace(tmp_png, out / "bci_gru_speed.png")
+    png = io.BytesIO()
+    fig.savefig(png, dpi=120, format="png")
+    atomic_write_bytes(out / "bci_gru_speed.png", png.getvalue())
     print(f"wrote {out / 'bci_gru_speed.json'}, .md and .png")
 
 

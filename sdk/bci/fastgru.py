@@ -31,12 +31,24 @@ import torch
 from torch.autograd.function import once_differentiable
 from torch.nn import functional as F
 
+_LAYER_WEIGHTS = ("weight_ih", "weight_hh", "bias_ih", "bias_hh")  # nn.GRU's names, suffixed _l{layer}
 
-def _recurrent(bias: torch.Tensor, h: torch.Tensor, weight_t: torch.Tensor) -> torch.Tensor:
-    """``bias + h @ weight_t`` for one weight set (2-D) or a stack of them (3-D, batched)."""
-    if weight_t.dim() == 2:
-        return torch.addmm(bias, h, weight_t)
-    return torch.baddbmm(bias.unsqueeze(-2), h, weight_t)
+
+def _addmm(input: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``input + a @ b`` for one weight set (``b`` 2-D) or a stack of them (3-D, batched)."""
+    return torch.addmm(input, a, b) if b.dim() == 2 else torch.baddbmm(input, a, b)
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """``F.linear`` for one weight set, or per task for a stack: (n, B, T, C) with (n, out, C) and (n, out)."""
+    if weight.dim() == 2:
+        return F.linear(x, weight, bias)
+    return (x.flatten(1, 2) @ weight.transpose(-1, -2) + bias.unsqueeze(-2)).view(*x.shape[:-1], -1)
+
+
+def _layers(lookup, n_layers: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """``(W_ih, W_hh, b_ih, b_hh)`` per layer, ``lookup(name)`` giving the tensor of ``nn.GRU``'s ``name``."""
+    return [tuple(lookup(f"{k}_l{i}") for k in _LAYER_WEIGHTS) for i in range(n_layers)]
 
 
 class _GRURecurrence(torch.autograd.Function):
@@ -59,8 +71,9 @@ class _GRURecurrence(torch.autograd.Function):
         new = gi.new_empty(n_steps, *h0.shape)  # the candidate state n
         hns = []  # W_hn h + b_hn
         states[0] = h0
+        bias = bhh if whh.dim() == 2 else bhh.unsqueeze(-2)
         for t in range(n_steps):
-            gh = _recurrent(bhh, states[t], whh_t)
+            gh = _addmm(bias, states[t], whh_t)
             torch.sigmoid(gi_rz[t] + gh[..., : 2 * n_hidden], out=rz[t])
             hn = gh[..., 2 * n_hidden:]
             torch.tanh(torch.addcmul(gi_n[t], rz[t, ..., :n_hidden], hn), out=new[t])
@@ -90,8 +103,8 @@ class _GRURecurrence(torch.autograd.Function):
         for t in range(n.shape[0] - 1, -1, -1):
             dh = torch.add(dh, d_outs[t], out=dh_all[t])
             d_gh = dh.repeat(*([1] * (dh.dim() - 1)), 3).mul_(k[t])
-            zt = z[t]
-            dh = torch.addmm(dh * zt, d_gh, whh) if whh.dim() == 2 else torch.baddbmm(dh * zt, d_gh, whh)
+            dh = _addmm(dh * z[t], d_gh, whh)
+        # the loop's d_gh again, for all steps at once (cheaper than keeping each step's)
         d_gh = dh_all.repeat(*([1] * (dh_all.dim() - 1)), 3).mul_(k)  # (T, ..., B, 3H)
         d_gi = torch.cat((d_gh[..., : 2 * n_hidden], dh_all * a), -1).movedim(0, -2)  # input gates: (r, z, n)
         # weight gradients: one product over every step (and batch row) per weight set
@@ -116,19 +129,14 @@ def gru_sequence(x: torch.Tensor, layers: list[tuple[torch.Tensor, torch.Tensor,
     for i, (w_ih, w_hh, b_ih, b_hh) in enumerate(layers):
         if i > 0 and dropout > 0.0 and training:
             y = F.dropout(y, dropout, training=True)
-        if w_ih.dim() == 2:
-            gi = F.linear(y, w_ih, b_ih)
-        else:  # a stack: (n, B, T, C) @ (n, C, 3H)
-            gi = (y.flatten(1, 2) @ w_ih.transpose(-1, -2) + b_ih.unsqueeze(-2)).view(*y.shape[:-1], -1)
-        y, h = _GRURecurrence.apply(gi, w_hh, b_hh, h0[i])
+        y, h = _GRURecurrence.apply(_linear(y, w_ih, b_ih), w_hh, b_hh, h0[i])
         finals.append(h)
     return y, torch.stack(finals)
 
 
 def gru_layers(gru: torch.nn.GRU) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
     """``nn.GRU``'s weights as :func:`gru_sequence` takes them."""
-    return [tuple(getattr(gru, f"{k}_l{i}") for k in ("weight_ih", "weight_hh", "bias_ih", "bias_hh"))
-            for i in range(gru.num_layers)]
+    return _layers(lambda name: getattr(gru, name), gru.num_layers)
 
 
 def stacked_backbone(params: dict[str, torch.Tensor], x: torch.Tensor, n_layers: int) -> torch.Tensor:
@@ -137,8 +145,5 @@ def stacked_backbone(params: dict[str, torch.Tensor], x: torch.Tensor, n_layers:
     ``params`` maps the backbone's parameter names to tensors with a leading axis of
     ``n`` (one weight set per task); ``x`` is (n, B, T, C). Evaluation mode (no dropout).
     """
-    layers = [tuple(params[f"gru.{k}_l{i}"] for k in ("weight_ih", "weight_hh", "bias_ih", "bias_hh"))
-              for i in range(n_layers)]
-    y, _ = gru_sequence(x, layers)
-    logits = y.flatten(1, 2) @ params["readout.weight"].transpose(-1, -2) + params["readout.bias"].unsqueeze(-2)
-    return torch.log_softmax(logits.view(*y.shape[:-1], -1), dim=-1)
+    y, _ = gru_sequence(x, _layers(lambda name: params[f"gru.{name}"], n_layers))
+    return torch.log_softmax(_linear(y, params["readout.weight"], params["readout.bias"]), dim=-1)
