@@ -66,12 +66,9 @@ class DriftAugmentation:
             src = src.to(dev)
             out = torch.gather(out, 2, src[:, None, :].expand(b, t, c)) if n == b else out[..., src[0]]
         if self.fresh_p > 0:
-            hit = (torch.rand(n, 1, c, generator=generator) < self.fresh_p).to(dev)
+            hit = torch.rand(n, 1, c, generator=generator) < self.fresh_p
             mix = randn(n, c, c) / c**0.5
-            fresh = torch.bmm(out, mix) if n == b else out @ mix[0]
-            dims = (1,) if n == b else (0, 1)
-            fresh = (fresh - fresh.mean(dims, keepdim=True)) / fresh.std(dims, keepdim=True).clamp(min=1e-6)
-            out = torch.where(hit, fresh, out)
+            out = _fresh_units(out, hit[:, 0], mix.to(dev))
         if self.gain_std > 0:
             out = out * torch.exp(self.gain_std * randn(n, 1, c))
         if self.mixing_std > 0:
@@ -87,6 +84,28 @@ class DriftAugmentation:
         if self.noise_std > 0:
             out = out + self.noise_std * randn(b, t, c)
         return out
+
+
+def _fresh_units(x: torch.Tensor, hit: torch.Tensor, mix: torch.Tensor) -> torch.Tensor:
+    """``x`` with the channels ``hit`` (n, C) replaced by their columns of ``x @ mix`` (n, C, C), standardised.
+
+    ``n`` is the batch (one drift per trial) or 1 (one for all). Only the replaced columns are
+    computed: with 10% of the channels, a tenth of the full product.
+    """
+    out = x.clone()
+    for i in range(hit.shape[0]):
+        cols = hit[i].nonzero()[:, 0].to(x.device)
+        if len(cols) == 0:
+            continue
+        rows = x[i] if hit.shape[0] == x.shape[0] else x  # (T, C) for one trial's drift, (B, T, C) for the batch's
+        fresh = rows @ mix[i][:, cols]
+        dims = tuple(range(fresh.dim() - 1))
+        fresh = (fresh - fresh.mean(dims, keepdim=True)) / fresh.std(dims, keepdim=True).clamp(min=1e-6)
+        if hit.shape[0] == x.shape[0]:
+            out[i][:, cols] = fresh
+        else:
+            out[..., cols] = fresh
+    return out
 
 
 def time_mask(x: torch.Tensor, max_bins: int, generator: torch.Generator | None = None) -> torch.Tensor:

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import torch
 
+from . import fastctc
 from .augment import DriftAugmentation
 from .calibrate import CalibrationConfig
 from .config import JsonConfig
@@ -158,7 +159,9 @@ def _run_seed(args: tuple[str, dict, int]) -> dict:
     with open(data_path, "rb") as f:
         sessions, words = pickle.load(f)
     cfg = replace(HarnessConfig.from_dict(harness_dict), seed=seed)
-    return run_harness(sessions, cfg, lexicon=build_lexicon(sessions, words))
+    run = run_harness(sessions, cfg, lexicon=build_lexicon(sessions, words))
+    run["fast_ctc"] = dict(fastctc.counts)  # how often the Numba CTC fell back to F.ctc_loss (this seed's process)
+    return run
 
 
 @contextlib.contextmanager

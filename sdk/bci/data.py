@@ -19,6 +19,11 @@ import torch.nn.functional as F
 from sim.handwriting.types import Session, Trial
 
 from .charset import BLANK, encode
+from .fastctc import fast_ctc_loss
+
+#: CPU float32 CTC through :mod:`sdk.bci.fastctc` (6-8x faster than ``F.ctc_loss`` there, same
+#: loss and weight gradients); False: always ``F.ctc_loss``.
+USE_FAST_CTC = True
 
 #: Floor on a channel's standard deviation, in spike counts per bin: keeps nearly
 #: silent channels (or channels silent in three calibration sentences) from blowing up.
@@ -135,7 +140,13 @@ def iterate_batches(examples: Sequence[Example], batch_size: int, rng: np.random
 
 
 def ctc_loss(logp: torch.Tensor, batch: Batch, reduction: str = "mean") -> torch.Tensor:
-    """CTC loss of ``logp`` (B, T, 32) against the batch's sentences (per-target-length mean by default)."""
+    """CTC loss of ``logp`` (B, T, 32) against the batch's sentences (per-target-length mean by default).
+
+    On CPU (float32) :func:`sdk.bci.fastctc.fast_ctc_loss` computes it; elsewhere ``F.ctc_loss``.
+    Both are first-order only.
+    """
+    if USE_FAST_CTC and logp.device.type == "cpu" and logp.dtype == torch.float32:
+        return fast_ctc_loss(logp, batch.targets, batch.x_lens, batch.target_lens, BLANK, reduction, True)
     return F.ctc_loss(
         logp.transpose(0, 1), batch.targets.to(logp.device), batch.x_lens.to(logp.device), batch.target_lens.to(logp.device),
         blank=BLANK, reduction=reduction, zero_infinity=True,
