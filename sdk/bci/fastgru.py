@@ -27,11 +27,34 @@ uses this path only while its own weights are trained).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from collections.abc import Iterator
+
 import torch
 from torch.autograd.function import once_differentiable
 from torch.nn import functional as F
 
 _LAYER_WEIGHTS = ("weight_ih", "weight_hh", "bias_ih", "bias_hh")  # nn.GRU's names, suffixed _l{layer}
+_TWICE = contextvars.ContextVar("closedloop_bci_twice_differentiable", default=False)
+
+
+@contextlib.contextmanager
+def twice_differentiable() -> Iterator[None]:
+    """Inside this block :class:`~sdk.bci.models.GRUBackbone` runs ``nn.GRU``, whose backward can be differentiated.
+
+    Second-order meta-learning builds its inner-loop gradients in one; without it, differentiating
+    them raises (this module's backward is first order only).
+    """
+    token = _TWICE.set(True)
+    try:
+        yield
+    finally:
+        _TWICE.reset(token)
+
+
+def in_twice_differentiable() -> bool:
+    return _TWICE.get()
 
 
 def _addmm(input: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -62,19 +85,23 @@ class _GRURecurrence(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, gi, whh, bhh, h0):
-        n_hidden = whh.shape[-1]
+        n_hidden, n_steps = whh.shape[-1], gi.shape[-2]
         whh_t = whh.transpose(-1, -2)
-        gi_rz, gi_n = gi[..., : 2 * n_hidden].unbind(-2), gi[..., 2 * n_hidden:].unbind(-2)
-        n_steps = len(gi_rz)
+        bias = bhh if whh.dim() == 2 else bhh.unsqueeze(-2)
+        # what each step's product is added to, time-major: (W_i x + b_i + b_h) for r and z, b_hn for n
+        gi_t = gi.movedim(-2, 0)
+        pre = gi.new_empty(n_steps, *h0.shape[:-1], 3 * n_hidden)
+        torch.add(gi_t[..., : 2 * n_hidden], bias[..., : 2 * n_hidden], out=pre[..., : 2 * n_hidden])
+        pre[..., 2 * n_hidden:] = bias[..., 2 * n_hidden:]
+        gi_n = gi_t[..., 2 * n_hidden:]
         states = gi.new_empty(n_steps + 1, *h0.shape)  # h_0 .. h_T
         rz = gi.new_empty(n_steps, *h0.shape[:-1], 2 * n_hidden)  # the gates r and z
         new = gi.new_empty(n_steps, *h0.shape)  # the candidate state n
         hns = []  # W_hn h + b_hn
         states[0] = h0
-        bias = bhh if whh.dim() == 2 else bhh.unsqueeze(-2)
         for t in range(n_steps):
-            gh = _addmm(bias, states[t], whh_t)
-            torch.sigmoid(gi_rz[t] + gh[..., : 2 * n_hidden], out=rz[t])
+            gh = _addmm(pre[t], states[t], whh_t)
+            torch.sigmoid(gh[..., : 2 * n_hidden], out=rz[t])
             hn = gh[..., 2 * n_hidden:]
             torch.tanh(torch.addcmul(gi_n[t], rz[t, ..., :n_hidden], hn), out=new[t])
             torch.lerp(new[t], states[t], rz[t, ..., n_hidden:], out=states[t + 1])
@@ -94,19 +121,24 @@ class _GRURecurrence(torch.autograd.Function):
         # d_z = dh * b and d_r = d_n * c; the hidden gates get (d_r, d_z, d_n * r) = dh * k.
         # a, b, c and k are computed for all steps at once.
         r, z, hn, h_prev = rz[..., :n_hidden], rz[..., n_hidden:], torch.stack(hns), states[:-1]
-        a = (1 - z) * (1 - n * n)
-        b = (h_prev - n) * z * (1 - z)
-        k = torch.cat((a * hn * r * (1 - r), b, a * r), -1)  # (T, ..., B, 3H)
+        # k is (T, ..., B, 3, H): the gates' blocks on their own axis, so dh broadcasts over them
+        k = n.new_empty(*n.shape[:-1], 3, n_hidden)
+        a = torch.mul(n, n).neg_().add_(1).mul_(1 - z)  # (1 - z)(1 - n^2)
+        torch.mul(a, hn, out=k[..., 0, :]).mul_(r).mul_(1 - r)
+        torch.sub(h_prev, n, out=k[..., 1, :]).mul_(z).mul_(1 - z)
+        torch.mul(a, r, out=k[..., 2, :])
         d_outs = d_out.unbind(-2)
         dh_all = torch.empty_like(n)  # the gradient reaching each h_t
         dh = d_last  # autograd passes zeros for an output that was not used
         for t in range(n.shape[0] - 1, -1, -1):
             dh = torch.add(dh, d_outs[t], out=dh_all[t])
-            d_gh = dh.repeat(*([1] * (dh.dim() - 1)), 3).mul_(k[t])
+            d_gh = (dh.unsqueeze(-2) * k[t]).flatten(-2)
             dh = _addmm(dh * z[t], d_gh, whh)
         # the loop's d_gh again, for all steps at once (cheaper than keeping each step's)
-        d_gh = dh_all.repeat(*([1] * (dh_all.dim() - 1)), 3).mul_(k)  # (T, ..., B, 3H)
-        d_gi = torch.cat((d_gh[..., : 2 * n_hidden], dh_all * a), -1).movedim(0, -2)  # input gates: (r, z, n)
+        d_gh = k.mul_(dh_all.unsqueeze(-2)).flatten(-2)  # (T, ..., B, 3H)
+        d_gi = torch.cat((d_gh[..., : 2 * n_hidden], dh_all.mul_(a)), -1).movedim(0, -2)  # input gates: (r, z, n)
+        if not (ctx.needs_input_grad[1] or ctx.needs_input_grad[2]):  # a frozen GRU: the input's gradient only
+            return d_gi, None, None, dh
         # weight gradients: one product over every step (and batch row) per weight set
         g = d_gh.movedim(0, -2).flatten(-3, -2)  # (..., B * T, 3H)
         h_prev = h_prev.movedim(0, -2).flatten(-3, -2)  # (..., B * T, H)

@@ -42,6 +42,7 @@ from tqdm.auto import tqdm
 
 from sim.handwriting.types import Session
 
+from . import fastgru
 from .augment import DriftAugmentation
 from .config import JsonConfig
 from .ctc import ctc_nll
@@ -188,7 +189,8 @@ class MetaAlignment(nn.Module):
         names = list(params)
         for _ in range(steps):
             if second_order:
-                loss = task_losses(backbone, x, batch, *compose_alignment(params), n_tasks, twice_differentiable=True)
+                with fastgru.twice_differentiable():
+                    loss = task_losses(backbone, x, batch, *compose_alignment(params), n_tasks, twice_differentiable=True)
                 grads = torch.autograd.grad(loss, [params[k] for k in names], create_graph=True)
             else:
                 leaves = {k: params[k].detach().requires_grad_() for k in names}

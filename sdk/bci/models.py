@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from .charset import N_CLASSES
-from .fastgru import gru_layers, gru_sequence
+from .fastgru import gru_layers, gru_sequence, in_twice_differentiable
 
 
 class GRUBackbone(nn.Module):
@@ -51,12 +51,14 @@ class GRUBackbone(nn.Module):
     def forward(self, seq: torch.Tensor, h: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``seq`` (batch, time, inputs) -> log-probabilities (batch, time, 32) and the final state.
 
-        While the GRU's own weights are trained on CPU (batched input) this runs
-        :func:`sdk.bci.fastgru.gru_sequence` (the same function, a faster backward pass);
-        otherwise ``nn.GRU``.
+        When a gradient will flow through the GRU on CPU (its weights are trained, or its
+        input is: calibration and meta-learning in front of a frozen backbone) and the input
+        is batched, this runs :func:`sdk.bci.fastgru.gru_sequence` (the same function, a faster
+        backward pass); otherwise, and inside :func:`sdk.bci.fastgru.twice_differentiable`,
+        ``nn.GRU``.
         """
         if (self.use_fastgru and seq.dim() == 3 and seq.device.type == "cpu" and torch.is_grad_enabled()
-                and self.gru.weight_hh_l0.requires_grad):
+                and (self.gru.weight_hh_l0.requires_grad or seq.requires_grad) and not in_twice_differentiable()):
             y, h = gru_sequence(seq, gru_layers(self.gru), h, self.gru.dropout, self.training)
         else:
             y, h = self.gru(seq, h)

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from sdk.bci import fastgru
 from sdk.bci.baselines import finetune_batch
 from sdk.bci.data import Example, collate, ctc_loss
 from sdk.bci.fastgru import gru_layers, gru_sequence, stacked_backbone
@@ -61,7 +62,7 @@ def test_the_backward_pass_refuses_a_second_derivative():
         gx.sum().backward()
 
 
-def test_backbone_takes_the_fast_path_only_while_training_its_weights_and_both_paths_agree():
+def test_backbone_takes_the_fast_path_only_where_a_first_order_gradient_flows_and_both_paths_agree():
     torch.manual_seed(1)
     bb = GRUBackbone(8, 6, 2, dropout=0.0)
     x = torch.randn(2, 9, 8)
@@ -72,11 +73,21 @@ def test_backbone_takes_the_fast_path_only_while_training_its_weights_and_both_p
     assert (trained - plain).abs().max() < 1e-5
     for p in bb.parameters():
         p.requires_grad_(False)
-    frozen, _ = bb(x.requires_grad_())  # frozen backbone (calibration, meta-learning): nn.GRU, twice differentiable
-    assert not _through_fastgru(frozen)
-    (gx,) = torch.autograd.grad(frozen.square().sum(), x, create_graph=True)
-    gx.sum().backward()
-    assert (frozen - plain).abs().max() < 1e-6
+    assert not _through_fastgru(bb(x)[0])  # nothing to differentiate: nn.GRU
+    # a frozen backbone behind a trained input (calibration, first-order meta-learning): fast path
+    x.requires_grad_()
+    w = torch.randn(2, 9, 32)
+    frozen, _ = bb(x)
+    assert _through_fastgru(frozen)
+    (gx,) = torch.autograd.grad((frozen * w).sum(), x)
+    with fastgru.twice_differentiable():  # second-order meta-learning: nn.GRU, differentiable twice
+        twice, _ = bb(x)
+    assert not _through_fastgru(twice) and not fastgru.in_twice_differentiable()
+    (gx_ref,) = torch.autograd.grad((twice * w).sum(), x, create_graph=True)
+    gx_ref.square().sum().backward()
+    assert x.grad is not None and x.grad.abs().max() > 0
+    assert (frozen - plain).abs().max() < 1e-5 and (twice - plain).abs().max() < 1e-6
+    assert _rel(gx, gx_ref.detach()) < 1e-5
 
 
 def test_backbone_dropout_between_layers_in_training_only():
@@ -175,3 +186,35 @@ def test_training_through_fastgru_follows_nn_gru(monkeypatch, which):
     assert not _through_fastgru(GRUBackbone(8, 12, 2)(torch.zeros(1, 3, 8))[0])
     _, plain = train(sessions, config)
     np.testing.assert_allclose(fast.loss, plain.loss, rtol=1e-4)
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "meta"])
+def test_calibration_through_fastgru_fits_the_same_alignment_as_nn_gru(monkeypatch, optimizer):
+    """A frozen backbone behind the alignment being fitted (calibration) also runs the fast path:
+    the fitted maps and validation curves of three tasks at once agree with nn.GRU's to 1e-4."""
+    from sdk.bci.calibrate import fit_alignment_batch
+    from sdk.bci.meta import MetaAlignment
+    from sdk.bci.models import alignment_params
+
+    torch.manual_seed(3)
+    bb = GRUBackbone(8, 10, 1).eval()
+    for p in bb.parameters():
+        p.requires_grad_(False)
+    rng = np.random.default_rng(4)
+    support = [_examples(rng, 2) for _ in range(3)]
+    validation = [_examples(rng, 1) for _ in range(3)]
+    start = alignment_params("full", 8)
+    meta = MetaAlignment(8, inner_steps=2) if optimizer == "meta" else None
+    kwargs = dict(steps=6, optimizer=optimizer, meta=meta, validation=validation, eval_every=2)
+    from sdk.bci import models
+
+    calls = []
+    monkeypatch.setattr(models, "gru_sequence", lambda *a: calls.append(1) or gru_sequence(*a))
+    fast, _, fast_curve = fit_alignment_batch(bb, start, support, [1e-2, 3e-2, 1e-1], **kwargs)
+    assert len(calls) == 6  # every fitting step took the fast path (the validation passes, no_grad, do not)
+    monkeypatch.setattr(GRUBackbone, "use_fastgru", False)
+    plain, _, plain_curve = fit_alignment_batch(bb, start, support, [1e-2, 3e-2, 1e-1], **kwargs)
+    for k in fast:
+        assert (fast[k] - start[k]).abs().max() > 1e-3  # it moved
+        torch.testing.assert_close(fast[k], plain[k], rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(fast_curve, plain_curve, rtol=1e-4)
