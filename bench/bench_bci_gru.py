@@ -1,17 +1,22 @@
-"""Training speed of the handwriting GRU: nn.GRU against sdk.bci.fastgru, on one CPU thread.
+"""Training speed of the handwriting decoder on one CPU thread: PyTorch's nn.GRU and F.ctc_loss against
+sdk.bci.fastgru and sdk.bci.fastctc.
 
     python bench/bench_bci_gru.py        # writes bench/results/bci_gru_speed.{json,md,png}
 
-Times one training step (forward, CTC-shaped loss, backward to every weight) of the
-benchmark's 192 -> 1 x 128 GRU + read-out over trials of 1076 bins (the benchmark
-recording's mean trial, 21.5 s):
+Times, over trials of 1076 bins (the benchmark recording's mean trial, 21.5 s) and the
+benchmark's 192 -> 1 x 128 GRU + read-out:
 
-* stage 1's batch of 16 trials and a calibration batch of 2, through ``nn.GRU`` and
-  through the backbone's own backward pass (what ``GRUBackbone`` runs while training
-  on CPU);
+* one GRU training step (forward, a CTC-shaped loss, backward to every weight) on stage 1's
+  batch of 16 trials and a calibration batch of 2, through ``nn.GRU`` and through the
+  backbone's own backward pass (what ``GRUBackbone`` runs while training on CPU);
+* a frozen GRU behind a trained input (a calibration step: the gradient reaches the input only);
 * the fine-tuning baseline's cross-validation step, 9 fits of 2 trials each (3 learning
   rates x 3 leave-one-out folds): one ``nn.GRU`` copy after another (session 10's code)
-  against :func:`sdk.bci.fastgru.stacked_backbone`, all 9 in one batch.
+  against :func:`sdk.bci.fastgru.stacked_backbone`, all 9 in one batch;
+* the CTC loss and its gradient for 16 trials of 60 characters: ``F.ctc_loss`` against
+  :func:`sdk.bci.fastctc.fast_ctc_loss`;
+* a whole stage-1 step as ``sdk.bci.train.fit_ctc`` runs it (drift augmentation, model, CTC
+  loss, backward, clipping, Adam) with ``nn.GRU`` + ``F.ctc_loss`` against both fast paths.
 
 Each figure is the median of ``--reps`` timed steps after one warm-up step, the two sides of a
 row timed alternately, on an idle machine.
@@ -31,6 +36,9 @@ import numpy as np
 import torch
 
 from runtime.atomic import atomic_write_bytes, atomic_write_text
+from sdk.bci import data
+from sdk.bci.benchmark import TURNOVER_AUGMENTATION
+from sdk.bci.data import Example, collate, ctc_loss
 from sdk.bci.fastgru import stacked_backbone
 from sdk.bci.models import GRUBackbone
 
@@ -69,7 +77,18 @@ def main() -> None:
     for batch in (16, 2):
         x, w = torch.randn(batch, a.bins, 192), torch.randn(batch, a.bins, 32)
         ref, new = _median_pair_s(lambda x=x, w=w: nn_gru_step(x, w), lambda x=x, w=w: fast_step(x, w), a.reps)
-        rows.append({"case": f"one GRU, batch {batch}", "nn_gru_s": ref, "fastgru_s": new, "speedup": ref / new})
+        rows.append({"case": f"one GRU, batch {batch}", "reference_s": ref, "fast_s": new})
+
+    x, w = torch.randn(2, a.bins, 192, requires_grad=True), torch.randn(2, a.bins, 32)
+    frozen = GRUBackbone(192, 128, 1).eval().requires_grad_(False)
+
+    def frozen_step(fast: bool) -> None:
+        GRUBackbone.use_fastgru = fast
+        torch.autograd.grad((frozen(x)[0] * w).sum(), x)
+
+    ref, new = _median_pair_s(lambda: frozen_step(False), lambda: frozen_step(True), a.reps)
+    GRUBackbone.use_fastgru = True
+    rows.append({"case": "frozen GRU, input gradient, batch 2", "reference_s": ref, "fast_s": new})
 
     n_fits = 9
     x, w = torch.randn(n_fits, 2, a.bins, 192), torch.randn(n_fits, 2, a.bins, 32)
@@ -83,11 +102,42 @@ def main() -> None:
         torch.autograd.grad((stacked_backbone(stacked, x, 1) * w).sum(), list(stacked.values()))
 
     ref, new = _median_pair_s(sequential, batched, a.reps)
-    rows.append({"case": f"{n_fits} fine-tuning fits of batch 2", "nn_gru_s": ref, "fastgru_s": new,
-                 "speedup": ref / new})
+    rows.append({"case": f"{n_fits} fine-tuning fits of batch 2", "reference_s": ref, "fast_s": new})
 
-    table = "| training step | nn.GRU (s) | fastgru (s) | speed-up |\n| --- | --- | --- | --- |\n" + "\n".join(
-        f"| {r['case']} | {r['nn_gru_s']:.3f} | {r['fastgru_s']:.3f} | {r['speedup']:.2f}x |" for r in rows)
+    rng = np.random.default_rng(0)
+    examples = [Example(rng.standard_normal((a.bins, 192)).astype(np.float32), rng.integers(1, 31, 60), "")
+                for _ in range(16)]
+    batch = collate(examples)
+    logits = torch.randn(16, a.bins, 32, requires_grad=True)
+
+    def ctc_step(fast: bool) -> None:
+        data.USE_FAST_CTC = fast
+        torch.autograd.grad(ctc_loss(torch.log_softmax(logits, -1), batch), logits)
+
+    ref, new = _median_pair_s(lambda: ctc_step(False), lambda: ctc_step(True), a.reps)
+    rows.append({"case": "CTC loss + gradient, 16 x 60 characters", "reference_s": ref, "fast_s": new})
+
+    model = GRUBackbone(192, 128, 1, 0.1).train()
+    opt = torch.optim.Adam(model.parameters(), 3e-3)
+    augment, gen = TURNOVER_AUGMENTATION, torch.Generator().manual_seed(0)
+
+    def stage1_step(fast: bool) -> None:
+        GRUBackbone.use_fastgru = data.USE_FAST_CTC = fast
+        loss = ctc_loss(model(augment(batch.x, gen, per="trial"))[0], batch)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(list(model.parameters()), 1.0)
+        opt.step()
+
+    ref, new = _median_pair_s(lambda: stage1_step(False), lambda: stage1_step(True), a.reps)
+    GRUBackbone.use_fastgru = data.USE_FAST_CTC = True
+    rows.append({"case": "stage-1 step, batch 16", "reference_s": ref, "fast_s": new})
+    for r in rows:
+        r["speedup"] = r["reference_s"] / r["fast_s"]
+
+    table = ("| training step | nn.GRU / F.ctc_loss (s) | fastgru / fastctc (s) | speed-up |\n| --- | --- | --- | --- |\n"
+             + "\n".join(f"| {r['case']} | {r['reference_s']:.3f} | {r['fast_s']:.3f} | {r['speedup']:.2f}x |"
+                          for r in rows))
     print(table)
     out = Path(a.out)
     doc = {"command": "python bench/bench_bci_gru.py", "bins": a.bins, "reps": a.reps, "threads": 1, "rows": rows,
@@ -100,11 +150,11 @@ def main() -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 3.5))
+    fig, ax = plt.subplots(figsize=(8, 4))
     pos = np.arange(len(rows))
-    ax.bar(pos - 0.2, [r["nn_gru_s"] for r in rows], 0.4, label="nn.GRU")
-    ax.bar(pos + 0.2, [r["fastgru_s"] for r in rows], 0.4, label="sdk.bci.fastgru")
-    ax.set_xticks(pos, [r["case"] for r in rows], fontsize=8)
+    ax.bar(pos - 0.2, [r["reference_s"] for r in rows], 0.4, label="nn.GRU / F.ctc_loss")
+    ax.bar(pos + 0.2, [r["fast_s"] for r in rows], 0.4, label="sdk.bci.fastgru / fastctc")
+    ax.set_xticks(pos, [r["case"] for r in rows], fontsize=7, rotation=20, ha="right")
     ax.set_ylabel("seconds per training step (1 thread)")
     ax.legend()
     fig.tight_layout()

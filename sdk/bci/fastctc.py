@@ -3,7 +3,7 @@
 PyTorch's CPU ``F.ctc_loss`` runs the forward-backward recursion in log space; on the
 benchmark's batches (16 trials of ~1,100 bins, sentences of ~60 characters) it takes
 120-190 ms per training step, a fifth of the step. Here the recursion runs in linear
-space with a rescaling per bin (Graves et al. 2006, section 4.2): no logarithm or
+space with a rescaling per bin (Graves et al. 2006, ICML, section 4.1): no logarithm or
 exponential per cell, float64 throughout.
 
 With :math:`\\ell'` the blank-extended labels (length :math:`S = 2L + 1`), :math:`y_t(k)`
@@ -24,7 +24,8 @@ gradient of the negative log-likelihood with respect to the log-probability
 That is the true derivative with respect to the log-probabilities. ``F.ctc_loss``
 returns it plus :math:`y_t(k)`, a term that ``log_softmax``'s backward removes, so the
 gradients reaching the logits (and every weight) are the same; that is what
-``tests/sdk/test_bci_fastctc.py`` compares, with the loss, to relative 1e-5.
+``tests/sdk/test_bci_fastctc.py`` compares, with the loss, to 1e-6 against ``F.ctc_loss``
+in float64.
 
 An impossible sequence (more labels, with their repeats, than bins) has infinite loss,
 which ``zero_infinity`` turns into 0 with a zero gradient, as ``F.ctc_loss`` does.
@@ -34,9 +35,9 @@ below 1e-308 of its row's (and so is lost) can still be the one the future needs
 outputs are confident and wrong for thousands of bins. The check: in exact arithmetic every
 bin's overlap :math:`\\sum_s \\hat\\alpha_t(s) b_t(s)`, times the scales, is the same
 likelihood; where one differs from the final one by more than 1e-6 nats, mass was lost, and
-the whole batch is computed by ``F.ctc_loss`` instead. The
-gradient is first order only (differentiating it raises, as with ``F.ctc_loss``); second-order meta-learning
-uses :func:`sdk.bci.ctc.ctc_nll`.
+the whole batch is computed by ``F.ctc_loss`` instead (``counts`` says how often). The
+gradient is first order only (differentiating it raises, as with ``F.ctc_loss``);
+second-order meta-learning uses :func:`sdk.bci.ctc.ctc_nll`.
 """
 
 from __future__ import annotations

@@ -3,13 +3,13 @@
 PyTorch's ``nn.GRU`` on CPU records every time step's operations for autograd, so its
 backward computes the recurrent weight gradient as one small product per step. Here
 the backward pass runs the recurrence for the state gradient only and forms the
-weight gradients with one matrix product over all steps. On the benchmark's 1 x 128 GRU
-and one core that trains 1.0-1.2x faster at batch 16 and 1.6-1.7x at batch 2
-(``bench/bench_bci_gru.py``).
+weight gradients with one matrix product over all steps (and, for a frozen GRU, none).
+Speed on the benchmark's 1 x 128 GRU and one core: ``bench/bench_bci_gru.py``
+(``bench/results/bci_gru_speed.md``).
 
 The same code runs a *stack* of GRUs, each with its own weights (a leading task axis
 on every weight and on the input), as one batch: that is how the fine-tuning
-baseline fits its cross-validation folds at once (:func:`stacked_backbone`; 3.9-4.1x
+baseline fits its cross-validation folds at once (:func:`stacked_backbone`; about 4x
 over nine ``nn.GRU`` fits one after another).
 
 The equations are ``nn.GRU``'s (gate order r, z, n in the weight rows)::
@@ -20,9 +20,10 @@ The equations are ``nn.GRU``'s (gate order r, z, n in the weight rows)::
     h' = (1 - z) * n + z * h
 
 ``tests/sdk/test_bci_fastgru.py`` checks outputs, final states and every gradient
-against ``nn.GRU`` (relative tolerance 1e-5). The backward pass is first order only:
-second-order meta-learning runs through ``nn.GRU`` (:class:`~sdk.bci.models.GRUBackbone`
-uses this path only while its own weights are trained).
+against ``nn.GRU`` (relative tolerance 1e-5). The backward pass is first order only
+(differentiating it raises): :class:`~sdk.bci.models.GRUBackbone` takes this path when a
+first-order gradient flows through it on CPU (its weights or its input are trained) and
+``nn.GRU`` inside :func:`twice_differentiable`, which second-order meta-learning opens.
 """
 
 from __future__ import annotations
