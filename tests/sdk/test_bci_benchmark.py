@@ -52,6 +52,37 @@ def test_the_benchmark_script_writes_every_result_of_an_ablated_two_seed_run(tmp
     assert bench["bench_config"]["seeds"] == [0, 1] and bench["wall_s"] > 0 and bench["estimated_s"] > 0
     table = (tmp_path / f"{stem}.md").read_text()
     assert "two_stage" in table and "zero_shot" in table
+    # how often the Numba CTC handed a batch to F.ctc_loss is on record per seed
+    assert all(0 <= r["fast_ctc"]["fallback_batches"] <= r["fast_ctc"]["batches"] and r["fast_ctc"]["batches"] > 0
+               for r in saved["runs"])
+
+
+def _fake_result(path: Path, wers: dict[int, tuple[float, float]], data_seed: int = 0, steps: int = 800) -> Path:
+    """A bench_bci.py result file with the given (two-stage, session-layers) beam WER per seed."""
+    runs = [{"seed": s, "methods": {"two_stage": {"mean": {"beam": {"WER": a}}},
+                                    "session_layers": {"mean": {"beam": {"WER": b}}}}} for s, (a, b) in wers.items()]
+    bench = {"data_config": {"seed": data_seed}, "bench_config": {"ablate": "", "harness": {"train": {"steps": steps}}}}
+    path.write_text(json.dumps({"benchmark": bench, "runs": runs}))
+    return path
+
+
+def test_pooling_runs_resamples_seed_numbers_and_refuses_another_benchmark(tmp_path):
+    a = _fake_result(tmp_path / "a.json", {0: (0.02, 0.04), 1: (0.03, 0.03)})
+    b = _fake_result(tmp_path / "b.json", {0: (0.01, 0.05), 2: (0.02, 0.02)}, steps=600)
+    cmd = [sys.executable, str(ROOT / "bench" / "pool_bci_runs.py"), "--runs", str(a), str(b), "--out", str(tmp_path)]
+    run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+    pooled = json.loads((tmp_path / "bci_pooled.json").read_text())
+    assert len(pooled["draws"]) == 4
+    v = pooled["versus"]["session_layers"]
+    assert math.isclose(v["ratio"], (0.02 + 0.03 + 0.01 + 0.02) / (0.04 + 0.03 + 0.05 + 0.02))
+    assert v["n_seed_numbers"] == 3 and v["ci95"][0] <= v["ratio"] <= v["ci95"][1]
+    assert "train.steps (800 -> 600)" in pooled["config_differences"][0]  # a recipe change is listed
+    assert (tmp_path / "bci_pooled.png").stat().st_size > 0
+    other = _fake_result(tmp_path / "c.json", {0: (0.02, 0.04)}, data_seed=1)
+    cmd[cmd.index(str(b))] = str(other)
+    run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert run.returncode != 0 and "not the same benchmark" in run.stderr
 
 
 def _spawned_children(pid: int) -> set[int]:
