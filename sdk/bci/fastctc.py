@@ -91,7 +91,7 @@ def _sequence(lp: np.ndarray, labels: np.ndarray, n_bins: int, blank: int, grad:
     s_len = ext.shape[0]
     n_classes = lp.shape[1]
     if n_bins <= 0:
-        return np.inf
+        return 0.0 if labels.shape[0] == 0 else np.inf
     y = np.empty((n_bins, n_classes))
     for t in range(n_bins):
         for k in range(n_classes):
@@ -180,6 +180,9 @@ def ctc_nll_and_grad(logp: np.ndarray, targets: np.ndarray, input_lengths: np.nd
                          f"{input_lengths.shape}, {target_lengths.shape}")
     if int(target_lengths.sum()) != targets.shape[0]:
         raise ValueError(f"target lengths sum to {int(target_lengths.sum())} but {targets.shape[0]} labels were given")
+    if targets.size and (targets.min() < 0 or targets.max() >= logp.shape[2] or (targets == blank).any()):
+        raise ValueError(f"target labels must be classes 0..{logp.shape[2] - 1} other than the blank ({blank}); "
+                         f"got values {np.unique(targets)[:10].tolist()}...")
     offsets = np.concatenate(([0], np.cumsum(target_lengths)[:-1])).astype(np.int64)
     grad = np.zeros_like(logp)
     nll = np.empty(logp.shape[0])

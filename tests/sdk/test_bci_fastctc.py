@@ -144,6 +144,10 @@ def test_bad_input_is_refused_with_what_was_wrong():
         fast_ctc_loss(lp, torch.tensor([1, 2, 3, 4]), torch.tensor([10, 10]), torch.tensor([2, 3]))
     with pytest.raises(ValueError, match="reduction"):
         fast_ctc_loss(lp, torch.tensor([1, 2]), torch.tensor([10, 10]), torch.tensor([1, 1]), reduction="avg")
+    with pytest.raises(ValueError, match="other than the blank"):
+        fast_ctc_loss(lp, torch.tensor([1, 0]), torch.tensor([10, 10]), torch.tensor([1, 1]))
+    with pytest.raises(ValueError, match="other than the blank"):
+        fast_ctc_loss(lp, torch.tensor([1, 5]), torch.tensor([10, 10]), torch.tensor([1, 1]))
     with pytest.raises(ValueError, match="CPU float32"):
         fast_ctc_loss(lp.double(), torch.tensor([1, 2]), torch.tensor([10, 10]), torch.tensor([1, 1]))
 
