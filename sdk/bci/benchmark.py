@@ -159,8 +159,9 @@ def _run_seed(args: tuple[str, dict, int]) -> dict:
     with open(data_path, "rb") as f:
         sessions, words = pickle.load(f)
     cfg = replace(HarnessConfig.from_dict(harness_dict), seed=seed)
+    fastctc.counts.update(batches=0, fallback_batches=0)  # a worker may run several seeds
     run = run_harness(sessions, cfg, lexicon=build_lexicon(sessions, words))
-    run["fast_ctc"] = dict(fastctc.counts)  # how often the Numba CTC fell back to F.ctc_loss (this seed's process)
+    run["fast_ctc"] = dict(fastctc.counts)  # how often the Numba CTC fell back to F.ctc_loss for this seed
     return run
 
 
