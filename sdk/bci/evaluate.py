@@ -14,6 +14,7 @@ into tables and plots.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
@@ -185,9 +186,10 @@ def run_harness(sessions: Sequence[Session], config: HarnessConfig | None = None
     dict
         ``sessions`` (day and days since the last held-in session per held-out
         session), ``methods`` (per method: per-session scores, mean over sessions,
-        training and calibration seconds, what calibration chose), ``reference`` (the
-        drift reference), ``logs`` (loss curves) and ``config``.
+        training, calibration and decoding seconds, what calibration chose), ``reference`` (the
+        drift reference), ``logs`` (loss curves), ``config`` and ``wall_s`` (this call's seconds).
     """
+    t_start = time.perf_counter()
     config = (config or HarnessConfig()).seeded()
     device = resolve_device(config.device)
     torch.manual_seed(config.seed)
@@ -223,20 +225,23 @@ def run_harness(sessions: Sequence[Session], config: HarnessConfig | None = None
     out["sessions"] = {s.name: out["sessions"][s.name] for s, *_ in prepared}
     bar = tqdm(total=len(methods) * len(prepared), desc="calibrate + decode", disable=not config.progress, leave=False)
     for m in methods:
-        per_session, chosen, calib_s = {}, {}, 0.0
+        per_session, chosen, calib_s, decode_s = {}, {}, 0.0, 0.0
         for s, calib, norm, ev in prepared:
             adapted = m.adapt(models, s, calib, norm, config.calibration, options)
             calib_s += adapted.wall_s
+            t0 = time.perf_counter()
             decoded = decode_examples(adapted.model, ev, lexicon, config.beam_width, config.word_weight, device)
+            decode_s += time.perf_counter() - t0
             per_session[s.name] = _score(decoded, [e.sentence for e in ev])
             chosen[s.name] = adapted.info
             bar.update()
         train_s = sum(out["train_s"].get(n, 0.0) for n in m.needs)
         out["methods"][m.name] = {"sessions": per_session, "mean": _mean_over_sessions(per_session),
-                                  "train_s": train_s, "calibrate_s": calib_s, "chosen": chosen}
+                                  "train_s": train_s, "calibrate_s": calib_s, "decode_s": decode_s, "chosen": chosen}
     bar.close()
     if config.reference:
         out["reference"] = drift_reference(sessions, models, config, lexicon)
+    out["wall_s"] = time.perf_counter() - t_start  # the whole seed: training, calibration, decoding and the rest
     return out
 
 

@@ -52,6 +52,10 @@ def test_the_benchmark_script_writes_every_result_of_an_ablated_two_seed_run(tmp
     assert bench["bench_config"]["seeds"] == [0, 1] and bench["wall_s"] > 0 and bench["estimated_s"] > 0
     table = (tmp_path / f"{stem}.md").read_text()
     assert "two_stage" in table and "zero_shot" in table
+    # where a seed's time went: decoding per method and the whole seed, beside training and calibration
+    for r in saved["runs"]:
+        assert r["wall_s"] >= max(m["train_s"] + m["calibrate_s"] + m["decode_s"] for m in r["methods"].values())
+        assert all(m["decode_s"] > 0 for m in r["methods"].values())
     # how often the Numba CTC handed a batch to F.ctc_loss is on record per seed
     assert all(0 <= r["fast_ctc"]["fallback_batches"] <= r["fast_ctc"]["batches"] and r["fast_ctc"]["batches"] > 0
                for r in saved["runs"])
