@@ -6,6 +6,22 @@ import pytest
 
 
 @pytest.fixture(scope="session")
+def autograd_nodes():
+    """``names(out)``: the class names of the autograd nodes behind tensor ``out`` (which code a pass ran)."""
+
+    def names(out) -> set[str]:
+        seen, todo = set(), [out.grad_fn]
+        while todo:
+            fn = todo.pop()
+            if fn is not None and fn not in seen:
+                seen.add(fn)
+                todo += [f for f, _ in fn.next_functions]
+        return {type(fn).__name__ for fn in seen}
+
+    return names
+
+
+@pytest.fixture(scope="session")
 def tiny_models():
     import torch
 

@@ -93,18 +93,15 @@ def _fresh_units(x: torch.Tensor, hit: torch.Tensor, mix: torch.Tensor) -> torch
     computed: with 10% of the channels, a tenth of the full product.
     """
     out = x.clone()
+    per_trial = hit.shape[0] == x.shape[0]
     for i in range(hit.shape[0]):
         cols = hit[i].nonzero()[:, 0].to(x.device)
         if len(cols) == 0:
             continue
-        rows = x[i] if hit.shape[0] == x.shape[0] else x  # (T, C) for one trial's drift, (B, T, C) for the batch's
+        rows, target = (x[i], out[i]) if per_trial else (x, out)  # (T, C) for one trial's drift, (B, T, C) for all
         fresh = rows @ mix[i][:, cols]
         dims = tuple(range(fresh.dim() - 1))
-        fresh = (fresh - fresh.mean(dims, keepdim=True)) / fresh.std(dims, keepdim=True).clamp(min=1e-6)
-        if hit.shape[0] == x.shape[0]:
-            out[i][:, cols] = fresh
-        else:
-            out[..., cols] = fresh
+        target[..., cols] = (fresh - fresh.mean(dims, keepdim=True)) / fresh.std(dims, keepdim=True).clamp(min=1e-6)
     return out
 
 

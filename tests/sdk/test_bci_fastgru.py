@@ -14,19 +14,7 @@ from sdk.bci.data import Example, collate, ctc_loss
 from sdk.bci.fastgru import gru_layers, gru_sequence, stacked_backbone
 from sdk.bci.models import GRUBackbone
 
-
-def _through_fastgru(out: torch.Tensor) -> bool:
-    """Whether ``out``'s autograd graph contains the fastgru recurrence."""
-    seen, todo = set(), [out.grad_fn]
-    while todo:
-        fn = todo.pop()
-        if fn is None or fn in seen:
-            continue
-        seen.add(fn)
-        if type(fn).__name__ == "_GRURecurrenceBackward":
-            return True
-        todo += [f for f, _ in fn.next_functions]
-    return False
+FAST = "_GRURecurrenceBackward"  # the autograd node of the fastgru recurrence
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -62,27 +50,27 @@ def test_the_backward_pass_refuses_a_second_derivative():
         gx.sum().backward()
 
 
-def test_backbone_takes_the_fast_path_only_where_a_first_order_gradient_flows_and_both_paths_agree():
+def test_backbone_takes_the_fast_path_only_where_a_first_order_gradient_flows_and_both_paths_agree(autograd_nodes):
     torch.manual_seed(1)
     bb = GRUBackbone(8, 6, 2, dropout=0.0)
     x = torch.randn(2, 9, 8)
     trained, _ = bb(x)  # weights require grad, CPU: fast path
-    assert _through_fastgru(trained)
+    assert FAST in autograd_nodes(trained)
     with torch.no_grad():
         plain, _ = bb(x)  # nn.GRU
     assert (trained - plain).abs().max() < 1e-5
     for p in bb.parameters():
         p.requires_grad_(False)
-    assert not _through_fastgru(bb(x)[0])  # nothing to differentiate: nn.GRU
+    assert FAST not in autograd_nodes(bb(x)[0])  # nothing to differentiate: nn.GRU
     # a frozen backbone behind a trained input (calibration, first-order meta-learning): fast path
     x.requires_grad_()
     w = torch.randn(2, 9, 32)
     frozen, _ = bb(x)
-    assert _through_fastgru(frozen)
+    assert FAST in autograd_nodes(frozen)
     (gx,) = torch.autograd.grad((frozen * w).sum(), x)
     with fastgru.twice_differentiable():  # second-order meta-learning: nn.GRU, differentiable twice
         twice, _ = bb(x)
-    assert not _through_fastgru(twice) and not fastgru.in_twice_differentiable()
+    assert FAST not in autograd_nodes(twice) and not fastgru.in_twice_differentiable()
     (gx_ref,) = torch.autograd.grad((twice * w).sum(), x, create_graph=True)
     gx_ref.square().sum().backward()
     assert x.grad is not None and x.grad.abs().max() > 0
@@ -168,7 +156,7 @@ def test_finetune_batch_refuses_tasks_of_unequal_size():
 
 
 @pytest.mark.parametrize("which", ["backbone", "session_layers"])
-def test_training_through_fastgru_follows_nn_gru(monkeypatch, which):
+def test_training_through_fastgru_follows_nn_gru(monkeypatch, which, autograd_nodes):
     """The whole training loop (augmentation, Adam, clipping, the session layers' lr scale) on either path.
 
     Dropout off: nn.GRU's batch-first output is laid out time-major, so the same seed draws the
@@ -183,7 +171,7 @@ def test_training_through_fastgru_follows_nn_gru(monkeypatch, which):
     train = train_backbone if which == "backbone" else train_session_layers
     _, fast = train(sessions, config)
     monkeypatch.setattr(GRUBackbone, "use_fastgru", False)
-    assert not _through_fastgru(GRUBackbone(8, 12, 2)(torch.zeros(1, 3, 8))[0])
+    assert FAST not in autograd_nodes(GRUBackbone(8, 12, 2)(torch.zeros(1, 3, 8))[0])
     _, plain = train(sessions, config)
     np.testing.assert_allclose(fast.loss, plain.loss, rtol=1e-4)
 
