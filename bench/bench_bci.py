@@ -19,7 +19,7 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tiny", action="store_true", help="tiny data and models (about a minute)")
     ap.add_argument("--seeds", type=int, nargs="+", help="model seeds (default 0 1 2)")
-    ap.add_argument("--jobs", type=int, help="parallel seed processes (default: min(seeds, CPU cores))")
+    ap.add_argument("--jobs", type=int, help="worker processes sharing the seeds' training and scoring tasks (default: CPU cores)")
     ap.add_argument("--device", help="auto (default), cpu or cuda")
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--stem", help="results file stem (default bci, bci_tiny with --tiny), e.g. to keep an earlier run")

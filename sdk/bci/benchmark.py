@@ -1,8 +1,9 @@
 """The iBCI handwriting benchmark: synthetic FALCON H2-like data, every method, several seeds.
 
 ``run_bci_benchmark(BciBenchConfig())`` generates the default synthetic recording
-(fixed data seed), runs :func:`sdk.bci.evaluate.run_harness` once per model seed
-(seeds in parallel worker processes, one thread each), aggregates the seeds and
+(fixed data seed), runs :func:`sdk.bci.evaluate.run_harness`'s work for every model seed
+(split into training and scoring tasks shared out over worker processes, one thread each:
+:func:`run_seeds`), aggregates the seeds and
 writes ``bci.json``, ``bci.md`` and ``bci_wer_vs_days.png``. Before it starts it
 measures this machine's GRU throughput and prints the estimated run time.
 ``BciBenchConfig.tiny()`` is the one-minute version.
@@ -12,16 +13,16 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import multiprocessing as mp
 import os
 import pickle
 import platform
+import queue
 import signal
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -29,10 +30,11 @@ import torch
 
 from . import fastctc
 from .augment import DriftAugmentation
+from .baselines import TrainedModels, get_method
 from .calibrate import CalibrationConfig
 from .config import JsonConfig
 from .data import collate, ctc_loss, resolve_device
-from .evaluate import HarnessConfig, build_lexicon, harness_needs, run_harness
+from .evaluate import HarnessConfig, build_lexicon, harness_needs, resolve_needs, run_harness, train_models
 from .meta import MetaConfig
 from .models import GRUBackbone
 from .report import markdown_table, summarize, write_results
@@ -49,7 +51,7 @@ class BciBenchConfig(JsonConfig):
     data_seed: int = 0
     data_tiny: bool = False
     seeds: tuple[int, ...] = (0, 1, 2)
-    jobs: int = 0  # parallel seed processes (one thread each); 0: one per seed
+    jobs: int = 0  # parallel worker processes (one thread each) sharing the seeds' tasks; 0: one per core
     harness: HarnessConfig = field(default_factory=lambda: HarnessConfig(
         # stage 1 (the pooled backbone every calibrated method shares): the drift augmentation also silences
         # channels (10%) and gives channels a new unit (10%), the two ways unit turnover changes a Utah array
@@ -145,24 +147,197 @@ def estimate_seconds(sessions: list, config: BciBenchConfig, bins_per_s: float) 
     per_seed = {k: v / bins_per_s for k, v in parts.items()}
     per_seed["calibration"] *= 1.3  # validation passes, model copies and small batches, as measured on 2 cores
     per_seed["beam search"] = 0.06 * (len(h.methods) * n_eval + n_eval_all) if h.beam_width else 0.0
-    jobs = config.jobs or len(config.seeds)
     cores = os.cpu_count() or 1
-    # ceil(seeds / jobs) rounds, each slowed down when more jobs than cores share the machine
-    factor = math.ceil(len(config.seeds) / jobs) * max(1.0, min(jobs, len(config.seeds)) / cores)
+    n_tasks = len(config.seeds) * len(plan_seed(h).train)  # training tasks that can run side by side
+    jobs = min(config.jobs or cores, n_tasks)
+    # the seeds' tasks shared out over the workers, each slowed down when more workers than cores share the machine
+    factor = len(config.seeds) / min(jobs, cores)
     return {"per_seed_s": per_seed, "total_s": factor * sum(per_seed.values()), "jobs": jobs,
             "cores": cores, "bins_per_s": bins_per_s}
 
 
-def _run_seed(args: tuple[str, dict, int]) -> dict:
-    data_path, harness_dict, seed = args
+#: which training task trains each thing a method needs (meta-learning needs the stage-1 backbone first)
+_TRAINED_BY = {"backbone": "backbone", "meta": "backbone", "session_layers": "session_layers", "reference": "reference"}
+#: the order training tasks start in: the longest chain (stage 1, meta-learning, four methods' calibration) first
+_TRAIN_ORDER = ("backbone", "session_layers", "reference")
+
+
+@dataclass(frozen=True)
+class SeedPlan:
+    """One seed's work as separate tasks, so that parallel workers can share it out.
+
+    ``train`` maps a training task to what it trains (:func:`sdk.bci.evaluate.train_models`'s
+    needs); ``score`` lists scoring tasks: the training tasks whose models they need, the
+    methods they calibrate and score, and whether they also score the drift reference.
+    """
+
+    train: dict[str, frozenset[str]]
+    score: tuple[tuple[tuple[str, ...], tuple[str, ...], bool], ...]
+
+
+def plan_seed(config: HarnessConfig) -> SeedPlan:
+    """Split one seed's :func:`~sdk.bci.evaluate.run_harness` into training tasks and scoring tasks.
+
+    Each training function seeds itself and calibration draws no random numbers, so the
+    tasks give the same results as one ``run_harness`` call (``tests/sdk/test_bci_benchmark.py``).
+    """
+    train: dict[str, set[str]] = {}
+    for need in harness_needs(config):
+        train.setdefault(_TRAINED_BY[need], set()).add(need)
+    groups: dict[tuple[str, ...], list[str]] = {}
+    for m in config.methods:
+        keys = tuple(sorted({_TRAINED_BY[n] for n in resolve_needs(set(get_method(m).needs), config)}))
+        groups.setdefault(keys, []).append(m)
+    ref_keys = tuple(sorted({_TRAINED_BY[n] for n in resolve_needs({"reference"}, config)})) if config.reference else None
+    if ref_keys is not None:
+        groups.setdefault(ref_keys, [])
+    order = sorted(train, key=_TRAIN_ORDER.index)
+    return SeedPlan({k: frozenset(train[k]) for k in order},
+                    tuple((keys, tuple(ms), keys == ref_keys) for keys, ms in groups.items()))
+
+
+_LOADED: dict[str, tuple] = {}  # per worker process: the recording and lexicon, read once
+
+
+def _load(data_path: str) -> tuple:
+    if data_path not in _LOADED:
+        with open(data_path, "rb") as f:
+            sessions, words = pickle.load(f)
+        _LOADED.clear()
+        _LOADED[data_path] = (sessions, build_lexicon(sessions, words))
+    return _LOADED[data_path]
+
+
+def _seed_config(harness_dict: dict, seed: int, **changes) -> HarnessConfig:
+    return replace(HarnessConfig.from_dict(harness_dict), seed=seed, **changes)
+
+
+def _train_task(data_path: str, harness_dict: dict, seed: int, key: str, needs: frozenset[str]) -> dict:
+    """Training task ``key``: train ``needs`` for one seed; the models go back to the driver for the scoring tasks."""
     torch.set_num_threads(1)
-    with open(data_path, "rb") as f:
-        sessions, words = pickle.load(f)
-    cfg = replace(HarnessConfig.from_dict(harness_dict), seed=seed)
-    fastctc.counts.update(batches=0, fallback_batches=0)  # a worker may run several seeds
-    run = run_harness(sessions, cfg, lexicon=build_lexicon(sessions, words))
-    run["fast_ctc"] = dict(fastctc.counts)  # how often the Numba CTC fell back to F.ctc_loss for this seed
+    sessions, _ = _load(data_path)
+    cfg = _seed_config(harness_dict, seed).seeded()
+    fastctc.counts.update(batches=0, fallback_batches=0)
+    t0 = time.perf_counter()
+    torch.manual_seed(cfg.seed)  # as run_harness does before training
+    models = train_models(sessions, cfg, set(needs))
+    return {"key": key, "models": models, "fast_ctc": dict(fastctc.counts), "wall_s": time.perf_counter() - t0}
+
+
+def _score_task(data_path: str, harness_dict: dict, seed: int, methods: tuple[str, ...], reference: bool,
+                models: TrainedModels) -> dict:
+    """Calibrate and score ``methods`` (and the drift reference) for one seed with already trained models."""
+    torch.set_num_threads(1)
+    sessions, lexicon = _load(data_path)
+    fastctc.counts.update(batches=0, fallback_batches=0)
+    run = run_harness(sessions, _seed_config(harness_dict, seed, methods=methods, reference=reference),
+                      lexicon=lexicon, models=models)
+    run["fast_ctc"] = dict(fastctc.counts)
     return run
+
+
+def merge_models(parts: Sequence[TrainedModels]) -> TrainedModels:
+    """One :class:`TrainedModels` holding what each of ``parts`` trained."""
+    out = TrainedModels()
+    for p in parts:
+        for f in ("backbone", "meta", "session_model", "reference_model"):
+            if getattr(p, f) is not None:
+                setattr(out, f, getattr(p, f))
+        out.held_in_days |= p.held_in_days
+        out.logs |= p.logs
+    return out
+
+
+def merge_seed(config: HarnessConfig, trained: Sequence[dict], scored: Sequence[dict]) -> dict:
+    """One seed's ``run_harness`` result from its tasks' results.
+
+    ``wall_s`` is the seed's compute time: every task's seconds added up (they may have run
+    at different times, on different workers). ``fast_ctc`` adds up the tasks' CTC counts.
+    """
+    run = dict(scored[0])
+    by_method = {m: v for part in scored for m, v in part["methods"].items()}
+    run["methods"] = {m: by_method[m] for m in config.methods}
+    for key in ("train_s", "logs"):
+        run[key] = {k: v for part in scored for k, v in part[key].items()}
+    run["training_warnings"] = list(dict.fromkeys(w for part in scored for w in part["training_warnings"]))
+    for key in ("meta", "reference"):
+        for part in scored:
+            if key in part:
+                run[key] = part[key]
+    run["config"] = config.seeded().to_dict()
+    run["wall_s"] = sum(t["wall_s"] for t in trained) + sum(part["wall_s"] for part in scored)
+    run["fast_ctc"] = {k: sum(p["fast_ctc"][k] for p in [*trained, *scored]) for k in ("batches", "fallback_batches")}
+    return run
+
+
+def run_seeds(data_path: str, harness: HarnessConfig, seeds: Sequence[int], workers: int) -> list[dict]:
+    """Every seed's result, its training and scoring tasks shared out over ``workers`` processes (one thread each).
+
+    A task starts as soon as a worker is free and what it needs is trained, longest chain first:
+    every seed's stage-1 backbone (then meta-learning), then the session-layer decoders, then
+    the scoring tasks. Compared with one process per seed, no core idles while the last seed
+    finishes alone, and no more processes run than there are workers.
+    """
+    plan = plan_seed(harness)
+    hd = harness.to_dict()
+    ready: list[tuple[tuple, str, tuple]] = []  # (priority, kind, args)
+    for i, seed in enumerate(seeds):
+        for j, (key, needs) in enumerate(plan.train.items()):
+            ready.append(((0, j, i), "train", (seed, key, needs)))
+    trained: dict[int, dict[str, dict]] = {s: {} for s in seeds}
+    scored: dict[int, list[dict]] = {s: [] for s in seeds}
+    waiting = {(s, g): group for s in seeds for g, group in enumerate(plan.score)}
+
+    def release(seed: int) -> None:  # scoring tasks whose models are all trained
+        for (s, g), (keys, methods, reference) in list(waiting.items()):
+            if s == seed and all(k in trained[s] for k in keys):
+                del waiting[(s, g)]
+                models = merge_models([trained[s][k]["models"] for k in keys])
+                ready.append(((1, g, seeds.index(s)), "score", (s, methods, reference, models)))
+
+    def finish(kind: str, args: tuple, result: dict) -> None:
+        seed = args[0]
+        if kind == "train":
+            trained[seed][result["key"]] = result
+            release(seed)
+        else:
+            scored[seed].append(result)
+
+    def task(kind: str, args: tuple) -> tuple:
+        return (_train_task if kind == "train" else _score_task), (data_path, hd, *args)
+
+    def next_ready() -> tuple[str, tuple]:
+        ready.sort(key=lambda r: r[0])
+        _, kind, args = ready.pop(0)
+        return kind, args
+
+    if workers <= 1:
+        while ready:
+            kind, args = next_ready()
+            fn, task_args = task(kind, args)
+            finish(kind, args, fn(*task_args))
+        return [merge_seed(replace(harness, seed=s), list(trained[s].values()), scored[s]) for s in seeds]
+    done: queue.Queue = queue.Queue()
+    running = 0
+    with _sigterm_exits(), mp.get_context("spawn").Pool(workers) as pool:
+        while ready or running:
+            while ready and running < workers:
+                kind, args = next_ready()
+                fn, task_args = task(kind, args)
+                pool.apply_async(fn, task_args, callback=lambda r, k=kind, a=args: done.put((k, a, r, None)),
+                                 error_callback=lambda e, k=kind, a=args: done.put((k, a, None, e)))
+                running += 1
+            while True:  # a timeout, so that SIGTERM's SystemExit is raised here promptly
+                try:
+                    kind, args, result, error = done.get(timeout=1.0)
+                    break
+                except queue.Empty:
+                    continue
+            running -= 1
+            if error is not None:
+                raise error
+            finish(kind, args, result)
+    return [merge_seed(replace(harness, seed=s), list(trained[s].values()), scored[s]) for s in seeds]
 
 
 @contextlib.contextmanager
@@ -198,19 +373,14 @@ def run_bci_benchmark(config: BciBenchConfig, report=print) -> dict:
            f"{np.mean([t.n_bins for s in sessions for t in s.trials]):.0f} bins per trial "
            f"(generated in {time.perf_counter() - t0:.0f} s)")
     est = estimate_seconds(sessions, config, measure_bins_per_s(sessions, config.harness))
-    report(f"estimated time: {est['total_s'] / 60:.1f} min ({est['jobs']} parallel seed job(s) on {est['cores']} cores, "
-           f"{est['bins_per_s']:.0f} training bins/s per job; per seed: "
+    report(f"estimated time: {est['total_s'] / 60:.1f} min ({est['jobs']} worker process(es) on {est['cores']} cores, "
+           f"{est['bins_per_s']:.0f} training bins/s per worker; per seed: "
            + ", ".join(f"{k} {v:.0f} s" for k, v in est["per_seed_s"].items()) + ")")
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "data.pkl")
         with open(path, "wb") as f:
             pickle.dump((sessions, list(VOCABULARY)), f)
-        jobs = [(path, config.harness.to_dict(), s) for s in config.seeds]
-        if est["jobs"] > 1:
-            with _sigterm_exits(), mp.get_context("spawn").Pool(est["jobs"]) as pool:
-                runs = pool.map(_run_seed, jobs)
-        else:
-            runs = [_run_seed(j) for j in jobs]
+        runs = run_seeds(path, config.harness, list(config.seeds), est["jobs"])
     for run in runs:
         for warning in run.get("training_warnings", []):
             report(f"warning (seed {run['seed']}): {warning}")

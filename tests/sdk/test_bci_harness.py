@@ -203,3 +203,39 @@ def test_time_estimate_counts_each_per_session_layer_training_the_run_does(sessi
     assert shared_reference == pytest.approx(default)  # one decoder serves both
     # the reference alone, without the session_layers baseline: stage 1 and the reference
     assert training_s(reference=True, methods=("two_stage",)) == pytest.approx(default)
+
+
+def test_the_benchmarks_tasks_on_two_workers_give_what_one_harness_call_gives(runs, sessions, tmp_path):
+    """The benchmark splits each seed into training and scoring tasks shared out over worker processes:
+    the results must be the ones run_harness computes in one call (each training seeds itself, and
+    calibration draws no random numbers)."""
+    import pickle
+
+    from sdk.bci.benchmark import run_seeds
+
+    path = tmp_path / "data.pkl"
+    path.write_bytes(pickle.dumps((sessions, [])))
+    split = run_seeds(str(path), tiny_harness(), [0, 1], workers=2)
+    for one, shared in zip(runs, split, strict=True):
+        assert shared["seed"] == one["seed"] and list(shared["methods"]) == list(one["methods"])
+        for m, v in one["methods"].items():
+            for key in ("mean", "sessions", "chosen"):
+                assert shared["methods"][m][key] == v[key], (m, key)
+        assert shared["reference"] == one["reference"] and shared["meta"] == one["meta"]
+        assert shared["config"] == one["config"]
+        assert {k: log["loss"] for k, log in shared["logs"].items()} == {k: log["loss"] for k, log in one["logs"].items()}
+        assert shared["wall_s"] >= max(m["train_s"] + m["calibrate_s"] for m in shared["methods"].values())
+        assert shared["fast_ctc"]["batches"] > 0
+
+
+def test_a_seed_splits_into_one_training_task_per_decoder_and_one_scoring_task_per_set_of_models():
+    from sdk.bci.benchmark import plan_seed
+
+    plan = plan_seed(tiny_harness())  # the drift reference shares the session_layers decoder
+    assert plan.train == {"backbone": {"backbone", "meta"}, "session_layers": {"session_layers"}}
+    assert plan.score == ((("backbone",), ("zero_shot", "finetune", "alignment", "two_stage"), False),
+                          (("session_layers",), ("session_layers",), True))
+    separate = tiny_harness(reference_train=TrainConfig(steps=7), methods=("zero_shot",))
+    plan = plan_seed(separate)  # the reference on a recipe of its own: a third decoder, scored on its own
+    assert plan.train == {"backbone": {"backbone"}, "reference": {"reference"}}
+    assert plan.score == ((("backbone",), ("zero_shot",), False), (("reference",), (), True))
