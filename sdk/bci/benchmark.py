@@ -35,6 +35,7 @@ from .calibrate import CalibrationConfig
 from .config import JsonConfig
 from .data import collate, ctc_loss, resolve_device
 from .evaluate import HarnessConfig, build_lexicon, harness_needs, resolve_needs, run_harness, train_models
+from .malloc import retain_freed_memory
 from .meta import MetaConfig
 from .models import GRUBackbone
 from .report import markdown_table, summarize, write_results
@@ -215,6 +216,7 @@ def _seed_config(harness_dict: dict, seed: int, **changes) -> HarnessConfig:
 def _train_task(data_path: str, harness_dict: dict, seed: int, key: str, needs: frozenset[str]) -> dict:
     """Training task ``key``: train ``needs`` for one seed; the models go back to the driver for the scoring tasks."""
     torch.set_num_threads(1)
+    retain_freed_memory()
     sessions, _ = _load(data_path)
     cfg = _seed_config(harness_dict, seed).seeded()
     fastctc.counts.update(batches=0, fallback_batches=0)
@@ -228,6 +230,7 @@ def _score_task(data_path: str, harness_dict: dict, seed: int, methods: tuple[st
                 models: TrainedModels) -> dict:
     """Calibrate and score ``methods`` (and the drift reference) for one seed with already trained models."""
     torch.set_num_threads(1)
+    retain_freed_memory()
     sessions, lexicon = _load(data_path)
     fastctc.counts.update(batches=0, fallback_batches=0)
     run = run_harness(sessions, _seed_config(harness_dict, seed, methods=methods, reference=reference),
@@ -366,6 +369,7 @@ def run_bci_benchmark(config: BciBenchConfig, report=print) -> dict:
     from sim.handwriting import VOCABULARY
 
     t0 = time.perf_counter()
+    retain_freed_memory()  # as the workers do (sdk.bci.malloc), so the throughput measured is theirs
     sessions, hw = generate_data(config)
     held_in = [s for s in sessions if s.split == "held_in"]
     report(f"data: {len(held_in)} held-in + {len(sessions) - len(held_in)} held-out sessions, {sessions[0].n_channels} "

@@ -298,8 +298,10 @@ def _train(a: argparse.Namespace) -> int:
     from .benchmark import BciBenchConfig
     from .data import resolve_device
     from .evaluate import HarnessConfig
+    from .malloc import retain_freed_memory
 
     resolve_device(a.device)  # a device this machine lacks is refused before the data are read
+    retain_freed_memory()  # this process only trains: keep freed tensors' memory for the next step (sdk.bci.malloc)
     if a.config:
         harness = HarnessConfig.load(a.config)
     else:
