@@ -58,9 +58,9 @@ def in_twice_differentiable() -> bool:
     return _TWICE.get()
 
 
-def _addmm(input: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``input + a @ b`` for one weight set (``b`` 2-D) or a stack of them (3-D, batched)."""
-    return torch.addmm(input, a, b) if b.dim() == 2 else torch.baddbmm(input, a, b)
+def _addmm(input: torch.Tensor, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``input + a @ b`` for one weight set (``b`` 2-D) or a stack of them (3-D, batched), into ``out`` if given."""
+    return torch.addmm(input, a, b, out=out) if b.dim() == 2 else torch.baddbmm(input, a, b, out=out)
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
@@ -98,30 +98,32 @@ class _GRURecurrence(torch.autograd.Function):
         states = gi.new_empty(n_steps + 1, *h0.shape)  # h_0 .. h_T
         rz = gi.new_empty(n_steps, *h0.shape[:-1], 2 * n_hidden)  # the gates r and z
         new = gi.new_empty(n_steps, *h0.shape)  # the candidate state n
-        hns = []  # W_hn h + b_hn
+        gh = torch.empty_like(pre)  # each step's W_h h + b_h (the n block is kept for the backward pass)
         states[0] = h0
+        # one unbind per buffer instead of an index per step: each step's slices are ready-made views
+        h_t, rz_t, new_t, pre_t, gi_n_t, gh_t = (v.unbind(0) for v in (states, rz, new, pre, gi_n, gh))
+        r_t, z_t = rz[..., :n_hidden].unbind(0), rz[..., n_hidden:].unbind(0)
+        ghrz_t, hn_t = gh[..., : 2 * n_hidden].unbind(0), gh[..., 2 * n_hidden:].unbind(0)
         for t in range(n_steps):
-            gh = _addmm(pre[t], states[t], whh_t)
-            torch.sigmoid(gh[..., : 2 * n_hidden], out=rz[t])
-            hn = gh[..., 2 * n_hidden:]
-            torch.tanh(torch.addcmul(gi_n[t], rz[t, ..., :n_hidden], hn), out=new[t])
-            torch.lerp(new[t], states[t], rz[t, ..., n_hidden:], out=states[t + 1])
-            hns.append(hn)
+            _addmm(pre_t[t], h_t[t], whh_t, out=gh_t[t])
+            torch.sigmoid(ghrz_t[t], out=rz_t[t])
+            torch.tanh(torch.addcmul(gi_n_t[t], r_t[t], hn_t[t]), out=new_t[t])
+            torch.lerp(new_t[t], h_t[t], z_t[t], out=h_t[t + 1])
         ctx.save_for_backward(whh)
-        ctx.steps = (states, rz, new, hns)
+        ctx.steps = (states, rz, new, gh[..., 2 * n_hidden:])
         return states[1:].movedim(0, -2).contiguous(), states[-1].clone()
 
     @staticmethod
     @once_differentiable
     def backward(ctx, d_out, d_last):
         (whh,) = ctx.saved_tensors
-        states, rz, n, hns = ctx.steps
+        states, rz, n, hn = ctx.steps
         del ctx.steps
         n_hidden = whh.shape[-1]
         # With dh the gradient reaching h_t, the pre-activation gradients are d_n = dh * a,
         # d_z = dh * b and d_r = d_n * c; the hidden gates get (d_r, d_z, d_n * r) = dh * k.
         # a, b, c and k are computed for all steps at once.
-        r, z, hn, h_prev = rz[..., :n_hidden], rz[..., n_hidden:], torch.stack(hns), states[:-1]
+        r, z, h_prev = rz[..., :n_hidden], rz[..., n_hidden:], states[:-1]
         # k is (T, ..., B, 3, H): the gates' blocks on their own axis, so dh broadcasts over them
         k = n.new_empty(*n.shape[:-1], 3, n_hidden)
         a = torch.mul(n, n).neg_().add_(1).mul_(1 - z)  # (1 - z)(1 - n^2)
@@ -130,19 +132,24 @@ class _GRURecurrence(torch.autograd.Function):
         torch.mul(a, r, out=k[..., 2, :])
         d_outs = d_out.unbind(-2)
         dh_all = torch.empty_like(n)  # the gradient reaching each h_t
+        dh_t, k_t, z_t = dh_all.unbind(0), k.unbind(0), z.unbind(0)
         dh = d_last  # autograd passes zeros for an output that was not used
         for t in range(n.shape[0] - 1, -1, -1):
-            dh = torch.add(dh, d_outs[t], out=dh_all[t])
-            d_gh = (dh.unsqueeze(-2) * k[t]).flatten(-2)
-            dh = _addmm(dh * z[t], d_gh, whh)
+            dh = torch.add(dh, d_outs[t], out=dh_t[t])
+            d_gh = (dh.unsqueeze(-2) * k_t[t]).flatten(-2)
+            dh = _addmm(dh * z_t[t], d_gh, whh)
         # the loop's d_gh again, for all steps at once (cheaper than keeping each step's)
         d_gh = k.mul_(dh_all.unsqueeze(-2)).flatten(-2)  # (T, ..., B, 3H)
         d_gi = torch.cat((d_gh[..., : 2 * n_hidden], dh_all.mul_(a)), -1).movedim(0, -2)  # input gates: (r, z, n)
         if not (ctx.needs_input_grad[1] or ctx.needs_input_grad[2]):  # a frozen GRU: the input's gradient only
             return d_gi, None, None, dh
-        # weight gradients: one product over every step (and batch row) per weight set
-        g = d_gh.movedim(0, -2).flatten(-3, -2)  # (..., B * T, 3H)
-        h_prev = h_prev.movedim(0, -2).flatten(-3, -2)  # (..., B * T, H)
+        # weight gradients: one product over every step (and batch row) per weight set, read from the
+        # time-major buffers as they are for one weight set; a stack's task axis must lead, which takes a copy
+        if whh.dim() == 2:
+            g, h_prev = d_gh.flatten(0, -2), h_prev.flatten(0, -2)  # (T * B, 3H), (T * B, H): views
+        else:
+            g = d_gh.movedim(0, -2).flatten(-3, -2)  # (n, B * T, 3H)
+            h_prev = h_prev.movedim(0, -2).flatten(-3, -2)  # (n, B * T, H)
         return d_gi, g.transpose(-1, -2) @ h_prev, g.sum(-2), dh
 
 
