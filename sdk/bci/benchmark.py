@@ -22,7 +22,7 @@ import signal
 import tempfile
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -273,8 +273,11 @@ def merge_seed(config: HarnessConfig, trained: Sequence[dict], scored: Sequence[
     return run
 
 
-def run_seeds(data_path: str, harness: HarnessConfig, seeds: Sequence[int], workers: int) -> list[dict]:
+def run_seeds(data_path: str, harness: HarnessConfig, seeds: Sequence[int], workers: int,
+              report: Callable[[str], None] | None = None) -> list[dict]:
     """Every seed's result, its training and scoring tasks shared out over ``workers`` processes (one thread each).
+
+    ``report`` gets a line as each task ends (what it did and how long it took).
 
     A task starts as soon as a worker is free and what it needs is trained, longest chain first:
     every seed's stage-1 backbone (then meta-learning), then the session-layer decoders, then
@@ -298,13 +301,20 @@ def run_seeds(data_path: str, harness: HarnessConfig, seeds: Sequence[int], work
                 models = merge_models([trained[s][k]["models"] for k in keys])
                 ready.append(((1, g, seeds.index(s)), "score", (s, methods, reference, models)))
 
+    n_tasks = len(seeds) * (len(plan.train) + len(plan.score))
+
     def finish(kind: str, args: tuple, result: dict) -> None:
         seed = args[0]
         if kind == "train":
             trained[seed][result["key"]] = result
             release(seed)
+            what = "trained " + " + ".join(sorted(result["models"].logs))
         else:
             scored[seed].append(result)
+            what = "scored " + " + ".join([*args[1], *(["drift reference"] if args[2] else [])])
+        if report is not None:
+            done_tasks = sum(map(len, trained.values())) + sum(map(len, scored.values()))
+            report(f"[{done_tasks}/{n_tasks}] seed {seed}: {what} in {result['wall_s']:.0f} s")
 
     def task(kind: str, args: tuple) -> tuple:
         return (_train_task if kind == "train" else _score_task), (data_path, hd, *args)
@@ -364,7 +374,11 @@ def _sigterm_exits() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
-def run_bci_benchmark(config: BciBenchConfig, report=print) -> dict:
+def _print_now(line: str) -> None:
+    print(line, flush=True)  # progress shows up in a log file as it happens
+
+
+def run_bci_benchmark(config: BciBenchConfig, report: Callable[[str], None] = _print_now) -> dict:
     """Run the benchmark; write results under ``config.out_dir``; return the summary."""
     from sim.handwriting import VOCABULARY
 
@@ -384,7 +398,7 @@ def run_bci_benchmark(config: BciBenchConfig, report=print) -> dict:
         path = os.path.join(tmp, "data.pkl")
         with open(path, "wb") as f:
             pickle.dump((sessions, list(VOCABULARY)), f)
-        runs = run_seeds(path, config.harness, list(config.seeds), est["jobs"])
+        runs = run_seeds(path, config.harness, list(config.seeds), est["jobs"], report)
     for run in runs:
         for warning in run.get("training_warnings", []):
             report(f"warning (seed {run['seed']}): {warning}")

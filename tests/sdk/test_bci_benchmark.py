@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -25,6 +26,13 @@ def test_the_benchmark_script_writes_every_result_of_an_ablated_two_seed_run(tmp
     run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "estimated time:" in run.stdout and "wall time" in run.stdout
+    # a line as each of the seeds' tasks ends: train the backbone (and meta-learn), train the session-layer
+    # decoder (the drift reference's), score the two methods, score the reference; numbered in order
+    progress = re.findall(r"^\[(\d+)/(\d+)\] seed (\d+): (.*) in \d+ s$", run.stdout, re.M)
+    assert [(int(i), int(n)) for i, n, *_ in progress] == [(i, 8) for i in range(1, 9)], progress
+    for seed in ("0", "1"):
+        assert {what for *_, s, what in progress if s == seed} == {
+            "trained backbone + meta", "trained session_layers", "scored zero_shot + two_stage", "scored drift reference"}
 
     stem = "bci_tiny_ablate_gain"
     for suffix in (".json", ".md", "_wer_vs_days.png"):
