@@ -180,7 +180,7 @@ def plan_seed(config: HarnessConfig) -> SeedPlan:
     """Split one seed's :func:`~sdk.bci.evaluate.run_harness` into training tasks and scoring tasks.
 
     Each training function seeds itself and calibration draws no random numbers, so the
-    tasks give the same results as one ``run_harness`` call (``tests/sdk/test_bci_benchmark.py``).
+    tasks give the same results as one ``run_harness`` call (``tests/sdk/test_bci_harness.py``).
     """
     train: dict[str, set[str]] = {}
     for need in harness_needs(config):
