@@ -239,3 +239,17 @@ def test_a_seed_splits_into_one_training_task_per_decoder_and_one_scoring_task_p
     plan = plan_seed(separate)  # the reference on a recipe of its own: a third decoder, scored on its own
     assert plan.train == {"backbone": {"backbone"}, "reference": {"reference"}}
     assert plan.score == ((("backbone",), ("zero_shot",), False), (("reference",), (), True))
+
+
+def test_an_error_in_a_benchmark_worker_ends_the_run_with_that_error(sessions, tmp_path):
+    """A task that fails in a worker process must stop the run and say why, not hang or lose the message."""
+    import dataclasses
+    import pickle
+
+    from sdk.bci.benchmark import run_seeds
+
+    no_held_in = [dataclasses.replace(s, split="held_out") for s in sessions]
+    path = tmp_path / "data.pkl"
+    path.write_bytes(pickle.dumps((no_held_in, [])))
+    with pytest.raises(ValueError, match="held-in"):
+        run_seeds(str(path), tiny_harness(methods=("zero_shot",), reference=False), [0, 1], workers=2)
