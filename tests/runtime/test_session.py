@@ -159,10 +159,20 @@ def test_disconnect_and_reconnect(plant_bundle, tmp_path):
                duration_s=2.5, watchdog_s=0.15)
     s = run_session(plant_bundle, cfg)
     assert s.disconnects == 1 and s.reconnects == 1
-    assert s.watchdog_trips >= 1  # input stopped while the device was away
-    events = [rec.json() for rec in RecordingReader(cfg.record).of_type(RecordType.EVENT)]
+    records = list(RecordingReader(cfg.record).of_type(RecordType.EVENT))
+    events = [rec.json() for rec in records]
     kinds = [e["event"] for e in events]
-    assert kinds.index("disconnected") < kinds.index("reconnected")
+    down, up = kinds.index("disconnected"), kinds.index("reconnected")
+    assert down < up
+    # Input stopped while the device was away: the watchdog must have tripped in between. The emulator
+    # closes its port for 0.6 s, but on a loaded machine it can wake late inside that window and leave
+    # a shorter gap, so the rule is checked on the gap the host saw (longer than the watchdog's 0.15 s
+    # plus a period), which it is unless the emulator was starved (0.6 s in every run here alone).
+    t_down, t_up = records[down].host_ns, records[up].host_ns
+    if (t_up - t_down) / 1e9 > cfg.watchdog_s + 0.01:
+        tripped = [r.host_ns for r, k in zip(records, kinds, strict=True) if k == "watchdog"]
+        assert any(t_down - cfg.watchdog_s * 1e9 <= t <= t_up for t in tripped), ((t_up - t_down) / 1e9, kinds)
+        assert s.watchdog_trips >= 1
     steps_after = [e["step"] for e in events if e["event"] == "reconnected"][0]
     assert s.loop.steps > steps_after + 100  # commands flowed again after the device came back
 
