@@ -12,6 +12,7 @@ measures this machine's GRU throughput and prints the estimated run time.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import multiprocessing as mp
 import os
@@ -197,16 +198,11 @@ def plan_seed(config: HarnessConfig) -> SeedPlan:
                     tuple((keys, tuple(ms), keys == ref_keys) for keys, ms in groups.items()))
 
 
-_LOADED: dict[str, tuple] = {}  # per worker process: the recording and lexicon, read once
-
-
+@functools.lru_cache(maxsize=1)  # per worker process: the recording and lexicon, read once
 def _load(data_path: str) -> tuple:
-    if data_path not in _LOADED:
-        with open(data_path, "rb") as f:
-            sessions, words = pickle.load(f)
-        _LOADED.clear()
-        _LOADED[data_path] = (sessions, build_lexicon(sessions, words))
-    return _LOADED[data_path]
+    with open(data_path, "rb") as f:
+        sessions, words = pickle.load(f)
+    return sessions, build_lexicon(sessions, words)
 
 
 def _seed_config(harness_dict: dict, seed: int, **changes) -> HarnessConfig:
@@ -329,7 +325,13 @@ def run_seeds(data_path: str, harness: HarnessConfig, seeds: Sequence[int], work
             kind, args = next_ready()
             fn, task_args = task(kind, args)
             finish(kind, args, fn(*task_args))
-        return [merge_seed(replace(harness, seed=s), list(trained[s].values()), scored[s]) for s in seeds]
+    else:
+        _run_on_pool(workers, ready, next_ready, task, finish)
+    return [merge_seed(replace(harness, seed=s), list(trained[s].values()), scored[s]) for s in seeds]
+
+
+def _run_on_pool(workers: int, ready: list, next_ready: Callable, task: Callable, finish: Callable) -> None:
+    """Keep ``workers`` spawned processes busy with ``ready`` tasks until none is left or running."""
     done: queue.Queue = queue.Queue()
     running = 0
     with _sigterm_exits(), mp.get_context("spawn").Pool(workers) as pool:
@@ -349,8 +351,7 @@ def run_seeds(data_path: str, harness: HarnessConfig, seeds: Sequence[int], work
             running -= 1
             if error is not None:
                 raise error
-            finish(kind, args, result)
-    return [merge_seed(replace(harness, seed=s), list(trained[s].values()), scored[s]) for s in seeds]
+            finish(kind, args, result)  # may add the scoring tasks it unblocks to ``ready``
 
 
 @contextlib.contextmanager
