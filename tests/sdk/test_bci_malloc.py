@@ -43,7 +43,8 @@ def test_retained_memory_is_reused_without_page_faults():
     took, faults = _faults()
     assert took == "True"
     # A freed block handed back to the system costs 3,300 faults (4 KiB pages) when the next step makes it
-    # again; glibc's default does that every few steps for as long as the process runs (29,572-394,720 faults over
-    # these 40 steps in 6 fresh processes here). Retained, the heap grows while the temporaries' layout settles (up to the 14th step in 21
-    # fresh processes here; a CI run that counted from the 4th step saw 4 blocks) and every later step reuses it.
+    # again; glibc's default does that every few steps for as long as the process runs (29,572-394,720 faults
+    # over these 40 steps in 6 fresh processes here). Retained, the heap grows while the temporaries' layout
+    # settles (up to the 14th step in 21 fresh processes here; a CI run that counted from the 4th step saw 4
+    # blocks) and every later step reuses it.
     assert faults < 6_600, faults
