@@ -22,6 +22,40 @@ def autograd_nodes():
 
 
 @pytest.fixture(scope="session")
+def watchdog_rule():
+    """``check(record, watchdog_s, input_type, trips)``: each watchdog trip of a recorded session had a real silence.
+
+    On a loaded 2-core machine the host can starve an emulator process for a quarter second, and the
+    watchdog then trips, as it should; tests of normal sessions assert this rule instead of "no trip".
+    The times are the host's own: when each frame of ``input_type`` was complete in a received chunk
+    (the RX records). Checks that the recording holds ``trips`` watchdog events, each at least
+    ``watchdog_s`` after the last input before it, and that input resumed after each one (when input
+    came back before the session ended). Returns the number of trips.
+    """
+
+    def check(record, watchdog_s: float, input_type: type, trips: int) -> int:
+        from firmware_bridge import FrameParser
+        from runtime import RecordingReader, RecordType
+
+        parser = FrameParser()
+        arrived = [rec.host_ns for rec in RecordingReader(record).of_type(RecordType.RX)
+                   if any(isinstance(f.message, input_type) for f in parser.feed(rec.payload))]
+        events = [(rec.host_ns, rec.json()["event"]) for rec in RecordingReader(record).of_type(RecordType.EVENT)]
+        tripped = [t for t, kind in events if kind == "watchdog"]
+        assert len(tripped) == trips, (trips, events[:8])
+        for t in tripped:
+            before = [x for x in arrived if x < t]
+            if before:  # (a trip before any input: the device never sent, silent since the start)
+                silent_s = (t - before[-1]) / 1e9
+                assert silent_s >= watchdog_s - 1e-3, (silent_s, watchdog_s, events[:8])
+            if any(x > t + 50e6 for x in arrived):
+                assert any(kind == "input_resumed" and u > t for u, kind in events), events[:8]
+        return len(tripped)
+
+    return check
+
+
+@pytest.fixture(scope="session")
 def tiny_models():
     import torch
 

@@ -20,7 +20,16 @@ import torch
 
 import sim  # noqa: F401  (registers sim://)
 from export import export_bundle
-from firmware_bridge import ActuatorCommand, FrameParser, Hello, JointCommand, Link, open_transport
+from firmware_bridge import (
+    ActuatorCommand,
+    FrameParser,
+    Hello,
+    JointCommand,
+    JointState,
+    Link,
+    NeuralFrame,
+    open_transport,
+)
 from runtime import (
     DeviceMismatchError,
     RecordingReader,
@@ -75,7 +84,7 @@ def _commands_sent(path, kind):
     return out
 
 
-def test_headstage_session_decodes_records_and_replays(neural_bundle, tmp_path):
+def test_headstage_session_decodes_records_and_replays(neural_bundle, tmp_path, watchdog_rule):
     cfg = _cfg("sim://headstage?channels=12&seed=3", tmp_path)
     s = run_session(neural_bundle, cfg)
     assert s.device["kind"] == "headstage" and s.device["n_channels"] == 12
@@ -83,7 +92,8 @@ def test_headstage_session_decodes_records_and_replays(neural_bundle, tmp_path):
     # (a loaded machine delivers bursts); each used frame is answered by one command
     assert s.frames_received >= 50 and s.inputs_used + s.inputs_skipped >= 50
     assert s.commands_sent == s.inputs_used > 0
-    assert s.watchdog_trips == 0 and s.link["lost"] == 0 and s.link["crc_errors"] == 0
+    assert s.link["lost"] == 0 and s.link["crc_errors"] == 0
+    watchdog_rule(cfg.record, cfg.watchdog_s, NeuralFrame, s.watchdog_trips)  # a trip only on a real silence
     r = RecordingReader(cfg.record)
     assert r.dropped_bytes == 0 and r.summary["commands_sent"] == s.commands_sent
     assert r.meta["device"]["kind"] == "headstage"
@@ -177,7 +187,7 @@ def test_disconnect_and_reconnect(plant_bundle, tmp_path):
     assert s.loop.steps > steps_after + 100  # commands flowed again after the device came back
 
 
-def test_panda_session_clips_joint_commands(tmp_path):
+def test_panda_session_clips_joint_commands(tmp_path, watchdog_rule):
     pytest.importorskip("pybullet")
     t = open_transport("sim://panda?rate=50")
     try:
@@ -204,7 +214,8 @@ def test_panda_session_clips_joint_commands(tmp_path):
     )
     cfg = _cfg("sim://panda?rate=50", tmp_path, duration_s=1.5)
     s = run_session(bundle, cfg)
-    assert s.commands_sent > 40 and s.watchdog_trips == 0
+    assert s.commands_sent > 40
+    watchdog_rule(cfg.record, cfg.watchdog_s, JointState, s.watchdog_trips)  # a trip only on a real silence
     cmds = np.array([m.values for _, m in _commands_sent(cfg.record, JointCommand)])
     assert np.all(cmds >= low - 1e-6) and np.all(cmds <= high + 1e-6)
 

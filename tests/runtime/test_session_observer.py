@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import sim  # noqa: F401  (registers sim://)
-from firmware_bridge import ActuatorCommand, FrameParser
+from firmware_bridge import ActuatorCommand, FrameParser, PlantMeasurement
 from runtime import Model, RecordingReader, RecordType, SessionConfig, get_family, load_bundle, run_session
 
 
@@ -28,17 +28,19 @@ def fj_bundle(tmp_path_factory):
                                   report=lambda s: None)
 
 
-def test_observer_session_at_1khz_against_the_plant_emulator(fj_bundle, tmp_path):
+def test_observer_session_at_1khz_against_the_plant_emulator(fj_bundle, tmp_path, watchdog_rule):
     rec = tmp_path / "obs.clrec"
     cfg = SessionConfig(device="sim://plant?model=flexible-joint&rate=1000&seed=1", duration_s=1.5, status=False,
                         record=str(rec), backend="onnxruntime")
     s = run_session(fj_bundle, cfg)
     assert s.device["kind"] == "plant" and s.device["rate_hz"] == 1000
-    # 1500 periods; on a loaded 2-core machine the emulator process falls behind, so only a floor is asserted.
-    # The watchdog is the session's default (0.25 s): a 0.1 s one tripped once in a full idle `make test` on a
-    # 2-core AVX2 machine (529 commands sent), where the emulator process, not the loop, was starved.
-    events = [e for e in (r.json() for r in RecordingReader(rec).of_type(RecordType.EVENT)) if e["event"] != "device_hello"]
-    assert s.commands_sent > 300 and s.watchdog_trips == 0, (s.commands_sent, s.frames_received, events[:8])
+    # 1,500 periods. How many bring a new measurement depends on how the host schedules the emulator process (529
+    # commands in an idle run; 283 in a clean-clone `make test` where the emulator fell silent for 0.25 s), so only
+    # a floor is asserted, and that every measurement the loop used gave a command.
+    assert s.commands_sent > 100 and s.commands_sent == s.inputs_used, (s.commands_sent, s.inputs_used)
+    # The watchdog (the session's default 0.25 s) may trip only when the measurements really stopped that long
+    # (that a silence does trip it is tested with an injected one in test_session.py)
+    watchdog_rule(rec, cfg.watchdog_s, PlantMeasurement, s.watchdog_trips)
     # every command sent respects the bundle's limits
     b = load_bundle(fj_bundle)
     low, high = get_family("observer")(b, Model(b, backend="onnxruntime")).command_limits()
