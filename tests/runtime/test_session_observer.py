@@ -35,9 +35,10 @@ def test_observer_session_at_1khz_against_the_plant_emulator(fj_bundle, tmp_path
     s = run_session(fj_bundle, cfg)
     assert s.device["kind"] == "plant" and s.device["rate_hz"] == 1000
     # 1,500 periods. How many bring a new measurement depends on how the host schedules the emulator process (529
-    # commands in an idle run; 283 in a clean-clone `make test` where the emulator fell silent for 0.25 s), so only
-    # a floor is asserted, and that every measurement the loop used gave a command.
-    assert s.commands_sent > 100 and s.commands_sent == s.inputs_used, (s.commands_sent, s.inputs_used)
+    # commands in an idle run; 283 in a clean-clone `make test` where the emulator fell silent for 0.25 s; 54 with
+    # two busy-loop processes beside the tests), so only a floor is asserted, and that every measurement the loop
+    # used gave a command.
+    assert s.commands_sent > 20 and s.commands_sent == s.inputs_used, (s.commands_sent, s.inputs_used)
     # The watchdog (the session's default 0.25 s) may trip only when the measurements really stopped that long
     # (that a silence does trip it is tested with an injected one in test_session.py)
     watchdog_rule(rec, cfg.watchdog_s, PlantMeasurement, s.watchdog_trips)
