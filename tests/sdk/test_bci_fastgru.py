@@ -40,6 +40,46 @@ def test_gru_sequence_matches_nn_gru_values_and_every_gradient(n_layers):
         assert _rel(a, b) < 1e-5, name
 
 
+@pytest.mark.parametrize("compiled", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("batch, hidden", [(9, 5), (4, 8), (1, 3)])
+def test_the_compiled_recurrence_and_the_torch_loop_both_match_nn_gru(monkeypatch, compiled, dtype, batch, hidden):
+    """Both recurrences of the fast path against nn.GRU: the compiled kernels (float32 and float64,
+    row blocks of four with a remainder, an odd gate width 3H) and the torch loop they replace."""
+    monkeypatch.setattr(fastgru, "use_compiled", compiled)
+    torch.manual_seed(batch)
+    gru = torch.nn.GRU(7, hidden, batch_first=True).to(dtype)
+    x = torch.randn(batch, 13, 7, dtype=dtype, requires_grad=True)
+    h0 = torch.randn(1, batch, hidden, dtype=dtype, requires_grad=True)
+    w_out, w_last = torch.randn(batch, 13, hidden, dtype=dtype), torch.randn(1, batch, hidden, dtype=dtype)
+    ins = [x, h0, *gru.parameters()]
+    y_ref, h_ref = gru(x, h0)
+    g_ref = torch.autograd.grad((y_ref * w_out).sum() + (h_ref * w_last).sum(), ins)
+    y, h = gru_sequence(x, gru_layers(gru), h0)
+    g = torch.autograd.grad((y * w_out).sum() + (h * w_last).sum(), ins)
+    tol = 1e-5 if dtype == torch.float32 else 1e-12
+    assert y.dtype == dtype and (y - y_ref).abs().max() < tol and (h - h_ref).abs().max() < tol
+    for name, a, b in zip(["x", "h0"] + [n for n, _ in gru.named_parameters()], g, g_ref, strict=True):
+        assert _rel(a, b) < tol, name
+
+
+def test_the_compiled_recurrence_runs_each_weight_set_of_a_stack_with_its_own_gradients():
+    torch.manual_seed(6)
+    grus = [torch.nn.GRU(5, 6, batch_first=True) for _ in range(3)]
+    stacked = [torch.stack([getattr(g, k).detach() for g in grus]).requires_grad_()
+               for k in ("weight_ih_l0", "weight_hh_l0", "bias_ih_l0", "bias_hh_l0")]
+    x = torch.randn(3, 5, 10, 5)  # (tasks, batch, time, channels)
+    w = torch.randn(3, 5, 10, 6)
+    y, _ = gru_sequence(x, [tuple(stacked)])
+    grads = torch.autograd.grad((y * w).sum(), stacked)
+    for i, g in enumerate(grus):
+        y_ref, _ = g(x[i])
+        ref = torch.autograd.grad((y_ref * w[i]).sum(), list(g.parameters()))
+        assert (y[i] - y_ref).abs().max() < 1e-5
+        for a, b in zip(grads, ref, strict=True):
+            assert _rel(a[i], b) < 1e-5
+
+
 def test_the_backward_pass_refuses_a_second_derivative():
     """Second-order meta-learning must not run through it silently wrong: it raises instead."""
     gru = torch.nn.GRU(4, 5, batch_first=True)
