@@ -18,8 +18,11 @@ benchmark's 192 -> 1 x 128 GRU + read-out:
 * a whole stage-1 step as ``sdk.bci.train.fit_ctc`` runs it (drift augmentation, model, CTC
   loss, backward, clipping, Adam) with ``nn.GRU`` + ``F.ctc_loss`` against both fast paths.
 
-Each figure is the median of ``--reps`` timed steps after one warm-up step, the two sides of a
-row timed alternately, on an idle machine.
+Each GRU row is also timed with fastgru's recurrence as the torch loop it was until session 14
+(``fastgru.use_compiled = False``) against the Numba kernels it runs now.
+
+Each figure is the median of ``--reps`` timed steps after one warm-up step, the sides of a
+row timed in turn, on an idle machine.
 """
 
 from __future__ import annotations
@@ -36,23 +39,37 @@ import numpy as np
 import torch
 
 from runtime.atomic import atomic_write_bytes, atomic_write_text
-from sdk.bci import data
+from sdk.bci import data, fastgru
 from sdk.bci.benchmark import TURNOVER_AUGMENTATION
 from sdk.bci.data import Example, collate, ctc_loss
 from sdk.bci.fastgru import stacked_backbone
 from sdk.bci.models import GRUBackbone
 
 
-def _median_pair_s(first, second, reps: int) -> tuple[float, float]:
-    """Median seconds of ``first()`` and of ``second()``, timed alternately (a busy neighbour slows both alike)."""
-    first(), second()
-    times: tuple[list[float], list[float]] = ([], [])
+def _median_pair_s(first, second, reps: int, loop: bool = True) -> tuple[float, float, float | None]:
+    """Median seconds of ``first()``, of ``second()`` and (``loop``) of ``second()`` with fastgru's torch-loop
+    recurrence (``fastgru.use_compiled = False``, sessions 11-14), timed in turn, rep after rep (a busy
+    neighbour slows all alike).
+    """
+
+    def torch_loop() -> None:
+        fastgru.use_compiled = False
+        try:
+            second()
+        finally:
+            fastgru.use_compiled = True
+
+    fns = (first, second, torch_loop) if loop else (first, second)
+    for fn in fns:
+        fn()
+    times: list[list[float]] = [[] for _ in fns]
     for _ in range(reps):
-        for fn, out in ((first, times[0]), (second, times[1])):
+        for fn, out in zip(fns, times, strict=True):
             t0 = time.perf_counter()
             fn()
             out.append(time.perf_counter() - t0)
-    return float(np.median(times[0])), float(np.median(times[1]))
+    medians = [float(np.median(t)) for t in times]
+    return medians[0], medians[1], medians[2] if loop else None
 
 
 def main() -> None:
@@ -76,8 +93,9 @@ def main() -> None:
     rows = []
     for batch in (16, 2):
         x, w = torch.randn(batch, a.bins, 192), torch.randn(batch, a.bins, 32)
-        ref, new = _median_pair_s(lambda x=x, w=w: nn_gru_step(x, w), lambda x=x, w=w: fast_step(x, w), a.reps)
-        rows.append({"case": f"one GRU, batch {batch}", "reference_s": ref, "fast_s": new})
+        ref, new, loop = _median_pair_s(lambda x=x, w=w: nn_gru_step(x, w), lambda x=x, w=w: fast_step(x, w), a.reps)
+        rows.append({"case": f"one GRU, batch {batch}", "reference_s": ref, "fast_s": new,
+                     "torch_loop_s": loop})
 
     x, w = torch.randn(2, a.bins, 192, requires_grad=True), torch.randn(2, a.bins, 32)
     frozen = GRUBackbone(192, 128, 1).eval().requires_grad_(False)
@@ -86,9 +104,10 @@ def main() -> None:
         GRUBackbone.use_fastgru = fast
         torch.autograd.grad((frozen(x)[0] * w).sum(), x)
 
-    ref, new = _median_pair_s(lambda: frozen_step(False), lambda: frozen_step(True), a.reps)
+    ref, new, loop = _median_pair_s(lambda: frozen_step(False), lambda: frozen_step(True), a.reps)
     GRUBackbone.use_fastgru = True
-    rows.append({"case": "frozen GRU, input gradient, batch 2", "reference_s": ref, "fast_s": new})
+    rows.append({"case": "frozen GRU, input gradient, batch 2", "reference_s": ref, "fast_s": new,
+                     "torch_loop_s": loop})
 
     n_fits = 9
     x, w = torch.randn(n_fits, 2, a.bins, 192), torch.randn(n_fits, 2, a.bins, 32)
@@ -101,8 +120,9 @@ def main() -> None:
     def batched() -> None:
         torch.autograd.grad((stacked_backbone(stacked, x, 1) * w).sum(), list(stacked.values()))
 
-    ref, new = _median_pair_s(sequential, batched, a.reps)
-    rows.append({"case": f"{n_fits} fine-tuning fits of batch 2", "reference_s": ref, "fast_s": new})
+    ref, new, loop = _median_pair_s(sequential, batched, a.reps)
+    rows.append({"case": f"{n_fits} fine-tuning fits of batch 2", "reference_s": ref, "fast_s": new,
+                     "torch_loop_s": loop})
 
     rng = np.random.default_rng(0)
     examples = [Example(rng.standard_normal((a.bins, 192)).astype(np.float32), rng.integers(1, 31, 60), "")
@@ -114,8 +134,9 @@ def main() -> None:
         data.USE_FAST_CTC = fast
         torch.autograd.grad(ctc_loss(torch.log_softmax(logits, -1), batch), logits)
 
-    ref, new = _median_pair_s(lambda: ctc_step(False), lambda: ctc_step(True), a.reps)
-    rows.append({"case": "CTC loss + gradient, 16 x 60 characters", "reference_s": ref, "fast_s": new})
+    ref, new, loop = _median_pair_s(lambda: ctc_step(False), lambda: ctc_step(True), a.reps, loop=False)
+    rows.append({"case": "CTC loss + gradient, 16 x 60 characters", "reference_s": ref, "fast_s": new,
+                     "torch_loop_s": loop})
 
     model = GRUBackbone(192, 128, 1, 0.1).train()
     opt = torch.optim.Adam(model.parameters(), 3e-3)
@@ -129,15 +150,22 @@ def main() -> None:
         torch.nn.utils.clip_grad_norm_(list(model.parameters()), 1.0)
         opt.step()
 
-    ref, new = _median_pair_s(lambda: stage1_step(False), lambda: stage1_step(True), a.reps)
+    ref, new, loop = _median_pair_s(lambda: stage1_step(False), lambda: stage1_step(True), a.reps)
     GRUBackbone.use_fastgru = data.USE_FAST_CTC = True
-    rows.append({"case": "stage-1 step, batch 16", "reference_s": ref, "fast_s": new})
+    rows.append({"case": "stage-1 step, batch 16", "reference_s": ref, "fast_s": new,
+                     "torch_loop_s": loop})
     for r in rows:
         r["speedup"] = r["reference_s"] / r["fast_s"]
 
-    table = ("| training step | nn.GRU / F.ctc_loss (s) | fastgru / fastctc (s) | speed-up |\n| --- | --- | --- | --- |\n"
-             + "\n".join(f"| {r['case']} | {r['reference_s']:.3f} | {r['fast_s']:.3f} | {r['speedup']:.2f}x |"
-                          for r in rows))
+    def loop_cells(r: dict) -> str:
+        if r["torch_loop_s"] is None:
+            return "| - | - "
+        return f"| {r['torch_loop_s']:.3f} | {r['torch_loop_s'] / r['fast_s']:.2f}x "
+
+    table = ("| training step | nn.GRU / F.ctc_loss (s) | fastgru / fastctc (s) | speed-up | fastgru, torch-loop "
+             "recurrence (s) | compiled recurrence's speed-up |\n| --- | --- | --- | --- | --- | --- |\n"
+             + "\n".join(f"| {r['case']} | {r['reference_s']:.3f} | {r['fast_s']:.3f} | {r['speedup']:.2f}x "
+                          + loop_cells(r) + "|" for r in rows))
     print(table)
     out = Path(a.out)
     doc = {"command": "python bench/bench_bci_gru.py", "bins": a.bins, "reps": a.reps, "threads": 1, "rows": rows,
@@ -152,8 +180,9 @@ def main() -> None:
 
     fig, ax = plt.subplots(figsize=(8, 4))
     pos = np.arange(len(rows))
-    ax.bar(pos - 0.2, [r["reference_s"] for r in rows], 0.4, label="nn.GRU / F.ctc_loss")
-    ax.bar(pos + 0.2, [r["fast_s"] for r in rows], 0.4, label="sdk.bci.fastgru / fastctc")
+    ax.bar(pos - 0.27, [r["reference_s"] for r in rows], 0.27, label="nn.GRU / F.ctc_loss")
+    ax.bar(pos, [r["torch_loop_s"] or 0.0 for r in rows], 0.27, label="fastgru, torch-loop recurrence")
+    ax.bar(pos + 0.27, [r["fast_s"] for r in rows], 0.27, label="sdk.bci.fastgru (compiled) / fastctc")
     ax.set_xticks(pos, [r["case"] for r in rows], fontsize=7, rotation=20, ha="right")
     ax.set_ylabel("seconds per training step (1 thread)")
     ax.legend()

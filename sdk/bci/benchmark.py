@@ -352,6 +352,11 @@ def _run_on_pool(workers: int, ready: list, next_ready: Callable, task: Callable
             if error is not None:
                 raise error
             finish(kind, args, result)  # may add the scoring tasks it unblocks to ``ready``
+        # Let the workers exit on their own: the ``with`` would terminate them, and a terminated worker
+        # leaves the semaphore of tqdm's write lock (made in every process that opens a bar) to the
+        # resource tracker, which warned "leaked semaphore objects" at the end of every run.
+        pool.close()
+        pool.join()
 
 
 @contextlib.contextmanager
