@@ -1,6 +1,6 @@
 """iBCI handwriting benchmark: every calibration method on the default synthetic FALCON H2-like data.
 
-    python bench/bench_bci.py          # 3 seeds; 41-69 min on 2 CPU cores (target 45); writes bench/results/bci.*
+    python bench/bench_bci.py          # 3 seeds; 39 min on 2 CPU cores (target 45; README); writes bench/results/bci.*
     python bench/bench_bci.py --tiny   # about a minute; writes bench/results/bci_tiny.*
     python bench/bench_bci.py --ablate tuning_rotation --seeds 0 --methods session_layers two_stage
                                        # one drift component off: writes bench/results/bci_ablate_tuning_rotation.*

@@ -48,7 +48,7 @@ TURNOVER_AUGMENTATION = replace(TrainConfig().augmentation, dropout_p=0.1, fresh
 
 @dataclass
 class BciBenchConfig(JsonConfig):
-    """Data, harness and seeds of the benchmark (sized for 2 CPU cores in under 45 minutes; 41-69 min measured, README)."""
+    """Data, harness and seeds of the benchmark (sized for 2 CPU cores in under 45 minutes; 39.0 min measured, README)."""
 
     data_seed: int = 0
     data_tiny: bool = False
