@@ -14,7 +14,8 @@ dispatch cost more than their arithmetic (155 us per step for a batch of 16, of 
 16 x 128 by 128 x 384 product is about 40 us). The step's product is a small blocked loop
 of our own (:func:`_matmul_nt`), not a BLAS call: for 2 rows SciPy's OpenBLAS called from
 Numba took 48 us, the loop 8 us. The weight gradients stay one torch product over all steps.
-``use_compiled = False`` runs the torch loop instead (other dtypes always do).
+``use_compiled = False`` runs the torch loop instead (other dtypes and devices always do, and so
+do large step products when torch has more than one thread: :data:`COMPILED_MAX_STEP_MACS`).
 
 The same code runs a *stack* of GRUs, each with its own weights (a leading task axis
 on every weight and on the input), as one batch: that is how the fine-tuning
@@ -293,10 +294,19 @@ class _GRURecurrence(torch.autograd.Function):
 use_compiled = True
 
 
-def _compilable(*tensors: torch.Tensor) -> bool:
-    dtype = tensors[0].dtype
-    return dtype in (torch.float32, torch.float64) and all(t.device.type == "cpu" and t.dtype == dtype
-                                                           for t in tensors)
+#: Above this many multiply-adds per step (sets x batch x 3H x H) and with more than one torch thread, the
+#: torch loop runs: its per-step product is MKL's, which uses the threads, and the kernels use one.
+#: On 2 threads (``bench_bci_gru``'s shapes, T = 500): 16 x 128 (0.8M) compiled 1.52x faster;
+#: 16 x 256 (3.1M) 1.01x; 64 x 128 (3.1M) 0.92x; 16 x 512 (12.6M) 0.83x. On one thread it was faster at all of them.
+COMPILED_MAX_STEP_MACS = 1 << 20
+
+
+def _compilable(gi: torch.Tensor, whh: torch.Tensor, bhh: torch.Tensor, h0: torch.Tensor) -> bool:
+    dtype = gi.dtype
+    if dtype not in (torch.float32, torch.float64) or any(t.device.type != "cpu" or t.dtype != dtype
+                                                           for t in (gi, whh, bhh, h0)):
+        return False
+    return torch.get_num_threads() == 1 or h0.numel() * whh.shape[-2] <= COMPILED_MAX_STEP_MACS
 
 
 def _compiled_forward(ctx, gi, whh, bhh, h0):

@@ -63,6 +63,27 @@ def test_the_compiled_recurrence_and_the_torch_loop_both_match_nn_gru(monkeypatc
         assert _rel(a, b) < tol, name
 
 
+def test_large_step_products_on_several_threads_run_the_torch_loop(monkeypatch):
+    """The kernels run on one thread; where torch has more and the step's product is large, MKL's threaded
+    product is faster, so the torch loop runs (fastgru.COMPILED_MAX_STEP_MACS)."""
+    calls = []
+    kernel = fastgru._forward_kernel
+    monkeypatch.setattr(fastgru, "_forward_kernel", lambda *a: calls.append(1) or kernel(*a))
+    monkeypatch.setattr(fastgru, "COMPILED_MAX_STEP_MACS", 3 * 8 * 8 * 4)  # a batch of 4 at H = 8 is at the limit
+    gru = torch.nn.GRU(3, 8, batch_first=True)
+    threads = torch.get_num_threads()
+    try:
+        for n_threads, batch, compiled in [(2, 4, True), (2, 5, False), (1, 5, True)]:
+            torch.set_num_threads(n_threads)
+            calls.clear()
+            x = torch.randn(batch, 6, 3, requires_grad=True)
+            y, _ = gru_sequence(x, gru_layers(gru))
+            assert bool(calls) == compiled, (n_threads, batch)
+            assert (y - gru(x)[0]).abs().max() < 1e-5
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_the_compiled_recurrence_runs_each_weight_set_of_a_stack_with_its_own_gradients():
     torch.manual_seed(6)
     grus = [torch.nn.GRU(5, 6, batch_first=True) for _ in range(3)]
