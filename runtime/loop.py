@@ -17,8 +17,8 @@ to ``on_idle(k, budget_ns)`` (status lines, weight scrubbing) with a stated budg
 
 Two measures against tail latency, both on by default and both measured in
 ``bench/``: Python's cyclic garbage collector is frozen and disabled for the loop's
-duration (a collection can pause for milliseconds; it runs once before the loop and
-again after), and ``prewarm()``, if given, is called when the sleep ends, just
+duration (a collection can pause for milliseconds; it runs once before the loop, or
+before a session's handshake, and again after), and ``prewarm()``, if given, is called when the sleep ends, just
 before the final spin: a step that runs once every 20 ms otherwise finds its weights
 and code evicted from the caches and runs several times slower than back to back.
 """
@@ -56,6 +56,9 @@ class LoopConfig:
     idle_margin_us: int = 200  # keep this much of the period free after an idle task
     capacity: int = 1 << 20
     freeze_gc: bool = True  # no cyclic garbage collection while the loop runs
+    # with freeze_gc, collect once before freezing. A full collection in a big process takes up to a second:
+    # a session collects before its handshake instead (the device streams from then on) and turns this off
+    collect_gc: bool = True
     prewarm_lead_us: int = 300  # with a prewarm hook, wake this much earlier to run it before the spin
 
     def __post_init__(self) -> None:
@@ -114,7 +117,8 @@ class RealTimeLoop:
         restore = _install_sigint(self._stop)
         gc_was_enabled = gc.isenabled()
         if cfg.freeze_gc:
-            gc.collect()
+            if cfg.collect_gc:
+                gc.collect()
             gc.freeze()  # existing objects leave the collector's generations: nothing to scan
             gc.disable()
         t0 = clock() + period  # first deadline one period out: time to settle

@@ -16,6 +16,7 @@ summary report rate, latency, missed deadlines and link errors.
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import sys
 import time
@@ -225,6 +226,10 @@ class Session:
             self.writer.append_json(RecordType.EVENT, {"event": kind, "step": self._step, **fields})
 
     def start(self) -> Hello:
+        # The loop freezes the garbage collector; the full collection before that is done here, while the
+        # device is still idle. After the handshake it streams, and a collection in a big process (a notebook,
+        # a test suite) can take a second: frames pile up unread, and timed device events pass unseen.
+        gc.collect()
         self.link = self._open_link()
         try:
             hello = self._handshake(self.link, self.config.handshake_timeout_s)
@@ -420,7 +425,8 @@ class Session:
             self.start()
         cfg = self.config
         self._loop = RealTimeLoop(
-            LoopConfig(rate_hz=self.rate_hz, duration_s=cfg.duration_s, max_steps=cfg.max_steps, overrun=cfg.overrun)
+            LoopConfig(rate_hz=self.rate_hz, duration_s=cfg.duration_s, max_steps=cfg.max_steps, overrun=cfg.overrun,
+                       collect_gc=False)  # collected in start(), before the handshake
         )
         try:
             loop_summary = self._loop.run(

@@ -164,6 +164,21 @@ def test_watchdog_sends_safe_command_within_its_time_and_resumes(plant_bundle, t
     assert safe and safe[0][1].u[0] == 0.0 and (safe[0][0] - trip["t"]) / 1e9 < 0.01
 
 
+def test_a_big_process_collects_its_garbage_before_the_handshake_not_after(plant_bundle):
+    """The device streams from the handshake on; the loop must start at once, not after a full garbage
+    collection (a second in a long test suite, which once let an injected 0.6 s disconnect pass unseen)."""
+    import gc
+
+    ballast = [[] for _ in range(1_500_000)]  # many tracked objects: a full collection takes a while
+    t = time.perf_counter()
+    gc.collect()
+    full_s = time.perf_counter() - t
+    s = run_session(plant_bundle, _cfg("sim://plant?model=msd&rate=200&seed=3", duration_s=0.3))
+    del ballast
+    period_s = 1 / 200  # the loop's first deadline is one period out
+    assert s.loop.setup_s < period_s + full_s / 2, (s.loop.setup_s, full_s)
+
+
 def test_disconnect_and_reconnect(plant_bundle, tmp_path):
     cfg = _cfg("sim://plant?model=msd&rate=200&seed=6&disconnect_at=0.5&disconnect_s=0.6", tmp_path,
                duration_s=2.5, watchdog_s=0.15)
