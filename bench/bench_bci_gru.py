@@ -46,7 +46,7 @@ from sdk.bci.fastgru import stacked_backbone
 from sdk.bci.models import GRUBackbone
 
 
-def _median_pair_s(first, second, reps: int, loop: bool = True) -> tuple[float, float, float | None]:
+def _median_s(first, second, reps: int, loop: bool = True) -> tuple[float, float, float | None]:
     """Median seconds of ``first()``, of ``second()`` and (``loop``) of ``second()`` with fastgru's torch-loop
     recurrence (``fastgru.use_compiled = False``, sessions 11-14), timed in turn, rep after rep (a busy
     neighbour slows all alike).
@@ -91,11 +91,15 @@ def main() -> None:
         torch.autograd.grad((bb(x)[0] * w).sum(), params)
 
     rows = []
+
+    def add_row(case: str, times: tuple[float, float, float | None]) -> None:
+        ref, new, loop = times
+        rows.append({"case": case, "reference_s": ref, "fast_s": new, "torch_loop_s": loop})
+
     for batch in (16, 2):
         x, w = torch.randn(batch, a.bins, 192), torch.randn(batch, a.bins, 32)
-        ref, new, loop = _median_pair_s(lambda x=x, w=w: nn_gru_step(x, w), lambda x=x, w=w: fast_step(x, w), a.reps)
-        rows.append({"case": f"one GRU, batch {batch}", "reference_s": ref, "fast_s": new,
-                     "torch_loop_s": loop})
+        times = _median_s(lambda x=x, w=w: nn_gru_step(x, w), lambda x=x, w=w: fast_step(x, w), a.reps)
+        add_row(f"one GRU, batch {batch}", times)
 
     x, w = torch.randn(2, a.bins, 192, requires_grad=True), torch.randn(2, a.bins, 32)
     frozen = GRUBackbone(192, 128, 1).eval().requires_grad_(False)
@@ -104,10 +108,9 @@ def main() -> None:
         GRUBackbone.use_fastgru = fast
         torch.autograd.grad((frozen(x)[0] * w).sum(), x)
 
-    ref, new, loop = _median_pair_s(lambda: frozen_step(False), lambda: frozen_step(True), a.reps)
+    times = _median_s(lambda: frozen_step(False), lambda: frozen_step(True), a.reps)
     GRUBackbone.use_fastgru = True
-    rows.append({"case": "frozen GRU, input gradient, batch 2", "reference_s": ref, "fast_s": new,
-                     "torch_loop_s": loop})
+    add_row("frozen GRU, input gradient, batch 2", times)
 
     n_fits = 9
     x, w = torch.randn(n_fits, 2, a.bins, 192), torch.randn(n_fits, 2, a.bins, 32)
@@ -120,9 +123,8 @@ def main() -> None:
     def batched() -> None:
         torch.autograd.grad((stacked_backbone(stacked, x, 1) * w).sum(), list(stacked.values()))
 
-    ref, new, loop = _median_pair_s(sequential, batched, a.reps)
-    rows.append({"case": f"{n_fits} fine-tuning fits of batch 2", "reference_s": ref, "fast_s": new,
-                     "torch_loop_s": loop})
+    times = _median_s(sequential, batched, a.reps)
+    add_row(f"{n_fits} fine-tuning fits of batch 2", times)
 
     rng = np.random.default_rng(0)
     examples = [Example(rng.standard_normal((a.bins, 192)).astype(np.float32), rng.integers(1, 31, 60), "")
@@ -134,9 +136,8 @@ def main() -> None:
         data.USE_FAST_CTC = fast
         torch.autograd.grad(ctc_loss(torch.log_softmax(logits, -1), batch), logits)
 
-    ref, new, loop = _median_pair_s(lambda: ctc_step(False), lambda: ctc_step(True), a.reps, loop=False)
-    rows.append({"case": "CTC loss + gradient, 16 x 60 characters", "reference_s": ref, "fast_s": new,
-                     "torch_loop_s": loop})
+    times = _median_s(lambda: ctc_step(False), lambda: ctc_step(True), a.reps, loop=False)
+    add_row("CTC loss + gradient, 16 x 60 characters", times)
 
     model = GRUBackbone(192, 128, 1, 0.1).train()
     opt = torch.optim.Adam(model.parameters(), 3e-3)
@@ -150,10 +151,9 @@ def main() -> None:
         torch.nn.utils.clip_grad_norm_(list(model.parameters()), 1.0)
         opt.step()
 
-    ref, new, loop = _median_pair_s(lambda: stage1_step(False), lambda: stage1_step(True), a.reps)
+    times = _median_s(lambda: stage1_step(False), lambda: stage1_step(True), a.reps)
     GRUBackbone.use_fastgru = data.USE_FAST_CTC = True
-    rows.append({"case": "stage-1 step, batch 16", "reference_s": ref, "fast_s": new,
-                     "torch_loop_s": loop})
+    add_row("stage-1 step, batch 16", times)
     for r in rows:
         r["speedup"] = r["reference_s"] / r["fast_s"]
 

@@ -18,8 +18,8 @@ to ``on_idle(k, budget_ns)`` (status lines, weight scrubbing) with a stated budg
 Two measures against tail latency, both on by default and both measured in
 ``bench/``: Python's cyclic garbage collector is frozen and disabled for the loop's
 duration (a collection can pause for milliseconds; it runs once before the loop, or
-before a session's handshake, and again after), and ``prewarm()``, if given, is called when the sleep ends, just
-before the final spin: a step that runs once every 20 ms otherwise finds its weights
+before a session's handshake, and again after), and ``prewarm()``, if given, is called
+when the sleep ends, just before the final spin: a step that runs once every 20 ms otherwise finds its weights
 and code evicted from the caches and runs several times slower than back to back.
 """
 

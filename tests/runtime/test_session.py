@@ -7,6 +7,7 @@ replay of the recording, and a SIGKILLed host whose recording is recovered.
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import subprocess
@@ -167,8 +168,6 @@ def test_watchdog_sends_safe_command_within_its_time_and_resumes(plant_bundle, t
 def test_a_big_process_collects_its_garbage_before_the_handshake_not_after(plant_bundle):
     """The device streams from the handshake on; the loop must start at once, not after a full garbage
     collection (a second in a long test suite, which once let an injected 0.6 s disconnect pass unseen)."""
-    import gc
-
     ballast = [[] for _ in range(1_500_000)]  # many tracked objects: a full collection takes a while
     t = time.perf_counter()
     gc.collect()
