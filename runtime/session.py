@@ -27,6 +27,7 @@ from typing import Any, TextIO
 from firmware_bridge import (
     DeviceNotConnectedError,
     Frame,
+    Heartbeat,
     Hello,
     Link,
     Status,
@@ -197,6 +198,7 @@ class Session:
         self._next_status_ns = 0
         self._last_cmd = None
         self._step = 0
+        self._unused, self._unused_type, self._warned_unused = 0, "", False  # frames not of the input's type
 
     # --- connection -------------------------------------------------------------
 
@@ -236,6 +238,7 @@ class Session:
         except BaseException:
             self.link.close()
             raise
+        self.family.adopt_device(hello)
         problems = self.family.check_device(hello)
         if problems:
             self.link.close()
@@ -366,10 +369,14 @@ class Session:
                         counts["inputs_skipped"] += 1
                     newest = f
                 self._last_input_ns = time.monotonic_ns()
+                self._unused = 0
             elif isinstance(m, Hello):
                 self._on_hello(m)
             elif isinstance(m, Status):
                 self._event("device_status", code=int(m.code), severity=int(m.severity), text=m.text)
+            elif not isinstance(m, Heartbeat):
+                self._unused += 1  # data the bundle does not read (a panda's joint states beside its task observation)
+                self._unused_type = type(m).__name__
         if newest is not None:
             self._act(newest, k)
             counts["inputs_used"] += 1
@@ -378,7 +385,16 @@ class Session:
             if not self._safe:
                 self._safe = True
                 counts["watchdog_trips"] += 1
-                self._event("watchdog", silent_s=(now - self._last_input_ns) / 1e9)
+                self._event("watchdog", silent_s=(now - self._last_input_ns) / 1e9, other_frames=self._unused,
+                            other_type=self._unused_type)
+                if self._unused and not self._warned_unused:
+                    # Frames keep coming but none is the bundle's input: say so once, or the session looks
+                    # like a silent device.
+                    self._warned_unused = True
+                    self.out.write(f"\nwarning: no {self.family.input.message.__name__} from the device for "
+                                   f"{self.config.watchdog_s:g} s, but it sent {self._unused} {self._unused_type} "
+                                   "frames: the bundle's session input (manifest extra.session.input) may not "
+                                   "match this device\n")
             if self._send(self.family.safe_message(k)):
                 counts["safe_commands_sent"] += 1
         elif self._safe:

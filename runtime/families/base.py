@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
-from .io import command_kind, input_kind
+from .io import DEVICE_ACCEPTS, DEVICE_SESSION_DEFAULTS, DEVICE_STREAMS, command_kind, input_kind
 
 if TYPE_CHECKING:
     from firmware_bridge import Hello, Message
@@ -36,13 +36,21 @@ class FamilyPlugin:
     #: "newest": act once per period on the newest input frame (control: never fall
     #: behind); "all": process every frame in order (a decoder needs every bin).
     consume: ClassVar[str] = "newest"
+    #: A bundle that does not name its session input/command takes them from the device's HELLO kind
+    #: (``DEVICE_SESSION_DEFAULTS``) instead of the class defaults: for plain exports, whose family
+    #: cannot know whether it decodes a headstage or controls a plant.
+    session_from_device: ClassVar[bool] = False
 
     def __init__(self, bundle: Bundle, model: Model):
         self.bundle = bundle
         self.model = model
         session: dict[str, Any] = bundle.manifest.extra.get("session", {})
-        self.input = input_kind(session.get("input", self.default_input))
-        self.command = command_kind(session.get("command", self.default_command))
+        self._session_stated = {k for k in ("input", "command") if k in session}
+        self.input_name = session.get("input", self.default_input)
+        self.command_name = session.get("command", self.default_command)
+        self.input = input_kind(self.input_name)
+        self.command = command_kind(self.command_name)
+        self._adopted = False
         x = model.inputs[model.spec.data_inputs[0].name]
         self._frame = np.zeros(x.shape[-1], dtype=np.float32)
         self._command_mask = np.zeros(0, dtype=bool)
@@ -77,9 +85,36 @@ class FamilyPlugin:
 
     # --- session hooks -------------------------------------------------------------
 
+    def adopt_device(self, hello: Hello) -> None:
+        """At the first handshake: a bundle that leaves its session input/command unstated (and whose
+        family allows it) reads and sends what a device of this HELLO kind streams and accepts."""
+        if self._adopted or not self.session_from_device:
+            return
+        self._adopted = True
+        defaults = DEVICE_SESSION_DEFAULTS.get(hello.kind)
+        if defaults is None:
+            return
+        if "input" not in self._session_stated:
+            self.input_name, self.input = defaults[0], input_kind(defaults[0])
+        if "command" not in self._session_stated:
+            self.command_name, self.command = defaults[1], command_kind(defaults[1])
+
+    def _kind_problems(self, hello: Hello) -> list[str]:
+        """A device of a known kind that does not stream the bundle's input or take its command."""
+        streams, accepts = DEVICE_STREAMS.get(hello.kind), DEVICE_ACCEPTS.get(hello.kind)
+        fix = ("; state it at export: extra={'session': {'input': ..., 'command': ...}} "
+               "(docs/bundle.md, 'Session block')")
+        out = []
+        if streams is not None and self.input_name not in streams:
+            out.append(f"device {hello.kind!r} streams {' or '.join(streams)}, the bundle reads {self.input_name}{fix}")
+        if accepts is not None and self.command_name not in accepts:
+            out.append(f"device {hello.kind!r} takes {' or '.join(a for a in accepts if a != 'none')}, "
+                       f"the bundle sends {self.command_name}{fix}")
+        return out
+
     def check_device(self, hello: Hello) -> list[str]:
         """Reasons this device cannot run this bundle, each naming both values."""
-        problems = []
+        problems = self._kind_problems(hello)
         n_in = self._frame.size
         if self.input.size_field and getattr(hello, self.input.size_field) != n_in:
             problems.append(
@@ -92,8 +127,9 @@ class FamilyPlugin:
         low, high = self.command_limits()
         if self.command.message is not None and hello.command_low.size:
             if low is None or low.size != hello.command_low.size:
-                n = None if low is None else low.size
-                problems.append(f"device takes {hello.command_low.size} command values, the bundle sends {n}")
+                problems.append(
+                    f"device takes {hello.command_low.size} command values within limits, the bundle "
+                    + ("states no command limits (postprocess.low/high)" if low is None else f"sends {low.size}"))
             else:
                 lo_bad = np.flatnonzero(low < hello.command_low - 1e-6)
                 hi_bad = np.flatnonzero(high > hello.command_high + 1e-6)

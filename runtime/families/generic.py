@@ -8,8 +8,10 @@ Manifest fields it reads (all optional):
 - ``postprocess.safe_output``: the safe command (default zeros).
 - ``postprocess.output``: which graph output is the command (default the first data output).
 - ``extra.session.input`` / ``extra.session.command``: what the device streams and what
-  is sent back (see ``runtime.families.io``; default plant measurement in, actuator
-  command out).
+  is sent back (see ``runtime.families.io``). Unstated, they follow the device's HELLO
+  kind (a headstage: neural frames in, decoder outputs out; a plant: measurements in,
+  actuator commands out) and otherwise default to plant measurement in, actuator
+  command out.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ def _vec(d: dict, key: str, n: int, default: float) -> np.ndarray:
 @register_family
 class GenericFamily(FamilyPlugin):
     name = "generic"
+    session_from_device = True
 
     @classmethod
     def problems(cls, bundle) -> list[str]:

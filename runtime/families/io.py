@@ -70,6 +70,26 @@ COMMAND_KINDS: dict[str, CommandKind] = {
 }
 
 
+#: What the devices of docs/devices.md stream (input kinds) and accept (command kinds), by HELLO ``kind``.
+#: A device of another kind (a third party's board) is not checked against it.
+DEVICE_STREAMS: dict[str, tuple[str, ...]] = {
+    "headstage": ("neural_frame",),
+    "plant": ("plant_measurement",),
+    "panda": ("joint_state", "plant_measurement"),  # the task observation comes as PLANT_MEASUREMENT
+}
+DEVICE_ACCEPTS: dict[str, tuple[str, ...]] = {
+    "headstage": ("decoder_output", "none"),
+    "plant": ("actuator_command", "none"),
+    "panda": ("joint_position", "joint_velocity", "none"),
+}
+#: What a bundle that does not say (a plain export, family ``generic``) reads from and sends to a device of
+#: this kind: one input kind and one command kind. Absent kinds keep the family's defaults.
+DEVICE_SESSION_DEFAULTS: dict[str, tuple[str, str]] = {
+    "headstage": ("neural_frame", "decoder_output"),
+    "plant": ("plant_measurement", "actuator_command"),
+}
+
+
 def input_kind(name: str) -> InputKind:
     try:
         return INPUT_KINDS[name]

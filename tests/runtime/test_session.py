@@ -23,12 +23,14 @@ import sim  # noqa: F401  (registers sim://)
 from export import export_bundle
 from firmware_bridge import (
     ActuatorCommand,
+    DecoderOutput,
     FrameParser,
     Hello,
     JointCommand,
     JointState,
     Link,
     NeuralFrame,
+    open_pty_pair,
     open_transport,
 )
 from runtime import (
@@ -123,6 +125,68 @@ def test_mismatched_device_is_refused_naming_both_values(neural_bundle):
     assert "n_channels=13" in str(e.value) and "takes 12 inputs" in str(e.value)
     with pytest.raises(DeviceMismatchError, match="25 Hz, the bundle runs at 50 Hz"):
         run_session(neural_bundle, _cfg("sim://headstage?channels=12&rate=25"))
+
+
+def test_a_plain_export_reads_what_the_device_streams(tmp_path, watchdog_rule):
+    # README's workflow: export_bundle with no session block, then `closedloop run --device sim://headstage`.
+    # The bundle takes its input and command from the device's HELLO kind; before, it waited for plant
+    # measurements, used none of the neural frames and sent the safe command all session.
+    torch.manual_seed(0)
+    plain = export_bundle(GRUDecoder(12, 16, 1, 5).eval(), tmp_path / "plain", kind="recurrent",
+                          example_input=torch.zeros(1, 12), rate_hz=50.0, variants=(), tensorrt=False,
+                          report=lambda s: None)
+    cfg = _cfg("sim://headstage?channels=12&seed=5", tmp_path)
+    s = run_session(plain, cfg)
+    assert s.inputs_used > 0 and s.commands_sent == s.inputs_used and s.safe_commands_sent == 0
+    watchdog_rule(cfg.record, cfg.watchdog_s, NeuralFrame, s.watchdog_trips)
+    sent = _commands_sent(cfg.record, DecoderOutput)
+    assert len(sent) >= s.commands_sent and sent[0][1].char_probs.size == 5  # (+ the safe command at the end)
+
+
+def test_a_bundle_that_reads_what_the_device_does_not_stream_is_refused(plant_bundle, neural_bundle):
+    # stated session blocks are checked against the known device kinds, naming both and the fix
+    with pytest.raises(DeviceMismatchError) as e:
+        run_session(plant_bundle, _cfg("sim://headstage?channels=1&rate=200"))
+    msg = str(e.value)
+    assert "streams neural_frame, the bundle reads plant_measurement" in msg
+    assert "takes decoder_output, the bundle sends actuator_command" in msg and "extra={'session'" in msg
+    with pytest.raises(DeviceMismatchError, match="streams plant_measurement, the bundle reads neural_frame"):
+        run_session(neural_bundle, _cfg("sim://plant?model=msd&rate=50"))
+
+
+def test_frames_of_another_type_are_named_when_the_watchdog_trips(plant_bundle, tmp_path):
+    # a device of a kind the runtime does not know (a third party's board) is not checked by kind; when it
+    # streams something other than the bundle's input, the watchdog trips and says what did arrive
+    import io
+    import threading
+
+    board_end, port_end = open_pty_pair()
+    out = io.StringIO()
+    stop = threading.Event()
+
+    def board():
+        link = Link(board_end, role="device")
+        hello = Hello(kind="acme-probe", name="third-party", n_channels=1, rate_hz=200.0)
+        k = 0
+        while not stop.is_set():
+            for f in link.poll():
+                if isinstance(f.message, Hello):
+                    link.send(hello)
+            link.send(NeuralFrame(bin_index=k, counts=np.zeros(1, dtype=np.uint16)))
+            k += 1
+            time.sleep(0.005)
+
+    t = threading.Thread(target=board, daemon=True)
+    t.start()
+    try:
+        s = run_session(plant_bundle, _cfg(port_end.path, duration_s=1.0, watchdog_s=0.2), out=out)
+    finally:
+        stop.set()
+        t.join(2)
+        board_end.close()
+        port_end.close()
+    assert s.inputs_used == 0 and s.watchdog_trips == 1
+    assert "no PlantMeasurement from the device" in out.getvalue() and "NeuralFrame frames" in out.getvalue()
 
 
 def test_plant_session_commands_are_clipped_and_applied(plant_bundle, tmp_path):
