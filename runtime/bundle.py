@@ -134,13 +134,42 @@ def _check_state_pairs(where: str, spec: GraphSpec, problems: list[str]) -> None
             problems.append(f"{where}: state {t.name!r} has shape {t.shape} but its output {pair.name!r} has {pair.shape}")
 
 
+def _path_problem(rel: object) -> str | None:
+    """Why ``rel`` is not a path inside the bundle (docs/bundle.md: relative POSIX, no ``..``, no ``\\``)."""
+    if not isinstance(rel, str) or not rel:
+        return f"path {rel!r} is not a non-empty string"
+    if rel.startswith("/") or "\\" in rel or ".." in rel.split("/") or (len(rel) > 1 and rel[1] == ":"):
+        return (f"path {rel!r} is not a relative POSIX path inside the bundle (no leading '/', no '..', "
+                "no backslashes); refusing to read outside the bundle")
+    return None
+
+
+def _referenced_paths(manifest: Manifest) -> list[tuple[str, object]]:
+    """Every path the manifest names, with where it is named."""
+    out: list[tuple[str, object]] = [("files", rel) for rel in manifest.files]
+    for gname, spec in manifest.graphs.items():
+        out.append((f"graph {gname!r}", spec.file))
+        out += [(f"graph {gname!r} variant {k}", v.get("file")) for k, v in spec.variants.items()]
+        out += [(f"graph {gname!r} TensorRT engine {i}", e.get("file")) for i, e in enumerate(spec.tensorrt_engines)
+                if isinstance(e, dict)]
+    return out
+
+
 def _collect_problems(root: Path, manifest: Manifest, verify_checksums: bool) -> tuple[list[str], list[str]]:
     problems: list[str] = []
     notes: list[str] = []
+    bad_paths = [f"{where}: {why}" for where, rel in _referenced_paths(manifest) if (why := _path_problem(rel))]
+    if bad_paths:
+        return bad_paths, notes  # nothing outside the bundle is opened, not even to hash it
     for rel, meta in manifest.files.items():
         p = root / rel
         if not p.is_file():
             problems.append(f"file {rel}: missing from the bundle (the manifest lists it); re-export the bundle")
+            continue
+        size = p.stat().st_size
+        if meta.get("bytes") is not None and meta.get("bytes") != size:
+            problems.append(f"file {rel}: {size} bytes, the manifest says {meta.get('bytes')!r}; the file changed "
+                            "after export (truncated, appended or replaced); re-export or restore it")
             continue
         if not verify_checksums:
             continue
@@ -161,6 +190,11 @@ def _collect_problems(root: Path, manifest: Manifest, verify_checksums: bool) ->
                 problems.append(f"{where}: file {f} is not listed in the manifest's files, so it has no checksum")
         if spec.kind not in ("recurrent", "feedforward"):
             problems.append(f"{where}: kind {spec.kind!r} is not 'recurrent' or 'feedforward'")
+        elif (spec.kind == "recurrent") != bool(spec.state_inputs):
+            # the state flags decide what a runtime carries between steps: a recurrent graph without them
+            # would run with zero state at every step, a feed-forward one with them would carry state
+            problems.append(f"{where}: kind {spec.kind!r} but {len(spec.state_inputs)} state inputs; a recurrent "
+                            "graph marks its state tensors (state, state_pair), a feed-forward graph has none")
         _check_state_pairs(where, spec, problems)
         for variant, f in [(None, spec.file)] + [(k, v["file"]) for k, v in spec.variants.items()]:
             path = root / f
@@ -183,7 +217,12 @@ def _read_manifest(root: Path, source: Path) -> Manifest:
         raise BundleError(
             f"bundle {source}: {MANIFEST_NAME} is missing; this is not a bundle or it was not written completely"
         )
-    return Manifest.from_json(mpath.read_text(encoding="utf-8"), source=f"{source}/{MANIFEST_NAME}")
+    try:
+        text = mpath.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise BundleError(f"bundle {source}: {MANIFEST_NAME} is not UTF-8 ({exc}); the bundle is damaged, "
+                          "re-export it") from exc
+    return Manifest.from_json(text, source=f"{source}/{MANIFEST_NAME}")
 
 
 def _open(path: str | Path) -> tuple[Path, Path]:

@@ -9,6 +9,7 @@ The schema is documented field by field in ``docs/bundle.md``.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -119,7 +120,7 @@ class Manifest:
         if not isinstance(d, dict):
             raise BundleError(f"{source}: expected a JSON object at top level, got {type(d).__name__}")
         version = d.get("schema_version")
-        if version not in SUPPORTED_SCHEMA_VERSIONS:
+        if type(version) is not int or version not in SUPPORTED_SCHEMA_VERSIONS:  # 1.0 and true are not 1
             raise BundleError(
                 f"{source}: unknown schema_version {version!r}; this runtime reads "
                 f"{list(SUPPORTED_SCHEMA_VERSIONS)}. Upgrade closedloop or re-export the bundle."
@@ -127,6 +128,9 @@ class Manifest:
         missing = [k for k in ("family", "graphs", "files", "rate_hz") if k not in d]
         if missing:
             raise BundleError(f"{source}: missing required field(s) {missing}; re-export the bundle")
+        rate = d["rate_hz"]
+        if isinstance(rate, bool) or not isinstance(rate, int | float) or not math.isfinite(rate) or rate <= 0:
+            raise BundleError(f"{source}: rate_hz must be a positive number (Hz), got {rate!r}; re-export the bundle")
         try:
             return cls(
                 schema_version=version,

@@ -76,3 +76,63 @@ def test_graph_inputs_do_not_match_the_manifest(bundle):
     with pytest.raises(BundleError) as info:
         load_bundle(bundle)
     assert "main.onnx" in str(info.value) and "graph inputs are ['x', 'h'] but the manifest declares ['obs', 'h']" in str(info.value)
+
+
+@pytest.mark.parametrize("path", ["../outside.onnx", "/etc/hostname", "sub\\main.onnx", "a/../../outside.onnx"])
+def test_paths_that_leave_the_bundle_are_refused_before_anything_is_read(bundle, path):
+    # docs/bundle.md: relative POSIX paths, no leading '/', no '..', no backslashes. A manifest naming a file
+    # outside the bundle (with that file's true checksum) must not get it hashed, loaded or run.
+    outside = bundle.parent / "outside.onnx"
+    outside.write_bytes((bundle / "main.onnx").read_bytes())
+
+    def point_outside(d):
+        meta = d["files"].pop("main.onnx")
+        d["files"][path] = meta
+        d["graphs"]["main"]["file"] = path
+
+    _edit_manifest(bundle, point_outside)
+    with pytest.raises(BundleError) as info:
+        load_bundle(bundle)
+    msg = str(info.value)
+    assert f"path {path!r} is not a relative POSIX path inside the bundle" in msg
+    assert "SHA-256" not in msg and "missing" not in msg  # refused on the path alone
+
+
+def test_a_file_whose_size_differs_from_the_manifest_is_refused(bundle):
+    _edit_manifest(bundle, lambda d: d["files"]["main.onnx"].update(bytes=d["files"]["main.onnx"]["bytes"] + 1))
+    with pytest.raises(BundleError, match=r"file main.onnx: \d+ bytes, the manifest says \d+"):
+        load_bundle(bundle)
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("schema_version", 1.0, "unknown schema_version 1.0"),
+    ("schema_version", True, "unknown schema_version True"),
+    ("rate_hz", "50", "rate_hz must be a positive number (Hz), got '50'"),
+    ("rate_hz", 0, "rate_hz must be a positive number (Hz), got 0"),
+])
+def test_manifest_fields_of_the_wrong_type_are_refused(bundle, field, value, message):
+    _edit_manifest(bundle, lambda d: d.update({field: value}))
+    with pytest.raises(BundleError) as info:
+        load_bundle(bundle)
+    assert message in str(info.value) and MANIFEST_NAME in str(info.value)
+
+
+def test_a_manifest_that_is_not_utf8_is_refused_naming_it(bundle):
+    path = bundle / MANIFEST_NAME
+    path.write_bytes(path.read_bytes().replace(b'"name": "', b'"name": "caf\xe9', 1))
+    with pytest.raises(BundleError, match=f"{MANIFEST_NAME} is not UTF-8"):
+        load_bundle(bundle)
+
+
+def test_state_flags_must_agree_with_the_graph_kind(bundle):
+    # the state flags decide what the runtime carries between steps: a recurrent graph with them removed would
+    # silently run from zero state at every step
+    def drop_state(d):
+        for t in d["graphs"]["main"]["inputs"] + d["graphs"]["main"]["outputs"]:
+            t.update(state=False, state_pair=None)
+
+    _edit_manifest(bundle, drop_state)
+    with pytest.raises(BundleError, match="kind 'recurrent' but 0 state inputs"):
+        load_bundle(bundle)
+    _edit_manifest(bundle, lambda d: d["graphs"]["main"].update(kind="feedforward"))
+    load_bundle(bundle)  # consistent again: a feed-forward reading of the graph, as the manifest says

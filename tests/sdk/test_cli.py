@@ -23,7 +23,7 @@ def test_inspect_reports_tampering(gru_bundle, tmp_path, capsys):
         f.write(b"\x00")
     assert main(["inspect", str(bad)]) == 1
     out = capsys.readouterr().out
-    assert "REFUSED" in out and "main.onnx" in out and "SHA-256" in out
+    assert "REFUSED" in out and "file main.onnx:" in out and "changed after export" in out  # its size, here
 
 
 def test_inspect_json(gru_bundle, capsys):
@@ -43,6 +43,13 @@ def test_run_reports_summary(mlp_bundle, capsys):
     out = capsys.readouterr().out
     d = json.loads(out[out.index("{"):])
     assert d["steps"] > 100 and d["stopped_by"] == "duration"
+
+
+def test_record_without_a_device_is_refused_not_ignored(mlp_bundle, tmp_path, capsys):
+    # there is nothing to record without a device; before, the flag was dropped and no file appeared
+    assert main(["run", str(mlp_bundle), "--duration", "0.1", "--record", str(tmp_path / "s.clrec")]) == 2
+    assert "--record needs --device" in capsys.readouterr().err
+    assert not (tmp_path / "s.clrec").exists()
 
 
 def test_missing_bundle_is_a_clear_error(tmp_path, capsys):
