@@ -184,7 +184,8 @@ class RecordingReader:
             n, crc, rtype, host_ns = _HEAD.unpack_from(data, pos)
             end = pos + _HEAD.size + n
             if n > MAX_RECORD or end > len(data):
-                self.tail_problem = "torn record (length runs past the end of the file)"
+                self.tail_problem = (f"record length {n} over the {MAX_RECORD}-byte limit" if n > MAX_RECORD
+                                     else "torn record (length runs past the end of the file)")
                 break
             payload = data[pos + _HEAD.size : end]
             if _crc(n, rtype, host_ns, payload) != crc:

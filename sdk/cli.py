@@ -86,6 +86,11 @@ def _run(a: argparse.Namespace) -> int:
         summary = run_session(a.bundle, cfg)
         print(json.dumps(summary.to_dict(), indent=2, default=str) if a.json else summary.format())
         return 0
+    device_only = [flag for flag, value in (("--record", a.record), ("--key", a.key)) if value]
+    if device_only:
+        print(f"error: {' and '.join(device_only)} need{'s' if len(device_only) == 1 else ''} --device: without a device the loop runs on synthetic "
+              "frames, with no link to sign and nothing to record", file=sys.stderr)
+        return 2
     from runtime import LoopConfig, Model, RealTimeLoop, get_family, load_bundle
 
     bundle = load_bundle(a.bundle)
@@ -168,7 +173,8 @@ def _recording(a: argparse.Namespace) -> int:
     r = RecordingReader(a.recording)
     print(r.describe())
     if r.meta:
-        print(f"device {r.meta.get('device_url')}, bundle {r.meta.get('bundle_name')}, started {r.meta.get('started_utc')}")
+        bundle = r.meta.get("bundle_name") or r.meta.get("bundle")
+        print(f"device {r.meta.get('device_url')}, bundle {bundle}, started {r.meta.get('started_utc')}")
     if r.summary:
         print(json.dumps(r.summary.get("loop", {}), indent=2))
     return 0

@@ -224,6 +224,11 @@ class Planner:
 def build_plan(model: OnnxModel, spec: GraphSpec, batch: int, inputs: dict | None = None,
                outputs: dict | None = None) -> Plan:
     """Turn a graph into a plan; raises ``GraphUnsupportedError`` naming the first op it cannot run."""
+    low = sorted({str(a.dtype) for a in model.initializers.values() if a.dtype.kind == "f" and a.itemsize < 4})
+    if low:
+        # an fp16 variant casts its float32 inputs down first; say why it cannot run rather than fail on the cast
+        raise GraphUnsupportedError(f"the graph computes in {', '.join(low)} (an fp16 variant); the numba backend "
+                                    "runs float32 graphs only")
     if inputs is None or outputs is None:
         inputs = {t.name: np.zeros(t.concrete_shape(batch), np.float32) for t in spec.inputs}
         outputs = {t.name: np.zeros(t.concrete_shape(batch), np.float32) for t in spec.outputs}

@@ -424,3 +424,13 @@ def test_runtime_side_imports_neither_torch_nor_onnx():
     )
     root = Path(__file__).resolve().parents[2]
     subprocess.run([sys.executable, "-c", code], check=True, cwd=root)
+
+
+def test_an_fp16_variant_is_refused_saying_why(gru_bundle):
+    # the fp16 variant casts its float32 inputs down; the backend names the precision, not the first cast it meets
+    from runtime import Model
+
+    with pytest.raises(BackendUnavailableError, match="computes in float16 .an fp16 variant.; the numba backend runs "
+                                                      "float32 graphs only; use --backend onnxruntime"):
+        Model(gru_bundle, backend="numba", variant="fp16")
+    assert Model(gru_bundle, backend="onnxruntime", variant="fp16").backend_name == "onnxruntime"
