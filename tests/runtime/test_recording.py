@@ -70,6 +70,20 @@ def test_corrupt_record_stops_reading_there(tmp_path):
     assert r.tail_problem == "record checksum mismatch"
 
 
+def test_a_record_longer_than_the_limit_ends_the_valid_part_and_says_so(tmp_path):
+    import struct
+
+    p = tmp_path / "s.clrec"
+    with RecordingWriter(p) as w:
+        for i in range(3):
+            w.append(RecordType.RX, bytes([i]) * 20)
+    data = bytearray(p.read_bytes())
+    struct.pack_into("<I", data, len(MAGIC) + 37, (16 << 20) + 1)  # record 2 claims 16 MiB + 1 byte
+    p.write_bytes(bytes(data) + bytes(1 << 10))
+    r = RecordingReader(p)
+    assert len(r.records) == 1 and r.tail_problem == f"record length {(16 << 20) + 1} over the {16 << 20}-byte limit"
+
+
 def test_not_a_recording(tmp_path):
     p = tmp_path / "x.clrec"
     p.write_bytes(b"hello world")
