@@ -151,8 +151,11 @@ def calibrate_bundle(
     session, data_name = _load_session(data, n_sentences)
     idx = list(session.calibration)[:n_sentences]
     if len(idx) < n_sentences:
+        why = ("it is a file of evaluation trials, which never calibrate: use the session's calibration file"
+               if not idx and session.evaluation else f"use --sentences {len(idx)} or fewer" if idx else
+               "the file has no trials")
         raise ValueError(f"{data_name}: session {session.name} has {len(idx)} calibration trials; "
-                         f"{n_sentences} needed (a file of evaluation trials only cannot calibrate)")
+                         f"{n_sentences} needed ({why})")
     calib = [session.trials[i] for i in idx]
     c = int(state["n_channels"])
     if calib[0].spikes.shape[1] != c:
@@ -382,8 +385,10 @@ def evaluate_bundle(
     scored = [s for s in sessions if s.evaluation]
     skipped = [s.name for s in sessions if not s.evaluation]
     if not scored:
-        raise ValueError(f"{data}: no evaluation trials (eval_mask) in {[s.name for s in sessions]}; FALCON's held-out "
-                         "evaluation data stay on its server: score them with sdk.bci.falcon_decoder")
+        raise ValueError(f"{data}: no evaluation trials in {[s.name for s in sessions]}: a calibration file (its name "
+                         "has 'calib') is never scored; point --data at the evaluation files (DANDI's '-minival', "
+                         "FALCON's '_eval') or a folder holding them. FALCON's held-out evaluation data stay on its "
+                         "server: score those with sdk.bci.falcon_decoder")
     lex = _lexicon_for(sessions, lexicon) if beam else None
     model = Model(b, backend=backend)
     fam = get_family(b.manifest.family)(b, model)
@@ -391,9 +396,11 @@ def evaluate_bundle(
     # "greedy" is the runtime's text at the end of each trial: plain greedy CTC, or with end-of-trial completion
     # when the bundle sets extra.bci.end_completion (then reported under its own name)
     greedy_name = "greedy" if fam.sentence_end is None else "greedy_end"
+    calibrated_for = b.manifest.extra["bci"].get("session")
     out: dict[str, Any] = {"bundle": str(bundle), "data": str(data), "backend": model.backend_name,
                            "decoders": [greedy_name] + (["beam"] if beam else []), "sessions": {}, "skipped": skipped,
-                           "end_completion": fam.sentence_end}
+                           "end_completion": fam.sentence_end, "calibrated_for": calibrated_for,
+                           "other_sessions": _other_sessions(calibrated_for, [s.name for s in scored])}
     try:
         for s in scored:
             greedy, beams, refs = [], [], []
@@ -424,6 +431,16 @@ def evaluate_bundle(
     return out
 
 
+def _other_sessions(calibrated_for: str | None, names: list[str]) -> list[str]:
+    """The scored sessions that are not the one the bundle was calibrated on (compared by date where both name one)."""
+    from .nwb import parse_falcon_name
+
+    if not calibrated_for:
+        return []
+    day = parse_falcon_name(calibrated_for).date
+    return [n for n in names if n != calibrated_for and (day is None or parse_falcon_name(n).date != day)]
+
+
 def format_evaluation(result: dict) -> str:
     """The table ``closedloop evaluate`` prints."""
     decs = result["decoders"]
@@ -438,6 +455,9 @@ def format_evaluation(result: dict) -> str:
                                                   f"{result['mean'][d]['WER']:>{width[d]}.2%}" for d in decs))
     if result["skipped"]:
         lines.append(f"skipped (no evaluation trials): {', '.join(result['skipped'])}")
+    if result.get("other_sessions"):
+        lines.append(f"note: the bundle was calibrated on session {result['calibrated_for']}; "
+                     f"{', '.join(result['other_sessions'])} scored with that calibration")
     return "\n".join(lines)
 
 

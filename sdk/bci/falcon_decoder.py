@@ -10,8 +10,10 @@ the score of the deployed bundle. There is no torch in this path.
 
 Each FALCON session needs its own calibrated bundle (its alignment layer and its
 normalisation). Give one bundle for every file, or a mapping from a session key (a
-substring of the data file's name, such as ``"2023.04.17"``, or ``"*"`` for any other)
-to a bundle; ``reset`` picks the bundle by the file name it is given.
+substring of the data file's name, or a date in any of the forms ``2023.04.17``,
+``2023-04-17``, ``20230417``, which matches the file of that day whichever form its name
+uses, or ``"*"`` for any other) to a bundle; ``reset`` picks the bundle by the file name
+it is given.
 
 ``falcon_challenge`` is optional: without it the class derives from a local base
 with the same methods, so the adapter also runs where only the runtime is installed.
@@ -124,8 +126,12 @@ class FalconBundleDecoder(_Base):
         self.batch_size = 1
 
     def _key_for(self, tag: str) -> str:
+        from .nwb import parse_falcon_name
+
         name = Path(str(tag)).name
-        hits = [k for k in self._paths if k != ANY_SESSION and (k == str(tag) or k in name)]
+        day = parse_falcon_name(name).date  # DANDI's ses-20230417 and FALCON's 2023.04.17 name the same day
+        hits = [k for k in self._paths if k != ANY_SESSION and (
+            k == str(tag) or k in name or (day is not None and parse_falcon_name(k).date == day))]
         if len(hits) > 1:
             raise ValueError(f"data file {name!r} matches several session keys {hits}; use longer keys")
         if hits:

@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from sim.handwriting.config import FALCON_H2_HELD_IN_DATES, FALCON_H2_HELD_OUT_DATES
-from sim.handwriting.types import BIN_S, Session, Trial
+from sim.handwriting.types import BIN_S, CHARSET, Session, Trial
 
 __all__ = ["write_falcon_h2", "write_falcon_h2_dir", "load_falcon_h2", "load_falcon_h2_dir",
            "parse_falcon_name", "FalconFileInfo", "FalconFileError", "TRIAL_SPACING_S", "TRIAL_GAP_S"]
@@ -200,7 +200,7 @@ def _fail(path: Path, what: str) -> FalconFileError:
 def _as_counts(path: Path, spikes: np.ndarray) -> np.ndarray:
     if spikes.ndim != 2:
         raise _fail(path, f"binned_spikes has shape {spikes.shape}, expected (bins, channels)")
-    if spikes.dtype.kind in "ui":
+    if spikes.dtype.kind == "u" or (spikes.dtype.kind == "i" and spikes.min(initial=0) >= 0):
         return spikes
     if spikes.dtype.kind == "f" and np.all(np.isfinite(spikes)) and np.all(spikes == np.round(spikes)) \
             and spikes.min(initial=0) >= 0:
@@ -227,7 +227,9 @@ def _read(path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[str], np
         if series.timestamps is None:
             raise _fail(path, "binned_spikes has no timestamps (trials are cut at timestamp gaps)")
         spikes = _as_counts(path, np.asarray(series.data[()]))
-        timestamps = np.asarray(series.timestamps[()], dtype=float)
+        stored = np.asarray(series.timestamps[()])
+        timestamps = stored.astype(float)
+        _check_time_resolution(path, stored)
         mask = np.asarray(acq["eval_mask"].data[()]).astype(bool).reshape(-1)
         if nwb.trials is None:
             raise _fail(path, "missing the trials table")
@@ -244,6 +246,28 @@ def _read(path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[str], np
         raise _fail(path, f"binned_spikes has {spikes.shape[0]} bins, its timestamps {len(timestamps)} and "
                           f"eval_mask {len(mask)}; they must match")
     return spikes, timestamps, mask, cues, blocks, notes, start
+
+
+def _check_time_resolution(path: Path, stored: np.ndarray) -> None:
+    """Trials are cut at timestamp steps over 0.021 s between 0.020 s bins: a stored type too coarse for that at
+    the file's largest time (float32 from 16,384 s on) would cut trials everywhere."""
+    if stored.dtype.kind != "f" or not stored.size:
+        return
+    top = float(np.max(np.abs(stored)))
+    resolution = float(np.spacing(stored.dtype.type(top)))
+    if resolution > TRIAL_GAP_S - BIN_S:  # a 0.020 s step could then read as over 0.021 s
+        raise _fail(path, f"binned_spikes timestamps are {stored.dtype} and reach {top:.0f} s, where that type "
+                          f"resolves only {resolution:.3g} s: too coarse to tell a {BIN_S} s bin from a trial gap "
+                          f"(> {TRIAL_GAP_S} s); store the timestamps as float64")
+
+
+def _check_charset(path: Path, cues: list[str]) -> None:
+    allowed = set(CHARSET)
+    for i, cue in enumerate(cues):
+        bad = sorted(set(cue) - allowed)
+        if bad:
+            raise _fail(path, f"trial {i}'s cue {cue!r} has characters outside FALCON H2's 31 ({bad}); the set is "
+                              f"{CHARSET!r}, with '>' for a space and '~' for a period")
 
 
 def _falcon_split(day: date | None) -> str | None:
@@ -265,11 +289,16 @@ def load_falcon_h2(path: str | Path, *, n_calibration: int = 3) -> Session:
     """
     path = Path(path)
     spikes, timestamps, mask, cues, blocks, notes, start = _read(path)
+    _check_charset(path, cues)
     ends = np.flatnonzero(np.diff(timestamps) > TRIAL_GAP_S) + 1
     bounds = np.concatenate([[0], ends, [len(timestamps)]]) if len(timestamps) else np.zeros(1, dtype=int)
     if len(bounds) - 1 != len(cues):
+        steps = np.diff(timestamps)[ends - 1] if len(ends) else np.zeros(0)
+        short = int(np.sum(steps < 0.1))
+        hint = (f"; {short} of the cuts are steps under 0.1 s, which look like bins with imprecise timestamps "
+                "(stored at too low a precision for their size?) rather than trial gaps" if short else "")
         raise _fail(path, f"timestamp gaps over {TRIAL_GAP_S} s cut {len(bounds) - 1} trials but the trials table "
-                          f"has {len(cues)} cue rows")
+                          f"has {len(cues)} cue rows{hint}")
     trials = [Trial(spikes=spikes[a:b], sentence=cue, block=int(blk))
               for a, b, cue, blk in zip(bounds[:-1], bounds[1:], cues, blocks, strict=True)]
     scored = [i for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)) if mask[a:b].any()]
@@ -309,9 +338,22 @@ def load_falcon_h2_dir(folder: str | Path, *, n_calibration: int = 3) -> list[Se
                                 "sub-T5-held-in-calib, sub-T5-held-in-minival and sub-T5-held-out-calib)")
     order = {"calib": 0, None: 1, "eval": 2}
     groups: dict[tuple[str, str], list[Session]] = {}
+    channels: dict[int, list[str]] = {}
     for f in files:
         s = load_falcon_h2(f, n_calibration=n_calibration)
+        same = [p.meta["files"][0] for p in groups.get((s.name, s.split), []) if p.meta.get("role") == s.meta.get("role")]
+        if same:
+            raise FalconFileError(f"{f} and {same[0]} are both the {s.meta.get('role') or 'whole-session'} data of "
+                                  f"{s.split} session {s.name}; keep one of them under {folder} (a copy under another "
+                                  "name would train or score its trials twice)")
         groups.setdefault((s.name, s.split), []).append(s)
+        if s.trials:
+            channels.setdefault(s.trials[0].spikes.shape[1], []).append(f.name)
+    if len(channels) > 1:
+        counts = "; ".join(f"{n} channels: {', '.join(names[:3])}{' ...' if len(names) > 3 else ''}"
+                           for n, names in sorted(channels.items()))
+        raise FalconFileError(f"{folder}: the files do not all have the same channels ({counts}); one decoder reads "
+                              "one channel layout: keep the files of one array layout in a folder")
     sessions = []
     for parts in groups.values():
         parts.sort(key=lambda s: (order.get(s.meta.get("role"), 1), s.meta["files"][0]))

@@ -19,7 +19,7 @@ import torch
 from runtime import BundleError, load_bundle
 from runtime.families.bci import read_calibration_state
 from sdk.bci.calibrate import CalibrationConfig
-from sdk.bci.cli import calibrate_bundle, evaluate_bundle
+from sdk.bci.cli import calibrate_bundle, evaluate_bundle, format_evaluation
 from sdk.bci.data import Normalization, make_examples, session_normalization
 from sdk.bci.deploy import CALIBRATION_STATE_FILE, decoder_from_state, export_bci_bundle
 from sdk.bci.evaluate import decode_examples
@@ -253,6 +253,7 @@ def test_evaluate_scores_match_falcon_metrics_and_offline_decoding(calibrated, h
     assert main(["evaluate", str(out), "--data", str(held_out_file)]) == 0
     text = capsys.readouterr().out
     assert "greedy CER" in text and f"{row['greedy']['CER']:.2%}" in text
+    assert r["calibrated_for"] == "2023.04.17" and r["other_sessions"] == [] and "note:" not in text
 
 
 def test_evaluate_a_folder_scores_every_session_with_evaluation_trials(bundle, sessions, tmp_path):
@@ -261,8 +262,16 @@ def test_evaluate_a_folder_scores_every_session_with_evaluation_trials(bundle, s
     assert list(r["sessions"]) == [s.name for s in sessions]  # held-in minival and held-out files alike
     cers = [v["greedy"]["CER"] for v in r["sessions"].values()]
     assert r["mean"]["greedy"]["CER"] == pytest.approx(np.mean(cers)) and r["skipped"] == []
-    with pytest.raises(ValueError, match="no evaluation trials"):
+    with pytest.raises(ValueError, match="no evaluation trials .* a calibration file .* is never scored; point --data"):
         evaluate_bundle(bundle, next((tmp_path / "data").glob("*held-out-calib/*.nwb")))
+    # a bundle calibrated on one session scoring others says so (here the pooled bundle: its 'pooled' normalisation)
+    assert r["calibrated_for"] == "pooled" and r["other_sessions"] == [s.name for s in sessions]
+    assert "note: the bundle was calibrated on session pooled; " in format_evaluation(r)
+
+
+def test_calibrating_on_more_sentences_than_the_file_has_says_what_to_do(bundle, held_out_file, tmp_path):
+    with pytest.raises(ValueError, match=r"has (\d+) calibration trials; 20 needed .use --sentences \1 or fewer"):
+        calibrate_bundle(bundle, held_out_file, n_sentences=20, out=tmp_path / "x", report=lambda s: None)
 
 
 def test_bci_train_then_calibrate_from_the_shell(sessions, tmp_path, capsys):

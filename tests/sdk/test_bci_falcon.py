@@ -142,6 +142,20 @@ def test_unknown_session_and_batching_are_refused(falcon_files):
         d.predict(np.zeros((1, 96)))
 
 
+def test_session_keys_match_a_day_whichever_way_the_file_names_it(falcon_files):
+    # a map keyed by session name (2023.04.17) must pick that day's bundle for DANDI's ses-20230417 files too;
+    # before, such a file fell through to "*" and was scored with the wrong calibration
+    _, bundles = falcon_files
+    d = FalconBundleDecoder({"2023.04.17": bundles["20230417"], "2023-05-31": bundles["20230531"], "*": bundles["20230417"]},
+                            backend="onnxruntime")
+    d.reset(["/data/sub-T5-held-out-minival_ses-20230417.nwb"])
+    assert d.session_key == "2023.04.17"
+    d.reset(["/data/T5_2023.05.31_held_out_eval.nwb"])
+    assert d.session_key == "2023-05-31"
+    d.reset(["/data/sub-T5-held-out-minival_ses-20231009.nwb"])
+    assert d.session_key == "*"
+
+
 def test_adapter_runs_without_torch(falcon_files, tmp_path):
     files, bundles = falcon_files
     rng = np.random.default_rng(5)

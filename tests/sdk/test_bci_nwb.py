@@ -67,16 +67,19 @@ def test_names_of_real_falcon_files_are_recognised():
     assert parse_falcon_name("recording.nwb") == parse_falcon_name("other.nwb")
 
 
-def _write_raw(path: Path, *, timestamps=None, cues=("ab~", "c?"), skip=(), n_channels=4) -> Path:
+def _write_raw(path: Path, *, timestamps=None, cues=("ab~", "c?"), skip=(), n_channels=4, ts_dtype=float,
+               counts=None) -> Path:
     """A hand-made NWB file in (or deliberately not quite in) the FALCON H2 layout."""
     from pynwb import NWBHDF5IO, NWBFile, TimeSeries
 
     if timestamps is None:
         timestamps = np.concatenate([np.arange(5) * 0.02, 10.0 + np.arange(3) * 0.02])
     n = len(timestamps)
+    if counts is None:
+        counts = np.arange(n * n_channels, dtype=np.uint8).reshape(n, n_channels)
     nwb = NWBFile(session_description="test", identifier="t", session_start_time=datetime(2023, 4, 17, tzinfo=timezone.utc))
-    spikes = TimeSeries(name="binned_spikes", data=np.arange(n * n_channels, dtype=np.uint8).reshape(n, n_channels),
-                        unit="count", timestamps=np.asarray(timestamps, dtype=float))
+    spikes = TimeSeries(name="binned_spikes", data=counts, unit="count",
+                        timestamps=np.asarray(timestamps, dtype=ts_dtype))
     if "binned_spikes" not in skip:
         nwb.add_acquisition(spikes)
     if "eval_mask" not in skip:
@@ -87,10 +90,20 @@ def _write_raw(path: Path, *, timestamps=None, cues=("ab~", "c?"), skip=(), n_ch
     for i, cue in enumerate(cues):
         kwargs = {} if "cue" in skip else {"cue": cue}
         nwb.add_trial(start_time=float(i), stop_time=float(i) + 0.5, **kwargs)
+    path.parent.mkdir(parents=True, exist_ok=True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         with NWBHDF5IO(str(path), "w") as io:
             io.write(nwb)
+    if np.dtype(ts_dtype) != np.float64 and "binned_spikes" not in skip:  # pynwb stores float64: patch it as h5py would
+        import h5py
+
+        with h5py.File(path, "r+") as f:
+            old = f["acquisition/binned_spikes/timestamps"]
+            attrs = dict(old.attrs)
+            del f["acquisition/binned_spikes/timestamps"]
+            new = f.create_dataset("acquisition/binned_spikes/timestamps", data=np.asarray(timestamps, dtype=ts_dtype))
+            new.attrs.update(attrs)
     return path
 
 
@@ -126,11 +139,54 @@ def test_unreadable_or_inconsistent_files_are_refused_clearly(tmp_path):
     with pytest.raises(FalconFileError, match="cannot be read as an NWB file") as err:
         load_falcon_h2(junk)
     assert str(junk) in str(err.value)
-    mismatch = _write_raw(tmp_path / "mismatch.nwb", cues=("only one~",))
+    mismatch = _write_raw(tmp_path / "mismatch.nwb", cues=("only>one~",))
     with pytest.raises(FalconFileError, match="cut 2 trials but the trials table has 1 cue rows"):
         load_falcon_h2(mismatch)
     with pytest.raises(FileNotFoundError, match="no .nwb files"):
         load_falcon_h2_dir(tmp_path / "empty")
+
+
+def test_timestamps_too_coarse_to_cut_trials_are_refused_saying_so(tmp_path):
+    # float32 resolves 2 ms at 20,000 s: every 20 ms step could read as a trial gap; the file says float32, the
+    # error must say precision (not "the trials table has too few cues")
+    late = 20000.0 + np.concatenate([np.arange(5) * 0.02, 10.0 + np.arange(3) * 0.02])
+    with pytest.raises(FalconFileError, match="timestamps are float32 and reach 20010 s.*store the timestamps as float64"):
+        load_falcon_h2(_write_raw(tmp_path / "late32.nwb", timestamps=late, ts_dtype=np.float32))
+    # the same values already rounded to float32 but stored as float64 (pynwb's cast): the cut count cannot
+    # match, and the error says why it looks that way
+    rounded = np.asarray(late, dtype=np.float32).astype(float)
+    with pytest.raises(FalconFileError, match="cuts are steps under 0.1 s, which look like bins with imprecise"):
+        load_falcon_h2(_write_raw(tmp_path / "rounded.nwb", timestamps=rounded))
+    early = load_falcon_h2(_write_raw(tmp_path / "early32.nwb", ts_dtype=np.float32))  # near 0 float32 is fine
+    assert [t.n_bins for t in early.trials] == [5, 3]
+    assert [t.n_bins for t in load_falcon_h2(_write_raw(tmp_path / "late64.nwb", timestamps=late)).trials] == [5, 3]
+
+
+def test_cues_outside_the_character_set_are_refused_naming_file_and_trial(tmp_path):
+    path = _write_raw(tmp_path / "sub-T5-held-in-calib_ses-20220518.nwb", cues=("ab~", "He>said~"))
+    with pytest.raises(FalconFileError, match=r"trial 1's cue 'He>said~' has characters outside FALCON H2's 31 \(\['H'\]\)") as e:
+        load_falcon_h2(path)
+    assert str(path) in str(e.value)
+
+
+def test_negative_counts_are_refused(tmp_path):
+    counts = np.zeros((8, 4), dtype=np.int64)
+    counts[2, 1] = -1
+    with pytest.raises(FalconFileError, match="not non-negative counts"):
+        load_falcon_h2(_write_raw(tmp_path / "neg.nwb", counts=counts))
+
+
+def test_a_folder_with_one_day_twice_or_mixed_channel_counts_is_refused(tmp_path):
+    twice = tmp_path / "twice"
+    _write_raw(twice / "sub-T5-held-out-calib" / "sub-T5-held-out-calib_ses-20230417.nwb")
+    _write_raw(twice / "T5_2023.04.17_held_out_calib.nwb")  # the same day, FALCON's local name
+    with pytest.raises(FalconFileError, match="are both the calib data of held_out session 2023.04.17; keep one"):
+        load_falcon_h2_dir(twice)
+    mixed = tmp_path / "mixed"
+    _write_raw(mixed / "T5_2023.04.17_held_out_calib.nwb", n_channels=4)
+    _write_raw(mixed / "T5_2023.05.31_held_out_calib.nwb", n_channels=3, counts=np.zeros((8, 3), dtype=np.uint8))
+    with pytest.raises(FalconFileError, match="do not all have the same channels .3 channels: T5_2023.05.31"):
+        load_falcon_h2_dir(mixed)
 
 
 def test_writer_refuses_float_spikes(tmp_path):
