@@ -124,6 +124,7 @@ def replay_recording(recording: str | Path, bundle: Bundle | str | Path, backend
     b = bundle if isinstance(bundle, Bundle) else load_bundle(bundle)
     model = Model(b, backend=backend)
     fam = get_family(b.manifest.family)(b, model)
+    fam.adopt_device(reader.meta.get("device", {}).get("kind", ""))  # what the session read from this device
     fam.reset()
     parser = FrameParser()
     inputs: dict[int, object] = {}

@@ -238,7 +238,7 @@ class Session:
         except BaseException:
             self.link.close()
             raise
-        self.family.adopt_device(hello)
+        self.family.adopt_device(hello.kind)
         problems = self.family.check_device(hello)
         if problems:
             self.link.close()

@@ -141,6 +141,10 @@ def _replay(a: argparse.Namespace) -> int:
 
     report = replay_recording(a.recording, a.bundle, backend=a.backend)
     print(report.format())
+    if report.outputs_compared == 0 and report.missing_inputs:
+        print(f"error: none of the {report.missing_inputs} recorded outputs could be re-run: their input frames are "
+              "not the bundle's session input (manifest extra.session.input, docs/bundle.md)", file=sys.stderr)
+        return 1
     if a.tolerance is not None and not report.max_abs_diff <= a.tolerance:
         print(f"outputs differ by more than {a.tolerance:g}")
         return 1

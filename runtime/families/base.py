@@ -85,13 +85,14 @@ class FamilyPlugin:
 
     # --- session hooks -------------------------------------------------------------
 
-    def adopt_device(self, hello: Hello) -> None:
-        """At the first handshake: a bundle that leaves its session input/command unstated (and whose
-        family allows it) reads and sends what a device of this HELLO kind streams and accepts."""
+    def adopt_device(self, kind: str) -> None:
+        """At the first handshake (or replaying its recording): a bundle that leaves its session input/command
+        unstated (and whose family allows it) reads and sends what a device of this HELLO ``kind`` streams and
+        accepts."""
         if self._adopted or not self.session_from_device:
             return
         self._adopted = True
-        defaults = DEVICE_SESSION_DEFAULTS.get(hello.kind)
+        defaults = DEVICE_SESSION_DEFAULTS.get(kind)
         if defaults is None:
             return
         if "input" not in self._session_stated:

@@ -141,6 +141,10 @@ def test_a_plain_export_reads_what_the_device_streams(tmp_path, watchdog_rule):
     watchdog_rule(cfg.record, cfg.watchdog_s, NeuralFrame, s.watchdog_trips)
     sent = _commands_sent(cfg.record, DecoderOutput)
     assert len(sent) >= s.commands_sent and sent[0][1].char_probs.size == 5  # (+ the safe command at the end)
+    # and its recording replays through the same bundle (README: run --record, then replay): the replay reads
+    # the neural frames too, from the recorded device kind
+    rep = replay_recording(cfg.record, plain, backend="onnxruntime")
+    assert rep.outputs_compared == s.inputs_used and rep.missing_inputs == 0 and rep.max_abs_diff <= 1e-6
 
 
 def test_a_bundle_that_reads_what_the_device_does_not_stream_is_refused(plant_bundle, neural_bundle):
