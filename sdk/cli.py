@@ -211,7 +211,7 @@ def _generate_args(p: argparse.ArgumentParser) -> None:
 def _generate(a: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from sim.handwriting import HandwritingConfig, generate_recording
+    from sim.handwriting import VOCABULARY, HandwritingConfig, generate_recording
 
     from .bci.nwb import write_falcon_h2_dir
 
@@ -224,7 +224,9 @@ def _generate(a: argparse.Namespace) -> int:
     sessions = generate_recording(cfg)
     paths = write_falcon_h2_dir(sessions, a.out)
     Path(a.out, "handwriting_config.json").write_text(cfg.to_json())
-    print(f"wrote {len(paths)} NWB files for {len(sessions)} sessions to {a.out} (config in handwriting_config.json)")
+    Path(a.out, "vocabulary.txt").write_text("\n".join(VOCABULARY) + "\n")  # the words sentences are drawn from
+    print(f"wrote {len(paths)} NWB files for {len(sessions)} sessions to {a.out} (config in handwriting_config.json, "
+          "the generator's words in vocabulary.txt: evaluate --beam --lexicon)")
     return 0
 
 
@@ -242,11 +244,6 @@ def _certify(a: argparse.Namespace) -> int:
     return 0 if text.rstrip().endswith("PASS") else 1
 
 
-from .bci import cli as _bci_cli  # noqa: E402, F401  (registers calibrate and evaluate)
-from .rl import cli as _rl_cli  # noqa: E402, F401  (registers rl-train)
-from .robust import cli as _robust_cli  # noqa: E402, F401  (registers inject-faults and scrub)
-
-
 def _device_passthrough(argv: list[str]) -> int:
     from sim import cli_main
 
@@ -258,6 +255,38 @@ _PASSTHROUGH: dict[str, tuple[str, Callable[[list[str]], int]]] = {
     "device": ("start a device emulator on a serial port: device NAME --port PATH [--PARAM VALUE ...] "
                "(device --list, device NAME --help)", _device_passthrough),
 }
+
+
+_TRAIN_EXTRAS = ("pip install 'closedloop[train,sim,rl]' and PyTorch (the Makefile's TORCH_SPEC); the deployed "
+                 "footprint runs, inspects, replays and serves devices without them")
+
+
+def _needs(name: str, help_: str, missing: str) -> None:
+    """Register ``name`` as a command that says which training dependency it lacks (a torch-free install)."""
+
+    def run(argv: list[str]) -> int:
+        print(f"closedloop {name}: needs {missing}, which is not installed: {_TRAIN_EXTRAS}", file=sys.stderr)
+        return 2
+
+    _PASSTHROUGH[name] = (f"{help_} [needs {missing}]", run)
+
+
+def _family_commands(module: str, commands: tuple[tuple[str, str], ...]) -> None:
+    import importlib
+
+    try:
+        importlib.import_module(module)  # registers its commands
+    except ImportError as exc:
+        for name, help_ in commands:
+            _needs(name, help_, exc.name or str(exc))
+
+
+_family_commands("sdk.bci.cli", (("calibrate", "fit a bundle's alignment layer to a new session"),
+                                 ("bci-train", "train the pooled handwriting decoder"),
+                                 ("evaluate", "score a decoder bundle on NWB data")))
+_family_commands("sdk.rl.cli", (("rl-train", "behaviour-clone and fine-tune a Panda policy"),))
+_family_commands("sdk.robust.cli", (("inject-faults", "flip weight bits in a copy of a bundle"),
+                                    ("scrub", "check and repair a protected bundle's weights")))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -279,6 +308,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)
+    except ImportError as exc:  # a command that needs a training dependency, on a torch-free install
+        print(f"closedloop {args.command}: error: needs {exc.name or exc}, which is not installed: {_TRAIN_EXTRAS}",
+              file=sys.stderr)
+        return 2
     except (ValueError, RuntimeError, OSError) as exc:
         # Typed errors carry a message that says what was wrong and what to do.
         print(f"closedloop {args.command}: error: {exc}", file=sys.stderr)

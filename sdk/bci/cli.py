@@ -344,7 +344,9 @@ def _lexicon_for(sessions: list, words_file: str | Path | None) -> Any:
         lex = Lexicon(set(lex.words) | extra, None, lex.sentence_end)  # no unigram prior: word_weight is 0
     if not len(lex):
         raise ValueError("the beam search needs a lexicon, and these files have no non-evaluation sentences to build "
-                         "one from: pass --lexicon WORDS.txt (words or sentences, whitespace-separated)")
+                         "one from: pass --lexicon WORDS.txt (words or sentences, whitespace-separated; "
+                         "`closedloop generate-data` writes its vocabulary.txt), or point --data at a folder that "
+                         "also holds calibration files")
     return lex
 
 

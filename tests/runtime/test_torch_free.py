@@ -67,3 +67,42 @@ def test_runtime_runs_a_bundle_without_torch(gru_bundle):
     )
     assert r.returncode == 0, r.stderr
     assert "ok" in r.stdout
+
+
+# Everything outside the deployed footprint (numpy, numba, onnxruntime, pyserial): the training extras.
+_TRAINING = ("torch", "onnx", "onnxscript", "pynwb", "hdmf", "matplotlib", "tqdm", "scipy", "cvxpy", "clarabel",
+             "scs", "pybullet", "gymnasium", "stable_baselines3", "falcon_challenge")
+
+
+def test_the_closedloop_command_runs_a_session_without_the_training_extras(gru_bundle, tmp_path):
+    # `pip install .` on a board: the CLI must run, inspect and replay; training commands say what they need
+    blocker = BLOCKER.replace('("torch", "onnx", "onnxscript")', repr(_TRAINING)).replace(
+        'raise ImportError(f"blocked for this test: {name}")',
+        'raise ModuleNotFoundError(f"blocked for this test: {name}", name=name.split(".")[0])')
+    rec = tmp_path / "s.clrec"
+    code = blocker + textwrap.dedent(
+        f"""
+        from sdk.cli import main
+        argv = {{"inspect": ["inspect", {str(gru_bundle)!r}],
+                 "run": ["run", {str(gru_bundle)!r}, "--device", "sim://headstage?channels=12", "--duration", "1",
+                         "--record", {str(rec)!r}, "--quiet", "--backend", "numba"],
+                 "replay": ["replay", {str(rec)!r}, "--bundle", {str(gru_bundle)!r}, "--tolerance", "1e-4"],
+                 "train": ["bci-train", "data", "--out", {str(tmp_path / "m")!r}, "--tiny"],
+                 "rl": ["rl-train", "--task", "push"]}}[sys.argv[1]]
+        code = main(argv)
+        assert not any(m.split(".")[0] in {_TRAINING!r} for m in sys.modules), sorted(sys.modules)
+        sys.exit(code)
+        """
+    )
+
+    def cli(what: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-c", code, what], cwd=ROOT, capture_output=True, text=True,
+                              timeout=300)
+
+    for what in ("inspect", "run", "replay"):
+        r = cli(what)
+        assert r.returncode == 0, (what, r.stderr[-2000:])
+    assert "re-ran" in r.stdout
+    for what, name in (("train", "bci-train"), ("rl", "rl-train")):
+        r = cli(what)
+        assert r.returncode == 2 and f"closedloop {name}" in r.stderr and "needs torch, which is not installed" in r.stderr

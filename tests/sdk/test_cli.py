@@ -66,3 +66,9 @@ def test_generate_data_writes_loadable_falcon_files(tmp_path, capsys):
     held_out = [s for s in sessions if s.split == "held_out"][0]
     assert len(held_out.calibration) == 3 and held_out.evaluation
     assert (tmp_path / "d" / "handwriting_config.json").exists()
+    # the generator's words, for evaluate --beam --lexicon on a file with no calibration sentences of its own
+    from sim.handwriting import VOCABULARY
+
+    words = (tmp_path / "d" / "vocabulary.txt").read_text().split()
+    assert words == list(VOCABULARY)
+    assert all(w.strip(",~?") in words for t in held_out.trials for w in t.sentence.split(">"))
