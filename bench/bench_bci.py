@@ -39,6 +39,12 @@ if __name__ == "__main__":
     if a.jobs:
         cfg.jobs = a.jobs
     if a.device:
+        from sdk.bci.data import resolve_device
+
+        try:
+            resolve_device(a.device)  # a device this machine lacks is refused before any data are generated
+        except ValueError as exc:
+            sys.exit(f"bench_bci.py: error: {exc}")
         cfg.harness.device = a.device
     if a.stem:
         cfg.stem = a.stem

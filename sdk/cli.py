@@ -186,7 +186,8 @@ def _recording(a: argparse.Namespace) -> int:
 
 def _bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="a few seconds per part instead of the full run")
-    p.add_argument("--out", default="bench/results", help="folder for spine.json and spine_latency.png")
+    p.add_argument("--out", default=None, help="folder for spine.json and spine_latency.png (default bench/results "
+                                                "for a full run; --quick writes nothing unless given --out)")
 
 
 @command("bench", "benchmark GRU and MLP steps on every backend, and the loop at 1 kHz and 50 Hz", _bench_args)
@@ -194,7 +195,8 @@ def _bench(a: argparse.Namespace) -> int:
     from .benchmark import SpineBenchConfig, run_spine_benchmark
 
     cfg = SpineBenchConfig.quick() if a.quick else SpineBenchConfig()
-    cfg.out_dir = a.out
+    if a.out is not None or not a.quick:  # a quick run never replaces the committed full-run results by default
+        cfg.out_dir = a.out or "bench/results"
     run_spine_benchmark(cfg)
     return 0
 

@@ -17,6 +17,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -149,3 +151,14 @@ def test_killing_the_benchmark_ends_its_seed_processes_too(tmp_path):
         for w in workers:  # a failing run must not leave them to the rest of the suite either
             if _is_worker(w):
                 os.kill(w, signal.SIGKILL)
+
+
+def test_a_device_the_machine_lacks_is_refused_before_any_data_are_generated(tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA device; the refusal is checked where it has none")
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_bci.py"), "--tiny", "--device", "cuda", "--out",
+                        str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and "bench_bci.py: error: device 'cuda': no CUDA GPU is available" in r.stderr
+    assert "Traceback" not in r.stderr and not any(tmp_path.iterdir())
