@@ -116,7 +116,7 @@ def recording_to_nwb(recording: str | Path, out: str | Path, overwrite: bool = F
                 ],
             )
         )
-    tmp = out.with_name(f".{out.name}.tmp")
+    tmp = out.with_name(f".{out.stem}.tmp.nwb")  # pynwb warns about a name without the .nwb suffix
     with NWBHDF5IO(str(tmp), "w") as io:
         io.write(nwb)
     atomic_write_bytes(out, tmp.read_bytes())

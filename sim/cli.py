@@ -29,9 +29,9 @@ __all__ = ["cli_main", "KEY_ENV"]
 #: Environment variable the emulator reads its hex signing key from when ``--key`` is not given.
 KEY_ENV = "CLOSEDLOOP_DEVICE_KEY"
 
-USAGE = """usage: python -m sim NAME --port PATH [--verbose] [--PARAM VALUE ...]
-       python -m sim NAME --help       (parameters of one device)
-       python -m sim --list            (devices)"""
+USAGE = """usage: closedloop device NAME --port PATH [--verbose] [--PARAM VALUE ...]   (or python -m sim NAME ...)
+       closedloop device NAME --help   (parameters of one device)
+       closedloop device --list        (devices)"""
 
 
 def _split_args(args: Sequence[str]) -> tuple[dict[str, str], dict[str, str]]:

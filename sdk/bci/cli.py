@@ -283,7 +283,8 @@ def train_pooled_bundle(sessions: list, harness: Any, out: str | Path, *, proven
 def _train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("data", help="folder of FALCON H2 NWB files (real or from `closedloop generate-data`)")
     p.add_argument("--out", required=True, help="bundle to write (calibratable: `closedloop calibrate` it per session)")
-    p.add_argument("--config", help="a HarnessConfig JSON (train/meta/calibration sections); default: the benchmark's")
+    p.add_argument("--config", help="a HarnessConfig JSON (train/meta/calibration sections): its settings replace "
+                                    "those of the benchmark's configuration (or --tiny's); the rest stay")
     p.add_argument("--tiny", action="store_true", help="the tests' tiny training configuration (a minute)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="auto", help="auto, cpu or cuda")
@@ -296,26 +297,40 @@ def _train_args(p: argparse.ArgumentParser) -> None:
 @command("bci-train", "train the pooled handwriting decoder and its meta-learned alignment; write a calibratable bundle",
          _train_args)
 def _train(a: argparse.Namespace) -> int:
-    import dataclasses
 
-    from .benchmark import BciBenchConfig
     from .data import resolve_device
-    from .evaluate import HarnessConfig
     from .malloc import retain_freed_memory
 
     resolve_device(a.device)  # a device this machine lacks is refused before the data are read
     retain_freed_memory()  # this process only trains: keep freed tensors' memory for the next step (sdk.bci.malloc)
-    if a.config:
-        harness = HarnessConfig.load(a.config)
-    else:
-        harness = (BciBenchConfig.tiny() if a.tiny else BciBenchConfig()).harness
-    harness = dataclasses.replace(harness, seed=a.seed, device=a.device).seeded()
+    harness = train_harness(a.config, tiny=a.tiny, seed=a.seed, device=a.device)
     sessions = load_sessions(a.data)
     print(f"{len(sessions)} sessions from {a.data} ({sum(s.split == 'held_in' for s in sessions)} held-in)")
     path = train_pooled_bundle(sessions, harness, a.out, provenance={"data": str(a.data)}, overwrite=a.overwrite,
                                end_completion=None if a.end_completion == "off" else a.end_completion)
     print(f"wrote {path}: calibrate it per session with `closedloop calibrate {path} --data SESSION.nwb --sentences 3`")
     return 0
+
+
+def train_harness(config: str | Path | None, *, tiny: bool = False, seed: int = 0, device: str = "auto") -> Any:
+    """``bci-train``'s configuration: the benchmark's (or the tiny one), with a ``--config`` JSON's settings over it."""
+    import dataclasses
+
+    from .benchmark import BciBenchConfig
+    from .evaluate import HarnessConfig
+
+    harness = (BciBenchConfig.tiny() if tiny else BciBenchConfig()).harness
+    if config:  # a partial file changes only the settings it names
+        harness = HarnessConfig.from_dict(_merged(harness.to_dict(), json.loads(Path(config).read_text())))
+    return dataclasses.replace(harness, seed=seed, device=device).seeded()
+
+
+def _merged(base: dict, over: dict) -> dict:
+    """``base`` with ``over``'s values in place, section by section (nested dicts merged, other values replaced)."""
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _merged(base[k], v) if isinstance(v, dict) and isinstance(base.get(k), dict) else v
+    return out
 
 
 # --- evaluate -------------------------------------------------------------------------------

@@ -304,3 +304,20 @@ def test_bci_train_then_calibrate_from_the_shell(sessions, tmp_path, capsys):
     only_out.mkdir()
     shutil.copy(held_out, only_out / held_out.name)
     assert main(["bci-train", str(only_out), "--out", str(tmp_path / "x"), "--config", str(cfg)]) == 2
+
+
+def test_a_partial_config_changes_only_its_settings_over_the_tiny_or_default_base(tmp_path):
+    from sdk.bci.benchmark import BciBenchConfig
+    from sdk.bci.cli import train_harness
+
+    path = tmp_path / "lowrank.json"
+    path.write_text(json.dumps({"meta": {"form": "lowrank", "rank": 4}}))
+    tiny, base = BciBenchConfig.tiny().harness, BciBenchConfig().harness
+    got = train_harness(path, tiny=True, seed=3, device="cpu")
+    assert (got.meta.form, got.meta.rank) == ("lowrank", 4)
+    assert got.train.steps == tiny.train.steps != base.train.steps  # --tiny still holds (it was dropped before)
+    assert got.meta.meta_steps == tiny.meta.meta_steps and (got.seed, got.device) == (3, "cpu")
+    assert train_harness(path).train.steps == base.train.steps
+    path.write_text(json.dumps({"meta": {"no_such_setting": 1}}))
+    with pytest.raises(ValueError, match="no_such_setting"):
+        train_harness(path, tiny=True)
