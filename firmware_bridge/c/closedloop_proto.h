@@ -4,9 +4,13 @@
  * What it does: CRC-32C, COBS encoding and decoding, building a complete frame
  * (header + payload + optional HMAC-SHA256 signature + CRC, COBS-encoded, 0x00
  * delimiter) straight into an output buffer, and an incremental parser fed one byte
- * at a time that applies exactly the rules of docs/protocol.md (and of the Python
- * FrameParser): rejection reasons in the same order, sequence-number tracking
- * (lost / duplicate / out-of-order), signing-counter replay protection.
+ * at a time that applies the rules of docs/protocol.md sections 3-7 (as the Python
+ * FrameParser does): rejection reasons in the same order, sequence-number tracking
+ * (lost / duplicate / out-of-order), signing-counter replay protection.  It does not
+ * know payload layouts: step 13 of section 5 (a payload matches its message type's
+ * layout) is the application's, as are the payloads themselves (little-endian fields,
+ * section 9).  firmware_bridge/c/examples/headstage_example.c is a whole device built
+ * on this header (handshake, streaming, heartbeats, payload packing and checks).
  *
  * No heap, no libc beyond <string.h> (memcpy, memset, memcmp) and <stdint.h>/<stddef.h>.
  * The parser keeps one decoded frame (CLP_RX_MAX_RAW_LEN bytes, ~4.1 KiB) in its
@@ -68,6 +72,12 @@ enum clp_msg_type {
     CLP_MSG_ACTUATOR_COMMAND = 0x21,
     CLP_MSG_JOINT_STATE = 0x30,
     CLP_MSG_JOINT_COMMAND = 0x31
+};
+
+/* HEARTBEAT state and STATUS severity values (docs/protocol.md section 9). */
+enum clp_device_state { CLP_STATE_IDLE = 0, CLP_STATE_RUNNING = 1, CLP_STATE_SAFE_STOP = 2, CLP_STATE_FAULT = 3 };
+enum clp_severity {
+    CLP_SEV_DEBUG = 0, CLP_SEV_INFO = 1, CLP_SEV_WARNING = 2, CLP_SEV_ERROR = 3, CLP_SEV_CRITICAL = 4
 };
 
 /* What clp_parser_feed() reports for one byte. */

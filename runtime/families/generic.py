@@ -11,7 +11,8 @@ Manifest fields it reads (all optional):
   is sent back (see ``runtime.families.io``). Unstated, they follow the device's HELLO
   kind (a headstage: neural frames in, decoder outputs out; a plant: measurements in,
   actuator commands out) and otherwise default to plant measurement in, actuator
-  command out.
+  command out. Neural frames are all processed in order (every bin); other inputs
+  are acted on newest-first, once per period.
 """
 
 from __future__ import annotations
@@ -35,6 +36,12 @@ def _vec(d: dict, key: str, n: int, default: float) -> np.ndarray:
 class GenericFamily(FamilyPlugin):
     name = "generic"
     session_from_device = True
+
+    @property
+    def consume(self) -> str:  # type: ignore[override]
+        # Neural bins are a time series the model integrates (a decoder's state must see every bin); a
+        # controller acts on the newest measurement and never falls behind.
+        return "all" if self.input_name == "neural_frame" else "newest"
 
     @classmethod
     def problems(cls, bundle) -> list[str]:
