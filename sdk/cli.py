@@ -68,6 +68,11 @@ def _run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--record", default=None, help="write a crash-safe recording of the session here")
     p.add_argument("--watchdog", type=float, default=0.25, help="seconds without input before the safe command")
     p.add_argument("--key", default=None, help="hex shared secret for a signed link")
+    p.add_argument("--weights-key-file", default=None,
+                   help="key of a protected bundle's keyed weight layout (docs/robustness.md; or "
+                        "$CLOSEDLOOP_WEIGHTS_KEY_FILE / $CLOSEDLOOP_WEIGHTS_KEY)")
+    p.add_argument("--scrub", choices=("auto", "off"), default="auto",
+                   help="weight scrubbing of a protected bundle in the loop's idle time (default auto)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quiet", action="store_true", help="no live status line")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
@@ -82,11 +87,13 @@ def _run(a: argparse.Namespace) -> int:
         cfg = SessionConfig(
             device=a.device, backend=a.backend, variant=a.variant, duration_s=a.duration, rate_hz=a.rate,
             record=a.record, watchdog_s=a.watchdog, overrun=a.overrun, key=a.key, status=not a.quiet,
+            weights_key_file=a.weights_key_file, scrub=a.scrub,
         )
         summary = run_session(a.bundle, cfg)
         print(json.dumps(summary.to_dict(), indent=2, default=str) if a.json else summary.format())
         return 0
-    device_only = [flag for flag, value in (("--record", a.record), ("--key", a.key)) if value]
+    device_only = [flag for flag, value in (("--record", a.record), ("--key", a.key),
+                                            ("--weights-key-file", a.weights_key_file)) if value]
     if device_only:
         print(f"error: {' and '.join(device_only)} need{'s' if len(device_only) == 1 else ''} --device: without a device the loop runs on synthetic "
               "frames, with no link to sign and nothing to record", file=sys.stderr)

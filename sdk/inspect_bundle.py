@@ -39,17 +39,22 @@ def _graph_lines(name: str, g: GraphSpec) -> list[str]:
     for vname, v in g.variants.items():
         p = v.get("parity_vs_fp32", {})
         ok = v.get("within_tolerance")
+        vtrt = v.get("tensorrt_compatibility")
         out.append(
             f"    variant {vname:<5} {v.get('file')}  vs fp32: max abs {p.get('max_abs', float('nan')):.2e}"
             + ("" if ok is None else ("  within tolerance" if ok else "  OUTSIDE tolerance"))
+            + ("" if not vtrt else f"; TensorRT parser: {_trt_verdict(vtrt)}")
         )
     trt = g.tensorrt_compatibility
     if trt:
-        verdict = "compatible" if trt.get("compatible") else f"NOT compatible: {trt.get('unsupported_ops')}"
-        out.append(f"    TensorRT parser: {verdict}")
+        out.append(f"    TensorRT parser: {_trt_verdict(trt)}")
     for e in g.tensorrt_engines:
         out.append(f"    TensorRT engine {e.get('file')} for {e.get('gpu')} / TensorRT {e.get('tensorrt_version')}")
     return out
+
+
+def _trt_verdict(report: dict) -> str:
+    return "compatible" if report.get("compatible") else f"NOT compatible: {report.get('unsupported_ops')}"
 
 
 def render_manifest(m: Manifest) -> str:

@@ -7,8 +7,10 @@ What goes where in the NWB file:
   neural frames; ``plant_output_y`` and ``plant_input_u`` for plant measurements;
   ``joint_positions`` and ``joint_velocities`` for joint states.
 - ``processing["closedloop"]``: ``model_output`` (every recorded model output, host
-  clock), ``commands_sent`` (decoded from the exact bytes written, host clock) and
-  ``session_events`` (watchdog, disconnects, device status) as a table.
+  clock), ``commands_sent`` (actuator and joint commands, decoded from the exact bytes
+  written, host clock), ``decoder_outputs`` (a decoder's DECODER_OUTPUT frames: bin index
+  and the text added, as a table) and ``session_events`` (watchdog, disconnects, device
+  status) as a table.
 - ``session_description`` and ``notes`` carry the device, bundle and summary.
 
 Host timestamps are seconds since the first record; device timestamps are the
@@ -25,6 +27,7 @@ import numpy as np
 
 from firmware_bridge import (
     ActuatorCommand,
+    DecoderOutput,
     FrameParser,
     JointCommand,
     JointState,
@@ -60,6 +63,7 @@ def recording_to_nwb(recording: str | Path, out: str | Path, overwrite: bool = F
     series: dict[str, tuple[list, list]] = {}
     outputs, out_t, cmds, cmd_t = [], [], [], []
     ev_t, ev_kind, ev_detail = [], [], []
+    dec_t, dec_bin, dec_text = [], [], []  # a decoder's DECODER_OUTPUTs: the text it typed, bin by bin
 
     def add(name: str, t: float, v: np.ndarray) -> None:
         series.setdefault(name, ([], []))
@@ -88,6 +92,10 @@ def recording_to_nwb(recording: str | Path, out: str | Path, overwrite: bool = F
                 elif isinstance(m, JointCommand):
                     cmds.append(m.values)
                     cmd_t.append(t_host)
+                elif isinstance(m, DecoderOutput):
+                    dec_t.append(t_host)
+                    dec_bin.append(int(m.bin_index))
+                    dec_text.append(m.text)
         elif rec.type == RecordType.OUTPUT:
             outputs.append(rec.output()[2].copy())
             out_t.append(t_host)
@@ -104,6 +112,19 @@ def recording_to_nwb(recording: str | Path, out: str | Path, overwrite: bool = F
         mod.add(TimeSeries(name="model_output", data=np.stack(outputs), timestamps=np.asarray(out_t), unit="a.u."))
     if cmds:
         mod.add(TimeSeries(name="commands_sent", data=np.stack(cmds), timestamps=np.asarray(cmd_t), unit="a.u."))
+    if dec_t:
+        mod.add(
+            DynamicTable(
+                name="decoder_outputs",
+                description="DECODER_OUTPUT frames sent: the text added at each bin (a delta; often empty); their "
+                            "per-character values are the model outputs in model_output",
+                columns=[
+                    VectorData(name="time", description="host seconds since the first record", data=dec_t),
+                    VectorData(name="bin_index", description="the bin the output answers", data=dec_bin),
+                    VectorData(name="text", description="text added at this bin", data=dec_text),
+                ],
+            )
+        )
     if ev_t:
         mod.add(
             DynamicTable(

@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from export.parity import Tolerance, compare, make_parity_inputs, ort_runner
+from export.tensorrt import tensorrt_compatibility
 from export.writer import write_bundle
 from runtime.bundle import load_bundle
 from runtime.scrubber import (
@@ -86,7 +87,7 @@ def protect_bundle(path: str | Path, plan: ProtectionPlan, key: bytes | None = N
         spec.variants["int8"] = {
             "file": rel, "quantizer": "sdk.robust weight-only int8, per-tensor symmetric, block sums exactly zero",
             "parity_vs_fp32": parity, "within_tolerance": parity["within_tolerance"],
-            "tolerance": INT8_TOLERANCE.to_dict(),
+            "tolerance": INT8_TOLERANCE.to_dict(), "tensorrt_compatibility": tensorrt_compatibility(data),
         }
         files[rel] = data
         names = {t.onnx_name: t.onnx_name + "_q" for t in plan.tensors}

@@ -14,7 +14,8 @@ def _inject_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mode", choices=("random", "targeted"), default="random",
                    help="random: uniform over all weight bits; targeted: Bit-Flip-Attack-style progressive search")
     p.add_argument("--adaptive", action="store_true",
-                   help="targeted only: flip only sets that keep the block constraints of the unkeyed layout")
+                   help="targeted, int8 variant only: flip only sets that keep the block constraints of the unkeyed "
+                        "layout")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--variant", choices=("fp32", "fp16", "int8"), default="fp32", help="which stored precision to hit")
     p.add_argument("--data", help="targeted only: .npy of model inputs (recurrent: batch x steps x features)")

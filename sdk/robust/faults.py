@@ -107,6 +107,9 @@ def inject_faults(bundle_path: str | Path, out: str | Path, flips: int, mode: st
     Bit-Flip-Attack-style progressive search (``sdk.robust.attack``), with ``adaptive=True``
     the variant that only flips sets keeping the block constraints of the *unkeyed* layout.
     """
+    if adaptive and (mode != "targeted" or variant != "int8"):
+        raise ValueError("adaptive flips are sets of three int8 flips (+d, -2d, +d) in one block: they need "
+                         "mode 'targeted' and the int8 variant (--mode targeted --variant int8)")
     bundle = load_bundle(bundle_path)
     inits = bundle.onnx("main", variant).initializers
     meta: dict = {"mode": mode, "seed": seed}
@@ -121,6 +124,9 @@ def inject_faults(bundle_path: str | Path, out: str | Path, flips: int, mode: st
         meta |= {"adaptive": adaptive, "loss_trace": result.losses}
     else:
         raise ValueError(f"mode {mode!r} must be 'random' or 'targeted'")
+    if not chosen:
+        raise ValueError(f"no bit of the {variant or 'fp32'} weights could be flipped as asked ({mode} mode, "
+                         f"{flips} flips); nothing written")
     path = write_corrupted_copy(bundle_path, out, variant, chosen, meta, overwrite)
     report(f"wrote {path} with {len(chosen)} flipped bit(s) in {variant or 'fp32'} weights; it fails its checksum: "
            "load it with verify_checksums=False (closedloop scrub --skip-checksum) to model faults in memory")

@@ -25,6 +25,14 @@ def test_inject_faults_cli_writes_a_copy_the_checksum_refuses(unkeyed_bundle, tm
     assert "blocks on numba (arena)" in capsys.readouterr().out
 
 
+def test_an_adaptive_attack_on_a_float_variant_is_refused_not_a_silent_copy(unkeyed_bundle, tmp_path, capsys):
+    # the adaptive attacker's flips are int8 triples; on fp32 it found none and wrote an untouched "faulty" copy
+    out = tmp_path / "faulty"
+    assert main(["inject-faults", str(unkeyed_bundle), "--flips", "6", "--mode", "targeted", "--adaptive",
+                 "--out", str(out)]) == 2
+    assert "--mode targeted --variant int8" in capsys.readouterr().err and not out.exists()
+
+
 def _scrub_events(path, key, variant="int8"):
     model = Model(load_bundle(path, verify_checksums=False), backend="onnxruntime", variant=variant)
     s = attach_scrubber(model, key=key, scrub_at_load=False)

@@ -88,3 +88,10 @@ def test_step_keeps_to_its_budget_and_covers_every_block_round_robin(unkeyed_bun
         steps += 1
         assert steps <= total // per_step + 2
     assert events[0].status == "repaired" and events[0].block == total - 1
+
+
+def test_the_exact_int8_variant_carries_its_tensorrt_report(keyed_bundle):
+    # bundle.md: every variant record says whether TensorRT's parser takes it (inspect prints it per variant)
+    v = load_bundle(keyed_bundle).graph().variants["int8"]
+    assert v["quantizer"].startswith("sdk.robust") and v["tensorrt_compatibility"]["checked_without_tensorrt"]
+    assert isinstance(v["tensorrt_compatibility"]["compatible"], bool)

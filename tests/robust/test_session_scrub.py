@@ -58,3 +58,19 @@ def test_unrepairable_block_is_restored_from_the_last_good_copy_under_policy_fal
         summary = s.run()
         assert np.array_equal(target.buf[weights], clean)
     assert summary.scrub["restored"] == 1 and summary.loop.stopped_by == "duration"
+
+
+def test_closedloop_run_takes_the_weights_key_file_the_error_names(keyed_bundle, tmp_path, capsys):
+    import json
+
+    from sdk.cli import main
+
+    key_file = tmp_path / "weights.key"
+    key_file.write_text(KEY.hex())
+    argv = ["run", str(keyed_bundle), "--device", "sim://headstage?channels=12&seed=3", "--duration", "0.5",
+            "--backend", "numba", "--quiet"]
+    assert main(argv) == 2  # keyed layout, no key: refused, naming the ways to give one
+    assert "--weights-key-file" in capsys.readouterr().err
+    assert main([*argv, "--weights-key-file", str(key_file), "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["scrub"]["full_passes"] >= 1 and summary["scrub"]["unrepairable"] == 0

@@ -14,6 +14,9 @@ def test_inspect_prints_and_verifies(gru_bundle, capsys):
     assert "family generic" in out and "state -> h_out" in out
     assert "parity vs" in out and "variant fp16" in out and "TensorRT parser" in out
     assert "verified" in out
+    # each variant's own parser verdict: the dynamically quantized int8 graph is not TensorRT-parsable
+    int8 = next(line for line in out.splitlines() if "variant int8" in line)
+    assert "TensorRT parser: NOT compatible" in int8 and "MatMulInteger" in int8
 
 
 def test_inspect_reports_tampering(gru_bundle, tmp_path, capsys):

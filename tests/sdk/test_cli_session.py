@@ -53,6 +53,10 @@ def test_run_record_replay_nwb(decoder_bundle, tmp_path, capsys):
         assert np.all(np.diff(spikes.timestamps[:]) > 0)
         outs = f.processing["closedloop"]["model_output"]
         assert outs.data.shape[1] == 5
+        # the DECODER_OUTPUTs sent, one per model output the session acted on (plus the closing safe one)
+        decoded = f.processing["closedloop"]["decoder_outputs"]
+        bins = decoded["bin_index"].data[:]
+        assert len(bins) >= outs.data.shape[0] and len(decoded["text"].data[:]) == len(bins)
     # refuses to overwrite
     assert main(["export-nwb", str(rec), str(nwb_path)]) == 2
     # a bundle that reads another kind of input re-runs nothing: an error, not a silent 'nan' comparison
