@@ -6,6 +6,8 @@ Tests run with ``--import-mode=importlib``, so helpers are handed out as fixture
 
 from __future__ import annotations
 
+import shutil
+
 import numpy as np
 import pytest
 from hypothesis import strategies as st
@@ -25,6 +27,16 @@ from firmware_bridge import (
     Status,
     UnknownMessage,
 )
+
+
+@pytest.fixture(scope="session")
+def cc() -> str:
+    """The host C compiler; tests of the C implementation skip, saying so, without one."""
+    compiler = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    if compiler is None:
+        pytest.skip("no C compiler (cc/gcc/clang) on PATH: the C implementation was not checked")
+    return compiler
+
 
 f32 = st.floats(width=32, allow_nan=True, allow_infinity=True)
 finite_f32 = st.floats(width=32, allow_nan=False, allow_infinity=False)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import re
 import select
-import shutil
 import signal
 import subprocess
 import sys
@@ -26,14 +25,6 @@ CFLAGS = ["-std=c99", "-Wall", "-Wextra", "-Werror", "-pedantic", "-O2"]
 SUMMARY = re.compile(r"frames_sent=(\d+) decoder_outputs=(\d+) host_hellos=(\d+) rejected=(\d+) lost=(-?\d+)")
 
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="ptys and termios need a POSIX OS")
-
-
-@pytest.fixture(scope="module")
-def cc() -> str:
-    compiler = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
-    if compiler is None:
-        pytest.skip("no C compiler (cc/gcc/clang) on PATH: the C example was not checked")
-    return compiler
 
 
 @pytest.fixture(scope="module")
