@@ -41,7 +41,7 @@ def _first_line(proc: subprocess.Popen, timeout_s: float) -> str:
     return proc.stdout.readline()
 
 
-def test_c_headstage_runs_a_session_end_to_end(headstage_exe: Path, tmp_path: Path) -> None:
+def test_c_headstage_runs_a_session_end_to_end(headstage_exe: Path, tmp_path: Path, watchdog_rule) -> None:
     torch = pytest.importorskip("torch")
     from export import export_bundle
     from runtime import SessionConfig, run_session
@@ -59,7 +59,9 @@ def test_c_headstage_runs_a_session_end_to_end(headstage_exe: Path, tmp_path: Pa
         line = _first_line(proc, 5.0)
         assert line.startswith("pty /dev/"), line
         path = line.split()[1]
-        s = run_session(bundle, SessionConfig(device=path, duration_s=3.0, status=False, backend="onnxruntime"))
+        cfg = SessionConfig(device=path, duration_s=3.0, status=False, backend="onnxruntime",
+                            record=str(tmp_path / "s.clrec"))
+        s = run_session(bundle, cfg)
         proc.send_signal(signal.SIGTERM)
         out, err = proc.communicate(timeout=5)
     finally:
@@ -75,7 +77,11 @@ def test_c_headstage_runs_a_session_end_to_end(headstage_exe: Path, tmp_path: Pa
     # ~150 frames in 3 s; a bundle reading neural frames runs on every one of them, in order
     assert s.frames_received > 100 and s.inputs_used > 100 and s.inputs_skipped == 0
     assert s.link["lost"] == 0 and s.link["crc_errors"] == 0 and s.link["malformed"] == 0
-    assert s.disconnects == 0 and s.watchdog_trips == 0
+    assert s.disconnects == 0
+    # a trip only on a real silence of the input: a loaded 2-core CI machine can starve the device process
+    from firmware_bridge import NeuralFrame
+
+    watchdog_rule(cfg.record, cfg.watchdog_s, NeuralFrame, s.watchdog_trips)
     # the device heard every command the session sent: one per input used, plus safe ones, plus
     # the safe command at the end
     sent = s.commands_sent + s.safe_commands_sent + s.commands_resent
