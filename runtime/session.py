@@ -198,7 +198,7 @@ class Session:
         self._next_status_ns = 0
         self._last_cmd = None
         self._step = 0
-        self._unused, self._unused_type, self._warned_unused = 0, "", False  # frames not of the input's type
+        self._unused, self._unused_type, self._warned_unused = 0, None, False  # frames not of the input's type
 
     # --- connection -------------------------------------------------------------
 
@@ -357,11 +357,12 @@ class Session:
         counts = self.summary_counts
         counts["frames_received"] += len(frames)
         want = self.family.input.message
+        every_frame = self.family.consume == "all"  # once per period, not per frame (a family may derive it)
         newest = None
         for f in frames:
             m = f.message
             if isinstance(m, want):
-                if self.family.consume == "all":
+                if every_frame:
                     self._act(f, k)
                     counts["inputs_used"] += 1
                 else:
@@ -376,7 +377,7 @@ class Session:
                 self._event("device_status", code=int(m.code), severity=int(m.severity), text=m.text)
             elif not isinstance(m, Heartbeat):
                 self._unused += 1  # data the bundle does not read (a panda's joint states beside its task observation)
-                self._unused_type = type(m).__name__
+                self._unused_type = type(m)
         if newest is not None:
             self._act(newest, k)
             counts["inputs_used"] += 1
@@ -385,14 +386,15 @@ class Session:
             if not self._safe:
                 self._safe = True
                 counts["watchdog_trips"] += 1
+                other = self._unused_type.__name__ if self._unused else ""
                 self._event("watchdog", silent_s=(now - self._last_input_ns) / 1e9, other_frames=self._unused,
-                            other_type=self._unused_type)
+                            other_type=other)
                 if self._unused and not self._warned_unused:
                     # Frames keep coming but none is the bundle's input: say so once, or the session looks
                     # like a silent device.
                     self._warned_unused = True
                     self.out.write(f"\nwarning: no {self.family.input.message.__name__} from the device for "
-                                   f"{self.config.watchdog_s:g} s, but it sent {self._unused} {self._unused_type} "
+                                   f"{self.config.watchdog_s:g} s, but it sent {self._unused} {other} "
                                    "frames: the bundle's session input (manifest extra.session.input) may not "
                                    "match this device\n")
             if self._send(self.family.safe_message(k)):

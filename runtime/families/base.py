@@ -50,7 +50,6 @@ class FamilyPlugin:
         self.command_name = session.get("command", self.default_command)
         self.input = input_kind(self.input_name)
         self.command = command_kind(self.command_name)
-        self._adopted = False
         x = model.inputs[model.spec.data_inputs[0].name]
         self._frame = np.zeros(x.shape[-1], dtype=np.float32)
         self._command_mask = np.zeros(0, dtype=bool)
@@ -88,11 +87,8 @@ class FamilyPlugin:
     def adopt_device(self, kind: str) -> None:
         """At the first handshake (or replaying its recording): a bundle that leaves its session input/command
         unstated (and whose family allows it) reads and sends what a device of this HELLO ``kind`` streams and
-        accepts."""
-        if self._adopted or not self.session_from_device:
-            return
-        self._adopted = True
-        defaults = DEVICE_SESSION_DEFAULTS.get(kind)
+        accepts. A later HELLO is checked against that choice (``check_device``), never adopted again."""
+        defaults = DEVICE_SESSION_DEFAULTS.get(kind) if self.session_from_device else None
         if defaults is None:
             return
         if "input" not in self._session_stated:

@@ -297,7 +297,6 @@ def _train_args(p: argparse.ArgumentParser) -> None:
 @command("bci-train", "train the pooled handwriting decoder and its meta-learned alignment; write a calibratable bundle",
          _train_args)
 def _train(a: argparse.Namespace) -> int:
-
     from .data import resolve_device
     from .malloc import retain_freed_memory
 

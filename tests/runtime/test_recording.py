@@ -43,12 +43,17 @@ def test_never_overwrites(tmp_path):
         RecordingWriter(p)
 
 
+def _rx_recording(p, n: int):
+    """A recording of ``n`` RX records of 20 bytes each (37 bytes a record with its 17-byte header)."""
+    with RecordingWriter(p) as w:
+        for i in range(n):
+            w.append(RecordType.RX, bytes([i]) * 20)
+    return p
+
+
 @pytest.mark.parametrize("cut", [1, 5, 13, 20])
 def test_torn_tail_keeps_everything_before_it(tmp_path, cut):
-    p = tmp_path / "s.clrec"
-    with RecordingWriter(p) as w:
-        for i in range(10):
-            w.append(RecordType.RX, bytes([i]) * 20)
+    p = _rx_recording(tmp_path / "s.clrec", 10)
     data = p.read_bytes()
     p.write_bytes(data[:-cut])
     r = RecordingReader(p)
@@ -58,10 +63,7 @@ def test_torn_tail_keeps_everything_before_it(tmp_path, cut):
 
 
 def test_corrupt_record_stops_reading_there(tmp_path):
-    p = tmp_path / "s.clrec"
-    with RecordingWriter(p) as w:
-        for i in range(5):
-            w.append(RecordType.RX, bytes([i]) * 20)
+    p = _rx_recording(tmp_path / "s.clrec", 5)
     data = bytearray(p.read_bytes())
     data[len(MAGIC) + 2 * 37 + 17 + 3] ^= 0x40  # a payload byte of record 3
     p.write_bytes(bytes(data))
@@ -73,10 +75,7 @@ def test_corrupt_record_stops_reading_there(tmp_path):
 def test_a_record_longer_than_the_limit_ends_the_valid_part_and_says_so(tmp_path):
     import struct
 
-    p = tmp_path / "s.clrec"
-    with RecordingWriter(p) as w:
-        for i in range(3):
-            w.append(RecordType.RX, bytes([i]) * 20)
+    p = _rx_recording(tmp_path / "s.clrec", 3)
     data = bytearray(p.read_bytes())
     struct.pack_into("<I", data, len(MAGIC) + 37, (16 << 20) + 1)  # record 2 claims 16 MiB + 1 byte
     p.write_bytes(bytes(data) + bytes(1 << 10))
