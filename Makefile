@@ -16,7 +16,7 @@ STAMP       := $(VENV)/.installed
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml Makefile $(CONSTRAINTS)
+$(STAMP): pyproject.toml setup.py Makefile $(CONSTRAINTS)
 	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "error: $(PYTHON) not found; install Python 3.11 or run 'make PYTHON=python3 ...'"; exit 2; }
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
@@ -25,7 +25,7 @@ $(STAMP): pyproject.toml Makefile $(CONSTRAINTS)
 	@touch $(STAMP)
 
 demo: $(STAMP)
-	$(PY) -m sdk.demo
+	$(PY) -m closedloop.sdk.demo
 
 test: $(STAMP)
 	$(PY) -m pytest -q

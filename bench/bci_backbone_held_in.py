@@ -16,11 +16,11 @@ import argparse
 import numpy as np
 import torch
 
-from sdk.bci.benchmark import BciBenchConfig, generate_data
-from sdk.bci.data import make_examples, session_normalization
-from sdk.bci.evaluate import decode_examples
-from sdk.bci.metrics import falcon_metrics
-from sdk.bci.models import AffineAlignment, AlignedDecoder
+from closedloop.sdk.bci.benchmark import BciBenchConfig, generate_data
+from closedloop.sdk.bci.data import make_examples, session_normalization
+from closedloop.sdk.bci.evaluate import decode_examples
+from closedloop.sdk.bci.metrics import falcon_metrics
+from closedloop.sdk.bci.models import AffineAlignment, AlignedDecoder
 
 
 def main() -> None:

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from sdk.bci.metrics import score_session
+from closedloop.sdk.bci.metrics import score_session
 
 END_MARKS = "~?"
 

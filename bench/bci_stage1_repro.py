@@ -24,8 +24,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from sdk.bci.benchmark import BciBenchConfig, generate_data
-from sdk.bci.train import train_backbone
+from closedloop.sdk.bci.benchmark import BciBenchConfig, generate_data
+from closedloop.sdk.bci.train import train_backbone
 
 
 def main() -> None:

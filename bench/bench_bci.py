@@ -13,7 +13,7 @@ are described in docs/bci.md.
 import argparse
 import sys
 
-from sdk.bci.benchmark import BciBenchConfig, run_bci_benchmark
+from closedloop.sdk.bci.benchmark import BciBenchConfig, run_bci_benchmark
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -39,7 +39,7 @@ if __name__ == "__main__":
     if a.jobs:
         cfg.jobs = a.jobs
     if a.device:
-        from sdk.bci.data import resolve_device
+        from closedloop.sdk.bci.data import resolve_device
 
         try:
             resolve_device(a.device)  # a device this machine lacks is refused before any data are generated

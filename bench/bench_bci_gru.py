@@ -12,10 +12,10 @@ benchmark's 192 -> 1 x 128 GRU + read-out:
 * a frozen GRU behind a trained input (a calibration step: the gradient reaches the input only);
 * the fine-tuning baseline's cross-validation step, 9 fits of 2 trials each (3 learning
   rates x 3 leave-one-out folds): one ``nn.GRU`` copy after another (session 10's code)
-  against :func:`sdk.bci.fastgru.stacked_backbone`, all 9 in one batch;
+  against :func:`closedloop.sdk.bci.fastgru.stacked_backbone`, all 9 in one batch;
 * the CTC loss and its gradient for 16 trials of 60 characters: ``F.ctc_loss`` against
-  :func:`sdk.bci.fastctc.fast_ctc_loss`;
-* a whole stage-1 step as ``sdk.bci.train.fit_ctc`` runs it (drift augmentation, model, CTC
+  :func:`closedloop.sdk.bci.fastctc.fast_ctc_loss`;
+* a whole stage-1 step as ``closedloop.sdk.bci.train.fit_ctc`` runs it (drift augmentation, model, CTC
   loss, backward, clipping, Adam) with ``nn.GRU`` + ``F.ctc_loss`` against both fast paths.
 
 Each GRU row is also timed with fastgru's recurrence as the torch loop it was until session 14
@@ -38,12 +38,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from runtime.atomic import atomic_write_bytes, atomic_write_text
-from sdk.bci import data, fastgru
-from sdk.bci.benchmark import TURNOVER_AUGMENTATION
-from sdk.bci.data import Example, collate, ctc_loss
-from sdk.bci.fastgru import stacked_backbone
-from sdk.bci.models import GRUBackbone
+from closedloop.runtime.atomic import atomic_write_bytes, atomic_write_text
+from closedloop.sdk.bci import data, fastgru
+from closedloop.sdk.bci.benchmark import TURNOVER_AUGMENTATION
+from closedloop.sdk.bci.data import Example, collate, ctc_loss
+from closedloop.sdk.bci.fastgru import stacked_backbone
+from closedloop.sdk.bci.models import GRUBackbone
 
 
 def _median_s(first, second, reps: int, loop: bool = True) -> tuple[float, float, float | None]:
@@ -182,7 +182,7 @@ def main() -> None:
     pos = np.arange(len(rows))
     ax.bar(pos - 0.27, [r["reference_s"] for r in rows], 0.27, label="nn.GRU / F.ctc_loss")
     ax.bar(pos, [r["torch_loop_s"] or 0.0 for r in rows], 0.27, label="fastgru, torch-loop recurrence")
-    ax.bar(pos + 0.27, [r["fast_s"] for r in rows], 0.27, label="sdk.bci.fastgru (compiled) / fastctc")
+    ax.bar(pos + 0.27, [r["fast_s"] for r in rows], 0.27, label="closedloop.sdk.bci.fastgru (compiled) / fastctc")
     ax.set_xticks(pos, [r["case"] for r in rows], fontsize=7, rotation=20, ha="right")
     ax.set_ylabel("seconds per training step (1 thread)")
     ax.legend()

@@ -24,8 +24,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from sdk.bci.deploy import bench_bci_step_latency, export_bci_bundle
-from sdk.bci.models import AffineAlignment, AlignedDecoder, GRUBackbone
+from closedloop.sdk.bci.deploy import bench_bci_step_latency, export_bci_bundle
+from closedloop.sdk.bci.models import AffineAlignment, AlignedDecoder, GRUBackbone
 
 SIZES = {"1x128 (benchmark)": (128, 1), "2x256": (256, 2)}
 

@@ -103,7 +103,7 @@ class WeightMemory:
     """
 
     def __init__(self, model, scrubber=None):
-        from sdk.robust.faults import weight_tensors
+        from closedloop.sdk.robust.faults import weight_tensors
 
         self.model = model
         inits = model.bundle.onnx(model.graph_name, model.variant).initializers
@@ -162,9 +162,9 @@ class BciData:
 
 
 def _bci_data(cfg: BitflipBenchConfig) -> BciData:
-    from sdk.bci.data import make_examples, session_normalization
-    from sdk.bci.train import held_in_examples
-    from sim.handwriting import HandwritingConfig, generate_recording
+    from closedloop.sdk.bci.data import make_examples, session_normalization
+    from closedloop.sdk.bci.train import held_in_examples
+    from closedloop.sim.handwriting import HandwritingConfig, generate_recording
 
     # Short sentences (the tiny writing config) over all of FALCON's held-in days: CTC needs hundreds of
     # training sentences to get anywhere (on 3 sessions x 36 sentences it stalled near 68% CER).
@@ -181,7 +181,7 @@ def _bci_data(cfg: BitflipBenchConfig) -> BciData:
 
 
 def _train(module, examples, steps, lr, seed, what):
-    from sdk.bci.train import BackboneConfig, TrainConfig, fit_ctc
+    from closedloop.sdk.bci.train import BackboneConfig, TrainConfig, fit_ctc
 
     cfg = TrainConfig(backbone=BackboneConfig(module.n_hidden, module.n_layers, 0.0), steps=steps, batch_size=8,
                       lr=lr, seed=seed, device="cpu", progress=False)
@@ -191,10 +191,10 @@ def _train(module, examples, steps, lr, seed, what):
 
 def _plain_int8(path: Path, module, example_input, kind: str) -> None:
     """The unprotected baseline's int8 variant: the same weight-only int8 graph, plain per-tensor rounding."""
-    from export.writer import write_bundle
-    from runtime import load_bundle
-    from sdk.robust.protect import probe_onnx_layout
-    from sdk.robust.quantize import int8_weight_only
+    from closedloop.export.writer import write_bundle
+    from closedloop.runtime import load_bundle
+    from closedloop.sdk.robust.protect import probe_onnx_layout
+    from closedloop.sdk.robust.quantize import int8_weight_only
 
     b = load_bundle(path)
     tensors, _ = probe_onnx_layout(module, example_input, kind)
@@ -222,8 +222,8 @@ class BciEvaluator:
     def __init__(self, cfg: BitflipBenchConfig, work: Path, report=print):
         import torch
 
-        from sdk.bci.models import GRUBackbone
-        from sdk.robust import finalize, protect, protect_bundle
+        from closedloop.sdk.bci.models import GRUBackbone
+        from closedloop.sdk.robust import finalize, protect, protect_bundle
 
         torch.set_num_threads(1)
         self.cfg, self.report = cfg, report
@@ -264,7 +264,7 @@ class BciEvaluator:
         One fine-tune per model and seed differs from the next by a few percent relative CER, as much as the
         constraints cost, so the cost is read from the mean over seeds (the deployed pair is seed 1).
         """
-        from sdk.robust import finalize, protect
+        from closedloop.sdk.robust import finalize, protect
 
         cfg = self.cfg
         out = {"seeds": [1, *cfg.clean_cost_seeds], "unprotected": [self._torch_cer(models["unprotected"])],
@@ -289,8 +289,8 @@ class BciEvaluator:
     def _torch_cer(self, module) -> float:
         import torch
 
-        from sdk.bci.decoding import greedy_decode
-        from sdk.bci.metrics import falcon_metrics
+        from closedloop.sdk.bci.decoding import greedy_decode
+        from closedloop.sdk.bci.metrics import falcon_metrics
 
         preds, refs = [], []
         with torch.no_grad():
@@ -300,14 +300,14 @@ class BciEvaluator:
         return float(falcon_metrics(preds, refs)["CER"])
 
     def _export(self, module, out: Path) -> Path:
-        from export import export_bundle
+        from closedloop.export import export_bundle
 
         return export_bundle(module, out, kind="recurrent", example_input=__import__("torch").zeros(1, self.cfg.n_channels),
                              rate_hz=50.0, variants=("fp16",), tensorrt=False, report=lambda s: None)
 
     def evaluate(self, model, mem=None) -> dict[str, float]:
-        from sdk.bci.decoding import greedy_decode
-        from sdk.bci.metrics import falcon_metrics
+        from closedloop.sdk.bci.decoding import greedy_decode
+        from closedloop.sdk.bci.metrics import falcon_metrics
 
         preds, refs = [], []
         for xs, sentences in self.data.eval_sets:
@@ -343,7 +343,7 @@ class ObserverEvaluator:
     def __init__(self, cfg: BitflipBenchConfig, work: Path, report=print):
         import torch
 
-        from sdk.observer import (
+        from closedloop.sdk.observer import (
             NeuralObserver,
             ObserverModel,
             TrainConfig,
@@ -351,8 +351,8 @@ class ObserverEvaluator:
             export_observer_bundle,
             train_observer,
         )
-        from sdk.observer.systems import observer_system
-        from sdk.robust import finalize, protect, protect_bundle
+        from closedloop.sdk.observer.systems import observer_system
+        from closedloop.sdk.robust import finalize, protect, protect_bundle
 
         torch.set_num_threads(1)
         self.cfg, self.random_flips = cfg, cfg.observer_flips
@@ -408,8 +408,8 @@ class ObserverEvaluator:
         import dataclasses
         from types import SimpleNamespace
 
-        from runtime.certificate import check_bundle_certificate, mlp_from_onnx
-        from sdk.observer import NeuralObserver, observer_metrics, simulate
+        from closedloop.runtime.certificate import check_bundle_certificate, mlp_from_onnx
+        from closedloop.sdk.observer import NeuralObserver, observer_metrics, simulate
 
         base = model.bundle.onnx()
         onnx_model = dataclasses.replace(base, initializers={**base.initializers, **mem.current()})
@@ -436,7 +436,7 @@ class ObserverEvaluator:
 
 def _behaviour_clone(net, x: np.ndarray, y: np.ndarray, epochs: int, lr: float, seed: int):
     """Mean squared error on the (squashed) scripted actions, Adam with cosine decay; ``net`` in place."""
-    from sdk.rl.finetune import fit_actions
+    from closedloop.sdk.rl.finetune import fit_actions
 
     net.train()
     fit_actions(net, list(net.parameters()), x, y, epochs=epochs, lr=lr, batch_size=128, seed=seed,
@@ -460,9 +460,9 @@ class PolicyEvaluator:
     def __init__(self, cfg: BitflipBenchConfig, work: Path, report=print):
         import torch
 
-        from sdk.rl.deploy import export_policy
-        from sdk.rl.finetune import collect_demonstrations, make_task_env, observation_stats
-        from sdk.robust import finalize, protect, protect_bundle
+        from closedloop.sdk.rl.deploy import export_policy
+        from closedloop.sdk.rl.finetune import collect_demonstrations, make_task_env, observation_stats
+        from closedloop.sdk.robust import finalize, protect, protect_bundle
 
         torch.set_num_threads(1)
         self.cfg, self.random_flips, self.seeds = cfg, cfg.policy_flips, cfg.policy_seeds
@@ -533,8 +533,8 @@ EVALUATORS = {"bci": BciEvaluator, "observer": ObserverEvaluator, "policy": Poli
 
 
 def _model(bundle_path, variant, protected: bool):
-    from runtime import Model, load_bundle
-    from runtime.scrubber import attach_scrubber
+    from closedloop.runtime import Model, load_bundle
+    from closedloop.runtime.scrubber import attach_scrubber
 
     backend = "numba" if variant is None else "onnxruntime"
     model = Model(load_bundle(bundle_path), backend=backend, variant=variant)
@@ -558,7 +558,7 @@ def _with_flips(ev, model, scrubber, mem, flips, scrub: bool) -> dict:
 
 
 def random_sweep(ev, cfg: BitflipBenchConfig, variant: str | None, report) -> dict:
-    from sdk.robust.faults import random_flips
+    from closedloop.sdk.robust.faults import random_flips
 
     out = {}
     conds = ["unprotected", "protected_noscrub", "protected_scrub"]
@@ -587,8 +587,8 @@ def random_sweep(ev, cfg: BitflipBenchConfig, variant: str | None, report) -> di
 
 
 def targeted_sweep(ev, cfg: BitflipBenchConfig, report) -> dict:
-    from runtime import load_bundle
-    from sdk.robust.attack import AttackConfig, bit_flip_attack
+    from closedloop.runtime import load_bundle
+    from closedloop.sdk.robust.attack import AttackConfig, bit_flip_attack
 
     attacks = {"bfa_vs_unprotected": ("unprotected", False), "bfa_vs_protected_keyed": ("protected", False),
                "adaptive_vs_protected_unkeyed": ("protected_unkeyed", True),
@@ -618,13 +618,13 @@ def scrub_timing(cfg: BitflipBenchConfig, work: Path, report) -> dict:
     """Full-scrub time (median, one core) of the benchmark decoder (192 ch) and the 2x256 GRUDecoder."""
     import torch
 
-    from export import export_bundle
-    from runtime import Model, load_bundle
-    from runtime.scrubber import attach_scrubber
-    from sdk.bci.benchmark import BciBenchConfig
-    from sdk.bci.models import AffineAlignment, AlignedDecoder, GRUBackbone
-    from sdk.models import GRUDecoder
-    from sdk.robust import finalize, protect, protect_bundle
+    from closedloop.export import export_bundle
+    from closedloop.runtime import Model, load_bundle
+    from closedloop.runtime.scrubber import attach_scrubber
+    from closedloop.sdk.bci.benchmark import BciBenchConfig
+    from closedloop.sdk.bci.models import AffineAlignment, AlignedDecoder, GRUBackbone
+    from closedloop.sdk.models import GRUDecoder
+    from closedloop.sdk.robust import finalize, protect, protect_bundle
 
     bc = BciBenchConfig().harness.train.backbone
     models = {f"bci benchmark decoder (192 ch, alignment + GRU {bc.n_hidden}x{bc.n_layers})":

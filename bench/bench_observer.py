@@ -13,7 +13,7 @@ import json
 import sys
 from pathlib import Path
 
-from sdk.observer.benchmark import ObserverBenchConfig, run_observer_benchmark
+from closedloop.sdk.observer.benchmark import ObserverBenchConfig, run_observer_benchmark
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

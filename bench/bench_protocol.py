@@ -33,7 +33,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from firmware_bridge import (  # noqa: E402
+from closedloop.firmware_bridge import (  # noqa: E402
     REJECTION_REASONS,
     ActuatorCommand,
     DecoderOutput,
@@ -55,7 +55,7 @@ from firmware_bridge import (  # noqa: E402
     encode_frame,
     open_pty_pair,
 )
-from firmware_bridge.transports import open_transport  # noqa: E402
+from closedloop.firmware_bridge.transports import open_transport  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 KEY = bytes(range(32))

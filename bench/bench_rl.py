@@ -1,7 +1,7 @@
 """Benchmark: fine-tuning a pre-trained push policy with sparse vs success-visitation rewards, and its deployment.
 
 For each reward form (sparse, svm, potential, gail) and seed, one process runs
-``sdk.rl.fine_tune`` (behaviour cloning from scripted demonstrations, then SAC) with
+``closedloop.sdk.rl.fine_tune`` (behaviour cloning from scripted demonstrations, then SAC) with
 one torch thread; two processes run at a time (2 cores).  Reported: in-process success
 rate (deterministic policy, outcome only) against environment steps (PNG), the steps
 each run needs to reach 80% and 90% success (mean over seeds; runs that never get
@@ -79,8 +79,8 @@ def _one_run(args: tuple[str, int, dict, str]) -> dict:
     import torch
 
     torch.set_num_threads(1)
-    from sdk.rl import FineTuneConfig, ShapingConfig
-    from sdk.rl.finetune import fine_tune
+    from closedloop.sdk.rl import FineTuneConfig, ShapingConfig
+    from closedloop.sdk.rl.finetune import fine_tune
 
     shaping = ShapingConfig(kind=kind, gamma=0.95, **cfg["shaping"])
     ft = FineTuneConfig(task=cfg["task"], seed=seed, shaping=shaping, **cfg["run"])
@@ -106,7 +106,7 @@ def _load_policy(path: str, task: str):
     import torch
     from stable_baselines3 import SAC
 
-    from sdk.rl.finetune import make_task_env
+    from closedloop.sdk.rl.finetune import make_task_env
 
     saved = torch.load(path, weights_only=False)
     env = make_task_env(task, saved["mean"], saved["std"])
@@ -119,8 +119,8 @@ def _load_policy(path: str, task: str):
 def deploy_best(runs: list[dict], cfg: dict, out_dir: Path) -> dict:
     import torch
 
-    from runtime import LoopConfig, Model, RealTimeLoop, get_family, load_bundle
-    from sdk.rl.deploy import compare_deployment, export_policy
+    from closedloop.runtime import LoopConfig, Model, RealTimeLoop, get_family, load_bundle
+    from closedloop.sdk.rl.deploy import compare_deployment, export_policy
 
     torch.set_num_threads(1)
     best = max(runs, key=lambda r: r["final_success"])

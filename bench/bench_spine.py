@@ -11,7 +11,7 @@ Run it on an otherwise idle machine: it measures tail latency.
 import argparse
 import sys
 
-from sdk.benchmark import SpineBenchConfig, run_spine_benchmark
+from closedloop.sdk.benchmark import SpineBenchConfig, run_spine_benchmark
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -28,7 +28,7 @@ RESULTS = Path("bench/results/bci_drift_calibration.jsonl")
 
 
 def _apply(cfg, assignment: str):
-    from sdk.bci.config import override
+    from closedloop.sdk.bci.config import override
 
     try:
         return override(cfg, assignment)
@@ -37,10 +37,10 @@ def _apply(cfg, assignment: str):
 
 
 def main() -> None:
-    from sdk.bci.benchmark import BciBenchConfig
-    from sdk.bci.evaluate import build_lexicon, drift_reference, train_models
-    from sim.handwriting import VOCABULARY, HandwritingConfig, generate_recording
-    from sim.handwriting.generator import GENERATOR_VERSION
+    from closedloop.sdk.bci.benchmark import BciBenchConfig
+    from closedloop.sdk.bci.evaluate import build_lexicon, drift_reference, train_models
+    from closedloop.sim.handwriting import VOCABULARY, HandwritingConfig, generate_recording
+    from closedloop.sim.handwriting.generator import GENERATOR_VERSION
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--set", action="append", default=[], help="generator setting, e.g. drift.scale=2.0")

@@ -32,13 +32,13 @@ from pathlib import Path
 
 import torch
 
-from sdk.bci.baselines import TrainedModels
-from sdk.bci.benchmark import BciBenchConfig, generate_data
-from sdk.bci.config import override, to_dict
-from sdk.bci.evaluate import HarnessConfig, build_lexicon, run_harness
-from sdk.bci.meta import meta_train_alignment
-from sdk.bci.train import TrainConfig, train_backbone, train_session_layers
-from sim.handwriting import VOCABULARY
+from closedloop.sdk.bci.baselines import TrainedModels
+from closedloop.sdk.bci.benchmark import BciBenchConfig, generate_data
+from closedloop.sdk.bci.config import override, to_dict
+from closedloop.sdk.bci.evaluate import HarnessConfig, build_lexicon, run_harness
+from closedloop.sdk.bci.meta import meta_train_alignment
+from closedloop.sdk.bci.train import TrainConfig, train_backbone, train_session_layers
+from closedloop.sim.handwriting import VOCABULARY
 
 
 def apply_overrides(harness: HarnessConfig, overrides: dict[str, str]) -> HarnessConfig:

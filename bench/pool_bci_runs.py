@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from runtime.atomic import atomic_write_bytes, atomic_write_text
+from closedloop.runtime.atomic import atomic_write_bytes, atomic_write_text
 
 DEFAULT_RUNS = ("bci.json", "bci_rerun_session9.json", "bci_session11.json", "bci_seeds345.json", "bci_seeds678.json",
                 "bci_seeds91011.json", "bci_compiled.json", "bci_seeds121314.json",

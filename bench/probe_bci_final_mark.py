@@ -33,12 +33,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from explore_bci_meta import cached  # noqa: E402
 
-from sdk.bci.benchmark import BciBenchConfig, generate_data  # noqa: E402
-from sdk.bci.charset import BLANK, decode, encode  # noqa: E402
-from sdk.bci.data import make_examples, session_normalization  # noqa: E402
-from sdk.bci.decoding import end_completion, greedy_decode  # noqa: E402
-from sdk.bci.train import train_backbone  # noqa: E402
-from sim.handwriting import generate_session  # noqa: E402
+from closedloop.sdk.bci.benchmark import BciBenchConfig, generate_data  # noqa: E402
+from closedloop.sdk.bci.charset import BLANK, decode, encode  # noqa: E402
+from closedloop.sdk.bci.data import make_examples, session_normalization  # noqa: E402
+from closedloop.sdk.bci.decoding import end_completion, greedy_decode  # noqa: E402
+from closedloop.sdk.bci.train import train_backbone  # noqa: E402
+from closedloop.sim.handwriting import generate_session  # noqa: E402
 
 WRITING = 5  # column of the pen features: the writing term (1 while the sentence is being written)
 

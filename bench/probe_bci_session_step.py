@@ -17,9 +17,9 @@ import time
 
 import numpy as np
 
-import sim  # noqa: F401  (registers sim://)
-from runtime import SessionConfig
-from runtime.session import Session
+from closedloop import sim  # noqa: F401  (registers sim://)
+from closedloop.runtime import SessionConfig
+from closedloop.runtime.session import Session
 
 URL = ("sim://headstage?source=handwriting&preset=tiny&session=3&channels=192&trials=160&seed=0&gap_s=0.5"
        "&loop=0&first_trial=96")

@@ -15,9 +15,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from export import export_bundle
-from runtime import Model
-from sdk.models import GRUDecoder
+from closedloop.export import export_bundle
+from closedloop.runtime import Model
+from closedloop.sdk.models import GRUDecoder
 
 out = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(tempfile.mkdtemp()) / "decoder"
 torch.manual_seed(0)

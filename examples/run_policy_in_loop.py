@@ -14,9 +14,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from export import export_bundle
-from runtime import LoopConfig, Model, RealTimeLoop, backend_report, get_family, load_bundle
-from sdk.models import MLPPolicy
+from closedloop.export import export_bundle
+from closedloop.runtime import LoopConfig, Model, RealTimeLoop, backend_report, get_family, load_bundle
+from closedloop.sdk.models import MLPPolicy
 
 out = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(tempfile.mkdtemp()) / "policy"
 policy = MLPPolicy(n_obs=10, n_actions=4, hidden=(64, 64)).eval()

@@ -1,11 +1,11 @@
 """``export_bundle``: a trained torch module in, a verified bundle out.
 
 The one public entry of the export stage. It traces the module to ONNX
-(``export.onnx_export``), proves parity with torch (``export.parity``), makes the
-optional FP16/INT8 variants and measures them (``export.variants``), reports
+(``closedloop.export.onnx_export``), proves parity with torch (``closedloop.export.parity``), makes the
+optional FP16/INT8 variants and measures them (``closedloop.export.variants``), reports
 TensorRT compatibility and builds an engine where TensorRT and a GPU are present
-(``export.tensorrt``), records provenance, and writes the bundle atomically
-(``export.writer``). Nothing is written unless every step succeeds.
+(``closedloop.export.tensorrt``), records provenance, and writes the bundle atomically
+(``closedloop.export.writer``). Nothing is written unless every step succeeds.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from runtime.manifest import GraphSpec, Manifest
+from closedloop.runtime.manifest import GraphSpec, Manifest
 
 from .errors import ExportError
 from .onnx_export import KINDS, export_onnx, initial_states, module_device, to_numpy
@@ -115,7 +115,7 @@ def export_bundle(
     module
         The trained module. ``kind="feedforward"``: ``module(x)`` returns the output(s).
         ``kind="recurrent"``: it has ``step(x, *states) -> (y, *new_states)`` and
-        ``init_state(batch)``; see ``sdk.models.GRUDecoder``.
+        ``init_state(batch)``; see ``closedloop.sdk.models.GRUDecoder``.
     example_input
         One input batch ``(batch, features...)`` (a single step for recurrent modules).
     rate_hz

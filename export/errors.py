@@ -1,6 +1,6 @@
 """Typed errors of the export stage.
 
-Each subclasses ``ValueError`` (as ``runtime.errors.BundleError`` does), so a caller
+Each subclasses ``ValueError`` (as ``closedloop.runtime.errors.BundleError`` does), so a caller
 may catch either. Messages name the bad value, what was expected and what to do.
 """
 

@@ -32,8 +32,8 @@ import onnx
 import torch
 from torch import nn
 
-from runtime.manifest import GraphSpec, TensorSpec
-from runtime.onnx_reader import OnnxModel, parse_onnx
+from closedloop.runtime.manifest import GraphSpec, TensorSpec
+from closedloop.runtime.onnx_reader import OnnxModel, parse_onnx
 
 from .errors import ExportError, GraphCheckError
 

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from runtime.manifest import GraphSpec
+from closedloop.runtime.manifest import GraphSpec
 
 from .errors import ExportError, ParityError
 from .onnx_export import as_outputs, module_device, to_numpy

@@ -26,8 +26,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from runtime.manifest import GraphSpec
-from runtime.onnx_reader import OnnxModel, parse_onnx
+from closedloop.runtime.manifest import GraphSpec
+from closedloop.runtime.onnx_reader import OnnxModel, parse_onnx
 
 from .onnx_export import op_counts
 

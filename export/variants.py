@@ -3,7 +3,7 @@
 Each variant is made from the FP32 graph, keeps its float32 inputs and outputs (so
 the manifest's tensor specs hold for every variant), and is measured against the
 FP32 graph with ONNX Runtime on the same random and sequence inputs as the FP32
-parity check (``export.parity``). A variant whose error exceeds its stated, looser
+parity check (``closedloop.export.parity``). A variant whose error exceeds its stated, looser
 tolerance is still written, but flagged ``"within_tolerance": false`` so the runtime
 and the user can decline it.
 
@@ -30,8 +30,8 @@ from typing import Any
 
 import onnx
 
-from runtime.manifest import GraphSpec
-from runtime.onnx_reader import parse_onnx
+from closedloop.runtime.manifest import GraphSpec
+from closedloop.runtime.onnx_reader import parse_onnx
 
 from .errors import ExportError
 from .onnx_export import op_counts

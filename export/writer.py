@@ -3,9 +3,9 @@
 This is the only place a bundle is written. Every file's SHA-256 and size go into
 ``manifest.files``; the manifest is written after every file it names, and the
 whole folder is built in a temporary sibling and renamed into place
-(``runtime.atomic.atomic_directory``), so a crash mid-write leaves either nothing
+(``closedloop.runtime.atomic.atomic_directory``), so a crash mid-write leaves either nothing
 or the previous bundle at the target, never something that loads. Before the
-rename the new folder is checked with ``runtime.bundle.check_bundle``, so the
+rename the new folder is checked with ``closedloop.runtime.bundle.check_bundle``, so the
 writer never publishes a bundle the runtime would refuse. The zip form is built
 from a finished folder into a temporary file next to the target, then renamed.
 """
@@ -22,8 +22,8 @@ from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path, PurePosixPath
 
-from runtime.atomic import atomic_directory
-from runtime.manifest import MANIFEST_NAME, Manifest
+from closedloop.runtime.atomic import atomic_directory
+from closedloop.runtime.manifest import MANIFEST_NAME, Manifest
 
 from .errors import ExportError
 
@@ -74,7 +74,7 @@ def _check_graph_files(manifest: Manifest, names: set[str]) -> None:
 
 
 def _verify(root: Path) -> None:
-    from runtime.bundle import check_bundle
+    from closedloop.runtime.bundle import check_bundle
 
     _manifest, problems, _notes = check_bundle(root)
     if problems:
@@ -141,7 +141,7 @@ def write_bundle(
     zip
         Write one zip file (members at its top level) instead of a folder.
     verify
-        Check the finished folder with ``runtime.bundle.check_bundle`` before it is
+        Check the finished folder with ``closedloop.runtime.bundle.check_bundle`` before it is
         published; a problem raises ``ExportError`` and nothing is published.
     """
     out_path = Path(out_path)

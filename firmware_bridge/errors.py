@@ -3,7 +3,7 @@
 Every error subclasses a built-in (``ValueError``, ``ConnectionError``, ``OSError``)
 so a caller may catch either the precise class or the familiar one.  Messages name
 the bad value, what was expected, and what to do about it.  The streaming
-:class:`~firmware_bridge.parser.FrameParser` never raises any of these: it counts
+:class:`~closedloop.firmware_bridge.parser.FrameParser` never raises any of these: it counts
 rejections instead; the strict helpers (``decode_frame``, message constructors,
 transport openers) raise them.
 """

@@ -4,7 +4,7 @@
 numbers, timestamps, optionally signs and writes a frame; ``poll()`` returns the
 frames that have arrived without blocking; ``recv(timeout)`` waits for the next one.
 Signing is per link: give both ends the same shared secret and opposite roles, and
-each direction gets its own derived key (see :mod:`firmware_bridge.signing`).
+each direction gets its own derived key (see :mod:`closedloop.firmware_bridge.signing`).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ class Link:
     Parameters
     ----------
     transport : Transport
-        An open transport (see :func:`~firmware_bridge.transports.open_transport`).
+        An open transport (see :func:`~closedloop.firmware_bridge.transports.open_transport`).
     shared_secret : bytes, optional
         Sign outgoing frames and verify incoming ones with keys derived from this secret.
     role : {"host", "device"}

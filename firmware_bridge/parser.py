@@ -4,7 +4,7 @@
 byte chunks of any size as they arrive and it returns the frames completed by that
 chunk.  It splits the stream on the 0x00 delimiter (so it resynchronises at the next
 0x00 after garbage), COBS-decodes, and applies the checks of
-:func:`~firmware_bridge.frame.check_raw_frame`; every rejected frame is counted by
+:func:`~closedloop.firmware_bridge.frame.check_raw_frame`; every rejected frame is counted by
 reason, never raised.  It then tracks sequence numbers: gaps are counted as lost
 frames, and duplicated or out-of-order (late) frames are counted and dropped, so a
 control loop only ever sees newer data.  Its counters are in :class:`ParserStats`.
@@ -132,7 +132,7 @@ class FrameParser:
 
     Examples
     --------
-    >>> from firmware_bridge import FrameParser, Heartbeat, encode_frame
+    >>> from closedloop.firmware_bridge import FrameParser, Heartbeat, encode_frame
     >>> wire = encode_frame(Heartbeat(), seq=0, timestamp_us=10)
     >>> parser = FrameParser()
     >>> [f.seq for f in parser.feed(b"noise\\x00" + wire[:5])] + [f.seq for f in parser.feed(wire[5:])]

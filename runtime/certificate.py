@@ -6,7 +6,7 @@ its error dynamics: a matrix ``P``, sector multipliers ``t`` (one per hidden neu
 rebuilds the certificate's LMI from the network weights found in the ONNX graph and from
 the observer model in the manifest, and checks it with ``numpy.linalg.eigvalsh`` and a
 Cholesky factorisation: no cvxpy, no torch, about a millisecond. The training side
-(``sdk.observer.lmi``) poses the *same* matrix in cvxpy and torch through
+(``closedloop.sdk.observer.lmi``) poses the *same* matrix in cvxpy and torch through
 ``LMIData.matrix``, so the solver, the fine-tuning loss and this check cannot disagree.
 
 Notes
@@ -50,7 +50,7 @@ sizes, e.g. angles and disturbances, make ``P`` ill-conditioned; ``M`` itself wo
 have a scale-dependent spectrum).
 
 The bundle side (the network read back from ONNX, ``check_bundle_certificate``,
-``certify_bundle``) is ``runtime.certificate_bundle``, re-exported here.
+``certify_bundle``) is ``closedloop.runtime.certificate_bundle``, re-exported here.
 """
 
 from __future__ import annotations
@@ -444,7 +444,7 @@ def known_nonlinearity(spec: dict[str, Any] | None) -> tuple[KnownNonlinearity, 
     return NONLINEARITIES[name], spec
 
 
-# --- bundles (runtime.certificate_bundle; re-exported so ``from runtime.certificate import ...`` keeps working)
+# --- bundles (closedloop.runtime.certificate_bundle; re-exported so ``from closedloop.runtime.certificate import ...`` works)
 from .certificate_bundle import (  # noqa: E402
     BundleCertificateCheck,
     OnnxMLP,

@@ -1,9 +1,9 @@
 """Observer bundles' certificates: the network read back from ONNX, the load-time check, the report.
 
-The bundle side of ``runtime.certificate`` (which holds the math: the LFT, the error model,
+The bundle side of ``closedloop.runtime.certificate`` (which holds the math: the LFT, the error model,
 the LMI and its numpy check). ``check_bundle_certificate`` rebuilds the LMI from the
 bundle's ONNX initializers and manifest and checks it; ``certify_bundle`` is
-``closedloop certify``. Everything here is re-exported by ``runtime.certificate``.
+``closedloop certify``. Everything here is re-exported by ``closedloop.runtime.certificate``.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Numba kernels for streaming character decoders: per-channel normalisation and greedy CTC.
 
-A handwriting decoder (``runtime.families.bci``) runs once per 20 ms bin: the bin's
+A handwriting decoder (``closedloop.runtime.families.bci``) runs once per 20 ms bin: the bin's
 spike counts are normalised per channel (``normalize``), the model emits one vector
 of CTC log-probabilities (blank + characters), and ``ctc_greedy_step`` turns that
 vector into at most one new character. Greedy CTC decoding is the argmax per step,
@@ -14,7 +14,7 @@ is spread thinly over many bins (a handwriting decoder spreads the sentence-fina
 ``~`` over the rest bins after the pen stops). Each step therefore also keeps, per
 output ``c``, the CTC odds that the bins since the last non-blank argmax hold exactly
 one more ``c`` rather than nothing: with ``r = p(c) / p(blank)``, ``E <- r (1 + E)``
-and ``O <- O + E`` (``sdk.bci.decoding.end_completion`` is the offline reference; the
+and ``O <- O + E`` (``closedloop.sdk.bci.decoding.end_completion`` is the offline reference; the
 formula is in docs/bci_deployment.md). 32 exponentials per bin; nothing else changes.
 
 Nothing here allocates per step: the kernels write into arrays passed in, and
@@ -33,7 +33,7 @@ from numba import njit
 
 # Reassociation lets LLVM vectorise the loops; no nnan/ninf, so a NaN from a broken
 # model stays NaN (and loses every argmax comparison) instead of turning into an
-# arbitrary character. Same flags as ``runtime.kernels``.
+# arbitrary character. Same flags as ``closedloop.runtime.kernels``.
 _FASTMATH = {"reassoc", "contract", "arcp", "nsz", "afn"}
 
 #: ``state`` layout of ``ctc_greedy_step``: previous argmax (-1 at a trial's start),

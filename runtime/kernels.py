@@ -1,6 +1,6 @@
 """Numba kernels of the torch-free runtime, and the compiled plan runner that chains them.
 
-The Numba backend (``runtime.backends._numba_plan``) turns an ONNX graph into a
+The Numba backend (``closedloop.runtime.backends._numba_plan``) turns an ONNX graph into a
 *plan*: a small int64 program (one row per step: an opcode and rows of an array
 table) and one float32 arena holding every array the plan touches (weights, scratch,
 and the backend's input and output buffers), described by the table as (offset,

@@ -2,7 +2,7 @@
 
 A bundle is a folder (or a zip of one) holding ``manifest.json`` and the files it
 names. This module defines the manifest's schema as dataclasses that serialise to
-and from JSON; ``runtime.bundle`` loads and verifies bundles, ``export`` writes them.
+and from JSON; ``closedloop.runtime.bundle`` loads and verifies bundles, ``export`` writes them.
 The schema is documented field by field in ``docs/bundle.md``.
 """
 

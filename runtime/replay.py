@@ -22,7 +22,7 @@ from urllib.parse import parse_qsl, urlsplit
 
 import numpy as np
 
-from firmware_bridge import FrameParser, Transport, register_transport
+from closedloop.firmware_bridge import FrameParser, Transport, register_transport
 
 from .bundle import Bundle, load_bundle
 from .families import get_family

@@ -1,16 +1,16 @@
 """Weight scrubbing: find, locate and repair single bit flips in a protected bundle's weights.
 
 A protected bundle's weights sit in blocks whose sum and index-weighted sum are zero
-(``runtime.scrubber_layout``: keys, block membership, syndromes, tolerances; re-exported
+(``closedloop.runtime.scrubber_layout``: keys, block membership, syndromes, tolerances; re-exported
 here), so a single fault in a block names its member and the other members give back
 its value. This module sits in ``runtime`` (no torch). It scans blocks with Numba
-kernels (``runtime.scrubber_kernels``; fp32, fp16 and int8 storage), repairs a single
+kernels (``closedloop.runtime.scrubber_kernels``; fp32, fp16 and int8 storage), repairs a single
 faulty member per block (only to a value one bit flip away from the stored word: the
 fault model is single-event upsets), and reports what it did. It reaches the weights
 each backend computes with: the Numba backend's arena in place, or for ONNX Runtime a
 host copy of the initializers whose repairs rebuild the session.
 ``Scrubber.step(budget_ns)`` scrubs round-robin under a time budget (the loop's idle
-hook); ``session_scrubber`` wires this into ``runtime.session``. See docs/robustness.md.
+hook); ``session_scrubber`` wires this into ``closedloop.runtime.session``. See docs/robustness.md.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The block layout of a protected bundle's weights: keys, block membership, syndromes, tolerances.
 
-A *protected* bundle (``manifest.extra["robust"]``, written by ``sdk.robust``) holds
+A *protected* bundle (``manifest.extra["robust"]``, written by ``closedloop.sdk.robust``) holds
 weights whose every block of ``k`` satisfies two linear constraints, with no extra
 parameters stored: the block sum is zero and the index-weighted sum is zero. A fault
 that changes one member ``p`` by ``d`` shows as syndromes ``S0 = d`` and ``S1 = p d``,
@@ -8,8 +8,8 @@ so ``S1 / S0`` names the member and the other members give back its value. Block
 membership can be keyed: a secret key (never in the bundle; the manifest keeps only an
 HMAC fingerprint of it) seeds a permutation of each tensor's elements into blocks.
 
-This module is shared by the export side (``sdk.robust`` writes the layout) and the
-runtime side (``runtime.scrubber`` rebuilds it to check and repair the weights, and
+This module is shared by the export side (``closedloop.sdk.robust`` writes the layout) and the
+runtime side (``closedloop.runtime.scrubber`` rebuilds it to check and repair the weights, and
 re-exports everything here). No torch, and numba only when a keyed layout is built.
 """
 

@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-from firmware_bridge import (
+from closedloop.firmware_bridge import (
     DeviceNotConnectedError,
     Frame,
     Heartbeat,

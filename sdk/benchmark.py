@@ -19,8 +19,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from export import export_bundle
-from runtime import LoopConfig, Model, RealTimeLoop
+from closedloop.export import export_bundle
+from closedloop.runtime import LoopConfig, Model, RealTimeLoop
 
 from .models import GRUDecoder, MLPPolicy
 from .roofline import (

@@ -44,7 +44,7 @@ def _backends_args(p: argparse.ArgumentParser) -> None:
 
 @command("backends", "list backends and whether each can run here", _backends_args)
 def _backends(a: argparse.Namespace) -> int:
-    from runtime import backend_report, load_bundle
+    from closedloop.runtime import backend_report, load_bundle
 
     path = spec = None
     if a.bundle:
@@ -81,7 +81,7 @@ def _run_args(p: argparse.ArgumentParser) -> None:
 @command("run", "run a bundle in the real-time loop against a device (or synthetic frames)", _run_args)
 def _run(a: argparse.Namespace) -> int:
     if a.device:
-        from runtime import SessionConfig, run_session
+        from closedloop.runtime import SessionConfig, run_session
 
         _register_device_schemes()
         cfg = SessionConfig(
@@ -98,7 +98,7 @@ def _run(a: argparse.Namespace) -> int:
         print(f"error: {' and '.join(device_only)} need{'s' if len(device_only) == 1 else ''} --device: without a device the loop runs on synthetic "
               "frames, with no link to sign and nothing to record", file=sys.stderr)
         return 2
-    from runtime import LoopConfig, Model, RealTimeLoop, get_family, load_bundle
+    from closedloop.runtime import LoopConfig, Model, RealTimeLoop, get_family, load_bundle
 
     bundle = load_bundle(a.bundle)
     model = Model(bundle, backend=a.backend, variant=a.variant)
@@ -129,7 +129,7 @@ def _run(a: argparse.Namespace) -> int:
 def _register_device_schemes() -> None:
     """sim:// is registered by the sim package (emulators), replay:// by the runtime."""
     try:
-        import sim  # noqa: F401
+        from closedloop import sim  # noqa: F401
     except ImportError:  # a deployed board without the simulators: real ports still work
         pass
 
@@ -144,7 +144,7 @@ def _replay_args(p: argparse.ArgumentParser) -> None:
 
 @command("replay", "re-run a bundle over a recorded session and compare outputs", _replay_args)
 def _replay(a: argparse.Namespace) -> int:
-    from runtime import replay_recording
+    from closedloop.runtime import replay_recording
 
     report = replay_recording(a.recording, a.bundle, backend=a.backend)
     print(report.format())
@@ -179,7 +179,7 @@ def _recording_args(p: argparse.ArgumentParser) -> None:
 
 @command("recording", "summarise a recording (records, torn tail, session summary)", _recording_args)
 def _recording(a: argparse.Namespace) -> int:
-    from runtime import RecordingReader
+    from closedloop.runtime import RecordingReader
 
     r = RecordingReader(a.recording)
     print(r.describe())
@@ -220,7 +220,7 @@ def _generate_args(p: argparse.ArgumentParser) -> None:
 def _generate(a: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from sim.handwriting import VOCABULARY, HandwritingConfig, generate_recording
+    from closedloop.sim.handwriting import VOCABULARY, HandwritingConfig, generate_recording
 
     from .bci.nwb import write_falcon_h2_dir
 
@@ -246,7 +246,7 @@ def _certify_args(p: argparse.ArgumentParser) -> None:
 @command("certify", "re-check an observer bundle's stability certificate from its own weights and print the report",
          _certify_args)
 def _certify(a: argparse.Namespace) -> int:
-    from runtime.certificate import certify_bundle
+    from closedloop.runtime.certificate import certify_bundle
 
     text = certify_bundle(a.bundle)
     print(text)
@@ -254,7 +254,7 @@ def _certify(a: argparse.Namespace) -> int:
 
 
 def _device_passthrough(argv: list[str]) -> int:
-    from sim import cli_main
+    from closedloop.sim import cli_main
 
     return int(cli_main(argv) or 0)
 
@@ -290,11 +290,11 @@ def _family_commands(module: str, commands: tuple[tuple[str, str], ...]) -> None
             _needs(name, help_, exc.name or str(exc))
 
 
-_family_commands("sdk.bci.cli", (("calibrate", "fit a bundle's alignment layer to a new session"),
+_family_commands("closedloop.sdk.bci.cli", (("calibrate", "fit a bundle's alignment layer to a new session"),
                                  ("bci-train", "train the pooled handwriting decoder"),
                                  ("evaluate", "score a decoder bundle on NWB data")))
-_family_commands("sdk.rl.cli", (("rl-train", "behaviour-clone and fine-tune a Panda policy"),))
-_family_commands("sdk.robust.cli", (("inject-faults", "flip weight bits in a copy of a bundle"),
+_family_commands("closedloop.sdk.rl.cli", (("rl-train", "behaviour-clone and fine-tune a Panda policy"),))
+_family_commands("closedloop.sdk.robust.cli", (("inject-faults", "flip weight bits in a copy of a bundle"),
                                     ("scrub", "check and repair a protected bundle's weights")))
 
 
@@ -329,6 +329,6 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     # run the imported module's main: family modules register their commands on sdk.cli, not on __main__
-    from sdk.cli import main as _main
+    from closedloop.sdk.cli import main as _main
 
     sys.exit(_main())

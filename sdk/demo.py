@@ -38,15 +38,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from export import export_bundle
-from runtime import SessionConfig, replay_recording, run_session
+from closedloop.export import export_bundle
+from closedloop.runtime import SessionConfig, replay_recording, run_session
 
 from .benchmark import SpineBenchConfig, run_spine_benchmark
 from .models import GRUDecoder
 
 
 def _session_demo(out: Path) -> None:
-    import sim  # noqa: F401  (registers sim://)
+    from closedloop import sim  # noqa: F401  (registers sim://)
 
     print("\n== closed-loop session: GRU decoder <- headstage emulator over a pty, 3 s, recorded ==")
     torch.manual_seed(0)
@@ -91,8 +91,8 @@ def _typing_harness():
 
 def _live_trial_texts(record: Path, starts: list[int], ends: list[int]) -> list[str]:
     """Text typed during each trial (and the rest after it, where CTC may still emit its last letters)."""
-    from firmware_bridge import DecoderOutput, FrameParser
-    from runtime import RecordingReader, RecordType
+    from closedloop.firmware_bridge import DecoderOutput, FrameParser
+    from closedloop.runtime import RecordingReader, RecordType
 
     parser = FrameParser()
     texts = [""] * len(starts)
@@ -107,8 +107,8 @@ def _live_trial_texts(record: Path, starts: list[int], ends: list[int]) -> list[
 
 
 def _typing_demo(out: Path) -> None:
-    import sim  # noqa: F401  (registers sim://)
-    from sim.handwriting import VOCABULARY, HandwritingConfig, generate_session
+    from closedloop import sim  # noqa: F401  (registers sim://)
+    from closedloop.sim.handwriting import VOCABULARY, HandwritingConfig, generate_session
 
     from .bci.cli import calibrate_bundle, evaluate_bundle, format_evaluation, train_pooled_bundle
     from .bci.metrics import falcon_metrics
@@ -168,8 +168,8 @@ def _typing_demo(out: Path) -> None:
 
 
 def _observer_demo(out: Path) -> None:
-    import sim  # noqa: F401  (registers sim://)
-    from runtime.certificate import certify_bundle
+    from closedloop import sim  # noqa: F401  (registers sim://)
+    from closedloop.runtime.certificate import certify_bundle
 
     from .observer import NeuralObserver, ObserverModel, TrainConfig, certify, observer_system, train_observer
     from .observer.neural import export_observer_bundle

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 
-from runtime import check_bundle
-from runtime.manifest import GraphSpec, Manifest
+from closedloop.runtime import check_bundle
+from closedloop.runtime.manifest import GraphSpec, Manifest
 
 
 def _shape(s: list) -> str:

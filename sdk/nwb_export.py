@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from firmware_bridge import (
+from closedloop.firmware_bridge import (
     ActuatorCommand,
     DecoderOutput,
     FrameParser,
@@ -34,8 +34,8 @@ from firmware_bridge import (
     NeuralFrame,
     PlantMeasurement,
 )
-from runtime.atomic import atomic_write_bytes
-from runtime.recording import RecordingReader, RecordType
+from closedloop.runtime.atomic import atomic_write_bytes
+from closedloop.runtime.recording import RecordingReader, RecordType
 
 
 def recording_to_nwb(recording: str | Path, out: str | Path, overwrite: bool = False) -> Path:

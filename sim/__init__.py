@@ -2,9 +2,9 @@
 
 The emulators make a simulator indistinguishable from a board above the transport:
 each runs in its own process on a serial port (a real one, or one end of a pty) and
-speaks :mod:`firmware_bridge` frames.  ``sim://NAME?param=...`` opens one behind a pty
-(registered with :func:`firmware_bridge.register_transport` when this package is
-imported; :func:`register` does it again harmlessly), and ``python -m sim NAME --port
+speaks :mod:`closedloop.firmware_bridge` frames.  ``sim://NAME?param=...`` opens one behind a pty
+(registered with :func:`closedloop.firmware_bridge.register_transport` when this package is
+imported; :func:`register` does it again harmlessly), and ``python -m closedloop.sim NAME --port
 PATH`` (:func:`cli_main`) serves one on a given port.  Devices, plants, neural sources
 and panda tasks each live in a small registry, so new ones plug in by name.  The
 session semantics a host must follow are in ``docs/devices.md``.

@@ -1,4 +1,4 @@
-"""``python -m sim NAME --port PATH ...``: see :mod:`sim.cli`."""
+"""``python -m closedloop.sim NAME --port PATH ...``: see :mod:`closedloop.sim.cli`."""
 
 from .cli import cli_main
 

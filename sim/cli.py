@@ -1,4 +1,4 @@
-"""``python -m sim NAME --port PATH [--PARAM VALUE ...]``: run one device emulator on a serial port.
+"""``python -m closedloop.sim NAME --port PATH [--PARAM VALUE ...]``: run one device emulator on a serial port.
 
 This is the emulator's process entry point, used directly (``closedloop device NAME
 --port ...``, or on one end of a ``socat`` pty pair) and by the ``sim://`` transport,
@@ -17,7 +17,7 @@ import sys
 import time
 from collections.abc import Sequence
 
-from firmware_bridge import DeviceNotConnectedError, TransportError
+from closedloop.firmware_bridge import DeviceNotConnectedError, TransportError
 
 from .devices import DEVICES, DeviceRunner, PortGoneError, device_class, device_params
 from .devices.runner import stderr_log
@@ -29,7 +29,7 @@ __all__ = ["cli_main", "KEY_ENV"]
 #: Environment variable the emulator reads its hex signing key from when ``--key`` is not given.
 KEY_ENV = "CLOSEDLOOP_DEVICE_KEY"
 
-USAGE = """usage: closedloop device NAME --port PATH [--verbose] [--PARAM VALUE ...]   (or python -m sim NAME ...)
+USAGE = """usage: closedloop device NAME --port PATH [--verbose] [--PARAM VALUE ...]   (or python -m closedloop.sim NAME ...)
        closedloop device NAME --help   (parameters of one device)
        closedloop device --list        (devices)"""
 

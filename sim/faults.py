@@ -1,4 +1,4 @@
-"""Fault injection between a device emulator's :class:`~firmware_bridge.Link` and its serial port.
+"""Fault injection between a device emulator's :class:`~closedloop.firmware_bridge.Link` and its serial port.
 
 :class:`FaultyTransport` wraps the device's real transport.  A :class:`Link` writes
 exactly one frame per ``write`` call, so each write is one frame to drop, corrupt,
@@ -17,14 +17,14 @@ from typing import Any
 
 import numpy as np
 
-from firmware_bridge import Transport
+from closedloop.firmware_bridge import Transport
 
 __all__ = ["FaultConfig", "FaultCounters", "FaultyTransport", "corrupt_one_bit"]
 
 
 @dataclass(frozen=True)
 class FaultConfig:
-    """Which faults to inject (see :data:`sim.params.FAULT_PARAMS` for meanings and units)."""
+    """Which faults to inject (see :data:`closedloop.sim.params.FAULT_PARAMS` for meanings and units)."""
 
     drop: float = 0.0
     corrupt: float = 0.0

@@ -40,7 +40,7 @@ class Param:
     default : Any
         Value when the parameter is not given (``None``: "not set").
     help : str
-        One line for ``python -m sim NAME --help`` and the docs.
+        One line for ``python -m closedloop.sim NAME --help`` and the docs.
     low, high : float, optional
         Inclusive bounds for numbers.
     choices : callable, optional

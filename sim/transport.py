@@ -1,6 +1,6 @@
 """The ``sim://NAME?param=...`` transport: a device emulator in its own process, behind a pty.
 
-:func:`open_sim` checks the parameters, opens a pty pair, starts ``python -m sim NAME
+:func:`open_sim` checks the parameters, opens a pty pair, starts ``python -m closedloop.sim NAME
 --port /dev/pts/N ...`` on the pty's device end (so the emulator does real serial I/O
 through pyserial), waits until the emulator has opened its port, lets go of its own
 copy of that end, and returns a :class:`SimTransport` on the host end.  Closing the
@@ -9,10 +9,10 @@ instead, the emulator sees its pty vanish and exits by itself.
 
 A pty's host end reads EIO while no process holds the device end open.  When an
 emulator closes its port (an injected disconnect), :class:`SimTransport` raises
-:class:`~firmware_bridge.DeviceNotConnectedError` from ``read`` but stays open, and
+:class:`~closedloop.firmware_bridge.DeviceNotConnectedError` from ``read`` but stays open, and
 reading again works once the emulator reopens its end; only when the emulator process
 has exited does the transport close itself.  The read loop is
-:class:`~firmware_bridge.FdTransport`'s; this class only decides, in ``_peer_lost``,
+:class:`~closedloop.firmware_bridge.FdTransport`'s; this class only decides, in ``_peer_lost``,
 what a failed read or write means.
 """
 
@@ -29,8 +29,8 @@ import tty
 import weakref
 from typing import IO, Any
 
-from firmware_bridge import DeviceNotConnectedError, FdTransport, TransportError, register_transport
-from firmware_bridge.transports import split_device_url
+from closedloop.firmware_bridge import DeviceNotConnectedError, FdTransport, TransportError, register_transport
+from closedloop.firmware_bridge.transports import split_device_url
 
 from .cli import KEY_ENV
 from .devices import device_params
@@ -183,7 +183,7 @@ def open_sim(url: str, *, startup_timeout_s: float = 30.0, **options: Any) -> Si
     tty.setraw(slave)
     path = os.ttyname(slave)
     ready_r, ready_w = os.pipe()
-    cmd = [sys.executable, "-m", "sim", name, "--port", path, "--ready-fd", str(ready_w)]
+    cmd = [sys.executable, "-m", "closedloop.sim", name, "--port", path, "--ready-fd", str(ready_w)]
     for key, value in raw.items():
         if key != "key":
             cmd += [f"--{key}", value]
@@ -218,5 +218,5 @@ def open_sim(url: str, *, startup_timeout_s: float = 30.0, **options: Any) -> Si
 
 
 def register() -> None:
-    """Register ``sim://`` with :func:`firmware_bridge.register_transport` (done by ``import sim``; idempotent)."""
+    """Register ``sim://`` with :func:`closedloop.firmware_bridge.register_transport` (done by ``import closedloop.sim``; idempotent)."""
     register_transport("sim", open_sim)

@@ -34,8 +34,8 @@ def watchdog_rule():
     """
 
     def check(record, watchdog_s: float, input_type: type, trips: int) -> None:
-        from firmware_bridge import FrameParser
-        from runtime import RecordingReader, RecordType
+        from closedloop.firmware_bridge import FrameParser
+        from closedloop.runtime import RecordingReader, RecordType
 
         reader, parser = RecordingReader(record), FrameParser()
         arrived = [rec.host_ns for rec in reader.of_type(RecordType.RX)
@@ -58,7 +58,7 @@ def watchdog_rule():
 def tiny_models():
     import torch
 
-    from sdk.models import GRUDecoder, MLPPolicy
+    from closedloop.sdk.models import GRUDecoder, MLPPolicy
 
     torch.manual_seed(0)
     return {
@@ -71,7 +71,7 @@ def tiny_models():
 def gru_bundle(tmp_path_factory, tiny_models):
     import torch
 
-    from export import export_bundle
+    from closedloop.export import export_bundle
 
     return export_bundle(
         tiny_models["gru"],
@@ -89,7 +89,7 @@ def gru_bundle(tmp_path_factory, tiny_models):
 def mlp_bundle(tmp_path_factory, tiny_models):
     import torch
 
-    from export import export_bundle
+    from closedloop.export import export_bundle
 
     return export_bundle(
         tiny_models["mlp"],

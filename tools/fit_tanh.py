@@ -1,4 +1,4 @@
-"""Fit the odd rational approximation of tanh that ``runtime.kernels.fast_tanh`` uses.
+"""Fit the odd rational approximation of tanh that ``closedloop.runtime.kernels.fast_tanh`` uses.
 
 Finds ``tanh(x) ~ x * P(x^2) / Q(x^2)`` on ``[0, c]`` with ``Q(0) = 1``, close to the
 minimax (smallest maximum absolute error) one, and prints the coefficients to paste

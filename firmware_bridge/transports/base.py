@@ -156,7 +156,7 @@ def open_transport(url: str, **options: Any) -> Transport:
     """Open the device at ``url`` through the transport registered for its scheme.
 
     A ``spy+`` prefix (``spy+loop://``, ``spy+/dev/ttyACM0``) wraps the transport in a
-    :class:`~firmware_bridge.transports.spy.SpyTransport`; ``spy_stream`` (a text stream,
+    :class:`~closedloop.firmware_bridge.transports.spy.SpyTransport`; ``spy_stream`` (a text stream,
     default ``sys.stderr``, or a :class:`logging.Logger`) says where the hexdump goes.
 
     Raises

@@ -1,4 +1,4 @@
-"""Turns an ONNX graph into a plan for ``runtime.kernels.run_plan``.
+"""Turns an ONNX graph into a plan for ``closedloop.runtime.kernels.run_plan``.
 
 ``build_plan`` checks the graph's inputs and outputs against the manifest, gives each
 input a meaning (``_numba_values``), walks the nodes in order through the op handlers
@@ -33,7 +33,7 @@ from ._numba_values import (
 
 
 def load_kernels():
-    """``runtime.kernels``, imported on first use.
+    """``closedloop.runtime.kernels``, imported on first use.
 
     This module (and so the backend registry) must import without numba, so that
     ``NumbaBackend.availability`` can say that numba is missing.

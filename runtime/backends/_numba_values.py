@@ -68,7 +68,7 @@ class Dims:
 
 @dataclasses.dataclass
 class Op:
-    """One kernel step: an opcode of ``runtime.kernels`` and its arguments."""
+    """One kernel step: an opcode of ``closedloop.runtime.kernels`` and its arguments."""
 
     code: int
     args: list  # Buffer | np.ndarray (a parameter) | int

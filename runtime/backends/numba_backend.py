@@ -3,7 +3,7 @@
 The fastest way to run the small graphs closedloop deploys at batch 1 on one core.
 The constructor reads the ONNX file (without the ``onnx`` package) and turns it into
 a *plan* (``_numba_plan.build_plan``): an int64 program for
-``runtime.kernels.run_plan`` over float32 arrays (weights re-laid out for speed,
+``closedloop.runtime.kernels.run_plan`` over float32 arrays (weights re-laid out for speed,
 scratch, inputs and outputs) that all live in one preallocated arena, so a step is
 a single call into compiled code. ``inputs``/``outputs`` hold views of that arena
 once the constructor returns. Shape plumbing costs nothing, and GRU layers read their

@@ -20,7 +20,7 @@ import numpy as np
 from .io import DEVICE_ACCEPTS, DEVICE_SESSION_DEFAULTS, DEVICE_STREAMS, command_kind, input_kind
 
 if TYPE_CHECKING:
-    from firmware_bridge import Hello, Message
+    from closedloop.firmware_bridge import Hello, Message
 
     from ..bundle import Bundle
     from ..model import Model

@@ -3,12 +3,12 @@
 A handwriting decoder sees every 20 ms bin of threshold crossings in order (``consume
 = "all"``: a skipped bin would change the text). Per bin the family normalises the
 channels with the session's calibration statistics (a Numba kernel, in place), the
-model steps its recurrent state, and greedy CTC decoding (``runtime.ctc``) turns the
+model steps its recurrent state, and greedy CTC decoding (``closedloop.runtime.ctc``) turns the
 bin's log-probabilities into at most one new character, sent to the device or display
 as a ``DecoderOutput`` whose ``text`` is that character (usually ``''``). Streaming
 gives the same text as offline greedy decoding of the same bins.
 
-Manifest fields it reads (written by ``sdk.bci.deploy.export_bci_bundle``; documented
+Manifest fields it reads (written by ``closedloop.sdk.bci.deploy.export_bci_bundle``; documented
 in ``docs/bci_deployment.md``):
 
 - ``preprocess.mean`` / ``preprocess.std`` (required): per-channel normalisation
@@ -23,7 +23,7 @@ in ``docs/bci_deployment.md``):
 - ``extra.bci.char_probs``: also send each bin's character probabilities (default false).
 - ``extra.bci.text_capacity``: characters of text kept per trial (default 16384).
 - ``extra.bci.end_completion``: absent or null: off. ``{"sentence_end": "~?"}``: when a
-  trial ends (``end_trial``), end-of-trial completion (``runtime.ctc``) appends the
+  trial ends (``end_trial``), end-of-trial completion (``closedloop.runtime.ctc``) appends the
   sentence-final mark greedy decoding left out, the likelier of those listed;
   ``{"sentence_end": ""}``: append whatever single character CTC rates more probable
   than nothing.
@@ -42,14 +42,14 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from firmware_bridge import DecoderOutput
+from closedloop.firmware_bridge import DecoderOutput
 
 from ..errors import BundleError
 from .base import FamilyPlugin
 from .registry import register_family
 
 if TYPE_CHECKING:
-    from firmware_bridge import Message
+    from closedloop.firmware_bridge import Message
 
     from ..bundle import Bundle
     from ..ctc import StreamingCTC
@@ -162,7 +162,7 @@ class BCIHandwritingFamily(FamilyPlugin):
         return out
 
     def __init__(self, bundle: Bundle, model: Model):
-        # Numba is imported only when a decoder is built: ``import runtime`` must work
+        # Numba is imported only when a decoder is built: ``import closedloop.runtime`` must work
         # (and say what is missing) without it.
         from ..ctc import StreamingCTC, normalize
 
@@ -206,7 +206,7 @@ class BCIHandwritingFamily(FamilyPlugin):
         """Return the trial's decoded text (in the charset, e.g. ``he>was~``) and reset.
 
         With ``extra.bci.end_completion`` set, the character end-of-trial completion picks
-        is appended first (``runtime.ctc.StreamingCTC.complete_end``).
+        is appended first (``closedloop.runtime.ctc.StreamingCTC.complete_end``).
         """
         if self.sentence_end is not None:
             self.ctc.complete_end(self.sentence_end)
@@ -353,7 +353,7 @@ def read_calibration_state(bundle: Bundle) -> dict[str, Any] | None:
     """The arrays of ``bundle``'s calibration state file, checked; None when it has none.
 
     Scalars come back as Python values (``charset`` a str, counts ints, ``std_floor`` a
-    float), arrays as float32 ``np.ndarray``. Raises :class:`~runtime.errors.BundleError`
+    float), arrays as float32 ``np.ndarray``. Raises :class:`~closedloop.runtime.errors.BundleError`
     naming the first thing that is wrong (file not listed with a checksum, a missing or
     misshapen array, a wrong dtype, a non-finite value, a charset that is not the
     bundle's). No torch: a board can read it, though only ``sdk`` calibrates.

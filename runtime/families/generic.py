@@ -8,7 +8,7 @@ Manifest fields it reads (all optional):
 - ``postprocess.safe_output``: the safe command (default zeros).
 - ``postprocess.output``: which graph output is the command (default the first data output).
 - ``extra.session.input`` / ``extra.session.command``: what the device streams and what
-  is sent back (see ``runtime.families.io``). Unstated, they follow the device's HELLO
+  is sent back (see ``closedloop.runtime.families.io``). Unstated, they follow the device's HELLO
   kind (a headstage: neural frames in, decoder outputs out; a plant: measurements in,
   actuator commands out) and otherwise default to plant measurement in, actuator
   command out. Neural frames are all processed in order (every bin); other inputs

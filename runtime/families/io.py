@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from firmware_bridge import (
+from closedloop.firmware_bridge import (
     ActuatorCommand,
     DecoderOutput,
     JointCommand,

@@ -1,7 +1,7 @@
 """The ``observer`` family: plant measurements in, a certified state/disturbance estimate and a command out.
 
 At load, ``problems`` re-checks the bundle's stability certificate from the bundle's own
-weights (``runtime.certificate.check_bundle_certificate``: the ONNX initializers and the
+weights (``closedloop.runtime.certificate.check_bundle_certificate``: the ONNX initializers and the
 stored ``P``, ``t``, ``lam``, ``rho``), and refuses a bundle whose graph is not the
 certified network, whose weights changed after certification, or whose LMI fails, naming
 the violated margin. Per step (one ``PlantMeasurement`` with ``y_k`` and the applied ``u_k``,
@@ -14,7 +14,7 @@ the violated margin. Per step (one ``PlantMeasurement`` with ``y_k`` and the app
 from the same float32 weights the certificate was checked on (float64 arithmetic). The
 output error ``r`` is also written to the model's input, so the backend's run of the
 graph gives the recorded output ``N(r)``. Manifest fields (written by
-``sdk.observer.neural.export_observer_bundle``, documented in ``docs/observer.md``):
+``closedloop.sdk.observer.neural.export_observer_bundle``, documented in ``docs/observer.md``):
 ``extra.observer`` (``Ad, Bd, Cd, L, Fd, nonlinearity, K, u_low, u_high, z0, dt``),
 ``manifest.certificate``, ``postprocess.low/high``.
 """
@@ -30,7 +30,7 @@ from .base import FamilyPlugin
 from .registry import register_family
 
 if TYPE_CHECKING:
-    from firmware_bridge import Message
+    from closedloop.firmware_bridge import Message
 
     from ..bundle import Bundle
     from ..model import Model

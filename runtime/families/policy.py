@@ -15,7 +15,7 @@ hand where it was last seen (the bundle's ``extra.policy.safe_position`` before 
 observation).  From the counters it reports the deployed success rate with a Wilson
 95% interval.  Manifest block ``extra.policy``: ``task``, ``ee_index``,
 ``action_scale_m``, ``safe_position``, ``n_actions`` (written by
-``sdk.rl.deploy.export_policy``; see ``docs/rl.md``).
+``closedloop.sdk.rl.deploy.export_policy``; see ``docs/rl.md``).
 """
 
 from __future__ import annotations
@@ -25,13 +25,13 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from firmware_bridge import JointCommand, JointMode
+from closedloop.firmware_bridge import JointCommand, JointMode
 
 from .base import FamilyPlugin
 from .registry import register_family
 
 if TYPE_CHECKING:
-    from firmware_bridge import Hello, Message
+    from closedloop.firmware_bridge import Hello, Message
 
     from ..bundle import Bundle
     from ..model import Model

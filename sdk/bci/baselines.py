@@ -2,7 +2,7 @@
 
 A method takes what was trained on held-in data (:class:`TrainedModels`), a held-out
 session's calibration trials and normalisation, and returns an
-:class:`~sdk.bci.models.AlignedDecoder` for that session. Registered methods:
+:class:`~closedloop.sdk.bci.models.AlignedDecoder` for that session. Registered methods:
 
 ``zero_shot``
     The pooled stage-1 backbone with an identity alignment; no adaptation.
@@ -23,7 +23,7 @@ session's calibration trials and normalisation, and returns an
     The method: pooled backbone, frozen; the alignment layer starts from the
     meta-learned initialisation and takes the meta-learned steps.
 
-All adaptive methods use :mod:`sdk.bci.calibrate`'s protocol: a grid of three values of
+All adaptive methods use :mod:`closedloop.sdk.bci.calibrate`'s protocol: a grid of three values of
 their one knob, a step budget, and leave-one-sentence-out validation on the
 calibration sentences to choose both.
 """
@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from sim.handwriting.types import Session, Trial
+from closedloop.sim.handwriting.types import Session, Trial
 
 from .calibrate import (
     CalibrationConfig,
@@ -188,7 +188,7 @@ def finetune_batch(backbone: GRUBackbone, support: Sequence[Sequence[Example]], 
 
     Each task has its own sentences (the same number per task) and its own copy of the
     weights, clipped to gradient norm ``max_grad_norm`` per task; the copies run as one
-    batch (:func:`sdk.bci.fastgru.stacked_backbone`), in evaluation mode (dropout off, as in
+    batch (:func:`closedloop.sdk.bci.fastgru.stacked_backbone`), in evaluation mode (dropout off, as in
     every other calibration). Returns the fitted weights with a task axis (names as in
     ``backbone.named_parameters()``), the checkpoint steps, and the validation loss per
     checkpoint and task (empty without ``validation``).

@@ -1,7 +1,7 @@
 """The iBCI handwriting benchmark: synthetic FALCON H2-like data, every method, several seeds.
 
 ``run_bci_benchmark(BciBenchConfig())`` generates the default synthetic recording
-(fixed data seed), runs :func:`sdk.bci.evaluate.run_harness`'s work for every model seed
+(fixed data seed), runs :func:`closedloop.sdk.bci.evaluate.run_harness`'s work for every model seed
 (split into training and scoring tasks shared out over worker processes, one thread each:
 :func:`run_seeds`), aggregates the seeds and
 writes ``bci.json``, ``bci.md`` and ``bci_wer_vs_days.png``. Before it starts it
@@ -92,7 +92,7 @@ class BciBenchConfig(JsonConfig):
 
 
 def generate_data(config: BciBenchConfig) -> list:
-    from sim.handwriting import HandwritingConfig, generate_recording
+    from closedloop.sim.handwriting import HandwritingConfig, generate_recording
 
     hw = HandwritingConfig.tiny(config.data_seed) if config.data_tiny else HandwritingConfig(seed=config.data_seed)
     if config.ablate:
@@ -168,7 +168,7 @@ _TRAIN_ORDER = ("backbone", "session_layers", "reference")
 class SeedPlan:
     """One seed's work as separate tasks, so that parallel workers can share it out.
 
-    ``train`` maps a training task to what it trains (:func:`sdk.bci.evaluate.train_models`'s
+    ``train`` maps a training task to what it trains (:func:`closedloop.sdk.bci.evaluate.train_models`'s
     needs); ``score`` lists scoring tasks: the training tasks whose models they need, the
     methods they calibrate and score, and whether they also score the drift reference.
     """
@@ -178,7 +178,7 @@ class SeedPlan:
 
 
 def plan_seed(config: HarnessConfig) -> SeedPlan:
-    """Split one seed's :func:`~sdk.bci.evaluate.run_harness` into training tasks and scoring tasks.
+    """Split one seed's :func:`~closedloop.sdk.bci.evaluate.run_harness` into training tasks and scoring tasks.
 
     Each training function seeds itself and calibration draws no random numbers, so the
     tasks give the same results as one ``run_harness`` call (``tests/sdk/test_bci_harness.py``).
@@ -386,7 +386,7 @@ def _print_now(line: str) -> None:
 
 def run_bci_benchmark(config: BciBenchConfig, report: Callable[[str], None] = _print_now) -> dict:
     """Run the benchmark; write results under ``config.out_dir``; return the summary."""
-    from sim.handwriting import VOCABULARY
+    from closedloop.sim.handwriting import VOCABULARY
 
     t0 = time.perf_counter()
     retain_freed_memory()  # as the workers do (sdk.bci.malloc), so the throughput measured is theirs

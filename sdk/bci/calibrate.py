@@ -1,11 +1,11 @@
 """Calibrate a new session from a few sentences by fitting only the alignment layer.
 
-:func:`calibrate_session` takes an :class:`~sdk.bci.models.AlignedDecoder` and the
+:func:`calibrate_session` takes an :class:`~closedloop.sdk.bci.models.AlignedDecoder` and the
 session's calibration trials (FALCON: its first three sentences), computes the
 session's normalisation from those trials, and fits the alignment layer
 :math:`(A, b)` by gradient steps on the CTC loss, either
 
-* ``optimizer="meta"``: the meta-learned inner loop (:mod:`sdk.bci.meta`): steps
+* ``optimizer="meta"``: the meta-learned inner loop (:mod:`closedloop.sdk.bci.meta`): steps
   :math:`\\theta \\leftarrow \\theta - s\\,\\alpha \\odot \\nabla L` with the learned per-parameter
   step sizes :math:`\\alpha` and a scale :math:`s`; or
 * ``optimizer="adam"``: plain Adam with learning rate ``lr`` (the non-meta baseline).
@@ -19,7 +19,7 @@ chosen by leave-one-sentence-out cross-validation on the calibration sentences: 
 each fold and each grid value the layer is fitted on the other sentences and the CTC
 loss of the left-out sentence is recorded at checkpoints; the (value, steps) pair
 with the lowest mean validation loss is then refitted on all sentences. Every
-adaptive method in :mod:`sdk.bci.baselines` gets the same grid size and folds.
+adaptive method in :mod:`closedloop.sdk.bci.baselines` gets the same grid size and folds.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from sim.handwriting.types import Trial
+from closedloop.sim.handwriting.types import Trial
 
 from .charset import encode
 from .config import JsonConfig
@@ -133,9 +133,9 @@ def fit_alignment_batch(
 ) -> tuple[dict[str, torch.Tensor], list[int], np.ndarray]:
     """Fit one alignment per task at once (tasks share the backbone, each has its own knob and sentences).
 
-    ``start`` holds the parameters of one alignment form (:func:`~sdk.bci.models.alignment_params`;
+    ``start`` holds the parameters of one alignment form (:func:`~closedloop.sdk.bci.models.alignment_params`;
     ``{"weight": A, "bias": b}`` for a full map), without a task axis. Returns the fitted
-    parameters per task (compose them with :func:`~sdk.bci.models.compose_alignment`), the
+    parameters per task (compose them with :func:`~closedloop.sdk.bci.models.compose_alignment`), the
     checkpoint steps, and the validation loss per checkpoint and task (empty without ``validation``).
     """
     n = len(support)
@@ -221,7 +221,7 @@ def calibrate_session(
     normalization
         The session's normalisation; by default computed from ``calib_trials``.
     start
-        The alignment's parameters to start from and fit (:func:`~sdk.bci.models.alignment_params`):
+        The alignment's parameters to start from and fit (:func:`~closedloop.sdk.bci.models.alignment_params`):
         by default the meta-learned initialisation with ``optimizer="meta"``, else the full
         map of ``model``'s alignment.
     """

@@ -1,7 +1,7 @@
 """Character labels of the iBCI handwriting decoder: FALCON H2's 31 characters plus the CTC blank.
 
 The decoder's read-out has 32 outputs: index 0 is the CTC blank and indices 1..31 are
-the characters of :data:`sim.handwriting.CHARSET` in order (``a``-``z``, ``'``, ``,``,
+the characters of :data:`closedloop.sim.handwriting.CHARSET` in order (``a``-``z``, ``'``, ``,``,
 ``?``, ``>`` for a space, ``~`` for a period). Every part of the family (training
 targets, decoders, the runtime's CTC kernel through the bundle's ``postprocess``
 block) uses this one mapping.
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from sim.handwriting.types import CHARSET
+from closedloop.sim.handwriting.types import CHARSET
 
 BLANK = 0
 N_CLASSES = len(CHARSET) + 1

@@ -1,10 +1,10 @@
 """Calibrate and score deployed handwriting decoders: ``closedloop calibrate`` and ``closedloop evaluate``.
 
 :func:`calibrate_bundle` takes a calibratable ``bci_handwriting`` bundle (one that
-carries ``calibration_state.npz``, see :mod:`sdk.bci.deploy`) and a session's NWB file,
+carries ``calibration_state.npz``, see :mod:`closedloop.sdk.bci.deploy`) and a session's NWB file,
 and writes a new self-contained bundle for that session: the normalisation from the
 session's first N calibration sentences only, and an alignment layer fitted on those
-sentences by the harness's own method (:mod:`sdk.bci.baselines`: ``two_stage``, the
+sentences by the harness's own method (:mod:`closedloop.sdk.bci.baselines`: ``two_stage``, the
 meta-learned initialisation and step sizes, when the bundle has the meta state;
 ``alignment``, Adam from identity, when it has not). The backbone comes from the state
 file and goes back into the new bundle bit-identical, which is checked. The new
@@ -74,7 +74,7 @@ class CalibrationReport:
 
 
 def _load_session(data: Any, n_calibration: int) -> tuple[Any, str]:
-    from sim.handwriting.types import Session
+    from closedloop.sim.handwriting.types import Session
 
     from .nwb import load_falcon_h2
 
@@ -109,8 +109,8 @@ def calibrate_bundle(
     bundle
         A calibratable ``bci_handwriting`` bundle (folder or zip).
     data
-        The session: a FALCON H2 NWB file (``sdk.bci.nwb.load_falcon_h2``: our synthetic
-        files and the real ones), or a ``sim.handwriting.Session``.
+        The session: a FALCON H2 NWB file (``closedloop.sdk.bci.nwb.load_falcon_h2``: our synthetic
+        files and the real ones), or a ``closedloop.sim.handwriting.Session``.
     n_sentences
         Calibration sentences: the session's first ``n_sentences`` calibration trials
         (FALCON: its first trials; evaluation trials are never used).
@@ -126,8 +126,8 @@ def calibrate_bundle(
         Called with progress lines (``print``; ``lambda s: None`` for silence).
     """
 
-    from runtime import load_bundle
-    from runtime.families.bci import read_calibration_state
+    from closedloop.runtime import load_bundle
+    from closedloop.runtime.families.bci import read_calibration_state
 
     from .baselines import TrainedModels, get_method, mean_calibration_loss
     from .calibrate import CalibrationConfig, trials_to_examples
@@ -145,7 +145,7 @@ def calibrate_bundle(
     state = read_calibration_state(src)
     if state is None:
         raise ValueError(f"bundle {bundle} has no calibration state (extra.bci.calibration_state): export it with "
-                         "sdk.bci.deploy.export_bci_bundle from an AlignedDecoder(AffineAlignment, GRUBackbone)")
+                         "closedloop.sdk.bci.deploy.export_bci_bundle from an AlignedDecoder(AffineAlignment, GRUBackbone)")
     if n_sentences < 1:
         raise ValueError(f"--sentences {n_sentences}: at least one calibration sentence is needed")
     session, data_name = _load_session(data, n_sentences)
@@ -378,17 +378,17 @@ def evaluate_bundle(
     Each trial is streamed bin by bin through the bundle (normalise, step, greedy CTC),
     with the recurrent state and text reset between trials, as a live session and the
     FALCON adapter do. With ``beam`` the bins' log-probabilities also go through the
-    lexicon-constrained beam search (:func:`sdk.bci.decoding.beam_decode`).
+    lexicon-constrained beam search (:func:`closedloop.sdk.bci.decoding.beam_decode`).
 
     Returns
     -------
     dict
         ``sessions`` (per session: ``greedy`` and maybe ``beam`` scores as
-        ``sdk.bci.metrics.falcon_metrics`` reports them, the ``predictions`` and
+        ``closedloop.sdk.bci.metrics.falcon_metrics`` reports them, the ``predictions`` and
         ``references``), ``mean`` (per decoder: ``CER`` and ``WER`` averaged over
         sessions), ``skipped`` (sessions without evaluation trials), and the setup.
     """
-    from runtime import Model, get_family, load_bundle
+    from closedloop.runtime import Model, get_family, load_bundle
 
     from .decoding import beam_decode
     from .metrics import falcon_metrics

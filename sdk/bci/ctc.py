@@ -1,7 +1,7 @@
 """CTC loss written with plain tensor operations, so it can be differentiated twice.
 
 PyTorch's ``F.ctc_loss`` has no double backward, which second-order meta-learning
-(:mod:`sdk.bci.meta` with ``second_order=True``) needs. This is the textbook forward
+(:mod:`closedloop.sdk.bci.meta` with ``second_order=True``) needs. This is the textbook forward
 recursion (Graves et al. 2006) in log space over the blank-extended label sequence
 :math:`\\ell'` (length :math:`S = 2L + 1`):
 

@@ -16,12 +16,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from sim.handwriting.types import Session, Trial
+from closedloop.sim.handwriting.types import Session, Trial
 
 from .charset import BLANK, encode
 from .fastctc import fast_ctc_loss
 
-#: CPU float32 CTC through :mod:`sdk.bci.fastctc` (6-8x faster than ``F.ctc_loss`` there, same
+#: CPU float32 CTC through :mod:`closedloop.sdk.bci.fastctc` (6-8x faster than ``F.ctc_loss`` there, same
 #: loss and weight gradients); False: always ``F.ctc_loss``.
 USE_FAST_CTC = True
 
@@ -142,7 +142,7 @@ def iterate_batches(examples: Sequence[Example], batch_size: int, rng: np.random
 def ctc_loss(logp: torch.Tensor, batch: Batch, reduction: str = "mean") -> torch.Tensor:
     """CTC loss of ``logp`` (B, T, 32) against the batch's sentences (per-target-length mean by default).
 
-    On CPU (float32) :func:`sdk.bci.fastctc.fast_ctc_loss` computes it; elsewhere ``F.ctc_loss``.
+    On CPU (float32) :func:`closedloop.sdk.bci.fastctc.fast_ctc_loss` computes it; elsewhere ``F.ctc_loss``.
     Both are first-order only.
     """
     if USE_FAST_CTC and logp.device.type == "cpu" and logp.dtype == torch.float32:

@@ -1,7 +1,7 @@
 """CTC decoding of per-bin character log-probabilities into text.
 
 Two decoders over the 32-way output of the family's models (blank = 0, see
-:mod:`sdk.bci.charset`):
+:mod:`closedloop.sdk.bci.charset`):
 
 * :func:`greedy_decode`: the most likely class per bin, repeats collapsed, blanks
   dropped. This is what the runtime's streaming CTC kernel computes. With
@@ -27,9 +27,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from runtime.ctc import completion_label, end_outputs, output_labels, tail_odds
-from runtime.ctc import greedy_decode as runtime_greedy_decode
-from sim.handwriting.types import CHARSET
+from closedloop.runtime.ctc import completion_label, end_outputs, output_labels, tail_odds
+from closedloop.runtime.ctc import greedy_decode as runtime_greedy_decode
+from closedloop.sim.handwriting.types import CHARSET
 
 from .charset import BLANK, PUNCTUATION, SPACE, decode, encode
 
@@ -50,7 +50,7 @@ def greedy_decode(logp: np.ndarray, complete_end: bool = False, sentence_end: st
     logp
         ``(T, 32)`` log-probabilities of a whole trial (without ``complete_end`` any scores
         do; only the argmax matters). The runtime's offline reference
-        (``runtime.ctc.greedy_decode``) with FALCON H2's charset: one implementation.
+        (``closedloop.runtime.ctc.greedy_decode``) with FALCON H2's charset: one implementation.
     complete_end, sentence_end
         With ``complete_end`` the trial is over: apply :func:`end_completion` (append the
         character the tail holds; with ``sentence_end``, the sentence-final mark it lacks).

@@ -1,23 +1,23 @@
 """Deploying a handwriting decoder: export to a ``bci_handwriting`` bundle, and measure it.
 
-``export_bci_bundle`` wraps ``export.export_bundle`` for the decoder family: a
+``export_bci_bundle`` wraps ``closedloop.export.export_bundle`` for the decoder family: a
 recurrent module whose single step takes one 20 ms bin of (normalised) spike counts
 and returns CTC log-probabilities over the blank and the characters. Whatever the
 module holds in front of its backbone (a session's calibrated alignment layer) is part
 of the exported graph, so a calibrated bundle is self-contained; the session's
 per-channel normalisation goes in ``preprocess``, the charset and session facts in
 ``extra.bci`` (see ``docs/bci_deployment.md``). The runtime plug-in that reads them
-is ``runtime.families.bci``.
+is ``closedloop.runtime.families.bci``.
 
 A bundle exported from an ``AlignedDecoder`` (alignment + ``GRUBackbone``) is also
 *calibratable*: it carries ``calibration_state.npz`` (listed with its checksum in the
 manifest) holding the frozen backbone's weights, the alignment layer in the graph and,
 for a two-stage model, the meta-learned alignment initialisation and per-parameter step
 sizes, with the inner-step count, normalisation floor, charset and channel count.
-``closedloop calibrate`` (:mod:`sdk.bci.cli`) rebuilds the torch modules from it alone
+``closedloop calibrate`` (:mod:`closedloop.sdk.bci.cli`) rebuilds the torch modules from it alone
 (:func:`decoder_from_state`), fits a new session's alignment and exports the next bundle.
 The runtime reads and checks the file without torch
-(``runtime.families.bci.read_calibration_state``); the format is in ``docs/bci_deployment.md``.
+(``closedloop.runtime.families.bci.read_calibration_state``); the format is in ``docs/bci_deployment.md``.
 
 ``bench_bci_step_latency`` times the deployed per-bin path (frame to normalised input,
 model step, greedy CTC) on each backend, back to back or paced as in a session.
@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from sim.handwriting.types import BIN_S, CHARSET
+from closedloop.sim.handwriting.types import BIN_S, CHARSET
 
 __all__ = ["BCI_FAMILY", "BCI_MANIFEST_VERSION", "CALIBRATION_STATE_FILE", "bench_bci_step_latency",
            "calibration_state_arrays", "check_bci_module", "decoder_from_state", "export_bci_bundle"]
@@ -99,7 +99,7 @@ def calibration_state_arrays(module: Any, meta: Any = None, *, std_floor: float 
 
     ``meta`` is the stage-2 ``MetaAlignment`` (its initialisation, log step sizes and
     inner-step count go in too), or None for a decoder calibrated from identity;
-    ``std_floor`` defaults to ``sdk.bci.data.DEFAULT_STD_FLOOR``. Every array is a
+    ``std_floor`` defaults to ``closedloop.sdk.bci.data.DEFAULT_STD_FLOOR``. Every array is a
     bit-exact float32 copy of the torch parameter. Names, shapes and dtypes are listed in
     ``docs/bci_deployment.md``.
     """
@@ -107,7 +107,7 @@ def calibration_state_arrays(module: Any, meta: Any = None, *, std_floor: float 
         from .data import DEFAULT_STD_FLOOR as std_floor
     if not _is_calibratable(module):
         raise ValueError(f"{type(module).__name__} has no calibration state: a calibratable bundle needs "
-                         "sdk.bci.models.AlignedDecoder(AffineAlignment, GRUBackbone)")
+                         "closedloop.sdk.bci.models.AlignedDecoder(AffineAlignment, GRUBackbone)")
     bb = module.backbone
     c = int(module.n_inputs)
 
@@ -134,13 +134,13 @@ def calibration_state_arrays(module: Any, meta: Any = None, *, std_floor: float 
 
 
 def decoder_from_state(state: Mapping[str, Any]) -> tuple[Any, Any]:
-    """Rebuild ``(AlignedDecoder, MetaAlignment or None)`` from ``runtime.families.bci.read_calibration_state``.
+    """Rebuild ``(AlignedDecoder, MetaAlignment or None)`` from ``closedloop.runtime.families.bci.read_calibration_state``.
 
     The torch parameters are bit-exact copies of the stored float32 arrays.
     """
     import torch
 
-    from runtime.families.bci import meta_form_of
+    from closedloop.runtime.families.bci import meta_form_of
 
     from .meta import MetaAlignment
     from .models import AffineAlignment, AlignedDecoder, GRUBackbone
@@ -229,25 +229,25 @@ def export_bci_bundle(
         bin's ``DecoderOutput`` carries the character probabilities.
     end_completion
         None (default): the runtime's text is plain greedy CTC. A string: at each trial's
-        end the runtime applies end-of-trial completion (``runtime.ctc``): ``"~?"`` appends
+        end the runtime applies end-of-trial completion (``closedloop.runtime.ctc``): ``"~?"`` appends
         the likelier of these sentence-final marks when the text lacks one (the lexicon
         beam search's sentence-end rule, as ``greedy_end`` in the harness), ``""`` appends
         a character only when CTC rates it more probable than none.
     meta, std_floor, calibration_config
         For the calibration state: the stage-2 ``MetaAlignment`` (None: a new session's
         alignment is fitted from identity), the normalisation's std floor (default
-        ``sdk.bci.data.DEFAULT_STD_FLOOR``), and the ``CalibrationConfig`` (as a dict)
+        ``closedloop.sdk.bci.data.DEFAULT_STD_FLOOR``), and the ``CalibrationConfig`` (as a dict)
         that ``closedloop calibrate`` should use.
     calibratable
         Write ``calibration_state.npz``: None (default) when ``module`` is an
         ``AlignedDecoder`` over a ``GRUBackbone``; True requires it; False never.
     variants, tensorrt, overwrite, zip, report
-        As for ``export.export_bundle``.
+        As for ``closedloop.export.export_bundle``.
     """
     import torch
 
-    from export import export_bundle
-    from runtime.families.bci import DEFAULT_DISPLAY
+    from closedloop.export import export_bundle
+    from closedloop.runtime.families.bci import DEFAULT_DISPLAY
 
     n_channels = int(n_channels)
     mean_a = _channel_stats("mean", mean, n_channels)
@@ -305,12 +305,12 @@ def _export_with_state(module: Any, out: Path, state: Mapping[str, np.ndarray], 
                        zip: bool, **kwargs: Any) -> Path:
     """Export to a scratch folder, then publish graph files + state file + manifest in one atomic write.
 
-    ``export.export_bundle`` writes only what it makes itself; the state file joins its
-    files here and ``export.writer.write_bundle`` checksums everything again.
+    ``closedloop.export.export_bundle`` writes only what it makes itself; the state file joins its
+    files here and ``closedloop.export.writer.write_bundle`` checksums everything again.
     """
-    from export import export_bundle
-    from export.writer import write_bundle
-    from runtime.manifest import MANIFEST_NAME, Manifest
+    from closedloop.export import export_bundle
+    from closedloop.export.writer import write_bundle
+    from closedloop.runtime.manifest import MANIFEST_NAME, Manifest
 
     report = kwargs["report"]
     kwargs["report"] = lambda line: None if line.startswith("wrote bundle ") else report(line)  # not the scratch one
@@ -349,9 +349,9 @@ def bench_bci_step_latency(
     Returns ``{backend: {"p50_us", "p99_us", "max_us", "mean_us", "bins"}}``; a backend
     that is not available here reports ``{"error": why}`` instead.
     """
-    from firmware_bridge import NeuralFrame
-    from runtime import LoopConfig, Model, RealTimeLoop, get_family, load_bundle
-    from runtime.errors import BackendUnavailableError, GraphUnsupportedError
+    from closedloop.firmware_bridge import NeuralFrame
+    from closedloop.runtime import LoopConfig, Model, RealTimeLoop, get_family, load_bundle
+    from closedloop.runtime.errors import BackendUnavailableError, GraphUnsupportedError
 
     b = load_bundle(bundle)
     rng = np.random.default_rng(seed)

@@ -4,11 +4,11 @@
 (stage-1 backbone, stage-2 meta-alignment, the per-session-input-layer decoder),
 then for each held-out session computes the normalisation from its calibration
 sentences, gets each method's decoder from those sentences only, and scores the
-session's evaluation trials with FALCON's CER and WER (:mod:`sdk.bci.metrics`), for
+session's evaluation trials with FALCON's CER and WER (:mod:`closedloop.sdk.bci.metrics`), for
 greedy CTC (plain, and with end-of-trial completion) and for the lexicon-constrained beam search. It also runs the drift
 reference (per-session input layers: held-in CER with each session's own layer, and
 held-out zero-shot with the last held-in session's layer), the yardstick the
-synthetic generator is calibrated against. :mod:`sdk.bci.report` aggregates seeds
+synthetic generator is calibrated against. :mod:`closedloop.sdk.bci.report` aggregates seeds
 into tables and plots.
 """
 
@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from sim.handwriting.types import Session
+from closedloop.sim.handwriting.types import Session
 
 from .baselines import METHODS, TrainedModels, get_method, reference_layer
 from .calibrate import CalibrationConfig
@@ -108,7 +108,7 @@ def build_lexicon(sessions: Sequence[Session], extra_words: Sequence[str] = ()) 
 def decode_examples(model: AlignedDecoder, examples: Sequence[Example], lexicon: Lexicon | None, beam_width: int,
                     word_weight: float, device: torch.device) -> dict[str, list[str]]:
     """The text of each example per decoder: ``greedy`` (best path), ``greedy_end`` (best path with
-    end-of-trial completion, :func:`sdk.bci.decoding.end_completion`, under the lexicon's sentence-end rule
+    end-of-trial completion, :func:`closedloop.sdk.bci.decoding.end_completion`, under the lexicon's sentence-end rule
     when there is a lexicon) and ``beam`` (only when ``beam_width`` > 0 and there is a lexicon)."""
     model = model.to(device).eval()
     sentence_end = lexicon.sentence_end if lexicon is not None else ""
@@ -221,7 +221,7 @@ def run_harness(sessions: Sequence[Session], config: HarnessConfig | None = None
     if not prepared:
         raise ValueError("no held-out session has evaluation trials to score (real FALCON H2 keeps them on its server): "
                          "calibrate with adapt_held_out, export bundles and score them with "
-                         "sdk.bci.falcon_decoder.FalconBundleDecoder through the FALCON evaluator")
+                         "closedloop.sdk.bci.falcon_decoder.FalconBundleDecoder through the FALCON evaluator")
     out["sessions"] = {s.name: out["sessions"][s.name] for s, *_ in prepared}
     bar = tqdm(total=len(methods) * len(prepared), desc="calibrate + decode", disable=not config.progress, leave=False)
     for m in methods:
@@ -256,7 +256,7 @@ def held_out_calibration(session: Session, config: HarnessConfig) -> tuple[list,
 
 
 def method_options(config: HarnessConfig) -> dict:
-    """The per-method settings of ``config`` that :data:`~sdk.bci.baselines.METHODS` read."""
+    """The per-method settings of ``config`` that :data:`~closedloop.sdk.bci.baselines.METHODS` read."""
     return {"nearest": config.nearest, "finetune_lr_grid": config.finetune_lr_grid,
             "alignment_form": (config.meta.form, config.meta.rank), "seed": config.seed}
 

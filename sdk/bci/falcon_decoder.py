@@ -75,7 +75,7 @@ class _Loaded:
     """One bundle on its backend, with the decoder family around it."""
 
     def __init__(self, path: str | Path, backend: str):
-        from runtime import Model, get_family, load_bundle
+        from closedloop.runtime import Model, get_family, load_bundle
 
         self.bundle = load_bundle(path)
         self.model = Model(self.bundle, backend=backend)

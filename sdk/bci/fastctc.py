@@ -37,7 +37,7 @@ bin's overlap :math:`\\sum_s \\hat\\alpha_t(s) b_t(s)`, times the scales, is the
 likelihood; where one differs from the final one by more than 1e-6 nats, mass was lost, and
 the whole batch is computed by ``F.ctc_loss`` instead (``counts`` says how often). The
 gradient is first order only (differentiating it raises, as with ``F.ctc_loss``);
-second-order meta-learning uses :func:`sdk.bci.ctc.ctc_nll`.
+second-order meta-learning uses :func:`closedloop.sdk.bci.ctc.ctc_nll`.
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ The equations are ``nn.GRU``'s (gate order r, z, n in the weight rows)::
 
 ``tests/sdk/test_bci_fastgru.py`` checks outputs, final states and every gradient
 against ``nn.GRU`` (relative tolerance 1e-5). The backward pass is first order only
-(differentiating it raises): :class:`~sdk.bci.models.GRUBackbone` takes this path when a
+(differentiating it raises): :class:`~closedloop.sdk.bci.models.GRUBackbone` takes this path when a
 first-order gradient flows through it on CPU (its weights or its input are trained) and
 ``nn.GRU`` inside :func:`twice_differentiable`, which second-order meta-learning opens.
 """
@@ -55,7 +55,7 @@ _TWICE = contextvars.ContextVar("closedloop_bci_twice_differentiable", default=F
 
 @contextlib.contextmanager
 def twice_differentiable() -> Iterator[None]:
-    """Inside this block :class:`~sdk.bci.models.GRUBackbone` runs ``nn.GRU``, whose backward can be differentiated.
+    """Inside this block :class:`~closedloop.sdk.bci.models.GRUBackbone` runs ``nn.GRU``, whose backward can be differentiated.
 
     Second-order meta-learning builds its inner-loop gradients in one; without it, differentiating
     them raises (this module's backward is first order only).
@@ -377,7 +377,7 @@ def gru_layers(gru: torch.nn.GRU) -> list[tuple[torch.Tensor, torch.Tensor, torc
 
 
 def stacked_backbone(params: dict[str, torch.Tensor], x: torch.Tensor, n_layers: int) -> torch.Tensor:
-    """Log-probabilities (n, B, T, 32) of ``n`` :class:`~sdk.bci.models.GRUBackbone` weight sets.
+    """Log-probabilities (n, B, T, 32) of ``n`` :class:`~closedloop.sdk.bci.models.GRUBackbone` weight sets.
 
     ``params`` maps the backbone's parameter names to tensors with a leading axis of
     ``n`` (one weight set per task); ``x`` is (n, B, T, C). Evaluation mode (no dropout).

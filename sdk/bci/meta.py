@@ -1,7 +1,7 @@
 """Stage 2: meta-learn the alignment layer's initialisation and per-parameter step sizes.
 
 The backbone from stage 1 is frozen. In front of it sits the alignment layer
-:math:`x \\mapsto A x + b` (:class:`~sdk.bci.models.AffineAlignment`). Calibrating a new
+:math:`x \\mapsto A x + b` (:class:`~closedloop.sdk.bci.models.AffineAlignment`). Calibrating a new
 session is :math:`K` gradient steps on its three calibration sentences,
 
 .. math::  \\theta_{k+1} = \\theta_k - \\alpha \\odot \\nabla_\\theta L_{\\text{support}}(\\theta_k),
@@ -13,7 +13,7 @@ meta-learned so that the adapted layer decodes the *other* sentences of the same
 session well (the outer, query loss).
 
 Tasks come from held-in sessions: a task is one held-in session with a fresh
-synthetic drift drawn for it (:class:`~sdk.bci.augment.DriftAugmentation` applied
+synthetic drift drawn for it (:class:`~closedloop.sdk.bci.augment.DriftAugmentation` applied
 once to all its sentences: channel gains, offsets, mixing, a wandering offset,
 dropped channels; stronger than stage-1 augmentation), three random support
 sentences and ``n_query`` other query sentences. The drifted task is then
@@ -25,7 +25,7 @@ the inner gradients :math:`g_k` are treated as constants, so
 :math:`\\partial\\theta_K/\\partial\\theta_0 = I` and
 :math:`\\partial\\theta_K/\\partial\\alpha = -\\sum_k g_k`; the step sizes still get a
 gradient. ``second_order=True`` differentiates through the inner gradients
-(double backward through the GRU and through :func:`sdk.bci.ctc.ctc_nll`, since
+(double backward through the GRU and through :func:`closedloop.sdk.bci.ctc.ctc_nll`, since
 ``F.ctc_loss`` has no second derivative; several times slower).
 """
 
@@ -40,7 +40,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from sim.handwriting.types import Session
+from closedloop.sim.handwriting.types import Session
 
 from . import fastgru
 from .augment import DriftAugmentation
@@ -106,7 +106,7 @@ def task_losses(backbone: GRUBackbone, x: torch.Tensor, batch: Batch, weight: to
     """Mean CTC loss per task of sequences ``x`` grouped task-major, each task with its own map ``weight[t]``, ``bias[t]``.
 
     Summed over tasks (so each task's gradient is that of its own mean), or one value
-    per task with ``reduce=False``. ``twice_differentiable`` uses :func:`sdk.bci.ctc.ctc_nll`
+    per task with ``reduce=False``. ``twice_differentiable`` uses :func:`closedloop.sdk.bci.ctc.ctc_nll`
     (second-order meta-learning) instead of ``F.ctc_loss``.
     """
     per_task = x.shape[0] // n_tasks
@@ -141,7 +141,7 @@ class MetaAlignment(nn.Module):
     init_step_size
         Initial :math:`\\alpha` for every parameter.
     form, rank
-        The alignment's parameterisation (:data:`~sdk.bci.models.ALIGNMENT_FORMS`):
+        The alignment's parameterisation (:data:`~closedloop.sdk.bci.models.ALIGNMENT_FORMS`):
         ``"full"`` learns :math:`(A_0, b_0)` and a step size per entry; ``"lowrank"``
         learns :math:`(g_0, b_0, U_0, V_0)` of :math:`A = \\operatorname{diag}(g) + UV`,
         the directions :math:`V_0` included.
@@ -180,7 +180,7 @@ class MetaAlignment(nn.Module):
         """Run the inner loop on support sequences ``x`` (task-major) and return the adapted parameters per task.
 
         The result stays differentiable with respect to the initialisation and the step
-        sizes (first-order unless ``second_order``); :func:`~sdk.bci.models.compose_alignment`
+        sizes (first-order unless ``second_order``); :func:`~closedloop.sdk.bci.models.compose_alignment`
         turns it into :math:`(A, b)`.
         """
         steps = self.inner_steps if steps is None else steps

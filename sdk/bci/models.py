@@ -2,10 +2,10 @@
 
 Every module here streams: ``init_state(batch)``, ``step(x, h) -> (logp, h)`` for
 one 20 ms bin and ``forward(seq, h) -> (logp, h)`` for whole trials, with ``logp``
-the log-softmax over the 32 CTC classes (:mod:`sdk.bci.charset`). That is what
-``export.export_bundle(module, out, kind="recurrent", example_input=torch.zeros(1, C))``
+the log-softmax over the 32 CTC classes (:mod:`closedloop.sdk.bci.charset`). That is what
+``closedloop.export.export_bundle(module, out, kind="recurrent", example_input=torch.zeros(1, C))``
 turns into a single-step ONNX graph. Input normalisation is not part of any module:
-it is computed per session (:mod:`sdk.bci.data`) and applied by the bundle's
+it is computed per session (:mod:`closedloop.sdk.bci.data`) and applied by the bundle's
 preprocess block.
 """
 
@@ -34,7 +34,7 @@ class GRUBackbone(nn.Module):
         Dropout between GRU layers and before the read-out (training only).
     """
 
-    #: train through :mod:`sdk.bci.fastgru` on CPU (False: always ``nn.GRU``, e.g. to compare the two)
+    #: train through :mod:`closedloop.sdk.bci.fastgru` on CPU (False: always ``nn.GRU``, e.g. to compare the two)
     use_fastgru: bool = True
 
     def __init__(self, n_inputs: int, n_hidden: int = 256, n_layers: int = 2, dropout: float = 0.0):
@@ -53,8 +53,8 @@ class GRUBackbone(nn.Module):
 
         When a gradient will flow through the GRU on CPU (its weights are trained, or its
         input is: calibration and meta-learning in front of a frozen backbone) and the input
-        is batched, this runs :func:`sdk.bci.fastgru.gru_sequence` (the same function, a faster
-        backward pass); otherwise, and inside :func:`sdk.bci.fastgru.twice_differentiable`,
+        is batched, this runs :func:`closedloop.sdk.bci.fastgru.gru_sequence` (the same function, a faster
+        backward pass); otherwise, and inside :func:`closedloop.sdk.bci.fastgru.twice_differentiable`,
         ``nn.GRU``.
         """
         if (self.use_fastgru and seq.dim() == 3 and seq.device.type == "cpu" and torch.is_grad_enabled()

@@ -13,7 +13,7 @@ which day) comes from its name, as in DANDI 000950: ``sub-T5-held-in-calib_ses-2
 ``sub-T5-held-in-minival_ses-...`` or ``sub-T5-held-out-calib_ses-...`` (FALCON's local
 names ``T5_2022.05.18_held_in_eval.nwb`` work too); files written here also carry it in
 ``notes``. :func:`load_falcon_h2_dir` merges a day's calibration and evaluation files
-into one :class:`~sim.handwriting.Session`. See ``docs/handwriting_data.md``.
+into one :class:`~closedloop.sim.handwriting.Session`. See ``docs/handwriting_data.md``.
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ from pathlib import Path
 
 import numpy as np
 
-from sim.handwriting.config import FALCON_H2_HELD_IN_DATES, FALCON_H2_HELD_OUT_DATES
-from sim.handwriting.types import BIN_S, CHARSET, Session, Trial
+from closedloop.sim.handwriting.config import FALCON_H2_HELD_IN_DATES, FALCON_H2_HELD_OUT_DATES
+from closedloop.sim.handwriting.types import BIN_S, CHARSET, Session, Trial
 
 __all__ = ["write_falcon_h2", "write_falcon_h2_dir", "load_falcon_h2", "load_falcon_h2_dir",
            "parse_falcon_name", "FalconFileInfo", "FalconFileError", "TRIAL_SPACING_S", "TRIAL_GAP_S"]
@@ -278,7 +278,7 @@ def _falcon_split(day: date | None) -> str | None:
 
 
 def load_falcon_h2(path: str | Path, *, n_calibration: int = 3) -> Session:
-    """One FALCON H2 NWB file (real or written here) as a :class:`~sim.handwriting.Session`.
+    """One FALCON H2 NWB file (real or written here) as a :class:`~closedloop.sim.handwriting.Session`.
 
     Trials are cut where a timestamp step exceeds 0.021 s and take their sentence from
     the ``cue`` rows in order. Splits follow FALCON: a calibration file (``calib`` in its

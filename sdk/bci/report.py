@@ -28,7 +28,7 @@ def _agg_scores(blocks: Sequence[dict]) -> dict:
 
 
 def summarize(runs: Sequence[dict]) -> dict:
-    """Combine :func:`sdk.bci.evaluate.run_harness` outputs (one per seed) into one summary."""
+    """Combine :func:`closedloop.sdk.bci.evaluate.run_harness` outputs (one per seed) into one summary."""
     if not runs:
         raise ValueError("no runs to summarize")
     first = runs[0]

@@ -5,15 +5,15 @@ its sentence character by character (a few bins each, with jittered durations) a
 records Poisson counts of the pattern's rates. Each day mixes the channels a little
 more (a random walk on a mixing matrix) and shifts baselines, so held-out days
 drift away from held-in ones. It has the same types as the real generator
-(:mod:`sim.handwriting`) and runs in milliseconds; it is not a model of neural
-data (use ``sim.handwriting.generate_recording`` for that).
+(:mod:`closedloop.sim.handwriting`) and runs in milliseconds; it is not a model of neural
+data (use ``closedloop.sim.handwriting.generate_recording`` for that).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from sim.handwriting.types import CHARSET, Session, Trial, falcon_splits
+from closedloop.sim.handwriting.types import CHARSET, Session, Trial, falcon_splits
 
 TOY_WORDS = ("a", "an", "the", "cat", "hat", "sat", "on", "mat", "dog", "ran", "to", "it", "is", "was", "he", "she")
 

@@ -3,7 +3,7 @@
 The backbone sees every held-in session's training trials (its non-evaluation
 trials), each normalised with its own session's statistics, through **no**
 session-specific input layer: it must absorb cross-session variability itself, and
-drift-suited augmentation (:class:`~sdk.bci.augment.DriftAugmentation`, a fresh draw
+drift-suited augmentation (:class:`~closedloop.sdk.bci.augment.DriftAugmentation`, a fresh draw
 per trial) widens the variability it sees. The same loop trains the baseline with
 per-session input layers (:func:`train_session_layers`), so both get the same
 recipe: Adam, cosine learning-rate decay, gradient clipping, the same augmentation
@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from sim.handwriting.types import Session
+from closedloop.sim.handwriting.types import Session
 
 from .augment import DriftAugmentation, time_mask
 from .config import JsonConfig

@@ -1,6 +1,6 @@
 """Classical observers to compare the certified neural observer against, on the same plant models.
 
-Each baseline runs the :class:`~sdk.observer.systems.ObserverSystem` model in predictor
+Each baseline runs the :class:`~closedloop.sdk.observer.systems.ObserverSystem` model in predictor
 form with the interface of the neural observer, ``reset(z0_hat)`` and
 ``update(y, u) -> zhat_{k+1}``, and each is tuned by a fixed rule from the system's own
 numbers (its bandwidth ``omega_o``, noise levels and error box), never on test data.
@@ -91,7 +91,7 @@ class Luenberger(_LinearGainObserver):
 
     Examples
     --------
-    >>> from sdk.observer import observer_system
+    >>> from closedloop.sdk.observer import observer_system
     >>> obs = Luenberger(observer_system("van-der-pol"))
     >>> obs.reset(np.zeros(3)); obs.update(np.array([0.1]), np.zeros(1)).shape
     (3,)

@@ -1,7 +1,7 @@
 """The observer benchmark's report: the targets, ``observer.md``, the two plots, the JSON record.
 
-Split from ``sdk.observer.benchmark`` (which runs the benchmark and re-exports these). Every
-number's definition: the module notes of ``sdk.observer.benchmark`` and ``docs/observer.md``.
+Split from ``closedloop.sdk.observer.benchmark`` (which runs the benchmark and re-exports these). Every
+number's definition: the module notes of ``closedloop.sdk.observer.benchmark`` and ``docs/observer.md``.
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ box, the compact set the certificate's coverage is about), the same measurement-
 same disturbance (and X-29 model/actuator error) seed. The loop is closed on each observer's own
 estimate, ``u = clip(-K z_hat)``, as deployed. ``luenberger`` is the neural observer's own linear
 part (its model, its nonlinearity and ``L``, with ``N = 0``; ``L`` the steady-state Kalman gain on the
-nonlinear plants, placed poles on the X-29, see ``sdk.observer.systems``). The "after" RMSE scores
+nonlinear plants, placed poles on the X-29, see ``closedloop.sdk.observer.systems``). The "after" RMSE scores
 samples from ``steady_from_s`` on (the transient from the initial error left out). Noise amplification compares run 0 with
 its noise-free twin through the estimation error, ``e_noisy - e_clean`` (in closed loop the noise
 also moves the plant through ``u``, which is not estimation noise).
@@ -306,10 +306,10 @@ def runtime_timing(model: ObserverModel, net: ObserverNet, report: CertificateRe
                    y: np.ndarray, u: np.ndarray, cfg: ObserverBenchConfig) -> dict[str, Any]:
     """Export the bundle; time the load-time certificate check (fresh bundle object each time) and the
     family's Numba step on recorded measurements (each call timed, Python call overhead included)."""
-    from runtime.bundle import Bundle, load_bundle
-    from runtime.certificate import check_bundle_certificate
-    from runtime.families import get_family
-    from runtime.model import Model
+    from closedloop.runtime.bundle import Bundle, load_bundle
+    from closedloop.runtime.certificate import check_bundle_certificate
+    from closedloop.runtime.families import get_family
+    from closedloop.runtime.model import Model
 
     t0 = time.perf_counter()
     path = export_observer_bundle(NeuralObserver(model, net), report, folder / model.name, overwrite=True,

@@ -1,6 +1,6 @@
 """Certify a trained neural observer: decay rate, margin, local stability radius, sampled coverage, times.
 
-``certify`` solves the certificate's SDP (``sdk.observer.lmi``; bisection on ``rho`` for the
+``certify`` solves the certificate's SDP (``closedloop.sdk.observer.lmi``; bisection on ``rho`` for the
 fastest certified decay, the full form or the cheap one), and adds two pieces of evidence
 a person asks for beside the global certificate:
 
@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from runtime.certificate import (
+from closedloop.runtime.certificate import (
     CERTIFICATE_KIND,
     CERTIFICATE_VERSION,
     SIGN_CONVENTION,

@@ -3,7 +3,7 @@
 Each step solves the certificate's SDP at the current weights (full form, the target
 ``rho``), then takes one gradient step on the stage-1 accuracy loss plus the same
 penalty on the largest eigenvalue of the LMI matrix (with that step's ``P`` and
-multipliers) that stage 2 of ``sdk.observer.train`` uses. It trains for the same number
+multipliers) that stage 2 of ``closedloop.sdk.observer.train`` uses. It trains for the same number
 of steps as stage 1, then keeps stepping (penalty only) until a solve certifies, so both
 approaches end with a certificate and their wall-clock times compare like for like.
 """

@@ -1,6 +1,6 @@
 """Scores of an observer run: RMSE, settling time, peak error, noise amplification, cost, Monte Carlo.
 
-Computed from :class:`~sdk.observer.simulate.SimResult` arrays, so the neural observer
+Computed from :class:`~closedloop.sdk.observer.simulate.SimResult` arrays, so the neural observer
 and the baselines are scored by the same code; the benchmark's results table is made of
 these numbers.
 

@@ -2,15 +2,15 @@
 
 ``ObserverModel`` is everything the deployed observer runs besides the network: the
 discrete extended-state model ``(Ad, Bd, Cd, Fd)`` at ``dt``, the gain ``L``, the known
-nonlinearity as a *named* runtime nonlinearity (``runtime.certificate.NONLINEARITIES``, so
+nonlinearity as a *named* runtime nonlinearity (``closedloop.runtime.certificate.NONLINEARITIES``, so
 the runtime's Numba kernel and the certificate's sector both know it), the controller
 gain ``K`` and the input limits. ``NeuralObserver`` runs it with a trained ``ObserverNet``
 in numpy (the same float32 weights the bundle stores) behind the harness interface
-``reset(z0_hat)`` / ``update(y, u) -> z_hat`` of ``sdk.observer.simulate``.
+``reset(z0_hat)`` / ``update(y, u) -> z_hat`` of ``closedloop.sdk.observer.simulate``.
 
 Notes
 -----
-Predictor form, as in ``sdk.observer.systems`` (sign convention of ``runtime.certificate``)::
+Predictor form, as in ``closedloop.sdk.observer.systems`` (sign convention of ``closedloop.runtime.certificate``)::
 
     r_k       = y_k - Cd z_hat_k
     z_hat_k+1 = Ad z_hat_k + Bd u_k + Fd f(z_hat_k, y_k) + L r_k + N(r_k)
@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import scipy.linalg as sla
 
-from runtime.certificate import ErrorModel, known_nonlinearity, observer_error_model
+from closedloop.runtime.certificate import ErrorModel, known_nonlinearity, observer_error_model
 
 from .network import ObserverNet, numpy_forward
 
@@ -72,7 +72,7 @@ def nonlinearity_for(system: ObserverSystem, y_max: float | None = None) -> dict
                 "y_max": [ymax]}
     else:
         raise ValueError(f"no runtime nonlinearity is known for plant {system.name!r}; add one to "
-                         "runtime.certificate.NONLINEARITIES and map it here")
+                         "closedloop.runtime.certificate.NONLINEARITIES and map it here")
     rng = np.random.default_rng(0)
     x = rng.uniform(-1, 1, (16, nx))
     z = np.hstack([x, np.zeros((16, nz - nx))])
@@ -107,7 +107,7 @@ def eval_nonlinearity(spec: dict[str, Any], z: Any, y: Any) -> Any:
 def _plant_u_max(name: str) -> float:
     """The plant's default input limit (its ``u_max`` parameter), so the bundle's limits match the device's."""
     try:
-        from sim.plants import plant_class
+        from closedloop.sim.plants import plant_class
 
         return float(next(p.default for p in plant_class(name).PARAMS if p.name == "u_max"))
     except (KeyError, StopIteration, ImportError):
@@ -152,7 +152,7 @@ class ObserverModel:
     @classmethod
     def from_system(cls, system: ObserverSystem, *, u_max: float | None = None, K: np.ndarray | None = None,
                     nonlinearity: dict[str, Any] | None = None) -> ObserverModel:
-        """Build it from ``sdk.observer.systems.ObserverSystem`` (``u_max``: default the plant's limit)."""
+        """Build it from ``closedloop.sdk.observer.systems.ObserverSystem`` (``u_max``: default the plant's limit)."""
         if u_max is None:
             u_max = _plant_u_max(system.name)
         spec = nonlinearity or nonlinearity_for(system)
@@ -216,7 +216,7 @@ class NeuralObserver:
 
     Examples
     --------
-    >>> from sdk.observer.systems import observer_system
+    >>> from closedloop.sdk.observer.systems import observer_system
     >>> model = ObserverModel.from_system(observer_system("flexible-joint"))
     >>> obs = NeuralObserver(model, ObserverNet(1, 5, hidden=(8,)))
     >>> obs.reset(np.zeros(5))
@@ -268,8 +268,8 @@ def export_observer_bundle(observer: NeuralObserver, certificate: CertificateRep
     The manifest's ``extra.observer`` holds the model (``ObserverModel.manifest_block``),
     ``manifest.certificate`` the certificate (``CertificateReport.to_manifest``),
     ``postprocess.low/high`` the input limits; the family is ``"observer"``. The graph goes
-    through ``export.export_bundle`` (parity with torch, provenance) and the bundle is then
-    written with the observer's blocks by ``export.writer.write_bundle``, which verifies it
+    through ``closedloop.export.export_bundle`` (parity with torch, provenance) and the bundle is then
+    written with the observer's blocks by ``closedloop.export.writer.write_bundle``, which verifies it
     with the runtime (so the certificate is re-checked from the written files).
     """
     import dataclasses
@@ -277,9 +277,9 @@ def export_observer_bundle(observer: NeuralObserver, certificate: CertificateRep
 
     import torch
 
-    from export import export_bundle
-    from export.writer import write_bundle
-    from runtime.manifest import MANIFEST_NAME, Manifest
+    from closedloop.export import export_bundle
+    from closedloop.export.writer import write_bundle
+    from closedloop.runtime.manifest import MANIFEST_NAME, Manifest
 
     if observer.net is None:
         raise ValueError("export needs the observer's torch ObserverNet (NeuralObserver(model, net))")

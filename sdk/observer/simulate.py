@@ -1,10 +1,10 @@
 """Run a true plant and an observer side by side at the observer's sample time.
 
 The harness behind the baselines' tests, the benchmark's results table and the neural
-observer's evaluation: the truth is a :class:`sim.plants.Plant` (RK4 at a finer internal
+observer's evaluation: the truth is a :class:`closedloop.sim.plants.Plant` (RK4 at a finer internal
 step, or the physics engine for a physics-backed plant), the observer anything with
 ``reset(z0_hat)`` and ``update(y, u) -> z_hat`` (predictor form, see
-:mod:`sdk.observer.systems`).
+:mod:`closedloop.sdk.observer.systems`).
 
 Notes
 -----
@@ -26,7 +26,7 @@ from typing import Protocol
 
 import numpy as np
 
-from sim.plants import Plant, rk4_step
+from closedloop.sim.plants import Plant, rk4_step
 
 __all__ = ["Observer", "SimResult", "simulate"]
 
@@ -95,7 +95,7 @@ def simulate(truth: Plant | Callable[[np.ndarray, np.ndarray, float], np.ndarray
     Parameters
     ----------
     truth : Plant or callable
-        A plant from :mod:`sim.plants`; or ``f(x, u, t) -> dx/dt``, then ``h``, ``x0`` and
+        A plant from :mod:`closedloop.sim.plants`; or ``f(x, u, t) -> dx/dt``, then ``h``, ``x0`` and
         ``n_u`` are required and ``disturbance(t)`` / ``n_d`` optional.
     observer : Observer
         ``reset(z0_hat)``, ``update(y, u) -> z_hat`` (one call per sample).

@@ -1,10 +1,10 @@
 """The observer's model of each plant: extended-state matrices, their discretisation and a linear gain.
 
-Every observer in :mod:`sdk.observer` (the certified neural observer and the classical
+Every observer in :mod:`closedloop.sdk.observer` (the certified neural observer and the classical
 baselines) is built on an :class:`ObserverSystem`: the plant model the observer runs,
 in discrete time at the deployed sample time ``dt`` (default 1 ms), with the unknown
 disturbance appended to the state.  :func:`observer_system` builds it for the plants of
-:mod:`sim.plants` (``x29-*``, ``flexible-joint``, ``van-der-pol``, ``cartpole``) from the
+:mod:`closedloop.sim.plants` (``x29-*``, ``flexible-joint``, ``van-der-pol``, ``cartpole``) from the
 same matrices the plants integrate.
 
 Notes
@@ -96,7 +96,7 @@ import numpy as np
 import scipy.linalg
 import scipy.signal
 
-from sim.plants import (
+from closedloop.sim.plants import (
     CARTPOLE,
     FLEXIBLE_JOINT,
     X29_MODELS,
@@ -105,7 +105,7 @@ from sim.plants import (
     van_der_pol_matrices,
     x29_matrices,
 )
-from sim.plants.cartpole import ROD_INERTIA
+from closedloop.sim.plants.cartpole import ROD_INERTIA
 
 __all__ = ["ObserverSystem", "observer_system", "register_system", "SYSTEMS", "place_observer_gain",
            "kalman_gain", "default_poles", "array_module", "GAINS"]
@@ -411,8 +411,8 @@ class ObserverSystem:
         return np.diag(self.process_noise_std ** 2) * self.dt
 
     def make_plant(self, **overrides: Any) -> Any:
-        """The true plant this model describes (``sim.plants.make_plant``)."""
-        from sim.plants import make_plant
+        """The true plant this model describes (``closedloop.sim.plants.make_plant``)."""
+        from closedloop.sim.plants import make_plant
 
         return make_plant(self.name, **{**self.plant_params, **overrides})
 

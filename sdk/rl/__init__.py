@@ -5,9 +5,9 @@ state-action pairs of earlier successful and unsuccessful trajectories
 (:class:`VisitationReward`, in three forms: success visitation matching, its
 potential-based variant, and a success-only GAIL-like one); :class:`SuccessVisitationWrapper`
 applies it to any gymnasium environment that reports ``is_success``, and
-:mod:`sdk.rl.sb3` plugs it into stable-baselines3.  :func:`fine_tune` runs the whole
+:mod:`closedloop.sdk.rl.sb3` plugs it into stable-baselines3.  :func:`fine_tune` runs the whole
 recipe on a Panda task (behaviour cloning from scripted demonstrations, then SAC), and
-:mod:`sdk.rl.deploy` exports the policy to a bundle and runs it against the emulator.
+:mod:`closedloop.sdk.rl.deploy` exports the policy to a bundle and runs it against the emulator.
 The method, formulas and workflow are in ``docs/rl.md``.
 """
 

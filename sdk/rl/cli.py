@@ -1,6 +1,6 @@
 """``closedloop rl-train``: pre-train a Panda policy, fine-tune it with SAC on a (shaped) success reward, export it.
 
-The command runs :func:`sdk.rl.finetune.fine_tune` with a :class:`~sdk.rl.FineTuneConfig`
+The command runs :func:`closedloop.sdk.rl.finetune.fine_tune` with a :class:`~closedloop.sdk.rl.FineTuneConfig`
 made from its options (or read from a JSON file written by an earlier run), prints the
 in-process success curve as it goes, writes the run's record (configuration, curve,
 discriminator statistics) as ``run.json`` and, for the hand-only tasks (reach, push),

@@ -99,7 +99,7 @@ class ShapingConfig(_Json):
 
 @dataclass
 class FineTuneConfig(_Json):
-    """One pre-train + fine-tune run on a Panda task (see :func:`sdk.rl.fine_tune`).
+    """One pre-train + fine-tune run on a Panda task (see :func:`closedloop.sdk.rl.fine_tune`).
 
     Attributes
     ----------
@@ -131,7 +131,7 @@ class FineTuneConfig(_Json):
         The actor's learning rate is ``learning_rate * actor_lr_scale``.
     prior_weight : float
         Weight of the pull towards the frozen pre-trained policy in the actor's loss
-        (:class:`~sdk.rl.regularised_sac.PriorRegularisedSAC`, TD3+BC-style: the Q term is divided by
+        (:class:`~closedloop.sdk.rl.regularised_sac.PriorRegularisedSAC`, TD3+BC-style: the Q term is divided by
         the batch's mean |Q|).  0: plain SAC, which collapses the cloned push policy.
     init_log_std : float
         Log standard deviation of the pre-trained actor's (pre-tanh) Gaussian.

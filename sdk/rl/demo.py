@@ -40,8 +40,8 @@ def rl_demo(out_dir: str | Path, task: str = "push", demos: int = 20, episodes: 
     ``bundle`` and the session summary's ``family`` (``episodes``, ``successes``,
     ``success_rate``) and ``loop`` parts.
     """
-    import sim  # noqa: F401  (registers sim://)
-    from runtime import SessionConfig, load_bundle, run_session
+    from closedloop import sim  # noqa: F401  (registers sim://)
+    from closedloop.runtime import SessionConfig, load_bundle, run_session
 
     from .deploy import export_policy
     from .finetune import collect_demonstrations, make_task_env, observation_stats
@@ -71,7 +71,7 @@ def rl_demo(out_dir: str | Path, task: str = "push", demos: int = 20, episodes: 
     finally:
         env.close()
     say(f"in-process success (deterministic, 10 episodes): {inproc:.2f}")
-    bundle = export_policy(net, mean, std, task, out / f"{task}_policy", provenance={"demo": "sdk.rl.demo.rl_demo"})
+    bundle = export_policy(net, mean, std, task, out / f"{task}_policy", provenance={"demo": "closedloop.sdk.rl.demo.rl_demo"})
     steps = int(episodes * load_bundle(bundle).manifest.extra["policy"]["episode_steps"] + 5)
     say(f"exported {bundle}; running {episodes} episodes ({steps} steps at 25 Hz) through the runtime")
     summary = run_session(bundle, SessionConfig(device=f"sim://panda?task={task}&seed={seed + 1}", backend=backend,

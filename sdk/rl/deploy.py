@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from runtime.families.policy import wilson_interval
+from closedloop.runtime.families.policy import wilson_interval
 
 __all__ = ["export_policy", "policy_module", "run_deployed", "compare_deployment", "DeploymentComparison"]
 
@@ -39,8 +39,8 @@ def export_policy(actor: nn.Module, mean: np.ndarray, std: np.ndarray, task: str
     ``actor`` is a SAC actor (or any module mapping standardised observations to actions
     in ``[-1, 1]``); ``mean``/``std`` are the observation statistics it was trained with.
     """
-    from export import export_bundle
-    from sim.devices.panda_scene import task_class
+    from closedloop.export import export_bundle
+    from closedloop.sim.devices.panda_scene import task_class
 
     cls = task_class(task)
     t = cls()
@@ -78,8 +78,8 @@ def run_deployed(bundle: str | Path, episodes: int, seed: int = 0, backend: str 
     ``episodes`` episodes plus a few steps; ``family`` in the result holds ``episodes``,
     ``successes``, ``success_rate`` and its Wilson interval, ``loop`` the step latencies.
     """
-    import sim  # noqa: F401 - registers sim://
-    from runtime import Session, SessionConfig, load_bundle
+    from closedloop import sim  # noqa: F401 - registers sim://
+    from closedloop.runtime import Session, SessionConfig, load_bundle
 
     b = load_bundle(bundle)
     pol = b.manifest.extra["policy"]
@@ -125,8 +125,8 @@ class DeploymentComparison:
 def compare_deployment(bundle: str | Path, act, episodes: int, seed: int = 0, backend: str = "auto"
                        ) -> DeploymentComparison:
     """Success over ``episodes`` episodes through the runtime + emulator vs ``act`` (raw obs -> action) in-process."""
-    from runtime import load_bundle
-    from sim.manipulation import PandaTaskEnv
+    from closedloop.runtime import load_bundle
+    from closedloop.sim.manipulation import PandaTaskEnv
 
     from .sb3 import evaluate_success
 

@@ -7,15 +7,15 @@ demonstrations (mean squared error on the squashed action) and sets its log stan
 deviation; :func:`fine_tune` then
 
 1. standardises observations with statistics of the demonstrations (frozen:
-   :class:`~sdk.rl.wrapper.FixedNormalization`, repeated in the exported bundle),
-2. wraps the environment in :class:`~sdk.rl.wrapper.SuccessVisitationWrapper` (the
-   reward of ``config.shaping``) and gives SAC a :class:`~sdk.rl.sb3.ShapedReplayBuffer`
+   :class:`~closedloop.sdk.rl.wrapper.FixedNormalization`, repeated in the exported bundle),
+2. wraps the environment in :class:`~closedloop.sdk.rl.wrapper.SuccessVisitationWrapper` (the
+   reward of ``config.shaping``) and gives SAC a :class:`~closedloop.sdk.rl.sb3.ShapedReplayBuffer`
    sharing the discriminator,
 3. seeds the SAC replay and the discriminator's labelled replay with the
    demonstrations and ``prior_episodes`` episodes of the pre-trained policy,
 4. fits the critic on that replay (``critic_pretrain_steps``, actor frozen),
 5. learns for ``total_steps`` environment steps with
-   :class:`~sdk.rl.regularised_sac.PriorRegularisedSAC` (actor frozen for the first
+   :class:`~closedloop.sdk.rl.regularised_sac.PriorRegularisedSAC` (actor frozen for the first
    ``actor_warmup_steps``, then pulled towards the frozen cloned policy: plain SAC
    collapses it), evaluating the deterministic policy in-process on the outcome only.
 """
@@ -40,8 +40,8 @@ __all__ = ["collect_demonstrations", "observation_stats", "behaviour_clone", "fi
 
 
 def make_task_env(task: str, mean: np.ndarray | None = None, std: np.ndarray | None = None):
-    """A :class:`sim.manipulation.PandaTaskEnv`, standardised when ``mean``/``std`` are given."""
-    from sim.manipulation import PandaTaskEnv
+    """A :class:`closedloop.sim.manipulation.PandaTaskEnv`, standardised when ``mean``/``std`` are given."""
+    from closedloop.sim.manipulation import PandaTaskEnv
 
     env = PandaTaskEnv(task)
     return env if mean is None else FixedNormalization(env, mean, std)
@@ -50,7 +50,7 @@ def make_task_env(task: str, mean: np.ndarray | None = None, std: np.ndarray | N
 def collect_demonstrations(task: str, episodes: int, noise: float = 0.1, seed: int = 0) -> list[dict[str, Any]]:
     """Scripted-controller episodes on seeds ``seed * 1000 + e``: dicts of ``obs``, ``actions``,
     ``next_obs``, ``rewards``, ``success`` (raw, unnormalised observations)."""
-    from sim.manipulation import scripted_controller
+    from closedloop.sim.manipulation import scripted_controller
 
     env = make_task_env(task)
     controller = scripted_controller(task, noise=noise, seed=seed)

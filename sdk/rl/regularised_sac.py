@@ -13,7 +13,7 @@ frozen pre-trained policy as the reference, on every replayed state:
 ``mean|Q|`` the batch mean of the critic's values (detached: the scale of Q does not set
 the step size, so sparse and shaped rewards get the same trust region), ``w`` is
 ``prior_weight``.  The actor learns ``actor_lr_scale`` times slower than the critic, and
-while its parameters are frozen (:class:`~sdk.rl.sb3.ActorWarmup`, or
+while its parameters are frozen (:class:`~closedloop.sdk.rl.sb3.ActorWarmup`, or
 :meth:`pretrain_critic`) its loss is not even computed.
 """
 

@@ -102,7 +102,7 @@ class VisitationReward:
     Examples
     --------
     >>> import numpy as np
-    >>> from sdk.rl import ShapingConfig, VisitationReward
+    >>> from closedloop.sdk.rl import ShapingConfig, VisitationReward
     >>> vr = VisitationReward(ShapingConfig(kind="svm", lam=0.1, beta=2.0), obs_dim=1, act_dim=1)
     >>> vr.add_episode(np.ones((5, 1)), np.ones((5, 1)), np.ones((5, 1)), success=True)
     >>> vr.add_episode(-np.ones((5, 1)), -np.ones((5, 1)), -np.ones((5, 1)), success=False)

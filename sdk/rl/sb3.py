@@ -35,7 +35,7 @@ class ShapedReplayBuffer(ReplayBuffer):
     """A :class:`~stable_baselines3.common.buffers.ReplayBuffer` whose rewards are outcome + current bonus.
 
     Pass ``replay_buffer_class=ShapedReplayBuffer, replay_buffer_kwargs={"reward_model": vr}``
-    to SAC; the environment must be wrapped in :class:`~sdk.rl.SuccessVisitationWrapper`
+    to SAC; the environment must be wrapped in :class:`~closedloop.sdk.rl.SuccessVisitationWrapper`
     sharing ``vr`` (it puts ``outcome_reward`` in ``info``).  One environment only.
     """
 

@@ -2,7 +2,7 @@
 
 :class:`SuccessVisitationWrapper` records every transition of the episode in progress;
 when the episode ends it labels the trajectory by ``info["is_success"]`` (at the last
-step, or at any step), adds it to the :class:`~sdk.rl.reward.VisitationReward`'s
+step, or at any step), adds it to the :class:`~closedloop.sdk.rl.reward.VisitationReward`'s
 labelled replay and refits the discriminator.  Each step's reward is the outcome
 reward plus the bonus of the current discriminator; ``info`` carries both parts
 (``outcome_reward``, ``shaping_bonus``) and, at an episode's end, the outcome-only
@@ -41,7 +41,7 @@ class SuccessVisitationWrapper(gym.Wrapper):
         The reward form and discriminator settings.
     reward : VisitationReward, optional
         Share one discriminator between several wrappers or with a relabelling replay
-        buffer (:class:`sdk.rl.sb3.ShapedReplayBuffer`); built from ``config`` if None.
+        buffer (:class:`closedloop.sdk.rl.sb3.ShapedReplayBuffer`); built from ``config`` if None.
     seed : int
         Seeds the discriminator.
     """

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from runtime.onnx_reader import OnnxModel
+from closedloop.runtime.onnx_reader import OnnxModel
 
 from .faults import BitFlip, weight_tensors
 

@@ -1,7 +1,7 @@
 """Record the protected layout in a bundle, with an int8 variant that keeps the constraints exact.
 
-``protect_bundle`` takes a bundle exported (by ``export.export_bundle`` or a family's
-exporter such as ``sdk.bci.deploy.export_bci_bundle``) from a model that went through
+``protect_bundle`` takes a bundle exported (by ``closedloop.export.export_bundle`` or a family's
+exporter such as ``closedloop.sdk.bci.deploy.export_bci_bundle``) from a model that went through
 ``protect`` and ``finalize``. It checks that every protected initializer really holds
 the constraints, measures the float check tolerances of each stored precision (fp32,
 and fp16 when the bundle has that variant), adds (or replaces) the ``int8`` variant with
@@ -17,11 +17,11 @@ from pathlib import Path
 
 import numpy as np
 
-from export.parity import Tolerance, compare, make_parity_inputs, ort_runner
-from export.tensorrt import tensorrt_compatibility
-from export.writer import write_bundle
-from runtime.bundle import load_bundle
-from runtime.scrubber import (
+from closedloop.export.parity import Tolerance, compare, make_parity_inputs, ort_runner
+from closedloop.export.tensorrt import tensorrt_compatibility
+from closedloop.export.writer import write_bundle
+from closedloop.runtime.bundle import load_bundle
+from closedloop.runtime.scrubber import (
     LAYOUT_VERSION,
     ROBUST_EXTRA,
     block_positions,
@@ -85,7 +85,7 @@ def protect_bundle(path: str | Path, plan: ProtectionPlan, key: bytes | None = N
         if old is not None and old["file"] != rel:
             files.pop(old["file"], None)
         spec.variants["int8"] = {
-            "file": rel, "quantizer": "sdk.robust weight-only int8, per-tensor symmetric, block sums exactly zero",
+            "file": rel, "quantizer": "closedloop.sdk.robust weight-only int8, per-tensor symmetric, block sums exactly zero",
             "parity_vs_fp32": parity, "within_tolerance": parity["within_tolerance"],
             "tolerance": INT8_TOLERANCE.to_dict(), "tensorrt_compatibility": tensorrt_compatibility(data),
         }

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from sdk.cli import command
+from closedloop.sdk.cli import command
 
 
 def _inject_args(p: argparse.ArgumentParser) -> None:
@@ -49,8 +49,8 @@ def _scrub_args(p: argparse.ArgumentParser) -> None:
 @command("scrub", "load a protected bundle, check every weight block, repair single bit flips and report",
          _scrub_args)
 def _scrub(a: argparse.Namespace) -> int:
-    from runtime import Model, load_bundle
-    from runtime.scrubber import WeightsCorruptedError, attach_scrubber, read_key
+    from closedloop.runtime import Model, load_bundle
+    from closedloop.runtime.scrubber import WeightsCorruptedError, attach_scrubber, read_key
 
     bundle = load_bundle(a.bundle, verify_checksums=not a.skip_checksum)
     model = Model(bundle, backend=a.backend, variant=None if a.variant == "fp32" else a.variant)

@@ -43,8 +43,8 @@ def make_protected_decoder(out: str | Path, key: bytes | None, n_channels: int =
     """A small GRU decoder in protected form, exported with ``protect_bundle`` (session: headstage frames in)."""
     import torch
 
-    from export import export_bundle
-    from sdk.models import GRUDecoder
+    from closedloop.export import export_bundle
+    from closedloop.sdk.models import GRUDecoder
 
     from .bundle import protect_bundle
     from .protect import finalize, protect
@@ -65,8 +65,8 @@ def robust_demo(out_dir: str | Path = "out/robust_demo", duration_s: float = 3.0
     """Run the demo; write ``robust_demo.json`` to ``out_dir`` and return its content."""
     import os
 
-    import sim  # noqa: F401  (registers sim://)
-    from runtime import Session, SessionConfig
+    from closedloop import sim  # noqa: F401  (registers sim://)
+    from closedloop.runtime import Session, SessionConfig
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -80,7 +80,7 @@ def robust_demo(out_dir: str | Path = "out/robust_demo", duration_s: float = 3.0
         cfg = SessionConfig(device="sim://headstage?channels=12&seed=3", backend="numba", duration_s=duration_s,
                             status=False, scrub=scrub, weights_key_file=str(key_file), scrub_budget_us=200.0)
         with Session(bundle, cfg) as s:
-            from runtime.scrubber import attach_scrubber
+            from closedloop.runtime.scrubber import attach_scrubber
 
             scrubber = s.scrubber.scrubber if s.scrubber is not None else attach_scrubber(
                 s.model, key=key, scrub_at_load=False)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from runtime.bundle import load_bundle
+from closedloop.runtime.bundle import load_bundle
 
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
@@ -104,7 +104,7 @@ def inject_faults(bundle_path: str | Path, out: str | Path, flips: int, mode: st
     """``closedloop inject-faults``: write a corrupted copy of a bundle (see the module docstring).
 
     ``mode="random"`` draws ``flips`` bits uniformly over the weights; ``"targeted"`` runs the
-    Bit-Flip-Attack-style progressive search (``sdk.robust.attack``), with ``adaptive=True``
+    Bit-Flip-Attack-style progressive search (``closedloop.sdk.robust.attack``), with ``adaptive=True``
     the variant that only flips sets keeping the block constraints of the *unkeyed* layout.
     """
     if adaptive and (mode != "targeted" or variant != "int8"):

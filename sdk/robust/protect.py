@@ -9,7 +9,7 @@ anything the exporter computed (sums, scalings) does not. A parameter is protect
 when one initializer is an exact re-arrangement of it (GRU gate reordering and
 transposed MatMul weights are; the GRU's concatenated bias pair is not).
 
-``protect`` then registers a :class:`~sdk.robust.projection.BlockZeroSum`
+``protect`` then registers a :class:`~closedloop.sdk.robust.projection.BlockZeroSum`
 parametrization on each protected parameter with the blocks mapped back into its own
 layout; fine-tune as usual; ``finalize`` bakes the projected values in (float64
 projection, then float32) before export.
@@ -26,8 +26,8 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from runtime.onnx_reader import parse_onnx
-from runtime.scrubber import block_positions, key_fingerprint
+from closedloop.runtime.onnx_reader import parse_onnx
+from closedloop.runtime.scrubber import block_positions, key_fingerprint
 
 from .projection import BlockZeroSum, project_numpy
 
@@ -61,7 +61,7 @@ class ProtectionPlan:
 
 
 def _export_bytes(module: nn.Module, example_input: torch.Tensor, kind: str) -> bytes:
-    from export.onnx_export import export_onnx
+    from closedloop.export.onnx_export import export_onnx
 
     return export_onnx(module, example_input, kind=kind, report=lambda s: None).onnx_bytes
 
@@ -142,7 +142,7 @@ def protect(model: nn.Module, example_input: torch.Tensor, *, kind: str = "recur
     Parameters
     ----------
     example_input
-        One input batch as for ``export.export_bundle`` (a single step for recurrent models).
+        One input batch as for ``closedloop.export.export_bundle`` (a single step for recurrent models).
     k
         Block size: two constraints per block, so ``2/k`` of the weights' freedom is given up.
     key

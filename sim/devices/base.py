@@ -3,7 +3,7 @@
 A device describes itself (:meth:`Device.hello`), produces its stream one tick at a
 time at its own rate (:meth:`Device.tick`), and reacts to host messages
 (:meth:`Device.on_message`).  It knows nothing about ports, framing, the handshake or
-faults: :class:`~sim.devices.runner.DeviceRunner` does all of that, so adding a device
+faults: :class:`~closedloop.sim.devices.runner.DeviceRunner` does all of that, so adding a device
 is one class plus :func:`register_device`.  Events a device wants the host to see go
 through :meth:`Device.notify` as STATUS messages (rate-limited per code).
 """
@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping, Sequence
 from enum import IntEnum
 from typing import Any, ClassVar, TypeVar
 
-from firmware_bridge import DeviceState, Hello, Message, Severity, Status
+from closedloop.firmware_bridge import DeviceState, Hello, Message, Severity, Status
 
 from ..params import COMMON_PARAMS, FAULT_PARAMS, Param, ParamError, import_plugins, parse_params
 from ..registry import registrar
@@ -137,7 +137,7 @@ DEVICES: dict[str, type[Device]] = {}
 
 
 def register_device(name: str, *, replace: bool = False) -> Callable[[D], D]:
-    """Class decorator: make ``sim://NAME`` and ``python -m sim NAME`` start this device."""
+    """Class decorator: make ``sim://NAME`` and ``python -m closedloop.sim NAME`` start this device."""
     return registrar(DEVICES, "device name", name, replace)
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from firmware_bridge import DecoderOutput, Hello, Message, NeuralFrame
+from closedloop.firmware_bridge import DecoderOutput, Hello, Message, NeuralFrame
 
 from ..params import Param
 from ..sources import NEURAL_SOURCES, make_source, source_class

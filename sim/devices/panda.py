@@ -14,7 +14,7 @@ default to the task's control and physics rates, every ``episode_steps`` ticks t
 episode's outcome (success at its last tick) is counted and a new episode starts
 (arm back to the start pose, object and goal drawn again), and each tick also sends
 a PLANT_MEASUREMENT whose ``y`` is the task's observation vector (the layout of
-``sim.manipulation.tasks``) and whose ``u`` is ``[episode, step, success now,
+``closedloop.sim.manipulation.tasks``) and whose ``u`` is ``[episode, step, success now,
 episodes done, episodes succeeded]``; a host reads the deployed success rate there.
 The first episode's clock starts with the first JOINT_COMMAND (the arm waits at the
 start pose until the host acts), so a slow host start does not cost it steps.
@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from firmware_bridge import Hello, JointCommand, JointMode, JointState, Message, PlantMeasurement, Severity
+from closedloop.firmware_bridge import Hello, JointCommand, JointMode, JointState, Message, PlantMeasurement, Severity
 
 from ..params import Param
 from .base import Device, StatusCode, register_device

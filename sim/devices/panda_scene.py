@@ -7,7 +7,7 @@ the 7 arm joints and the gripper opening (the sum of the two finger joints, 0..0
 A :class:`Task` adds bodies to the scene, starts episodes, turns the scene into an
 observation vector and says when it is solved; tasks are registered by name
 (``sim://panda?task=NAME``).  The same task objects drive the gymnasium environments
-of :mod:`sim.manipulation` (reach, push, pick-and-place live there), so an emulated
+of :mod:`closedloop.sim.manipulation` (reach, push, pick-and-place live there), so an emulated
 episode and an in-process episode run the same code.  PyBullet is imported when a
 scene is built, so importing this module is cheap.
 """

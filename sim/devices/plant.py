@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from firmware_bridge import ActuatorCommand, Hello, Message, PlantMeasurement, Severity
+from closedloop.firmware_bridge import ActuatorCommand, Hello, Message, PlantMeasurement, Severity
 
 from ..params import Param
 from ..plants import PLANTS, make_plant, plant_class, rk4_step

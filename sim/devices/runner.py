@@ -1,8 +1,8 @@
-"""Runs one :class:`~sim.devices.base.Device` on a serial port: handshake, pacing, heartbeats, faults.
+"""Runs one :class:`~closedloop.sim.devices.base.Device` on a serial port: handshake, pacing, heartbeats, faults.
 
 :class:`DeviceRunner` is the emulator's firmware main loop.  It opens the port with
 the same transports a host uses (pyserial for a device path), wraps it in a
-:class:`~sim.faults.FaultyTransport` and a device-role :class:`~firmware_bridge.Link`,
+:class:`~closedloop.sim.faults.FaultyTransport` and a device-role :class:`~closedloop.firmware_bridge.Link`,
 and then, in one thread: announces the device's HELLO once per second until a host
 HELLO arrives, answers every host HELLO with a fresh HELLO, streams the device's
 ticks at its rate on an absolute schedule (catching up after a hiccup, skipping
@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from firmware_bridge import (
+from closedloop.firmware_bridge import (
     DeviceNotConnectedError,
     DeviceState,
     Heartbeat,

@@ -4,7 +4,7 @@
 on FALCON H2's dates (192 channels, 20 ms bins, one prompted sentence per trial) with
 drift across days; ``HandwritingConfig.tiny()`` is a seconds-free version for tests.
 The data model (:class:`Session`, :class:`Trial`) is shared with the NWB loader in
-``sdk.bci.nwb``, which reads real FALCON H2 files into the same types.
+``closedloop.sdk.bci.nwb``, which reads real FALCON H2 files into the same types.
 See ``docs/handwriting_data.md``.
 """
 

@@ -1,7 +1,7 @@
 """Gymnasium environments on the PyBullet Panda: one task, one headless PyBullet client per environment.
 
 ``PandaTaskEnv("push")`` (or ``gymnasium.make("closedloop/PandaPush-v0")``) wraps a
-:class:`~sim.manipulation.tasks.TabletopTask` in gymnasium's API: ``reset(seed=)``
+:class:`~closedloop.sim.manipulation.tasks.TabletopTask` in gymnasium's API: ``reset(seed=)``
 draws the object and goal from a generator seeded by ``seed`` (the same seed gives
 the same episode), ``step(action)`` commands the hand and runs ``physics_hz /
 control_hz`` physics steps, the reward is 1.0 in a step that ends in the success set
@@ -105,5 +105,5 @@ def register_envs() -> None:
     """Register :data:`ENV_IDS` with gymnasium (idempotent)."""
     for task, env_id in ENV_IDS.items():
         if env_id not in gym.registry:
-            gym.register(env_id, entry_point="sim.manipulation.env:PandaTaskEnv", kwargs={"task": task},
+            gym.register(env_id, entry_point="closedloop.sim.manipulation.env:PandaTaskEnv", kwargs={"task": task},
                          max_episode_steps=None, disable_env_checker=False)

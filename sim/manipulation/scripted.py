@@ -1,7 +1,7 @@
 """Scripted controllers for the Panda tasks: demonstrations for behaviour cloning, and a reference success rate.
 
 A controller reads only the task's observation vector (the layouts of
-:mod:`sim.manipulation.tasks`), so it runs the same in-process or on the far side of
+:mod:`closedloop.sim.manipulation.tasks`), so it runs the same in-process or on the far side of
 the wire.  Each is a small phase machine: ``reset()`` at the start of an episode, then
 ``act(obs)`` once per step returns an action in ``[-1, 1]``.  ``noise`` adds Gaussian
 action noise (diverse demonstrations); :func:`rollout_controller` runs episodes and

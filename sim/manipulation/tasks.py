@@ -1,7 +1,7 @@
 """Tabletop tasks for the Franka Panda: reach, push and pick-and-place.
 
-Each task is a :class:`~sim.devices.panda_scene.Task`: the same object drives the
-gymnasium environment (:class:`sim.manipulation.PandaTaskEnv`) and the emulator
+Each task is a :class:`~closedloop.sim.devices.panda_scene.Task`: the same object drives the
+gymnasium environment (:class:`closedloop.sim.manipulation.PandaTaskEnv`) and the emulator
 (``sim://panda?task=push``), so an episode in-process and an episode over the wire run
 the same scene code.  The arm is commanded in end-effector space: an action's first
 three values in ``[-1, 1]`` move the hand target by up to ``action_scale_m`` along x, y

@@ -3,7 +3,7 @@
 The X-29A, the flexible-joint robot and Van der Pol share this structure; each
 subclass supplies its matrices, its known nonlinearity and its disturbance.  The
 matrices are public (``A``, ``B``, ``E``, ``C``) because the observer's model
-(``sdk.observer.systems``) is built from the same numbers, so the plant and the model
+(``closedloop.sdk.observer.systems``) is built from the same numbers, so the plant and the model
 cannot drift apart silently; a plant may still differ from the model on purpose
 (``A_true``, ``B_true``: model and actuator uncertainty).
 """

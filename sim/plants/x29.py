@@ -29,7 +29,7 @@ rudder).  The plant is
   the gust-extended model observable and well conditioned (measuring alpha resp. beta is
   needed: the gust enters exactly like the angle itself).
   Measurement noise is added by whoever samples ``y`` (the plant emulator's ``noise``,
-  ``sdk.observer.simulate``'s ``noise``).
+  ``closedloop.sdk.observer.simulate``'s ``noise``).
 """
 
 from __future__ import annotations

@@ -90,7 +90,7 @@ def source_class(name: str) -> type[NeuralSource]:
     except KeyError:
         raise UnknownSourceError(f"no neural source named {name!r}; registered: "
                                  f"{', '.join(sorted(NEURAL_SOURCES))} (add one with "
-                                 "sim.sources.register_source)") from None
+                                 "closedloop.sim.sources.register_source)") from None
 
 
 def make_source(name: str, n_channels: int, rate_hz: float, seed: int = 0, **params: Any) -> NeuralSource:

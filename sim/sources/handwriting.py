@@ -1,7 +1,7 @@
 """Synthetic handwriting trials streamed bin by bin: ``sim://headstage?source=handwriting&session=21``.
 
 The source plays one session of the synthetic handwriting recording
-(:mod:`sim.handwriting`): ``gap_s`` seconds of resting activity, then a trial (one
+(:mod:`closedloop.sim.handwriting`): ``gap_s`` seconds of resting activity, then a trial (one
 prompted sentence, bin by bin), then the next gap and trial, and after the last
 trial it starts the session again (or rests, with ``loop=0``). Trials are generated
 one at a time as they are reached, so starting is instant even at 192 channels.

@@ -10,10 +10,10 @@ import onnx
 import pytest
 from onnx import numpy_helper
 
-from export import write_bundle
-from runtime.bundle import load_bundle
-from runtime.errors import BundleError
-from runtime.manifest import MANIFEST_NAME, Manifest
+from closedloop.export import write_bundle
+from closedloop.runtime.bundle import load_bundle
+from closedloop.runtime.errors import BundleError
+from closedloop.runtime.manifest import MANIFEST_NAME, Manifest
 
 
 @pytest.fixture

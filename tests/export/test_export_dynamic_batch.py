@@ -7,7 +7,7 @@ import onnxruntime as ort
 import pytest
 import torch
 
-from runtime.bundle import load_bundle
+from closedloop.runtime.bundle import load_bundle
 
 
 @pytest.mark.parametrize("variant", [None, "fp16", "int8"])

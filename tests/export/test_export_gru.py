@@ -8,9 +8,9 @@ import onnxruntime as ort
 import pytest
 import torch
 
-from export import GraphCheckError
-from export.onnx_export import check_gru_nodes
-from runtime.onnx_reader import parse_onnx, read_onnx
+from closedloop.export import GraphCheckError
+from closedloop.export.onnx_export import check_gru_nodes
+from closedloop.runtime.onnx_reader import parse_onnx, read_onnx
 
 
 def test_one_gru_node_per_layer_with_linear_before_reset(gru_bundle):

@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from export import ExportError, ParityError, Tolerance, export_bundle
-from runtime.bundle import load_bundle
+from closedloop.export import ExportError, ParityError, Tolerance, export_bundle
+from closedloop.runtime.bundle import load_bundle
 
 
 class FrozenBranch(nn.Module):

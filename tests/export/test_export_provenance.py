@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from export import ExportError, export_bundle
-from export.provenance import export_provenance, jsonable
-from runtime.bundle import load_bundle
+from closedloop.export import ExportError, export_bundle
+from closedloop.export.provenance import export_provenance, jsonable
+from closedloop.runtime.bundle import load_bundle
 
 
 def test_bundle_provenance(tmp_path, mlp_module, quiet):
@@ -25,7 +25,7 @@ def test_bundle_provenance(tmp_path, mlp_module, quiet):
 
 
 def test_provenance_without_git_or_install(monkeypatch):
-    import export.provenance as p
+    import closedloop.export.provenance as p
 
     monkeypatch.setattr(p, "_git", lambda *a: None)
     monkeypatch.setattr(p, "_dist_version", lambda name: None)

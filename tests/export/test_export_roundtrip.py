@@ -7,10 +7,10 @@ import json
 import numpy as np
 import torch
 
-from export import export_bundle
-from runtime.backends.base import BackendOptions
-from runtime.backends.onnxruntime_backend import OrtCpuBackend
-from runtime.bundle import load_bundle, sha256_file
+from closedloop.export import export_bundle
+from closedloop.runtime.backends.base import BackendOptions
+from closedloop.runtime.backends.onnxruntime_backend import OrtCpuBackend
+from closedloop.runtime.bundle import load_bundle, sha256_file
 
 
 def test_gru_bundle_loads_with_state_pairs_and_checksums(gru_bundle):

@@ -9,9 +9,9 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
-import export.tensorrt as trt_mod
-from export import build_tensorrt_engines, tensorrt_compatibility
-from runtime.bundle import load_bundle
+import closedloop.export.tensorrt as trt_mod
+from closedloop.export import build_tensorrt_engines, tensorrt_compatibility
+from closedloop.runtime.bundle import load_bundle
 
 
 def _graph(op: str, domain: str = "", opset: int = 17, **attrs) -> bytes:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from export import ExportError, ExportOptions, Tolerance, export_bundle
-from runtime.bundle import load_bundle
+from closedloop.export import ExportError, ExportOptions, Tolerance, export_bundle
+from closedloop.runtime.bundle import load_bundle
 
 
 def test_gru_variants_have_parity_numbers(gru_bundle):

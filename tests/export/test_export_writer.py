@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-import export.writer as writer
-from export import ExportError, write_bundle
-from runtime.bundle import load_bundle
-from runtime.manifest import MANIFEST_NAME, Manifest
+import closedloop.export.writer as writer
+from closedloop.export import ExportError, write_bundle
+from closedloop.runtime.bundle import load_bundle
+from closedloop.runtime.manifest import MANIFEST_NAME, Manifest
 
 
 class Crash(RuntimeError):

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from hypothesis import strategies as st
 
-from firmware_bridge import (
+from closedloop.firmware_bridge import (
     ActuatorCommand,
     DecoderOutput,
     DeviceState,

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import numpy as np
 
-import firmware_bridge
-from firmware_bridge import (
+from closedloop import firmware_bridge
+from closedloop.firmware_bridge import (
     ActuatorCommand,
     FrameParser,
     FrameSigner,

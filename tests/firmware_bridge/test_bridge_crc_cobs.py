@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from firmware_bridge import FrameError, cobs_decode, cobs_encode, crc32c
-from firmware_bridge.cobs import cobs_max_encoded_len
+from closedloop.firmware_bridge import FrameError, cobs_decode, cobs_encode, crc32c
+from closedloop.firmware_bridge.cobs import cobs_max_encoded_len
 
 
 def crc32c_reference(data: bytes) -> int:

@@ -7,8 +7,8 @@ import importlib
 
 import pytest
 
-MODULES = ["firmware_bridge.crc", "firmware_bridge.cobs", "firmware_bridge.parser",
-           "firmware_bridge.transports.base", "firmware_bridge.transports.spy"]
+MODULES = ["closedloop.firmware_bridge.crc", "closedloop.firmware_bridge.cobs", "closedloop.firmware_bridge.parser",
+           "closedloop.firmware_bridge.transports.base", "closedloop.firmware_bridge.transports.spy"]
 
 
 @pytest.mark.parametrize("name", MODULES)

@@ -6,7 +6,7 @@ import struct
 
 import pytest
 
-from firmware_bridge import (
+from closedloop.firmware_bridge import (
     HEADER_LEN,
     MAX_PAYLOAD_LEN,
     ActuatorCommand,

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-import firmware_bridge
+from closedloop import firmware_bridge
 
 PACKAGE = Path(firmware_bridge.__file__).parent
 ALLOWED = {"numpy", "serial", "firmware_bridge"}

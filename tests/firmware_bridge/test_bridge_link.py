@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from firmware_bridge import (
+from closedloop.firmware_bridge import (
     ActuatorCommand,
     DeviceNotConnectedError,
     Heartbeat,

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import pytest
 
-from firmware_bridge import (
+from closedloop.firmware_bridge import (
     MAX_ENCODED_FRAME_LEN,
     FrameParser,
     Heartbeat,
     UnknownMessage,
     encode_frame,
 )
-from firmware_bridge.frame import MAX_PAYLOAD_LEN
+from closedloop.firmware_bridge.frame import MAX_PAYLOAD_LEN
 
 
 @pytest.mark.parametrize("chunk", [1, 100, 5000, 100_000])

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from firmware_bridge import (
+from closedloop.firmware_bridge import (
     MESSAGE_TYPES,
     ActuatorCommand,
     DecoderOutput,
@@ -31,7 +31,7 @@ from firmware_bridge import (
     encode_frame,
     register_message,
 )
-from firmware_bridge.messages import PayloadReader
+from closedloop.firmware_bridge.messages import PayloadReader
 
 
 @settings(max_examples=300, deadline=None)

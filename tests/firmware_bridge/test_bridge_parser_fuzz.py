@@ -6,7 +6,7 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from firmware_bridge import FrameParser, Heartbeat, NeuralFrame, PlantMeasurement, encode_frame
+from closedloop.firmware_bridge import FrameParser, Heartbeat, NeuralFrame, PlantMeasurement, encode_frame
 
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

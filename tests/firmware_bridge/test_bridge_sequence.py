@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from firmware_bridge import FrameParser, Heartbeat, Hello, encode_frame
+from closedloop.firmware_bridge import FrameParser, Heartbeat, Hello, encode_frame
 
 
 def _feed(seqs: list[int], parser: FrameParser | None = None, hello_at: tuple[int, ...] = ()) -> tuple[list[int],

@@ -8,7 +8,7 @@ import struct
 
 import pytest
 
-from firmware_bridge import (
+from closedloop.firmware_bridge import (
     FrameParser,
     FrameSigner,
     FrameVerifier,
@@ -53,7 +53,7 @@ def test_wrong_key_is_refused() -> None:
 def test_tampered_frame_with_fixed_crc_is_refused() -> None:
     raw = bytearray(cobs_decode(encode_frame(NeuralFrame(1, [5, 5]), 0, 0, FrameSigner(KEY))[:-1]))
     raw[26] ^= 1  # change a count, then repair the CRC as an attacker would
-    from firmware_bridge import cobs_encode, crc32c
+    from closedloop.firmware_bridge import cobs_encode, crc32c
 
     raw[-4:] = crc32c(bytes(raw[:-4])).to_bytes(4, "little")
     parser = FrameParser(FrameVerifier(KEY))

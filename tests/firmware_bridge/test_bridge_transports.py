@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from firmware_bridge import (
+from closedloop.firmware_bridge import (
     DeviceNotConnectedError,
     FrameParser,
     Heartbeat,
@@ -23,7 +23,7 @@ from firmware_bridge import (
     register_transport,
     registered_schemes,
 )
-from firmware_bridge.transports import SerialTransport, split_device_url
+from closedloop.firmware_bridge.transports import SerialTransport, split_device_url
 
 
 def _read_until(transport: Transport, size: int, timeout: float = 2.0) -> bytes:
@@ -220,7 +220,7 @@ def test_spy_can_log_to_a_logger(caplog: pytest.LogCaptureFixture) -> None:
 
 
 def test_ftdi_latency_timer_is_read_from_sysfs(tmp_path) -> None:
-    from firmware_bridge.transports import ftdi_latency_timer_ms
+    from closedloop.firmware_bridge.transports import ftdi_latency_timer_ms
 
     (tmp_path / "ttyUSB3").mkdir()
     (tmp_path / "ttyUSB3" / "latency_timer").write_text("16\n")

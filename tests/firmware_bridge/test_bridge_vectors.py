@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-import firmware_bridge
-from firmware_bridge import FrameParser, FrameVerifier
-from firmware_bridge.vectors import VECTORS_PATH, build_vectors, write_c_vectors
+from closedloop import firmware_bridge
+from closedloop.firmware_bridge import FrameParser, FrameVerifier
+from closedloop.firmware_bridge.vectors import VECTORS_PATH, build_vectors, write_c_vectors
 
 C_DIR = Path(firmware_bridge.__file__).parent / "c"
 CFLAGS = ["-std=c99", "-Wall", "-Wextra", "-Werror", "-pedantic", "-O2"]
@@ -25,7 +25,7 @@ def vectors() -> dict:
 
 def test_checked_in_vectors_are_current(vectors: dict) -> None:
     assert vectors == json.loads(json.dumps(build_vectors())), (
-        "frames.json is stale: run `python -m firmware_bridge.vectors` and review the diff")
+        "frames.json is stale: run `python -m closedloop.firmware_bridge.vectors` and review the diff")
 
 
 def test_vectors_cover_every_message_type_and_every_rejection(vectors: dict) -> None:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-import firmware_bridge
+from closedloop import firmware_bridge
 
 C_DIR = Path(firmware_bridge.__file__).parent / "c"
 # The example defines _XOPEN_SOURCE 600 itself (posix_openpt, clock_gettime, sigaction).
@@ -43,9 +43,9 @@ def _first_line(proc: subprocess.Popen, timeout_s: float) -> str:
 
 def test_c_headstage_runs_a_session_end_to_end(headstage_exe: Path, tmp_path: Path, watchdog_rule) -> None:
     torch = pytest.importorskip("torch")
-    from export import export_bundle
-    from runtime import SessionConfig, run_session
-    from sdk.models import GRUDecoder
+    from closedloop.export import export_bundle
+    from closedloop.runtime import SessionConfig, run_session
+    from closedloop.sdk.models import GRUDecoder
 
     torch.manual_seed(0)
     # a plain export (no session block): the bundle adopts the device's HELLO kind, headstage
@@ -79,7 +79,7 @@ def test_c_headstage_runs_a_session_end_to_end(headstage_exe: Path, tmp_path: Pa
     assert s.link["lost"] == 0 and s.link["crc_errors"] == 0 and s.link["malformed"] == 0
     assert s.disconnects == 0
     # a trip only on a real silence of the input: a loaded 2-core CI machine can starve the device process
-    from firmware_bridge import NeuralFrame
+    from closedloop.firmware_bridge import NeuralFrame
 
     watchdog_rule(cfg.record, cfg.watchdog_s, NeuralFrame, s.watchdog_trips)
     # the device heard every command the session sent: one per input used, plus safe ones, plus

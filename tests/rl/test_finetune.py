@@ -11,9 +11,9 @@ import torch
 
 pytest.importorskip("stable_baselines3")
 
-from sdk.rl import FineTuneConfig, ShapingConfig  # noqa: E402
-from sdk.rl.finetune import behaviour_clone, make_task_env  # noqa: E402
-from sdk.rl.regularised_sac import PriorRegularisedSAC  # noqa: E402
+from closedloop.sdk.rl import FineTuneConfig, ShapingConfig  # noqa: E402
+from closedloop.sdk.rl.finetune import behaviour_clone, make_task_env  # noqa: E402
+from closedloop.sdk.rl.regularised_sac import PriorRegularisedSAC  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -67,8 +67,8 @@ def test_prior_regularised_actor_stays_near_its_prior_and_critic_pretraining_lea
 
 
 def test_rl_train_command_writes_a_record_and_a_bundle(tmp_path):
-    from sdk.cli import build_parser
-    from sdk.rl import cli  # noqa: F401  (registers rl-train)
+    from closedloop.sdk.cli import build_parser
+    from closedloop.sdk.rl import cli  # noqa: F401  (registers rl-train)
 
     cfg = FineTuneConfig(task="reach", demos=3, prior_episodes=1, bc_epochs=5, total_steps=60, net=(16, 16),
                          batch_size=16, critic_pretrain_steps=10, actor_warmup_steps=20, eval_every=60,
@@ -85,7 +85,7 @@ def test_rl_train_command_writes_a_record_and_a_bundle(tmp_path):
 
 
 def test_rl_demo_clones_exports_and_runs_against_the_emulator(tmp_path):
-    from sdk.rl.demo import rl_demo
+    from closedloop.sdk.rl.demo import rl_demo
 
     out = rl_demo(tmp_path, task="reach", demos=3, episodes=1, quiet=True)
     assert out["family"]["episodes"] == 1 and out["family"]["successes"] in (0, 1)

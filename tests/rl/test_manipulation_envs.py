@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from gymnasium.utils.env_checker import check_env
 
-from sim.manipulation import ENV_IDS, PandaTaskEnv, rollout_controller, scripted_controller
+from closedloop.sim.manipulation import ENV_IDS, PandaTaskEnv, rollout_controller, scripted_controller
 
 
 @pytest.mark.parametrize("task", sorted(ENV_IDS))

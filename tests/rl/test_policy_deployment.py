@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 import torch
 
-from runtime import Model, get_family, load_bundle
-from runtime.families.policy import wilson_interval
-from sdk.rl.deploy import export_policy, run_deployed
-from sim.manipulation import PandaTaskEnv, PushTask
+from closedloop.runtime import Model, get_family, load_bundle
+from closedloop.runtime.families.policy import wilson_interval
+from closedloop.sdk.rl.deploy import export_policy, run_deployed
+from closedloop.sim.manipulation import PandaTaskEnv, PushTask
 
 TOL = 1e-5  # float32 graph vs float32 torch: well inside the exporter's 1e-4 parity bound
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from sdk.rl import ShapingConfig, VisitationReward, clipped_logit
+from closedloop.sdk.rl import ShapingConfig, VisitationReward, clipped_logit
 
 
 class _FixedLogit(torch.nn.Module):
@@ -104,7 +104,7 @@ def test_refit_after_every_episode_counts_updates():
 def test_config_round_trips_through_json():
     import json
 
-    from sdk.rl import FineTuneConfig
+    from closedloop.sdk.rl import FineTuneConfig
 
     cfg = FineTuneConfig(task="reach", shaping=ShapingConfig(kind="potential", lam=0.2, hidden=(8,)))
     again = FineTuneConfig.from_dict(json.loads(json.dumps(cfg.to_dict())))

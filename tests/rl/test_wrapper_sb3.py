@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from sdk.rl import ShapingConfig, SuccessVisitationWrapper
+from closedloop.sdk.rl import ShapingConfig, SuccessVisitationWrapper
 
 
 def test_wrapper_on_panda_gym_reach_labels_refits_and_shapes():
@@ -39,8 +39,8 @@ def test_sac_with_relabelling_buffer_and_outcome_logger_on_push():
     pytest.importorskip("stable_baselines3")
     from stable_baselines3 import SAC
 
-    from sdk.rl.finetune import make_task_env
-    from sdk.rl.sb3 import ActorWarmup, OutcomeLogger, ShapedReplayBuffer
+    from closedloop.sdk.rl.finetune import make_task_env
+    from closedloop.sdk.rl.sb3 import ActorWarmup, OutcomeLogger, ShapedReplayBuffer
 
     env = SuccessVisitationWrapper(make_task_env("push"), ShapingConfig(kind="potential", updates_per_episode=2))
     eval_env = make_task_env("push")

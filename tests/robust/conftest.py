@@ -9,7 +9,7 @@ KEY = bytes(range(32))
 
 
 def _bundle(path, key, n_channels=12):
-    from sdk.robust.demo import make_protected_decoder
+    from closedloop.sdk.robust.demo import make_protected_decoder
 
     torch.set_num_threads(1)
     return make_protected_decoder(path, key, n_channels=n_channels)

@@ -6,9 +6,9 @@ import json
 
 import numpy as np
 
-from runtime import Model, check_bundle, load_bundle
-from runtime.scrubber import attach_scrubber
-from sdk.cli import main
+from closedloop.runtime import Model, check_bundle, load_bundle
+from closedloop.runtime.scrubber import attach_scrubber
+from closedloop.sdk.cli import main
 
 from .conftest import KEY
 

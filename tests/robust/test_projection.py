@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from runtime.scrubber import block_positions, syndromes
-from sdk.robust.projection import BlockZeroSum, project_numpy
+from closedloop.runtime.scrubber import block_positions, syndromes
+from closedloop.sdk.robust.projection import BlockZeroSum, project_numpy
 
 
 def test_projection_holds_constraints_is_idempotent_and_passes_gradients():

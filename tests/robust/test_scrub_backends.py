@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from runtime import Model, load_bundle
-from runtime.errors import BundleError
-from runtime.scrubber import ScrubError, WeightsCorruptedError, attach_scrubber
-from sdk.robust.faults import BitFlip, write_corrupted_copy
+from closedloop.runtime import Model, load_bundle
+from closedloop.runtime.errors import BundleError
+from closedloop.runtime.scrubber import ScrubError, WeightsCorruptedError, attach_scrubber
+from closedloop.sdk.robust.faults import BitFlip, write_corrupted_copy
 
 from .conftest import KEY
 
@@ -93,5 +93,5 @@ def test_step_keeps_to_its_budget_and_covers_every_block_round_robin(unkeyed_bun
 def test_the_exact_int8_variant_carries_its_tensorrt_report(keyed_bundle):
     # bundle.md: every variant record says whether TensorRT's parser takes it (inspect prints it per variant)
     v = load_bundle(keyed_bundle).graph().variants["int8"]
-    assert v["quantizer"].startswith("sdk.robust") and v["tensorrt_compatibility"]["checked_without_tensorrt"]
+    assert v["quantizer"].startswith("closedloop.sdk.robust") and v["tensorrt_compatibility"]["checked_without_tensorrt"]
     assert isinstance(v["tensorrt_compatibility"]["compatible"], bool)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 
-import sim  # noqa: F401  (registers sim://)
-from runtime import Session, SessionConfig
-from sdk.robust.demo import FlipInjector
+from closedloop import sim  # noqa: F401  (registers sim://)
+from closedloop.runtime import Session, SessionConfig
+from closedloop.sdk.robust.demo import FlipInjector
 
 from .conftest import KEY
 
@@ -63,7 +63,7 @@ def test_unrepairable_block_is_restored_from_the_last_good_copy_under_policy_fal
 def test_closedloop_run_takes_the_weights_key_file_the_error_names(keyed_bundle, tmp_path, capsys):
     import json
 
-    from sdk.cli import main
+    from closedloop.sdk.cli import main
 
     key_file = tmp_path / "weights.key"
     key_file.write_text(KEY.hex())

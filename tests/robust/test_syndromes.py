@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from runtime.scrubber import Scrubber, ScrubTarget, block_positions, tolerances
-from sdk.robust.projection import project_numpy
-from sdk.robust.quantize import quantize_blocks
+from closedloop.runtime.scrubber import Scrubber, ScrubTarget, block_positions, tolerances
+from closedloop.sdk.robust.projection import project_numpy
+from closedloop.sdk.robust.quantize import quantize_blocks
 
 K = 16
 

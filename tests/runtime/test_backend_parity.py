@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from runtime import Model, backend_report, load_bundle
+from closedloop.runtime import Model, backend_report, load_bundle
 
 TOL = 1e-4
 
@@ -75,14 +75,14 @@ def test_auto_picks_a_measured_backend(gru_bundle):
 
 
 def test_unknown_backend_is_refused_with_the_list(gru_bundle):
-    from runtime import BackendUnavailableError
+    from closedloop.runtime import BackendUnavailableError
 
     with pytest.raises(BackendUnavailableError, match="known backends"):
         Model(gru_bundle, backend="tpu")
 
 
 def test_unavailable_backend_says_why(gru_bundle):
-    from runtime import BackendUnavailableError
+    from closedloop.runtime import BackendUnavailableError
 
     with pytest.raises(BackendUnavailableError, match="tensorrt"):
         Model(gru_bundle, backend="tensorrt")

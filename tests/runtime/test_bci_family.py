@@ -10,12 +10,12 @@ import pytest
 import torch
 from torch import nn
 
-from firmware_bridge import DecoderOutput, NeuralFrame
-from runtime import BundleError, Model, get_family, load_bundle
-from runtime.ctc import StreamingCTC, greedy_decode, normalize, output_labels, tail_odds
-from sdk.bci.deploy import export_bci_bundle
-from sdk.models import GRUDecoder
-from sim.handwriting import CHARSET
+from closedloop.firmware_bridge import DecoderOutput, NeuralFrame
+from closedloop.runtime import BundleError, Model, get_family, load_bundle
+from closedloop.runtime.ctc import StreamingCTC, greedy_decode, normalize, output_labels, tail_odds
+from closedloop.sdk.bci.deploy import export_bci_bundle
+from closedloop.sdk.models import GRUDecoder
+from closedloop.sim.handwriting import CHARSET
 
 C = 16
 

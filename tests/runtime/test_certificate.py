@@ -11,22 +11,22 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from firmware_bridge import PlantMeasurement
-from runtime.bundle import load_bundle, sha256_file
-from runtime.certificate import certify_bundle, check_bundle_certificate
-from runtime.errors import BundleError
-from runtime.families import get_family
-from runtime.model import Model
+from closedloop.firmware_bridge import PlantMeasurement
+from closedloop.runtime.bundle import load_bundle, sha256_file
+from closedloop.runtime.certificate import certify_bundle, check_bundle_certificate
+from closedloop.runtime.errors import BundleError
+from closedloop.runtime.families import get_family
+from closedloop.runtime.model import Model
 
 
 @pytest.fixture(scope="module")
 def observer_setup(tmp_path_factory):
     import torch
 
-    from sdk.observer.certify import certify
-    from sdk.observer.neural import NeuralObserver, ObserverModel, export_observer_bundle
-    from sdk.observer.systems import observer_system
-    from sdk.observer.train import TrainConfig, _initial_net
+    from closedloop.sdk.observer.certify import certify
+    from closedloop.sdk.observer.neural import NeuralObserver, ObserverModel, export_observer_bundle
+    from closedloop.sdk.observer.systems import observer_system
+    from closedloop.sdk.observer.train import TrainConfig, _initial_net
 
     model = ObserverModel.from_system(observer_system("flexible-joint"))
     torch.manual_seed(0)
@@ -154,10 +154,10 @@ def test_kernel_nonlinearities_match_the_reference(plant):
     """Each runtime nonlinearity (output-scaled, none) in the kernel against the numpy observer."""
     import torch
 
-    from runtime.families.observer import ObserverArrays, _kernel, pack_network
-    from sdk.observer.neural import NeuralObserver, ObserverModel
-    from sdk.observer.systems import observer_system
-    from sdk.observer.train import TrainConfig, _initial_net
+    from closedloop.runtime.families.observer import ObserverArrays, _kernel, pack_network
+    from closedloop.sdk.observer.neural import NeuralObserver, ObserverModel
+    from closedloop.sdk.observer.systems import observer_system
+    from closedloop.sdk.observer.train import TrainConfig, _initial_net
 
     model = ObserverModel.from_system(observer_system(plant))
     torch.manual_seed(1)

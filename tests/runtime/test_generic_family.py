@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from export import export_bundle
-from runtime import BundleError, Model, get_family, load_bundle
+from closedloop.export import export_bundle
+from closedloop.runtime import BundleError, Model, get_family, load_bundle
 
 
 def test_commands_are_clipped_to_the_bundle_limits(mlp_bundle):

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from runtime import LoopConfig, OverrunPolicy, RealTimeLoop
+from closedloop.runtime import LoopConfig, OverrunPolicy, RealTimeLoop
 
 
 def test_runs_at_rate_without_drift():
@@ -156,7 +156,7 @@ def test_prewarm_runs_before_each_deadline():
 def test_model_prewarm_leaves_state_and_outputs_alone(gru_bundle):
     import numpy as np
 
-    from runtime import Model
+    from closedloop.runtime import Model
 
     a, b = Model(gru_bundle, backend="numba"), Model(gru_bundle, backend="numba")
     xs = np.random.default_rng(0).standard_normal((15, 1, 12)).astype(np.float32)

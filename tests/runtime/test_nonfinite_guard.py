@@ -18,10 +18,10 @@ import numpy as np
 import pytest
 import torch
 
-from export import export_bundle
-from firmware_bridge import ActuatorCommand, Hello, Link, PlantMeasurement, open_pty_pair, register_transport
-from runtime import Model, RecordingReader, RecordType, Session, SessionConfig, get_family, replay_recording
-from sdk.models import GRUDecoder, MLPPolicy
+from closedloop.export import export_bundle
+from closedloop.firmware_bridge import ActuatorCommand, Hello, Link, PlantMeasurement, open_pty_pair, register_transport
+from closedloop.runtime import Model, RecordingReader, RecordType, Session, SessionConfig, get_family, replay_recording
+from closedloop.sdk.models import GRUDecoder, MLPPolicy
 
 BACKENDS = ("numba", "onnxruntime")
 RATE_HZ = 100.0

@@ -25,12 +25,12 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("onnxruntime")
 pytest.importorskip("numba")
 
-from runtime.backends.base import BackendOptions  # noqa: E402
-from runtime.backends.numba_backend import NumbaBackend  # noqa: E402
-from runtime.backends.onnxruntime_backend import OrtCpuBackend  # noqa: E402
-from runtime.backends.registry import backend_report, create_backend  # noqa: E402
-from runtime.errors import BackendUnavailableError, GraphUnsupportedError  # noqa: E402
-from runtime.manifest import GraphSpec, TensorSpec  # noqa: E402
+from closedloop.runtime.backends.base import BackendOptions  # noqa: E402
+from closedloop.runtime.backends.numba_backend import NumbaBackend  # noqa: E402
+from closedloop.runtime.backends.onnxruntime_backend import OrtCpuBackend  # noqa: E402
+from closedloop.runtime.backends.registry import backend_report, create_backend  # noqa: E402
+from closedloop.runtime.errors import BackendUnavailableError, GraphUnsupportedError  # noqa: E402
+from closedloop.runtime.manifest import GraphSpec, TensorSpec  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::torch.jit.TracerWarning")
 
@@ -249,7 +249,7 @@ ACTIVATION_ATOL = 5e-7  # fast_tanh measures 3.1e-7 (tools/fit_tanh.py); float32
 
 def test_fast_tanh_and_sigmoid_match_numpy_over_a_dense_grid_and_saturate():
     """Through ``activate``, the compiled path the models use; tanh(x/2) covers [-10, 10] for sigmoid."""
-    from runtime import kernels
+    from closedloop.runtime import kernels
 
     special = [0.0, -0.0, 1e-30, -1e-30, 1e-7, 8.999999, 9.0, 9.000001, -9.0, 30.0, -30.0, 1e4, -1e4,
                3e38, -3e38, np.inf, -np.inf]
@@ -268,7 +268,7 @@ def test_fast_tanh_and_sigmoid_match_numpy_over_a_dense_grid_and_saturate():
 
 @pytest.mark.parametrize("act", ["ACT_TANH", "ACT_SIGMOID"])
 def test_fast_tanh_and_sigmoid_keep_nan(act):
-    from runtime import kernels
+    from closedloop.runtime import kernels
 
     x = np.array([[np.nan, 0.5, -np.nan, 20.0, np.nan]], np.float32)
     y = np.empty_like(x)
@@ -428,7 +428,7 @@ def test_runtime_side_imports_neither_torch_nor_onnx():
 
 def test_an_fp16_variant_is_refused_saying_why(gru_bundle):
     # the fp16 variant casts its float32 inputs down; the backend names the precision, not the first cast it meets
-    from runtime import Model
+    from closedloop.runtime import Model
 
     with pytest.raises(BackendUnavailableError, match="computes in float16 .an fp16 variant.; the numba backend runs "
                                                       "float32 graphs only; use --backend onnxruntime"):

@@ -9,12 +9,12 @@ onnx = pytest.importorskip("onnx")
 torch = pytest.importorskip("torch")
 from onnx import TensorProto, helper, numpy_helper  # noqa: E402
 
-from runtime.onnx_reader import OnnxFormatError, parse_onnx, read_onnx  # noqa: E402
+from closedloop.runtime.onnx_reader import OnnxFormatError, parse_onnx, read_onnx  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def gru_onnx(tmp_path_factory):
-    from sdk.models import GRUDecoder
+    from closedloop.sdk.models import GRUDecoder
 
     class Step(torch.nn.Module):
         def __init__(self):

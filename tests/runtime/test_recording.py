@@ -11,7 +11,7 @@ import time
 import numpy as np
 import pytest
 
-from runtime.recording import MAGIC, RecordingError, RecordingReader, RecordingWriter, RecordType
+from closedloop.runtime.recording import MAGIC, RecordingError, RecordingReader, RecordingWriter, RecordType
 
 
 def test_round_trip_every_record_type(tmp_path):
@@ -92,7 +92,7 @@ def test_not_a_recording(tmp_path):
 
 WRITER = """
 import sys, time
-from runtime.recording import RecordingWriter, RecordType
+from closedloop.runtime.recording import RecordingWriter, RecordType
 w = RecordingWriter(sys.argv[1], flush_interval_s=0.2)
 i = 0
 t0 = time.monotonic()
@@ -134,8 +134,8 @@ def test_sigkill_loses_at_most_the_last_flush_interval(tmp_path):
 def test_replay_device_keeps_the_recorded_timing_from_the_first_read(tmp_path):
     import time
 
-    import runtime  # noqa: F401  (registers replay://)
-    from firmware_bridge import open_transport
+    from closedloop import runtime  # noqa: F401  (registers replay://)
+    from closedloop.firmware_bridge import open_transport
 
     path = tmp_path / "paced.clrec"
     w = RecordingWriter(path)

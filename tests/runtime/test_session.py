@@ -19,9 +19,9 @@ import numpy as np
 import pytest
 import torch
 
-import sim  # noqa: F401  (registers sim://)
-from export import export_bundle
-from firmware_bridge import (
+from closedloop import sim  # noqa: F401  (registers sim://)
+from closedloop.export import export_bundle
+from closedloop.firmware_bridge import (
     ActuatorCommand,
     DecoderOutput,
     FrameParser,
@@ -33,7 +33,7 @@ from firmware_bridge import (
     open_pty_pair,
     open_transport,
 )
-from runtime import (
+from closedloop.runtime import (
     DeviceMismatchError,
     RecordingReader,
     RecordType,
@@ -41,7 +41,7 @@ from runtime import (
     replay_recording,
     run_session,
 )
-from sdk.models import GRUDecoder, MLPPolicy
+from closedloop.sdk.models import GRUDecoder, MLPPolicy
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -305,7 +305,7 @@ def test_panda_session_clips_joint_commands(tmp_path, watchdog_rule):
 
 HOST = """
 import sys, sim
-from runtime import SessionConfig, run_session
+from closedloop.runtime import SessionConfig, run_session
 run_session(sys.argv[1], SessionConfig(device="sim://headstage?channels=12", record=sys.argv[2], status=False,
                                        backend="onnxruntime"))
 """

@@ -5,19 +5,19 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import sim  # noqa: F401  (registers sim://)
-from firmware_bridge import ActuatorCommand, FrameParser, PlantMeasurement
-from runtime import Model, RecordingReader, RecordType, SessionConfig, get_family, load_bundle, run_session
+from closedloop import sim  # noqa: F401  (registers sim://)
+from closedloop.firmware_bridge import ActuatorCommand, FrameParser, PlantMeasurement
+from closedloop.runtime import Model, RecordingReader, RecordType, SessionConfig, get_family, load_bundle, run_session
 
 
 @pytest.fixture(scope="module")
 def fj_bundle(tmp_path_factory):
     import torch
 
-    from sdk.observer.certify import certify
-    from sdk.observer.neural import NeuralObserver, ObserverModel, export_observer_bundle
-    from sdk.observer.systems import observer_system
-    from sdk.observer.train import TrainConfig, _initial_net
+    from closedloop.sdk.observer.certify import certify
+    from closedloop.sdk.observer.neural import NeuralObserver, ObserverModel, export_observer_bundle
+    from closedloop.sdk.observer.systems import observer_system
+    from closedloop.sdk.observer.train import TrainConfig, _initial_net
 
     model = ObserverModel.from_system(observer_system("flexible-joint"))
     torch.manual_seed(0)

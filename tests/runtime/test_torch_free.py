@@ -42,8 +42,8 @@ def test_blocker_really_blocks_torch():
 def test_runtime_and_bridge_import_without_torch():
     r = _run(
         """
-        import runtime, firmware_bridge
-        import runtime.backends
+        from closedloop import runtime, firmware_bridge
+        import closedloop.runtime.backends
         assert "torch" not in sys.modules and "onnx" not in sys.modules
         print(sorted(runtime.backend_report()))
         """
@@ -56,7 +56,7 @@ def test_runtime_runs_a_bundle_without_torch(gru_bundle):
     r = _run(
         f"""
         import numpy as np
-        from runtime import Model, LoopConfig, RealTimeLoop
+        from closedloop.runtime import Model, LoopConfig, RealTimeLoop
         m = Model({str(gru_bundle)!r}, backend="onnxruntime")
         x = np.ones(m.spec.data_inputs[0].concrete_shape(1), np.float32)
         s = RealTimeLoop(LoopConfig(rate_hz=200, max_steps=20)).run(lambda k: m.step(x))
@@ -82,7 +82,7 @@ def test_the_closedloop_command_runs_a_session_without_the_training_extras(gru_b
     rec = tmp_path / "s.clrec"
     code = blocker + textwrap.dedent(
         f"""
-        from sdk.cli import main
+        from closedloop.sdk.cli import main
         argv = {{"inspect": ["inspect", {str(gru_bundle)!r}],
                  "run": ["run", {str(gru_bundle)!r}, "--device", "sim://headstage?channels=12", "--duration", "1",
                          "--record", {str(rec)!r}, "--quiet", "--backend", "numba"],

@@ -1,9 +1,9 @@
 """``closedloop calibrate`` and ``closedloop evaluate`` on tiny NWB files, and the calibratable bundle they rely on.
 
-A toy recording (:mod:`sdk.bci.toy`) trains a tiny two-stage decoder (pooled backbone,
+A toy recording (:mod:`closedloop.sdk.bci.toy`) trains a tiny two-stage decoder (pooled backbone,
 meta-learned alignment) in a second; it is exported as a calibratable bundle, a
 held-out session is written in the FALCON H2 layout, and the commands run through
-``sdk.cli.main`` as a user would call them.
+``closedloop.sdk.cli.main`` as a user would call them.
 """
 
 from __future__ import annotations
@@ -16,21 +16,21 @@ import numpy as np
 import pytest
 import torch
 
-from runtime import BundleError, load_bundle
-from runtime.families.bci import read_calibration_state
-from sdk.bci.calibrate import CalibrationConfig
-from sdk.bci.cli import calibrate_bundle, evaluate_bundle, format_evaluation
-from sdk.bci.data import Normalization, make_examples, session_normalization
-from sdk.bci.deploy import CALIBRATION_STATE_FILE, decoder_from_state, export_bci_bundle
-from sdk.bci.evaluate import decode_examples
-from sdk.bci.meta import MetaConfig, meta_train_alignment
-from sdk.bci.metrics import falcon_metrics
-from sdk.bci.models import AffineAlignment, AlignedDecoder
-from sdk.bci.nwb import write_falcon_h2, write_falcon_h2_dir
-from sdk.bci.toy import toy_recording
-from sdk.bci.train import BackboneConfig, TrainConfig, train_backbone
-from sdk.cli import main
-from sdk.models import GRUDecoder
+from closedloop.runtime import BundleError, load_bundle
+from closedloop.runtime.families.bci import read_calibration_state
+from closedloop.sdk.bci.calibrate import CalibrationConfig
+from closedloop.sdk.bci.cli import calibrate_bundle, evaluate_bundle, format_evaluation
+from closedloop.sdk.bci.data import Normalization, make_examples, session_normalization
+from closedloop.sdk.bci.deploy import CALIBRATION_STATE_FILE, decoder_from_state, export_bci_bundle
+from closedloop.sdk.bci.evaluate import decode_examples
+from closedloop.sdk.bci.meta import MetaConfig, meta_train_alignment
+from closedloop.sdk.bci.metrics import falcon_metrics
+from closedloop.sdk.bci.models import AffineAlignment, AlignedDecoder
+from closedloop.sdk.bci.nwb import write_falcon_h2, write_falcon_h2_dir
+from closedloop.sdk.bci.toy import toy_recording
+from closedloop.sdk.bci.train import BackboneConfig, TrainConfig, train_backbone
+from closedloop.sdk.cli import main
+from closedloop.sdk.models import GRUDecoder
 
 pytest.importorskip("pynwb")
 
@@ -181,7 +181,7 @@ def test_calibrate_command_prints_what_it_did(bundle, held_out_file, tmp_path, c
 def test_a_device_the_machine_lacks_is_refused_before_any_work(bundle, held_out_file, tmp_path, capsys):
     import torch
 
-    from sdk.bci.data import resolve_device
+    from closedloop.sdk.bci.data import resolve_device
 
     with pytest.raises(ValueError, match="'mps'.*'cpu' or 'cuda'"):
         resolve_device("mps")
@@ -279,7 +279,7 @@ def test_bci_train_then_calibrate_from_the_shell(sessions, tmp_path, capsys):
     data = tmp_path / "data"
     write_falcon_h2_dir(sessions, data)
     cfg = tmp_path / "harness.json"
-    from sdk.bci.evaluate import HarnessConfig
+    from closedloop.sdk.bci.evaluate import HarnessConfig
 
     HarnessConfig(train=TrainConfig(backbone=BackboneConfig(16, 1, 0.0), steps=20, batch_size=4, lr=1e-2),
                   meta=MetaConfig(inner_steps=2, n_query=2, tasks_per_step=2, meta_steps=3),
@@ -307,8 +307,8 @@ def test_bci_train_then_calibrate_from_the_shell(sessions, tmp_path, capsys):
 
 
 def test_a_partial_config_changes_only_its_settings_over_the_tiny_or_default_base(tmp_path):
-    from sdk.bci.benchmark import BciBenchConfig
-    from sdk.bci.cli import train_harness
+    from closedloop.sdk.bci.benchmark import BciBenchConfig
+    from closedloop.sdk.bci.cli import train_harness
 
     path = tmp_path / "lowrank.json"
     path.write_text(json.dumps({"meta": {"form": "lowrank", "rank": 4}}))

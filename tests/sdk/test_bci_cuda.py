@@ -10,12 +10,12 @@ import copy
 import pytest
 import torch
 
-from sdk.bci.calibrate import CalibrationConfig
-from sdk.bci.data import collate, make_examples, session_normalization
-from sdk.bci.evaluate import HarnessConfig, run_harness
-from sdk.bci.meta import MetaConfig
-from sdk.bci.toy import toy_recording
-from sdk.bci.train import BackboneConfig, TrainConfig
+from closedloop.sdk.bci.calibrate import CalibrationConfig
+from closedloop.sdk.bci.data import collate, make_examples, session_normalization
+from closedloop.sdk.bci.evaluate import HarnessConfig, run_harness
+from closedloop.sdk.bci.meta import MetaConfig
+from closedloop.sdk.bci.toy import toy_recording
+from closedloop.sdk.bci.train import BackboneConfig, TrainConfig
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="no CUDA device here: the iBCI GPU path is checked only where one is present")
@@ -41,7 +41,7 @@ def test_every_method_trains_calibrates_and_scores_on_cuda():
 
 
 def test_a_backbone_decodes_the_same_on_cuda_as_on_cpu():
-    from sdk.bci.models import GRUBackbone
+    from closedloop.sdk.bci.models import GRUBackbone
 
     sessions = toy_recording(n_channels=8, n_held_in=1, n_held_out=1, n_trials=6, seed=3)
     s = sessions[0]
@@ -61,9 +61,9 @@ def test_a_decoder_trained_on_cuda_exports_with_fp32_parity_and_stays_on_the_gpu
     """The export checks a CPU copy against ONNX Runtime: cuDNN's TF32 GRU is not the fp32 reference."""
     import numpy as np
 
-    from runtime.bundle import load_bundle
-    from sdk.bci.deploy import export_bci_bundle
-    from sdk.bci.models import AffineAlignment, AlignedDecoder, GRUBackbone
+    from closedloop.runtime.bundle import load_bundle
+    from closedloop.sdk.bci.deploy import export_bci_bundle
+    from closedloop.sdk.bci.models import AffineAlignment, AlignedDecoder, GRUBackbone
 
     torch.manual_seed(0)
     module = AlignedDecoder(AffineAlignment(8), GRUBackbone(8, 32, 2)).to("cuda")
@@ -83,9 +83,9 @@ def test_batched_fine_tuning_fits_the_same_on_cuda_as_on_cpu():
     """
     import numpy as np
 
-    from sdk.bci.baselines import finetune_batch
-    from sdk.bci.data import Example
-    from sdk.bci.models import GRUBackbone
+    from closedloop.sdk.bci.baselines import finetune_batch
+    from closedloop.sdk.bci.data import Example
+    from closedloop.sdk.bci.models import GRUBackbone
 
     torch.manual_seed(0)
     rng = np.random.default_rng(0)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from sdk.bci.charset import BLANK, N_CLASSES, CharsetError, decode, encode
-from sdk.bci.decoding import Lexicon, beam_decode, end_completion, greedy_decode
+from closedloop.sdk.bci.charset import BLANK, N_CLASSES, CharsetError, decode, encode
+from closedloop.sdk.bci.decoding import Lexicon, beam_decode, end_completion, greedy_decode
 
 
 def path_logp(path: str, confusions: dict[int, dict[str, float]] | None = None, p_top: float = 0.9) -> np.ndarray:

@@ -1,6 +1,6 @@
 """The FALCON H2 adapter: bundles scored by falcon_challenge's own evaluator loop and metric.
 
-Two tiny held-out sessions are written with ``sdk.bci.nwb.write_falcon_h2_dir`` in the
+Two tiny held-out sessions are written with ``closedloop.sdk.bci.nwb.write_falcon_h2_dir`` in the
 DANDI layout (a calibration file with the first three trials, an evaluation file with
 the last 40%). Each session gets its own bundle, normalised from its calibration file
 only, and the evaluation files are decoded through ``FalconEvaluator.predict_files``
@@ -22,10 +22,10 @@ import pytest
 import torch
 from torch import nn
 
-from sdk.bci.deploy import export_bci_bundle
-from sdk.bci.falcon_decoder import FalconBundleDecoder
-from sdk.models import GRUDecoder
-from sim.handwriting import CHARSET, Session, Trial, falcon_splits
+from closedloop.sdk.bci.deploy import export_bci_bundle
+from closedloop.sdk.bci.falcon_decoder import FalconBundleDecoder
+from closedloop.sdk.models import GRUDecoder
+from closedloop.sim.handwriting import CHARSET, Session, Trial, falcon_splits
 
 pytest.importorskip("falcon_challenge")
 pytest.importorskip("pynwb")
@@ -82,7 +82,7 @@ class SkipDecoder(nn.Module):
 
 @pytest.fixture(scope="module")
 def falcon_files(tmp_path_factory):
-    from sdk.bci.nwb import write_falcon_h2_dir
+    from closedloop.sdk.bci.nwb import write_falcon_h2_dir
 
     root = tmp_path_factory.mktemp("falcon_h2")
     rng = np.random.default_rng(0)
@@ -169,7 +169,7 @@ def test_adapter_runs_without_torch(falcon_files, tmp_path):
                     raise ImportError("blocked for this test: " + name)
         sys.meta_path.insert(0, _Block())
         import numpy as np
-        from sdk.bci.falcon_decoder import FalconBundleDecoder
+        from closedloop.sdk.bci.falcon_decoder import FalconBundleDecoder
         d = FalconBundleDecoder({{"*": {str(bundles["20230417"])!r}}}, backend="onnxruntime")
         d.reset([{str(files[0])!r}])
         for row in np.load({str(tmp_path / "trial.npy")!r}):

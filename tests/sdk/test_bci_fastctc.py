@@ -11,9 +11,9 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from sdk.bci import data
-from sdk.bci.data import Example, collate, ctc_loss
-from sdk.bci.fastctc import ctc_nll_and_grad, fast_ctc_loss
+from closedloop.sdk.bci import data
+from closedloop.sdk.bci.data import Example, collate, ctc_loss
+from closedloop.sdk.bci.fastctc import ctc_nll_and_grad, fast_ctc_loss
 
 
 def _loss_and_logit_grad(loss_fn, logits: torch.Tensor, dtype=torch.float32, weights=None):

@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 import torch
 
-from sdk.bci import fastgru
-from sdk.bci.baselines import finetune_batch
-from sdk.bci.data import Example, collate, ctc_loss
-from sdk.bci.fastgru import gru_layers, gru_sequence, stacked_backbone
-from sdk.bci.models import GRUBackbone
+from closedloop.sdk.bci import fastgru
+from closedloop.sdk.bci.baselines import finetune_batch
+from closedloop.sdk.bci.data import Example, collate, ctc_loss
+from closedloop.sdk.bci.fastgru import gru_layers, gru_sequence, stacked_backbone
+from closedloop.sdk.bci.models import GRUBackbone
 
 FAST = "_GRURecurrenceBackward"  # the autograd node of the fastgru recurrence
 
@@ -223,8 +223,8 @@ def test_training_through_fastgru_follows_nn_gru(monkeypatch, which, autograd_no
     Dropout off: nn.GRU's batch-first output is laid out time-major, so the same seed draws the
     same dropout numbers into other positions; with dropout the two runs are different draws.
     """
-    from sdk.bci.toy import toy_recording
-    from sdk.bci.train import BackboneConfig, TrainConfig, train_backbone, train_session_layers
+    from closedloop.sdk.bci.toy import toy_recording
+    from closedloop.sdk.bci.train import BackboneConfig, TrainConfig, train_backbone, train_session_layers
 
     sessions = toy_recording(n_channels=8, n_held_in=3, n_held_out=1, n_trials=6, seed=2)
     config = TrainConfig(backbone=BackboneConfig(12, 2, 0.0), steps=8, batch_size=4, lr=1e-2, device="cpu",
@@ -241,9 +241,9 @@ def test_training_through_fastgru_follows_nn_gru(monkeypatch, which, autograd_no
 def test_calibration_through_fastgru_fits_the_same_alignment_as_nn_gru(monkeypatch, optimizer):
     """A frozen backbone behind the alignment being fitted (calibration) also runs the fast path:
     the fitted maps and validation curves of three tasks at once agree with nn.GRU's to 1e-4."""
-    from sdk.bci.calibrate import fit_alignment_batch
-    from sdk.bci.meta import MetaAlignment
-    from sdk.bci.models import alignment_params
+    from closedloop.sdk.bci.calibrate import fit_alignment_batch
+    from closedloop.sdk.bci.meta import MetaAlignment
+    from closedloop.sdk.bci.models import alignment_params
 
     torch.manual_seed(3)
     bb = GRUBackbone(8, 10, 1).eval()
@@ -255,7 +255,7 @@ def test_calibration_through_fastgru_fits_the_same_alignment_as_nn_gru(monkeypat
     start = alignment_params("full", 8)
     meta = MetaAlignment(8, inner_steps=2) if optimizer == "meta" else None
     kwargs = dict(steps=6, optimizer=optimizer, meta=meta, validation=validation, eval_every=2)
-    from sdk.bci import models
+    from closedloop.sdk.bci import models
 
     calls = []
     monkeypatch.setattr(models, "gru_sequence", lambda *a: calls.append(1) or gru_sequence(*a))

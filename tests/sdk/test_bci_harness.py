@@ -8,13 +8,13 @@ import numpy as np
 import pytest
 import torch
 
-from sdk.bci.baselines import METHODS, nearest_session_layer
-from sdk.bci.calibrate import CalibrationConfig
-from sdk.bci.evaluate import DEFAULT_METHODS, HarnessConfig, build_lexicon, run_harness, train_models
-from sdk.bci.meta import MetaConfig
-from sdk.bci.report import markdown_table, summarize, write_results
-from sdk.bci.toy import toy_recording
-from sdk.bci.train import BackboneConfig, TrainConfig
+from closedloop.sdk.bci.baselines import METHODS, nearest_session_layer
+from closedloop.sdk.bci.calibrate import CalibrationConfig
+from closedloop.sdk.bci.evaluate import DEFAULT_METHODS, HarnessConfig, build_lexicon, run_harness, train_models
+from closedloop.sdk.bci.meta import MetaConfig
+from closedloop.sdk.bci.report import markdown_table, summarize, write_results
+from closedloop.sdk.bci.toy import toy_recording
+from closedloop.sdk.bci.train import BackboneConfig, TrainConfig
 
 
 def tiny_harness(seed: int = 0, **kw) -> HarnessConfig:
@@ -97,8 +97,8 @@ def test_runs_record_what_meta_learning_changed_and_the_steps_calibration_chose(
 
 
 def test_paired_bootstrap_reproduces_the_falcon_figure_and_orders_methods(runs):
-    from sdk.bci.metrics import falcon_metrics
-    from sdk.bci.report import paired_bootstrap
+    from closedloop.sdk.bci.metrics import falcon_metrics
+    from closedloop.sdk.bci.report import paired_bootstrap
 
     # every session keeps the decoded text of each trial, and the point figure is FALCON's mean over sessions
     p = paired_bootstrap(runs, "two_stage", "zero_shot", n_boot=200)
@@ -117,7 +117,7 @@ def test_paired_bootstrap_reproduces_the_falcon_figure_and_orders_methods(runs):
 
 
 def test_paired_bootstrap_separates_a_clearly_better_method_from_a_tie():
-    from sdk.bci.report import paired_bootstrap
+    from closedloop.sdk.bci.report import paired_bootstrap
 
     refs = [f"the>cat>sat>on>mat>{i}~" for i in range(20)]
 
@@ -161,7 +161,7 @@ def test_held_out_sessions_without_evaluation_trials_are_calibrated_not_scored(s
     """Real FALCON H2 held-out files carry calibration trials only."""
     from dataclasses import replace
 
-    from sdk.bci.evaluate import adapt_held_out
+    from closedloop.sdk.bci.evaluate import adapt_held_out
 
     cfg = tiny_harness(methods=("zero_shot", "two_stage")).seeded()
     unscored = [replace(s, evaluation=[]) if s.split == "held_out" else s for s in sessions]
@@ -175,7 +175,7 @@ def test_held_out_sessions_without_evaluation_trials_are_calibrated_not_scored(s
 
 
 def test_the_real_generators_tiny_recording_runs_through_the_harness():
-    from sim.handwriting import HandwritingConfig, generate_recording
+    from closedloop.sim.handwriting import HandwritingConfig, generate_recording
 
     rec = generate_recording(HandwritingConfig.tiny(seed=4))
     r = run_harness(rec, tiny_harness(methods=("zero_shot", "alignment"), reference=False))
@@ -186,7 +186,7 @@ def test_the_real_generators_tiny_recording_runs_through_the_harness():
 def test_time_estimate_counts_each_per_session_layer_training_the_run_does(sessions):
     from dataclasses import replace
 
-    from sdk.bci.benchmark import BciBenchConfig, estimate_seconds
+    from closedloop.sdk.bci.benchmark import BciBenchConfig, estimate_seconds
 
     bench = BciBenchConfig()  # session_layers on stage 1's recipe, the drift reference on its own, left out
 
@@ -211,7 +211,7 @@ def test_the_benchmarks_tasks_on_two_workers_give_what_one_harness_call_gives(ru
     calibration draws no random numbers)."""
     import pickle
 
-    from sdk.bci.benchmark import run_seeds
+    from closedloop.sdk.bci.benchmark import run_seeds
 
     path = tmp_path / "data.pkl"
     path.write_bytes(pickle.dumps((sessions, [])))
@@ -229,7 +229,7 @@ def test_the_benchmarks_tasks_on_two_workers_give_what_one_harness_call_gives(ru
 
 
 def test_a_seed_splits_into_one_training_task_per_decoder_and_one_scoring_task_per_set_of_models():
-    from sdk.bci.benchmark import plan_seed
+    from closedloop.sdk.bci.benchmark import plan_seed
 
     plan = plan_seed(tiny_harness())  # the drift reference shares the session_layers decoder
     assert plan.train == {"backbone": {"backbone", "meta"}, "session_layers": {"session_layers"}}
@@ -246,7 +246,7 @@ def test_an_error_in_a_benchmark_worker_ends_the_run_with_that_error(sessions, t
     import dataclasses
     import pickle
 
-    from sdk.bci.benchmark import run_seeds
+    from closedloop.sdk.bci.benchmark import run_seeds
 
     no_held_in = [dataclasses.replace(s, split="held_out") for s in sessions]
     path = tmp_path / "data.pkl"

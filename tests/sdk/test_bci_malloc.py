@@ -11,7 +11,7 @@ import pytest
 _FAULTS = """
 import resource
 import torch
-from sdk.bci.malloc import retain_freed_memory
+from closedloop.sdk.bci.malloc import retain_freed_memory
 took = retain_freed_memory()
 x = torch.ones(16, 1100, 192)  # the size of one augmented stage-1 batch
 

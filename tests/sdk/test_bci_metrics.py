@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from sdk.bci.metrics import edit_distance, falcon_metrics, score_session, to_words
+from closedloop.sdk.bci.metrics import edit_distance, falcon_metrics, score_session, to_words
 
 
 @pytest.mark.parametrize("a,b,d", [

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from sdk.bci.models import AffineAlignment, AlignedDecoder, GRUBackbone, SessionInputDecoder, affine
+from closedloop.sdk.bci.models import AffineAlignment, AlignedDecoder, GRUBackbone, SessionInputDecoder, affine
 
 C = 10
 
@@ -72,8 +72,8 @@ def test_session_input_decoder_routes_each_trial_through_its_sessions_layer():
 
 
 def test_aligned_decoder_exports_as_one_step_graph_and_loads_in_the_runtime(tmp_path):
-    from export import export_bundle
-    from runtime import load_bundle
+    from closedloop.export import export_bundle
+    from closedloop.runtime import load_bundle
 
     module = _decoder(seed=3)
     path = export_bundle(module, tmp_path / "aligned", kind="recurrent", example_input=torch.zeros(1, C),

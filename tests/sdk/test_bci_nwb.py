@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("pynwb")
 
-from sdk.bci.nwb import (  # noqa: E402
+from closedloop.sdk.bci.nwb import (  # noqa: E402
     FalconFileError,
     load_falcon_h2,
     load_falcon_h2_dir,
@@ -19,7 +19,7 @@ from sdk.bci.nwb import (  # noqa: E402
     write_falcon_h2,
     write_falcon_h2_dir,
 )
-from sim.handwriting import HandwritingConfig, Session, Trial, generate_recording  # noqa: E402
+from closedloop.sim.handwriting import HandwritingConfig, Session, Trial, generate_recording  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -8,14 +8,14 @@ import numpy as np
 import pytest
 import torch
 
-from sdk.bci.augment import DriftAugmentation, time_mask
-from sdk.bci.baselines import mean_calibration_loss
-from sdk.bci.calibrate import CalibrationConfig, calibrate_session, trials_to_examples
-from sdk.bci.data import Normalization, session_normalization
-from sdk.bci.meta import MetaConfig, meta_train_alignment
-from sdk.bci.models import AffineAlignment, AlignedDecoder, alignment_params, compose_alignment
-from sdk.bci.toy import toy_recording
-from sdk.bci.train import BackboneConfig, TrainConfig, train_backbone
+from closedloop.sdk.bci.augment import DriftAugmentation, time_mask
+from closedloop.sdk.bci.baselines import mean_calibration_loss
+from closedloop.sdk.bci.calibrate import CalibrationConfig, calibrate_session, trials_to_examples
+from closedloop.sdk.bci.data import Normalization, session_normalization
+from closedloop.sdk.bci.meta import MetaConfig, meta_train_alignment
+from closedloop.sdk.bci.models import AffineAlignment, AlignedDecoder, alignment_params, compose_alignment
+from closedloop.sdk.bci.toy import toy_recording
+from closedloop.sdk.bci.train import BackboneConfig, TrainConfig, train_backbone
 
 TINY_TRAIN = TrainConfig(backbone=BackboneConfig(16, 1, 0.0), steps=60, batch_size=4, lr=1e-2, device="cpu",
                          progress=False)
@@ -59,8 +59,8 @@ def test_config_json_round_trip_keeps_nested_dataclasses():
 
 def test_session_layer_and_reference_decoders_train_with_their_own_recipes_and_survive_json(sessions):
 
-    from sdk.bci.baselines import reference_layer
-    from sdk.bci.evaluate import HarnessConfig, build_lexicon, drift_reference, train_models
+    from closedloop.sdk.bci.baselines import reference_layer
+    from closedloop.sdk.bci.evaluate import HarnessConfig, build_lexicon, drift_reference, train_models
 
     plain = replace(TINY_TRAIN, steps=4, augmentation=DriftAugmentation())
     frozen = replace(TINY_TRAIN, steps=3, lr=5e-3)
@@ -200,7 +200,7 @@ def test_fresh_unit_drift_replaces_channels_with_standardised_mixtures_of_the_po
 def test_twice_differentiable_ctc_matches_torch():
     import torch.nn.functional as F
 
-    from sdk.bci.ctc import ctc_nll
+    from closedloop.sdk.bci.ctc import ctc_nll
 
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(3, 12, 32, generator=g).requires_grad_()
@@ -219,8 +219,8 @@ def test_twice_differentiable_ctc_matches_torch():
 
 
 def test_override_replaces_a_nested_setting_by_its_dotted_path_and_refuses_unknown_names():
-    from sdk.bci.config import override
-    from sdk.bci.evaluate import HarnessConfig
+    from closedloop.sdk.bci.config import override
+    from closedloop.sdk.bci.evaluate import HarnessConfig
 
     h = HarnessConfig()
     h2 = override(override(h, "meta.drift.fresh_p=0.1"), "calibration.tune=false")
@@ -233,7 +233,7 @@ def test_override_replaces_a_nested_setting_by_its_dotted_path_and_refuses_unkno
 
 
 def test_plateau_check_reads_the_loss_curve():
-    from sdk.bci.train import on_plateau
+    from closedloop.sdk.bci.train import on_plateau
 
     flat = [20.0] * 10 + [3.0] * 190
     falling = [20.0] * 10 + list(np.linspace(3.0, 0.5, 190))

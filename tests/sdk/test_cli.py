@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import shutil
 
-from sdk.cli import main
+from closedloop.sdk.cli import main
 
 
 def test_inspect_prints_and_verifies(gru_bundle, capsys):
@@ -61,7 +61,7 @@ def test_missing_bundle_is_a_clear_error(tmp_path, capsys):
 
 
 def test_generate_data_writes_loadable_falcon_files(tmp_path, capsys):
-    from sdk.bci.nwb import load_falcon_h2_dir
+    from closedloop.sdk.bci.nwb import load_falcon_h2_dir
 
     assert main(["generate-data", str(tmp_path / "d"), "--preset", "tiny", "--seed", "3"]) == 0
     sessions = load_falcon_h2_dir(tmp_path / "d")
@@ -70,7 +70,7 @@ def test_generate_data_writes_loadable_falcon_files(tmp_path, capsys):
     assert len(held_out.calibration) == 3 and held_out.evaluation
     assert (tmp_path / "d" / "handwriting_config.json").exists()
     # the generator's words, for evaluate --beam --lexicon on a file with no calibration sentences of its own
-    from sim.handwriting import VOCABULARY
+    from closedloop.sim.handwriting import VOCABULARY
 
     words = (tmp_path / "d" / "vocabulary.txt").read_text().split()
     assert words == list(VOCABULARY)

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 import torch
 
-from export import export_bundle
-from firmware_bridge import Hello, Link, NeuralFrame, open_pty_pair
-from sdk.cli import main
-from sdk.models import GRUDecoder
+from closedloop.export import export_bundle
+from closedloop.firmware_bridge import Hello, Link, NeuralFrame, open_pty_pair
+from closedloop.sdk.cli import main
+from closedloop.sdk.models import GRUDecoder
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -72,7 +72,7 @@ def test_run_record_replay_nwb(decoder_bundle, tmp_path, capsys):
 def test_device_command_serves_a_pty(tmp_path):
     host, dev = open_pty_pair()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "sdk.cli", "device", "headstage", "--port", dev.path, "--channels", "7"],
+        [sys.executable, "-m", "closedloop.sdk.cli", "device", "headstage", "--port", dev.path, "--channels", "7"],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
     )
     try:

@@ -7,7 +7,7 @@ from math import comb
 import numpy as np
 import pytest
 
-from sdk.observer import (
+from closedloop.sdk.observer import (
     BASELINES,
     ExtendedKalmanFilter,
     HighGainObserver,
@@ -21,8 +21,8 @@ from sdk.observer import (
     sample_box,
     simulate,
 )
-from sdk.observer.baselines import leso_gains
-from sdk.observer.metrics import cost_us, noise_amplification, peak_error, rmse, settling_time
+from closedloop.sdk.observer.baselines import leso_gains
+from closedloop.sdk.observer.metrics import cost_us, noise_amplification, peak_error, rmse, settling_time
 
 
 def _excitation(t, z_hat):

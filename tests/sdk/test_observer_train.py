@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 import torch
 
-from runtime.certificate import check_certificate
-from sdk.observer.direct import train_direct
-from sdk.observer.neural import NeuralObserver, ObserverModel
-from sdk.observer.systems import observer_system
-from sdk.observer.train import TrainConfig, _initial_net, _Problem, train_observer, train_stage1, train_stage2
+from closedloop.runtime.certificate import check_certificate
+from closedloop.sdk.observer.direct import train_direct
+from closedloop.sdk.observer.neural import NeuralObserver, ObserverModel
+from closedloop.sdk.observer.systems import observer_system
+from closedloop.sdk.observer.train import TrainConfig, _initial_net, _Problem, train_observer, train_stage1, train_stage2
 
 TINY = TrainConfig(hidden=(8,), stage1_steps=30, horizon=20, n_traj=8, n_points=64, stage2_rounds=6, stage2_steps=30)
 
@@ -44,7 +44,7 @@ def test_stage2_pushes_an_uncertified_network_to_a_certificate(fj):
     cfg = TrainConfig(hidden=(6,), stage1_steps=0, stage2_rounds=8, stage2_steps=40, seed=3)
     torch.manual_seed(3)
     result = train_stage1(fj, cfg, _initial_net(fj, cfg).scale_(2.0), rho=0.999)
-    from sdk.observer.lmi import solve_lmi
+    from closedloop.sdk.observer.lmi import solve_lmi
 
     assert not solve_lmi(fj.error_model(), result.net.lft(), 0.999, margin=cfg.margin).feasible
     result = train_stage2(result, fj)

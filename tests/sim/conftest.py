@@ -8,9 +8,9 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-import sim  # noqa: F401 - registers sim://
-from firmware_bridge import DeviceNotConnectedError, Frame, Hello, Link, Message, Status, open_transport
-from sim import SimTransport, StatusCode
+from closedloop import sim  # noqa: F401 - registers sim://
+from closedloop.firmware_bridge import DeviceNotConnectedError, Frame, Hello, Link, Message, Status, open_transport
+from closedloop.sim import SimTransport, StatusCode
 
 
 class Host:

@@ -7,8 +7,8 @@ import dataclasses
 import numpy as np
 import pytest
 
-from sim.handwriting import DRIFT_COMPONENTS, HandwritingConfig, WritingConfig, generate_recording
-from sim.handwriting.population import session_channel_params
+from closedloop.sim.handwriting import DRIFT_COMPONENTS, HandwritingConfig, WritingConfig, generate_recording
+from closedloop.sim.handwriting.population import session_channel_params
 
 #: The channel parameter each component moves.
 FIELD = {"tuning_rotation": "vel_angle", "gain": "log_gain", "baseline": "log_baseline", "noise": "noise_hz",

@@ -8,7 +8,7 @@ import time
 import numpy as np
 import pytest
 
-from sim.handwriting import (
+from closedloop.sim.handwriting import (
     CHARSET,
     FALCON_H2_HELD_IN_DATES,
     FALCON_H2_HELD_OUT_DATES,

@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from sim.devices import device_params
-from sim.handwriting import HandwritingConfig, generate_session
-from sim.sources import NEURAL_SOURCES, make_source
+from closedloop.sim.devices import device_params
+from closedloop.sim.handwriting import HandwritingConfig, generate_session
+from closedloop.sim.sources import NEURAL_SOURCES, make_source
 
 
 def test_registered_and_reachable_from_a_headstage_url():
@@ -66,7 +66,7 @@ def test_session_out_of_range_is_refused_with_the_range():
 
 
 def test_headstage_streams_the_trial_over_the_wire(host):
-    from firmware_bridge import NeuralFrame
+    from closedloop.firmware_bridge import NeuralFrame
 
     h = host("sim://headstage?source=handwriting&preset=tiny&channels=16&session=3&seed=2&gap_s=0")
     h.handshake()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from sim.plants import FLEXIBLE_JOINT, DisturbanceSignal, make_plant, rk4_step
+from closedloop.sim.plants import FLEXIBLE_JOINT, DisturbanceSignal, make_plant, rk4_step
 
 
 def test_flexible_joint_is_the_published_model_plus_a_disturbance():

@@ -7,8 +7,8 @@ import pytest
 
 pytest.importorskip("pybullet")
 
-from sim.devices.base import device_params  # noqa: E402
-from sim.plants import cartpole_linearization, cartpole_model, make_plant, rk4_step  # noqa: E402
+from closedloop.sim.devices.base import device_params  # noqa: E402
+from closedloop.sim.plants import cartpole_linearization, cartpole_model, make_plant, rk4_step  # noqa: E402
 
 
 @pytest.fixture

@@ -7,9 +7,9 @@ import json
 import numpy as np
 import pytest
 
-from sim.devices.base import device_params
-from sim.plants import PLANTS, X29_MODELS, make_plant, rk4_step, x29_matrices
-from sim.plants.x29 import DATA_PATH
+from closedloop.sim.devices.base import device_params
+from closedloop.sim.plants import PLANTS, X29_MODELS, make_plant, rk4_step, x29_matrices
+from closedloop.sim.plants.x29 import DATA_PATH
 
 NAMES = ("x29-nd-pa-lon", "x29-nd-ua-lon", "x29-nd-pa-lat", "x29-nd-ua-lat")
 

@@ -7,7 +7,7 @@ import time
 import numpy as np
 import pytest
 
-from firmware_bridge import (
+from closedloop.firmware_bridge import (
     ActuatorCommand,
     DeviceNotConnectedError,
     FrameError,
@@ -17,8 +17,8 @@ from firmware_bridge import (
     decode_frame,
     encode_frame,
 )
-from sim import StatusCode
-from sim.faults import corrupt_one_bit
+from closedloop.sim import StatusCode
+from closedloop.sim.faults import corrupt_one_bit
 
 FAST = "sim://headstage?channels=4&rate=200&seed=1"
 

@@ -7,8 +7,8 @@ import secrets
 import numpy as np
 import pytest
 
-from firmware_bridge import PROTOCOL_VERSION, Heartbeat, Hello, NeuralFrame
-from sim import ParamError, open_sim
+from closedloop.firmware_bridge import PROTOCOL_VERSION, Heartbeat, Hello, NeuralFrame
+from closedloop.sim import ParamError, open_sim
 
 
 def test_device_announces_hello_before_the_host_speaks(host):
@@ -76,7 +76,7 @@ def test_signed_link_with_key(host):
 
 
 def test_host_without_the_key_refuses_signed_frames(host):
-    from firmware_bridge import Link
+    from closedloop.firmware_bridge import Link
 
     h = host(f"sim://headstage?channels=4&key={secrets.token_hex(16)}")
     unsigned = Link(h.transport)  # a host that forgot the key

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from firmware_bridge import DecoderOutput, NeuralFrame
+from closedloop.firmware_bridge import DecoderOutput, NeuralFrame
 
 
 def test_frames_at_50_hz_with_increasing_bin_index_and_n_channels(host):

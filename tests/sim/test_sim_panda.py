@@ -7,8 +7,8 @@ import time
 import numpy as np
 import pytest
 
-from firmware_bridge import JointCommand, JointMode, JointState
-from sim import StatusCode
+from closedloop.firmware_bridge import JointCommand, JointMode, JointState
+from closedloop.sim import StatusCode
 
 pytest.importorskip("pybullet")
 

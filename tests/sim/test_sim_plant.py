@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from firmware_bridge import ActuatorCommand, PlantMeasurement
-from sim import StatusCode
+from closedloop.firmware_bridge import ActuatorCommand, PlantMeasurement
+from closedloop.sim import StatusCode
 
 
 def _drive(h, u, seconds):

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from firmware_bridge import ActuatorCommand, PlantMeasurement
-from sim.plants import PLANTS
+from closedloop.firmware_bridge import ActuatorCommand, PlantMeasurement
+from closedloop.sim.plants import PLANTS
 
 PLUGIN = '''
 import numpy as np
-from sim.params import Param
-from sim.plants import Plant, register_plant
+from closedloop.sim.params import Param
+from closedloop.sim.plants import Plant, register_plant
 
 @register_plant("test-first-order")
 class FirstOrder(Plant):

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from firmware_bridge import (
+from closedloop.firmware_bridge import (
     DecoderOutput,
     DeviceNotConnectedError,
     Hello,
@@ -23,8 +23,8 @@ from firmware_bridge import (
     Status,
     open_pty_pair,
 )
-from firmware_bridge import open_transport as open_url
-from sim import StatusCode, cli_main
+from closedloop.firmware_bridge import open_transport as open_url
+from closedloop.sim import StatusCode, cli_main
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -46,7 +46,7 @@ def _emulator_children() -> list[int]:
             cmdline = (stat.parent / "cmdline").read_bytes()
         except OSError:
             continue
-        if int(fields[1]) == os.getpid() and b"-m\x00sim\x00" in cmdline:
+        if int(fields[1]) == os.getpid() and b"-m\x00closedloop.sim\x00" in cmdline:
             kids.append(int(stat.parent.name))
     return kids
 
@@ -71,7 +71,7 @@ def test_forgotten_transport_is_cleaned_up_by_the_garbage_collector():
 
 
 def test_emulator_exits_when_its_host_is_killed():
-    code = ("import sys, time, sim; from firmware_bridge import open_transport; "
+    code = ("import sys, time; from closedloop import sim; from closedloop.firmware_bridge import open_transport; "
             "t = open_transport('sim://headstage?channels=2'); print(t.process.pid, flush=True); time.sleep(60)")
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     host = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, env=env, cwd=ROOT)
@@ -117,7 +117,7 @@ def test_emulator_crash_closes_the_transport_with_the_reason(host):
 def test_cli_serves_on_a_pty_path_and_prints_decoded_text_with_verbose():
     host_end, device_end = open_pty_pair()
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    proc = subprocess.Popen([sys.executable, "-m", "sim", "headstage", "--port", device_end.path,
+    proc = subprocess.Popen([sys.executable, "-m", "closedloop.sim", "headstage", "--port", device_end.path,
                              "--channels", "8", "--rate=100", "--verbose"], stderr=subprocess.PIPE, env=env, cwd=ROOT)
     try:
         link = Link(host_end)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from sim.sources import NEURAL_SOURCES, UnknownSourceError, make_source
+from closedloop.sim.sources import NEURAL_SOURCES, UnknownSourceError, make_source
 
 
 def test_poisson_counts_match_the_baseline_rates():
