@@ -408,7 +408,7 @@ class ObserverEvaluator:
         import dataclasses
         from types import SimpleNamespace
 
-        from closedloop.runtime.certificate import check_bundle_certificate, mlp_from_onnx
+        from closedloop.runtime.families.observer.certificate import check_bundle_certificate, mlp_from_onnx
         from closedloop.sdk.observer import NeuralObserver, observer_metrics, simulate
 
         base = model.bundle.onnx()
@@ -534,7 +534,7 @@ EVALUATORS = {"bci": BciEvaluator, "observer": ObserverEvaluator, "policy": Poli
 
 def _model(bundle_path, variant, protected: bool):
     from closedloop.runtime import Model, load_bundle
-    from closedloop.runtime.scrubber import attach_scrubber
+    from closedloop.runtime.protect.scrubber import attach_scrubber
 
     backend = "numba" if variant is None else "onnxruntime"
     model = Model(load_bundle(bundle_path), backend=backend, variant=variant)
@@ -620,7 +620,7 @@ def scrub_timing(cfg: BitflipBenchConfig, work: Path, report) -> dict:
 
     from closedloop.export import export_bundle
     from closedloop.runtime import Model, load_bundle
-    from closedloop.runtime.scrubber import attach_scrubber
+    from closedloop.runtime.protect.scrubber import attach_scrubber
     from closedloop.sdk.bci.benchmark import BciBenchConfig
     from closedloop.sdk.bci.models import AffineAlignment, AlignedDecoder, GRUBackbone
     from closedloop.sdk.models import GRUDecoder

@@ -4,6 +4,15 @@ This package is what goes on a board. It depends on numpy, numba, onnxruntime an
 (through ``firmware_bridge``) pyserial; TensorRT is found at run time when present.
 """
 
+from closedloop.runtime.protect.scrubber import (
+    ProtectionLayout,
+    Scrubber,
+    ScrubError,
+    ScrubEvent,
+    WeightsCorruptedError,
+    attach_scrubber,
+)
+
 from . import replay as _replay  # noqa: F401  (registers the replay:// transport)
 from .backends import Availability, Backend, BackendOptions, backend_names, backend_report, create_backend
 from .bundle import Bundle, check_bundle, load_bundle
@@ -14,14 +23,6 @@ from .manifest import SCHEMA_VERSION, GraphSpec, Manifest, TensorSpec
 from .model import Model
 from .recording import RecordingReader, RecordingWriter, RecordType
 from .replay import ReplayReport, replay_recording
-from .scrubber import (
-    ProtectionLayout,
-    Scrubber,
-    ScrubError,
-    ScrubEvent,
-    WeightsCorruptedError,
-    attach_scrubber,
-)
 from .session import DeviceMismatchError, Session, SessionConfig, SessionError, SessionSummary, run_session
 from .stats import LoopSummary
 

@@ -34,13 +34,13 @@ from closedloop.firmware_bridge import (
     Transport,
     open_transport,
 )
+from closedloop.runtime.protect.scrubber import session_scrubber
 
 from .bundle import Bundle, load_bundle
 from .families import FamilyPlugin, get_family
 from .loop import LoopConfig, RealTimeLoop
 from .model import Model
 from .recording import RecordingWriter, RecordType
-from .scrubber import session_scrubber
 from .stats import LoopSummary
 
 

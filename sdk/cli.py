@@ -246,7 +246,7 @@ def _certify_args(p: argparse.ArgumentParser) -> None:
 @command("certify", "re-check an observer bundle's stability certificate from its own weights and print the report",
          _certify_args)
 def _certify(a: argparse.Namespace) -> int:
-    from closedloop.runtime.certificate import certify_bundle
+    from closedloop.runtime.families.observer.certificate import certify_bundle
 
     text = certify_bundle(a.bundle)
     print(text)

@@ -169,7 +169,7 @@ def _typing_demo(out: Path) -> None:
 
 def _observer_demo(out: Path) -> None:
     from closedloop import sim  # noqa: F401  (registers sim://)
-    from closedloop.runtime.certificate import certify_bundle
+    from closedloop.runtime.families.observer.certificate import certify_bundle
 
     from .observer import NeuralObserver, ObserverModel, TrainConfig, certify, observer_system, train_observer
     from .observer.neural import export_observer_bundle

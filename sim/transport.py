@@ -29,7 +29,12 @@ import tty
 import weakref
 from typing import IO, Any
 
-from closedloop.firmware_bridge import DeviceNotConnectedError, FdTransport, TransportError, register_transport
+from closedloop.firmware_bridge import (
+    DeviceNotConnectedError,
+    FdTransport,
+    TransportError,
+    register_transport,
+)
 from closedloop.firmware_bridge.transports import split_device_url
 
 from .cli import KEY_ENV

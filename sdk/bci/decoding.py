@@ -27,8 +27,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from closedloop.runtime.ctc import completion_label, end_outputs, output_labels, tail_odds
-from closedloop.runtime.ctc import greedy_decode as runtime_greedy_decode
+from closedloop.runtime.families.bci.ctc import completion_label, end_outputs, output_labels, tail_odds
+from closedloop.runtime.families.bci.ctc import greedy_decode as runtime_greedy_decode
 from closedloop.sim.handwriting.types import CHARSET
 
 from .charset import BLANK, PUNCTUATION, SPACE, decode, encode
@@ -50,7 +50,7 @@ def greedy_decode(logp: np.ndarray, complete_end: bool = False, sentence_end: st
     logp
         ``(T, 32)`` log-probabilities of a whole trial (without ``complete_end`` any scores
         do; only the argmax matters). The runtime's offline reference
-        (``closedloop.runtime.ctc.greedy_decode``) with FALCON H2's charset: one implementation.
+        (``closedloop.runtime.families.bci.ctc.greedy_decode``) with FALCON H2's charset: one implementation.
     complete_end, sentence_end
         With ``complete_end`` the trial is over: apply :func:`end_completion` (append the
         character the tail holds; with ``sentence_end``, the sentence-final mark it lacks).

@@ -229,7 +229,7 @@ def export_bci_bundle(
         bin's ``DecoderOutput`` carries the character probabilities.
     end_completion
         None (default): the runtime's text is plain greedy CTC. A string: at each trial's
-        end the runtime applies end-of-trial completion (``closedloop.runtime.ctc``): ``"~?"`` appends
+        end the runtime applies end-of-trial completion (``closedloop.runtime.families.bci.ctc``): ``"~?"`` appends
         the likelier of these sentence-final marks when the text lacks one (the lexicon
         beam search's sentence-end rule, as ``greedy_end`` in the harness), ``""`` appends
         a character only when CTC rates it more probable than none.

@@ -307,8 +307,8 @@ def runtime_timing(model: ObserverModel, net: ObserverNet, report: CertificateRe
     """Export the bundle; time the load-time certificate check (fresh bundle object each time) and the
     family's Numba step on recorded measurements (each call timed, Python call overhead included)."""
     from closedloop.runtime.bundle import Bundle, load_bundle
-    from closedloop.runtime.certificate import check_bundle_certificate
     from closedloop.runtime.families import get_family
+    from closedloop.runtime.families.observer.certificate import check_bundle_certificate
     from closedloop.runtime.model import Model
 
     t0 = time.perf_counter()

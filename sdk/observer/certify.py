@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from closedloop.runtime.certificate import (
+from closedloop.runtime.families.observer.certificate import (
     CERTIFICATE_KIND,
     CERTIFICATE_VERSION,
     SIGN_CONVENTION,

@@ -1,6 +1,6 @@
 """The observer certificate's LMI in cvxpy: the full solve in ``(P, t, lam)``, the cheap form, bisection on ``rho``.
 
-The matrix is built by ``closedloop.runtime.certificate.LMIData.matrix`` with cvxpy variables, the
+The matrix is built by ``closedloop.runtime.families.observer.certificate.LMIData.matrix`` with cvxpy variables, the
 very function the runtime evaluates with numpy at load time, so a solution found here is
 checked there against the same expression (see that module for the math and the sign
 convention). Every solve is timed; feasibility is always decided by the numpy check of
@@ -17,7 +17,7 @@ scales do not make the SDP ill-conditioned), variables ``Ps = Ps'``, ``t >= 0``,
 
 and ``P = S' Ps S``. ``Ps >= I`` fixes the scale (``M`` is homogeneous in ``(P, t, lam)``),
 ``p_max`` bounds the condition number. Certified when the numpy check
-(``closedloop.runtime.certificate.check_certificate``: ``max eig`` of ``M`` normalised by ``P``'s
+(``closedloop.runtime.families.observer.certificate.check_certificate``: ``max eig`` of ``M`` normalised by ``P``'s
 Cholesky factor) is ``<= -margin``. Cheap form: ``P`` fixed (from a previous solve or a
 Lyapunov equation), the normalised ``M`` is affine in ``t``, ``lam`` alone: a much smaller
 SDP for large networks. The best certified decay
@@ -34,7 +34,7 @@ import cvxpy as cp
 import numpy as np
 import scipy.linalg as sla
 
-from closedloop.runtime.certificate import ArrayOps, ErrorModel, NetworkLFT, lmi_data
+from closedloop.runtime.families.observer.certificate import ArrayOps, ErrorModel, NetworkLFT, lmi_data
 
 CVXPY_OPS = ArrayOps(
     block=cp.bmat,
@@ -162,7 +162,7 @@ def solve_lmi(model: ErrorModel, lft: NetworkLFT, rho: float, *, margin: float =
     Parameters
     ----------
     model, lft
-        The error model and the network (float64 numpy; see ``closedloop.runtime.certificate``).
+        The error model and the network (float64 numpy; see ``closedloop.runtime.families.observer.certificate``).
     rho
         Decay rate per step: ``V(e+) <= rho^2 V(e) - margin |e|^2``.
     margin
@@ -178,7 +178,7 @@ def solve_lmi(model: ErrorModel, lft: NetworkLFT, rho: float, *, margin: float =
 
     Examples
     --------
-    >>> from closedloop.runtime.certificate import ErrorModel, lft_from_weights
+    >>> from closedloop.runtime.families.observer.certificate import ErrorModel, lft_from_weights
     >>> m = ErrorModel.linear([[0.9, 0.1], [0.0, 0.8]], [[1.0, 0.0]], [[0.3], [0.0]])
     >>> lft = lft_from_weights([np.array([[0.5]]), np.array([[0.1], [0.0]])], ["tanh"])
     >>> solve_lmi(m, lft, rho=0.95).feasible

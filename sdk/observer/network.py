@@ -4,7 +4,7 @@
 of the extended state (``nz`` values). It has no biases, so ``N(0) = 0`` and the error
 equilibrium ``e = 0`` is kept; this is what makes a *global* certificate possible (a bias
 would be a constant forcing of the error dynamics). Its weights are read as an LFT by
-``closedloop.runtime.certificate.lft_from_weights`` in numpy, and by ``torch_lft`` here in torch (the
+``closedloop.runtime.families.observer.certificate.lft_from_weights`` in numpy, and by ``torch_lft`` here in torch (the
 same construction, through ``TORCH_OPS``) for the differentiable LMI of fine-tuning.
 
 Notes
@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from closedloop.runtime.certificate import ArrayOps, NetworkLFT, lft_from_weights
+from closedloop.runtime.families.observer.certificate import ArrayOps, NetworkLFT, lft_from_weights
 
 
 def _torch_block(rows: list[list]) -> torch.Tensor:

@@ -2,7 +2,7 @@
 
 ``ObserverModel`` is everything the deployed observer runs besides the network: the
 discrete extended-state model ``(Ad, Bd, Cd, Fd)`` at ``dt``, the gain ``L``, the known
-nonlinearity as a *named* runtime nonlinearity (``closedloop.runtime.certificate.NONLINEARITIES``, so
+nonlinearity as a *named* runtime nonlinearity (``closedloop.runtime.families.observer.certificate.NONLINEARITIES``, so
 the runtime's Numba kernel and the certificate's sector both know it), the controller
 gain ``K`` and the input limits. ``NeuralObserver`` runs it with a trained ``ObserverNet``
 in numpy (the same float32 weights the bundle stores) behind the harness interface
@@ -10,7 +10,7 @@ in numpy (the same float32 weights the bundle stores) behind the harness interfa
 
 Notes
 -----
-Predictor form, as in ``closedloop.sdk.observer.systems`` (sign convention of ``closedloop.runtime.certificate``)::
+Predictor form, as in ``closedloop.sdk.observer.systems`` (sign convention of ``closedloop.runtime.families.observer.certificate``)::
 
     r_k       = y_k - Cd z_hat_k
     z_hat_k+1 = Ad z_hat_k + Bd u_k + Fd f(z_hat_k, y_k) + L r_k + N(r_k)
@@ -31,7 +31,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import scipy.linalg as sla
 
-from closedloop.runtime.certificate import ErrorModel, known_nonlinearity, observer_error_model
+from closedloop.runtime.families.observer.certificate import (
+    ErrorModel,
+    known_nonlinearity,
+    observer_error_model,
+)
 
 from .network import ObserverNet, numpy_forward
 
@@ -72,7 +76,7 @@ def nonlinearity_for(system: ObserverSystem, y_max: float | None = None) -> dict
                 "y_max": [ymax]}
     else:
         raise ValueError(f"no runtime nonlinearity is known for plant {system.name!r}; add one to "
-                         "closedloop.runtime.certificate.NONLINEARITIES and map it here")
+                         "closedloop.runtime.families.observer.certificate.NONLINEARITIES and map it here")
     rng = np.random.default_rng(0)
     x = rng.uniform(-1, 1, (16, nx))
     z = np.hstack([x, np.zeros((16, nz - nx))])

@@ -6,13 +6,13 @@ the prescribed box (at all scales, and at the vertices of the nonlinearity's sec
 Stage 2 solves the certificate's SDP at the current weights; while it is infeasible (or
 its margin too small) it keeps ``P`` and the multipliers of the last solve and pushes the
 weights with a penalty on the largest eigenvalue of the LMI matrix, built in torch by the
-same ``closedloop.runtime.certificate.LMIData`` the runtime checks, then re-solves. It stops at the
+same ``closedloop.runtime.families.observer.certificate.LMIData`` the runtime checks, then re-solves. It stops at the
 first certificate (from the SDP, or from the fixed ``(P, t, lam)`` once the pushed
 weights satisfy it). Everything is timed.
 
 Notes
 -----
-Error dynamics (sign convention of ``closedloop.runtime.certificate``):
+Error dynamics (sign convention of ``closedloop.runtime.families.observer.certificate``):
 ``e+ = (Ad - L Cd) e - N(Cd e) + Gf p`` with ``p_j = s_j (H e)_j``, ``s_j`` in the sector
 ``[lo_j, hi_j]``. ``V(e+)`` is convex in ``s``, so the worst case over the sector is at a
 vertex: the hinge takes the largest ratio over the vertices,
@@ -44,7 +44,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from closedloop.runtime.certificate import lft_from_weights, lmi_data
+from closedloop.runtime.families.observer.certificate import lft_from_weights, lmi_data
 
 from .lmi import LMISolution, best_decay_rate, lyapunov_matrix, solve_lmi
 from .network import TORCH_OPS, ObserverNet
@@ -383,13 +383,13 @@ def _polish(net: ObserverNet, prob: _Problem, sol: LMISolution, rho: float, cfg:
 
 
 def _recheck(em: Any, net: ObserverNet, sol: LMISolution, rho: float) -> float:
-    from closedloop.runtime.certificate import check_certificate
+    from closedloop.runtime.families.observer.certificate import check_certificate
 
     return check_certificate(em, net.lft(), sol.P, sol.t, sol.lam, rho, sol.margin).max_eig
 
 
 def _fixed_check(em: Any, net: ObserverNet, sol: LMISolution, rho: float, margin: float) -> LMISolution | None:
-    from closedloop.runtime.certificate import check_certificate
+    from closedloop.runtime.families.observer.certificate import check_certificate
 
     chk = check_certificate(em, net.lft(), sol.P, sol.t, sol.lam, rho, margin)
     if not chk.passed:

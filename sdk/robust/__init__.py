@@ -2,7 +2,7 @@
 
 ``protect`` puts a torch model's weights under the block constraints (a parametrization;
 fine-tune afterwards), ``finalize`` bakes them in, ``protect_bundle`` records the layout
-(and an exact int8 variant) in an exported bundle; ``closedloop.runtime.scrubber`` checks and repairs
+(and an exact int8 variant) in an exported bundle; ``closedloop.runtime.protect.scrubber`` checks and repairs
 the deployed weights. ``inject_faults`` and ``bit_flip_attack`` corrupt bundles for
 evaluation. See docs/robustness.md.
 """

@@ -21,7 +21,7 @@ from closedloop.export.parity import Tolerance, compare, make_parity_inputs, ort
 from closedloop.export.tensorrt import tensorrt_compatibility
 from closedloop.export.writer import write_bundle
 from closedloop.runtime.bundle import load_bundle
-from closedloop.runtime.scrubber import (
+from closedloop.runtime.protect.scrubber import (
     LAYOUT_VERSION,
     ROBUST_EXTRA,
     block_positions,

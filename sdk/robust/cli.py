@@ -50,7 +50,7 @@ def _scrub_args(p: argparse.ArgumentParser) -> None:
          _scrub_args)
 def _scrub(a: argparse.Namespace) -> int:
     from closedloop.runtime import Model, load_bundle
-    from closedloop.runtime.scrubber import WeightsCorruptedError, attach_scrubber, read_key
+    from closedloop.runtime.protect.scrubber import WeightsCorruptedError, attach_scrubber, read_key
 
     bundle = load_bundle(a.bundle, verify_checksums=not a.skip_checksum)
     model = Model(bundle, backend=a.backend, variant=None if a.variant == "fp32" else a.variant)

@@ -80,7 +80,7 @@ def robust_demo(out_dir: str | Path = "out/robust_demo", duration_s: float = 3.0
         cfg = SessionConfig(device="sim://headstage?channels=12&seed=3", backend="numba", duration_s=duration_s,
                             status=False, scrub=scrub, weights_key_file=str(key_file), scrub_budget_us=200.0)
         with Session(bundle, cfg) as s:
-            from closedloop.runtime.scrubber import attach_scrubber
+            from closedloop.runtime.protect.scrubber import attach_scrubber
 
             scrubber = s.scrubber.scrubber if s.scrubber is not None else attach_scrubber(
                 s.model, key=key, scrub_at_load=False)

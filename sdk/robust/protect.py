@@ -27,7 +27,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from closedloop.runtime.onnx_reader import parse_onnx
-from closedloop.runtime.scrubber import block_positions, key_fingerprint
+from closedloop.runtime.protect.scrubber import block_positions, key_fingerprint
 
 from .projection import BlockZeroSum, project_numpy
 

@@ -27,7 +27,15 @@ from typing import Any
 
 import numpy as np
 
-from closedloop.firmware_bridge import Hello, JointCommand, JointMode, JointState, Message, PlantMeasurement, Severity
+from closedloop.firmware_bridge import (
+    Hello,
+    JointCommand,
+    JointMode,
+    JointState,
+    Message,
+    PlantMeasurement,
+    Severity,
+)
 
 from ..params import Param
 from .base import Device, StatusCode, register_device

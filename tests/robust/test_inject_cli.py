@@ -7,7 +7,7 @@ import json
 import numpy as np
 
 from closedloop.runtime import Model, check_bundle, load_bundle
-from closedloop.runtime.scrubber import attach_scrubber
+from closedloop.runtime.protect.scrubber import attach_scrubber
 from closedloop.sdk.cli import main
 
 from .conftest import KEY

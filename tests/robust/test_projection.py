@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from closedloop.runtime.scrubber import block_positions, syndromes
+from closedloop.runtime.protect.scrubber import block_positions, syndromes
 from closedloop.sdk.robust.projection import BlockZeroSum, project_numpy
 
 

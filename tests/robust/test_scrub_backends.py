@@ -7,7 +7,7 @@ import pytest
 
 from closedloop.runtime import Model, load_bundle
 from closedloop.runtime.errors import BundleError
-from closedloop.runtime.scrubber import ScrubError, WeightsCorruptedError, attach_scrubber
+from closedloop.runtime.protect.scrubber import ScrubError, WeightsCorruptedError, attach_scrubber
 from closedloop.sdk.robust.faults import BitFlip, write_corrupted_copy
 
 from .conftest import KEY

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from closedloop.runtime.scrubber import Scrubber, ScrubTarget, block_positions, tolerances
+from closedloop.runtime.protect.scrubber import Scrubber, ScrubTarget, block_positions, tolerances
 from closedloop.sdk.robust.projection import project_numpy
 from closedloop.sdk.robust.quantize import quantize_blocks
 

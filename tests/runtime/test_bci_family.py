@@ -12,7 +12,13 @@ from torch import nn
 
 from closedloop.firmware_bridge import DecoderOutput, NeuralFrame
 from closedloop.runtime import BundleError, Model, get_family, load_bundle
-from closedloop.runtime.ctc import StreamingCTC, greedy_decode, normalize, output_labels, tail_odds
+from closedloop.runtime.families.bci.ctc import (
+    StreamingCTC,
+    greedy_decode,
+    normalize,
+    output_labels,
+    tail_odds,
+)
 from closedloop.sdk.bci.deploy import export_bci_bundle
 from closedloop.sdk.models import GRUDecoder
 from closedloop.sim.handwriting import CHARSET

@@ -13,9 +13,9 @@ import pytest
 
 from closedloop.firmware_bridge import PlantMeasurement
 from closedloop.runtime.bundle import load_bundle, sha256_file
-from closedloop.runtime.certificate import certify_bundle, check_bundle_certificate
 from closedloop.runtime.errors import BundleError
 from closedloop.runtime.families import get_family
+from closedloop.runtime.families.observer.certificate import certify_bundle, check_bundle_certificate
 from closedloop.runtime.model import Model
 
 
@@ -144,7 +144,7 @@ def test_numba_observer_step_equals_the_numpy_reference(observer_setup):
 
 
 def test_certificate_module_needs_neither_torch_nor_cvxpy():
-    code = ("import sys, runtime.certificate, runtime.families.observer; "
+    code = ("import sys, closedloop.runtime.families.observer.certificate, closedloop.runtime.families.observer; "
             "bad = [m for m in ('torch', 'cvxpy', 'scipy') if m in sys.modules]; assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[2])
 
@@ -154,7 +154,7 @@ def test_kernel_nonlinearities_match_the_reference(plant):
     """Each runtime nonlinearity (output-scaled, none) in the kernel against the numpy observer."""
     import torch
 
-    from closedloop.runtime.families.observer import ObserverArrays, _kernel, pack_network
+    from closedloop.runtime.families.observer.plugin import ObserverArrays, _kernel, pack_network
     from closedloop.sdk.observer.neural import NeuralObserver, ObserverModel
     from closedloop.sdk.observer.systems import observer_system
     from closedloop.sdk.observer.train import TrainConfig, _initial_net

@@ -19,8 +19,23 @@ import pytest
 import torch
 
 from closedloop.export import export_bundle
-from closedloop.firmware_bridge import ActuatorCommand, Hello, Link, PlantMeasurement, open_pty_pair, register_transport
-from closedloop.runtime import Model, RecordingReader, RecordType, Session, SessionConfig, get_family, replay_recording
+from closedloop.firmware_bridge import (
+    ActuatorCommand,
+    Hello,
+    Link,
+    PlantMeasurement,
+    open_pty_pair,
+    register_transport,
+)
+from closedloop.runtime import (
+    Model,
+    RecordingReader,
+    RecordType,
+    Session,
+    SessionConfig,
+    get_family,
+    replay_recording,
+)
 from closedloop.sdk.models import GRUDecoder, MLPPolicy
 
 BACKENDS = ("numba", "onnxruntime")

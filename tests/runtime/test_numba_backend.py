@@ -418,7 +418,7 @@ def test_registered_and_reported(graphs):
 
 def test_runtime_side_imports_neither_torch_nor_onnx():
     code = (
-        "import sys, runtime.kernels, runtime.backends.numba_backend\n"
+        "import sys, closedloop.runtime.kernels, closedloop.runtime.backends.numba_backend\n"
         "bad = [m for m in ('torch', 'onnx') if m in sys.modules]\n"
         "assert not bad, bad\n"
     )

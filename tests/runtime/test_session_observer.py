@@ -7,7 +7,15 @@ import pytest
 
 from closedloop import sim  # noqa: F401  (registers sim://)
 from closedloop.firmware_bridge import ActuatorCommand, FrameParser, PlantMeasurement
-from closedloop.runtime import Model, RecordingReader, RecordType, SessionConfig, get_family, load_bundle, run_session
+from closedloop.runtime import (
+    Model,
+    RecordingReader,
+    RecordType,
+    SessionConfig,
+    get_family,
+    load_bundle,
+    run_session,
+)
 
 
 @pytest.fixture(scope="module")

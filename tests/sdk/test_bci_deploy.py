@@ -10,7 +10,14 @@ import torch
 
 from closedloop import sim  # noqa: F401  (registers sim://)
 from closedloop.firmware_bridge import DecoderOutput, FrameParser, NeuralFrame
-from closedloop.runtime import DeviceMismatchError, RecordingReader, RecordType, SessionConfig, load_bundle, run_session
+from closedloop.runtime import (
+    DeviceMismatchError,
+    RecordingReader,
+    RecordType,
+    SessionConfig,
+    load_bundle,
+    run_session,
+)
 from closedloop.sdk.bci.deploy import bench_bci_step_latency, export_bci_bundle
 from closedloop.sdk.models import GRUDecoder
 from closedloop.sim.handwriting import CHARSET

@@ -10,7 +10,13 @@ import torch
 
 from closedloop.sdk.bci.baselines import METHODS, nearest_session_layer
 from closedloop.sdk.bci.calibrate import CalibrationConfig
-from closedloop.sdk.bci.evaluate import DEFAULT_METHODS, HarnessConfig, build_lexicon, run_harness, train_models
+from closedloop.sdk.bci.evaluate import (
+    DEFAULT_METHODS,
+    HarnessConfig,
+    build_lexicon,
+    run_harness,
+    train_models,
+)
 from closedloop.sdk.bci.meta import MetaConfig
 from closedloop.sdk.bci.report import markdown_table, summarize, write_results
 from closedloop.sdk.bci.toy import toy_recording

@@ -6,7 +6,13 @@ import numpy as np
 import pytest
 import torch
 
-from closedloop.sdk.bci.models import AffineAlignment, AlignedDecoder, GRUBackbone, SessionInputDecoder, affine
+from closedloop.sdk.bci.models import (
+    AffineAlignment,
+    AlignedDecoder,
+    GRUBackbone,
+    SessionInputDecoder,
+    affine,
+)
 
 C = 10
 

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import json
 
-from closedloop.sdk.observer.benchmark import LINEAR_PART, NEURAL, STAGE1, ObserverBenchConfig, run_observer_benchmark
+from closedloop.sdk.observer.benchmark import (
+    LINEAR_PART,
+    NEURAL,
+    STAGE1,
+    ObserverBenchConfig,
+    run_observer_benchmark,
+)
 
 
 def test_smoke_benchmark_writes_every_result(tmp_path):

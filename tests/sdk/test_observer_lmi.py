@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from closedloop.runtime.certificate import check_certificate, lft_from_weights, lmi_data
+from closedloop.runtime.families.observer.certificate import check_certificate, lft_from_weights, lmi_data
 from closedloop.sdk.observer.certify import certify, samples_needed, step_ratios
 from closedloop.sdk.observer.lmi import CVXPY_OPS, best_decay_rate, linearised_spectral_radius, solve_lmi
 from closedloop.sdk.observer.network import TORCH_OPS, ObserverNet
@@ -149,7 +149,7 @@ def test_certify_report_local_radius_and_coverage(fj, small_net):
 
 def test_the_nonlinearity_sector_term_is_needed(fj):
     """sin(x3) is not measured, so it cannot cancel: a certificate that ignores it is wrong."""
-    from closedloop.runtime.certificate import ErrorModel
+    from closedloop.runtime.families.observer.certificate import ErrorModel
 
     em = fj.error_model()
     linear_only = ErrorModel.linear(em.Ad, em.Cd, em.L)

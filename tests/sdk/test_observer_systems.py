@@ -8,7 +8,13 @@ import numpy as np
 import pytest
 import scipy.linalg
 
-from closedloop.sdk.observer import SYSTEMS, ObserverSystem, default_poles, observer_system, place_observer_gain
+from closedloop.sdk.observer import (
+    SYSTEMS,
+    ObserverSystem,
+    default_poles,
+    observer_system,
+    place_observer_gain,
+)
 from closedloop.sim.plants import cartpole_model, rk4_step
 
 NAMES = ("x29-nd-pa-lon", "x29-nd-ua-lon", "x29-nd-pa-lat", "x29-nd-ua-lat", "flexible-joint", "van-der-pol",

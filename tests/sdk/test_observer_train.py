@@ -6,11 +6,18 @@ import numpy as np
 import pytest
 import torch
 
-from closedloop.runtime.certificate import check_certificate
+from closedloop.runtime.families.observer.certificate import check_certificate
 from closedloop.sdk.observer.direct import train_direct
 from closedloop.sdk.observer.neural import NeuralObserver, ObserverModel
 from closedloop.sdk.observer.systems import observer_system
-from closedloop.sdk.observer.train import TrainConfig, _initial_net, _Problem, train_observer, train_stage1, train_stage2
+from closedloop.sdk.observer.train import (
+    TrainConfig,
+    _initial_net,
+    _Problem,
+    train_observer,
+    train_stage1,
+    train_stage2,
+)
 
 TINY = TrainConfig(hidden=(8,), stage1_steps=30, horizon=20, n_traj=8, n_points=64, stage2_rounds=6, stage2_steps=30)
 

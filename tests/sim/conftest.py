@@ -9,7 +9,15 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from closedloop import sim  # noqa: F401 - registers sim://
-from closedloop.firmware_bridge import DeviceNotConnectedError, Frame, Hello, Link, Message, Status, open_transport
+from closedloop.firmware_bridge import (
+    DeviceNotConnectedError,
+    Frame,
+    Hello,
+    Link,
+    Message,
+    Status,
+    open_transport,
+)
 from closedloop.sim import SimTransport, StatusCode
 
 

@@ -5,7 +5,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from closedloop.sim.handwriting import CHAR_STROKES, CHARSET, WritingConfig, char_path, char_velocity, trial_kinematics
+from closedloop.sim.handwriting import (
+    CHAR_STROKES,
+    CHARSET,
+    WritingConfig,
+    char_path,
+    char_velocity,
+    trial_kinematics,
+)
 
 
 @pytest.mark.parametrize("ch", list(CHARSET))

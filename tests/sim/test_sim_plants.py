@@ -5,7 +5,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from closedloop.sim.plants import PLANTS, Plant, UnknownPlantError, make_plant, plant_class, register_plant, rk4_step
+from closedloop.sim.plants import (
+    PLANTS,
+    Plant,
+    UnknownPlantError,
+    make_plant,
+    plant_class,
+    register_plant,
+    rk4_step,
+)
 
 
 def test_shipped_plants_are_registered_and_consistent():

@@ -9,7 +9,7 @@ membership can be keyed: a secret key (never in the bundle; the manifest keeps o
 HMAC fingerprint of it) seeds a permutation of each tensor's elements into blocks.
 
 This module is shared by the export side (``closedloop.sdk.robust`` writes the layout) and the
-runtime side (``closedloop.runtime.scrubber`` rebuilds it to check and repair the weights, and
+runtime side (``closedloop.runtime.protect.scrubber`` rebuilds it to check and repair the weights, and
 re-exports everything here). No torch, and numba only when a keyed layout is built.
 """
 
@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from .scrubber_kernels import kernels
+from closedloop.runtime.protect.kernels import kernels
 
 ROBUST_EXTRA = "robust"
 LAYOUT_VERSION = 1

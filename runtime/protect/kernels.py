@@ -2,8 +2,8 @@
 
 Plain Python functions here, compiled with ``njit(cache=True)`` on first use by
 ``kernels()``: importing the runtime must not import numba (which pulls in scipy) until
-a protected bundle is scrubbed. Used by ``closedloop.runtime.scrubber_layout`` (the permutation
-behind keyed block membership) and ``closedloop.runtime.scrubber`` (the scans); see that module.
+a protected bundle is scrubbed. Used by ``closedloop.runtime.protect.layout`` (the permutation
+behind keyed block membership) and ``closedloop.runtime.protect.scrubber`` (the scans); see that module.
 """
 
 from __future__ import annotations

@@ -26,15 +26,13 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from closedloop.firmware_bridge import JointCommand, JointMode
-
-from .base import FamilyPlugin
-from .registry import register_family
+from closedloop.runtime.families.base import FamilyPlugin
+from closedloop.runtime.families.registry import register_family
 
 if TYPE_CHECKING:
     from closedloop.firmware_bridge import Hello, Message
-
-    from ..bundle import Bundle
-    from ..model import Model
+    from closedloop.runtime.bundle import Bundle
+    from closedloop.runtime.model import Model
 
 BLOCK = "policy"
 _COUNTERS = 5

@@ -1,9 +1,9 @@
 """Observer bundles' certificates: the network read back from ONNX, the load-time check, the report.
 
-The bundle side of ``closedloop.runtime.certificate`` (which holds the math: the LFT, the error model,
+The bundle side of ``closedloop.runtime.families.observer.certificate`` (which holds the math: the LFT, the error model,
 the LMI and its numpy check). ``check_bundle_certificate`` rebuilds the LMI from the
 bundle's ONNX initializers and manifest and checks it; ``certify_bundle`` is
-``closedloop certify``. Everything here is re-exported by ``closedloop.runtime.certificate``.
+``closedloop certify``. Everything here is re-exported by ``closedloop.runtime.families.observer.certificate``.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .certificate import (
+from closedloop.runtime.families.observer.certificate import (
     CERTIFICATE_KIND,
     CERTIFICATE_VERSION,
     CertificateCheck,
@@ -28,8 +28,8 @@ from .certificate import (
 )
 
 if TYPE_CHECKING:
-    from .bundle import Bundle
-    from .onnx_reader import OnnxModel
+    from closedloop.runtime.bundle import Bundle
+    from closedloop.runtime.onnx_reader import OnnxModel
 
 __all__ = ["OnnxMLP", "mlp_from_onnx", "observer_error_model", "BundleCertificateCheck", "check_bundle_certificate",
            "format_certificate_report", "certify_bundle"]
@@ -244,7 +244,7 @@ def certify_bundle(path: str | Path) -> str:
     The bundle's other checks (checksums, schema, graph) are run too and listed; the
     certificate is checked even when they fail, so a person sees both.
     """
-    from .bundle import Bundle, _open, _read_manifest, check_bundle
+    from closedloop.runtime.bundle import Bundle, _open, _read_manifest, check_bundle
 
     root, source = _open(path)
     manifest = _read_manifest(root, source)

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .base import FamilyPlugin
-from .registry import register_family
+from closedloop.runtime.families.base import FamilyPlugin
+from closedloop.runtime.families.registry import register_family
 
 
 def _vec(d: dict, key: str, n: int, default: float) -> np.ndarray:

@@ -3,7 +3,7 @@
 A handwriting decoder sees every 20 ms bin of threshold crossings in order (``consume
 = "all"``: a skipped bin would change the text). Per bin the family normalises the
 channels with the session's calibration statistics (a Numba kernel, in place), the
-model steps its recurrent state, and greedy CTC decoding (``closedloop.runtime.ctc``) turns the
+model steps its recurrent state, and greedy CTC decoding (``closedloop.runtime.families.bci.ctc``) turns the
 bin's log-probabilities into at most one new character, sent to the device or display
 as a ``DecoderOutput`` whose ``text`` is that character (usually ``''``). Streaming
 gives the same text as offline greedy decoding of the same bins.
@@ -23,7 +23,7 @@ in ``docs/bci_deployment.md``):
 - ``extra.bci.char_probs``: also send each bin's character probabilities (default false).
 - ``extra.bci.text_capacity``: characters of text kept per trial (default 16384).
 - ``extra.bci.end_completion``: absent or null: off. ``{"sentence_end": "~?"}``: when a
-  trial ends (``end_trial``), end-of-trial completion (``closedloop.runtime.ctc``) appends the
+  trial ends (``end_trial``), end-of-trial completion (``closedloop.runtime.families.bci.ctc``) appends the
   sentence-final mark greedy decoding left out, the likelier of those listed;
   ``{"sentence_end": ""}``: append whatever single character CTC rates more probable
   than nothing.
@@ -43,17 +43,15 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from closedloop.firmware_bridge import DecoderOutput
-
-from ..errors import BundleError
-from .base import FamilyPlugin
-from .registry import register_family
+from closedloop.runtime.errors import BundleError
+from closedloop.runtime.families.base import FamilyPlugin
+from closedloop.runtime.families.registry import register_family
 
 if TYPE_CHECKING:
     from closedloop.firmware_bridge import Message
-
-    from ..bundle import Bundle
-    from ..ctc import StreamingCTC
-    from ..model import Model
+    from closedloop.runtime.bundle import Bundle
+    from closedloop.runtime.families.bci.ctc import StreamingCTC
+    from closedloop.runtime.model import Model
 
 BLOCK = "bci"
 DEFAULT_DISPLAY = {">": " ", "~": "."}
@@ -164,7 +162,7 @@ class BCIHandwritingFamily(FamilyPlugin):
     def __init__(self, bundle: Bundle, model: Model):
         # Numba is imported only when a decoder is built: ``import closedloop.runtime`` must work
         # (and say what is missing) without it.
-        from ..ctc import StreamingCTC, normalize
+        from closedloop.runtime.families.bci.ctc import StreamingCTC, normalize
 
         super().__init__(bundle, model)
         self._normalize = normalize
@@ -206,7 +204,7 @@ class BCIHandwritingFamily(FamilyPlugin):
         """Return the trial's decoded text (in the charset, e.g. ``he>was~``) and reset.
 
         With ``extra.bci.end_completion`` set, the character end-of-trial completion picks
-        is appended first (``closedloop.runtime.ctc.StreamingCTC.complete_end``).
+        is appended first (``closedloop.runtime.families.bci.ctc.StreamingCTC.complete_end``).
         """
         if self.sentence_end is not None:
             self.ctc.complete_end(self.sentence_end)

@@ -1,10 +1,10 @@
 """Weight scrubbing: find, locate and repair single bit flips in a protected bundle's weights.
 
 A protected bundle's weights sit in blocks whose sum and index-weighted sum are zero
-(``closedloop.runtime.scrubber_layout``: keys, block membership, syndromes, tolerances; re-exported
+(``closedloop.runtime.protect.layout``: keys, block membership, syndromes, tolerances; re-exported
 here), so a single fault in a block names its member and the other members give back
 its value. This module sits in ``runtime`` (no torch). It scans blocks with Numba
-kernels (``closedloop.runtime.scrubber_kernels``; fp32, fp16 and int8 storage), repairs a single
+kernels (``closedloop.runtime.protect.kernels``; fp32, fp16 and int8 storage), repairs a single
 faulty member per block (only to a value one bit flip away from the stored word: the
 fault model is single-event upsets), and reports what it did. It reaches the weights
 each backend computes with: the Numba backend's arena in place, or for ONNX Runtime a
@@ -21,8 +21,8 @@ from typing import Any
 
 import numpy as np
 
-from .scrubber_kernels import kernels
-from .scrubber_layout import (
+from closedloop.runtime.protect.kernels import kernels
+from closedloop.runtime.protect.layout import (
     KEY_ENV,
     KEY_FILE_ENV,
     LAYOUT_VERSION,

@@ -1,7 +1,7 @@
 """The ``observer`` family: plant measurements in, a certified state/disturbance estimate and a command out.
 
 At load, ``problems`` re-checks the bundle's stability certificate from the bundle's own
-weights (``closedloop.runtime.certificate.check_bundle_certificate``: the ONNX initializers and the
+weights (``closedloop.runtime.families.observer.certificate.check_bundle_certificate``: the ONNX initializers and the
 stored ``P``, ``t``, ``lam``, ``rho``), and refuses a bundle whose graph is not the
 certified network, whose weights changed after certification, or whose LMI fails, naming
 the violated margin. Per step (one ``PlantMeasurement`` with ``y_k`` and the applied ``u_k``,
@@ -25,15 +25,19 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..certificate import CertificateError, check_bundle_certificate, known_nonlinearity, mlp_from_onnx
-from .base import FamilyPlugin
-from .registry import register_family
+from closedloop.runtime.families.base import FamilyPlugin
+from closedloop.runtime.families.observer.certificate import (
+    CertificateError,
+    check_bundle_certificate,
+    known_nonlinearity,
+    mlp_from_onnx,
+)
+from closedloop.runtime.families.registry import register_family
 
 if TYPE_CHECKING:
     from closedloop.firmware_bridge import Message
-
-    from ..bundle import Bundle
-    from ..model import Model
+    from closedloop.runtime.bundle import Bundle
+    from closedloop.runtime.model import Model
 
 BLOCK = "observer"
 _ACT_CODES = {"tanh": 1, "relu": 2}

@@ -50,7 +50,7 @@ sizes, e.g. angles and disturbances, make ``P`` ill-conditioned; ``M`` itself wo
 have a scale-dependent spectrum).
 
 The bundle side (the network read back from ONNX, ``check_bundle_certificate``,
-``certify_bundle``) is ``closedloop.runtime.certificate_bundle``, re-exported here.
+``certify_bundle``) is ``closedloop.runtime.families.observer.certificate_bundle``, re-exported here.
 """
 
 from __future__ import annotations
@@ -444,8 +444,8 @@ def known_nonlinearity(spec: dict[str, Any] | None) -> tuple[KnownNonlinearity, 
     return NONLINEARITIES[name], spec
 
 
-# --- bundles (closedloop.runtime.certificate_bundle; re-exported so ``from closedloop.runtime.certificate import ...`` works)
-from .certificate_bundle import (  # noqa: E402
+# --- bundles (closedloop.runtime.families.observer.certificate_bundle; re-exported so ``from closedloop.runtime.families.observer.certificate import ...`` works)
+from closedloop.runtime.families.observer.certificate_bundle import (  # noqa: E402
     BundleCertificateCheck,
     OnnxMLP,
     certify_bundle,
