@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path, PurePosixPath
 
-from closedloop.runtime.atomic import atomic_directory
+from closedloop.runtime.atomic import atomic_directory, fsync_dir
 from closedloop.runtime.manifest import MANIFEST_NAME, Manifest
 
 from .errors import ExportError
@@ -106,15 +106,6 @@ def _umask() -> int:
     return mask
 
 
-def _fsync_dir(path: Path) -> None:
-    with contextlib.suppress(OSError):  # not every platform can open a folder
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
 def write_bundle(
     out_path: str | Path,
     manifest: Manifest,
@@ -179,7 +170,7 @@ def write_bundle(
         with open(tmp_zip, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp_zip, out_path)
-        _fsync_dir(out_path.parent)
+        fsync_dir(out_path.parent)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp_zip)

@@ -17,7 +17,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: str | Path) -> None:
+    """Flush a folder's entries (a rename into it) to disk; a no-op where folders cannot be opened."""
     with contextlib.suppress(OSError):  # not all platforms can open a directory
         fd = os.open(path, os.O_RDONLY)
         try:
@@ -41,7 +42,7 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
     return path
 
 
@@ -57,7 +58,7 @@ def fsync_tree(root: Path) -> None:
                 os.fsync(fd)
             finally:
                 os.close(fd)
-        _fsync_dir(Path(dirpath))
+        fsync_dir(Path(dirpath))
 
 
 @contextlib.contextmanager
@@ -93,7 +94,7 @@ def atomic_directory(target: str | Path, overwrite: bool = False) -> Iterator[Pa
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.replace(tmp, target)
-        _fsync_dir(target.parent)
+        fsync_dir(target.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -64,6 +64,14 @@ class Model:
         return self.backend.name
 
     @property
+    def output(self) -> np.ndarray:
+        """The first data output: the array :meth:`step` returns, overwritten in place by every step.
+
+        Read it after a step (a session records it); copy it to keep it past the next step.
+        """
+        return self._y
+
+    @property
     def choice_report(self) -> BackendChoice:
         return self.choice
 

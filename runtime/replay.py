@@ -83,7 +83,7 @@ class ReplayTransport(Transport):
         self._chunks = []
 
 
-def _open_replay(url: str, **_options) -> ReplayTransport:
+def open_replay(url: str, **_options) -> ReplayTransport:
     parts = urlsplit(url)
     path = (parts.netloc + parts.path) if parts.netloc else parts.path
     params = dict(parse_qsl(parts.query))
@@ -97,7 +97,7 @@ def _open_replay(url: str, **_options) -> ReplayTransport:
     return ReplayTransport(url, path, speed)
 
 
-register_transport("replay", _open_replay, replace=True)
+register_transport("replay", open_replay, replace=True)
 
 
 @dataclass

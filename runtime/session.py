@@ -261,7 +261,7 @@ class Session:
                     "manifest_sha256": hashlib.sha256(mpath.read_bytes()).hexdigest(),
                     "rate_hz": self.rate_hz,
                     "backend": self.model.backend_name,
-                    "output_shape": list(self.model._y.shape),
+                    "output_shape": list(self.model.output.shape),
                     "config": asdict(self.config) | {"key": "***" if self.config.key else None},
                 },
             )
@@ -328,7 +328,7 @@ class Session:
         fam = self.family
         cmd, bad = fam.guarded_step(frame.message)
         if self.writer is not None:
-            self.writer.append_output(k, frame.seq, self.model._y)
+            self.writer.append_output(k, frame.seq, self.model.output)
         if bad is not None:
             self._refuse_nonfinite(bad, k)
             return

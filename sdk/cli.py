@@ -83,7 +83,6 @@ def _run(a: argparse.Namespace) -> int:
     if a.device:
         from closedloop.runtime import SessionConfig, run_session
 
-        _register_device_schemes()
         cfg = SessionConfig(
             device=a.device, backend=a.backend, variant=a.variant, duration_s=a.duration, rate_hz=a.rate,
             record=a.record, watchdog_s=a.watchdog, overrun=a.overrun, key=a.key, status=not a.quiet,
@@ -124,14 +123,6 @@ def _run(a: argparse.Namespace) -> int:
     summary = RealTimeLoop(LoopConfig(rate_hz=rate, duration_s=duration, overrun=a.overrun)).run(step)
     print(json.dumps(summary.to_dict(), indent=2) if a.json else summary.format())
     return 0
-
-
-def _register_device_schemes() -> None:
-    """sim:// is registered by the sim package (emulators), replay:// by the runtime."""
-    try:
-        from closedloop import sim  # noqa: F401
-    except ImportError:  # a deployed board without the simulators: real ports still work
-        pass
 
 
 def _replay_args(p: argparse.ArgumentParser) -> None:

@@ -46,7 +46,6 @@ from .models import GRUDecoder
 
 
 def _session_demo(out: Path) -> None:
-    from closedloop import sim  # noqa: F401  (registers sim://)
 
     print("\n== closed-loop session: GRU decoder <- headstage emulator over a pty, 3 s, recorded ==")
     torch.manual_seed(0)
@@ -107,7 +106,6 @@ def _live_trial_texts(record: Path, starts: list[int], ends: list[int]) -> list[
 
 
 def _typing_demo(out: Path) -> None:
-    from closedloop import sim  # noqa: F401  (registers sim://)
     from closedloop.sim.handwriting import VOCABULARY, HandwritingConfig, generate_session
 
     from .bci.cli import calibrate_bundle, evaluate_bundle, format_evaluation, train_pooled_bundle
@@ -168,7 +166,6 @@ def _typing_demo(out: Path) -> None:
 
 
 def _observer_demo(out: Path) -> None:
-    from closedloop import sim  # noqa: F401  (registers sim://)
     from closedloop.runtime.families.observer.certificate import certify_bundle
 
     from .observer import NeuralObserver, ObserverModel, TrainConfig, certify, observer_system, train_observer

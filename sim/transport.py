@@ -29,6 +29,7 @@ import tty
 import weakref
 from typing import IO, Any
 
+import closedloop
 from closedloop.firmware_bridge import (
     DeviceNotConnectedError,
     FdTransport,
@@ -44,7 +45,9 @@ from .params import parse_key
 __all__ = ["SimTransport", "open_sim", "register"]
 
 _EXIT_GRACE_S = 0.05
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The folder that holds the ``closedloop`` package (a source checkout or site-packages), so the
+# emulator's interpreter imports the same closedloop as its host.
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(closedloop.__file__)))
 
 
 def _stop_process(process: subprocess.Popen, fd: int | None, stderr: IO[bytes] | None) -> None:

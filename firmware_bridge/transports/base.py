@@ -129,10 +129,34 @@ def register_transport(scheme: str, factory: TransportFactory, *, replace: bool 
         _REGISTRY[key] = factory
 
 
+#: Entry-point group through which installed packages provide transports: ``sim://`` and
+#: ``replay://`` come from closedloop's own sim and runtime layers this way, found on first use
+#: (as pyserial finds its URL handlers), so no import has to come first.
+ENTRY_POINT_GROUP = "closedloop.transports"
+
+
+def _load_entry_point(scheme: str) -> TransportFactory | None:
+    """Register and return the factory an installed distribution provides for ``scheme``, if any."""
+    from importlib.metadata import entry_points
+
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        if ep.name.lower() == scheme:
+            try:
+                factory = ep.load()
+            except Exception as exc:  # a broken provider must say which one it is
+                raise TransportError(f"the transport for {scheme!r} ({ep.value}) failed to load: {exc}") from exc
+            with _LOCK:
+                return _REGISTRY.setdefault(scheme, factory)
+    return None
+
+
 def registered_schemes() -> list[str]:
-    """Schemes :func:`open_transport` understands, sorted."""
+    """Schemes :func:`open_transport` understands, sorted: those registered and those installed as entry points."""
+    from importlib.metadata import entry_points
+
     with _LOCK:
-        return sorted(_REGISTRY)
+        known = set(_REGISTRY)
+    return sorted(known | {ep.name.lower() for ep in entry_points(group=ENTRY_POINT_GROUP)})
 
 
 def split_device_url(url: str) -> tuple[str, str, dict[str, str]]:
@@ -175,6 +199,8 @@ def open_transport(url: str, **options: Any) -> Transport:
     scheme = split_device_url(url)[0]
     with _LOCK:
         factory = _REGISTRY.get(scheme)
+    if factory is None:
+        factory = _load_entry_point(scheme)
     if factory is None:
         raise UnknownTransportError(f"no transport for scheme {scheme!r} in {url!r}; known schemes: "
                                     f"{', '.join(registered_schemes())} (others register with "

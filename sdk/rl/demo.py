@@ -40,7 +40,6 @@ def rl_demo(out_dir: str | Path, task: str = "push", demos: int = 20, episodes: 
     ``bundle`` and the session summary's ``family`` (``episodes``, ``successes``,
     ``success_rate``) and ``loop`` parts.
     """
-    from closedloop import sim  # noqa: F401  (registers sim://)
     from closedloop.runtime import SessionConfig, load_bundle, run_session
 
     from .deploy import export_policy

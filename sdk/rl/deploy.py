@@ -78,7 +78,6 @@ def run_deployed(bundle: str | Path, episodes: int, seed: int = 0, backend: str 
     ``episodes`` episodes plus a few steps; ``family`` in the result holds ``episodes``,
     ``successes``, ``success_rate`` and its Wilson interval, ``loop`` the step latencies.
     """
-    from closedloop import sim  # noqa: F401 - registers sim://
     from closedloop.runtime import Session, SessionConfig, load_bundle
 
     b = load_bundle(bundle)

@@ -65,7 +65,6 @@ def robust_demo(out_dir: str | Path = "out/robust_demo", duration_s: float = 3.0
     """Run the demo; write ``robust_demo.json`` to ``out_dir`` and return its content."""
     import os
 
-    from closedloop import sim  # noqa: F401  (registers sim://)
     from closedloop.runtime import Session, SessionConfig
 
     out_dir = Path(out_dir)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from closedloop import sim  # noqa: F401  (registers sim://)
 from closedloop.runtime import Session, SessionConfig
 from closedloop.sdk.robust.demo import FlipInjector
 

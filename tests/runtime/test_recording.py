@@ -134,7 +134,6 @@ def test_sigkill_loses_at_most_the_last_flush_interval(tmp_path):
 def test_replay_device_keeps_the_recorded_timing_from_the_first_read(tmp_path):
     import time
 
-    from closedloop import runtime  # noqa: F401  (registers replay://)
     from closedloop.firmware_bridge import open_transport
 
     path = tmp_path / "paced.clrec"

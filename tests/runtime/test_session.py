@@ -19,7 +19,6 @@ import numpy as np
 import pytest
 import torch
 
-from closedloop import sim  # noqa: F401  (registers sim://)
 from closedloop.export import export_bundle
 from closedloop.firmware_bridge import (
     ActuatorCommand,

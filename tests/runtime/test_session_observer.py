@@ -5,7 +5,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from closedloop import sim  # noqa: F401  (registers sim://)
 from closedloop.firmware_bridge import ActuatorCommand, FrameParser, PlantMeasurement
 from closedloop.runtime import (
     Model,

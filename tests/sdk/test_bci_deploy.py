@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 import torch
 
-from closedloop import sim  # noqa: F401  (registers sim://)
 from closedloop.firmware_bridge import DecoderOutput, FrameParser, NeuralFrame
 from closedloop.runtime import (
     DeviceMismatchError,

@@ -8,7 +8,6 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from closedloop import sim  # noqa: F401 - registers sim://
 from closedloop.firmware_bridge import (
     DeviceNotConnectedError,
     Frame,

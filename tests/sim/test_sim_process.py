@@ -167,3 +167,20 @@ def test_cli_help_lists_parameters(name, capsys):
     assert cli_main([name, "--help"]) == 0
     out = capsys.readouterr().out
     assert "--rate" in out and "--drop" in out and "--disconnect_at" in out
+
+
+def test_sim_url_opens_without_importing_the_simulators_first():
+    """``sim://`` is found on first use (the closedloop.transports entry point), as a user's script expects."""
+    code = ("import sys; from closedloop.firmware_bridge import open_transport; "
+            "assert 'closedloop.sim' not in sys.modules; "
+            "t = open_transport('sim://headstage?channels=2'); print(type(t).__name__); t.close()")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd="/")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "SimTransport"
+
+
+def test_an_unknown_scheme_still_names_the_known_ones():
+    from closedloop.firmware_bridge import UnknownTransportError, open_transport
+
+    with pytest.raises(UnknownTransportError, match="known schemes:.*sim"):
+        open_transport("nosuch://x")
