@@ -3,7 +3,7 @@
 This is the only place a bundle is written. Every file's SHA-256 and size go into
 ``manifest.files``; the manifest is written after every file it names, and the
 whole folder is built in a temporary sibling and renamed into place
-(``closedloop.runtime.atomic.atomic_directory``), so a crash mid-write leaves either nothing
+(``closedloop.common.atomic.atomic_directory``), so a crash mid-write leaves either nothing
 or the previous bundle at the target, never something that loads. Before the
 rename the new folder is checked with ``closedloop.runtime.bundle.check_bundle``, so the
 writer never publishes a bundle the runtime would refuse. The zip form is built
@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path, PurePosixPath
 
-from closedloop.runtime.atomic import atomic_directory, fsync_dir
+from closedloop.common.atomic import atomic_directory, fsync_dir
 from closedloop.runtime.manifest import MANIFEST_NAME, Manifest
 
 from .errors import ExportError

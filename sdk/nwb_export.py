@@ -25,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
+from closedloop.common.atomic import atomic_write_bytes
 from closedloop.firmware_bridge import (
     ActuatorCommand,
     DecoderOutput,
@@ -34,7 +35,6 @@ from closedloop.firmware_bridge import (
     NeuralFrame,
     PlantMeasurement,
 )
-from closedloop.runtime.atomic import atomic_write_bytes
 from closedloop.runtime.recording import RecordingReader, RecordType
 
 

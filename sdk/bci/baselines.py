@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from closedloop.sim.handwriting.types import Session, Trial
+from closedloop.common.handwriting import Session, Trial
 
 from .calibrate import (
     CalibrationConfig,

@@ -29,11 +29,12 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import torch
 
+from closedloop.common.config import JsonConfig
+
 from . import fastctc
 from .augment import DriftAugmentation
 from .baselines import TrainedModels, get_method
 from .calibrate import CalibrationConfig
-from .config import JsonConfig
 from .data import collate, ctc_loss, resolve_device
 from .evaluate import HarnessConfig, build_lexicon, harness_needs, resolve_needs, run_harness, train_models
 from .malloc import retain_freed_memory

@@ -31,10 +31,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from closedloop.sim.handwriting.types import Trial
+from closedloop.common.config import JsonConfig
+from closedloop.common.handwriting import Trial
 
 from .charset import encode
-from .config import JsonConfig
 from .data import DEFAULT_STD_FLOOR, Example, Normalization, collate, resolve_device
 from .meta import MetaAlignment, task_losses
 from .models import AffineAlignment, AlignedDecoder, GRUBackbone, compose_alignment

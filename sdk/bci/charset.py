@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from closedloop.sim.handwriting.types import CHARSET
+from closedloop.common.handwriting import CHARSET
 
 BLANK = 0
 N_CLASSES = len(CHARSET) + 1

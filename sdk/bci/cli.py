@@ -74,7 +74,7 @@ class CalibrationReport:
 
 
 def _load_session(data: Any, n_calibration: int) -> tuple[Any, str]:
-    from closedloop.sim.handwriting.types import Session
+    from closedloop.common.handwriting import Session
 
     from .nwb import load_falcon_h2
 

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from closedloop.sim.handwriting.types import Session, Trial
+from closedloop.common.handwriting import Session, Trial
 
 from .charset import BLANK, encode
 from .fastctc import fast_ctc_loss

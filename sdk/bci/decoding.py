@@ -27,9 +27,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from closedloop.common.handwriting import CHARSET
 from closedloop.runtime.families.bci.ctc import completion_label, end_outputs, output_labels, tail_odds
 from closedloop.runtime.families.bci.ctc import greedy_decode as runtime_greedy_decode
-from closedloop.sim.handwriting.types import CHARSET
 
 from .charset import BLANK, PUNCTUATION, SPACE, decode, encode
 

@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from closedloop.sim.handwriting.types import BIN_S, CHARSET
+from closedloop.common.handwriting import BIN_S, CHARSET
 
 __all__ = ["BCI_FAMILY", "BCI_MANIFEST_VERSION", "CALIBRATION_STATE_FILE", "bench_bci_step_latency",
            "calibration_state_arrays", "check_bci_module", "decoder_from_state", "export_bci_bundle"]

@@ -22,11 +22,11 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from closedloop.sim.handwriting.types import Session
+from closedloop.common.config import JsonConfig
+from closedloop.common.handwriting import Session
 
 from .baselines import METHODS, TrainedModels, get_method, reference_layer
 from .calibrate import CalibrationConfig
-from .config import JsonConfig
 from .data import (
     Example,
     Normalization,

@@ -40,11 +40,11 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from closedloop.sim.handwriting.types import Session
+from closedloop.common.config import JsonConfig
+from closedloop.common.handwriting import Session
 
 from . import fastgru
 from .augment import DriftAugmentation
-from .config import JsonConfig
 from .ctc import ctc_nll
 from .data import (
     DEFAULT_STD_FLOOR,

@@ -29,8 +29,8 @@ from pathlib import Path
 
 import numpy as np
 
+from closedloop.common.handwriting import BIN_S, CHARSET, Session, Trial
 from closedloop.sim.handwriting.config import FALCON_H2_HELD_IN_DATES, FALCON_H2_HELD_OUT_DATES
-from closedloop.sim.handwriting.types import BIN_S, CHARSET, Session, Trial
 
 __all__ = ["write_falcon_h2", "write_falcon_h2_dir", "load_falcon_h2", "load_falcon_h2_dir",
            "parse_falcon_name", "FalconFileInfo", "FalconFileError", "TRIAL_SPACING_S", "TRIAL_GAP_S"]

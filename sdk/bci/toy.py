@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from closedloop.sim.handwriting.types import CHARSET, Session, Trial, falcon_splits
+from closedloop.common.handwriting import CHARSET, Session, Trial, falcon_splits
 
 TOY_WORDS = ("a", "an", "the", "cat", "hat", "sat", "on", "mat", "dog", "ran", "to", "it", "is", "was", "he", "she")
 

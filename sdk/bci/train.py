@@ -22,10 +22,10 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from closedloop.sim.handwriting.types import Session
+from closedloop.common.config import JsonConfig
+from closedloop.common.handwriting import Session
 
 from .augment import DriftAugmentation, time_mask
-from .config import JsonConfig
 from .data import (
     DEFAULT_STD_FLOOR,
     Batch,

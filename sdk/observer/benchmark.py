@@ -45,6 +45,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from closedloop.common.config import JsonConfig
+
 from .baselines import make_baseline
 from .bench_report import (  # noqa: F401  (re-exported: the report used to live here)
     LINEAR_PART,
@@ -73,7 +75,7 @@ PLANT_OPTIONS: dict[str, dict[str, Any]] = {"cartpole": {"dist": "step", "dist_a
 
 
 @dataclass
-class ObserverBenchConfig:
+class ObserverBenchConfig(JsonConfig):
     """What the benchmark runs (defaults: about 10 minutes on 2 shared CPU cores, all seven plants)."""
 
     plants: tuple[str, ...] = ("flexible-joint", "van-der-pol", "cartpole", "x29-nd-pa-lon")
@@ -111,15 +113,6 @@ class ObserverBenchConfig:
                    direct_plant="van-der-pol", direct_cap_s=30.0, runtime_steps=200,
                    check_repeats=3, out_dir=out_dir, stem="observer_smoke")
 
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> ObserverBenchConfig:
-        d = {k: tuple(v) if isinstance(v, list) else v for k, v in d.items()}
-        if isinstance(d.get("train"), dict):
-            d["train"] = TrainConfig.from_dict(d["train"])
-        return cls(**d)
 
 
 # --- training, certificate ---------------------------------------------------------------------------

@@ -38,12 +38,13 @@ import dataclasses
 import itertools
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 
+from closedloop.common.config import JsonConfig
 from closedloop.runtime.families.observer.certificate import lft_from_weights, lmi_data
 
 from .lmi import LMISolution, best_decay_rate, lyapunov_matrix, solve_lmi
@@ -54,7 +55,7 @@ _F64 = torch.float64
 
 
 @dataclass
-class TrainConfig:
+class TrainConfig(JsonConfig):
     """Settings of both stages (serialisable; stored in the bundle's provenance)."""
 
     hidden: tuple[int, ...] = (16, 16)
@@ -80,15 +81,6 @@ class TrainConfig:
     polish_barrier: float = 1e-4
     seed: int = 0
 
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> TrainConfig:
-        d = dict(d)
-        if "hidden" in d:
-            d["hidden"] = tuple(d["hidden"])
-        return cls(**d)
 
 
 @dataclass

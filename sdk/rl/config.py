@@ -8,8 +8,9 @@ reproducible from its record (``bench/results/rl.json`` stores them).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
-from typing import Any
+from dataclasses import dataclass, field
+
+from closedloop.common.config import JsonConfig
 
 __all__ = ["ShapingConfig", "FineTuneConfig", "SHAPING_KINDS"]
 
@@ -20,28 +21,8 @@ __all__ = ["ShapingConfig", "FineTuneConfig", "SHAPING_KINDS"]
 SHAPING_KINDS = ("sparse", "svm", "potential", "gail")
 
 
-class _Json:
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)  # type: ignore[call-overload]
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]):
-        known = {f.name: f for f in fields(cls)}  # type: ignore[arg-type]
-        unknown = sorted(set(d) - set(known))
-        if unknown:
-            raise ValueError(f"{cls.__name__}: unknown field(s) {unknown}; known: {sorted(known)}")
-        kw = {}
-        for k, v in d.items():
-            if isinstance(v, dict) and k == "shaping":
-                v = ShapingConfig.from_dict(v)
-            elif isinstance(v, list):
-                v = tuple(v)
-            kw[k] = v
-        return cls(**kw)
-
-
 @dataclass
-class ShapingConfig(_Json):
+class ShapingConfig(JsonConfig):
     """The dense process reward and its discriminator.
 
     Attributes
@@ -98,7 +79,7 @@ class ShapingConfig(_Json):
 
 
 @dataclass
-class FineTuneConfig(_Json):
+class FineTuneConfig(JsonConfig):
     """One pre-train + fine-tune run on a Panda task (see :func:`closedloop.sdk.rl.fine_tune`).
 
     Attributes

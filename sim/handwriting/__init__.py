@@ -8,6 +8,8 @@ The data model (:class:`Session`, :class:`Trial`) is shared with the NWB loader 
 See ``docs/handwriting_data.md``.
 """
 
+from closedloop.common.handwriting import BIN_S, CHARSET, N_CHANNELS, Session, Trial, falcon_splits
+
 from .config import (
     DRIFT_COMPONENTS,
     FALCON_H2_HELD_IN_DATES,
@@ -21,7 +23,6 @@ from .generator import generate_recording, generate_session, idle_counts, iter_t
 from .kinematics import TrialKinematics, trial_kinematics
 from .population import ChannelParams, session_channel_params
 from .templates import CHAR_STROKES, char_path, char_velocity
-from .types import BIN_S, CHARSET, N_CHANNELS, Session, Trial, falcon_splits
 from .vocabulary import VOCABULARY, make_sentence
 
 __all__ = ["BIN_S", "CHARSET", "N_CHANNELS", "Session", "Trial", "falcon_splits",

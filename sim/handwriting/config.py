@@ -11,12 +11,11 @@ with the same seed always gives the same data (see ``docs/handwriting_data.md``)
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass, field
 from datetime import date
-from typing import Any
 
-from .types import BIN_S, N_CHANNELS
+from closedloop.common.config import JsonConfig
+from closedloop.common.handwriting import BIN_S, N_CHANNELS
 
 __all__ = ["HandwritingConfig", "WritingConfig", "PopulationConfig", "DriftConfig", "DRIFT_COMPONENTS",
            "FALCON_H2_HELD_IN_DATES", "FALCON_H2_HELD_OUT_DATES"]
@@ -109,7 +108,7 @@ class DriftConfig:
 
 
 @dataclass
-class HandwritingConfig:
+class HandwritingConfig(JsonConfig):
     """A synthetic FALCON H2-like recording; every random draw follows from ``seed``."""
 
     seed: int = 0
@@ -168,39 +167,3 @@ class HandwritingConfig:
             return dataclasses.replace(self, drift=dataclasses.replace(self.drift, scale=0.0))
         self.drift.magnitude(component)  # validates the name
         return dataclasses.replace(self, drift=dataclasses.replace(self.drift, **{component: 0.0}))
-
-    # -- JSON ----------------------------------------------------------------------------------
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    def to_json(self, indent: int | None = 2) -> str:
-        return json.dumps(self.to_dict(), indent=indent, sort_keys=True)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> HandwritingConfig:
-        return _from_dict(cls, data, "HandwritingConfig")
-
-    @classmethod
-    def from_json(cls, text: str) -> HandwritingConfig:
-        return cls.from_dict(json.loads(text))
-
-
-_NESTED = {"writing": WritingConfig, "population": PopulationConfig, "drift": DriftConfig}
-
-
-def _from_dict(cls: type, data: dict[str, Any], where: str) -> Any:
-    if not isinstance(data, dict):
-        raise TypeError(f"{where}: expected a JSON object, got {type(data).__name__}")
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - set(fields))
-    if unknown:
-        raise ValueError(f"{where}: unknown field(s) {unknown}; allowed: {sorted(fields)}")
-    values: dict[str, Any] = {}
-    for name, value in data.items():
-        if name in _NESTED and cls is HandwritingConfig:
-            values[name] = _from_dict(_NESTED[name], value, f"{where}.{name}")
-        elif isinstance(value, list):
-            values[name] = tuple(value)  # JSON has no tuples; every list field here is a tuple
-        else:
-            values[name] = value
-    return cls(**values)

@@ -15,10 +15,11 @@ from collections.abc import Iterator
 
 import numpy as np
 
+from closedloop.common.handwriting import Session, Trial, falcon_splits
+
 from .config import HandwritingConfig
 from .kinematics import TrialKinematics, trial_kinematics
 from .population import ChannelParams, rates_hz, session_channel_params, shared_latent, stream
-from .types import Session, Trial, falcon_splits
 from .vocabulary import make_sentence
 
 __all__ = ["generate_recording", "generate_session", "iter_trials", "session_name", "spike_counts", "idle_counts"]

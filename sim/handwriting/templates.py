@@ -20,7 +20,7 @@ from functools import cache
 
 import numpy as np
 
-from .types import CHARSET
+from closedloop.common.handwriting import CHARSET
 
 __all__ = ["CHAR_STROKES", "char_path", "char_path_length", "char_velocity"]
 

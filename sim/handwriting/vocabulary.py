@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .types import CHARSET
+from closedloop.common.handwriting import CHARSET
 
 __all__ = ["VOCABULARY", "make_sentence"]
 

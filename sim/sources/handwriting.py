@@ -18,10 +18,11 @@ from typing import Any
 
 import numpy as np
 
+from closedloop.common.handwriting import Trial
+
 from ..handwriting.config import HandwritingConfig
 from ..handwriting.generator import idle_counts, iter_trials, session_name
 from ..handwriting.population import session_channel_params, stream
-from ..handwriting.types import Trial
 from ..params import Param
 from .base import NeuralSource, register_source
 

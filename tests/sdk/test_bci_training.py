@@ -53,7 +53,7 @@ def test_config_json_round_trip_keeps_nested_dataclasses():
     cfg = MetaConfig(drift=DriftAugmentation(mixing_std=0.7), inner_steps=3)
     back = MetaConfig.from_json(cfg.to_json())
     assert back == cfg and isinstance(back.drift, DriftAugmentation)
-    with pytest.raises(ValueError, match="no field"):
+    with pytest.raises(ValueError, match="unknown field"):
         TrainConfig.from_dict({"stepz": 3})
 
 
@@ -219,7 +219,7 @@ def test_twice_differentiable_ctc_matches_torch():
 
 
 def test_override_replaces_a_nested_setting_by_its_dotted_path_and_refuses_unknown_names():
-    from closedloop.sdk.bci.config import override
+    from closedloop.common.config import override
     from closedloop.sdk.bci.evaluate import HarnessConfig
 
     h = HarnessConfig()
