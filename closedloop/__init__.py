@@ -19,9 +19,7 @@ The names a user starts from are importable from here. They load on first use, s
 
 from __future__ import annotations
 
-import importlib
 import os
-from typing import Any
 
 __version__ = "0.1.0"
 
@@ -30,7 +28,9 @@ __version__ = "0.1.0"
 # PYTHONPATH import ``closedloop.runtime`` with no install at all.
 _HERE = os.path.dirname(os.path.abspath(__file__))
 if not os.path.isdir(os.path.join(_HERE, "runtime")):
-    __path__.append(os.path.dirname(_HERE))  # type: ignore[name-defined]  # noqa: F821
+    __path__.append(os.path.dirname(_HERE))
+
+from .common.lazy import lazy_exports  # noqa: E402  (after __path__ is complete)
 
 # public name -> the module that defines it
 _EXPORTS: dict[str, str] = {
@@ -54,15 +54,4 @@ _EXPORTS: dict[str, str] = {
 
 __all__ = sorted(_EXPORTS) + ["__version__"]
 
-
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'closedloop' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

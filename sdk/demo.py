@@ -108,9 +108,9 @@ def _live_trial_texts(record: Path, starts: list[int], ends: list[int]) -> list[
 def _typing_demo(out: Path) -> None:
     from closedloop.sim.handwriting import VOCABULARY, HandwritingConfig, generate_session
 
-    from .bci.cli import calibrate_bundle, evaluate_bundle, format_evaluation, train_pooled_bundle
     from .bci.metrics import falcon_metrics
     from .bci.nwb import write_falcon_h2
+    from .bci.workflow import calibrate_bundle, evaluate_bundle, format_evaluation, train_pooled_bundle
 
     print("\n== trained handwriting decoder: pooled GRU + meta-learned alignment, 3-sentence calibration, live typing ==")
     t0 = time.perf_counter()

@@ -18,8 +18,8 @@ import torch
 
 from closedloop.runtime import BundleError, load_bundle
 from closedloop.runtime.families.bci import read_calibration_state
+from closedloop.sdk.bci import calibrate_bundle, evaluate_bundle, format_evaluation
 from closedloop.sdk.bci.calibrate import CalibrationConfig
-from closedloop.sdk.bci.cli import calibrate_bundle, evaluate_bundle, format_evaluation
 from closedloop.sdk.bci.data import Normalization, make_examples, session_normalization
 from closedloop.sdk.bci.deploy import CALIBRATION_STATE_FILE, decoder_from_state, export_bci_bundle
 from closedloop.sdk.bci.evaluate import decode_examples
@@ -307,8 +307,8 @@ def test_bci_train_then_calibrate_from_the_shell(sessions, tmp_path, capsys):
 
 
 def test_a_partial_config_changes_only_its_settings_over_the_tiny_or_default_base(tmp_path):
+    from closedloop.sdk.bci import train_harness
     from closedloop.sdk.bci.benchmark import BciBenchConfig
-    from closedloop.sdk.bci.cli import train_harness
 
     path = tmp_path / "lowrank.json"
     path.write_text(json.dumps({"meta": {"form": "lowrank", "rank": 4}}))

@@ -1,0 +1,424 @@
+"""Train, calibrate and score deployed handwriting decoders: the Python side of ``closedloop bci-train``,
+``closedloop calibrate`` and ``closedloop evaluate``.
+
+:func:`calibrate_bundle` takes a calibratable ``bci_handwriting`` bundle (one that
+carries ``calibration_state.npz``, see :mod:`closedloop.sdk.bci.deploy`) and a session's NWB file,
+and writes a new self-contained bundle for that session: the normalisation from the
+session's first N calibration sentences only, and an alignment layer fitted on those
+sentences by the harness's own method (:mod:`closedloop.sdk.bci.baselines`: ``two_stage``, the
+meta-learned initialisation and step sizes, when the bundle has the meta state;
+``alignment``, Adam from identity, when it has not). The backbone comes from the state
+file and goes back into the new bundle bit-identical, which is checked. The new
+bundle carries the state again, so it can itself be recalibrated.
+
+:func:`evaluate_bundle` scores a bundle on the evaluation trials (``eval_mask``) of one
+NWB file or a folder of them through the runtime (``runtime.Model`` and the family's
+Numba normalisation and streaming CTC: no torch), with FALCON's CER and WER per
+session and their mean, for greedy decoding and optionally the lexicon beam search.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+__all__ = ["CalibrationReport", "calibrate_bundle", "evaluate_bundle", "format_evaluation", "load_sessions",
+           "train_harness", "train_pooled_bundle"]
+
+# --- calibrate ------------------------------------------------------------------------------
+
+
+@dataclass
+class CalibrationReport:
+    """What :func:`calibrate_bundle` did; ``format()`` is what the command prints.
+
+    Losses are the mean CTC loss per character on the calibration sentences, normalised
+    with the new session's statistics: with the given bundle's alignment layer, at the
+    fit's starting point (meta-learned initialisation or identity) and after the fit.
+    """
+
+    bundle: str
+    source: str
+    data: str
+    session: str
+    trials: list[int]
+    method: str
+    loss_given: float
+    loss_start: float
+    loss_after: float
+    chosen: dict = field(default_factory=dict)
+    backbone_identical: bool = True
+    fit_s: float = 0.0
+    wall_s: float = 0.0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def format(self) -> str:
+        return "\n".join([
+            f"calibrated {self.source} for session {self.session} on trials {self.trials} of {self.data}",
+            f"  method: {self.method}; chosen {self.chosen}",
+            f"  calibration CTC loss per char: given bundle {self.loss_given:.3f}, fit start {self.loss_start:.3f}, "
+            f"after {self.loss_after:.3f}",
+            f"  backbone bit-identical: {'yes' if self.backbone_identical else 'NO'}; fit {self.fit_s:.1f} s, "
+            f"total {self.wall_s:.1f} s",
+            f"  wrote {self.bundle}",
+        ])
+
+
+def _load_session(data: Any, n_calibration: int) -> tuple[Any, str]:
+    from closedloop.common.handwriting import Session
+
+    from .nwb import load_falcon_h2
+
+    if isinstance(data, Session):
+        return data, f"session {data.name}"
+    path = Path(data)
+    if path.is_dir():
+        raise ValueError(f"--data {path} is a folder; calibrate takes one session's NWB file")
+    return load_falcon_h2(path, n_calibration=n_calibration), str(path)
+
+
+def _backbone_bits(state: dict) -> dict[str, bytes]:
+    return {k: np.ascontiguousarray(v).tobytes() for k, v in state.items() if k.startswith("backbone.")}
+
+
+def calibrate_bundle(
+    bundle: str | Path,
+    data: Any,
+    *,
+    n_sentences: int = 3,
+    out: str | Path | None = None,
+    session_name: str | None = None,
+    device: str | None = None,
+    overwrite: bool = False,
+    variants: tuple[str, ...] | None = None,
+    report: Any = print,
+) -> CalibrationReport:
+    """Fit ``bundle``'s alignment layer to a new session and write the calibrated bundle.
+
+    Parameters
+    ----------
+    bundle
+        A calibratable ``bci_handwriting`` bundle (folder or zip).
+    data
+        The session: a FALCON H2 NWB file (``closedloop.sdk.bci.nwb.load_falcon_h2``: our synthetic
+        files and the real ones), or a ``closedloop.sim.handwriting.Session``.
+    n_sentences
+        Calibration sentences: the session's first ``n_sentences`` calibration trials
+        (FALCON: its first trials; evaluation trials are never used).
+    out
+        The new bundle (default: ``<bundle>-<session>`` beside it; a ``.zip`` name writes a zip).
+    session_name
+        Name stored in the bundle (default: the loader's, e.g. ``2023.04.17``).
+    device
+        Torch device for the fit (default: the bundle's calibration config, ``auto``).
+    variants
+        Reduced-precision variants of the new bundle (default: those of the given bundle).
+    report
+        Called with progress lines (``print``; ``lambda s: None`` for silence).
+    """
+
+    from closedloop.runtime import load_bundle
+    from closedloop.runtime.families.bci import read_calibration_state
+
+    from .baselines import TrainedModels, get_method, mean_calibration_loss
+    from .calibrate import CalibrationConfig, trials_to_examples
+    from .data import Normalization, resolve_device
+    from .deploy import BCI_FAMILY, decoder_from_state, export_bci_bundle
+    from .models import AffineAlignment, AlignedDecoder
+
+    t0 = time.perf_counter()
+    if device is not None:
+        resolve_device(device)  # a device this machine lacks is refused before anything is read
+    src = load_bundle(bundle)  # checksums, state file included
+    m = src.manifest
+    if m.family != BCI_FAMILY:
+        raise ValueError(f"bundle {bundle} is family {m.family!r}; calibrate takes {BCI_FAMILY!r} bundles")
+    state = read_calibration_state(src)
+    if state is None:
+        raise ValueError(f"bundle {bundle} has no calibration state (extra.bci.calibration_state): export it with "
+                         "closedloop.sdk.bci.deploy.export_bci_bundle from an AlignedDecoder(AffineAlignment, GRUBackbone)")
+    if n_sentences < 1:
+        raise ValueError(f"--sentences {n_sentences}: at least one calibration sentence is needed")
+    session, data_name = _load_session(data, n_sentences)
+    idx = list(session.calibration)[:n_sentences]
+    if len(idx) < n_sentences:
+        why = ("it is a file of evaluation trials, which never calibrate: use the session's calibration file"
+               if not idx and session.evaluation else f"use --sentences {len(idx)} or fewer" if idx else
+               "the file has no trials")
+        raise ValueError(f"{data_name}: session {session.name} has {len(idx)} calibration trials; "
+                         f"{n_sentences} needed ({why})")
+    calib = [session.trials[i] for i in idx]
+    c = int(state["n_channels"])
+    if calib[0].spikes.shape[1] != c:
+        raise ValueError(f"{data_name} has {calib[0].spikes.shape[1]} channels; bundle {bundle} takes {c}")
+    bci = m.extra["bci"]
+    block = bci["calibration_state"]
+    cfg_dict = dict(block.get("config") or {})
+    if device is not None:
+        cfg_dict["device"] = device
+    config = CalibrationConfig.from_dict(cfg_dict)
+    torch_device = resolve_device(config.device)
+    before = _backbone_bits(state)
+
+    decoder, meta = decoder_from_state(state)
+    norm = Normalization.from_trials(calib, state["std_floor"])
+    examples = trials_to_examples(calib, norm)
+    method = "two_stage" if meta is not None else "alignment"
+    what = ("two_stage: meta-learned alignment initialisation and step sizes" if meta is not None else
+            "alignment from identity with Adam (the bundle has no meta-learned state)")
+    report(f"calibrating on {len(calib)} sentences of {session.name}: {what}")
+    start = AlignedDecoder(meta.new_alignment() if meta is not None else AffineAlignment(c), decoder.backbone)
+    loss_given = mean_calibration_loss(decoder, examples, torch_device)
+    loss_start = mean_calibration_loss(start, examples, torch_device)
+    adapted = get_method(method).adapt(TrainedModels(backbone=decoder.backbone, meta=meta), session, calib, norm,
+                                       config, {})
+    loss_after = mean_calibration_loss(adapted.model, examples, torch_device)
+    model = adapted.model.cpu().eval()
+    if model.backbone is not decoder.backbone or _backbone_bits(
+            {f"backbone.{k}": v.numpy() for k, v in model.backbone.state_dict().items()}) != before:
+        raise RuntimeError("calibration changed the backbone; only the alignment layer may change (a bug: report it)")
+
+    name = session_name or session.name
+    out = Path(out) if out is not None else Path(str(src.source).removesuffix(".zip") + f"-{name}")
+    spec = src.graph()
+    provenance = {k: v for k, v in m.provenance.items() if k != "export"}
+    provenance["calibrated_from"] = {"bundle": m.name, "path": str(src.source),
+                                     "main_sha256": m.files[spec.file]["sha256"]}
+    info = {"method": method, "trials": idx, "data": data_name, "chosen": adapted.info, "bins": int(sum(
+        t.spikes.shape[0] for t in calib)), "loss_given": loss_given, "loss_start": loss_start, "loss_after": loss_after}
+    path = export_bci_bundle(
+        model, out, n_channels=c, mean=norm.mean, std=norm.std, session_name=name, calibration_info=info,
+        provenance=provenance, charset=state["charset"], blank=state["blank"], rate_hz=m.rate_hz,
+        recorded_bins=calib[0].spikes, display=bci.get("display"), char_probs=bool(bci.get("char_probs", False)),
+        end_completion=(bci.get("end_completion") or {}).get("sentence_end"), meta=meta, std_floor=state["std_floor"],
+        calibration_config=block.get("config") or {}, calibratable=True,
+        variants=tuple(spec.variants) if variants is None else variants, tensorrt=bool(spec.tensorrt_engines),
+        overwrite=overwrite, zip=out.suffix == ".zip", report=lambda s: None,
+    )
+    after = _backbone_bits(read_calibration_state(load_bundle(path)))
+    if after != before:
+        raise RuntimeError(f"{path}: the written backbone differs from {bundle}'s (a bug: report it)")
+    return CalibrationReport(str(path), str(src.source), data_name, name, idx, what, loss_given, loss_start, loss_after,
+                             adapted.info, True, adapted.wall_s, time.perf_counter() - t0)
+
+
+# --- train ----------------------------------------------------------------------------------
+
+
+def train_pooled_bundle(sessions: list, harness: Any, out: str | Path, *, provenance: dict | None = None,
+                        end_completion: str | None = None, overwrite: bool = False, report=print) -> Path:
+    """Stage 1 (pooled backbone) and stage 2 (meta-learned alignment) on the held-in sessions; a calibratable bundle.
+
+    The bundle decodes with the meta-learned initial alignment and the last held-in
+    session's normalisation until ``closedloop calibrate`` fits it to a session.
+    ``end_completion``: None (plain greedy text), ``"plain"`` or ``"sentence-end"`` (the
+    sentence-final marks every held-in training sentence ends with): the runtime's
+    end-of-trial completion (docs/bci_deployment.md).
+    """
+    from .charset import PUNCTUATION
+    from .data import session_normalization
+    from .decoding import Lexicon
+    from .deploy import export_bci_bundle
+    from .evaluate import train_models
+    from .models import AlignedDecoder
+
+    held_in = [s for s in sessions if s.split == "held_in"]
+    if not held_in:
+        raise ValueError(f"none of the {len(sessions)} sessions is held-in: training needs held-in sessions "
+                         "(FALCON H2's held-in files, or `closedloop generate-data`)")
+    models = train_models(sessions, harness, {"backbone", "meta"})
+    report(f"stage 1 (pooled backbone) {models.logs['backbone'].wall_s:.1f} s, stage 2 (meta-learned alignment) "
+           f"{models.logs['meta'].wall_s:.1f} s")
+    if (warning := models.logs["backbone"].warning()) is not None:
+        report(f"warning: {warning}")
+    marks = None
+    if end_completion == "plain":
+        marks = ""
+    elif end_completion == "sentence-end":
+        marks = Lexicon.from_sentences([t.sentence for s in held_in for t in s.trials]).sentence_end
+        if not marks:
+            raise ValueError("--end-completion sentence-end: the held-in sentences do not all end with one of "
+                             f"{PUNCTUATION!r}, so there is no sentence-end rule to apply; use 'plain' or 'off'")
+    elif end_completion is not None:
+        raise ValueError(f"end_completion {end_completion!r}: expected None, 'plain' or 'sentence-end'")
+    norm = session_normalization(held_in[-1])  # a placeholder until calibration replaces it
+    return export_bci_bundle(
+        AlignedDecoder(models.meta.new_alignment(), models.backbone), out, n_channels=held_in[0].n_channels,
+        mean=norm.mean, std=norm.std, session_name="pooled", meta=models.meta, std_floor=harness.calibration.std_floor,
+        calibration_config=harness.calibration.to_dict(), end_completion=marks,
+        provenance={"training": harness.to_dict(), **(provenance or {})},
+        variants=(), tensorrt=False, overwrite=overwrite, report=lambda s: None,
+    )
+
+
+def train_harness(config: str | Path | None, *, tiny: bool = False, seed: int = 0, device: str = "auto") -> Any:
+    """``bci-train``'s configuration: the benchmark's (or the tiny one), with a ``--config`` JSON's settings over it."""
+    import dataclasses
+
+    from .benchmark import BciBenchConfig
+    from .evaluate import HarnessConfig
+
+    harness = (BciBenchConfig.tiny() if tiny else BciBenchConfig()).harness
+    if config:  # a partial file changes only the settings it names
+        harness = HarnessConfig.from_dict(_merged(harness.to_dict(), json.loads(Path(config).read_text())))
+    return dataclasses.replace(harness, seed=seed, device=device).seeded()
+
+
+def _merged(base: dict, over: dict) -> dict:
+    """``base`` with ``over``'s values in place, section by section (nested dicts merged, other values replaced)."""
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _merged(base[k], v) if isinstance(v, dict) and isinstance(base.get(k), dict) else v
+    return out
+
+
+# --- evaluate -------------------------------------------------------------------------------
+
+
+def load_sessions(data: str | Path) -> list:
+    """One NWB file (one session) or every session of a folder (``load_falcon_h2_dir``)."""
+    from .nwb import load_falcon_h2, load_falcon_h2_dir
+
+    path = Path(data)
+    return load_falcon_h2_dir(path) if path.is_dir() else [load_falcon_h2(path)]
+
+
+def _lexicon_for(sessions: list, words_file: str | Path | None) -> Any:
+    """Words of the sentences a method may learn from (held-in non-evaluation, held-out calibration), plus a file's."""
+    from .decoding import PUNCTUATION, Lexicon
+
+    sentences = []
+    for s in sessions:
+        ev = set(s.evaluation)
+        idx = s.calibration if s.split == "held_out" else [i for i in range(len(s.trials)) if i not in ev]
+        sentences += [s.trials[i].sentence for i in idx]
+    lex = Lexicon.from_sentences(sentences)
+    if words_file is not None:
+        extra = {w.strip(PUNCTUATION) for w in Path(words_file).read_text().replace(">", " ").split()} - {""}
+        lex = Lexicon(set(lex.words) | extra, None, lex.sentence_end)  # no unigram prior: word_weight is 0
+    if not len(lex):
+        raise ValueError("the beam search needs a lexicon, and these files have no non-evaluation sentences to build "
+                         "one from: pass --lexicon WORDS.txt (words or sentences, whitespace-separated; "
+                         "`closedloop generate-data` writes its vocabulary.txt), or point --data at a folder that "
+                         "also holds calibration files")
+    return lex
+
+
+def evaluate_bundle(
+    bundle: str | Path,
+    data: str | Path,
+    *,
+    beam: bool = False,
+    beam_width: int = 16,
+    lexicon: str | Path | None = None,
+    backend: str = "auto",
+) -> dict:
+    """Score ``bundle`` on the evaluation trials of ``data`` (an NWB file or a folder) through the runtime.
+
+    Each trial is streamed bin by bin through the bundle (normalise, step, greedy CTC),
+    with the recurrent state and text reset between trials, as a live session and the
+    FALCON adapter do. With ``beam`` the bins' log-probabilities also go through the
+    lexicon-constrained beam search (:func:`closedloop.sdk.bci.decoding.beam_decode`).
+
+    Returns
+    -------
+    dict
+        ``sessions`` (per session: ``greedy`` and maybe ``beam`` scores as
+        ``closedloop.sdk.bci.metrics.falcon_metrics`` reports them, the ``predictions`` and
+        ``references``), ``mean`` (per decoder: ``CER`` and ``WER`` averaged over
+        sessions), ``skipped`` (sessions without evaluation trials), and the setup.
+    """
+    from closedloop.runtime import Model, get_family, load_bundle
+
+    from .decoding import beam_decode
+    from .metrics import falcon_metrics
+
+    t0 = time.perf_counter()
+    b = load_bundle(bundle)
+    if b.manifest.family != "bci_handwriting":
+        raise ValueError(f"bundle {bundle} is family {b.manifest.family!r}; evaluate scores 'bci_handwriting' bundles")
+    sessions = load_sessions(data)
+    scored = [s for s in sessions if s.evaluation]
+    skipped = [s.name for s in sessions if not s.evaluation]
+    if not scored:
+        raise ValueError(f"{data}: no evaluation trials in {[s.name for s in sessions]}: a calibration file (its name "
+                         "has 'calib') is never scored; point --data at the evaluation files (DANDI's '-minival', "
+                         "FALCON's '_eval') or a folder holding them. FALCON's held-out evaluation data stay on its "
+                         "server: score those with sdk.bci.falcon_decoder")
+    lex = _lexicon_for(sessions, lexicon) if beam else None
+    model = Model(b, backend=backend)
+    fam = get_family(b.manifest.family)(b, model)
+    n_ch = fam.n_channels
+    # "greedy" is the runtime's text at the end of each trial: plain greedy CTC, or with end-of-trial completion
+    # when the bundle sets extra.bci.end_completion (then reported under its own name)
+    greedy_name = "greedy" if fam.sentence_end is None else "greedy_end"
+    calibrated_for = b.manifest.extra["bci"].get("session")
+    out: dict[str, Any] = {"bundle": str(bundle), "data": str(data), "backend": model.backend_name,
+                           "decoders": [greedy_name] + (["beam"] if beam else []), "sessions": {}, "skipped": skipped,
+                           "end_completion": fam.sentence_end, "calibrated_for": calibrated_for,
+                           "other_sessions": _other_sessions(calibrated_for, [s.name for s in scored])}
+    try:
+        for s in scored:
+            greedy, beams, refs = [], [], []
+            for i in s.evaluation:
+                spikes = s.trials[i].spikes
+                if spikes.shape[1] != n_ch:
+                    raise ValueError(f"{data}: session {s.name} has {spikes.shape[1]} channels; the bundle takes {n_ch}")
+                fam.reset()
+                logp = np.empty((spikes.shape[0], fam.log_probs.shape[-1]), dtype=np.float32) if beam else None
+                for k, row in enumerate(spikes):
+                    fam.decode_bin(row)
+                    if logp is not None:
+                        logp[k] = fam.log_probs[0]
+                greedy.append(fam.end_trial())
+                if logp is not None:
+                    beams.append(beam_decode(logp, lex, beam_width))
+                refs.append(s.trials[i].sentence)
+            row: dict[str, Any] = {greedy_name: falcon_metrics([greedy], [refs])["per_session"][0]}
+            if beam:
+                row["beam"] = falcon_metrics([beams], [refs])["per_session"][0]
+            row.update(predictions={greedy_name: greedy, **({"beam": beams} if beam else {})}, references=refs)
+            out["sessions"][s.name] = row
+    finally:
+        model.close()
+    out["mean"] = {d: {k: float(np.mean([r[d][k] for r in out["sessions"].values()])) for k in ("CER", "WER")}
+                   for d in out["decoders"]}
+    out["wall_s"] = time.perf_counter() - t0
+    return out
+
+
+def _other_sessions(calibrated_for: str | None, names: list[str]) -> list[str]:
+    """The scored sessions that are not the one the bundle was calibrated on (compared by date where both name one)."""
+    from .nwb import parse_falcon_name
+
+    if not calibrated_for:
+        return []
+    day = parse_falcon_name(calibrated_for).date
+    return [n for n in names if n != calibrated_for and (day is None or parse_falcon_name(n).date != day)]
+
+
+def format_evaluation(result: dict) -> str:
+    """The table ``closedloop evaluate`` prints."""
+    decs = result["decoders"]
+    width = {d: max(12, len(d) + 6) for d in decs}  # "greedy_end CER" needs more than 12
+    head = f"{'session':<14}{'trials':>7}" + "".join(f"{d + ' CER':>{width[d]}}{d + ' WER':>{width[d]}}" for d in decs)
+    lines = [f"{result['bundle']} on {result['data']} (evaluation trials; backend {result['backend']}; "
+             f"{result['wall_s']:.1f} s)", head]
+    for name, r in result["sessions"].items():
+        lines.append(f"{name:<14}{r[decs[0]]['n_trials']:>7}"
+                     + "".join(f"{r[d]['CER']:>{width[d]}.2%}{r[d]['WER']:>{width[d]}.2%}" for d in decs))
+    lines.append(f"{'mean':<14}{'':>7}" + "".join(f"{result['mean'][d]['CER']:>{width[d]}.2%}"
+                                                  f"{result['mean'][d]['WER']:>{width[d]}.2%}" for d in decs))
+    if result["skipped"]:
+        lines.append(f"skipped (no evaluation trials): {', '.join(result['skipped'])}")
+    if result.get("other_sessions"):
+        lines.append(f"note: the bundle was calibrated on session {result['calibrated_for']}; "
+                     f"{', '.join(result['other_sessions'])} scored with that calibration")
+    return "\n".join(lines)
