@@ -11,9 +11,17 @@ recipe on a Panda task (behaviour cloning from scripted demonstrations, then SAC
 The method, formulas and workflow are in ``docs/rl.md``.
 """
 
+from closedloop.common.lazy import lazy_exports
+
 from .config import SHAPING_KINDS, FineTuneConfig, ShapingConfig
 from .reward import Discriminator, LabelledReplay, VisitationReward, clipped_logit
 from .wrapper import FixedNormalization, SuccessVisitationWrapper
 
+# stable-baselines3 and PyBullet load only when these are first used
+_LAZY = {"fine_tune": ".finetune", "export_policy": ".deploy", "compare_deployment": ".deploy",
+         "run_deployed": ".deploy", "rl_train": ".workflow", "rl_train_config": ".workflow"}
+
 __all__ = ["SHAPING_KINDS", "FineTuneConfig", "ShapingConfig", "Discriminator", "LabelledReplay",
-           "VisitationReward", "clipped_logit", "FixedNormalization", "SuccessVisitationWrapper"]
+           "VisitationReward", "clipped_logit", "FixedNormalization", "SuccessVisitationWrapper", *_LAZY]
+
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY)

@@ -1,18 +1,12 @@
-"""``closedloop rl-train``: pre-train a Panda policy, fine-tune it with SAC on a (shaped) success reward, export it.
+"""``closedloop rl-train``: argument parsing only; the run is :func:`closedloop.sdk.rl.workflow.rl_train`.
 
-The command runs :func:`closedloop.sdk.rl.finetune.fine_tune` with a :class:`~closedloop.sdk.rl.FineTuneConfig`
-made from its options (or read from a JSON file written by an earlier run), prints the
-in-process success curve as it goes, writes the run's record (configuration, curve,
-discriminator statistics) as ``run.json`` and, for the hand-only tasks (reach, push),
-exports the policy to a bundle that ``closedloop run BUNDLE --device sim://panda?task=push``
-deploys.
+It pre-trains a Panda policy, fine-tunes it with SAC on a (shaped) success reward, prints the
+in-process success curve, writes ``OUT/run.json`` and, for reach and push, the bundle ``OUT/policy``.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-from pathlib import Path
 
 from ..cli import command
 from .config import SHAPING_KINDS
@@ -38,41 +32,16 @@ def _rl_train_args(p: argparse.ArgumentParser) -> None:
 @command("rl-train", "behaviour-clone a Panda policy, fine-tune it with SAC on a success-visitation reward, export it",
          _rl_train_args)
 def _rl_train(a: argparse.Namespace) -> int:
-    import torch
+    from .workflow import rl_train, rl_train_config
 
-    from .config import FineTuneConfig, ShapingConfig
-    from .deploy import export_policy
-    from .finetune import fine_tune
-
-    torch.set_num_threads(1)
-    base: dict = {}
-    if a.config:
-        base = json.loads(Path(a.config).read_text())
-        base = base.get("config", base)
-    cfg = FineTuneConfig.from_dict(base) if base else FineTuneConfig()
-    cfg.task, cfg.seed = a.task or cfg.task, a.seed
-    shaping = cfg.shaping.to_dict() | {"kind": a.reward}
-    for key in ("lam", "beta"):
-        if getattr(a, key) is not None:
-            shaping[key] = getattr(a, key)
-    shaping["gamma"] = cfg.gamma
-    cfg.shaping = ShapingConfig.from_dict(shaping)
-    if a.steps is not None:
-        cfg.total_steps = a.steps
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
+    cfg = rl_train_config(a.config, task=a.task, seed=a.seed, reward=a.reward, lam=a.lam, beta=a.beta, steps=a.steps)
     if not a.quiet:
         print(f"rl-train: {cfg.task}, reward {cfg.shaping.kind} (lambda {cfg.shaping.lam}, beta {cfg.shaping.beta}), "
               f"{cfg.total_steps} steps, seed {cfg.seed}", flush=True)
-    result = fine_tune(cfg, verbose=0 if a.quiet else 1)
-    rec = dict(result.record)
-    rec.pop("train_episodes", None)
-    (out / "run.json").write_text(json.dumps(rec, indent=1, default=float))
-    curve = ", ".join(f"{s}: {r:.2f}" for s, r in result.curve)
-    print(f"success (in-process, deterministic) by step: {curve}")
-    print(f"record: {out / 'run.json'} ({rec['wall_s']:.0f} s)")
-    if cfg.task in ("reach", "push"):
-        bundle = export_policy(result.model.actor, result.mean, result.std, cfg.task, out / "policy",
-                               provenance={"run": rec["config"]})
-        print(f"bundle: {bundle}; run it: closedloop run {bundle} --device 'sim://panda?task={cfg.task}' --duration 60")
+    r = rl_train(cfg, a.out, verbose=0 if a.quiet else 1)
+    print(f"success (in-process, deterministic) by step: {', '.join(f'{s}: {v:.2f}' for s, v in r.curve)}")
+    print(f"record: {r.record_path} ({r.record['wall_s']:.0f} s)")
+    if r.bundle is not None:
+        print(f"bundle: {r.bundle}; run it: closedloop run {r.bundle} --device 'sim://panda?task={cfg.task}' "
+              "--duration 60")
     return 0

@@ -1,0 +1,78 @@
+"""The Python side of ``closedloop rl-train``: a run's configuration from its options, the run, its record and bundle.
+
+:func:`rl_train_config` builds a :class:`~closedloop.sdk.rl.FineTuneConfig` from an optional JSON
+file (a config, or a ``run.json`` whose ``config`` it takes) with the given settings over it;
+:func:`rl_train` pre-trains and fine-tunes (:func:`closedloop.sdk.rl.finetune.fine_tune`), writes the
+run's record as ``OUT/run.json`` and, for the hand-only tasks (reach, push), exports the policy
+to ``OUT/policy``, a bundle that ``closedloop run BUNDLE --device sim://panda?task=push`` deploys.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from closedloop.common.atomic import atomic_write_bytes
+
+from .config import FineTuneConfig, ShapingConfig
+
+__all__ = ["RLTrainResult", "rl_train", "rl_train_config"]
+
+#: tasks whose policy commands only the hand, so the exported bundle runs against ``sim://panda``
+EXPORTABLE_TASKS = ("reach", "push")
+
+
+@dataclass
+class RLTrainResult:
+    record_path: Path
+    record: dict[str, Any]
+    curve: list[tuple[int, float]]
+    bundle: Path | None
+
+
+def rl_train_config(config_file: str | Path | None = None, *, task: str | None = None, seed: int = 0,
+                    reward: str = "svm", lam: float | None = None, beta: float | None = None,
+                    steps: int | None = None) -> FineTuneConfig:
+    """The run's configuration: ``config_file`` (if any) with each given setting over it.
+
+    The reward's discount is the SAC discount, so the potential-based form keeps its invariance.
+    """
+    base: dict[str, Any] = {}
+    if config_file:
+        base = json.loads(Path(config_file).read_text())
+        base = base.get("config", base)
+    cfg = FineTuneConfig.from_dict(base) if base else FineTuneConfig()
+    cfg.task, cfg.seed = task or cfg.task, seed
+    shaping = cfg.shaping.to_dict() | {"kind": reward}
+    for key, value in (("lam", lam), ("beta", beta)):
+        if value is not None:
+            shaping[key] = value
+    shaping["gamma"] = cfg.gamma
+    cfg.shaping = ShapingConfig.from_dict(shaping)
+    if steps is not None:
+        cfg.total_steps = steps
+    return cfg
+
+
+def rl_train(cfg: FineTuneConfig, out: str | Path, *, verbose: int = 1) -> RLTrainResult:
+    """Pre-train and fine-tune on ``cfg.task``; write ``out/run.json`` (atomically) and, where the task
+    allows, the policy bundle ``out/policy``."""
+    import torch
+
+    from .deploy import export_policy
+    from .finetune import fine_tune
+
+    torch.set_num_threads(1)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    result = fine_tune(cfg, verbose=verbose)
+    record = dict(result.record)
+    record.pop("train_episodes", None)
+    record_path = atomic_write_bytes(out / "run.json", json.dumps(record, indent=1, default=float).encode())
+    bundle = None
+    if cfg.task in EXPORTABLE_TASKS:
+        bundle = export_policy(result.model.actor, result.mean, result.std, cfg.task, out / "policy",
+                               provenance={"run": record["config"]})
+    return RLTrainResult(record_path, record, list(result.curve), bundle)
