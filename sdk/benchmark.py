@@ -3,7 +3,8 @@ eager, ONNX Runtime and the Numba backend, back to back and at the real cadence,
 beside each step's floor; and the real-time loop's lateness at 1 kHz and 50 Hz.
 
 Run with ``python bench/bench_spine.py`` or ``closedloop bench``; ``make demo`` runs a
-short version. Results go to ``bench/results/spine.json`` and ``spine_latency.png``.
+short version. ``bench/bench_spine.py`` writes ``spine.json`` and ``spine_latency.png`` to
+``bench/results/spine/``.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ class SpineBenchConfig:
     cadence_s: float = 6.0  # per model and method, one step every 20 ms
     loop_s: float = 20.0  # per loop rate (1 kHz and 50 Hz)
     seed: int = 0
-    out_dir: str | None = "bench/results"
+    out_dir: str | None = "bench/results/spine"
     name: str = "spine"
     bundle_dir: str | None = None  # keep the exported bundles here (default: a temp folder)
 

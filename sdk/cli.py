@@ -184,7 +184,7 @@ def _recording(a: argparse.Namespace) -> int:
 
 def _bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="a few seconds per part instead of the full run")
-    p.add_argument("--out", default=None, help="folder for spine.json and spine_latency.png (default bench/results "
+    p.add_argument("--out", default=None, help="folder for spine.json and spine_latency.png (default bench/results/spine "
                                                 "for a full run; --quick writes nothing unless given --out)")
 
 
@@ -194,7 +194,7 @@ def _bench(a: argparse.Namespace) -> int:
 
     cfg = SpineBenchConfig.quick() if a.quick else SpineBenchConfig()
     if a.out is not None or not a.quick:  # a quick run never replaces the committed full-run results by default
-        cfg.out_dir = a.out or "bench/results"
+        cfg.out_dir = a.out or "bench/results/spine"
     run_spine_benchmark(cfg)
     return 0
 

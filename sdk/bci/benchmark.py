@@ -49,7 +49,7 @@ TURNOVER_AUGMENTATION = replace(TrainConfig().augmentation, dropout_p=0.1, fresh
 
 @dataclass
 class BciBenchConfig(JsonConfig):
-    """Data, harness and seeds of the benchmark (sized for 2 CPU cores in under 45 minutes; 39.0 min measured, README)."""
+    """Data, harness and seeds of the benchmark: sized for 2 CPU cores in under 45 minutes (docs/bci_methods.md)."""
 
     data_seed: int = 0
     data_tiny: bool = False
@@ -58,17 +58,17 @@ class BciBenchConfig(JsonConfig):
     harness: HarnessConfig = field(default_factory=lambda: HarnessConfig(
         # stage 1 (the pooled backbone every calibrated method shares): the drift augmentation also silences
         # channels (10%) and gives channels a new unit (10%), the two ways unit turnover changes a Utah array
-        # from day to day, at lr 3e-3 (docs/bci.md, "Stage-1 turnover augmentation (session 7)")
+        # from day to day, at lr 3e-3 (docs/bci_methods.md, "Stage-1 turnover augmentation")
         train=TrainConfig(backbone=BackboneConfig(128, 1, 0.1), steps=800, batch_size=16, lr=3e-3,
                           augmentation=TURNOVER_AUGMENTATION),
         # the session_layers baseline trains with the same recipe (session_train unset): the turnover augmentation
-        # helps it too, and a baseline gets the same effort as the method (docs/bci.md). The drift reference (the
-        # same kind of decoder, the yardstick the generator was calibrated with) keeps the recipe it was calibrated
-        # with: 800 steps at lr 5e-3 without turnover, the first epoch shortest first (TrainConfig default); at 600
-        # steps and lr 1e-2 its held-in CER over seeds 0-2 was 19.0 +- 8.9% (runs that had not converged); see
-        # bench/results/bci_recipe_runs.jsonl, bci_drift_calibration.jsonl and docs/handwriting_data.md. The
-        # benchmark does not train it (reference=False: 11 more minutes per run); bench/calibrate_bci_drift.py
-        # measures and records it, and bench_bci.py --reference adds it to a run
+        # helps it too, and a baseline gets the same effort as the method (docs/bci_methods.md). The drift reference
+        # (the same kind of decoder, the yardstick the generator was calibrated with) keeps its calibration recipe:
+        # 800 steps at lr 5e-3 without turnover, the first epoch shortest first (TrainConfig default); at 600
+        # steps and lr 1e-2 its held-in CER over seeds 0-2 is 19.0 +- 8.9% (runs that do not converge); see
+        # bench/results/bci_drift/ and docs/handwriting_data.md. The benchmark does not train it (reference=False:
+        # 11 more minutes per run); bench/calibrate_bci_drift.py measures and records it, and bench_bci.py
+        # --reference adds it to a run
         reference_train=TrainConfig(backbone=BackboneConfig(128, 1, 0.1), steps=800, batch_size=16, lr=5e-3),
         reference=False,
         meta=MetaConfig(inner_steps=3, n_support=3, n_query=3, tasks_per_step=4, meta_steps=60),
@@ -133,8 +133,8 @@ def estimate_seconds(sessions: list, config: BciBenchConfig, bins_per_s: float) 
     m, c, n = h.meta, h.calibration, h.n_calibration
     folds = min(c.folds, n)
     per_step = (folds * 3 * (n - 1) + n) * mean_bins  # leave-one-out fits on every grid value + the final fit
-    # fine-tuning fits its cross-validation copies as one batch (baselines.finetune_batch): per seed it took 390 s
-    # against session 9's 1,210 s one fit after another (bench/results/bci_session11.json, bci_rerun_session9.json)
+    # fine-tuning fits its cross-validation copies as one batch (baselines.finetune_batch): per seed 390 s on the
+    # 2-core AMD VM, against 1,210 s for one fit after another (docs/bci_methods.md, "Nine runs")
     adam_methods = sum(x in h.methods for x in ("session_layers", "alignment")) + 0.35 * ("finetune" in h.methods)
     st, rt = h.session_recipe(), h.reference_recipe()
     needs = harness_needs(h)

@@ -5,15 +5,15 @@ backward computes the recurrent weight gradient as one small product per step. H
 the backward pass runs the recurrence for the state gradient only and forms the
 weight gradients with one matrix product over all steps (and, for a frozen GRU, none).
 Speed on the benchmark's 1 x 128 GRU and one core: ``bench/bench_bci_gru.py``
-(``bench/results/bci_gru_speed.md``).
+(``bench/results/bci_gru/``).
 
 The recurrence itself (forward over time, and the state gradient back over time) runs
 as two Numba kernels, one compiled loop over every step each, for float32 and float64
-on CPU: in torch each step was five to seven small operations, and on a CPU their
-dispatch cost more than their arithmetic (155 us per step for a batch of 16, of which the
+on CPU: in torch each step is five to seven small operations, and on a CPU their
+dispatch costs more than their arithmetic (155 us per step for a batch of 16, of which the
 16 x 128 by 128 x 384 product is about 40 us). The step's product is a small blocked loop
 of our own (:func:`_matmul_nt`), not a BLAS call: for 2 rows SciPy's OpenBLAS called from
-Numba took 48 us, the loop 8 us. The weight gradients stay one torch product over all steps.
+Numba takes 48 us, the loop 8 us. The weight gradients stay one torch product over all steps.
 ``use_compiled = False`` runs the torch loop instead (other dtypes and devices always do, and so
 do large step products when torch has more than one thread: :data:`COMPILED_MAX_STEP_MACS`).
 
@@ -297,7 +297,7 @@ use_compiled = True
 #: Above this many multiply-adds per step (sets x batch x 3H x H) and with more than one torch thread, the
 #: torch loop runs: its per-step product is MKL's, which uses the threads, and the kernels use one.
 #: On 2 threads (``bench_bci_gru``'s shapes, T = 500): 16 x 128 (0.8M) compiled 1.52x faster;
-#: 16 x 256 (3.1M) 1.01x; 64 x 128 (3.1M) 0.92x; 16 x 512 (12.6M) 0.83x. On one thread it was faster at all of them.
+#: 16 x 256 (3.1M) 1.01x; 64 x 128 (3.1M) 0.92x; 16 x 512 (12.6M) 0.83x. On one thread it is faster at all.
 COMPILED_MAX_STEP_MACS = 1 << 20
 
 

@@ -23,7 +23,7 @@ NEURAL, STAGE1, LINEAR_PART = "neural", "neural-stage1", "luenberger"
 
 # --- targets and report -------------------------------------------------------------------------------
 def targets(record: dict[str, Any]) -> list[dict[str, Any]]:
-    """The issue's targets, each with what was measured and whether it was met."""
+    """The benchmark's targets, each with what was measured and whether it was met."""
     res, baselines = record["results"], record["config"]["baselines"]
     out = [{"target": "every plant gets a certified observer",
             "measured": ", ".join(f"{p} {'yes' if r['certificate']['certified'] else 'NO'}" for p, r in res.items()),

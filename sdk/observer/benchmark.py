@@ -48,7 +48,7 @@ import torch
 from closedloop.common.config import JsonConfig
 
 from .baselines import make_baseline
-from .bench_report import (  # noqa: F401  (re-exported: the report used to live here)
+from .bench_report import (  # noqa: F401  (re-exported: callers import the report from here)
     LINEAR_PART,
     NEURAL,
     NONLINEAR_PLANTS,

@@ -3,7 +3,7 @@
 :class:`ShapingConfig` is the reward (which form, lambda, beta, the discriminator and
 its training); :class:`FineTuneConfig` is one fine-tuning run (task, pre-training,
 SAC settings, budget, evaluation).  ``to_dict``/``from_dict`` make every run
-reproducible from its record (``bench/results/rl.json`` stores them).
+reproducible from its record (``bench/results/rl/rl.json`` stores them).
 """
 
 from __future__ import annotations

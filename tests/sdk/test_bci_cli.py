@@ -315,7 +315,7 @@ def test_a_partial_config_changes_only_its_settings_over_the_tiny_or_default_bas
     tiny, base = BciBenchConfig.tiny().harness, BciBenchConfig().harness
     got = train_harness(path, tiny=True, seed=3, device="cpu")
     assert (got.meta.form, got.meta.rank) == ("lowrank", 4)
-    assert got.train.steps == tiny.train.steps != base.train.steps  # --tiny still holds (it was dropped before)
+    assert got.train.steps == tiny.train.steps != base.train.steps  # --tiny holds alongside --config
     assert got.meta.meta_steps == tiny.meta.meta_steps and (got.seed, got.device) == (3, "cpu")
     assert train_harness(path).train.steps == base.train.steps
     path.write_text(json.dumps({"meta": {"no_such_setting": 1}}))
