@@ -35,6 +35,7 @@ bench: $(STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
+	$(PY) tools/typecheck.py
 
 # after a green `make test` on newer packages (CONSTRAINTS=): record them as the tested set
 constraints: $(STAMP)

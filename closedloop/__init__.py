@@ -14,7 +14,7 @@ The names a user starts from are importable from here. They load on first use, s
 
 >>> import closedloop
 >>> sorted(closedloop.__all__)[:3]
-['Bundle', 'LoopConfig', 'Model']
+['Bundle', 'BundleError', 'ExportOptions']
 """
 
 from __future__ import annotations

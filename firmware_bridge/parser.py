@@ -190,9 +190,9 @@ class FrameParser:
                 continue
             result = check_raw_frame(raw, verifier, max_payload)
             if result.__class__ is tuple:
-                self._reject(result, len(seg))  # type: ignore[arg-type]
+                self._reject(result, len(seg))
                 continue
-            frame: Frame = result  # type: ignore[assignment]
+            frame: Frame = result  # type: ignore[assignment]  # mypy narrows `__class__ is` only when true
             if frame.msg_type == _HELLO and sequence.top is not None:
                 sequence.reset()
                 stats.seq_resets += 1

@@ -74,19 +74,23 @@ def _fields(message: Message) -> dict[str, Any]:
     return {k: _jsonable(v) for k, v in vars(message).items() if not k.startswith("_")}
 
 
+def _f32(*values: float) -> np.ndarray:
+    return np.array(values, dtype=np.float32)
+
+
 def _messages() -> list[tuple[str, Message]]:
     return [
-        ("hello", Hello("headstage", "utah-array-A", PROTOCOL_VERSION, 192, 50.0, [-1.0, -2.0], [1.0, 2.0])),
+        ("hello", Hello("headstage", "utah-array-A", PROTOCOL_VERSION, 192, 50.0, _f32(-1.0, -2.0), _f32(1.0, 2.0))),
         ("heartbeat", Heartbeat(DeviceState.RUNNING)),
         ("status", Status(0x0102, Severity.WARNING, "over-current on joint 2")),
         ("neural_frame", NeuralFrame(1234, np.array([0, 1, 0, 2, 300, 0, 0, 5], dtype=np.uint16))),
         ("decoder_output", DecoderOutput(1234, "hé", np.array([0.75, 0.25], dtype=np.float32))),
         ("decoder_output_no_probs", DecoderOutput(1235, " ", None)),
-        ("plant_measurement", PlantMeasurement([0.5, -1.25, 3.0], [0.125])),
-        ("actuator_command", ActuatorCommand([0.0, 1.0, -1.0])),
-        ("joint_state", JointState([0.1, 0.2], [0.0, -0.5], [0.3, 0.0, 0.5, 0.0, 0.0, 0.0, 1.0])),
-        ("joint_state_no_pose", JointState([1.5], [0.25])),
-        ("joint_command", JointCommand(JointMode.VELOCITY, [0.5, -0.5, 0.0])),
+        ("plant_measurement", PlantMeasurement(_f32(0.5, -1.25, 3.0), _f32(0.125))),
+        ("actuator_command", ActuatorCommand(_f32(0.0, 1.0, -1.0))),
+        ("joint_state", JointState(_f32(0.1, 0.2), _f32(0.0, -0.5), _f32(0.3, 0.0, 0.5, 0.0, 0.0, 0.0, 1.0))),
+        ("joint_state_no_pose", JointState(_f32(1.5), _f32(0.25))),
+        ("joint_command", JointCommand(JointMode.VELOCITY, _f32(0.5, -0.5, 0.0))),
         ("unknown_vendor_type", UnknownMessage(0xE5, b"\x01\x02\x03")),
     ]
 
@@ -120,7 +124,7 @@ def build_vectors() -> dict[str, Any]:
     for i, (name, msg) in enumerate(_messages()):
         wire = encode_frame(msg, seq=100 + i, timestamp_us=1_700_000_000_000_000 + 20_000 * i)
         frames.append(_frame_entry(name, wire, "accept", message=msg))
-    signed = encode_frame(NeuralFrame(7, [3, 0, 1]), 5, 123456, FrameSigner(KEY, counter_start=42))
+    signed = encode_frame(NeuralFrame(7, np.array([3, 0, 1], dtype=np.uint16)), 5, 123456, FrameSigner(KEY, counter_start=42))
     frames.append(_frame_entry("signed_neural_frame", signed, "accept", key=KEY, require_signed=True))
     frames.append(_frame_entry("signed_wrong_key", signed, "bad_tag", key=OTHER_KEY, require_signed=True))
     frames.append(_frame_entry("signed_no_key", signed, "bad_tag", note="a link without a key refuses signed frames"))

@@ -23,6 +23,8 @@ reordered (SIMD lanes, ``fastmath``) and tanh/sigmoid are rational approximation
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 from llvmlite import ir
 from numba import njit, types
@@ -35,7 +37,7 @@ from numba.extending import intrinsic
 # no ZeroDivisionError check on float division, whose branch would stop LLVM from
 # vectorising every loop that divides.
 _FASTMATH = {"reassoc", "contract", "arcp", "nsz", "afn"}
-_JIT = {"cache": True, "fastmath": _FASTMATH, "nogil": True, "error_model": "numpy"}
+_JIT: dict[str, Any] = {"cache": True, "fastmath": _FASTMATH, "nogil": True, "error_model": "numpy"}
 
 # Activation codes (fused into DENSE, or applied alone by ACT). Row-wise ones act on
 # each row (batch element) as a whole.
@@ -150,7 +152,7 @@ def matmul_panel(x, panels, b, y, lanes):
         o = block * LANES
         count = min(LANES, n - o)
         for i in range(rows):
-            _panel_dot(panels, block, x, i, lanes)
+            _panel_dot(panels, block, x, i, lanes)  # type: ignore[call-arg]  # called without typingctx; numba types @intrinsic with it
             for j in range(count):
                 y[i, o + j] = lanes[0, j] + b[0, o + j]
 

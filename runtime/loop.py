@@ -220,4 +220,8 @@ def _install_sigint(stop: threading.Event) -> Callable[[], None]:
         stop.set()
 
     previous = signal.signal(signal.SIGINT, handler)
-    return lambda: signal.signal(signal.SIGINT, previous)
+
+    def restore() -> None:
+        signal.signal(signal.SIGINT, previous)
+
+    return restore

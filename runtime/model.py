@@ -50,7 +50,7 @@ class Model:
         self.backend, self.choice = create_backend(backend, path, self.spec, options)
         self.inputs = self.backend.inputs
         self.outputs = self.backend.outputs
-        self._pairs = [(self.inputs[t.name], self.outputs[t.state_pair]) for t in self.spec.state_inputs]
+        self._pairs = [(self.inputs[t.name], self.outputs[t.state_pair or ""]) for t in self.spec.state_inputs]
         self._x = self.inputs[self.spec.data_inputs[0].name]
         self._y = self.outputs[self.spec.data_outputs[0].name]
         self._run = self.backend.run

@@ -93,6 +93,7 @@ def _fields(buf: memoryview):
     while pos < n:
         key, pos = _varint(buf, pos)
         fnum, wt = key >> 3, key & 7
+        val: int | memoryview
         if wt == 0:
             val, pos = _varint(buf, pos)
         elif wt == 1:

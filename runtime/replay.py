@@ -22,7 +22,7 @@ from urllib.parse import parse_qsl, urlsplit
 
 import numpy as np
 
-from closedloop.firmware_bridge import FrameParser, Transport, register_transport
+from closedloop.firmware_bridge import FrameParser, Message, Transport, register_transport
 
 from .bundle import Bundle, load_bundle
 from .families import get_family
@@ -127,7 +127,7 @@ def replay_recording(recording: str | Path, bundle: Bundle | str | Path, backend
     fam.adopt_device(reader.meta.get("device", {}).get("kind", ""))  # what the session read from this device
     fam.reset()
     parser = FrameParser()
-    inputs: dict[int, object] = {}
+    inputs: dict[int, Message] = {}
     want = fam.input.message
     diffs: list[float] = []
     total = 0.0

@@ -30,6 +30,7 @@ from closedloop.firmware_bridge import (
     Heartbeat,
     Hello,
     Link,
+    Message,
     Status,
     Transport,
     open_transport,
@@ -38,7 +39,7 @@ from closedloop.runtime.protect.scrubber import session_scrubber
 
 from .bundle import Bundle, load_bundle
 from .families import FamilyPlugin, get_family
-from .loop import LoopConfig, RealTimeLoop
+from .loop import LoopConfig, OverrunPolicy, RealTimeLoop
 from .model import Model
 from .recording import RecordingWriter, RecordType
 from .stats import LoopSummary
@@ -69,7 +70,7 @@ class SessionConfig:
     status: bool = True  # live status line on stderr
     status_interval_s: float = 1.0
     prewarm: bool = True  # run the model once just before each deadline (warm caches)
-    # Weight scrubbing of protected bundles (runtime.scrubber, docs/robustness.md): "auto" (when the
+    # Weight scrubbing of protected bundles (runtime/protect/, docs/robustness.md): "auto" (when the
     # bundle is protected) or "off"; idle-time budget per period; on an unrepairable block, "fallback"
     # (restore it from the last-good copy) or "stop" (safe output, end the session).
     scrub: str = "auto"
@@ -196,9 +197,10 @@ class Session:
         self._disconnected = False
         self._next_reconnect_ns = 0
         self._next_status_ns = 0
-        self._last_cmd = None
+        self._last_cmd: Message | None = None
         self._step = 0
-        self._unused, self._unused_type, self._warned_unused = 0, None, False  # frames not of the input's type
+        self._unused_type: type[Message] | None = None
+        self._unused, self._warned_unused = 0, False  # frames not of the input's type
 
     # --- connection -------------------------------------------------------------
 
@@ -332,6 +334,7 @@ class Session:
         if bad is not None:
             self._refuse_nonfinite(bad, k)
             return
+        assert cmd is not None  # guarded_step: no problem, so a command
         if self._nonfinite_run:
             self._event("finite_resumed", steps_refused=self._nonfinite_run)
             self._nonfinite_run = 0
@@ -386,7 +389,7 @@ class Session:
             if not self._safe:
                 self._safe = True
                 counts["watchdog_trips"] += 1
-                other = self._unused_type.__name__ if self._unused else ""
+                other = self._unused_type.__name__ if self._unused and self._unused_type is not None else ""
                 self._event("watchdog", silent_s=(now - self._last_input_ns) / 1e9, other_frames=self._unused,
                             other_type=other)
                 if self._unused and not self._warned_unused:
@@ -443,7 +446,7 @@ class Session:
             self.start()
         cfg = self.config
         self._loop = RealTimeLoop(
-            LoopConfig(rate_hz=self.rate_hz, duration_s=cfg.duration_s, max_steps=cfg.max_steps, overrun=cfg.overrun,
+            LoopConfig(rate_hz=self.rate_hz, duration_s=cfg.duration_s, max_steps=cfg.max_steps, overrun=OverrunPolicy(cfg.overrun),
                        collect_gc=False)  # collected in start(), before the handshake
         )
         try:

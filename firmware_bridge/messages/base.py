@@ -103,7 +103,7 @@ class UnknownMessage(Message):
 
     NAME = "UNKNOWN"
 
-    def __init__(self, raw_type_id: int, payload: bytes) -> None:
+    def __init__(self, raw_type_id: int, payload: bytes | bytearray | memoryview) -> None:
         if not 0 <= raw_type_id <= 255:
             raise MessageError(f"type id {raw_type_id} does not fit in a u8 (0..255)")
         self.raw_type_id = raw_type_id

@@ -184,6 +184,7 @@ def _reshape(p: Planner, node) -> None:
     known = features(tuple(d for d in target if d != -1))
     feats = features(v.shape)
     if -1 in target:
+        fill: int | str
         if BATCH in v.shape and BATCH not in target and known == feats:
             fill = BATCH
         elif feats % known == 0 and (BATCH in target or BATCH not in v.shape):
@@ -224,6 +225,8 @@ def _gather(p: Planner, node) -> None:
 def _slice(p: Planner, node) -> None:
     v = p.value(node, 0)
     starts, ends = p.ints(node, 1, "starts"), p.ints(node, 2, "ends")
+    if starts is None or ends is None:
+        raise unsupported(node, "a slice without starts or ends")
     shape = shape_of(v)
     axes = p.ints(node, 3, "axes") or list(range(len(starts)))
     steps = p.ints(node, 4, "steps") or [1] * len(starts)

@@ -10,6 +10,7 @@ raises ``GraphUnsupportedError`` naming the op that is not supported.
 from __future__ import annotations
 
 import dataclasses
+from typing import Literal, overload
 
 import numpy as np
 
@@ -88,6 +89,11 @@ class Planner:
         if not isinstance(v, Act):
             raise unsupported(node, f"input {i} must be a batch-first activation, got {type(v).__name__}")
         return v
+
+    @overload
+    def const(self, node, i: int, required: Literal[True] = ...) -> np.ndarray: ...
+    @overload
+    def const(self, node, i: int, required: bool) -> np.ndarray | None: ...
 
     def const(self, node, i: int, required: bool = True) -> np.ndarray | None:
         v = self.value(node, i)

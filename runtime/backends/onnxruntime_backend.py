@@ -86,7 +86,7 @@ class _OrtBackend(Backend):
         self._build()
 
     def close(self) -> None:
-        self._sess = None  # type: ignore[assignment]
+        self._sess = None
 
 
 @register_backend

@@ -123,7 +123,7 @@ class FamilyPlugin:
             problems.append(f"device streams at {hello.rate_hz:g} Hz, the bundle runs at {rate:g} Hz")
         low, high = self.command_limits()
         if self.command.message is not None and hello.command_low.size:
-            if low is None or low.size != hello.command_low.size:
+            if low is None or high is None or low.size != hello.command_low.size:
                 problems.append(
                     f"device takes {hello.command_low.size} command values within limits, the bundle "
                     + ("states no command limits (postprocess.low/high)" if low is None else f"sends {low.size}"))

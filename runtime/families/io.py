@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
 
 import numpy as np
 
@@ -24,12 +25,14 @@ from closedloop.firmware_bridge import (
     PlantMeasurement,
 )
 
+_M = TypeVar("_M", bound=Message)
+
 
 @dataclass(frozen=True)
-class InputKind:
-    message: type[Message]
+class InputKind(Generic[_M]):
+    message: type[_M]
     #: Write the vector for this message into ``out`` (preallocated, float32).
-    to_vector: Callable[[Message, np.ndarray], None]
+    to_vector: Callable[[_M, np.ndarray], None]
     #: The device's Hello field that must equal the vector length (or None).
     size_field: str | None = "n_channels"
 
@@ -55,7 +58,7 @@ def _joint_q_dq(m: JointState, out: np.ndarray) -> None:
     flat[n : 2 * n] = m.dq
 
 
-INPUT_KINDS: dict[str, InputKind] = {
+INPUT_KINDS: dict[str, InputKind[Any]] = {
     "neural_frame": InputKind(NeuralFrame, _counts),
     "plant_measurement": InputKind(PlantMeasurement, _plant_y),
     "joint_state": InputKind(JointState, _joint_q_dq, size_field=None),
@@ -90,7 +93,7 @@ DEVICE_SESSION_DEFAULTS: dict[str, tuple[str, str]] = {
 }
 
 
-def input_kind(name: str) -> InputKind:
+def input_kind(name: str) -> InputKind[Any]:
     try:
         return INPUT_KINDS[name]
     except KeyError:

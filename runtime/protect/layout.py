@@ -80,7 +80,7 @@ def block_positions(n: int, k: int, key: bytes | None = None, name: str = "", wi
         seed = hmac.new(key, b"closedloop.robust.v1/perm/" + name.encode(), hashlib.sha256).digest()[:8]
         perm = kernels()["permutation"](n, window, np.uint64(int.from_bytes(seed, "little")))
     nb = -(-n // k)
-    pos = np.full(nb * k, -1, dtype=np.int64)
+    pos: np.ndarray = np.full(nb * k, -1, dtype=np.int64)
     pos[:n] = perm
     pos = pos.reshape(nb, k)
     if nb and n - (nb - 1) * k < MIN_BLOCK:

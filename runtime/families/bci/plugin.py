@@ -400,12 +400,12 @@ def read_calibration_state(bundle: Bundle) -> dict[str, Any] | None:
             raise BundleError(f"{where}: a lowrank meta state needs meta.init_u of shape ({n_in}, r) with "
                               f"1 <= r <= {n_in}, got {None if u is None else u.shape}")
         rank = int(u.shape[1])
-    shapes = calibration_state_shapes(n_in, state["n_hidden"], state["n_layers"], int(n_out or 0), form, rank)
+    shapes = calibration_state_shapes(state["n_channels"], state["n_hidden"], state["n_layers"], int(n_out or 0), form, rank)
     for key, shape in shapes.items():
         a = raw.get(key)
         if a is None:
             raise BundleError(f"{where}: array {key!r} is missing"
-                              + (f" (a {form} meta state needs all of " + ", ".join(_meta_keys(form)) + ")" if has_meta else ""))
+                              + (f" (a {form} meta state needs all of " + ", ".join(_meta_keys(form)) + ")" if form is not None else ""))
         if a.dtype != np.float32 or a.shape != shape:
             raise BundleError(f"{where}: array {key!r} is {a.dtype} {a.shape}; expected float32 {shape}")
         if not np.all(np.isfinite(a)):

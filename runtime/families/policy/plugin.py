@@ -21,11 +21,11 @@ observation).  From the counters it reports the deployed success rate with a Wil
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 
-from closedloop.firmware_bridge import JointCommand, JointMode
+from closedloop.firmware_bridge import JointCommand, JointMode, PlantMeasurement
 from closedloop.runtime.families.base import FamilyPlugin
 from closedloop.runtime.families.registry import register_family
 
@@ -113,7 +113,8 @@ class PolicyFamily(FamilyPlugin):
         return problems
 
     def on_message(self, message: Message) -> None:
-        y, u = message.y, message.u  # a PlantMeasurement (the session only passes the input kind)
+        m = cast(PlantMeasurement, message)  # the session only passes the input kind
+        y, u = m.y, m.u
         if y.size != self._obs.size:
             raise ValueError(f"policy: the device sent a {y.size}-value observation, the bundle's policy takes "
                              f"{self._obs.size} (task {self.bundle.manifest.extra[BLOCK].get('task')!r}); "
