@@ -1,13 +1,14 @@
 """iBCI handwriting benchmark: every calibration method on the default synthetic FALCON H2-like data.
 
-    python bench/bench_bci.py          # 3 seeds; 39 min on 2 CPU cores (target 45; README); writes bench/results/bci.*
-    python bench/bench_bci.py --tiny   # about a minute; writes bench/results/bci_tiny.*
+    python bench/bench_bci.py          # 3 seeds; 39 min on 2 CPU cores; writes bench/results/bci/bci.*
+    python bench/bench_bci.py --tiny   # about a minute; writes bench/results/bci/bci_tiny.* (not committed)
     python bench/bench_bci.py --ablate tuning_rotation --seeds 0 --methods session_layers two_stage
-                                       # one drift component off: writes bench/results/bci_ablate_tuning_rotation.*
+                                       # one drift component off: writes bci_ablate_tuning_rotation.*
     python bench/bench_bci.py --reference   # also the drift reference (its own frozen recipe; ~11 min more)
 
-It prints the estimated run time before it starts. Methods, metrics and the harness
-are described in docs/bci.md.
+It prints the estimated run time before it starts. A new run of the default benchmark
+joins the pooled comparison over runs with ``python bench/pool_bci_runs.py --add RESULT.json``.
+Methods, metrics and the harness: ``closedloop.sdk.bci.benchmark`` and docs/bci.md.
 """
 
 import argparse
@@ -21,8 +22,8 @@ if __name__ == "__main__":
     ap.add_argument("--seeds", type=int, nargs="+", help="model seeds (default 0 1 2)")
     ap.add_argument("--jobs", type=int, help="worker processes sharing the seeds' training and scoring tasks (default: CPU cores)")
     ap.add_argument("--device", help="auto (default), cpu or cuda")
-    ap.add_argument("--out", default="bench/results")
-    ap.add_argument("--stem", help="results file stem (default bci, bci_tiny with --tiny), e.g. to keep an earlier run")
+    ap.add_argument("--out", default="bench/results/bci", help="results folder (default bench/results/bci)")
+    ap.add_argument("--stem", help="results file stem (default bci, bci_tiny with --tiny), e.g. to keep the committed run")
     ap.add_argument("--config", help="a BciBenchConfig JSON file (overrides the defaults)")
     ap.add_argument("--ablate", help="switch one drift component off in the data (or 'all'): the drift ablation")
     ap.add_argument("--methods", nargs="+", help="methods to run (default: all)")

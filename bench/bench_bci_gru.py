@@ -1,7 +1,7 @@
 """Training speed of the handwriting decoder on one CPU thread: PyTorch's nn.GRU and F.ctc_loss against
 sdk.bci.fastgru and sdk.bci.fastctc.
 
-    python bench/bench_bci_gru.py        # writes bench/results/bci_gru_speed.{json,md,png}
+    python bench/bench_bci_gru.py        # a few minutes; writes bench/results/bci_gru/bci_gru_speed.{json,md,png}
 
 Times, over trials of 1076 bins (the benchmark recording's mean trial, 21.5 s) and the
 benchmark's 192 -> 1 x 128 GRU + read-out:
@@ -11,15 +11,15 @@ benchmark's 192 -> 1 x 128 GRU + read-out:
   backbone's own backward pass (what ``GRUBackbone`` runs while training on CPU);
 * a frozen GRU behind a trained input (a calibration step: the gradient reaches the input only);
 * the fine-tuning baseline's cross-validation step, 9 fits of 2 trials each (3 learning
-  rates x 3 leave-one-out folds): one ``nn.GRU`` copy after another (session 10's code)
+  rates x 3 leave-one-out folds): one ``nn.GRU`` copy after another
   against :func:`closedloop.sdk.bci.fastgru.stacked_backbone`, all 9 in one batch;
 * the CTC loss and its gradient for 16 trials of 60 characters: ``F.ctc_loss`` against
   :func:`closedloop.sdk.bci.fastctc.fast_ctc_loss`;
 * a whole stage-1 step as ``closedloop.sdk.bci.train.fit_ctc`` runs it (drift augmentation, model, CTC
   loss, backward, clipping, Adam) with ``nn.GRU`` + ``F.ctc_loss`` against both fast paths.
 
-Each GRU row is also timed with fastgru's recurrence as the torch loop it was until session 14
-(``fastgru.use_compiled = False``) against the Numba kernels it runs now.
+Each GRU row is also timed with fastgru's recurrence as a torch loop
+(``fastgru.use_compiled = False``) against its compiled Numba kernels (the default).
 
 Each figure is the median of ``--reps`` timed steps after one warm-up step, the sides of a
 row timed in turn, on an idle machine.
@@ -38,7 +38,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from closedloop.runtime.atomic import atomic_write_bytes, atomic_write_text
+from closedloop.common.atomic import atomic_write_bytes, atomic_write_text
 from closedloop.sdk.bci import data, fastgru
 from closedloop.sdk.bci.benchmark import TURNOVER_AUGMENTATION
 from closedloop.sdk.bci.data import Example, collate, ctc_loss
@@ -48,7 +48,7 @@ from closedloop.sdk.bci.models import GRUBackbone
 
 def _median_s(first, second, reps: int, loop: bool = True) -> tuple[float, float, float | None]:
     """Median seconds of ``first()``, of ``second()`` and (``loop``) of ``second()`` with fastgru's torch-loop
-    recurrence (``fastgru.use_compiled = False``, sessions 11-14), timed in turn, rep after rep (a busy
+    recurrence (``fastgru.use_compiled = False``), timed in turn, rep after rep (a busy
     neighbour slows all alike).
     """
 
@@ -76,7 +76,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--reps", type=int, default=9)
     ap.add_argument("--bins", type=int, default=1076)
-    ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--out", default="bench/results/bci_gru", help="results folder (default bench/results/bci_gru)")
     a = ap.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)

@@ -1,6 +1,6 @@
 """Per-bin streaming latency of the deployed handwriting decoder, in the runtime.
 
-    python bench/bench_bci_latency.py            # writes bench/results/bci_latency.{json,png}
+    python bench/bench_bci_latency.py            # about 2 minutes; writes bench/results/bci_latency/bci_latency.{json,md,png}
 
 One bin is what a typing session does with each 20 ms frame: the frame's counts into
 the input, per-channel normalisation (Numba), one step of the decoder graph (alignment
@@ -8,7 +8,7 @@ layer + GRU + readout), incremental greedy CTC (Numba). Timed back to back and p
 50 Hz in the real-time loop (with its cache prewarm), on the Numba backend and ONNX
 Runtime, for the benchmark's decoder size (192 -> 1 x 128 GRU) and a larger one
 (2 x 256). Latency does not depend on the trained values, so the weights are the
-initial ones. Target (issue 4): p99 <= 1 ms including preprocessing and CTC.
+initial ones. Target: p99 <= 1 ms including preprocessing and CTC.
 """
 
 from __future__ import annotations
@@ -28,13 +28,25 @@ from closedloop.sdk.bci.deploy import bench_bci_step_latency, export_bci_bundle
 from closedloop.sdk.bci.models import AffineAlignment, AlignedDecoder, GRUBackbone
 
 SIZES = {"1x128 (benchmark)": (128, 1), "2x256": (256, 2)}
+RESULTS = "bench/results/bci_latency"
+
+
+def markdown(doc: dict) -> str:
+    m = doc.get("machine", {})
+    worst = doc["worst_p99_us"]
+    return ("# Per-bin streaming latency of the deployed handwriting decoder\n\n"
+            f"Written by `{doc['command']}` on {m.get('cpus', '?')} CPUs ({m.get('platform', '?')}) in "
+            f"{doc['wall_s']:.0f} s. One bin: normalisation, one decoder step, incremental greedy CTC; "
+            "back to back, and paced at 50 Hz in the real-time loop.\n\n" + doc["table"] + "\n\n"
+            f"Target p99 <= {doc['target_p99_us']:.0f} us: worst p99 {worst:.1f} us -> "
+            f"{'met' if worst <= doc['target_p99_us'] else 'NOT met'}.\n")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--bins", type=int, default=3000, help="bins back to back per backend")
     ap.add_argument("--paced-bins", type=int, default=1500, help="bins at 50 Hz per backend (30 s)")
-    ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--out", default=RESULTS, help=f"results folder (default {RESULTS})")
     a = ap.parse_args()
     torch.manual_seed(0)
     results: dict = {}
@@ -72,6 +84,7 @@ def main() -> None:
     tmp_json = out / "bci_latency.json.tmp"
     tmp_json.write_text(json.dumps(doc, indent=2))
     os.replace(tmp_json, out / "bci_latency.json")
+    (out / "bci_latency.md").write_text(markdown(doc))
     import matplotlib
 
     matplotlib.use("Agg")
@@ -96,7 +109,7 @@ def main() -> None:
     ax.legend()
     fig.tight_layout()
     fig.savefig(out / "bci_latency.png", dpi=120)
-    print(f"wrote {out / 'bci_latency.json'} and {out / 'bci_latency.png'}")
+    print(f"wrote {out / 'bci_latency.json'}, .md and .png")
 
 
 if __name__ == "__main__":

@@ -1,9 +1,7 @@
 """Benchmark of the wire protocol: fuzzing, parser throughput, and pty round-trip latency.
 
-Run from the repository root::
-
-    python bench/bench_protocol.py            # full run (~30 s on 2 cores)
-    python bench/bench_protocol.py --quick    # smoke run in seconds
+    python bench/bench_protocol.py            # full run (~30 s on 2 cores); writes bench/results/protocol/
+    python bench/bench_protocol.py --quick    # smoke run in seconds; writes protocol_quick.* (not committed)
 
 (a) Fuzz: 1.2 * 10**6 cases (over 10**6 of them mutated or random), each a valid frame (the control), a mutation of one
 (bit flips, truncation, insertion, deletion, byte swaps) or pure random bytes, fed to a
@@ -15,7 +13,8 @@ be a protocol failure).  (b) Throughput: 192-channel NEURAL_FRAMEs parsed per se
 on one core, in 4 KiB reads and one frame per read.  (c) Latency: frames sent over a
 pty pair to an echo device in another process (which parses and re-sends each frame,
 as firmware would), p50/p99 over the round trips.  Prints a table and writes
-``bench/results/protocol.json`` and ``bench/results/protocol_latency.png``.
+``protocol.json``, ``protocol.md`` and ``protocol_latency.png`` (``protocol_quick*`` with ``--quick``) to ``--out``
+(default ``bench/results/protocol``).
 """
 
 from __future__ import annotations
@@ -31,9 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from closedloop.firmware_bridge import (  # noqa: E402
+from closedloop.firmware_bridge import (
     REJECTION_REASONS,
     ActuatorCommand,
     DecoderOutput,
@@ -55,9 +52,9 @@ from closedloop.firmware_bridge import (  # noqa: E402
     encode_frame,
     open_pty_pair,
 )
-from closedloop.firmware_bridge.transports import open_transport  # noqa: E402
+from closedloop.firmware_bridge.transports import open_transport
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = Path("bench/results/protocol")
 KEY = bytes(range(32))
 MUTATIONS = ("valid", "bitflip", "truncate", "insert", "delete", "swap", "random", "long_random", "forge")
 MUTATION_P = (0.1, 0.3, 0.1, 0.1, 0.1, 0.1, 0.1, 0.02, 0.08)
@@ -341,6 +338,41 @@ def plot_latency(lat: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def summary_rows(fuzz: dict, thr: dict, lat: dict) -> list[tuple[str, str]]:
+    """The printed summary: (what, result) rows."""
+    return [
+        ("fuzz cases", f"{fuzz['total_cases']:,} in {fuzz['seconds']} s ({fuzz['workers']} workers)"),
+        ("  by kind", ", ".join(f"{k} {v:,}" for k, v in fuzz["cases"].items())),
+        ("  mutated or random", f"{fuzz['total_cases'] - fuzz['cases']['valid']:,}"),
+        ("  accepted", f"{fuzz['accepted_valid']:,} intact + {fuzz['accepted_from_mutated']:,} intact inside "
+                       f"mutated bytes; corrupted accepted: {fuzz['accepted_corrupted']}"),
+        ("  rejected", ", ".join(f"{r} {fuzz['parser'][r]:,}" for r in REJECTION_REASONS)),
+        ("  exceptions", f"{fuzz['exceptions']}; valid controls lost: {fuzz['valid_lost']}"),
+        ("  stream fuzz", f"{fuzz['stream']['streams']} streams, {fuzz['stream']['accepted']:,}/"
+                          f"{fuzz['stream']['frames_sent']:,} frames accepted, corrupted accepted: "
+                          f"{fuzz['stream']['accepted_corrupted']}"),
+        ("parse 192-ch frames", f"{thr['frames_per_s_4KiB_reads']:,}/s in 4 KiB reads ({thr['MB_per_s_4KiB_reads']}"
+                                f" MB/s), {thr['frames_per_s_one_frame_per_read']:,}/s one per read"),
+        ("  signed / encode", f"{thr['frames_per_s_signed_4KiB_reads']:,}/s signed, "
+                              f"{thr['frames_per_s_encode']:,}/s encode"),
+        ("pty round trip", f"p50 {lat['p50_us']} us, p99 {lat['p99_us']} us, p99.9 {lat['p999_us']} us, "
+                           f"max {lat['max_us']} us, lost {lat['lost']} (n={lat['round_trips']:,})"),
+    ]
+
+
+def markdown(record: dict) -> str:
+    rows = summary_rows(record["fuzz"], record["throughput"], record["latency"])
+    sysinfo = record.get("system", {})
+    lines = ["# Wire protocol: fuzzing, parser throughput, pty round trip", "",
+             f"Written by `{record.get('command', 'python bench/bench_protocol.py')}` on "
+             f"{sysinfo.get('cpu_count', '?')} CPUs ({sysinfo.get('machine', '?')}, Python {sysinfo.get('python', '?')},"
+             f" numpy {sysinfo.get('numpy', '?')}).", "", "| what | result |", "| --- | --- |"]
+    lines += [f"| {name.strip()} | {value} |" for name, value in rows]
+    lines += ["", "| target | result |", "| --- | --- |"]
+    lines += [f"| {name} | {'met' if met else 'NOT MET'} |" for name, met in record["targets"].items()]
+    return "\n".join(lines) + "\n"
+
+
 # ----------------------------------------------------------------------------- main
 
 def main(argv: list[str] | None = None) -> int:
@@ -369,24 +401,7 @@ def main(argv: list[str] | None = None) -> int:
         "throughput_ge_20000_frames_per_s": bool(thr["frames_per_s_4KiB_reads"] >= 20_000),
         "pty_round_trip_p99_lt_1ms": bool(lat["p99_us"] < 1000),
     }
-    rows = [
-        ("fuzz cases", f"{fuzz['total_cases']:,} in {fuzz['seconds']} s ({fuzz['workers']} workers)"),
-        ("  by kind", ", ".join(f"{k} {v:,}" for k, v in fuzz["cases"].items())),
-        ("  mutated or random", f"{fuzz['total_cases'] - fuzz['cases']['valid']:,}"),
-        ("  accepted", f"{fuzz['accepted_valid']:,} intact + {fuzz['accepted_from_mutated']:,} intact inside "
-                       f"mutated bytes; corrupted accepted: {fuzz['accepted_corrupted']}"),
-        ("  rejected", ", ".join(f"{r} {fuzz['parser'][r]:,}" for r in REJECTION_REASONS)),
-        ("  exceptions", f"{fuzz['exceptions']}; valid controls lost: {fuzz['valid_lost']}"),
-        ("  stream fuzz", f"{fuzz['stream']['streams']} streams, {fuzz['stream']['accepted']:,}/"
-                          f"{fuzz['stream']['frames_sent']:,} frames accepted, corrupted accepted: "
-                          f"{fuzz['stream']['accepted_corrupted']}"),
-        ("parse 192-ch frames", f"{thr['frames_per_s_4KiB_reads']:,}/s in 4 KiB reads ({thr['MB_per_s_4KiB_reads']}"
-                                f" MB/s), {thr['frames_per_s_one_frame_per_read']:,}/s one per read"),
-        ("  signed / encode", f"{thr['frames_per_s_signed_4KiB_reads']:,}/s signed, "
-                              f"{thr['frames_per_s_encode']:,}/s encode"),
-        ("pty round trip", f"p50 {lat['p50_us']} us, p99 {lat['p99_us']} us, p99.9 {lat['p999_us']} us, "
-                           f"max {lat['max_us']} us, lost {lat['lost']} (n={lat['round_trips']:,})"),
-    ]
+    rows = summary_rows(fuzz, thr, lat)
     width = max(len(r[0]) for r in rows)
     print()
     for name, value in rows:
@@ -394,8 +409,9 @@ def main(argv: list[str] | None = None) -> int:
     for name, met in targets.items():
         print(f"target {name}: {'MET' if met else 'NOT MET'}")
 
+    stem = "protocol_quick" if args.quick else "protocol"
     args.out.mkdir(parents=True, exist_ok=True)
-    plot_latency(lat, args.out / "protocol_latency.png")
+    plot_latency(lat, args.out / f"{stem}_latency.png")
     record = {
         "command": "python bench/bench_protocol.py" + (" --quick" if args.quick else ""),
         "system": {"python": platform.python_version(), "machine": platform.machine(),
@@ -403,8 +419,9 @@ def main(argv: list[str] | None = None) -> int:
         "fuzz": fuzz, "throughput": thr, "latency": {k: v for k, v in lat.items() if not k.startswith("_")},
         "targets": targets,
     }
-    (args.out / "protocol.json").write_text(json.dumps(record, indent=1) + "\n")
-    print(f"wrote {args.out / 'protocol.json'} and {args.out / 'protocol_latency.png'}")
+    (args.out / f"{stem}.json").write_text(json.dumps(record, indent=1) + "\n")
+    (args.out / f"{stem}.md").write_text(markdown(record))
+    print(f"wrote {args.out / stem}.json, .md and _latency.png")
     return 0 if ok_fuzz else 1
 
 

@@ -76,7 +76,7 @@ class BciBenchConfig(JsonConfig):
         calibration=CalibrationConfig(steps=40, eval_every=8, folds=3, meta_max_steps=18),
         beam_width=16, progress=False,
     ))
-    out_dir: str = "bench/results"
+    out_dir: str = "bench/results/bci"
     stem: str = "bci"
     ablate: str = ""  # a drift component switched off in the data (docs/handwriting_data.md), or "all"
 

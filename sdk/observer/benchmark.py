@@ -3,7 +3,7 @@ time against the direct approach, and the runtime's step and load-time check.
 
 ``run_observer_benchmark(ObserverBenchConfig())`` (``python bench/bench_observer.py``) writes
 ``observer.json``, ``observer.md``, ``observer_estimates.png`` and ``observer_errors.png`` under
-``bench/results``. It first times one SDP solve and one simulated second on this machine and prints
+``bench/results/observer``. It first times one SDP solve and one simulated second on this machine and prints
 the estimated run time; the plants in ``extra_plants`` join only while the estimate stays within
 ``budget_s``. The direct approach runs last, alone, capped at ``direct_cap_s``.
 
@@ -100,11 +100,11 @@ class ObserverBenchConfig(JsonConfig):
     check_repeats: int = 50
     seed: int = 0
     estimate_plant: str = "van-der-pol"
-    out_dir: str = "bench/results"
+    out_dir: str = "bench/results/observer"
     stem: str = "observer"
 
     @classmethod
-    def smoke(cls, out_dir: str = "bench/results") -> ObserverBenchConfig:
+    def smoke(cls, out_dir: str = "bench/results/observer") -> ObserverBenchConfig:
         """Seconds: one plant, a tiny network, two short runs."""
         tiny = TrainConfig(hidden=(4,), stage1_steps=4, horizon=10, n_traj=4, n_points=32, stage2_rounds=3,
                            stage2_steps=10, polish_rounds=1, polish_steps=4)

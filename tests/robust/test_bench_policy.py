@@ -1,26 +1,22 @@
-"""The bit-flip bench's policy family (a cloned Panda reach policy) runs end to end in --tiny mode."""
+"""The bit-flip benchmark's policy family (a cloned Panda reach policy) runs end to end in its tiny configuration."""
 
 from __future__ import annotations
 
 import json
-import sys
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
 
 @pytest.mark.timeout(300)
 def test_policy_family_success_rate_under_flips(tmp_path):
     pytest.importorskip("pybullet")
     pytest.importorskip("gymnasium")
-    from bench_bitflip import BitflipBenchConfig, run
+    from closedloop.sdk.robust.bench import BitflipBenchConfig, run_bitflip_benchmark
 
     cfg = replace(BitflipBenchConfig.tiny_config(str(tmp_path)), families=("policy",), timing=False,
                   targeted_flips=(1, 2))
-    results = run(cfg, report=lambda s: None)
+    results = run_bitflip_benchmark(cfg, report=lambda s: None)
     rec = json.loads((tmp_path / "bitflip_tiny.json").read_text())["policy"]
     assert rec["metric"] == "success_rate" and rec["higher_is_better"] is True
     assert set(rec["random"]["fp32"]) == {"unprotected", "protected_noscrub", "protected_scrub",

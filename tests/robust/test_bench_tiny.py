@@ -1,25 +1,22 @@
-"""The bit-flip bench's --tiny mode runs end to end and writes its results."""
+"""The bit-flip benchmark's tiny configuration runs end to end and writes its results."""
 
 from __future__ import annotations
 
 import json
-import sys
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-
 
 @pytest.mark.timeout(300)
 def test_tiny_bench_writes_json_markdown_and_plot(tmp_path):
-    from bench_bitflip import BitflipBenchConfig, run
+    from closedloop.sdk.robust.bench import BitflipBenchConfig, run_bitflip_benchmark
 
     cfg = replace(BitflipBenchConfig.tiny_config(str(tmp_path)), train_steps=8, finetune_steps=4,
                   random_flips=(1, 100), targeted_flips=(1,), attack_steps=8, timing_reps=2, observer_flips=(1,),
                   families=("bci", "observer"))
-    results = run(cfg, report=lambda s: None)
+    results = run_bitflip_benchmark(cfg, report=lambda s: None)
     data = json.loads((tmp_path / "bitflip_tiny.json").read_text())
     assert set(data["bci"]["random"]) == {"fp32", "int8"} and set(data["observer"]["random"]) == {"fp32"}
     assert (tmp_path / "bitflip_tiny.md").read_text().startswith("# Bit flips")

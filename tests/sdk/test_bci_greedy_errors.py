@@ -1,16 +1,10 @@
-"""bench/bci_greedy_errors.py: per-character recall and the end-mark counterfactual on constructed decodes."""
+"""closedloop.sdk.bci.greedy_errors: per-character recall and the end-mark counterfactual on constructed decodes."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
-_spec = importlib.util.spec_from_file_location(
-    "bci_greedy_errors", Path(__file__).resolve().parents[2] / "bench" / "bci_greedy_errors.py")
-ge = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(ge)
+from closedloop.sdk.bci import greedy_errors as ge
 
 
 def test_alignment_marks_exactly_the_matched_prompt_characters():
