@@ -10,7 +10,7 @@ bundle atomically with a SHA-256 per file. The format is in ``docs/bundle.md``.
 from __future__ import annotations
 
 from .api import ExportOptions, export_bundle
-from .errors import ExportError, GraphCheckError, ParityError
+from .errors import ExportError, GraphCheckError, ParityError, UnsupportedOpError
 from .onnx_export import ExportedGraph, export_onnx
 from .parity import FP32_TOLERANCE, Tolerance
 from .tensorrt import build_tensorrt_engines, tensorrt_compatibility
@@ -31,5 +31,6 @@ __all__ = [
     "export_bundle",
     "export_onnx",
     "tensorrt_compatibility",
+    "UnsupportedOpError",
     "write_bundle",
 ]

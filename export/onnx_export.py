@@ -8,7 +8,9 @@ Two kinds of graph (``GraphSpec.kind``):
   and ``init_state(batch) -> tuple[Tensor, ...]``; the exported graph's ``forward``
   is ``step``. State input ``h`` pairs with state output ``h_out``.
 
-Export uses the TorchScript exporter (``torch.onnx.export(..., dynamo=False)``): it
+Export uses the TorchScript exporter (``torch.onnx.export(..., dynamo=False)``, through
+``closedloop.export.prepare``, which also turns torch's attention fast path off while tracing
+and turns exporter failures into one-line errors naming the op and the submodule): it
 writes one ONNX ``GRU`` node per layer with PyTorch's semantics
 (``linear_before_reset=1``), whereas the dynamo exporter was silently wrong for GRU
 with onnxscript < 0.7.1 and fixes example-sized axes. Which axis of each tensor is
@@ -36,6 +38,7 @@ from closedloop.runtime.manifest import GraphSpec, TensorSpec
 from closedloop.runtime.onnx_reader import OnnxModel, parse_onnx
 
 from .errors import ExportError, GraphCheckError
+from .prepare import torch_onnx_export
 
 KINDS = ("feedforward", "recurrent")
 BATCH = "batch"  # the one dynamic axis name we export (TensorSpec.concrete_shape relies on it)
@@ -167,6 +170,24 @@ def check_gru_nodes(model: OnnxModel, module: nn.Module) -> dict[str, Any]:
     return {"gru_nodes": len(grus), "gru_linear_before_reset": [n.attributes.get("linear_before_reset", 0) for n in grus]}
 
 
+def check_batchnorm_nodes(model: OnnxModel, module: nn.Module) -> dict[str, Any]:
+    """BatchNorm in the graph uses the running statistics; how many layers were folded into a Conv is recorded.
+
+    The exporter folds an eval-mode BatchNorm that follows a Conv into the Conv's weights; any other
+    BatchNorm stays one ``BatchNormalization`` node, which must be in inference mode (``training_mode=0``):
+    batch statistics would make one row's output depend on the other rows of its batch.
+    """
+    nodes = [n for n in model.nodes if n.op_type == "BatchNormalization"]
+    for n in nodes:
+        if n.attributes.get("training_mode", 0):
+            raise GraphCheckError(
+                f"BatchNormalization node {n.name!r} has training_mode=1 (batch statistics); call module.eval() "
+                "before exporting (export_bundle does) and make sure forward does not switch a BatchNorm back to training"
+            )
+    layers = sum(1 for m in module.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm))
+    return {"batchnorm_layers": layers, "batchnorm_nodes": len(nodes), "batchnorm_folded": max(layers - len(nodes), 0)}
+
+
 def export_onnx(
     module: nn.Module,
     example_input: torch.Tensor,
@@ -232,12 +253,12 @@ def export_onnx(
     buf = io.BytesIO()
     with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        torch.onnx.export(
+        torch_onnx_export(
             fn,
             ins2,
             buf,
-            dynamo=False,
-            opset_version=opset,
+            root=module,
+            opset=opset,
             input_names=in_names,
             output_names=out_names,
             dynamic_axes=dynamic_axes,
@@ -263,7 +284,8 @@ def export_onnx(
     if [v.name for v in g_in] != in_names or [v.name for v in g_out] != out_names:
         raise GraphCheckError(
             f"the exported graph has inputs {[v.name for v in g_in]} and outputs {[v.name for v in g_out]}, expected "
-            f"{in_names} and {out_names}; an input the module does not use is dropped by the exporter"
+            f"{in_names} and {out_names}. The exporter drops an input no output depends on: the module ignores it, or "
+            "forward leaves torch (numpy, .item(), .tolist(), Python floats) so the trace recorded its values as constants"
         )
 
     pair = {**dict(zip(s_names, out_names[n_data_out:], strict=True)), **dict(zip(out_names[n_data_out:], s_names, strict=True))}
@@ -281,6 +303,7 @@ def export_onnx(
             raise GraphCheckError(f"tensor {t.name!r} has dtype {t.dtype!r}; export_bundle handles floating-point I/O only")
 
     checks = check_gru_nodes(model, module)
+    checks.update(check_batchnorm_nodes(model, module))
     checks["opset"] = model.opset.get("ai.onnx", opset)
     checks["nodes"] = len(model.nodes)
     spec = GraphSpec(file=file, kind=kind, inputs=inputs, outputs=outputs)

@@ -1,0 +1,345 @@
+"""Everyday torch layers export through ``export_bundle`` with parity, and a failure names the op and the module.
+
+Each model is tiny and runs over a window: ``(B, T, F)`` for recurrent and attention layers, ``(B, C, T)`` for
+convolutions. After export, ``Model(bundle, backend="onnxruntime")`` must give torch's output within the fp32
+tolerance export_bundle states (``FP32_TOLERANCE``).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from closedloop.export import FP32_TOLERANCE, ExportError, export_bundle
+from closedloop.export.errors import UnsupportedOpError
+from closedloop.export.prepare import explain_export_failure, export_settings
+from closedloop.runtime import Model
+
+T, FEATURES, CHANNELS = 12, 6, 4
+
+
+class LSTMDecoder(nn.Module):
+    """The recurrent protocol with two states: ``step(x, h, c)``; ``forward(seq, h, c)`` runs a whole sequence."""
+
+    def __init__(self, n_in: int = FEATURES, hidden: int = 8, layers: int = 2, n_out: int = 3):
+        super().__init__()
+        self.lstm = nn.LSTM(n_in, hidden, layers, batch_first=True)
+        self.head = nn.Linear(hidden, n_out)
+
+    def init_state(self, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+        shape = (self.lstm.num_layers, batch, self.lstm.hidden_size)
+        return torch.zeros(shape), torch.zeros(shape)
+
+    def step(self, x: torch.Tensor, h: torch.Tensor, c: torch.Tensor):
+        y, (h, c) = self.lstm(x[:, None], (h, c))
+        return self.head(y[:, 0]), h, c
+
+    def forward(self, seq: torch.Tensor, h: torch.Tensor, c: torch.Tensor):
+        y, (h, c) = self.lstm(seq, (h, c))
+        return self.head(y), h, c
+
+
+class RecurrentOverWindow(nn.Module):
+    """An LSTM or GRU run over the whole window, the last step read out (no state crosses windows)."""
+
+    def __init__(self, cell: type[nn.Module]):
+        super().__init__()
+        self.rnn = cell(FEATURES, 8, num_layers=2, batch_first=True)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y, _ = self.rnn(x)
+        return self.head(y[:, -1])
+
+
+class ConvOverWindow(nn.Module):
+    """(B, C, T): Conv1d + BatchNorm (folded into the conv), every pooling kind, a linear head."""
+
+    def __init__(self):
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv1d(CHANNELS, 8, 3, padding=1), nn.BatchNorm1d(8), nn.ReLU(), nn.MaxPool1d(2),
+            nn.Conv1d(8, 8, 3), nn.BatchNorm1d(8), nn.ReLU(), nn.AvgPool1d(2), nn.AdaptiveAvgPool1d(1),
+        )
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(x).flatten(1))
+
+
+class Conv2dOverWindow(nn.Module):
+    """(B, C, T) seen as a one-channel image: Conv2d + BatchNorm2d, MaxPool2d, AdaptiveAvgPool2d."""
+
+    def __init__(self):
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(1, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(), nn.MaxPool2d(2), nn.AdaptiveAvgPool2d(1)
+        )
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(x[:, None]).flatten(1))
+
+
+class NormsOverWindow(nn.Module):
+    """LayerNorm over features, then a BatchNorm1d with no conv before it (one inference-mode node)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Linear(FEATURES, 8)
+        self.norm = nn.LayerNorm(8)
+        self.bn = nn.BatchNorm1d(8)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.bn(self.norm(self.embed(x)).mean(1)))
+
+
+class AttentionOverWindow(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Linear(FEATURES, 8)
+        self.attn = nn.MultiheadAttention(8, 2, batch_first=True)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        z = self.embed(x)
+        y, _ = self.attn(z, z, z)
+        return self.head(y[:, -1])
+
+
+class TransformerOverWindow(nn.Module):
+    """One ``nn.TransformerEncoderLayer``, or an ``nn.TransformerEncoder`` of ``layers`` (nested tensors on, the default).
+
+    ``causal``: GELU layers under a causal mask (each step attends to itself and the past only).
+    """
+
+    def __init__(self, layers: int = 0, norm_first: bool = False, causal: bool = False):
+        super().__init__()
+        self.embed = nn.Linear(FEATURES, 8)
+        layer = nn.TransformerEncoderLayer(8, 2, 16, batch_first=True, norm_first=norm_first,
+                                           activation="gelu" if causal else "relu")
+        self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=not norm_first) if layers else layer
+        self.head = nn.Linear(8, 3)
+        self.causal = causal
+        self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(T) if causal else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        z = self.embed(x)
+        z = self.encoder(z, mask=self.mask, is_causal=True) if self.causal else self.encoder(z)
+        return self.head(z[:, -1])
+
+
+WINDOW = (1, T, FEATURES)
+CHANNEL_WINDOW = (1, CHANNELS, T)
+#: name -> (build the module, example input shape, ONNX ops the graph must hold)
+FEEDFORWARD: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...], set[str]]] = {
+    "lstm_over_window": (lambda: RecurrentOverWindow(nn.LSTM), WINDOW, {"LSTM"}),
+    "gru_over_window": (lambda: RecurrentOverWindow(nn.GRU), WINDOW, {"GRU"}),
+    "conv1d_bn_pools": (ConvOverWindow, CHANNEL_WINDOW, {"Conv", "MaxPool", "AveragePool", "GlobalAveragePool"}),
+    "conv2d_bn_pools": (Conv2dOverWindow, CHANNEL_WINDOW, {"Conv", "MaxPool", "GlobalAveragePool"}),
+    "layernorm_batchnorm": (NormsOverWindow, WINDOW, {"LayerNormalization", "BatchNormalization"}),
+    "multihead_attention": (AttentionOverWindow, WINDOW, {"Softmax", "MatMul"}),
+    "transformer_encoder_layer": (TransformerOverWindow, WINDOW, {"Softmax", "LayerNormalization"}),
+    "transformer_encoder_2_layers": (lambda: TransformerOverWindow(layers=2), WINDOW, {"Softmax"}),
+    "transformer_norm_first": (lambda: TransformerOverWindow(layers=1, norm_first=True), WINDOW, {"Softmax"}),
+    "transformer_causal_gelu": (lambda: TransformerOverWindow(layers=2, causal=True), WINDOW, {"Softmax"}),
+}
+
+
+def _trained_looking(module: nn.Module) -> nn.Module:
+    """Non-trivial BatchNorm statistics and affine terms (fresh ones are identity), then eval mode."""
+    torch.manual_seed(1)
+    for m in module.modules():
+        if isinstance(m, nn.modules.batchnorm._BatchNorm):
+            m.running_mean.normal_(0.0, 0.5)
+            m.running_var.uniform_(0.5, 2.0)
+            nn.init.normal_(m.weight, 1.0, 0.2)
+            nn.init.normal_(m.bias, 0.0, 0.2)
+    return module.eval()
+
+
+def _export(module: nn.Module, path, kind: str, example: torch.Tensor):
+    return export_bundle(module, path, kind=kind, example_input=example, rate_hz=50.0, variants=(),
+                         tensorrt=False, report=lambda s: None)
+
+
+def _graph_record(bundle) -> tuple[dict, set[str]]:
+    import onnx
+
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    ops = {n.op_type for n in onnx.load(str(bundle / "main.onnx")).graph.node}
+    return manifest, ops
+
+
+def _close(got: np.ndarray, want: np.ndarray) -> bool:
+    err = float(np.max(np.abs(got - want)))
+    return FP32_TOLERANCE.passes(err, err / (float(np.max(np.abs(want))) + 1e-12))
+
+
+@pytest.mark.parametrize("name", sorted(FEEDFORWARD))
+def test_window_model_exports_with_parity(name, tmp_path):
+    build, shape, must_have = FEEDFORWARD[name]
+    torch.manual_seed(0)
+    module = _trained_looking(build())
+    assert torch.backends.mha.get_fastpath_enabled()  # the user changed nothing: the exporter handles the fast path
+    bundle = _export(module, tmp_path / name, "feedforward", torch.randn(shape))
+    manifest, ops = _graph_record(bundle)
+    graph = manifest["graphs"]["main"]
+    assert graph["parity"]["within_tolerance"], graph["parity"]
+    assert must_have <= ops, f"{name}: expected ONNX ops {must_have - ops} in {sorted(ops)}"
+    assert torch.backends.mha.get_fastpath_enabled()  # and restored it
+
+    model = Model(bundle, backend="onnxruntime")
+    rng = np.random.default_rng(3)
+    for _ in range(3):
+        x = rng.standard_normal(shape).astype(np.float32)
+        with torch.no_grad():
+            want = module(torch.from_numpy(x)).numpy()
+        got = model.step(x).copy()
+        assert got.shape == want.shape
+        assert _close(got, want), f"{name}: max abs error {np.max(np.abs(got - want)):.2e}"
+
+
+def test_batchnorm_after_conv_is_folded_and_alone_is_inference_mode(tmp_path):
+    conv = _export(_trained_looking(ConvOverWindow()), tmp_path / "conv", "feedforward", torch.randn(CHANNEL_WINDOW))
+    checks = json.loads((conv / "manifest.json").read_text())["provenance"]["export"]["settings"]["graph_checks"]
+    assert (checks["batchnorm_layers"], checks["batchnorm_nodes"], checks["batchnorm_folded"]) == (2, 0, 2)
+    assert "BatchNormalization" not in _graph_record(conv)[1]
+
+    norms = _export(_trained_looking(NormsOverWindow()), tmp_path / "norms", "feedforward", torch.randn(WINDOW))
+    checks = json.loads((norms / "manifest.json").read_text())["provenance"]["export"]["settings"]["graph_checks"]
+    assert (checks["batchnorm_layers"], checks["batchnorm_nodes"], checks["batchnorm_folded"]) == (1, 1, 0)
+
+
+def test_batchnorm_node_in_training_mode_is_refused():
+    import onnx
+
+    from closedloop.export import GraphCheckError
+    from closedloop.export.onnx_export import check_batchnorm_nodes
+    from closedloop.runtime.onnx_reader import parse_onnx
+
+    names = ["x", "scale", "bias", "mean", "var"]
+    node = onnx.helper.make_node("BatchNormalization", names, ["y"], name="bn", training_mode=1)
+    io = [onnx.helper.make_tensor_value_info(n, onnx.TensorProto.FLOAT, [2]) for n in [*names, "y"]]
+    graph = onnx.helper.make_graph([node], "g", io[:-1], io[-1:])
+    with pytest.raises(GraphCheckError, match="'bn' has training_mode=1"):
+        check_batchnorm_nodes(parse_onnx(onnx.helper.make_model(graph).SerializeToString()), nn.BatchNorm1d(2))
+
+
+def test_lstm_step_with_two_states_streams_like_torch(tmp_path):
+    torch.manual_seed(0)
+    module = LSTMDecoder().eval()
+    bundle = _export(module, tmp_path / "lstm", "recurrent", torch.zeros(1, FEATURES))
+    manifest, ops = _graph_record(bundle)
+    graph = manifest["graphs"]["main"]
+    assert [t["name"] for t in graph["inputs"]] == ["x", "h0", "h1"]
+    assert [t["name"] for t in graph["outputs"]] == ["y", "h0_out", "h1_out"]
+    assert "sequence_vs_torch_full_forward" in graph["parity"]["checks"]  # forward(seq, h, c) was compared too
+    assert "LSTM" in ops
+
+    seq = np.random.default_rng(5).standard_normal((40, FEATURES)).astype(np.float32)
+    model = Model(bundle, backend="onnxruntime")
+    got = np.stack([model.step(row[None]).copy()[0] for row in seq])
+    with torch.no_grad():
+        want, _, _ = module(torch.from_numpy(seq)[None], *module.init_state(1))
+    assert _close(got, want[0].numpy()), f"max abs error {np.max(np.abs(got - want[0].numpy())):.2e}"
+
+
+def test_fast_path_is_off_inside_and_restored_after_even_on_error():
+    for before in (True, False):
+        torch.backends.mha.set_fastpath_enabled(before)
+        try:
+            with pytest.raises(RuntimeError, match="inside"), export_settings():
+                assert not torch.backends.mha.get_fastpath_enabled()
+                raise RuntimeError("inside")
+            assert torch.backends.mha.get_fastpath_enabled() is before
+        finally:
+            torch.backends.mha.set_fastpath_enabled(True)
+
+
+# --- failures: one short line naming the op, the module path and what to do ---------------------------------
+
+
+class Whitener(nn.Module):
+    """A learned whitening matrix inverted on every call: aten::linalg_inv has no ONNX export."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Parameter(torch.eye(8) + 0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ torch.linalg.inv(self.a)
+
+
+class RunningMax(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cummax(x, dim=1).values
+
+
+class OddPool(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.adaptive_avg_pool1d(x.transpose(1, 2), 5).transpose(1, 2)  # 5 does not divide T=12
+
+
+class Layered(nn.Module):
+    """``inner`` nested two containers deep: at ``model.encoder.layers.1``."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.embed = nn.Linear(FEATURES, 8)
+        self.encoder = nn.ModuleDict({"layers": nn.Sequential(nn.ReLU(), inner)})
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder["layers"](self.embed(x)).mean(1))
+
+
+@pytest.mark.parametrize("inner, op, hint", [
+    (Whitener, "aten::linalg_inv", "store the result as a buffer"),
+    (RunningMax, "aten::cummax", "register_custom_op_symbolic('aten::cummax', fn, 17)"),
+    (OddPool, "aten::adaptive_avg_pool1d", "divides the input length"),
+])
+def test_unsupported_op_names_op_and_module_path(inner, op, hint, tmp_path, capfd):
+    out = tmp_path / "bundle"
+    with pytest.raises(UnsupportedOpError) as info:
+        _export(Layered(inner()), out, "feedforward", torch.randn(WINDOW))
+    err = info.value
+    message = str(err)
+    assert message.startswith(f"cannot export model.encoder.layers.1 ({inner.__name__}): op {op} "
+                              "is not supported by ONNX opset 17"), message
+    assert hint in message
+    assert "test_export_coverage.py:" in message  # the line of the user's code that calls the op
+    assert len(message) < 600 and "\n" not in message and "graph(" not in message and "%" not in message
+    assert (err.op, err.module_path, err.module_type, err.opset) == (op, "model.encoder.layers.1", inner.__name__, 17)
+    assert isinstance(err, ExportError) and isinstance(err, ValueError)
+    assert isinstance(err.__cause__, RuntimeError)  # torch's own error, in full, for whoever wants it
+    assert not out.exists()
+    printed = capfd.readouterr()
+    assert "Torch IR graph" not in printed.out + printed.err and "graph(" not in printed.out + printed.err
+
+
+def test_op_of_a_later_opset_says_which(tmp_path):
+    class Fold(nn.Module):
+        def forward(self, x):
+            return F.fold(x, (3, 3), (2, 2)).flatten(1)
+
+    with pytest.raises(UnsupportedOpError, match=r"model\.1 \(Fold\): op aten::col2im .* supported from opset 18: "
+                                                 r"export with options=ExportOptions\(opset=18\)"):
+        _export(nn.Sequential(nn.Linear(4, 4), Fold()).eval(), tmp_path / "b", "feedforward", torch.randn(1, 4, 4))
+
+
+def test_an_unrecognised_torch_error_is_still_one_short_line():
+    ir = "graph(%0 : Float(*, 12, 6)):\n" + "  %1 : Float = aten::whatever(%0)\n" * 200
+    exc = RuntimeError("Something torch did not expect " + "x" * 500 + "\n" + ir)
+    err = explain_export_failure(exc, nn.Linear(2, 2), (torch.zeros(1, 2),), 17)
+    message = str(err)
+    assert message.startswith("cannot export model (Linear) to ONNX opset 17: torch.onnx.export failed: Something")
+    assert len(message) < 600 and "\n" not in message and "graph(" not in message
+    assert err.op is None and err.module_path == "model"
