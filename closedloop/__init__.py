@@ -47,6 +47,7 @@ _EXPORTS: dict[str, str] = {
     "load_bundle": "closedloop.runtime",
     "replay_recording": "closedloop.runtime",
     "run_session": "closedloop.runtime",
+    "Window": "closedloop.runtime",
     "open_transport": "closedloop.firmware_bridge",
     "export_bundle": "closedloop.export",
     "ExportOptions": "closedloop.export",

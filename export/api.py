@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from closedloop.runtime.manifest import GraphSpec, Manifest
+from closedloop.runtime.manifest import GraphSpec, Manifest, Window
 
 from .errors import ExportError
 from .onnx_export import KINDS, export_onnx, initial_states, module_device, to_numpy
@@ -79,6 +79,69 @@ def _check_args(kind: str, family: str, rate_hz: float, provenance: dict | None)
         raise ExportError("provenance key 'export' is reserved for what export_bundle records; rename your key")
 
 
+def _example_inputs(example: Any, input_name: str | Sequence[str]) -> tuple[list[str], list[torch.Tensor]]:
+    """``(names, tensors)`` of the example input(s): a tensor or array, a tuple/list of them, or a dict."""
+    if isinstance(example, Mapping):
+        if not example:
+            raise ExportError("example_input is an empty dict; give one example tensor per model input")
+        names, values = [str(k) for k in example], list(example.values())
+        if input_name not in ("x", names):
+            raise ExportError(f"example_input is a dict, so its keys {names} name the inputs; drop input_name={input_name!r}")
+    elif isinstance(example, tuple | list):
+        if not example:
+            raise ExportError("example_input is empty; give one example tensor per model input")
+        values = list(example)
+        given = [input_name] if isinstance(input_name, str) else list(input_name)
+        if len(given) == len(values):
+            names = given
+        elif isinstance(input_name, str):
+            names = [f"{input_name}{i}" for i in range(len(values))]
+        else:
+            raise ExportError(f"{len(given)} input names {given} for {len(values)} example inputs; give one name each")
+    else:
+        values = [example]
+        names = [input_name] if isinstance(input_name, str) else list(input_name)
+        if len(names) != 1:
+            raise ExportError(f"{len(names)} input names {names} for one example input")
+    tensors = []
+    for name, v in zip(names, values, strict=True):
+        if not isinstance(v, torch.Tensor | np.ndarray):
+            raise ExportError(f"example input {name!r} is a {type(v).__name__}; give a torch tensor or a numpy array "
+                              "shaped (batch, features...)")
+        tensors.append(torch.as_tensor(v))
+    if len(set(names)) != len(names):
+        raise ExportError(f"input names must be distinct, got {names}")
+    return names, tensors
+
+
+def _apply_roles_and_windows(spec: GraphSpec, input_roles: Mapping[str, str] | None,
+                             output_roles: Mapping[str, str] | None,
+                             windows: Mapping[str, Window | Mapping[str, Any]] | None) -> None:
+    """Write the caller's roles and windows onto the exported graph's tensors, refusing what does not fit."""
+    by_name = {t.name: t for t in spec.inputs}
+    out_by_name = {t.name: t for t in spec.outputs}
+    for what, given, tensors in (("input_roles", input_roles, by_name), ("output_roles", output_roles, out_by_name)):
+        for name, role in (given or {}).items():
+            if name not in tensors:
+                raise ExportError(f"{what} names {name!r}, which is not a graph {what[:-6]}; they are {list(tensors)}")
+            tensors[name].role = role
+    for name, w in (windows or {}).items():
+        if name not in by_name:
+            raise ExportError(f"windows names {name!r}, which is not a graph input; inputs: {list(by_name)}")
+        try:
+            by_name[name].window = w if isinstance(w, Window) else Window.from_dict(dict(w))
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ExportError(f"window of input {name!r}: {exc}") from None
+    problems = spec.problems("export")
+    if not problems and spec.data_inputs:
+        roles = [spec.role_of(t) for t in spec.data_inputs]
+        if roles.count("measurement") != 1:
+            problems.append(f"export: exactly one data input must have role 'measurement' (the device's stream); "
+                            f"roles now: {dict(zip([t.name for t in spec.data_inputs], roles, strict=True))}")
+    if problems:
+        raise ExportError("; ".join(problems))
+
+
 def _initial_state_feeds(module: nn.Module, spec: GraphSpec) -> dict[str, np.ndarray]:
     states = initial_states(module, 1)
     return {s.name: to_numpy(t) for s, t in zip(spec.state_inputs, states, strict=True)}
@@ -89,7 +152,7 @@ def export_bundle(
     out: str | Path,
     *,
     kind: str,
-    example_input: torch.Tensor | np.ndarray,
+    example_input: torch.Tensor | np.ndarray | Sequence[torch.Tensor | np.ndarray] | Mapping[str, torch.Tensor | np.ndarray],
     rate_hz: float,
     family: str = "generic",
     name: str = "",
@@ -103,8 +166,11 @@ def export_bundle(
     tensorrt: bool = True,
     overwrite: bool = False,
     zip: bool = False,
-    input_name: str = "x",
+    input_name: str | Sequence[str] = "x",
     output_name: str | Sequence[str] = "y",
+    input_roles: Mapping[str, str] | None = None,
+    output_roles: Mapping[str, str] | None = None,
+    windows: Mapping[str, Window | Mapping[str, Any]] | None = None,
     options: ExportOptions | None = None,
     report: Callable[[str], None] = print,
 ) -> Path:
@@ -117,7 +183,9 @@ def export_bundle(
         ``kind="recurrent"``: it has ``step(x, *states) -> (y, *new_states)`` and
         ``init_state(batch)``; see ``closedloop.sdk.models.GRUDecoder``.
     example_input
-        One input batch ``(batch, features...)`` (a single step for recurrent modules).
+        One input batch ``(batch, features...)`` (a single step for recurrent modules). A module
+        with several inputs takes a tuple (in the order ``forward``/``step`` takes them, named by
+        ``input_name``) or a dict ``{name: tensor}`` (its keys name the inputs).
     rate_hz
         The loop rate the model was trained for (e.g. 50 for 20 ms bins).
     family, name, preprocess, postprocess, extra
@@ -139,7 +207,16 @@ def export_bundle(
     overwrite, zip
         Replace an existing bundle; write one zip file instead of a folder.
     input_name, output_name
-        Graph tensor names (state tensors are named by ``options.state_names``).
+        Graph tensor names (state tensors are named by ``options.state_names``); a string names
+        several inputs ``x0``, ``x1``, ... .
+    input_roles, output_roles
+        ``{name: role}``: what each tensor is to a session (inputs: ``measurement`` from the device's
+        stream, ``goal``/``mode``/``context`` held by the session; outputs: ``command``, ``estimate``,
+        ``output``). Unstated: the first data input is the measurement and the first output the command.
+    windows
+        ``{input name: Window(length, hop, layout)}`` (or the same as a dict): the input is a window over
+        a stream of frames, ``(batch, length, features)`` time-major or ``(batch, features, length)``
+        channel-major; a session fills it from single frames and runs the model every ``hop`` frames.
     report
         Called with one line per stage (``print`` by default; pass ``logging.info``
         or ``lambda s: None``).
@@ -154,7 +231,7 @@ def export_bundle(
         "extra": jsonable(dict(extra or {}), "extra"),
         "provenance": jsonable(dict(provenance or {}), "provenance"),
     }
-    example = torch.as_tensor(example_input)
+    names, examples = _example_inputs(example_input, input_name)
     source_device = module_device(module)
     if source_device.type != "cpu":
         # The bundle runs in fp32 on the CPU (ONNX Runtime, Numba) and its parity reference must be fp32 math too:
@@ -166,10 +243,11 @@ def export_bundle(
     module.eval()
     try:
         exported = export_onnx(
-            module, example, kind=kind, input_name=input_name, output_name=output_name,
+            module, examples, kind=kind, input_name=names, output_name=output_name,
             state_names=options.state_names, opset=options.opset, file=f"{GRAPH_NAME}.onnx", report=report,
         )
         spec = exported.spec
+        _apply_roles_and_windows(spec, input_roles, output_roles, windows)
         report(f"exported {spec.file}: {exported.checks['nodes']} nodes, opset {exported.checks['opset']}, "
                f"{exported.checks['gru_nodes']} GRU node(s)")
         init = _initial_state_feeds(module, spec) if kind == "recurrent" else {}
@@ -180,7 +258,8 @@ def export_bundle(
         onnx_run = ort_runner(exported.onnx_bytes)
         parity = compare(torch_runner(exported.torch_fn, spec), onnx_run, spec, inputs, tolerance)
         full = options.full_sequence_check
-        if kind == "recurrent" and (full or (full is None and offers_full_sequence(module, len(spec.state_inputs)))):
+        if kind == "recurrent" and (full or (full is None and len(spec.data_inputs) == 1
+                                             and offers_full_sequence(module, len(spec.state_inputs)))):
             checks = dict(parity["checks"])
             checks["sequence_vs_torch_full_forward"] = full_sequence_check(module, onnx_run, spec, inputs, tolerance)
             parity = summarize(checks, tolerance, inputs)
@@ -217,7 +296,7 @@ def export_bundle(
 
     settings = {
         "kind": kind, "input_name": input_name, "output_name": output_name, "variants": list(variant_names),
-        "tolerance": tolerance.to_dict(), "tensorrt": tensorrt, "example_input_shape": list(example.shape),
+        "tolerance": tolerance.to_dict(), "tensorrt": tensorrt, "example_input_shape": {names[i]: list(examples[i].shape) for i in range(len(names))},
         "recorded_sequence": recorded_sequence is not None, "module_device": str(source_device),
         "options": {**asdict(options), "variant_tolerances": {k: v.to_dict() for k, v in options.variant_tolerances.items()}},
         "graph_checks": exported.checks, "export_warnings": exported.warnings,

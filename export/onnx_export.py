@@ -58,8 +58,8 @@ class _FeedForward(nn.Module):
         super().__init__()
         self.module = module
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return as_outputs(self.module(x), f"{type(self.module).__name__}.forward")
+    def forward(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return as_outputs(self.module(*inputs), f"{type(self.module).__name__}.forward")
 
 
 class _Step(nn.Module):
@@ -67,8 +67,8 @@ class _Step(nn.Module):
         super().__init__()
         self.module = module
 
-    def forward(self, x: torch.Tensor, *states: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return as_outputs(self.module.step(x, *states), f"{type(self.module).__name__}.step")
+    def forward(self, *inputs_and_states: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return as_outputs(self.module.step(*inputs_and_states), f"{type(self.module).__name__}.step")
 
 
 def initial_states(module: nn.Module, batch: int) -> tuple[torch.Tensor, ...]:
@@ -190,25 +190,35 @@ def check_batchnorm_nodes(model: OnnxModel, module: nn.Module) -> dict[str, Any]
 
 def export_onnx(
     module: nn.Module,
-    example_input: torch.Tensor,
+    example_input: torch.Tensor | Sequence[torch.Tensor],
     *,
     kind: str,
-    input_name: str = "x",
+    input_name: str | Sequence[str] = "x",
     output_name: str | Sequence[str] = "y",
     state_names: Sequence[str] | None = None,
     opset: int = 17,
     file: str = "main.onnx",
     report: Callable[[str], None] = print,
 ) -> ExportedGraph:
-    """Export ``module`` (in eval mode) to ONNX bytes and a checked ``GraphSpec``."""
+    """Export ``module`` (in eval mode) to ONNX bytes and a checked ``GraphSpec``.
+
+    ``example_input`` is one tensor or a sequence of tensors (a module with several inputs,
+    ``module(obs, goal)`` or ``step(obs, goal, *states)``), named by ``input_name`` in order.
+    """
     if kind not in KINDS:
         raise ExportError(f"kind {kind!r} is not one of {KINDS}")
-    if not isinstance(example_input, torch.Tensor) or not example_input.is_floating_point() or example_input.dim() < 2:
-        raise ExportError(
-            f"example_input must be a floating-point tensor shaped (batch, features...), got "
-            f"{getattr(example_input, 'dtype', type(example_input).__name__)} {tuple(getattr(example_input, 'shape', ()))}"
-        )
-    example_input = example_input.to(module_device(module))
+    examples = [example_input] if isinstance(example_input, torch.Tensor) else list(example_input)
+    names_given = [input_name] if isinstance(input_name, str) else list(input_name)
+    data_names = names_given if len(names_given) == len(examples) else _names(input_name, len(examples), "x", "input")
+    for name, ex in zip(data_names, examples, strict=True):
+        if not isinstance(ex, torch.Tensor) or not ex.is_floating_point() or ex.dim() < 2:
+            raise ExportError(
+                f"example input {name!r} must be a floating-point tensor shaped (batch, features...), got "
+                f"{getattr(ex, 'dtype', type(ex).__name__)} {tuple(getattr(ex, 'shape', ()))}"
+            )
+    device = module_device(module)
+    examples = [ex.to(device) for ex in examples]
+    n_data = len(examples)
     if kind == "recurrent":
         check_recurrent_protocol(module)
         fn: nn.Module = _Step(module)
@@ -217,17 +227,17 @@ def export_onnx(
     fn.eval()
 
     def run(batch: int) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
-        x = example_batch(example_input, batch)
-        states = tuple(s.to(x.device) for s in initial_states(module, batch)) if kind == "recurrent" else ()
+        xs = tuple(example_batch(ex, batch) for ex in examples)
+        states = tuple(s.to(device) for s in initial_states(module, batch)) if kind == "recurrent" else ()
         with torch.no_grad():
-            return (x, *states), fn(x, *states)
+            return (*xs, *states), fn(*xs, *states)
 
     (ins2, outs2), (ins3, outs3) = run(2), run(3)
-    n_states = len(ins2) - 1
+    n_states = len(ins2) - n_data
     n_data_out = len(outs2) - n_states
     if n_data_out < 1:
         raise ExportError(f"step() returned {len(outs2)} tensors for {n_states} states; it must return (y, *new_states)")
-    for s_in, s_out, i in zip(ins2[1:], outs2[n_data_out:], range(n_states), strict=True):
+    for s_in, s_out, i in zip(ins2[n_data:], outs2[n_data_out:], range(n_states), strict=True):
         if s_in.shape != s_out.shape:
             raise ExportError(
                 f"state {i}: init_state gives shape {tuple(s_in.shape)} but step returns its next value with shape "
@@ -241,12 +251,13 @@ def export_onnx(
                 "and make init_state return zeros"
             )
     s_names = _names(state_names, n_states, "h", "state") if n_states else []
-    in_names = [input_name, *s_names]
+    in_names = [*data_names, *s_names]
     out_names = [*_names(output_name, n_data_out, "y", "output"), *[f"{s}_out" for s in s_names]]
     if len(set(in_names + out_names)) != len(in_names) + len(out_names):
         raise ExportError(f"input/output names must be distinct, got inputs {in_names} and outputs {out_names}")
 
-    in_axes = [0] + [_batch_axis(a.shape, b.shape, f"state {n!r}") for a, b, n in zip(ins2[1:], ins3[1:], s_names, strict=True)]
+    in_axes = [0] * n_data + [_batch_axis(a.shape, b.shape, f"state {n!r}")
+                              for a, b, n in zip(ins2[n_data:], ins3[n_data:], s_names, strict=True)]
     out_axes = [_batch_axis(a.shape, b.shape, f"output {n!r}") for a, b, n in zip(outs2, outs3, out_names, strict=True)]
     dynamic_axes = {n: {ax: BATCH} for n, ax in zip(in_names + out_names, in_axes + out_axes, strict=True) if ax is not None}
 

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from closedloop.runtime.manifest import GraphSpec
+from closedloop.runtime.manifest import GraphSpec, TensorSpec
 
 from .errors import ExportError, ParityError
 from .onnx_export import as_outputs, module_device, to_numpy
@@ -102,6 +102,8 @@ class ParityInputs:
     sequence_source: str
     initial_state: Feeds  # state name -> array at batch 1 (recurrent only)
     seed: int
+    #: the other data inputs (a goal, a mode) at batch 1, held fixed over the sequence
+    held: Feeds = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
 
 
@@ -136,23 +138,31 @@ def make_parity_inputs(
     initial_state: Feeds | None = None,
 ) -> ParityInputs:
     rng = np.random.default_rng(seed)
-    data = spec.data_inputs
-    if len(data) != 1:
-        raise ExportError(f"parity checks handle graphs with one data input; this graph has {[t.name for t in data]}")
-    x = data[0]
+    x = sequence_input(spec)
     feature_shape = tuple(x.concrete_shape(1)[1:])
     dtype = np.dtype(x.dtype)
     random: dict[int, Feeds] = {}
     for b in batch_sizes:
-        feeds = {x.name: rng.standard_normal(x.concrete_shape(b)).astype(dtype)}
+        feeds = {t.name: rng.standard_normal(t.concrete_shape(b)).astype(np.dtype(t.dtype)) for t in spec.data_inputs}
         for s in spec.state_inputs:  # a recurrent state anywhere a tanh-bounded unit can be
             feeds[s.name] = rng.uniform(-1.0, 1.0, s.concrete_shape(b)).astype(np.dtype(s.dtype))
         random[b] = feeds
+    held = {t.name: rng.standard_normal(t.concrete_shape(1)).astype(np.dtype(t.dtype))
+            for t in spec.data_inputs if t is not x}
     if sequence is None:
         seq, source = random_walk(sequence_steps, feature_shape, seed), f"random_walk(seed={seed})"
     else:
         seq, source = check_sequence(sequence, feature_shape, dtype), "recorded"
-    return ParityInputs(random=random, sequence=seq, sequence_source=source, initial_state=dict(initial_state or {}), seed=seed)
+    return ParityInputs(random=random, sequence=seq, sequence_source=source, initial_state=dict(initial_state or {}),
+                        seed=seed, held=held)
+
+
+def sequence_input(spec: GraphSpec) -> TensorSpec:
+    """The data input a sequence runs through (the measurement); the others are held fixed."""
+    for t in spec.data_inputs:
+        if spec.role_of(t) == "measurement":
+            return t
+    return spec.data_inputs[0]
 
 
 def _errors(got: Feeds, want: Feeds, tol: Tolerance) -> dict[str, Any]:
@@ -174,17 +184,19 @@ def _errors(got: Feeds, want: Feeds, tol: Tolerance) -> dict[str, Any]:
     return {"max_abs": worst_abs, "max_rel": worst_rel, "worst_output": worst_name, "within_tolerance": ok}
 
 
-def rollout(run: Runner, spec: GraphSpec, seq: np.ndarray, initial_state: Feeds) -> tuple[Feeds, Feeds]:
+def rollout(run: Runner, spec: GraphSpec, seq: np.ndarray, initial_state: Feeds,
+            held: Feeds | None = None) -> tuple[Feeds, Feeds]:
     """Run a single-step graph over ``seq`` one row at a time, carrying state through its outputs.
 
     Returns (per-output arrays stacked over steps with the batch axis of 1 dropped, and the
-    final state keyed by its input name).
+    final state keyed by its input name). ``held`` gives the other data inputs, fixed.
     """
-    x = spec.data_inputs[0].name
+    held = held or {}
+    x = sequence_input(spec).name
     state = {k: v.copy() for k, v in initial_state.items()}
     steps: list[Feeds] = []
     for t in range(seq.shape[0]):
-        out = run({x: seq[t : t + 1], **state})
+        out = run({x: seq[t : t + 1], **held, **state})
         steps.append(out)
         state = {s.name: out[s.state_pair] for s in spec.state_inputs if s.state_pair}
     stacked = {t.name: np.concatenate([o[t.name] for o in steps], axis=0) for t in spec.data_outputs}
@@ -203,13 +215,14 @@ def compare(reference: Runner, candidate: Runner, spec: GraphSpec, inputs: Parit
         checks[f"random_batch_{b}"] = {"batch": b, **_errors(candidate(feeds), reference(feeds), tol)}
     seq = inputs.sequence
     if spec.kind == "recurrent":
-        got, got_state = rollout(candidate, spec, seq, inputs.initial_state)
-        want, want_state = rollout(reference, spec, seq, inputs.initial_state)
+        got, got_state = rollout(candidate, spec, seq, inputs.initial_state, inputs.held)
+        want, want_state = rollout(reference, spec, seq, inputs.initial_state, inputs.held)
         rec = _errors({**got, **_final(spec, got_state)}, {**want, **_final(spec, want_state)}, tol)
         checks["sequence_step_by_step"] = {"steps": int(seq.shape[0]), **rec}
     else:
-        x = spec.data_inputs[0].name
-        checks["sequence_as_batch"] = {"steps": int(seq.shape[0]), **_errors(candidate({x: seq}), reference({x: seq}), tol)}
+        feeds = {sequence_input(spec).name: seq,
+                 **{k: np.repeat(v, seq.shape[0], axis=0) for k, v in inputs.held.items()}}
+        checks["sequence_as_batch"] = {"steps": int(seq.shape[0]), **_errors(candidate(feeds), reference(feeds), tol)}
     return summarize(checks, tol, inputs)
 
 
@@ -279,7 +292,7 @@ def full_sequence_check(
                 )
             arr = arr[0]
         want[t.name] = arr
-    got, got_state = rollout(onnx_run, spec, inputs.sequence, inputs.initial_state)
+    got, got_state = rollout(onnx_run, spec, inputs.sequence, inputs.initial_state, inputs.held)
     got_all = {**got, **_final(spec, got_state)}
     return {"steps": int(steps), **_errors(got_all, want, tol)}
 

@@ -19,12 +19,13 @@ from .bundle import Bundle, check_bundle, load_bundle
 from .errors import BackendUnavailableError, BundleError, GraphUnsupportedError
 from .families import FamilyPlugin, get_family, register_family
 from .loop import LoopConfig, OverrunPolicy, RealTimeLoop
-from .manifest import SCHEMA_VERSION, GraphSpec, Manifest, TensorSpec
+from .manifest import SCHEMA_VERSION, GraphSpec, Manifest, TensorSpec, Window
 from .model import Model
 from .recording import RecordingReader, RecordingWriter, RecordType
 from .replay import ReplayReport, replay_recording
 from .session import DeviceMismatchError, Session, SessionConfig, SessionError, SessionSummary, run_session
 from .stats import LoopSummary
+from .timing import BenchConfig, BundleBench, bench_bundle, format_bench_table
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -32,6 +33,8 @@ __all__ = [
     "Backend",
     "BackendOptions",
     "BackendUnavailableError",
+    "BenchConfig",
+    "BundleBench",
     "Bundle",
     "BundleError",
     "FamilyPlugin",
@@ -59,12 +62,15 @@ __all__ = [
     "ScrubEvent",
     "Scrubber",
     "TensorSpec",
+    "Window",
     "WeightsCorruptedError",
     "attach_scrubber",
     "backend_names",
     "backend_report",
+    "bench_bundle",
     "check_bundle",
     "create_backend",
+    "format_bench_table",
     "get_family",
     "load_bundle",
     "register_family",

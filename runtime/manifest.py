@@ -15,11 +15,59 @@ from typing import Any
 
 from .errors import BundleError
 
-SCHEMA_VERSION = 1
-SUPPORTED_SCHEMA_VERSIONS = (1,)
+#: 2: inputs and outputs carry a ``role`` and inputs an optional ``window``. A version-1 manifest
+#: (neither field) reads as version 2 with the default roles.
+SCHEMA_VERSION = 2
+SUPPORTED_SCHEMA_VERSIONS = (1, 2)
 MANIFEST_NAME = "manifest.json"
 
 Dim = int | str  # a fixed size, or a symbolic name for a dynamic axis ("batch")
+
+#: What a data input is to a session: ``measurement`` comes from the device's stream every step;
+#: ``goal``, ``mode`` and ``context`` are set by the session (its config, or a second message type)
+#: and held between steps. ``state`` marks recurrent state (in and out).
+INPUT_ROLES = ("measurement", "goal", "mode", "context", "state")
+#: ``command`` is what the session sends (postprocessed); ``estimate`` and ``output`` are recorded;
+#: ``state`` is recurrent state.
+OUTPUT_ROLES = ("command", "estimate", "output", "state")
+WINDOW_LAYOUTS = ("time_major", "channel_major")
+
+
+@dataclass
+class Window:
+    """A window over a stream of frames: the input holds the last ``length`` frames.
+
+    ``time_major``: the input is ``(batch, length, features)``; ``channel_major``:
+    ``(batch, features, length)`` (what Conv1d takes). The runtime keeps the frames in a
+    preallocated ring buffer and runs the model once every ``hop`` frames, after the
+    first ``length`` frames have arrived.
+    """
+
+    length: int
+    hop: int = 1
+    layout: str = "time_major"
+
+    def problems(self, where: str) -> list[str]:
+        out = []
+        for key in ("length", "hop"):
+            v = getattr(self, key)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                out.append(f"{where}: window {key} must be a positive integer, got {v!r}")
+        if self.layout not in WINDOW_LAYOUTS:
+            out.append(f"{where}: window layout {self.layout!r} is not one of {list(WINDOW_LAYOUTS)}")
+        return out
+
+    @property
+    def time_axis(self) -> int:
+        """The window's axis in the input's shape (batch first)."""
+        return 1 if self.layout == "time_major" else 2
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Window:
+        unknown = sorted(set(d) - {"length", "hop", "layout"})
+        if unknown:
+            raise ValueError(f"unknown window field(s) {unknown}; known: length, hop, layout")
+        return cls(length=d["length"], hop=d.get("hop", 1), layout=d.get("layout", "time_major"))
 
 
 @dataclass
@@ -27,7 +75,9 @@ class TensorSpec:
     """One graph input or output.
 
     ``state_pair`` links a recurrent state input to the output that carries its next
-    value (and back): the runtime copies output to input after every step.
+    value (and back): the runtime copies output to input after every step. ``role`` says
+    what the tensor is to a session (``INPUT_ROLES`` / ``OUTPUT_ROLES``; None: the default,
+    see :meth:`GraphSpec.role_of`); ``window`` makes a data input a window over a stream.
     """
 
     name: str
@@ -35,16 +85,29 @@ class TensorSpec:
     shape: list[Dim]
     state: bool = False
     state_pair: str | None = None
+    role: str | None = None
+    window: Window | None = None
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> TensorSpec:
+        window = d.get("window")
         return cls(
             name=d["name"],
             dtype=d["dtype"],
             shape=list(d["shape"]),
             state=bool(d.get("state", False)),
             state_pair=d.get("state_pair"),
+            role=d.get("role"),
+            window=Window.from_dict(window) if window is not None else None,
         )
+
+    @property
+    def frame_shape(self) -> tuple[int, ...]:
+        """The shape of one frame a device streams into this input (batch and window axes removed)."""
+        dims = [d for d in self.shape[1:]]
+        if self.window is not None:
+            del dims[self.window.time_axis - 1]
+        return tuple(int(d) for d in dims)
 
     def concrete_shape(self, batch: int = 1) -> tuple[int, ...]:
         """Shape with every symbolic axis set to ``batch`` (the only dynamic axis we export)."""
@@ -89,6 +152,55 @@ class GraphSpec:
     def state_inputs(self) -> list[TensorSpec]:
         return [t for t in self.inputs if t.state]
 
+    def role_of(self, tensor: TensorSpec) -> str:
+        """The tensor's role, with the defaults of a manifest that does not state it: state tensors are
+        ``state``; the first data input is the ``measurement`` and the first data output the ``command``;
+        other data inputs are ``context`` and other data outputs ``output``."""
+        if tensor.role is not None:
+            return tensor.role
+        if tensor.state:
+            return "state"
+        if tensor in self.inputs:
+            return "measurement" if tensor is self.data_inputs[0] else "context"
+        return "command" if tensor is self.data_outputs[0] else "output"
+
+    def input(self, name: str) -> TensorSpec:
+        for t in self.inputs:
+            if t.name == name:
+                return t
+        raise KeyError(f"the graph has no input {name!r}; its inputs: {[t.name for t in self.inputs]}")
+
+    def problems(self, where: str) -> list[str]:
+        """Roles and windows that do not fit the graph's tensors, one line each."""
+        out = []
+        for t in self.inputs + self.outputs:
+            roles = INPUT_ROLES if t in self.inputs else OUTPUT_ROLES
+            if t.role is not None and t.role not in roles:
+                out.append(f"{where}: {t.name!r} has role {t.role!r}; known roles: {list(roles)}")
+            if t.role is not None and (t.role == "state") != t.state:
+                out.append(f"{where}: {t.name!r} has role {t.role!r} but state={t.state}")
+        for t in self.outputs:
+            if t.window is not None:
+                out.append(f"{where}: output {t.name!r} has a window; only inputs can")
+        for t in self.inputs:
+            if t.window is None:
+                continue
+            what = f"{where}: input {t.name!r}"
+            if t.state:
+                out.append(f"{what} is recurrent state and cannot have a window")
+                continue
+            found = t.window.problems(what)
+            if found:
+                out += found
+                continue
+            if len(t.shape) != 3:
+                out.append(f"{what} has shape {t.shape}; a windowed input is (batch, length, features) "
+                           "(time_major) or (batch, features, length) (channel_major)")
+            elif t.shape[t.window.time_axis] != t.window.length:
+                out.append(f"{what} has shape {t.shape}: axis {t.window.time_axis} is {t.shape[t.window.time_axis]}, "
+                           f"its window ({t.window.layout}) is {t.window.length} frames")
+        return out
+
 
 @dataclass
 class Manifest:
@@ -108,6 +220,11 @@ class Manifest:
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
+        for g in d["graphs"].values():  # an unstated role or window is left out, not written as null
+            for tensor in g["inputs"] + g["outputs"]:
+                for key in ("role", "window"):
+                    if tensor.get(key) is None:
+                        tensor.pop(key, None)
         # Order keys so that a person reading manifest.json sees the important parts first.
         head = ["schema_version", "family", "name", "rate_hz", "graphs", "preprocess", "postprocess"]
         return {k: d[k] for k in head} | {k: v for k, v in d.items() if k not in head}
@@ -132,7 +249,7 @@ class Manifest:
         if isinstance(rate, bool) or not isinstance(rate, int | float) or not math.isfinite(rate) or rate <= 0:
             raise BundleError(f"{source}: rate_hz must be a positive number (Hz), got {rate!r}; re-export the bundle")
         try:
-            return cls(
+            manifest = cls(
                 schema_version=version,
                 family=str(d["family"]),
                 name=str(d.get("name", "")),
@@ -147,6 +264,10 @@ class Manifest:
             )
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise BundleError(f"{source}: malformed manifest ({exc!r}); re-export the bundle") from exc
+        problems = [p for name, g in manifest.graphs.items() for p in g.problems(f"{source}: graph {name!r}")]
+        if problems:
+            raise BundleError("; ".join(problems) + "; re-export the bundle")
+        return manifest
 
     @classmethod
     def from_json(cls, text: str, source: str = MANIFEST_NAME) -> Manifest:

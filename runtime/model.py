@@ -2,7 +2,12 @@
 
 ``Model.step(x)`` is the streaming call: one bin in, one output out, state kept.
 For a recurrent graph the state outputs are copied into the state inputs after
-every step (in place, no allocation); ``reset()`` zeroes the state.
+every step (in place, no allocation); ``reset()`` zeroes the state. A graph with
+several data inputs takes them by position or by name (``step(obs, goal)``,
+``step(obs=..., goal=...)``); an input left out keeps the value it was last given
+(``set_input`` sets one, a goal or a mode, between steps). ``feed(frame)`` drives a
+graph whose input is a window over a stream (``TensorSpec.window``): one frame in,
+and the model runs when the window is due (see ``closedloop.runtime.window``).
 
 Backends disagree on a non-finite input (Numba propagates a NaN, ONNX Runtime's GRU
 turns it into ordinary-looking numbers), so the model guards its own boundary:
@@ -19,6 +24,7 @@ import numpy as np
 
 from .backends import BackendChoice, BackendOptions, create_backend
 from .bundle import Bundle, load_bundle
+from .window import FrameWindow
 
 
 class Model:
@@ -51,8 +57,13 @@ class Model:
         self.inputs = self.backend.inputs
         self.outputs = self.backend.outputs
         self._pairs = [(self.inputs[t.name], self.outputs[t.state_pair or ""]) for t in self.spec.state_inputs]
-        self._x = self.inputs[self.spec.data_inputs[0].name]
+        self._data_names = [t.name for t in self.spec.data_inputs]
+        self._x = self.inputs[self._data_names[0]]
         self._y = self.outputs[self.spec.data_outputs[0].name]
+        # inputs never given a value: a step refuses to run on their zeros (checked until all are given)
+        self._unset = set(self._data_names)
+        self._windows = {t.name: FrameWindow(self.inputs[t.name][:1], t.window.length, t.window.hop, t.window.layout)
+                         for t in self.spec.data_inputs if t.window is not None}
         self._run = self.backend.run
         self._input_checks = _finite_checks(self.inputs[t.name] for t in self.spec.data_inputs)
         self._output_checks = _finite_checks(self.outputs[t.name] for t in self.spec.data_outputs)
@@ -76,9 +87,49 @@ class Model:
         return self.choice
 
     def reset(self) -> None:
-        """Zero the recurrent state (start of a trial or session)."""
+        """Zero the recurrent state and empty every window (start of a trial or session)."""
         for state_in, _ in self._pairs:
             state_in.fill(0)
+        for window in getattr(self, "_windows", {}).values():
+            window.reset()
+
+    def window(self, name: str) -> FrameWindow | None:
+        """The window over a stream that feeds input ``name`` (None when the input has none)."""
+        return self._windows.get(name)
+
+    @property
+    def input_names(self) -> list[str]:
+        """The data inputs (recurrent state excluded), in the order ``step`` takes them."""
+        return list(self._data_names)
+
+    def set_input(self, name: str, value: np.ndarray | list[float] | float) -> None:
+        """Give data input ``name`` a value it keeps until set again (a goal, a mode)."""
+        buf = self._input_buffer(name)
+        try:
+            np.copyto(buf, np.asarray(value, dtype=buf.dtype))
+        except ValueError:
+            raise ValueError(_shape_error(self.spec.input(name), buf, np.shape(value))) from None
+        self._unset.discard(name)
+
+    def _input_buffer(self, name: str) -> np.ndarray:
+        if name not in self._data_names:
+            state = [t.name for t in self.spec.state_inputs]
+            raise ValueError(f"the model has no data input {name!r}; its inputs: {self._data_names}"
+                           + (f" (recurrent state {state} is carried by the model)" if state else ""))
+        return self.inputs[name]
+
+    def _assign(self, args: tuple, kwargs: dict) -> None:
+        if len(args) > len(self._data_names):
+            raise TypeError(f"step() takes {len(self._data_names)} input(s) {self._data_names}, got {len(args)}")
+        for name, value in zip(self._data_names, args, strict=False):
+            if name in kwargs:
+                raise TypeError(f"step() got input {name!r} both by position and by name")
+            self.set_input(name, value)
+        for name, value in kwargs.items():
+            self.set_input(name, value)
+        if self._unset:
+            raise ValueError(f"input(s) {sorted(self._unset)} have no value yet: pass them to step() or set them "
+                             f"with set_input() (the model's inputs: {self._data_names})")
 
     def run(self) -> None:
         """One step on whatever is in ``inputs``; state carried forward."""
@@ -118,16 +169,56 @@ class Model:
         """
         self._run()
 
-    def step(self, x: np.ndarray) -> np.ndarray:
-        """Copy ``x`` into the first data input, step, and return the first data output.
+    def step(self, *inputs: np.ndarray, **named: np.ndarray) -> np.ndarray:
+        """Copy the inputs in, step, and return the first data output.
 
+        ``step(x)`` sets the first data input; a graph with several takes them by position
+        (in ``input_names`` order) or by name, and an input left out keeps its last value.
+        A windowed input takes its whole window here (offline use); ``feed`` streams frames.
         The returned array is the backend's buffer: it is overwritten by the next step.
-        A non-finite ``x`` does not raise: the graph is not run, the state is kept, and
+        A non-finite input does not raise: the graph is not run, the state is kept, and
         the output is all NaN. A step whose output is not finite zeroes the recurrent
-        state if that became non-finite, so the next finite ``x`` gives a finite output.
+        state if that became non-finite, so the next finite input gives a finite output.
         Check the result with ``np.isfinite`` before acting on it (a session does).
         """
-        np.copyto(self._x, x, casting="same_kind")
+        if len(inputs) == 1 and not named and len(self._data_names) == 1:
+            try:
+                np.copyto(self._x, inputs[0], casting="same_kind")
+            except (ValueError, TypeError):
+                raise ValueError(_shape_error(self.spec.data_inputs[0], self._x, np.shape(inputs[0]))) from None
+            self._unset.clear()
+        else:
+            self._assign(inputs, named)
+        if self.run_checked() == "output":
+            self.reset_nonfinite_state()
+        return self._y
+
+    def feed(self, frame: np.ndarray, input: str | None = None) -> np.ndarray | None:
+        """Stream one frame into a windowed input (the first one unless ``input`` names another).
+
+        Returns the first data output when the window was due and the model ran (after
+        the first ``length`` frames, then every ``hop`` frames), otherwise None. Other
+        inputs keep the values given with ``set_input``.
+        """
+        name = input or next(iter(self._windows), None)
+        if name is None or name not in self._windows:
+            raise ValueError(f"feed() streams frames into a windowed input; "
+                             f"{'this model has none' if not self._windows else f'windowed inputs: {list(self._windows)}'}"
+                             " (use step())")
+        window = self._windows[name]
+        try:
+            due = window.push(np.asarray(frame))
+        except ValueError as exc:
+            spec = self.spec.input(name)
+            assert spec.window is not None  # only windowed inputs have a FrameWindow
+            raise ValueError(f"input {name!r} ({spec.window.layout} window of {spec.window.length} frames, shape "
+                             f"{spec.shape}): {exc}; the frame shape it takes is {spec.frame_shape}") from None
+        if not due:
+            return None
+        self._unset.discard(name)
+        if self._unset:
+            raise ValueError(f"input(s) {sorted(self._unset)} have no value yet: set them with set_input() "
+                             f"(the model's inputs: {self._data_names})")
         if self.run_checked() == "output":
             self.reset_nonfinite_state()
         return self._y
@@ -146,3 +237,8 @@ def _all_finite(checks: list[tuple[np.ndarray, np.ndarray]]) -> bool:
         if not np.isfinite(a, out=mask).all():
             return False
     return True
+
+
+def _shape_error(spec, buf: np.ndarray, got: tuple) -> str:
+    return (f"input {spec.name!r} takes shape {tuple(buf.shape)} (manifest {spec.shape}), got {tuple(got)}; "
+            "pass an array of that shape (batch first)")

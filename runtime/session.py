@@ -77,6 +77,9 @@ class SessionConfig:
     scrub_budget_us: float = 200.0
     scrub_policy: str = "fallback"
     weights_key_file: str | None = None
+    # Values of the data inputs the device does not stream (a goal, a mode): {input name: values}.
+    # Each is held until a message mapped to it (extra.session.inputs) sets it again.
+    inputs: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -180,6 +183,10 @@ class Session:
         self.bundle = bundle if isinstance(bundle, Bundle) else load_bundle(bundle)
         self.model = Model(self.bundle, backend=config.backend, variant=config.variant)
         self.family: FamilyPlugin = get_family(self.bundle.manifest.family)(self.bundle, self.model)
+        try:
+            self.family.set_held_inputs(dict(config.inputs))
+        except (ValueError, KeyError) as exc:
+            raise SessionError(str(exc).strip('"')) from None
         self.scrubber = session_scrubber(self.model, config)  # None unless the bundle is protected
         self.rate_hz = config.rate_hz or self.bundle.manifest.rate_hz
         self.writer = RecordingWriter(config.record) if config.record else None
@@ -198,6 +205,7 @@ class Session:
         self._next_reconnect_ns = 0
         self._next_status_ns = 0
         self._last_cmd: Message | None = None
+        self._side_messages = self.family.side_messages
         self._step = 0
         self._unused_type: type[Message] | None = None
         self._unused, self._warned_unused = 0, False  # frames not of the input's type
@@ -329,6 +337,8 @@ class Session:
     def _act(self, frame: Frame, k: int) -> None:
         fam = self.family
         cmd, bad = fam.guarded_step(frame.message)
+        if cmd is None and bad is None:  # the model did not run on this frame (a window not yet due)
+            return
         if self.writer is not None:
             self.writer.append_output(k, frame.seq, self.model.output)
         if bad is not None:
@@ -361,6 +371,7 @@ class Session:
         counts["frames_received"] += len(frames)
         want = self.family.input.message
         every_frame = self.family.consume == "all"  # once per period, not per frame (a family may derive it)
+        side = self._side_messages
         newest = None
         for f in frames:
             m = f.message
@@ -374,6 +385,9 @@ class Session:
                     newest = f
                 self._last_input_ns = time.monotonic_ns()
                 self._unused = 0
+            elif type(m) in side:
+                self.family.on_side_message(m)
+                self._last_input_ns = time.monotonic_ns()
             elif isinstance(m, Hello):
                 self._on_hello(m)
             elif isinstance(m, Status):

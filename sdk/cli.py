@@ -73,9 +73,25 @@ def _run_args(p: argparse.ArgumentParser) -> None:
                         "$CLOSEDLOOP_WEIGHTS_KEY_FILE / $CLOSEDLOOP_WEIGHTS_KEY)")
     p.add_argument("--scrub", choices=("auto", "off"), default="auto",
                    help="weight scrubbing of a protected bundle in the loop's idle time (default auto)")
+    p.add_argument("--input", action="append", default=[], metavar="NAME=V1,V2,...",
+                   help="value of a model input the device does not stream (a goal, a mode); repeat per input")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quiet", action="store_true", help="no live status line")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
+
+
+def _held_inputs(given: list[str]) -> dict[str, list[float]]:
+    """``--input NAME=V1,V2`` options as ``{NAME: [V1, V2]}``, refusing a malformed one by its text."""
+    values: dict[str, list[float]] = {}
+    for item in given:
+        name, eq, text = item.partition("=")
+        try:
+            if not eq or not name:
+                raise ValueError
+            values[name] = [float(v) for v in text.split(",")]
+        except ValueError:
+            raise SystemExit(f"error: --input {item!r}: expected NAME=V1,V2,... (numbers separated by commas)") from None
+    return values
 
 
 @command("run", "run a bundle in the real-time loop against a device (or synthetic frames)", _run_args)
@@ -86,7 +102,7 @@ def _run(a: argparse.Namespace) -> int:
         cfg = SessionConfig(
             device=a.device, backend=a.backend, variant=a.variant, duration_s=a.duration, rate_hz=a.rate,
             record=a.record, watchdog_s=a.watchdog, overrun=a.overrun, key=a.key, status=not a.quiet,
-            weights_key_file=a.weights_key_file, scrub=a.scrub,
+            weights_key_file=a.weights_key_file, scrub=a.scrub, inputs=_held_inputs(a.input),
         )
         summary = run_session(a.bundle, cfg)
         print(json.dumps(summary.to_dict(), indent=2, default=str) if a.json else summary.format())
@@ -102,9 +118,12 @@ def _run(a: argparse.Namespace) -> int:
     bundle = load_bundle(a.bundle)
     model = Model(bundle, backend=a.backend, variant=a.variant)
     fam = get_family(bundle.manifest.family)(bundle, model)
+    held = _held_inputs(a.input)
+    for name in fam.held_inputs():  # synthetic frames: a held input nobody gave is zeros
+        held.setdefault(name, np.zeros(model.inputs[name].shape, dtype=np.float32))
+    fam.set_held_inputs(held)
     rng = np.random.default_rng(a.seed)
-    n_in = model.spec.data_inputs[0].concrete_shape(1)
-    frames = rng.standard_normal((256, *n_in)).astype(np.float32)
+    frames = rng.standard_normal((256, *fam.measurement.frame_shape)).astype(np.float32)
     rate = a.rate or bundle.manifest.rate_hz
     duration = 5.0 if a.duration is None else a.duration
     choice = model.choice
@@ -117,8 +136,9 @@ def _run(a: argparse.Namespace) -> int:
 
     def step(k: int) -> None:
         fam.preprocess(frames[k & 255])
-        model.run()
-        fam.postprocess()
+        if fam.model_due():
+            model.run()
+            fam.postprocess()
 
     summary = RealTimeLoop(LoopConfig(rate_hz=rate, duration_s=duration, overrun=a.overrun)).run(step)
     print(json.dumps(summary.to_dict(), indent=2) if a.json else summary.format())
@@ -183,20 +203,82 @@ def _recording(a: argparse.Namespace) -> int:
 
 
 def _bench_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--quick", action="store_true", help="a few seconds per part instead of the full run")
-    p.add_argument("--out", default=None, help="folder for spine.json and spine_latency.png (default bench/results/spine "
-                                                "for a full run; --quick writes nothing unless given --out)")
+    p.add_argument("bundles", nargs="*", metavar="BUNDLE",
+                   help="bundle folders or zips to time on every backend and variant that runs here (no torch "
+                        "needed); without one, the spine benchmark (GRU and MLP on torch eager, ONNX Runtime, Numba)")
+    mine = p.add_argument_group("with BUNDLE")
+    mine.add_argument("--steps", type=int, default=None, help="back-to-back steps per backend and variant (default 2000)")
+    mine.add_argument("--paced-seconds", type=float, default=None,
+                      help="seconds at the bundle's rate per backend and variant, cold and prewarmed each (default 1)")
+    mine.add_argument("--backend", action="append", default=None,
+                      help="time only this backend (repeatable; default every backend that runs here)")
+    mine.add_argument("--variant", action="append", default=None,
+                      help="time only this variant: fp32 or one the bundle holds (repeatable; default all)")
+    mine.add_argument("--rate", type=float, default=None, help="pace at this rate in Hz (default the bundle's rate_hz)")
+    mine.add_argument("--graph", default=None, help="which graph of the bundle (default main)")
+    mine.add_argument("--json", dest="json_out", default=None, metavar="FILE", help="write the results as JSON")
+    mine.add_argument("--plot", default=None, metavar="FILE.png", help="draw the latency distributions (matplotlib)")
+    spine = p.add_argument_group("without BUNDLE (the spine benchmark; needs torch)")
+    spine.add_argument("--quick", action="store_true", help="a few seconds per part instead of the full run")
+    spine.add_argument("--out", default=None, help="folder for spine.json and spine_latency.png (default "
+                                                   "bench/results/spine for a full run; --quick writes nothing "
+                                                   "unless given --out)")
 
 
-@command("bench", "benchmark GRU and MLP steps on every backend, and the loop at 1 kHz and 50 Hz", _bench_args)
+# option -> (its attribute, BenchConfig's field or None); each defaults to None, BenchConfig holds the defaults
+_BUNDLE_ONLY = {"--steps": ("steps", "steps"), "--paced-seconds": ("paced_seconds", "paced_s"),
+                "--backend": ("backend", "backends"), "--variant": ("variant", "variants"), "--rate": ("rate", "rate_hz"),
+                "--graph": ("graph", "graph"), "--json": ("json_out", None), "--plot": ("plot", None)}
+
+
+@command("bench", "time BUNDLEs on every backend and variant here against their deadline and floor; without one, "
+                  "the spine benchmark (GRU and MLP steps, the loop at 1 kHz and 50 Hz)", _bench_args)
 def _bench(a: argparse.Namespace) -> int:
-    from .benchmark import SpineBenchConfig, run_spine_benchmark
+    if not a.bundles:
+        given = [flag for flag, (key, _) in _BUNDLE_ONLY.items() if getattr(a, key) is not None]
+        if given:
+            print(f"closedloop bench: error: {', '.join(given)} time(s) a BUNDLE: name one, e.g. "
+                  "closedloop bench out/demo/gru --json bench.json", file=sys.stderr)
+            return 2
+        from .benchmark import SpineBenchConfig, run_spine_benchmark
 
-    cfg = SpineBenchConfig.quick() if a.quick else SpineBenchConfig()
-    if a.out is not None or not a.quick:  # a quick run never replaces the committed full-run results by default
-        cfg.out_dir = a.out or "bench/results/spine"
-    run_spine_benchmark(cfg)
+        cfg = SpineBenchConfig.quick() if a.quick else SpineBenchConfig()
+        if a.out is not None or not a.quick:  # a quick run never replaces the committed full-run results by default
+            cfg.out_dir = a.out or "bench/results/spine"
+        run_spine_benchmark(cfg)
+        return 0
+    if a.quick or a.out is not None:
+        print("closedloop bench: error: --quick and --out belong to the spine benchmark (no BUNDLE); with a BUNDLE "
+              "use --steps, --paced-seconds, --json FILE and --plot FILE.png", file=sys.stderr)
+        return 2
+    if a.plot and not _importable("matplotlib"):  # said before minutes of timing, not after
+        print("closedloop bench: error: --plot needs matplotlib, which is not installed: pip install matplotlib "
+              "(or leave out --plot; --json keeps the numbers)", file=sys.stderr)
+        return 2
+    from closedloop.runtime.timing import BenchConfig, format_bench_table
+
+    from .bench_bundle import bench_bundles, plot_bench, write_bench_json
+
+    cfg = BenchConfig(**{field: getattr(a, key) for key, field in _BUNDLE_ONLY.values()
+                         if field and getattr(a, key) is not None})
+    benches = bench_bundles(a.bundles, cfg)
+    for bench in benches:
+        print()
+        print(format_bench_table(bench))
+    if a.json_out:
+        print(f"wrote {write_bench_json(benches, a.json_out)}")
+    if a.plot:
+        print(f"wrote {plot_bench(benches, a.plot)}")
     return 0
+
+
+def _importable(module: str) -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
 
 
 def _generate_args(p: argparse.ArgumentParser) -> None:

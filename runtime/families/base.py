@@ -23,7 +23,18 @@ if TYPE_CHECKING:
     from closedloop.firmware_bridge import Hello, Message
 
     from ..bundle import Bundle
+    from ..manifest import GraphSpec, TensorSpec
     from ..model import Model
+
+
+def measurement_input(spec: GraphSpec) -> TensorSpec:
+    """The data input a device's stream feeds: the one whose role is ``measurement`` (by default the first)."""
+    found = [t for t in spec.data_inputs if spec.role_of(t) == "measurement"]
+    if len(found) != 1:
+        raise ValueError(f"the graph needs exactly one data input with role 'measurement' (the device's stream), "
+                         f"found {[t.name for t in found]}; roles: "
+                         f"{ {t.name: spec.role_of(t) for t in spec.data_inputs} }")
+    return found[0]
 
 
 class FamilyPlugin:
@@ -50,9 +61,14 @@ class FamilyPlugin:
         self.command_name = session.get("command", self.default_command)
         self.input = input_kind(self.input_name)
         self.command = command_kind(self.command_name)
-        x = model.inputs[model.spec.data_inputs[0].name]
-        self._frame = np.zeros(x.shape[-1], dtype=np.float32)
+        #: the data input the device's stream feeds (its role is ``measurement``); a window over
+        #: the stream when the manifest gives it one
+        self.measurement = measurement_input(model.spec)
+        self._frame = np.zeros(int(np.prod(self.measurement.frame_shape)), dtype=np.float32)
         self._command_mask = np.zeros(0, dtype=bool)
+        #: whether this frame's step ran the model (a windowed input runs it every ``hop`` frames)
+        self._due = True
+        self._side = self._side_inputs(session.get("inputs", {}))
 
     @classmethod
     def problems(cls, bundle: Bundle) -> list[str]:
@@ -114,9 +130,12 @@ class FamilyPlugin:
         problems = self._kind_problems(hello)
         n_in = self._frame.size
         if self.input.size_field and getattr(hello, self.input.size_field) != n_in:
+            m = self.measurement
+            takes = (f"a {m.window.layout} window of {m.window.length} frames of {n_in} values (shape {m.shape})"
+                     if m.window is not None else f"frames of {n_in} values (shape {m.shape})")
             problems.append(
-                f"device {hello.kind!r} has {self.input.size_field}={getattr(hello, self.input.size_field)}, "
-                f"the bundle's model takes {n_in} inputs"
+                f"device {hello.kind!r} streams frames of {self.input.size_field}={getattr(hello, self.input.size_field)}, "
+                f"the bundle's input {m.name!r} takes {takes}"
             )
         rate = self.bundle.manifest.rate_hz
         if hello.rate_hz and abs(hello.rate_hz - rate) > 0.01 * rate:
@@ -145,16 +164,73 @@ class FamilyPlugin:
         self.input.to_vector(message, self._frame)
         self.preprocess(self._frame)
 
+    # --- inputs the device does not stream ---------------------------------------------
+
+    def _side_inputs(self, mapping: dict[str, str]) -> dict[type, tuple[str, Any, np.ndarray]]:
+        """``extra.session.inputs``: data input name -> the input kind (message type) that sets it."""
+        side: dict[type, tuple[str, Any, np.ndarray]] = {}
+        names = [t.name for t in self.model.spec.data_inputs]
+        for name, kind_name in mapping.items():
+            if name not in names or name == self.measurement.name:
+                raise ValueError(f"extra.session.inputs names {name!r}, which is not one of the inputs the session "
+                                 f"sets ({[n for n in names if n != self.measurement.name]})")
+            kind = input_kind(kind_name)
+            side[kind.message] = (name, kind, np.zeros(self.model.inputs[name].shape, dtype=np.float32))
+        return side
+
+    @property
+    def side_messages(self) -> tuple[type, ...]:
+        """Message types (other than the streamed input's) that set a held input, e.g. a goal."""
+        return tuple(self._side)
+
+    def on_side_message(self, message: Message) -> None:
+        """A message that sets a held input (``extra.session.inputs``): write it into that input."""
+        name, kind, buf = self._side[type(message)]
+        kind.to_vector(message, buf)
+        self.model.set_input(name, buf)
+
+    def held_inputs(self) -> list[str]:
+        """Data inputs the session holds (set from its config or a side message), not streamed."""
+        return [t.name for t in self.model.spec.data_inputs if t.name != self.measurement.name]
+
+    def set_held_inputs(self, values: dict[str, Any]) -> None:
+        """Give held inputs their values (``SessionConfig.inputs``); refuse unknown names and any held
+        input left with no value and no message to set it."""
+        held = self.held_inputs()
+        unknown = sorted(set(values) - set(held))
+        if unknown:
+            raise ValueError(f"session inputs {unknown} are not inputs this bundle holds; it holds {held}"
+                             + (f" (its input {self.measurement.name!r} comes from the device)" if
+                                self.measurement.name in unknown else ""))
+        for name, value in values.items():
+            self.model.set_input(name, value)
+        by_message = {name for name, _, _ in self._side.values()}
+        missing = [n for n in held if n not in values and n not in by_message]
+        if missing:
+            specs = {t.name: t for t in self.model.spec.data_inputs}
+            raise ValueError(
+                "; ".join(f"input {n!r} (role {self.model.spec.role_of(specs[n])}, shape {specs[n].shape}) is not "
+                          "streamed by the device and has no value" for n in missing)
+                + ": give it with SessionConfig(inputs={NAME: [...]}) or `closedloop run --input NAME=v1,v2,...`, "
+                "or map a message type to it at export (extra={'session': {'inputs': {NAME: 'plant_measurement'}}})")
+
+    def model_due(self) -> bool:
+        """Whether the model runs on this frame (always, unless a window over the stream is not due)."""
+        return self._due
+
     def guarded_step(self, message: Message) -> tuple[np.ndarray | None, str | None]:
         """One input message through ``on_message``, the model and ``postprocess``, guarded.
 
-        Returns ``(command, None)``; or ``(None, "input")`` when the model input (after
+        Returns ``(command, None)``; ``(None, None)`` when the model did not run on this
+        frame (a window over the stream that is not due: nothing to send); or ``(None, "input")`` when the model input (after
         preprocessing) is not finite, and ``(None, "output")`` when the model output or the
         command is not. Then nothing of this step may be acted on: send the safe command
         and call ``recover_nonfinite``. ``postprocess`` never sees a non-finite model output
         (its clip would turn +inf into the high limit, a command that looks fine).
         """
         self.on_message(message)
+        if not self._due:
+            return None, None
         bad = self.model.run_checked()
         if bad is not None:
             return None, bad

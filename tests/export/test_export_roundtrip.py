@@ -17,7 +17,7 @@ def test_gru_bundle_loads_with_state_pairs_and_checksums(gru_bundle):
     bundle = load_bundle(gru_bundle)
     m = bundle.manifest
     g = m.graphs["main"]
-    assert (m.schema_version, m.family, m.rate_hz, g.kind) == (1, "generic", 50.0, "recurrent")
+    assert (m.schema_version, m.family, m.rate_hz, g.kind) == (2, "generic", 50.0, "recurrent")
     assert [(t.name, t.shape, t.state, t.state_pair) for t in g.inputs] == [
         ("x", ["batch", 12], False, None),
         ("h", [2, "batch", 16], True, "h_out"),  # nn.GRU state: batch on axis 1

@@ -13,13 +13,21 @@ Manifest fields it reads (all optional):
   actuator commands out) and otherwise default to plant measurement in, actuator
   command out. Neural frames are all processed in order (every bin); other inputs
   are acted on newest-first, once per period.
+- ``extra.session.inputs``: ``{INPUT: INPUT_KIND}``, a message type that sets a held input
+  (a goal, a mode) whenever the device sends one.
+
+The device's stream feeds the input whose role is ``measurement`` (by default the first);
+``preprocess`` normalises each frame. When that input has a ``window``, every frame goes
+into the window (in order) and the model runs once every ``hop`` frames; the frames in
+between send nothing. Other data inputs are held: set from the session's ``inputs`` or by
+their message type.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from closedloop.runtime.families.base import FamilyPlugin
+from closedloop.runtime.families.base import FamilyPlugin, measurement_input
 from closedloop.runtime.families.registry import register_family
 
 
@@ -39,9 +47,10 @@ class GenericFamily(FamilyPlugin):
 
     @property
     def consume(self) -> str:  # type: ignore[override]
-        # Neural bins are a time series the model integrates (a decoder's state must see every bin); a
-        # controller acts on the newest measurement and never falls behind.
-        return "all" if self.input_name == "neural_frame" else "newest"
+        # Neural bins are a time series the model integrates (a decoder's state must see every bin), and
+        # so is any stream a window is made of; a controller acts on the newest measurement and never
+        # falls behind.
+        return "all" if self.input_name == "neural_frame" or self.measurement.window is not None else "newest"
 
     @classmethod
     def problems(cls, bundle) -> list[str]:
@@ -49,7 +58,11 @@ class GenericFamily(FamilyPlugin):
         spec = bundle.graph()
         if not spec.data_inputs or not spec.data_outputs:
             return ["generic family: the main graph needs one data input and one data output"]
-        n_in = spec.data_inputs[0].shape[-1]
+        try:
+            measurement = measurement_input(spec)
+        except ValueError as exc:
+            return [f"generic family: {exc}"]
+        n_in = int(np.prod(measurement.frame_shape))
         n_out = spec.data_outputs[0].shape[-1]
         for section, keys, n in (
             (bundle.manifest.preprocess, ("mean", "std"), n_in),
@@ -69,10 +82,14 @@ class GenericFamily(FamilyPlugin):
     def __init__(self, bundle, model):
         super().__init__(bundle, model)
         pre, post = bundle.manifest.preprocess, bundle.manifest.postprocess
-        self._x = model.inputs[model.spec.data_inputs[0].name]
+        m = self.measurement
+        x = model.inputs[m.name]
+        # where a normalised frame goes: straight into the model input, or into a frame that feeds the window
+        self._x = x.reshape(-1) if m.window is None else np.zeros(self._frame.size, dtype=x.dtype)
+        self._window = model.window(m.name)
         out_name = post.get("output", model.spec.data_outputs[0].name)
         self._y = model.outputs[out_name]
-        n_in, n_out = self._x.shape[-1], self._y.shape[-1]
+        n_in, n_out = self._x.size, self._y.shape[-1]
         self._mean = _vec(pre, "mean", n_in, 0.0)
         self._inv_std = (1.0 / _vec(pre, "std", n_in, 1.0)).astype(np.float32)
         self._scale = _vec(post, "scale", n_out, 1.0)
@@ -85,6 +102,8 @@ class GenericFamily(FamilyPlugin):
     def preprocess(self, frame: np.ndarray) -> None:
         np.subtract(frame, self._mean, out=self._x)
         np.multiply(self._x, self._inv_std, out=self._x)
+        if self._window is not None:
+            self._due = self._window.push(self._x)
 
     def postprocess(self) -> np.ndarray:
         np.multiply(self._y, self._scale, out=self._cmd)

@@ -1,0 +1,152 @@
+"""Windows over a stream: a device streaming single frames drives a model that takes the last T frames.
+
+A bundle input with ``window = {length, hop, layout}`` is fed one frame at a time; the runtime
+keeps the frames in a ring buffer and runs the model every ``hop`` frames once ``length`` frames
+have arrived. Streaming gives exactly what the model gives on the same windows offline.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from closedloop.export import export_bundle
+from closedloop.firmware_bridge import DecoderOutput, FrameParser
+from closedloop.runtime import (
+    BundleError,
+    Model,
+    RecordingReader,
+    RecordType,
+    SessionConfig,
+    load_bundle,
+    run_session,
+)
+from closedloop.runtime.manifest import MANIFEST_NAME
+
+CHANNELS, LENGTH = 4, 16
+
+
+class TinyCNN(nn.Module):
+    """(batch, channels, time) -> (batch, 3): Conv1d, ReLU, global average over time."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv1d(CHANNELS, 6, kernel_size=3, padding=1)
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.conv(x)).mean(dim=2))
+
+
+class TimeMajor(nn.Module):
+    """(batch, time, features) -> (batch, 2): a weighted sum over time, so the order of frames matters."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.linspace(-1, 1, LENGTH).view(1, LENGTH, 1))
+        self.head = nn.Linear(CHANNELS, 2)
+
+    def forward(self, x):
+        return self.head((x * self.w).sum(dim=1))
+
+
+def _with_window(path, window):
+    manifest = json.loads((path / MANIFEST_NAME).read_text())
+    manifest["graphs"]["main"]["inputs"][0]["window"] = window
+    (path / MANIFEST_NAME).write_text(json.dumps(manifest))
+    return path
+
+
+@pytest.fixture(scope="module")
+def cnn_bundle(tmp_path_factory):
+    torch.manual_seed(0)
+    path = export_bundle(TinyCNN().eval(), tmp_path_factory.mktemp("w") / "cnn", kind="feedforward",
+                         example_input=torch.zeros(1, CHANNELS, LENGTH), rate_hz=50.0, variants=(), tensorrt=False,
+                         report=lambda s: None)
+    return _with_window(path, {"length": LENGTH, "hop": 4, "layout": "channel_major"})
+
+
+@pytest.fixture(scope="module")
+def time_major_bundle(tmp_path_factory):
+    torch.manual_seed(1)
+    path = export_bundle(TimeMajor().eval(), tmp_path_factory.mktemp("w") / "tm", kind="feedforward",
+                         example_input=torch.zeros(1, LENGTH, CHANNELS), rate_hz=50.0, variants=(), tensorrt=False,
+                         report=lambda s: None)
+    return _with_window(path, {"length": LENGTH, "hop": 1})
+
+
+@pytest.mark.parametrize(("fixture", "layout"), [("cnn_bundle", "channel_major"), ("time_major_bundle", "time_major")])
+def test_streaming_frames_equals_the_model_on_each_window_offline(request, fixture, layout):
+    bundle = request.getfixturevalue(fixture)
+    hop = load_bundle(bundle).graph().inputs[0].window.hop
+    frames = np.random.default_rng(0).normal(size=(60, CHANNELS)).astype(np.float32)
+    streamed = Model(bundle, backend="onnxruntime")
+    outputs = [(i, y.copy()) for i, f in enumerate(frames) if (y := streamed.feed(f)) is not None]
+    due = list(range(LENGTH - 1, len(frames), hop))
+    assert [i for i, _ in outputs] == due
+    offline = Model(bundle, backend="onnxruntime")
+    for i, y in outputs:
+        window = frames[i - LENGTH + 1 : i + 1]  # (time, features), oldest first
+        x = window.T[None] if layout == "channel_major" else window[None]
+        np.testing.assert_array_equal(y, offline.step(x))
+
+
+def test_reset_empties_the_window(cnn_bundle):
+    m = Model(cnn_bundle, backend="onnxruntime")
+    frame = np.ones(CHANNELS, dtype=np.float32)
+    assert [m.feed(frame) is not None for _ in range(LENGTH)][-1]
+    m.reset()
+    assert all(m.feed(frame) is None for _ in range(LENGTH - 1))
+
+
+def test_a_frame_of_the_wrong_size_names_the_input_and_its_window(cnn_bundle):
+    m = Model(cnn_bundle, backend="onnxruntime")
+    with pytest.raises(ValueError, match=r"input 'x' \(channel_major window of 16 frames.*frame shape it takes is \(4,\)"):
+        m.feed(np.zeros(5, dtype=np.float32))
+
+
+def test_feed_on_a_model_without_a_window_says_to_use_step(mlp_bundle):
+    with pytest.raises(ValueError, match="this model has none"):
+        Model(mlp_bundle, backend="onnxruntime").feed(np.zeros(6, dtype=np.float32))
+
+
+@pytest.mark.parametrize(("window", "message"), [
+    ({"length": 8, "hop": 1, "layout": "channel_major"}, "axis 2 is 16, its window \\(channel_major\\) is 8 frames"),
+    ({"length": 16, "hop": 0}, "window hop must be a positive integer"),
+    ({"length": 16, "layout": "sideways"}, "window layout 'sideways'"),
+    ({"length": 16, "stride": 2}, "unknown window field"),
+])
+def test_a_window_that_does_not_fit_the_input_is_refused_at_load(tmp_path, cnn_bundle, window, message):
+    import shutil
+
+    copy = shutil.copytree(cnn_bundle, tmp_path / "b")
+    _with_window(copy, window)
+    with pytest.raises(BundleError, match=message):
+        load_bundle(copy)
+
+
+def test_a_headstage_streaming_single_frames_drives_the_windowed_cnn(cnn_bundle, tmp_path):
+    record = tmp_path / "s.clrec"
+    summary = run_session(cnn_bundle, SessionConfig(device=f"sim://headstage?channels={CHANNELS}&seed=2",
+                                                    duration_s=1.5, status=False, backend="onnxruntime",
+                                                    record=str(record)))
+    assert summary.safe_commands_sent == 0 and summary.inputs_used >= 40
+    parser = FrameParser()
+    sent = [f.message for rec in RecordingReader(record).of_type(RecordType.TX) for f in parser.feed(rec.payload)
+            if isinstance(f.message, DecoderOutput)]
+    # one output every 4 frames once 16 have arrived (the closing safe command may add one)
+    expected = (summary.inputs_used - LENGTH) // 4 + 1
+    assert expected - 1 <= summary.commands_sent <= expected + 1
+    assert len(sent) >= summary.commands_sent
+
+
+def test_a_device_whose_frames_do_not_fit_the_window_is_refused_naming_both(cnn_bundle):
+    from closedloop.runtime import DeviceMismatchError
+
+    with pytest.raises(DeviceMismatchError, match=r"n_channels=5.*input 'x' takes a channel_major window of 16 frames of 4"):
+        run_session(cnn_bundle, SessionConfig(device="sim://headstage?channels=5", duration_s=0.5, status=False,
+                                              backend="onnxruntime"))
