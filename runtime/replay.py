@@ -22,7 +22,7 @@ from urllib.parse import parse_qsl, urlsplit
 
 import numpy as np
 
-from closedloop.firmware_bridge import FrameParser, Message, Transport, register_transport
+from closedloop.firmware_bridge import FrameParser, Hello, Message, Transport, register_transport
 
 from .bundle import Bundle, load_bundle
 from .families import get_family
@@ -125,33 +125,60 @@ def replay_recording(recording: str | Path, bundle: Bundle | str | Path, backend
     model = Model(b, backend=backend)
     fam = get_family(b.manifest.family)(b, model)
     fam.adopt_device(reader.meta.get("device", {}).get("kind", ""))  # what the session read from this device
+    try:  # the held inputs (a goal) had these values, as the session's config recorded them
+        fam.set_held_inputs(dict((reader.meta.get("config") or {}).get("inputs") or {}))
+    except ValueError as exc:
+        raise ValueError(f"{recording}: cannot replay through this bundle: {exc}") from None
     fam.reset()
     parser = FrameParser()
     inputs: dict[int, Message] = {}
-    want = fam.input.message
+    want, side = fam.input.message, fam.side_messages
+    # A window over the stream saw every frame in order, outputs recorded only when it was due: replay feeds
+    # every frame and compares the outputs of those steps.
+    windowed = fam.measurement.window is not None
+    computed: dict[int, np.ndarray] = {}
+    y_out = model.outputs[model.spec.data_outputs[0].name]
     diffs: list[float] = []
     total = 0.0
     count = 0
     missing = 0
+    in_loop = False  # the RX before META is the handshake; a HELLO after it reset the family (re-handshake)
     for rec in reader:
-        if rec.type == RecordType.RX:
+        if rec.type == RecordType.META:
+            in_loop = True
+        elif rec.type == RecordType.RX:
             for f in parser.feed(rec.payload):
-                if isinstance(f.message, want):
-                    inputs[f.seq] = f.message
-        elif rec.type == RecordType.EVENT:
-            ev = rec.json()
-            if ev.get("event") == "device_hello" and not ev.get("problems"):
-                fam.reset()
+                if isinstance(f.message, Hello):
+                    if in_loop:
+                        fam.reset()
+                elif isinstance(f.message, want):
+                    if not windowed:
+                        inputs[f.seq] = f.message
+                        continue
+                    cmd, bad = fam.guarded_step(f.message)
+                    if bad is not None:
+                        fam.recover_nonfinite()
+                    if cmd is not None or bad is not None:
+                        computed[f.seq] = y_out.copy()
+                elif type(f.message) in side:
+                    fam.on_side_message(f.message)
         elif rec.type == RecordType.OUTPUT:
             _, seq, recorded = rec.output()
-            msg = inputs.pop(seq, None)
-            if msg is None:
-                missing += 1
-                continue
-            _, bad = fam.guarded_step(msg)  # as the session did: a non-finite step is refused, bad state reset
-            if bad is not None:
-                fam.recover_nonfinite()
-            y = model.outputs[model.spec.data_outputs[0].name].reshape(-1)
+            if windowed:
+                found = computed.pop(seq, None)
+                if found is None:
+                    missing += 1
+                    continue
+                y = found.reshape(-1)
+            else:
+                msg = inputs.pop(seq, None)
+                if msg is None:
+                    missing += 1
+                    continue
+                _, bad = fam.guarded_step(msg)  # as the session did: a non-finite step is refused, bad state reset
+                if bad is not None:
+                    fam.recover_nonfinite()
+                y = y_out.reshape(-1)
             if y.size != recorded.size:
                 raise ValueError(
                     f"bundle output has {y.size} values but the recording's outputs have {recorded.size}; "

@@ -158,3 +158,13 @@ def test_a_role_that_contradicts_the_state_flag_is_refused(tmp_path, gru_bundle)
     (copy / MANIFEST_NAME).write_text(json.dumps(raw))
     with pytest.raises(BundleError, match="has role 'state' but state=False"):
         load_bundle(copy)
+
+
+def test_a_recorded_session_with_a_held_goal_replays_with_it(goal_bundle, tmp_path):
+    from closedloop.runtime import replay_recording
+
+    record = tmp_path / "g.clrec"
+    run_session(goal_bundle, SessionConfig(device="sim://plant?model=msd&rate=200", duration_s=0.5, status=False,
+                                           backend="onnxruntime", inputs={"goal": [0.7]}, record=str(record)))
+    report = replay_recording(record, goal_bundle, backend="onnxruntime")
+    assert report.outputs_compared > 20 and report.max_abs_diff == 0.0

@@ -121,7 +121,7 @@ def test_replay_url_drives_a_session(neural_bundle, tmp_path):
 def test_mismatched_device_is_refused_naming_both_values(neural_bundle):
     with pytest.raises(DeviceMismatchError) as e:
         run_session(neural_bundle, _cfg("sim://headstage?channels=13"))
-    assert "n_channels=13" in str(e.value) and "takes 12 inputs" in str(e.value)
+    assert "n_channels=13" in str(e.value) and "input 'x' takes frames of 12 values" in str(e.value)
     with pytest.raises(DeviceMismatchError, match="25 Hz, the bundle runs at 50 Hz"):
         run_session(neural_bundle, _cfg("sim://headstage?channels=12&rate=25"))
 

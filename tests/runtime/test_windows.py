@@ -150,3 +150,15 @@ def test_a_device_whose_frames_do_not_fit_the_window_is_refused_naming_both(cnn_
     with pytest.raises(DeviceMismatchError, match=r"n_channels=5.*input 'x' takes a channel_major window of 16 frames of 4"):
         run_session(cnn_bundle, SessionConfig(device="sim://headstage?channels=5", duration_s=0.5, status=False,
                                               backend="onnxruntime"))
+
+
+def test_a_windowed_session_replays_to_the_same_outputs(cnn_bundle, tmp_path):
+    from closedloop.runtime import replay_recording
+
+    record = tmp_path / "w.clrec"
+    summary = run_session(cnn_bundle, SessionConfig(device=f"sim://headstage?channels={CHANNELS}&seed=5",
+                                                    duration_s=1.0, status=False, backend="onnxruntime",
+                                                    record=str(record)))
+    report = replay_recording(record, cnn_bundle, backend="onnxruntime")
+    assert report.outputs_compared == summary.commands_sent and report.missing_inputs == 0
+    assert report.max_abs_diff == 0.0

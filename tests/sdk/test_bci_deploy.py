@@ -104,7 +104,7 @@ def test_typing_session_decodes_every_bin_and_reports_the_text(bundle, tmp_path)
 
 def test_headstage_with_other_channel_count_is_refused(bundle):
     cfg = SessionConfig(device=f"sim://headstage?channels={C + 4}", backend="onnxruntime", duration_s=0.5, status=False)
-    with pytest.raises(DeviceMismatchError, match=f"n_channels={C + 4}.*takes {C} inputs"):
+    with pytest.raises(DeviceMismatchError, match=f"n_channels={C + 4}.*takes frames of {C} values"):
         run_session(bundle, cfg)
 
 
