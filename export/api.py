@@ -133,11 +133,6 @@ def _apply_roles_and_windows(spec: GraphSpec, input_roles: Mapping[str, str] | N
         except (ValueError, KeyError, TypeError) as exc:
             raise ExportError(f"window of input {name!r}: {exc}") from None
     problems = spec.problems("export")
-    if not problems and spec.data_inputs:
-        roles = [spec.role_of(t) for t in spec.data_inputs]
-        if roles.count("measurement") != 1:
-            problems.append(f"export: exactly one data input must have role 'measurement' (the device's stream); "
-                            f"roles now: {dict(zip([t.name for t in spec.data_inputs], roles, strict=True))}")
     if problems:
         raise ExportError("; ".join(problems))
 

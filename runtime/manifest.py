@@ -179,6 +179,12 @@ class GraphSpec:
                 out.append(f"{where}: {t.name!r} has role {t.role!r}; known roles: {list(roles)}")
             if t.role is not None and (t.role == "state") != t.state:
                 out.append(f"{where}: {t.name!r} has role {t.role!r} but state={t.state}")
+        data = self.data_inputs
+        if data and not out:
+            measured = [t.name for t in data if self.role_of(t) == "measurement"]
+            if len(measured) != 1:
+                out.append(f"{where}: exactly one data input must have role 'measurement' (the device's stream); "
+                           f"roles now: { {t.name: self.role_of(t) for t in data} }")
         for t in self.outputs:
             if t.window is not None:
                 out.append(f"{where}: output {t.name!r} has a window; only inputs can")

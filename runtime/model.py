@@ -98,6 +98,11 @@ class Model:
         return self._windows.get(name)
 
     @property
+    def unset_inputs(self) -> set[str]:
+        """Data inputs never given a value (a held goal whose first message has not come): empty once all have."""
+        return self._unset
+
+    @property
     def input_names(self) -> list[str]:
         """The data inputs (recurrent state excluded), in the order ``step`` takes them."""
         return list(self._data_names)

@@ -156,6 +156,8 @@ def replay_recording(recording: str | Path, bundle: Bundle | str | Path, backend
                         inputs[f.seq] = f.message
                         continue
                     cmd, bad = fam.guarded_step(f.message)
+                    if bad == "held":
+                        continue
                     if bad is not None:
                         fam.recover_nonfinite()
                     if cmd is not None or bad is not None:
@@ -176,7 +178,7 @@ def replay_recording(recording: str | Path, bundle: Bundle | str | Path, backend
                     missing += 1
                     continue
                 _, bad = fam.guarded_step(msg)  # as the session did: a non-finite step is refused, bad state reset
-                if bad is not None:
+                if bad is not None and bad != "held":
                     fam.recover_nonfinite()
                 y = y_out.reshape(-1)
             if y.size != recorded.size:

@@ -339,6 +339,10 @@ class Session:
         cmd, bad = fam.guarded_step(frame.message)
         if cmd is None and bad is None:  # the model did not run on this frame (a window not yet due)
             return
+        if bad == "held":  # a held input (a goal) has no value yet: the safe command until it comes
+            if self._send(fam.safe_message(k)):
+                self.summary_counts["safe_commands_sent"] += 1
+            return
         if self.writer is not None:
             self.writer.append_output(k, frame.seq, self.model.output)
         if bad is not None:

@@ -222,7 +222,8 @@ class FamilyPlugin:
         """One input message through ``on_message``, the model and ``postprocess``, guarded.
 
         Returns ``(command, None)``; ``(None, None)`` when the model did not run on this
-        frame (a window over the stream that is not due: nothing to send); or ``(None, "input")`` when the model input (after
+        frame (a window over the stream that is not due: nothing to send); ``(None, "held")`` while a
+        held input (a goal set by a message) has had no value yet; or ``(None, "input")`` when the model input (after
         preprocessing) is not finite, and ``(None, "output")`` when the model output or the
         command is not. Then nothing of this step may be acted on: send the safe command
         and call ``recover_nonfinite``. ``postprocess`` never sees a non-finite model output
@@ -231,6 +232,8 @@ class FamilyPlugin:
         self.on_message(message)
         if not self._due:
             return None, None
+        if self.model.unset_inputs - {self.measurement.name}:
+            return None, "held"  # a held input (a goal) has no value yet: nothing to act on
         bad = self.model.run_checked()
         if bad is not None:
             return None, bad

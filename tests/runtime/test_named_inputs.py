@@ -168,3 +168,61 @@ def test_a_recorded_session_with_a_held_goal_replays_with_it(goal_bundle, tmp_pa
                                            backend="onnxruntime", inputs={"goal": [0.7]}, record=str(record)))
     report = replay_recording(record, goal_bundle, backend="onnxruntime")
     assert report.outputs_compared > 20 and report.max_abs_diff == 0.0
+
+
+def test_a_second_message_type_sets_the_held_goal(tmp_path):
+    """extra.session.inputs maps the goal to another message the board sends: the session writes it into the
+    goal input whenever one arrives, and the commands follow the goal the board set."""
+    import threading
+    import time
+
+    from closedloop.firmware_bridge import Hello, Link, NeuralFrame, PlantMeasurement, open_pty_pair
+    from closedloop.runtime import replay_recording
+
+    torch.manual_seed(2)
+    module = GoalPolicy().eval()
+    bundle = export_bundle(module, tmp_path / "side", kind="feedforward",
+                           example_input={"obs": torch.zeros(1, 1), "goal": torch.zeros(1, 1)},
+                           input_roles={"goal": "goal"}, rate_hz=200.0, postprocess={"low": [-9.0], "high": [9.0]},
+                           extra={"session": {"input": "plant_measurement", "command": "actuator_command",
+                                              "inputs": {"goal": "neural_frame"}}},
+                           variants=(), tensorrt=False, report=lambda s: None)
+    board_end, port_end = open_pty_pair()
+    stop = threading.Event()
+
+    def board():
+        link = Link(board_end, role="device")
+        hello = Hello(kind="acme-arm", n_channels=1, rate_hz=200.0)
+        k = 0
+        while not stop.is_set():
+            for f in link.poll():
+                if isinstance(f.message, Hello):
+                    link.send(hello)
+            if k % 20 == 5:  # the goal, as a one-channel count: 3
+                link.send(NeuralFrame(bin_index=k, counts=np.array([3], dtype=np.uint16)))
+            link.send(PlantMeasurement(y=np.array([0.25], np.float32), u=np.zeros(1, np.float32)))
+            k += 1
+            time.sleep(0.005)
+
+    t = threading.Thread(target=board, daemon=True)
+    t.start()
+    try:
+        s = run_session(bundle, SessionConfig(device=port_end.path, duration_s=1.0, status=False,
+                                              backend="onnxruntime", record=str(tmp_path / "side.clrec")))
+    finally:
+        stop.set()
+        t.join(2)
+        board_end.close()
+        port_end.close()
+    # until the first goal message (the 6th frame) the session sends the safe command: nothing to act on yet
+    assert s.commands_sent > 50 and 1 <= s.safe_commands_sent <= 8
+    from closedloop.firmware_bridge import ActuatorCommand, FrameParser
+    from closedloop.runtime import RecordingReader, RecordType
+
+    parser = FrameParser()
+    sent = [f.message.u[0] for rec in RecordingReader(tmp_path / "side.clrec").of_type(RecordType.TX)
+            for f in parser.feed(rec.payload) if isinstance(f.message, ActuatorCommand)]
+    with torch.no_grad():
+        want = float(module(torch.tensor([[0.25]]), torch.tensor([[3.0]]))[0, 0])
+    assert abs(sent[-2] - want) < 1e-5  # the last is the closing safe command
+    assert replay_recording(tmp_path / "side.clrec", bundle, backend="onnxruntime").max_abs_diff < 1e-6
