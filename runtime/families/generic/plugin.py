@@ -85,11 +85,11 @@ class GenericFamily(FamilyPlugin):
         m = self.measurement
         x = model.inputs[m.name]
         # where a normalised frame goes: straight into the model input, or into a frame that feeds the window
-        self._x = x.reshape(-1) if m.window is None else np.zeros(self._frame.size, dtype=x.dtype)
+        self._x = x if m.window is None else np.zeros(self._frame.size, dtype=x.dtype)
         self._window = model.window(m.name)
         out_name = post.get("output", model.spec.data_outputs[0].name)
         self._y = model.outputs[out_name]
-        n_in, n_out = self._x.size, self._y.shape[-1]
+        n_in, n_out = self._x.shape[-1], self._y.shape[-1]
         self._mean = _vec(pre, "mean", n_in, 0.0)
         self._inv_std = (1.0 / _vec(pre, "std", n_in, 1.0)).astype(np.float32)
         self._scale = _vec(post, "scale", n_out, 1.0)
