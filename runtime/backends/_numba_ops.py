@@ -1,411 +1,453 @@
-"""The Numba backend's op handlers: what each supported ONNX op becomes in a plan.
+"""The Numba backend's compute op handlers: arithmetic, activations, products, normalisation, reductions.
 
 One handler per op type, registered in ``HANDLERS`` (no if/elif chain), called by
-``_numba_plan.Planner`` for each node in order. Shape plumbing (Unsqueeze, Squeeze,
-Transpose, Reshape, Gather or Slice of unit axes) only renames an activation;
-constants are folded; Gemm/MatMul become dense kernel steps into which a following
-bias, affine op or activation is fused; GRU becomes one kernel step per layer.
-Anything outside these patterns raises ``GraphUnsupportedError`` naming the node.
+``_numba_plan.Planner`` for each node whose inputs are not all constants.
+An activation combined with a constant becomes an affine step (``x * scale +
+shift`` per column), folded into the bias of the dense step before it or merged
+with the affine step before it; two activations combine in one broadcasting step.
+Gemm/MatMul by a constant weight become dense steps (any leading axes), into which
+a following bias and activation are fused; MatMul of two activations (attention)
+is a batched product. Anything outside these patterns raises
+``GraphUnsupportedError`` naming the node.
 """
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..onnx_reader import ONNX_DTYPES
 from ._numba_values import (
-    BATCH,
     Act,
     Buffer,
-    Dims,
-    Layers,
-    Shape,
-    Stack,
-    features,
-    shape_of,
-    storable,
+    Mat,
+    axis_of,
+    broadcast_shape,
+    broadcast_strides,
+    contiguous_strides,
+    handles,
+    merge_axes,
     unsupported,
 )
 
 if TYPE_CHECKING:
     from ._numba_plan import Planner
 
-
-HANDLERS: dict = {}  # ONNX op type -> handler(planner, node)
-
-
-def _handles(*ops: str):
-    def register(fn):
-        for op in ops:
-            HANDLERS[op] = fn
-        return fn
-
-    return register
+_BINARY = {"Add": "BIN_ADD", "Sub": "BIN_SUB", "Mul": "BIN_MUL", "Div": "BIN_DIV", "Pow": "BIN_POW",
+           "Max": "BIN_MAX", "Min": "BIN_MIN"}
 
 
-def _axis(node, axis: int, rank: int) -> int:
-    a = axis + rank if axis < 0 else axis
-    if not 0 <= a < rank:
-        raise unsupported(node, f"axis {axis} is out of range for rank {rank}")
-    return a
-
-
-def _fold(p: Planner, node, fn) -> bool:
-    """Constant-fold a node whose inputs are all constants; True if it did."""
-    vals = [p.value(node, i) for i in range(len(node.inputs))]
-    if not all(v is None or isinstance(v, np.ndarray) for v in vals):
-        return False
-    p.define(node, np.asarray(fn(*vals)))
-    return True
-
-
-@_handles("Constant")
-def _constant(p: Planner, node) -> None:
-    a = node.attributes
-    for key in ("value_float", "value_floats", "value_int", "value_ints"):
-        if key in a:
-            p.define(node, np.asarray(a[key], np.float32 if "float" in key else np.int64))
-            return
-    if node.outputs[0] not in p.model.initializers:
-        raise unsupported(node, f"constant attributes {sorted(a)} are not supported")
-    p.define(node, p.model.initializers[node.outputs[0]])
-
-
-@_handles("Identity", "Dropout", "Cast")
-def _identity(p: Planner, node) -> None:
-    if node.op_type == "Cast":
-        to = node.attributes.get("to")
-        v = p.value(node, 0)
-        if isinstance(v, np.ndarray):
-            p.define(node, v.astype(ONNX_DTYPES[to]))
-            return
-        if isinstance(v, Act) and to != 1:
-            raise unsupported(node, f"casting an activation to ONNX type {to} (only float32 runs here)")
-    if node.op_type == "Dropout" and len(node.outputs) > 1 and p.uses.get(node.outputs[1]):
-        raise unsupported(node, "the dropout mask output is used")
-    p.define(node, p.value(node, 0))
-
-
-@_handles("Shape")
-def _shape(p: Planner, node) -> None:
-    v = p.value(node, 0)
-    if not isinstance(v, Act | Layers):
-        raise unsupported(node, "shape of a value that is not an activation")
-    start, end = node.attributes.get("start", 0), node.attributes.get("end")
-    p.define(node, Dims(tuple(v.shape[start:end])))
-
-
-@_handles("ConstantOfShape")
-def _constant_of_shape(p: Planner, node) -> None:
-    v = p.value(node, 0)
-    fill = np.asarray(node.attributes.get("value", np.zeros(1, np.float32))).ravel()
-    if isinstance(v, np.ndarray):
-        p.define(node, np.full([int(d) for d in v.ravel()], fill[0], dtype=fill.dtype))
-        return
-    if not isinstance(v, Dims) or fill.dtype != np.float32:
-        raise unsupported(node, "only float32 fills of a constant or batch-dependent shape")
-    shape = tuple(v.dims)
-    rows = p.batch if BATCH in shape else 1
-    if storable(shape):  # e.g. a zero initial state: a buffer nothing ever writes
-        p.define(node, Act(Buffer.of(np.full((rows, features(shape)), fill[0])), shape))
-    elif len(shape) == 3 and shape[1] in (BATCH, 1):
-        p.define(node, Layers(np.full((shape[0], rows, shape[2]), fill[0]), shape))
-    else:
-        raise unsupported(node, f"a filled tensor of shape {shape}")
-
-
-@_handles("Unsqueeze")
-def _unsqueeze(p: Planner, node) -> None:
-    axes = p.ints(node, 1, "axes") or []
-    v = p.value(node, 0)
-    if isinstance(v, Dims) and v.scalar and axes == [0]:
-        p.define(node, Dims(v.dims))
-        return
-    shape = list(shape_of(v))
-    rank = len(shape) + len(axes)
-    for a in sorted(_axis(node, a, rank) for a in axes):
-        shape.insert(a, 1)
-    if isinstance(v, np.ndarray):
-        p.define(node, v.reshape(shape))
-    else:
-        p.define(node, Act(p.act(node).buf, tuple(shape)))
-
-
-@_handles("Squeeze")
-def _squeeze(p: Planner, node) -> None:
-    v = p.value(node, 0)
-    shape = shape_of(v)
-    axes = p.ints(node, 1, "axes")
-    drop = {_axis(node, a, len(shape)) for a in axes} if axes is not None else {i for i, d in enumerate(shape) if d == 1}
-    if any(shape[a] != 1 for a in drop):
-        raise unsupported(node, f"squeezing axes {sorted(drop)} of shape {shape} that are not of size 1")
-    new = tuple(d for i, d in enumerate(shape) if i not in drop)
-    p.define(node, v.reshape(new) if isinstance(v, np.ndarray) else Act(p.act(node).buf, new))
-
-
-@_handles("Transpose")
-def _transpose(p: Planner, node) -> None:
-    v = p.value(node, 0)
-    if isinstance(v, np.ndarray):
-        p.define(node, np.transpose(v, node.attributes.get("perm")))
-        return
-    v = p.act(node)
-    perm = node.attributes.get("perm") or list(range(len(v.shape)))[::-1]
-    moved = [a for a in perm if v.shape[a] != 1]
-    if moved != sorted(moved):
-        raise unsupported(node, f"perm {perm} reorders data of shape {v.shape} (only unit axes may move)")
-    p.define(node, Act(v.buf, tuple(v.shape[a] for a in perm)))
-
-
-@_handles("Reshape", "Flatten")
-def _reshape(p: Planner, node) -> None:
-    v = p.value(node, 0)
-    if node.op_type == "Flatten":
-        a = node.attributes.get("axis", 1)
-        if isinstance(v, np.ndarray):
-            p.define(node, v.reshape(int(np.prod(v.shape[:a])), -1))
-            return
-        v = p.act(node)
-        head, tail = v.shape[:a], v.shape[a:]
-        if BATCH in tail or any(d not in (1, BATCH) for d in head):
-            raise unsupported(node, f"flattening {v.shape} at axis {a} mixes batch and features")
-        p.define(node, Act(v.buf, (BATCH if BATCH in head else 1, features(tail))))
-        return
-    target_v = p.value(node, 1)
-    target = list(target_v.dims) if isinstance(target_v, Dims) else [int(d) for d in p.const(node, 1).ravel()]
-    if isinstance(v, np.ndarray) and isinstance(target_v, np.ndarray):
-        p.define(node, v.reshape([v.shape[i] if d == 0 else d for i, d in enumerate(target)]))
-        return
-    v = p.act(node)
-    if node.attributes.get("allowzero", 0) == 0:
-        target = [v.shape[i] if d == 0 else d for i, d in enumerate(target)]
-    known = features(tuple(d for d in target if d != -1))
-    feats = features(v.shape)
-    if -1 in target:
-        fill: int | str
-        if BATCH in v.shape and BATCH not in target and known == feats:
-            fill = BATCH
-        elif feats % known == 0 and (BATCH in target or BATCH not in v.shape):
-            fill = feats // known
-        else:
-            raise unsupported(node, f"cannot resolve -1 reshaping {v.shape} to {target}")
-        target = [fill if d == -1 else d for d in target]
-    new = tuple(target)
-    if features(new) != feats or (BATCH in new) != (BATCH in v.shape) or not storable(new):
-        raise unsupported(node, f"reshape {v.shape} -> {new} moves the batch axis or changes the size")
-    p.define(node, Act(v.buf, new))
-
-
-@_handles("Gather")
-def _gather(p: Planner, node) -> None:
-    v = p.value(node, 0)
-    idx = p.const(node, 1)
-    axis = node.attributes.get("axis", 0)
-    if isinstance(v, np.ndarray):
-        p.define(node, np.take(v, idx, axis=axis))
-    elif isinstance(v, Dims):
-        picked = [v.dims[int(i)] for i in idx.ravel()]
-        p.define(node, Dims(tuple(picked), scalar=idx.ndim == 0))
-    elif isinstance(v, Layers) and _axis(node, axis, 3) == 0 and idx.ndim == 0:
-        layer = v.array[int(idx)]
-        p.define(node, Act(Buffer.of(layer), v.shape[1:]))
-    elif isinstance(v, Act):
-        a = _axis(node, axis, len(v.shape))
-        if v.shape[a] != 1 or idx.size != 1 or int(idx.ravel()[0]) not in (0, -1):
-            raise unsupported(node, f"gathering {idx.ravel().tolist()} on axis {a} of {v.shape} (only unit axes)")
-        shape = v.shape[:a] + (() if idx.ndim == 0 else (1,)) + v.shape[a + 1 :]
-        p.define(node, Act(v.buf, shape))
-    else:
-        raise unsupported(node, "gather on this kind of value")
-
-
-@_handles("Slice")
-def _slice(p: Planner, node) -> None:
-    v = p.value(node, 0)
-    starts, ends = p.ints(node, 1, "starts"), p.ints(node, 2, "ends")
-    if starts is None or ends is None:
-        raise unsupported(node, "a slice without starts or ends")
-    shape = shape_of(v)
-    axes = p.ints(node, 3, "axes") or list(range(len(starts)))
-    steps = p.ints(node, 4, "steps") or [1] * len(starts)
-    if isinstance(v, np.ndarray):
-        sl = [slice(None)] * v.ndim
-        for a, s, e, st in zip(axes, starts, ends, steps, strict=True):
-            sl[a] = slice(s, e, st)
-        p.define(node, v[tuple(sl)])
-        return
-    new = list(shape)
-    pick = None
-    for a, s, e, st in zip(axes, starts, ends, steps, strict=True):
-        a = _axis(node, a, len(shape))
-        if shape[a] == BATCH:
-            raise unsupported(node, "slicing the batch axis")
-        lo, hi, _ = slice(s, e, st).indices(shape[a])
-        if st != 1 or hi - lo < 1:
-            raise unsupported(node, f"slice {s}:{e}:{st} of axis {a}")
-        if (lo, hi) != (0, shape[a]):
-            if not (isinstance(v, Layers) and a == 0 and hi - lo == 1):
-                raise unsupported(node, f"slice {s}:{e} of axis {a} of {shape} (only one layer of a state)")
-            pick = lo
-            new[a] = 1
-    if isinstance(v, Layers) and pick is not None:
-        layer = v.array[pick]
-        p.define(node, Act(Buffer.of(layer), tuple(new)))
-    else:
-        p.define(node, v)
-
-
-@_handles("Concat")
-def _concat(p: Planner, node) -> None:
-    vals = [p.value(node, i) for i in range(len(node.inputs))]
-    axis = node.attributes.get("axis", 0)
-    if all(isinstance(v, np.ndarray) for v in vals):
-        p.define(node, np.concatenate(vals, axis=axis))
-    elif all(isinstance(v, Dims | np.ndarray) for v in vals) and axis == 0:
-        dims = [d for v in vals for d in (v.dims if isinstance(v, Dims) else [int(x) for x in v.ravel()])]
-        p.define(node, Dims(tuple(dims)))
-    elif all(isinstance(v, Act) and len(v.shape) == 3 and v.shape[0] == 1 for v in vals) and axis == 0:
-        p.define(node, Stack(vals))
-    else:
-        raise unsupported(node, "only per-layer states (1, batch, hidden) stacked on axis 0 are supported")
-
-
-def _dense(p: Planner, node, x: Act, w: np.ndarray, bias: np.ndarray | None, shape: Shape) -> None:
-    n = w.shape[0]
-    b = np.zeros(n, np.float32) if bias is None else p.feature_vector(node, bias, (BATCH, n))
+def binary(p: Planner, node, a: Act, b: Act, op: str) -> Act:
+    """``a op b`` with ONNX (numpy) broadcasting, as one kernel step."""
+    shape = broadcast_shape(node, a.shape, b.shape)
     y = p.new_act(shape)
-    p.emit(p.k.OP_DENSE, x.buf, p.param(p.k.panel_layout(w)), p.param(b), y.buf, p.k.ACT_NONE, out=y.buf)
-    p.define(node, y)
+    sizes, (sa, sb, _) = merge_axes(list(shape), broadcast_strides(a.shape, shape), broadcast_strides(b.shape, shape),
+                                    contiguous_strides(shape))
+    if len(sizes) > 3:
+        raise unsupported(node, f"broadcasting {a.shape} with {b.shape} walks {len(sizes)} axes (at most 3 are supported)")
+    pad = 3 - len(sizes)
+    sizes, sa, sb = [1] * pad + sizes, [0] * pad + sa, [0] * pad + sb
+    p.emit(p.k.OP_BINARY, a.flat(), b.flat(), y.flat(), getattr(p.k, _BINARY[op]), *sizes, *sa, *sb, out=y.buf)
+    return y
 
 
-@_handles("Gemm")
-def _gemm(p: Planner, node) -> None:
-    a = node.attributes
-    if a.get("alpha", 1.0) != 1.0 or a.get("beta", 1.0) != 1.0 or a.get("transA", 0) != 0:
-        raise unsupported(node, f"alpha/beta/transA = {a.get('alpha', 1.0)}/{a.get('beta', 1.0)}/{a.get('transA', 0)} (need 1/1/0)")
-    x, w = p.act(node), p.const(node, 1)
-    w = w if a.get("transB", 0) else w.T
-    if len(x.shape) != 2 or x.shape[1] != w.shape[1] or x.shape[0] not in (1, BATCH):
-        raise unsupported(node, f"input {x.shape} does not match weight {w.shape}")
-    _dense(p, node, x, w, p.const(node, 2, required=False), (x.shape[0], w.shape[0]))
+def affine(p: Planner, node, x: Act, scale: np.ndarray, shift: np.ndarray, name: str) -> Act:
+    """``x * scale + shift`` for constants that broadcast into ``x``'s shape, as one affine step.
+
+    The step sees ``x`` as a matrix whose columns span every axis from the first one
+    the constants vary along (at least the last), so a per-feature, per-channel or
+    per-position constant is one row of values. It extends the affine step or folds
+    into the bias of the dense step that wrote ``x`` when only this node reads it.
+    """
+    rank = len(x.shape)
+    lead = 0
+    for c in (scale, shift):
+        aligned = (1,) * (rank - c.ndim) + c.shape
+        first = next((i for i, d in enumerate(aligned) if d != 1), rank)
+        lead = first if c is scale else min(lead, first)
+    lead = min(lead, max(rank - 1, 0))
+    cols = math.prod(x.shape[lead:])
+    unit = (1,) * lead + tuple(x.shape[lead:])
+
+    def row(c: np.ndarray) -> np.ndarray:
+        return np.broadcast_to(c.astype(np.float32).reshape((1,) * (rank - c.ndim) + c.shape), unit).reshape(-1).copy()
+
+    vs, vb = row(scale), row(shift)
+    dense = p.fusable(name, x, p.k.OP_DENSE)
+    if dense is not None and (vs == 1).all() and dense.args[4] == p.k.ACT_NONE and dense.args[2].shape[1] == cols:
+        dense.args[2] += vb.reshape(1, -1)  # fold into the bias
+        return x
+    previous = p.fusable(name, x, p.k.OP_AFFINE)
+    if previous is not None and previous.args[1].shape[1] == cols:
+        s, b = previous.args[1].reshape(-1), previous.args[2].reshape(-1)
+        s *= vs
+        b *= vs
+        b += vb
+        return x
+    y = p.new_act(x.shape)
+    p.emit(p.k.OP_AFFINE, x.mat(cols), p.param(vs), p.param(vb), y.mat(cols), out=y.buf)
+    return y
 
 
-@_handles("MatMul")
-def _matmul(p: Planner, node) -> None:
-    x, w = p.act(node), p.const(node, 1)
-    if w.ndim != 2 or x.shape[-1] != w.shape[0] or any(d not in (1, BATCH) for d in x.shape[:-1]):
-        raise unsupported(node, f"activation {x.shape} @ constant {w.shape} (need (..., K) @ (K, N))")
-    _dense(p, node, x, w.T, None, x.shape[:-1] + (w.shape[1],))
+def _other(p: Planner, node, value: float) -> str | None:
+    """The input of a two-input node whose other input is the constant ``value``."""
+    a, b = node.inputs[:2]
+    for x, c in ((a, b), (b, a)):
+        s = p.scalar(c)
+        if s is not None and abs(s - value) <= 1e-6 * abs(value):
+            return x
+    return None
 
 
-@_handles("Add", "Sub", "Mul", "Div")
+def _gelu_input(p: Planner, node) -> str | None:
+    """If ``node`` ends torch's exact GELU, ``(x * (erf(x / sqrt(2)) + 1)) * 0.5``, the name of ``x``.
+
+    Each intermediate value must be read only inside the pattern; the four steps
+    emitted for it are then dropped as unread, and one GELU step (or a GELU fused
+    into the dense or convolution step before it) takes their place.
+    """
+    if node.op_type != "Mul" or len(node.inputs) != 2:
+        return None
+    half = _other(p, node, 0.5)
+    mul = p.made_by(half, "Mul") if half else None
+    for x, added in ((mul.inputs, mul.inputs[::-1]) if mul is not None else ()):
+        add = p.made_by(added, "Add")
+        one = _other(p, add, 1.0) if add is not None else None
+        erf = p.made_by(one, "Erf") if one else None
+        if erf is None:
+            continue
+        div, scaled = p.made_by(erf.inputs[0], "Div"), p.made_by(erf.inputs[0], "Mul")
+        if div is not None and div.inputs[0] == x and _other(p, div, 2**0.5) == x:
+            return x
+        if scaled is not None and _other(p, scaled, 2**-0.5) == x:
+            return x
+    return None
+
+
+@handles("Add", "Sub", "Mul", "Div")
 def _arith(p: Planner, node) -> None:
-    fns = {"Add": np.add, "Sub": np.subtract, "Mul": np.multiply, "Div": np.divide}
-    if _fold(p, node, fns[node.op_type]):
+    gelu = _gelu_input(p, node)
+    source = p.values.get(gelu) if gelu is not None else None
+    if isinstance(source, Act):
+        p.define(node, unary(p, node, source, p.k.ACT_GELU, name=gelu, readers=2))
         return
     first, second = p.value(node, 0), p.value(node, 1)
-    if isinstance(first, Act) and isinstance(second, np.ndarray):
-        x, c, x_first = first, second, True
-    elif isinstance(second, Act) and isinstance(first, np.ndarray) and node.op_type != "Div":
-        x, c, x_first = second, first, False
-    else:
-        raise unsupported(node, "only an activation combined with a constant is supported")
-    vec = p.feature_vector(node, c, x.shape)
     op = node.op_type
-    name = node.inputs[0 if x_first else 1]
-    dense = p.fusable(name, x, p.k.OP_DENSE) if x_first or op == "Add" else None
-    if dense is not None and op in ("Add", "Sub") and dense.args[4] == p.k.ACT_NONE:
-        dense.args[2] += vec.reshape(1, -1) if op == "Add" else -vec.reshape(1, -1)  # fold into the bias
-        p.define(node, x)
+    if isinstance(first, Act) and isinstance(second, Act):
+        p.define(node, binary(p, node, first, second, op))
         return
-    scale, shift = np.ones_like(vec), np.zeros_like(vec)
-    affine = p.fusable(name, x, p.k.OP_AFFINE)
-    if affine is not None:  # extend the previous affine op instead of adding one
-        scale, shift = affine.args[1].reshape(-1), affine.args[2].reshape(-1)
+    x_first = isinstance(first, Act)
+    x, c = (first, second) if x_first else (second, first)
+    if not isinstance(x, Act) or not isinstance(c, np.ndarray):
+        raise unsupported(node, "inputs that are neither activations nor constants")
+    c = c.astype(np.float32)
+    if broadcast_shape(node, x.shape, c.shape) != x.shape or (op == "Div" and not x_first):
+        a, b = (x, p.materialize(c)) if x_first else (p.materialize(c), x)
+        p.define(node, binary(p, node, a, b, op))
+        return
+    one, zero = np.ones((), np.float32), np.zeros((), np.float32)
+    scale: np.ndarray
+    shift: np.ndarray
     if op == "Add":
-        shift += vec
-    elif op == "Sub" and x_first:
-        shift -= vec
-    elif op == "Sub":
-        scale *= -1
-        shift[:] = vec - shift
+        scale, shift = one, c
     elif op == "Mul":
-        scale *= vec
-        shift *= vec
+        scale, shift = c, zero
+    elif op == "Div":
+        with np.errstate(divide="ignore"):
+            scale, shift = (1 / c).astype(np.float32), zero  # x / 0 -> x * inf: inf or NaN, as the division gives
     else:
-        scale /= vec
-        shift /= vec
-    if affine is not None:
-        p.define(node, x)
-        return
-    y = p.new_act(x.shape)
-    p.emit(p.k.OP_AFFINE, x.buf, p.param(scale), p.param(shift), y.buf, out=y.buf)
-    p.define(node, y)
+        scale, shift = (one, -c) if x_first else (-one, c)
+    p.define(node, affine(p, node, x, scale, shift, node.inputs[0 if x_first else 1]))
 
 
-_ACTS = {"Relu": "ACT_RELU", "Tanh": "ACT_TANH", "Sigmoid": "ACT_SIGMOID", "Softmax": "ACT_SOFTMAX",
-         "LogSoftmax": "ACT_LOG_SOFTMAX"}
-
-
-@_handles(*_ACTS)
-def _activation(p: Planner, node) -> None:
+@handles("Neg")
+def _neg(p: Planner, node) -> None:
     x = p.act(node)
-    code = getattr(p.k, _ACTS[node.op_type])
-    if node.op_type in ("Softmax", "LogSoftmax"):
-        legacy = p.model.opset.get("ai.onnx", 17) < 13
-        a = _axis(node, node.attributes.get("axis", 1 if legacy else -1), len(x.shape))
-        rest = [d for d in (x.shape[:a] if legacy else x.shape[:a] + x.shape[a + 1 :]) if d != 1]
-        if rest not in ([], [BATCH]) or BATCH in (x.shape[a:] if legacy else x.shape[a : a + 1]):
-            raise unsupported(node, f"axis {a} of {x.shape} is not the feature axis")
-    dense = p.fusable(node.inputs[0], x, p.k.OP_DENSE)
-    if dense is not None and dense.args[4] == p.k.ACT_NONE:
+    p.define(node, affine(p, node, x, -np.ones((), np.float32), np.zeros((), np.float32), node.inputs[0]))
+
+
+@handles("Max", "Min")
+def _extremum(p: Planner, node) -> None:
+    vals = [p.value(node, i) for i in range(len(node.inputs))]
+    consts = [v for v in vals if isinstance(v, np.ndarray)]
+    acts = [v for v in vals if isinstance(v, Act)]
+    out = acts[0]
+    for v in acts[1:]:
+        out = binary(p, node, out, v, node.op_type)
+    if consts:
+        c = consts[0]
+        for more in consts[1:]:
+            c = np.maximum(c, more) if node.op_type == "Max" else np.minimum(c, more)
+        if c.size == 1 and len(acts) == 1:  # a clip on one side
+            bound = float(c.ravel()[0])
+            lo, hi = (bound, np.inf) if node.op_type == "Max" else (-np.inf, bound)
+            out = unary(p, node, out, p.k.ACT_CLIP, lo, hi)
+        else:
+            out = binary(p, node, out, p.materialize(c.astype(np.float32)), node.op_type)
+    p.define(node, out)
+
+
+# -- activations ----------------------------------------------------------------------------
+_SIMPLE = {"Relu": "ACT_RELU", "Tanh": "ACT_TANH", "Sigmoid": "ACT_SIGMOID", "Erf": "ACT_ERF", "Sqrt": "ACT_SQRT",
+           "Exp": "ACT_EXP", "Log": "ACT_LOG", "Abs": "ACT_ABS", "Reciprocal": "ACT_RECIPROCAL",
+           "Softplus": "ACT_SOFTPLUS"}
+_WITH_PARAMS = {"LeakyRelu": ("ACT_LEAKY_RELU", 0.01, 0.0), "Elu": ("ACT_ELU", 1.0, 0.0),
+                "HardSigmoid": ("ACT_HARD_SIGMOID", 0.2, 0.5), "HardSwish": ("ACT_HARD_SWISH", 1 / 6, 0.5)}
+_FUSABLE = ("ACT_RELU", "ACT_TANH", "ACT_SIGMOID", "ACT_ERF", "ACT_GELU", "ACT_GELU_TANH")
+
+
+def unary(p: Planner, node, x: Act, code: int, alpha: float = 0.0, beta: float = 0.0, cols: int | None = None,
+          name: str | None = None, readers: int = 1) -> Act:
+    """``act(x)``: fused into the dense or convolution step that wrote ``x`` when it can be, else one step.
+
+    ``name`` is the ONNX value of ``x`` (default: the node's first input), read by ``readers`` nodes.
+    """
+    name = node.inputs[0] if name is None else name
+    row_wise = code in (p.k.ACT_SOFTMAX, p.k.ACT_LOG_SOFTMAX)
+    elementwise = code in [getattr(p.k, n) for n in _FUSABLE]
+    dense = p.fusable(name, x, p.k.OP_DENSE, readers)
+    if dense is not None and dense.args[4] == p.k.ACT_NONE and (elementwise or (row_wise and cols == x.shape[-1])):
         dense.args[4] = code
-        p.define(node, x)
-        return
+        return x
+    conv = p.fusable(name, x, p.k.OP_CONV, readers)
+    if conv is not None and conv.args[-1] == p.k.ACT_NONE and elementwise:
+        conv.args[-1] = code
+        return x
     y = p.new_act(x.shape)
-    p.emit(p.k.OP_ACT, x.buf, y.buf, code, out=y.buf)
+    prm = p.param(np.array([[alpha, beta]], np.float32))
+    p.emit(p.k.OP_ACT, x.mat(cols), y.mat(cols), code, prm, out=y.buf)
+    return y
+
+
+@handles(*_SIMPLE, *_WITH_PARAMS, "Gelu", "Clip", "Pow")
+def _activation(p: Planner, node) -> None:
+    op, a = node.op_type, node.attributes
+    alpha, beta = 0.0, 0.0
+    if op in _SIMPLE:
+        code = getattr(p.k, _SIMPLE[op])
+    elif op in _WITH_PARAMS:
+        name, alpha, beta = _WITH_PARAMS[op]
+        code = getattr(p.k, name)
+        alpha, beta = a.get("alpha", alpha), a.get("beta", beta)
+    elif op == "Gelu":
+        code = p.k.ACT_GELU_TANH if a.get("approximate", "none") == "tanh" else p.k.ACT_GELU
+    elif op == "Clip":
+        lo, hi = p.const(node, 1, required=False), p.const(node, 2, required=False)
+        alpha = float(lo) if lo is not None else a.get("min", -np.inf)
+        beta = float(hi) if hi is not None else a.get("max", np.inf)
+        code = p.k.ACT_CLIP
+    else:  # Pow
+        base, exponent = p.value(node, 0), p.value(node, 1)
+        if not (isinstance(base, Act) and isinstance(exponent, np.ndarray) and exponent.size == 1):
+            a0 = base if isinstance(base, Act) else p.materialize(np.asarray(base, np.float32))
+            a1 = exponent if isinstance(exponent, Act) else p.materialize(np.asarray(exponent, np.float32))
+            p.define(node, binary(p, node, a0, a1, "Pow"))
+            return
+        e = float(exponent.ravel()[0])
+        if e == 1.0:
+            p.define(node, base)
+            return
+        special = {2.0: p.k.ACT_SQUARE, 0.5: p.k.ACT_SQRT, -1.0: p.k.ACT_RECIPROCAL}
+        code, alpha = special.get(e, p.k.ACT_POW), e
+    p.define(node, unary(p, node, p.act(node), code, alpha, beta))
+
+
+@handles("Softmax", "LogSoftmax")
+def _softmax(p: Planner, node) -> None:
+    x = p.act(node)
+    legacy = p.model.opset.get("ai.onnx", 17) < 13
+    a = axis_of(node, node.attributes.get("axis", 1 if legacy else -1), len(x.shape))
+    if legacy:
+        cols = math.prod(x.shape[a:])
+    elif math.prod(x.shape[a + 1 :]) == 1:
+        cols = x.shape[a]
+    else:
+        raise unsupported(node, f"softmax over axis {a} of {x.shape}, which is not the last non-unit axis")
+    code = p.k.ACT_SOFTMAX if node.op_type == "Softmax" else p.k.ACT_LOG_SOFTMAX
+    p.define(node, unary(p, node, x, code, cols=cols))
+
+
+# -- products -------------------------------------------------------------------------------
+def dense(p: Planner, x: Act, w: np.ndarray, bias: np.ndarray | None) -> Act:
+    """``x @ w.T + bias`` over the last axis of ``x`` (any leading axes), ``w`` of shape (out, in)."""
+    n = w.shape[0]
+    b = np.zeros((1, n), np.float32) if bias is None else np.broadcast_to(bias.astype(np.float32), (1, n))
+    y = p.new_act(x.shape[:-1] + (n,))
+    p.emit(p.k.OP_DENSE, x.mat(), p.param(p.k.panel_layout(w)), p.param(b), y.mat(), p.k.ACT_NONE, out=y.buf)
+    return y
+
+
+def batched_matmul(p: Planner, node, a: Act, b: Act) -> Act:
+    """ONNX MatMul of two activations (numpy semantics: 1-D operands, broadcast leading axes).
+
+    A scalar scaling of either operand that only this product reads is folded into it.
+    """
+    a, alpha_a = _unscaled(p, node.inputs[0], a)
+    b, alpha_b = _unscaled(p, node.inputs[1], b)
+    alpha = alpha_a * alpha_b
+    sa = (1,) + a.shape if len(a.shape) == 1 else a.shape
+    sb = b.shape + (1,) if len(b.shape) == 1 else b.shape
+    m, k, n = sa[-2], sa[-1], sb[-1]
+    if sb[-2] != k:
+        raise unsupported(node, f"MatMul of {a.shape} and {b.shape}: inner sizes differ")
+    lead = broadcast_shape(node, sa[:-2], sb[:-2])
+    count = math.prod(lead)
+    steps = []
+    for v, s in ((a, sa), (b, sb)):
+        own = (1,) * (len(lead) - len(s[:-2])) + s[:-2]
+        if math.prod(own) == 1:
+            steps.append((v, 0))
+        elif own == lead:
+            steps.append((v, s[-2] * s[-1]))
+        else:  # partly broadcast: spell it out
+            full = lead + s[-2:]
+            steps.append((p.rearrange(node, Act(v.buf, s), 0, full, broadcast_strides(s, full)), s[-2] * s[-1]))
+    shape = lead + ((m,) if len(a.shape) > 1 else ()) + ((n,) if len(b.shape) > 1 else ())
+    y = p.new_act(shape)
+    (av, a_step), (bv, b_step) = steps
+    bv, trans_b = _transposed_source(p, bv, b_step)
+    packed = Buffer(-(-n // p.k.LANES) * k * p.k.LANES)
+    p.emit(p.k.OP_BATCHED_MATMUL, Mat(av.buf, count * m if a_step else m, k), bv.flat(),
+           p.param(np.zeros((1, n), np.float32)), Mat(y.buf, count * m, n),
+           Mat(packed, -(-n // p.k.LANES), k * p.k.LANES), p.param(np.array([[alpha]], np.float32)),
+           count, m, k, n, a_step, b_step, trans_b, out=[y.buf, packed])
+    return y
+
+
+def _unscaled(p: Planner, name: str, v: Act) -> tuple[Act, float]:
+    """``v`` before the scalar scaling that made it, if only the product reads it (attention's 1/sqrt(d))."""
+    affine = p.fusable(name, v, p.k.OP_AFFINE)
+    if affine is None:
+        return v, 1.0
+    scale, shift = affine.args[1].ravel(), affine.args[2].ravel()
+    if (shift != 0).any() or (scale != scale[0]).any():
+        return v, 1.0
+    return Act(affine.args[0].buf, v.shape), float(scale[0])
+
+
+def _transposed_source(p: Planner, b: Act, b_step: int) -> tuple[Act, int]:
+    """``b`` as (..., n, k) for a transposed read when it was copied out of a tensor laid out that way.
+
+    torch exports ``q @ k.transpose(-2, -1)``: the transpose is a strided copy of ``k``, and
+    reading ``k`` itself transposed makes that copy unread (then dropped).
+    """
+    record = p.copied.get(id(b.buf))
+    if record is None or len(b.shape) < 2 or record[2] != b.shape:
+        return b, 0
+    src, base, shape, strides = record
+    t_shape = shape[:-2] + (shape[-1], shape[-2])
+    t_strides = strides[:-2] + [strides[-1], strides[-2]]
+    sizes, (merged,) = merge_axes(list(t_shape), t_strides)
+    if sizes and not (len(sizes) == 1 and merged[0] == 1):
+        return b, 0  # not a plain view of the source: keep the copy
+    return Act(src.buf.window(base, math.prod(t_shape)), t_shape), 1
+
+
+@handles("Gemm")
+def _gemm(p: Planner, node) -> None:
+    a = node.attributes
+    x = p.act(node)
+    if a.get("transA", 0):
+        x = p.rearrange(node, x, 0, x.shape[::-1], contiguous_strides(x.shape)[::-1])
+    w = p.const(node, 1).astype(np.float32)
+    w = (w if a.get("transB", 0) else w.T) * np.float32(a.get("alpha", 1.0))
+    if len(x.shape) != 2 or x.shape[1] != w.shape[1]:
+        raise unsupported(node, f"input {x.shape} does not match weight {w.shape}")
+    c = p.value(node, 2)
+    beta = np.float32(a.get("beta", 1.0))
+    per_column = isinstance(c, np.ndarray) and c.size in (1, w.shape[0]) and c.shape[-1:] in ((), (1,), (w.shape[0],))
+    y = dense(p, x, w, c.reshape(-1) * beta if per_column else None)
+    if c is not None and not per_column:
+        cv = c if isinstance(c, Act) else p.materialize(np.asarray(c, np.float32))
+        if beta != 1:
+            cv = affine(p, node, cv, np.asarray(beta), np.zeros((), np.float32), node.inputs[2])
+        y = binary(p, node, y, cv, "Add")
     p.define(node, y)
 
 
-@_handles("GRU")
-def _gru(p: Planner, node) -> None:
-    a = node.attributes
-    x, w, r = p.act(node), p.const(node, 1), p.const(node, 2)
-    b = p.const(node, 3, required=False)
-    hidden = int(a.get("hidden_size", r.shape[-1]))
-    checks = {
-        "direction": (a.get("direction", "forward"), "forward"),
-        "linear_before_reset": (a.get("linear_before_reset", 0), 1),
-        "activations": (a.get("activations", ["Sigmoid", "Tanh"]), ["Sigmoid", "Tanh"]),
-        "clip": (a.get("clip"), None),
-        "layout": (a.get("layout", 0), 0),
-        "activation_alpha/beta": (a.get("activation_alpha", a.get("activation_beta")), None),
-    }
-    for key, (got, want) in checks.items():
-        if got != want:
-            raise unsupported(node, f"{key}={got!r} (supported: {want!r})")
-    if p.value(node, 4) is not None:
-        raise unsupported(node, "sequence_lens is given (single-step graphs only)")
-    if len(x.shape) != 3 or x.shape[0] != 1:
-        raise unsupported(node, f"input of shape {x.shape}: a single time step (1, batch, features) is required")
-    if w.shape != (1, 3 * hidden, x.shape[2]) or r.shape != (1, 3 * hidden, hidden):
-        raise unsupported(node, f"weights {w.shape}/{r.shape} for hidden_size {hidden}")
-    h0 = p.value(node, 5)
-    if h0 is None:
-        h0 = Act(Buffer.of(np.zeros((x.buf.rows, hidden), np.float32)), (1, x.shape[1], hidden))
-    if not isinstance(h0, Act) or h0.shape != (1, x.shape[1], hidden):
-        raise unsupported(node, f"initial_h must be one layer (1, batch, {hidden}) of the state input")
-    b = np.zeros((1, 6 * hidden), np.float32) if b is None else b
-    if b.shape != (1, 6 * hidden):
-        raise unsupported(node, f"bias of shape {b.shape} for hidden_size {hidden} (need (1, {6 * hidden}))")
-    out = p.new_act((1, x.shape[1], hidden))
-    gx, gh = Buffer(out.buf.rows, 3 * hidden), Buffer(out.buf.rows, 3 * hidden)
-    p.emit(p.k.OP_GRU, x.buf, h0.buf, p.param(p.k.panel_layout(w[0])), p.param(p.k.panel_layout(r[0])),
-           p.param(b[0, : 3 * hidden]), p.param(b[0, 3 * hidden :]), out.buf, gx, gh, out=out.buf)
-    outs = node.outputs + ["", ""]
-    if outs[0]:
-        p.values[outs[0]] = Act(out.buf, (1, 1) + out.shape[1:])
-    if outs[1]:
-        p.values[outs[1]] = out
+@handles("MatMul")
+def _matmul(p: Planner, node) -> None:
+    a, b = p.value(node, 0), p.value(node, 1)
+    if isinstance(a, Act) and isinstance(b, np.ndarray) and b.ndim == 2:
+        if a.shape[-1] != b.shape[0]:
+            raise unsupported(node, f"activation {a.shape} @ constant {b.shape}: inner sizes differ")
+        p.define(node, dense(p, a, b.astype(np.float32).T, None))
+        return
+    p.define(node, batched_matmul(p, node, p.act(node, 0, materialize=True), p.act(node, 1, materialize=True)))
+
+
+# -- normalisation and reductions -------------------------------------------------------------
+def _layer_norm(p: Planner, x: Act, cols: int, scale: np.ndarray, shift: np.ndarray, eps: float) -> Act:
+    y = p.new_act(x.shape)
+    p.emit(p.k.OP_LAYER_NORM, x.mat(cols), p.param(scale.reshape(1, -1)), p.param(shift.reshape(1, -1)), y.mat(cols),
+           p.param(np.array([[eps]], np.float32)), out=y.buf)
+    return y
+
+
+@handles("LayerNormalization")
+def _layer_normalization(p: Planner, node) -> None:
+    if any(p.uses.get(o) for o in node.outputs[1:] if o):
+        raise unsupported(node, "its mean or inverse standard deviation output is used")
+    x = p.act(node)
+    a = axis_of(node, node.attributes.get("axis", -1), len(x.shape))
+    tail = x.shape[a:]
+    scale = np.broadcast_to(p.const(node, 1).astype(np.float32), tail)
+    bias = p.const(node, 2, required=False)
+    shift = np.zeros(tail, np.float32) if bias is None else np.broadcast_to(bias.astype(np.float32), tail)
+    p.define(node, _layer_norm(p, x, math.prod(tail), scale, shift, node.attributes.get("epsilon", 1e-5)))
+
+
+@handles("InstanceNormalization")
+def _instance_norm(p: Planner, node) -> None:
+    x = p.act(node)
+    c, spatial = x.shape[1], math.prod(x.shape[2:])
+    normed = _layer_norm(p, x, spatial, np.ones(spatial, np.float32), np.zeros(spatial, np.float32),
+                         node.attributes.get("epsilon", 1e-5))
+    per_channel = (c,) + (1,) * (len(x.shape) - 2)
+    p.define(node, affine(p, node, normed, p.const(node, 1).reshape(per_channel), p.const(node, 2).reshape(per_channel),
+                          ""))
+
+
+@handles("BatchNormalization")
+def _batch_norm(p: Planner, node) -> None:
+    if node.attributes.get("training_mode", 0) or any(p.uses.get(o) for o in node.outputs[1:] if o):
+        raise unsupported(node, "training mode (export the model in eval mode)")
+    x = p.act(node)
+    scale, bias, mean, var = (p.const(node, i).astype(np.float64) for i in range(1, 5))
+    s = scale / np.sqrt(var + node.attributes.get("epsilon", 1e-5))
+    per_channel = (x.shape[1],) + (1,) * (len(x.shape) - 2)
+    p.define(node, affine(p, node, x, s.reshape(per_channel).astype(np.float32),
+                          (bias - mean * s).reshape(per_channel).astype(np.float32), node.inputs[0]))
+
+
+_REDUCE = {"ReduceMean": "RED_MEAN", "ReduceSum": "RED_SUM", "ReduceMax": "RED_MAX", "ReduceMin": "RED_MIN",
+           "ReduceSumSquare": "RED_SUM_SQUARE", "ReduceL1": "RED_L1", "ReduceL2": "RED_L2",
+           "GlobalAveragePool": "RED_MEAN", "GlobalMaxPool": "RED_MAX"}
+
+
+def reduce(p: Planner, node, x: Act, axes: list[int], keepdims: bool, code: str) -> Act:
+    rank = len(x.shape)
+    axes = sorted({axis_of(node, a, rank) for a in axes}) if axes else list(range(rank))
+    lo, hi = axes[0], axes[-1]
+    if any(x.shape[i] != 1 for i in range(lo, hi + 1) if i not in axes):
+        raise unsupported(node, f"reducing axes {axes} of {x.shape}, which are not next to each other")
+    shape = tuple(1 if i in axes else d for i, d in enumerate(x.shape)) if keepdims else \
+        tuple(d for i, d in enumerate(x.shape) if i not in axes)
+    y = p.new_act(shape)
+    outer, n, inner = math.prod(x.shape[:lo]), math.prod(x.shape[lo : hi + 1]), math.prod(x.shape[hi + 1 :])
+    p.emit(p.k.OP_REDUCE, x.flat(), y.flat(), getattr(p.k, code), outer, n, inner, out=y.buf)
+    return y
+
+
+@handles(*_REDUCE)
+def _reduce(p: Planner, node) -> None:
+    x = p.act(node)
+    if node.op_type.startswith("Global"):
+        p.define(node, reduce(p, node, x, list(range(2, len(x.shape))), True, _REDUCE[node.op_type]))
+        return
+    axes = p.ints(node, 1, "axes")
+    if not axes and node.attributes.get("noop_with_empty_axes", 0):
+        p.define(node, x)
+        return
+    p.define(node, reduce(p, node, x, axes or [], bool(node.attributes.get("keepdims", 1)), _REDUCE[node.op_type]))

@@ -1,98 +1,171 @@
-"""What an ONNX value means to the Numba backend's planner, and the helpers on it.
+"""What an ONNX value means to the Numba backend's planner, the op-handler registry, and shape helpers.
 
-``_numba_plan`` walks a graph and ``_numba_ops`` handles one node at a time; both give
-every ONNX value one of the meanings below: a constant (a numpy array), an activation
-stored as a (batch, features) float32 matrix (``Act``), a recurrent state read one
-layer at a time (``Layers``), per-layer states stacked into a state output
-(``Stack``), or a shape computed in the graph (``Dims``). Kernel calls are collected
-as ``Op`` rows over ``Buffer`` matrices, whose memory is bound when the plan is assembled.
+``_numba_plan`` walks a graph and the op modules (``_numba_ops``, ``_numba_shape_ops``,
+``_numba_seq_ops``, ``_numba_conv_ops``) handle one node at a time through
+``HANDLERS``. A plan is built for one concrete batch size, so every shape is
+concrete and every value is either a constant (a numpy array: initializers, and
+whatever the graph computes from them and from shapes, folded while planning) or
+an activation (``Act``): a row-major, contiguous N-d float32 tensor stored in a
+``Buffer``. A buffer is a run of float32 values: a root, whose memory is bound
+when the plan is assembled, or a window of another buffer, so reshapes, unit
+transposes and slices or gathers that select one contiguous run cost nothing, and
+a result can be placed straight into the part of a Concat or graph output it
+becomes. Kernel calls are collected as ``Op`` rows over ``Mat`` views of buffers.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
+from collections.abc import Callable
 
 import numpy as np
 
 from ..errors import GraphUnsupportedError
-from ..manifest import TensorSpec
 
-BATCH = "B"  # the batch axis in a logical shape
-Shape = tuple  # of int | BATCH
+HANDLERS: dict[str, Callable] = {}  # ONNX op type -> handler(planner, node)
+FOLDS: dict[str, Callable] = {}  # ONNX op type -> numpy function of constant inputs (node, *values)
+
+
+def handles(*ops: str):
+    """Register a handler for the ONNX op types ``ops``."""
+
+    def register(fn):
+        for op in ops:
+            HANDLERS[op] = fn
+        return fn
+
+    return register
 
 
 class Buffer:
-    """A (rows, features) float32 matrix that one op writes; memory is bound at the end."""
+    """A run of ``size`` float32 values: a root or a window (``parent``, ``offset``) of another buffer.
 
-    __slots__ = ("rows", "cols", "array")
+    A root's memory is ``array`` (1-D) when it already exists (an input, an output, a
+    constant) or is allocated when the plan is assembled. A root without memory may
+    still be ``place``d inside another buffer, which is how a layer writes its state
+    straight into its slice of a state output.
+    """
 
-    def __init__(self, rows: int, cols: int, array: np.ndarray | None = None):
-        self.rows, self.cols, self.array = rows, cols, array
+    __slots__ = ("size", "array", "parent", "offset")
+
+    def __init__(self, size: int, array: np.ndarray | None = None):
+        self.size, self.array = int(size), array
+        self.parent: Buffer | None = None
+        self.offset = 0
 
     @classmethod
     def of(cls, array: np.ndarray) -> Buffer:
-        """A buffer over memory that already exists: a state layer, a fixed fill, an output view."""
-        return cls(array.shape[0], array.shape[1], array)
+        """A buffer over memory that already exists (C-contiguous float32)."""
+        return cls(array.size, array.reshape(-1))
+
+    def window(self, offset: int, size: int) -> Buffer:
+        if offset == 0 and size == self.size:
+            return self
+        w = Buffer(size)
+        w.parent, w.offset = self, int(offset)
+        return w
+
+    @property
+    def placeable(self) -> bool:
+        return self.parent is None and self.array is None
+
+    def place(self, target: Buffer, offset: int) -> None:
+        assert self.placeable and target is not self
+        self.parent, self.offset = target, int(offset)
+
+    def root(self) -> tuple[Buffer, int]:
+        buf, offset = self, 0
+        while buf.parent is not None:
+            offset += buf.offset
+            buf = buf.parent
+        return buf, offset
 
 
-@dataclasses.dataclass
-class Act:
-    """An activation: the ONNX value's logical shape, stored row-major as ``buf``."""
+@dataclasses.dataclass(eq=False)
+class Mat:
+    """An op argument: ``rows * cols`` values of ``buf`` seen as a (rows, cols) matrix."""
 
     buf: Buffer
-    shape: Shape
+    rows: int
+    cols: int
 
 
-@dataclasses.dataclass
-class Layers:
-    """A recurrent state input (layers, batch, hidden), read one layer at a time."""
+@dataclasses.dataclass(eq=False)
+class Act:
+    """An activation: a contiguous row-major tensor of ``shape`` in ``buf``."""
 
-    array: np.ndarray
-    shape: Shape
+    buf: Buffer
+    shape: tuple[int, ...]
 
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
 
-@dataclasses.dataclass
-class Stack:
-    """Per-layer states concatenated on axis 0: only ever a state output."""
+    def mat(self, cols: int | None = None) -> Mat:
+        """The activation as a matrix of ``cols`` columns (default: its last axis)."""
+        cols = (self.shape[-1] if self.shape else 1) if cols is None else cols
+        return Mat(self.buf, self.size // cols, cols)
 
-    parts: list[Act]
-
-
-@dataclasses.dataclass
-class Dims:
-    """A shape computed in the graph (Shape -> Gather -> Concat) that may hold BATCH."""
-
-    dims: tuple
-    scalar: bool = False
+    def flat(self) -> Mat:
+        return Mat(self.buf, 1, self.size)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)
 class Op:
-    """One kernel step: an opcode of ``closedloop.runtime.kernels`` and its arguments."""
+    """One kernel step: an opcode of ``closedloop.runtime.kernels``, its arguments and what it writes."""
 
     code: int
-    args: list  # Buffer | np.ndarray (a parameter) | int
+    args: list  # Mat | np.ndarray (a parameter) | int
+    outs: list[Buffer]
 
 
 def unsupported(node, why: str) -> GraphUnsupportedError:
+    """The error for a node the backend cannot run: its op and ONNX name first, then why."""
     return GraphUnsupportedError(f"{node.op_type} node {node.name or node.outputs[0]!r}: {why}")
 
 
-def features(shape: Shape) -> int:
-    return int(np.prod([d for d in shape if d != BATCH], dtype=np.int64))
+def contiguous_strides(shape: tuple[int, ...]) -> list[int]:
+    strides, step = [], 1
+    for d in reversed(shape):
+        strides.append(step)
+        step *= d
+    return strides[::-1]
 
 
-def storable(shape: Shape) -> bool:
-    """Row-major storage is (batch, features) iff BATCH, if present, is the first non-unit axis."""
-    big = [d for d in shape if d != 1]
-    return BATCH not in big[1:]
+def merge_axes(sizes: list[int], *strides: list[int]) -> tuple[list[int], list[list[int]]]:
+    """Drop unit axes and merge neighbours that every stride list walks as one; returns (sizes, strides)."""
+    keep = [i for i, n in enumerate(sizes) if n != 1]
+    out_n: list[int] = []
+    out_s: list[list[int]] = [[] for _ in strides]
+    for i in keep:
+        if out_n and all(s[i] * sizes[i] == o[-1] for s, o in zip(strides, out_s, strict=True)):
+            out_n[-1] *= sizes[i]
+            for s, o in zip(strides, out_s, strict=True):
+                o[-1] = s[i]
+        else:
+            out_n.append(sizes[i])
+            for s, o in zip(strides, out_s, strict=True):
+                o.append(s[i])
+    return out_n, out_s
 
 
-def logical_shape(t: TensorSpec) -> Shape:
-    """A manifest tensor's shape with its named (dynamic) axis as BATCH."""
-    return tuple(BATCH if isinstance(d, str) else int(d) for d in t.shape)
+def broadcast_shape(node, *shapes: tuple[int, ...]) -> tuple[int, ...]:
+    try:
+        return tuple(int(d) for d in np.broadcast_shapes(*shapes))
+    except ValueError:
+        raise unsupported(node, f"shapes {' and '.join(map(str, shapes))} do not broadcast") from None
 
 
-def shape_of(v) -> tuple:
-    """The logical shape of an activation or a state, or the shape of a constant."""
-    return v.shape if isinstance(v, Act | Layers) else np.shape(v)
+def broadcast_strides(shape: tuple[int, ...], out: tuple[int, ...]) -> list[int]:
+    """Element strides of a contiguous ``shape`` read broadcast to ``out`` (0 along broadcast axes)."""
+    aligned = (1,) * (len(out) - len(shape)) + tuple(shape)
+    strides = contiguous_strides(aligned)
+    return [0 if a == 1 and o != 1 else s for a, o, s in zip(aligned, out, strides, strict=True)]
+
+
+def axis_of(node, axis: int, rank: int) -> int:
+    a = axis + rank if axis < 0 else axis
+    if not 0 <= a < rank:
+        raise unsupported(node, f"axis {axis} is out of range for rank {rank}")
+    return a

@@ -1,16 +1,17 @@
-"""Numba backend: runs single-step GRU decoders and MLP policies on Numba kernels.
+"""Numba backend: runs the models users bring (MLP, GRU, LSTM, 1-D/2-D CNN, attention) on Numba kernels.
 
 The fastest way to run the small graphs closedloop deploys at batch 1 on one core.
 The constructor reads the ONNX file (without the ``onnx`` package) and turns it into
-a *plan* (``_numba_plan.build_plan``): an int64 program for
+a *plan* (``_numba_plan.build_plan``) for its batch size: an int64 program for
 ``closedloop.runtime.kernels.run_plan`` over float32 arrays (weights re-laid out for speed,
 scratch, inputs and outputs) that all live in one preallocated arena, so a step is
 a single call into compiled code. ``inputs``/``outputs`` hold views of that arena
-once the constructor returns. Shape plumbing costs nothing, and GRU layers read their
-initial state from the state input's layer slices and write their final state
-straight into the state output. A graph outside the known op patterns
-(``_numba_ops``) is refused with the op that is not supported (never run
-approximately); ``supports`` says so before anything is built.
+once the constructor returns. Shape plumbing costs nothing where the data stays in
+place, and recurrent layers read their initial state from the state input's layer
+slices and write their final state straight into the state output. Which ops run
+is in the op modules (``_numba_ops``, ``_numba_shape_ops``, ``_numba_seq_ops``,
+``_numba_conv_ops``); a graph outside them is refused naming the node and the op
+(never run approximately), and ``supports`` says so before anything is built.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ _ADVICE = "; use --backend onnxruntime"
 
 @register_backend
 class NumbaBackend(Backend):
-    """Single-step GRU stacks and MLPs as one call into compiled Numba code."""
+    """A whole model step (dense, recurrent, convolutional, attention layers) as one call into compiled Numba code."""
 
     name = "numba"
     preference = 30
@@ -70,7 +71,7 @@ class NumbaBackend(Backend):
         self._arena, self._table, views, twins = kernels.pack_arena(plan.arrays)
         # From here on the buffers live in the arena: hand out its views.
         where = {id(a): v for a, v in zip(plan.arrays, views, strict=True)}
-        self._params = [where[id(a)] for a in plan.params]
+        self._params: list[np.ndarray | None] = [where.get(id(a)) for a in plan.params]  # None: a parameter no kept step reads
         for buffers in (self.inputs, self.outputs):
             for name, arr in buffers.items():
                 buffers[name] = twins.get(id(arr), arr)
@@ -100,7 +101,8 @@ class NumbaBackend(Backend):
         model = dataclasses.replace(self._model, initializers=merged)
         fresh = build_plan(model, self.spec, self.options.batch)
         for old, new in zip(self._params, fresh.params, strict=True):
-            old[...] = new
+            if old is not None:
+                old[...] = new
         self._model = model
 
     def weight_locations(self, names: list[str]) -> tuple[np.ndarray, dict[str, np.ndarray]]:
@@ -129,6 +131,8 @@ class NumbaBackend(Backend):
         seen = np.zeros(start, dtype=np.int64)
         base = self._arena.ctypes.data
         for arena_view, a, b in zip(self._params, first, second, strict=True):
+            if arena_view is None:
+                continue
             a, b = a.reshape(-1).astype(np.float64), b.reshape(-1).astype(np.float64)
             hit = np.flatnonzero((a >= 1) & (a < start) & (a == np.round(a)) & (b == 2 * a + 7))
             c = a[hit].astype(np.int64)

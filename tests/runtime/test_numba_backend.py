@@ -277,19 +277,19 @@ def test_fast_tanh_and_sigmoid_keep_nan(act):
 
 
 # -- refusing what it cannot run ---------------------------------------------------------
-class LstmStep(torch.nn.Module):
+class BiLstm(torch.nn.Module):
     def __init__(self):
         super().__init__()
-        self.l = torch.nn.LSTM(6, 8)
+        self.l = torch.nn.LSTM(6, 4, bidirectional=True)
 
     def forward(self, x):
         return self.l(x.unsqueeze(0))[0][0]
 
 
-class ConvNet(torch.nn.Module):
+class ConvTransposeNet(torch.nn.Module):
     def __init__(self):
         super().__init__()
-        self.c = torch.nn.Conv1d(2, 3, 3)
+        self.c = torch.nn.ConvTranspose1d(2, 3, 3)
 
     def forward(self, x):
         return self.c(x).flatten(1)
@@ -306,7 +306,7 @@ class BiGru(torch.nn.Module):
 
 @pytest.mark.parametrize(
     "module, obs, n_out, op",
-    [(LstmStep, (6,), 8, "LSTM"), (ConvNet, (2, 10), 24, "Conv"), (BiGru, (6,), 16, "direction")],
+    [(BiLstm, (6,), 8, "direction"), (ConvTransposeNet, (2, 10), 36, "ConvTranspose"), (BiGru, (6,), 16, "direction")],
 )
 def test_unsupported_graph_is_refused_naming_the_op(tmp_path, module, obs, n_out, op):
     _, path, spec = _mlp_graph(tmp_path, module.__name__, module().eval(), obs, n_out)

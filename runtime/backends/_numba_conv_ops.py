@@ -1,0 +1,128 @@
+"""The Numba backend's convolution and pooling op handlers (1-D and 2-D).
+
+Conv (any padding, stride, dilation and groups; explicit pads or ``auto_pad``)
+becomes one convolution step (weights in panels per kernel row, see
+``closedloop.runtime.kernels_conv``; a direct loop for grouped convolutions), into
+which a following element-wise activation (Relu, Tanh, Sigmoid, GELU) is fused; MaxPool and AveragePool (padding, strides,
+dilation for max, ``ceil_mode``, ``count_include_pad``) become one pooling step.
+A 1-D op runs as 2-D with height 1. BatchNormalization after a convolution is
+folded into it by torch's eval-mode export; where it is not, it is an affine step
+(``_numba_ops``). 3-D convolution and pooling, ConvTranspose and LpPool are refused
+by name.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from ._numba_values import Buffer, Mat, handles, unsupported
+
+if TYPE_CHECKING:
+    from ._numba_plan import Planner
+
+
+def _window(p: Planner, node, x_shape: tuple, kernel: list[int]) -> tuple[list[int], list[int], list[int], list[int], list[int]]:
+    """Strides, dilations, start pads, end pads and output sizes of a sliding window op."""
+    a = node.attributes
+    spatial = len(x_shape) - 2
+    strides = list(a.get("strides") or [1] * spatial)
+    dil = list(a.get("dilations") or [1] * spatial)
+    pads = list(a.get("pads") or [0] * (2 * spatial))
+    begin, end = pads[:spatial], pads[spatial:]
+    auto = a.get("auto_pad", "NOTSET")
+    auto = auto.decode() if isinstance(auto, bytes) else auto
+    size = list(x_shape[2:])
+    if auto == "VALID":
+        begin, end = [0] * spatial, [0] * spatial
+    elif auto in ("SAME_UPPER", "SAME_LOWER"):
+        for i in range(spatial):
+            out = -(-size[i] // strides[i])
+            total = max(0, (out - 1) * strides[i] + (kernel[i] - 1) * dil[i] + 1 - size[i])
+            small = total // 2
+            begin[i], end[i] = (small, total - small) if auto == "SAME_UPPER" else (total - small, small)
+    elif auto != "NOTSET":
+        raise unsupported(node, f"auto_pad={auto!r}")
+    outs = []
+    for i in range(spatial):
+        span = size[i] + begin[i] + end[i] - ((kernel[i] - 1) * dil[i] + 1)
+        if a.get("ceil_mode", 0):
+            n = -(-span // strides[i]) + 1
+            if (n - 1) * strides[i] >= size[i] + begin[i]:  # the last window must start inside the input
+                n -= 1
+        else:
+            n = span // strides[i] + 1
+        if n < 1:
+            raise unsupported(node, f"a window of {kernel} does not fit an input of {tuple(size)}")
+        outs.append(n)
+    return strides, dil, begin, end, outs
+
+
+def _as_2d(values: list[int], fill: int) -> list[int]:
+    return [fill] + values if len(values) == 1 else values
+
+
+@handles("Conv")
+def _conv(p: Planner, node) -> None:
+    x, w = p.act(node), p.const(node, 1).astype(np.float32)
+    if len(x.shape) not in (3, 4):
+        raise unsupported(node, f"input of shape {x.shape}: 1-D (batch, channels, length) and 2-D convolutions only")
+    groups = int(node.attributes.get("group", 1))
+    cout, cin = w.shape[0], x.shape[1]
+    if w.ndim != len(x.shape) or w.shape[1] * groups != cin or cout % groups:
+        raise unsupported(node, f"weight {w.shape} with group={groups} does not fit input {x.shape}")
+    kernel = list(w.shape[2:])
+    strides, dil, begin, end, outs = _window(p, node, x.shape, kernel)
+    b = p.const(node, 2, required=False)
+    bias = np.zeros((1, cout), np.float32) if b is None else b.astype(np.float32).reshape(1, cout)
+    y = p.new_act((x.shape[0], cout, *outs))
+    h, wd = _as_2d(list(x.shape[2:]), 1)
+    ho, wo = _as_2d(outs, 1)
+    kh, kw = _as_2d(kernel, 1)
+    sh, sw = _as_2d(strides, 1)
+    dh, dw = _as_2d(dil, 1)
+    ph, pw = _as_2d(begin, 0)
+    ph_end, pw_end = _as_2d(end, 0)
+    geometry = (x.shape[0], cin, h, wd, cout, ho, wo, kh, kw, sh, sw, dh, dw, ph, pw, ph_end, pw_end, groups,
+                p.k.ACT_NONE)
+    if groups == 1:
+        w4 = w.reshape(cout, cin, kh, kw)
+        if dw == 1:  # a kernel row of all channels is one contiguous run of the channels-last input
+            segments = [w4[:, :, i, :].transpose(0, 2, 1).reshape(cout, kw * cin) for i in range(kh)]
+        else:
+            segments = [w4[:, :, i, j] for i in range(kh) for j in range(kw)]
+        panels = np.concatenate([p.k.panel_layout(s) for s in segments], axis=0)
+        padded = Buffer((h + ph + ph_end) * (wd + pw + pw_end) * cin)
+        p.emit(p.k.OP_CONV, x.flat(), p.param(panels), p.param(bias), y.flat(), Mat(padded, 1, padded.size),
+               *geometry, out=[y.buf, padded])
+    else:
+        p.emit(p.k.OP_CONV_GROUPED, x.flat(), p.param(w.reshape(cout, -1)), p.param(bias), y.flat(), *geometry,
+               out=y.buf)
+    p.define(node, y)
+
+
+@handles("MaxPool", "AveragePool")
+def _pool(p: Planner, node) -> None:
+    if len(node.outputs) > 1 and p.uses.get(node.outputs[1]):
+        raise unsupported(node, "the indices output is used")
+    x = p.act(node)
+    if len(x.shape) not in (3, 4):
+        raise unsupported(node, f"input of shape {x.shape}: 1-D and 2-D pooling only")
+    kernel = list(node.attributes["kernel_shape"])
+    strides, dil, begin, end, outs = _window(p, node, x.shape, kernel)
+    is_max = node.op_type == "MaxPool"
+    if not is_max and any(d != 1 for d in dil):
+        raise unsupported(node, f"dilations={dil} in average pooling")
+    y = p.new_act(x.shape[:2] + tuple(outs))
+    h, wd = _as_2d(list(x.shape[2:]), 1)
+    ho, wo = _as_2d(outs, 1)
+    kh, kw = _as_2d(kernel, 1)
+    sh, sw = _as_2d(strides, 1)
+    dh, dw = _as_2d(dil, 1)
+    ph, pw = _as_2d(begin, 0)
+    ph_end, pw_end = _as_2d(end, 0)
+    mode = p.k.POOL_MAX if is_max else p.k.POOL_AVG
+    p.emit(p.k.OP_POOL, x.flat(), y.flat(), x.shape[0] * x.shape[1], h, wd, ho, wo, kh, kw, sh, sw, ph, pw,
+           ph_end, pw_end, dh, dw, mode, int(node.attributes.get("count_include_pad", 0)), out=y.buf)
+    p.define(node, y)

@@ -1,0 +1,271 @@
+"""The Numba backend's op families against ONNX Runtime, on graphs torch.onnx exports from small modules.
+
+Each model is exported the way ``export_bundle`` does it (TorchScript exporter, opset 17,
+dynamic batch; the attention fast path off) and run at batch 1 and 3 on both backends
+with the same random inputs. Families: convolution and pooling over a (C, T) or
+(C, H, W) window; normalisation, softmax and attention over a (T, F) window; element-wise
+activations; the shape ops around them. A graph with an op the backend has no kernel
+for is refused naming the node and the op, and saying to use onnxruntime.
+
+Tolerance (every comparison here): fp32, ``|numba - ort| <= 1e-5 + 1e-4 |ort|`` per
+element. Sums run in a different order (SIMD lanes) and tanh/sigmoid/erf/exp are
+approximations within 4.2e-7; a wrong axis, stride or padding shows up as O(1) errors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import tracemalloc
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("onnxruntime")
+pytest.importorskip("numba")
+
+from torch import nn  # noqa: E402
+
+from closedloop.runtime import backend_report  # noqa: E402
+from closedloop.runtime.backends.base import BackendOptions  # noqa: E402
+from closedloop.runtime.backends.numba_backend import NumbaBackend  # noqa: E402
+from closedloop.runtime.backends.onnxruntime_backend import OrtCpuBackend  # noqa: E402
+from closedloop.runtime.errors import GraphUnsupportedError  # noqa: E402
+from closedloop.runtime.manifest import GraphSpec, TensorSpec  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning",
+                                        "ignore::torch.jit.TracerWarning")
+
+ATOL, RTOL = 1e-5, 1e-4
+
+
+class Fn(nn.Module):
+    """A module from a function of the input and some submodules (the test models below)."""
+
+    def __init__(self, fn, **mods):
+        super().__init__()
+        self.fn = fn
+        self.mods = nn.ModuleDict(mods)
+
+    def forward(self, x):
+        return self.fn(x, self.mods)
+
+
+def seq(*layers) -> nn.Module:
+    return nn.Sequential(*layers)
+
+
+def _trained_bn(channels: int) -> nn.BatchNorm1d:
+    bn = nn.BatchNorm1d(channels)
+    with torch.no_grad():  # running statistics other than 0/1, so folding them matters
+        bn.running_mean.uniform_(-1, 1)
+        bn.running_var.uniform_(0.5, 2)
+        bn.weight.uniform_(0.5, 1.5)
+        bn.bias.uniform_(-0.5, 0.5)
+    return bn
+
+
+def _slices(x, m):
+    """Slice with steps and negative steps, gathers at an index, by a progression and by a list, flips."""
+    a = x[:, 1:5, ::2]  # (B, 4, 5)
+    b = torch.flip(x, dims=[2])[:, :4, 3:8]  # negative step
+    c = x[:, [0, 3, 5], :5][:, :, [4, 0, 2, 1, 3]]  # gathers that are not progressions
+    d = x[:, 2, -5:].unsqueeze(1)  # a scalar index drops the axis
+    return torch.cat([a, b, c[:, :3], d], dim=1)  # concatenate on an inner axis
+
+
+def _moves(x, m):
+    """Transpose, reshape, split, chunk, concat on the last axis, squeeze/unsqueeze, expand."""
+    t = x.transpose(1, 2).reshape(x.shape[0], 5, 12)  # (B, 5, 12) from (B, 6, 10)
+    p, q = torch.split(t, [4, 8], dim=2)
+    u, v = t.chunk(2, dim=1)[0], t[:, 3:].unsqueeze(1).squeeze(1)
+    e = x[:, :1, :4].expand(-1, 5, -1)  # (B, 5, 4)
+    return torch.cat([torch.cat([q, p * 2.0, e], dim=2).flatten(1), u.flatten(1), v.flatten(1) * 3.0], dim=1)
+
+
+def _elementwise(x, m):
+    y = torch.nn.functional.silu(m["lin"](x))  # Sigmoid, then Mul of two activations
+    y = torch.nn.functional.leaky_relu(y, 0.1) + torch.nn.functional.elu(-y) + torch.nn.functional.softplus(y)
+    y = torch.nn.functional.hardswish(y) - torch.clamp(y, -0.5, 0.7) * y.pow(3) + torch.sqrt(torch.abs(y) + 1)
+    return torch.maximum(y, x.mean(-1, keepdim=True)) / (1.5 + torch.exp(-y.abs()))
+
+
+def _reductions(x, m):
+    """ReduceSum/Max/Min/Mean/L2 over inner and outer axes, GroupNorm (InstanceNormalization), Gemm with transposes."""
+    g = m["group"](x.transpose(1, 2)).flatten(1)  # (B, 10, 6): 2 groups of 5 channels
+    r = torch.cat([x.sum(1), x.amax(-1), x.amin(1), x.mean(-1), torch.linalg.vector_norm(x, dim=-1)], dim=1)
+    return torch.cat([g, r, m["lin"](x[:, 0]) @ m["lin"].weight], dim=1)
+
+
+def _attention(heads: int, mask: bool):
+    def fn(x, m):
+        t = x.shape[1]
+        causal = torch.triu(torch.full((t, t), float("-inf")), 1) if mask else None
+        return m["attn"](x, x, x, need_weights=False, attn_mask=causal)[0]
+
+    return lambda: Fn(fn, attn=nn.MultiheadAttention(32, heads, batch_first=True))
+
+
+def _encoder(**kw):
+    layer = nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True, **kw)
+    return seq(nn.TransformerEncoder(layer, 2, enable_nested_tensor=False), nn.Flatten(), nn.Linear(16 * 32, 5))
+
+
+CONV = {
+    "conv_pad_stride_dilation": ((8, 64), lambda: seq(
+        nn.Conv1d(8, 16, 5, padding=2), nn.ReLU(), nn.Conv1d(16, 24, 3, stride=2, dilation=2, padding=3), nn.Tanh(),
+        nn.Conv1d(24, 8, 4, stride=3), nn.Sigmoid(), nn.Flatten(), nn.Linear(8 * 10, 4))),
+    "conv_bn_maxpool_gelu_gap": ((8, 64), lambda: seq(
+        nn.Conv1d(8, 32, 5, padding=2), _trained_bn(32), nn.ReLU(), nn.MaxPool1d(3, stride=2, padding=1),
+        nn.Conv1d(32, 32, 3, padding="same"), nn.GELU(), nn.AdaptiveAvgPool1d(1), nn.Flatten(), nn.Linear(32, 4))),
+    "bn_on_input_avgpool_ceil": ((6, 31), lambda: seq(
+        _trained_bn(6), nn.Conv1d(6, 10, 3), nn.AvgPool1d(3, stride=2, padding=1, ceil_mode=True),
+        nn.AvgPool1d(2, ceil_mode=True, count_include_pad=False), nn.MaxPool1d(2, ceil_mode=True),
+        nn.AdaptiveMaxPool1d(1), nn.Flatten())),
+    "depthwise_and_pointwise": ((8, 40), lambda: seq(
+        nn.Conv1d(8, 8, 5, groups=8, padding=2), nn.GELU(approximate="tanh"), nn.Conv1d(8, 16, 1),
+        nn.Conv1d(16, 16, 3, groups=4), nn.Flatten())),
+    "conv2d_pools": ((3, 12, 14), lambda: seq(
+        nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(8, 12, (3, 2), stride=(1, 2),
+                                                                              dilation=(2, 1), padding=(2, 0)),
+        nn.AvgPool2d(2, ceil_mode=True), nn.Flatten(), nn.Linear(12 * 3 * 2, 4))),
+}
+ATTENTION = {
+    "layer_norm": ((16, 32), lambda: seq(nn.LayerNorm(32), nn.Linear(32, 8), nn.LayerNorm([16, 8]))),
+    "softmax_log_softmax": ((16, 32), lambda: Fn(lambda x, m: torch.softmax(x, -1) + torch.log_softmax(2 * x, 2))),
+    "multihead_attention": ((16, 32), _attention(4, mask=False)),
+    "causal_attention": ((16, 32), _attention(2, mask=True)),
+    "encoder_relu": ((16, 32), lambda: _encoder()),
+    "encoder_gelu_norm_first": ((16, 32), lambda: _encoder(activation="gelu", norm_first=True)),
+}
+SHAPES = {
+    "slices_gathers_concat": ((6, 10), lambda: Fn(_slices)),
+    "transpose_reshape_split_expand": ((6, 10), lambda: Fn(_moves)),
+    "elementwise": ((6, 10), lambda: Fn(_elementwise, lin=nn.Linear(10, 10))),
+    "reductions_group_norm": ((6, 10), lambda: Fn(_reductions, group=nn.GroupNorm(2, 10), lin=nn.Linear(10, 7))),
+}
+MODELS = {**CONV, **ATTENTION, **SHAPES}
+
+
+@contextlib.contextmanager
+def _no_attention_fast_path():
+    """torch's fused attention kernel has no ONNX form; export_bundle turns it off the same way."""
+    before = torch.backends.mha.get_fastpath_enabled()
+    torch.backends.mha.set_fastpath_enabled(False)
+    try:
+        yield
+    finally:
+        torch.backends.mha.set_fastpath_enabled(before)
+
+
+def export(module: nn.Module, in_shape: tuple, path, opset: int = 17):
+    """Export ``module`` (B, *in_shape) -> (B, ...) with a dynamic batch; returns (path, spec)."""
+    module.eval()
+    x = torch.randn(2, *in_shape)
+    with torch.no_grad():
+        out_shape = tuple(module(x).shape[1:])
+    with _no_attention_fast_path():
+        torch.onnx.export(module, (x,), str(path), dynamo=False, opset_version=opset, input_names=["x"],
+                          output_names=["y"], dynamic_axes={"x": {0: "batch"}, "y": {0: "batch"}})
+    spec = GraphSpec(file=path.name, kind="feedforward", inputs=[TensorSpec("x", "float32", ["batch", *in_shape])],
+                     outputs=[TensorSpec("y", "float32", ["batch", *out_shape])])
+    return path, spec
+
+
+@pytest.fixture(scope="module")
+def graphs(tmp_path_factory):
+    """Export each model once per module (exporting is the slow part)."""
+    tmp = tmp_path_factory.mktemp("numba_ops")
+    cache: dict = {}
+
+    def get(name: str, opset: int = 17):
+        if (name, opset) not in cache:
+            torch.manual_seed(sorted(MODELS).index(name))
+            in_shape, make = MODELS[name]
+            cache[(name, opset)] = export(make(), in_shape, tmp / f"{name}_{opset}.onnx", opset)
+        return cache[(name, opset)]
+
+    return get
+
+
+def assert_matches_onnxruntime(path, spec, batch: int, runs: int = 2) -> NumbaBackend:
+    opts = BackendOptions(batch=batch)
+    nb, ort = NumbaBackend(path, spec, opts), OrtCpuBackend(path, spec, opts)
+    rng = np.random.default_rng(batch)
+    for _ in range(runs):
+        nb.inputs["x"][...] = rng.standard_normal(nb.inputs["x"].shape) * 1.5
+        ort.inputs["x"][...] = nb.inputs["x"]
+        nb.run()
+        ort.run()
+        np.testing.assert_allclose(nb.outputs["y"], ort.outputs["y"], rtol=RTOL, atol=ATOL)
+    return nb
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("name", sorted(CONV))
+def test_convolution_and_pooling_match_onnxruntime(graphs, name, batch):
+    assert_matches_onnxruntime(*graphs(name), batch)
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("name", sorted(ATTENTION))
+def test_normalisation_softmax_and_attention_match_onnxruntime(graphs, name, batch):
+    assert_matches_onnxruntime(*graphs(name), batch)
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("name", sorted(SHAPES))
+def test_shape_ops_and_elementwise_match_onnxruntime(graphs, name, batch):
+    assert_matches_onnxruntime(*graphs(name), batch)
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_decomposed_layer_norm_of_older_opsets_matches_onnxruntime(graphs, batch):
+    """Below opset 17 torch writes LayerNorm as ReduceMean, Sub, Pow, Sqrt, Div, Mul, Add."""
+    path, spec = graphs("encoder_relu", opset=14)
+    ops = {n.op_type for n in NumbaBackend(path, spec)._model.nodes}
+    assert "LayerNormalization" not in ops and {"ReduceMean", "Pow", "Sqrt"} <= ops
+    assert_matches_onnxruntime(path, spec, batch)
+
+
+def test_fusion_leaves_one_step_per_layer(graphs):
+    # conv+BN(folded by torch)+ReLU, maxpool, conv+GELU (five nodes matched as one), global pool, dense
+    assert len(NumbaBackend(*graphs("conv_bn_maxpool_gelu_gap"))._program) == 5
+
+
+@pytest.mark.parametrize("name", ["conv_bn_maxpool_gelu_gap", "encoder_gelu_norm_first", "transpose_reshape_split_expand"])
+def test_run_allocates_nothing(graphs, name):
+    nb = NumbaBackend(*graphs(name))
+    nb.inputs["x"][...] = 0.5
+    nb.run()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.take_snapshot()
+        for _ in range(300):
+            nb.run()
+        after = tracemalloc.take_snapshot()
+    finally:
+        tracemalloc.stop()
+    grown = sum(s.size_diff for s in after.compare_to(before, "filename") if s.size_diff > 0)
+    assert grown < 1024, f"{name}: run() allocated {grown} bytes over 300 calls"
+
+
+# -- refusing what it cannot run ---------------------------------------------------------
+REFUSED = {
+    # op with no kernel: the message names the ONNX op and the node, and says what to do
+    "topk": ((6, 10), lambda: Fn(lambda x, m: torch.topk(x, 3, dim=-1).values.flatten(1)), "TopK", "/TopK"),
+    "cumsum": ((6, 10), lambda: Fn(lambda x, m: torch.cumsum(x, 1)), "CumSum", "/CumSum"),
+    # supported op, unsupported use: the node and the reason
+    "softmax_middle_axis": ((6, 10), lambda: Fn(lambda x, m: torch.softmax(x, 1)), "Softmax", "/Softmax"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED))
+def test_unsupported_graph_is_refused_naming_node_and_op(tmp_path, name):
+    in_shape, make, op, node = REFUSED[name]
+    path, spec = export(make(), in_shape, tmp_path / f"{name}.onnx")
+    verdict = backend_report(path, spec)["numba"]  # what `closedloop backends BUNDLE` prints
+    assert not verdict
+    assert op in verdict.reason and repr(node) in verdict.reason and "--backend onnxruntime" in verdict.reason
+    with pytest.raises(GraphUnsupportedError, match=op):
+        NumbaBackend(path, spec)
