@@ -1,7 +1,8 @@
 """Write a bundle folder (or zip) atomically: files first, ``manifest.json`` last.
 
 This is the only place a bundle is written. Every file's SHA-256 and size go into
-``manifest.files``; the manifest is written after every file it names, and the
+``manifest.files``, and the manifest's ``integrity`` digest over all of it
+(``closedloop.runtime.integrity.seal_manifest``); the manifest is written after every file it names, and the
 whole folder is built in a temporary sibling and renamed into place
 (``closedloop.common.atomic.atomic_directory``), so a crash mid-write leaves either nothing
 or the previous bundle at the target, never something that loads. Before the
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import os
 import shutil
 import tempfile
@@ -23,7 +25,9 @@ from dataclasses import replace
 from pathlib import Path, PurePosixPath
 
 from closedloop.common.atomic import atomic_directory, fsync_dir
+from closedloop.runtime.integrity import seal_manifest
 from closedloop.runtime.manifest import MANIFEST_NAME, Manifest
+from closedloop.runtime.signing import SIGNATURE_NAME
 
 from .errors import ExportError
 
@@ -40,8 +44,8 @@ def _check_relpath(rel: str) -> str:
             f"bundle file name {rel!r} is not a plain relative POSIX path (like 'main.onnx' or "
             "'engines/main.engine'); rename it"
         )
-    if rel == MANIFEST_NAME:
-        raise ExportError(f"bundle file name {rel!r} is reserved for the manifest; rename the file")
+    if rel in (MANIFEST_NAME, SIGNATURE_NAME):
+        raise ExportError(f"bundle file name {rel!r} is reserved for the manifest and its signature; rename the file")
     return rel
 
 
@@ -88,7 +92,13 @@ def _fill(root: Path, manifest: Manifest, blobs: dict[str, bytes]) -> None:
     for rel, data in blobs.items():
         _write_file(root, rel, data)
     # The manifest goes last: a folder without it is never taken for a bundle.
-    _write_file(root, MANIFEST_NAME, manifest.to_json().encode("utf-8"))
+    _write_file(root, MANIFEST_NAME, manifest_bytes(manifest))
+
+
+def manifest_bytes(manifest: Manifest) -> bytes:
+    """``manifest.json`` as written: the manifest and its ``integrity`` digest, over exactly what a reader parses."""
+    raw = json.loads(manifest.to_json())
+    return (json.dumps(seal_manifest(raw), indent=2) + "\n").encode("utf-8")
 
 
 def _zip_folder(folder: Path, dest: Path) -> None:

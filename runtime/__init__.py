@@ -24,6 +24,7 @@ from .model import Model
 from .recording import RecordingReader, RecordingWriter, RecordType
 from .replay import ReplayReport, replay_recording
 from .session import DeviceMismatchError, Session, SessionConfig, SessionError, SessionSummary, run_session
+from .signing import SigningError, TrustedKeys, generate_key_pair, seal_manifest, sign_bundle
 from .stats import LoopSummary
 from .timing import BenchConfig, BundleBench, bench_bundle, format_bench_table
 
@@ -52,6 +53,8 @@ __all__ = [
     "SessionConfig",
     "SessionError",
     "SessionSummary",
+    "SigningError",
+    "TrustedKeys",
     "DeviceMismatchError",
     "replay_recording",
     "run_session",
@@ -71,7 +74,10 @@ __all__ = [
     "check_bundle",
     "create_backend",
     "format_bench_table",
+    "generate_key_pair",
     "get_family",
     "load_bundle",
     "register_family",
+    "seal_manifest",
+    "sign_bundle",
 ]

@@ -4,7 +4,10 @@
 that misses a file, has a file whose SHA-256 differs from the manifest, has an
 unknown schema version, whose graphs' inputs or outputs do not match the manifest,
 or whose family plug-in rejects it (for example an observer whose certificate no
-longer holds). ``check_bundle`` returns every problem instead of raising on the
+longer holds). It also refuses a manifest whose fields changed after export (its
+``integrity`` digest, ``closedloop.runtime.integrity``), a listed file that is a symbolic
+link or lies outside the bundle folder, and, given trusted keys, a bundle that no
+trusted key signed. ``check_bundle`` returns every problem instead of raising on the
 first, for ``closedloop inspect``.
 """
 
@@ -12,6 +15,8 @@ from __future__ import annotations
 
 import atexit
 import hashlib
+import json
+import os
 import shutil
 import tempfile
 import zipfile
@@ -19,8 +24,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import BundleError
-from .manifest import MANIFEST_NAME, GraphSpec, Manifest, TensorSpec
+from .integrity import INTEGRITY_FIELD, integrity_problem, manifest_digest
+from .manifest import MANIFEST_NAME, SUPPORTED_SCHEMA_VERSIONS, GraphSpec, Manifest, TensorSpec
 from .onnx_reader import OnnxFormatError, OnnxModel, read_onnx
+from .signing import SIGNATURE_NAME, TrustedKeys, TrustSpec, as_trusted_keys, signature_problem
 
 
 def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
@@ -39,6 +46,10 @@ class Bundle:
     manifest: Manifest
     source: Path
     checksums_verified: bool = True
+    #: SHA-256 of the manifest's canonical form (None: written before manifests had one)
+    digest: str | None = None
+    #: id of the trusted key whose signature was verified at load (None: no trust was configured)
+    signed_by: str | None = None
     _onnx: dict[str, OnnxModel] = field(default_factory=dict, repr=False)
 
     def graph(self, name: str = "main") -> GraphSpec:
@@ -155,10 +166,26 @@ def _referenced_paths(manifest: Manifest) -> list[tuple[str, object]]:
     return out
 
 
+def _link_problem(root: Path, rel: str) -> str | None:
+    """Why ``root/rel`` is not a regular file inside the bundle folder: a symbolic link on the way, or outside."""
+    here = root
+    for part in rel.split("/"):
+        here = here / part
+        if here.is_symlink():
+            what = f"file {rel}" if here == root / rel else f"folder {here.relative_to(root)} (holding file {rel})"
+            return (f"{what}: is a symbolic link (to {os.readlink(here)}); a bundle's files must be regular files "
+                    "inside its folder: copy the file in instead of linking it")
+    if here.exists() and not here.resolve().is_relative_to(root.resolve()):
+        return f"file {rel}: resolves to {here.resolve()}, outside the bundle folder; refusing to read it"
+    return None
+
+
 def _collect_problems(root: Path, manifest: Manifest, verify_checksums: bool) -> tuple[list[str], list[str]]:
     problems: list[str] = []
     notes: list[str] = []
     bad_paths = [f"{where}: {why}" for where, rel in _referenced_paths(manifest) if (why := _path_problem(rel))]
+    if not bad_paths:
+        bad_paths = [why for rel in manifest.files if (why := _link_problem(root, rel))]
     if bad_paths:
         return bad_paths, notes  # nothing outside the bundle is opened, not even to hash it
     for rel, meta in manifest.files.items():
@@ -184,7 +211,9 @@ def _collect_problems(root: Path, manifest: Manifest, verify_checksums: bool) ->
         notes.append("checksums NOT verified (asked to skip); do not run this bundle on hardware")
     for gname, spec in manifest.graphs.items():
         where = f"graph {gname!r} (file {spec.file})"
+        # an engine is deserialised by TensorRT: it must have a checksum like any graph
         files = [spec.file] + [v["file"] for v in spec.variants.values()]
+        files += [e.get("file") for e in spec.tensorrt_engines if isinstance(e, dict)]
         for f in files:
             if f not in manifest.files:
                 problems.append(f"{where}: file {f} is not listed in the manifest's files, so it has no checksum")
@@ -211,18 +240,48 @@ def _collect_problems(root: Path, manifest: Manifest, verify_checksums: bool) ->
     return problems, notes
 
 
-def _read_manifest(root: Path, source: Path) -> Manifest:
+class _Refused(BundleError):
+    """A refusal found before the manifest is parsed (its digest, its signature); ``problem`` is the one line."""
+
+    def __init__(self, source: Path, problem: str):
+        super().__init__(f"bundle {source} refused:\n  - {problem}")
+        self.problem = problem
+
+
+def _read_raw(root: Path, source: Path) -> tuple[dict, str]:
+    """``manifest.json`` as its JSON object, with its digest checked, and the SHA-256 of its bytes (both signed)."""
     mpath = root / MANIFEST_NAME
+    if mpath.is_symlink():
+        raise BundleError(f"bundle {source}: {MANIFEST_NAME} is a symbolic link (to {os.readlink(mpath)}); a bundle's "
+                          "files must be regular files inside its folder")
     if not mpath.is_file():
         raise BundleError(
             f"bundle {source}: {MANIFEST_NAME} is missing; this is not a bundle or it was not written completely"
         )
+    data = mpath.read_bytes()
     try:
-        text = mpath.read_text(encoding="utf-8")
+        text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise BundleError(f"bundle {source}: {MANIFEST_NAME} is not UTF-8 ({exc}); the bundle is damaged, "
                           "re-export it") from exc
-    return Manifest.from_json(text, source=f"{source}/{MANIFEST_NAME}")
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise BundleError(f"{source}/{MANIFEST_NAME}: not valid JSON ({exc}); the bundle is damaged, re-export it") from exc
+    # the digest before the other checks (an edited field is named as edited, not as whatever else it breaks),
+    # but after the schema version: a manifest of a version this reader does not know is refused as that
+    if _known_version(raw) and (why := integrity_problem(raw)):
+        raise _Refused(source, f"{MANIFEST_NAME}: {why}")
+    return raw, hashlib.sha256(data).hexdigest()
+
+
+def _known_version(raw: object) -> bool:
+    return isinstance(raw, dict) and type(raw.get("schema_version")) is int \
+        and raw["schema_version"] in SUPPORTED_SCHEMA_VERSIONS
+
+
+def _read_manifest(root: Path, source: Path) -> Manifest:
+    return Manifest.from_dict(_read_raw(root, source)[0], source=f"{source}/{MANIFEST_NAME}")
 
 
 def _open(path: str | Path) -> tuple[Path, Path]:
@@ -233,35 +292,89 @@ def _open(path: str | Path) -> tuple[Path, Path]:
     return root, source
 
 
-def check_bundle(path: str | Path, verify_checksums: bool = True) -> tuple[Manifest | None, list[str], list[str]]:
-    """Return ``(manifest, problems, notes)`` without raising for the bundle's own faults."""
-    root, source = _open(path)
-    try:
-        manifest = _read_manifest(root, source)
-    except BundleError as exc:
-        return None, [str(exc)], []
-    problems, notes = _collect_problems(root, manifest, verify_checksums)
+def _signer(root: Path, source: Path, raw: dict, raw_sha: str, trusted: TrustedKeys | None, verify_checksums: bool,
+            notes: list[str]) -> str | None:
+    """The id of the trusted key that signed the bundle; ``BundleError`` if none did. Without trust, a note."""
+    if trusted is None:
+        if (root / SIGNATURE_NAME).is_file():
+            notes.append(f"{SIGNATURE_NAME} present, not checked: no trusted keys given (--trust)")
+        elif INTEGRITY_FIELD not in raw:
+            notes.append("no manifest digest (written before closedloop had one): field edits cannot be detected")
+        return None
+    problem, key = signature_problem(root, raw, raw_sha, trusted) if _known_version(raw) else (None, None)
+    if not verify_checksums:
+        problem = ("trusted keys were given but checksums are skipped: a signature vouches for the files only "
+                   "through their checksums; run with trust, or skip checksums without it")
+    if problem:  # refused before anything else is read: nothing in an untrusted manifest is worth parsing
+        raise _Refused(source, problem)
+    if key is not None:
+        notes.append(f"signed by {key.describe()}: signature verified")
+    return key.key_id if key else None
+
+
+def _verify(root: Path, source: Path, verify_checksums: bool,
+            trusted: TrustedKeys | None) -> tuple[Bundle, list[str], list[str]]:
+    """Check an opened bundle: manifest digest, signature (under trust), files, graphs, then the family."""
+    raw, raw_sha = _read_raw(root, source)
+    notes: list[str] = []
+    signed_by = _signer(root, source, raw, raw_sha, trusted, verify_checksums, notes)
+    manifest = Manifest.from_dict(raw, source=f"{source}/{MANIFEST_NAME}")
+    problems, more = _collect_problems(root, manifest, verify_checksums)
+    bundle = Bundle(root=root, manifest=manifest, source=source, checksums_verified=verify_checksums,
+                    digest=manifest_digest(raw) if INTEGRITY_FIELD in raw else None, signed_by=signed_by)
     if not problems:
         from .families import family_problems  # local: families import the session machinery
 
-        problems += family_problems(Bundle(root=root, manifest=manifest, source=source))
-    return manifest, problems, notes
+        problems = family_problems(bundle)
+    return bundle, problems, notes + more
 
 
-def load_bundle(path: str | Path, verify_checksums: bool = True) -> Bundle:
+def check_bundle(path: str | Path, verify_checksums: bool = True,
+                 trust: TrustSpec = None) -> tuple[Manifest | None, list[str], list[str]]:
+    """Return ``(manifest, problems, notes)`` without raising for the bundle's own faults.
+
+    ``trust``: public key files or folders of them (``TrustedKeys``); the bundle must then be
+    signed by one of them. A bad key file raises ``SigningError``.
+    """
+    trusted = as_trusted_keys(trust)  # a bad key file is the caller's fault: raised, not listed
+    root, source = _open(path)
+    try:
+        bundle, problems, notes = _verify(root, source, verify_checksums, trusted)
+    except _Refused as exc:
+        return None, [exc.problem], []
+    except BundleError as exc:
+        return None, [str(exc)], []
+    return bundle.manifest, problems, notes
+
+
+def load_bundle(path: str | Path, verify_checksums: bool = True, trust: TrustSpec = None) -> Bundle:
     """Load a bundle folder or zip and verify it; raise ``BundleError`` naming every problem.
 
     ``verify_checksums=False`` exists only for fault-injection studies that model
     corruption in memory; such a bundle says so in ``Bundle.checksums_verified``.
+    ``trust``: public key files or folders of ``*.pub`` files (or ``TrustedKeys``); a bundle
+    not signed by one of them is refused (docs/bundle.md, "Signatures and integrity").
     """
+    trusted = as_trusted_keys(trust)
     root, source = _open(path)
-    manifest = _read_manifest(root, source)
-    problems, _notes = _collect_problems(root, manifest, verify_checksums)
-    bundle = Bundle(root=root, manifest=manifest, source=source, checksums_verified=verify_checksums)
-    if not problems:
-        from .families import family_problems
-
-        problems = family_problems(bundle)
+    bundle, problems, _notes = _verify(root, source, verify_checksums, trusted)
     if problems:
-        raise BundleError(f"bundle {source} refused:\n  - " + "\n  - ".join(problems))
+        raise BundleError(f"bundle {bundle.source} refused:\n  - " + "\n  - ".join(problems))
+    return bundle
+
+
+def ensure_trusted(bundle: Bundle, trust: TrustSpec) -> Bundle:
+    """Return ``bundle`` if ``trust`` is empty or one of its keys signed it; else raise ``BundleError``.
+
+    For a bundle loaded earlier (``Model(bundle, trust=...)``): a bundle loaded under the same
+    keys passes at once; any other is checked now, and its manifest must still be the one loaded.
+    """
+    trusted = as_trusted_keys(trust)
+    if trusted is None or (bundle.signed_by is not None and trusted.find(bundle.signed_by) is not None):
+        return bundle
+    raw, raw_sha = _read_raw(bundle.root, bundle.source)
+    key = _signer(bundle.root, bundle.source, raw, raw_sha, trusted, bundle.checksums_verified, [])
+    if bundle.digest is None or manifest_digest(raw) != bundle.digest:
+        raise _Refused(bundle.source, f"{MANIFEST_NAME} changed on disk since the bundle was loaded; load it again")
+    bundle.signed_by = key
     return bundle

@@ -23,7 +23,8 @@ from pathlib import Path
 import numpy as np
 
 from .backends import BackendChoice, BackendOptions, create_backend
-from .bundle import Bundle, load_bundle
+from .bundle import Bundle, ensure_trusted, load_bundle
+from .signing import TrustSpec
 from .window import FrameWindow
 
 
@@ -39,6 +40,9 @@ class Model:
         every available backend on this graph and keeps the fastest at p99.
     variant
         ``None``/``"fp32"``, or a variant the bundle holds (``"fp16"``, ``"int8"``).
+    trust
+        Public key files or folders of ``*.pub`` files: refuse a bundle none of them signed
+        (docs/bundle.md, "Signatures and integrity"). ``None``: unsigned bundles load.
     """
 
     def __init__(
@@ -48,8 +52,9 @@ class Model:
         graph: str = "main",
         variant: str | None = None,
         options: BackendOptions | None = None,
+        trust: TrustSpec = None,
     ):
-        self.bundle = bundle if isinstance(bundle, Bundle) else load_bundle(bundle)
+        self.bundle = ensure_trusted(bundle, trust) if isinstance(bundle, Bundle) else load_bundle(bundle, trust=trust)
         self.spec = self.bundle.graph(graph)
         self.graph_name, self.variant = graph, variant
         path = self.bundle.graph_path(graph, variant)

@@ -80,6 +80,8 @@ class SessionConfig:
     # Values of the data inputs the device does not stream (a goal, a mode): {input name: values}.
     # Each is held until a message mapped to it (extra.session.inputs) sets it again.
     inputs: dict[str, Any] = field(default_factory=dict)
+    # Public key files or folders of *.pub files: refuse a bundle none of them signed (docs/bundle.md).
+    trust: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -180,8 +182,8 @@ class Session:
     def __init__(self, bundle: Bundle | str | Path, config: SessionConfig, out: TextIO | None = None):
         self.config = config
         self.out = out if out is not None else sys.stderr
-        self.bundle = bundle if isinstance(bundle, Bundle) else load_bundle(bundle)
-        self.model = Model(self.bundle, backend=config.backend, variant=config.variant)
+        self.bundle = bundle if isinstance(bundle, Bundle) else load_bundle(bundle, trust=config.trust or None)
+        self.model = Model(self.bundle, backend=config.backend, variant=config.variant, trust=config.trust or None)
         self.family: FamilyPlugin = get_family(self.bundle.manifest.family)(self.bundle, self.model)
         try:
             self.family.set_held_inputs(dict(config.inputs))

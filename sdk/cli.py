@@ -24,16 +24,23 @@ def command(name: str, help: str, setup: Callable[[argparse.ArgumentParser], Non
     return deco
 
 
+def _trust_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--trust", action="append", default=[], metavar="PATH",
+                   help="a trusted public key (NAME.pub from closedloop keygen) or a folder of them; repeatable. "
+                        "Given, a bundle must be signed by one of these keys (docs/bundle.md)")
+
+
 def _inspect_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("bundle", help="bundle folder or zip")
     p.add_argument("--json", action="store_true", help="print the manifest and problems as JSON")
+    _trust_arg(p)
 
 
 @command("inspect", "print a bundle's manifest and verify it", _inspect_args)
 def _inspect(a: argparse.Namespace) -> int:
     from .inspect_bundle import inspect_bundle
 
-    text, ok = inspect_bundle(a.bundle, as_json=a.json)
+    text, ok = inspect_bundle(a.bundle, as_json=a.json, trust=a.trust)
     print(text)
     return 0 if ok else 1
 
@@ -73,11 +80,15 @@ def _run_args(p: argparse.ArgumentParser) -> None:
                         "$CLOSEDLOOP_WEIGHTS_KEY_FILE / $CLOSEDLOOP_WEIGHTS_KEY)")
     p.add_argument("--scrub", choices=("auto", "off"), default="auto",
                    help="weight scrubbing of a protected bundle in the loop's idle time (default auto)")
+    p.add_argument("--skip-checksum", action="store_true",
+                   help="FAULT-INJECTION EXPERIMENTS ONLY: run a bundle whose file checksums fail (a copy written by "
+                        "closedloop inject-faults); never for a bundle that drives real hardware")
     p.add_argument("--input", action="append", default=[], metavar="NAME=V1,V2,...",
                    help="value of a model input the device does not stream (a goal, a mode); repeat per input")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quiet", action="store_true", help="no live status line")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    _trust_arg(p)
 
 
 def _held_inputs(given: list[str]) -> dict[str, list[float]]:
@@ -94,6 +105,21 @@ def _held_inputs(given: list[str]) -> dict[str, list[float]]:
     return values
 
 
+def _run_bundle(a: argparse.Namespace):
+    """The bundle path, or with ``--skip-checksum`` the bundle loaded without its checksums, said loudly."""
+    if not a.skip_checksum:
+        return a.bundle
+    if getattr(a, "trust", None):
+        raise ValueError("--skip-checksum cannot be combined with --trust: a trusted bundle is verified in every byte")
+    from closedloop.runtime import load_bundle
+
+    bar = "!" * 78
+    print(f"{bar}\n!! WARNING: --skip-checksum: {a.bundle} is run WITHOUT verifying its SHA-256 checksums.\n"
+          "!! For fault-injection experiments only (a copy from closedloop inject-faults): a corrupted or altered\n"
+          f"!! bundle runs as if it were good. Never use it to drive hardware that matters.\n{bar}", file=sys.stderr)
+    return load_bundle(a.bundle, verify_checksums=False)
+
+
 @command("run", "run a bundle in the real-time loop against a device (or synthetic frames)", _run_args)
 def _run(a: argparse.Namespace) -> int:
     if a.device:
@@ -102,21 +128,25 @@ def _run(a: argparse.Namespace) -> int:
         cfg = SessionConfig(
             device=a.device, backend=a.backend, variant=a.variant, duration_s=a.duration, rate_hz=a.rate,
             record=a.record, watchdog_s=a.watchdog, overrun=a.overrun, key=a.key, status=not a.quiet,
-            weights_key_file=a.weights_key_file, scrub=a.scrub, inputs=_held_inputs(a.input),
+            weights_key_file=a.weights_key_file, scrub=a.scrub, inputs=_held_inputs(a.input), trust=a.trust,
         )
-        summary = run_session(a.bundle, cfg)
+        summary = run_session(_run_bundle(a), cfg)
         print(json.dumps(summary.to_dict(), indent=2, default=str) if a.json else summary.format())
         return 0
-    device_only = [flag for flag, value in (("--record", a.record), ("--key", a.key),
-                                            ("--weights-key-file", a.weights_key_file)) if value]
+    device_only = [flag for flag, value in (("--record", a.record), ("--key", a.key)) if value]
     if device_only:
         print(f"error: {' and '.join(device_only)} need{'s' if len(device_only) == 1 else ''} --device: without a device the loop runs on synthetic "
               "frames, with no link to sign and nothing to record", file=sys.stderr)
         return 2
-    from closedloop.runtime import LoopConfig, Model, RealTimeLoop, get_family, load_bundle
+    from closedloop.runtime import LoopConfig, Model, RealTimeLoop, SessionConfig, get_family, load_bundle
+    from closedloop.runtime.protect.scrubber import session_scrubber
 
-    bundle = load_bundle(a.bundle)
+    bundle = _run_bundle(a)
+    bundle = load_bundle(bundle, trust=a.trust or None) if isinstance(bundle, str) else bundle
     model = Model(bundle, backend=a.backend, variant=a.variant)
+    # a protected bundle is scrubbed in the loop's idle time as a session does (same defaults: budget, policy)
+    scrub = session_scrubber(model, SessionConfig(device="(synthetic frames)", scrub=a.scrub,
+                                                  weights_key_file=a.weights_key_file))
     fam = get_family(bundle.manifest.family)(bundle, model)
     held = _held_inputs(a.input)
     for name in fam.held_inputs():  # synthetic frames: a held input nobody gave is zeros
@@ -140,8 +170,23 @@ def _run(a: argparse.Namespace) -> int:
             model.run()
             fam.postprocess()
 
-    summary = RealTimeLoop(LoopConfig(rate_hz=rate, duration_s=duration, overrun=a.overrun)).run(step)
-    print(json.dumps(summary.to_dict(), indent=2) if a.json else summary.format())
+    loop = RealTimeLoop(LoopConfig(rate_hz=rate, duration_s=duration, overrun=a.overrun))
+
+    def idle(k: int, budget_ns: int) -> None:
+        if scrub.on_idle(budget_ns) == "stop":  # an unrepairable block under policy "stop"
+            loop.stop()
+
+    summary = loop.run(step, on_idle=idle if scrub is not None else None)
+    sc = scrub.summary() if scrub is not None else {}
+    if a.json:
+        print(json.dumps(summary.to_dict() | ({"scrub": sc} if sc else {}), indent=2))
+        return 0
+    print(summary.format())
+    if sc:
+        print(f"  weights scrubbed: {sc['full_passes']} full passes, repaired {sc['repaired']}, restored "
+              f"{sc['restored']}, unrepairable {sc['unrepairable']} (full scrub {sc['full_scrub_us']:.0f} us)")
+        for line in sc["events"][:5]:
+            print(f"    {line}")
     return 0
 
 
@@ -324,6 +369,38 @@ def _certify(a: argparse.Namespace) -> int:
     text = certify_bundle(a.bundle)
     print(text)
     return 0 if text.rstrip().endswith("PASS") else 1
+
+
+def _keygen_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("name", nargs="?", default="lab",
+                   help="writes NAME.key (private: keep it off boards, mode 0600) and NAME.pub (give it to boards); "
+                        "default lab")
+    p.add_argument("--force", action="store_true", help="replace an existing key pair of that name")
+
+
+@command("keygen", "make an Ed25519 key pair for signing bundles (NAME.key, NAME.pub)", _keygen_args)
+def _keygen(a: argparse.Namespace) -> int:
+    from closedloop.runtime.signing import generate_key_pair
+
+    key, pub, kid = generate_key_pair(a.name, overwrite=a.force)
+    print(f"wrote {key} (private: sign with it, keep it secret) and {pub} (public: --trust {pub} on boards); key id {kid}")
+    return 0
+
+
+def _sign_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("bundle", help="bundle folder or zip to sign (verified first; manifest.sig is written into it)")
+    p.add_argument("--key", required=True, help="private key file (NAME.key from closedloop keygen)")
+
+
+@command("sign", "sign a bundle with a lab's private key, so boards that trust the public key run it", _sign_args)
+def _sign(a: argparse.Namespace) -> int:
+    from closedloop.runtime.signing import sign_bundle
+
+    r = sign_bundle(a.bundle, a.key)
+    print(f"signed {r.bundle} with key {r.key_id}: manifest digest {r.digest[:16]}..., signature in {r.signature_file}"
+          + (" (added the manifest digest: the bundle predates it)" if r.sealed else "")
+          + (f"; kept {r.kept} other signature(s)" if r.kept else ""))
+    return 0
 
 
 def _device_passthrough(argv: list[str]) -> int:

@@ -85,9 +85,9 @@ def _brief(v) -> str:
     return s if len(s) <= 60 else s[:57] + "..."
 
 
-def inspect_bundle(path: str, as_json: bool = False) -> tuple[str, bool]:
-    """Return (text, ok)."""
-    manifest, problems, notes = check_bundle(path)
+def inspect_bundle(path: str, as_json: bool = False, trust: list[str] | None = None) -> tuple[str, bool]:
+    """Return (text, ok); with ``trust`` (public keys or folders of them) the bundle must be signed by one."""
+    manifest, problems, notes = check_bundle(path, trust=trust or None)
     if as_json:
         return json.dumps(
             {"manifest": manifest.to_dict() if manifest else None, "problems": problems, "notes": notes}, indent=2

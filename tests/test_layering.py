@@ -2,7 +2,7 @@
 
     common          -> stdlib, numpy
     firmware_bridge -> common, numpy, pyserial
-    runtime         -> firmware_bridge, common, numpy, numba, onnxruntime, (tensorrt, cuda)
+    runtime         -> firmware_bridge, common, numpy, numba, onnxruntime, cryptography, (tensorrt, cuda)
     sim             -> firmware_bridge, common, numpy, pybullet, gymnasium
     export          -> runtime, firmware_bridge, common, torch, onnx, onnxruntime, (tensorrt)
     sdk             -> everything
@@ -29,7 +29,7 @@ FOLDERS = {"common": ROOT / "closedloop" / "common", "firmware_bridge": ROOT / "
 THIRD_PARTY = {
     "common": {"numpy"},
     "firmware_bridge": {"numpy", "serial"},
-    "runtime": {"numpy", "numba", "onnxruntime", "tensorrt", "cuda", "llvmlite"},
+    "runtime": {"numpy", "numba", "onnxruntime", "cryptography", "tensorrt", "cuda", "llvmlite"},
     "sim": {"numpy", "pybullet", "pybullet_data", "gymnasium"},
     "export": {"numpy", "torch", "onnx", "onnxruntime", "tensorrt"},
     "sdk": None,  # the user-facing layer may import anything

@@ -27,8 +27,11 @@ def fsync_dir(path: str | Path) -> None:
             os.close(fd)
 
 
-def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
-    """Write ``data`` to ``path`` so that readers see the old file or the whole new one."""
+def atomic_write_bytes(path: str | Path, data: bytes, mode: int | None = None) -> Path:
+    """Write ``data`` to ``path`` so that readers see the old file or the whole new one.
+
+    ``mode`` sets the file's permission bits (a private key's ``0o600``); None keeps ``mkstemp``'s.
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
@@ -37,6 +40,8 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
+        if mode is not None:
+            os.chmod(tmp, mode)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):

@@ -30,12 +30,14 @@ def _window_permutation(n: int, window: int, seed: np.uint64) -> np.ndarray:
     return perm
 
 
-def _scan(words, table, pos, seg, tol0, tol1, b0, b1, out):
+def _scan(words, table, pos, seg, tol0, tol1, ref0, ref1, b0, b1, out):
     """Indices of blocks in [b0, b1) whose syndromes exceed their tensor's tolerances.
 
     ``words`` are the weights themselves (float32, int8) when ``table`` is empty, or float16
     weights read as uint16 words and decoded through ``table`` (65536 entries). The branch is
     the same every element, so it costs nothing measurable (timed against one kernel per dtype).
+    ``ref0``/``ref1`` are each block's clean sums: zero for a constrained block, stored for a
+    guarded one (docs/robustness.md).
     """
     n = 0
     k = pos.shape[1]
@@ -51,7 +53,7 @@ def _scan(words, table, pos, seg, tol0, tol1, b0, b1, out):
                     v = float(table[int(words[p])]) if decode else float(words[p])
                     s0 += v
                     s1 += j * v
-            if not (abs(s0) <= a and abs(s1) <= c):  # NaN fails too
+            if not (abs(s0 - ref0[b]) <= a and abs(s1 - ref1[b]) <= c):  # NaN fails too
                 if n < out.size:
                     out[n] = b
                 n += 1

@@ -15,6 +15,7 @@ re-exports everything here). No torch, and numba only when a keyed layout is bui
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import hmac
 import os
@@ -64,13 +65,15 @@ def read_key(key: bytes | str | None = None, key_file: str | Path | None = None)
     return bytes.fromhex(env) if env else None
 
 
-def block_positions(n: int, k: int, key: bytes | None = None, name: str = "", window: int = 4096) -> np.ndarray:
+def block_positions(n: int, k: int, key: bytes | None = None, name: str = "", window: int = 4096,
+                    min_last: int = MIN_BLOCK) -> np.ndarray:
     """Block membership of a tensor of ``n`` elements: ``(blocks, k)`` flat indices, ``-1`` padding.
 
     Unkeyed, block ``b`` is elements ``b*k .. b*k+k-1`` of the flattened tensor. Keyed, the
     elements are first permuted inside windows of ``window`` (a multiple of ``k``, which keeps
     a block's members close in memory) by a permutation seeded from HMAC(key, name). A last
-    block of fewer than three members is left out (unprotected).
+    block of fewer than ``min_last`` members is left out (a constrained block needs three to
+    leave any freedom; a guarded block, whose sums are stored, can have one).
     """
     if window % k:
         raise ValueError(f"window {window} must be a multiple of the block size k={k}")
@@ -83,7 +86,7 @@ def block_positions(n: int, k: int, key: bytes | None = None, name: str = "", wi
     pos: np.ndarray = np.full(nb * k, -1, dtype=np.int64)
     pos[:n] = perm
     pos = pos.reshape(nb, k)
-    if nb and n - (nb - 1) * k < MIN_BLOCK:
+    if nb and n - (nb - 1) * k < min_last:
         pos = pos[:-1]
     return pos
 
@@ -105,6 +108,55 @@ def tolerances(values: np.ndarray, pos: np.ndarray) -> tuple[float, float]:
     top = float(np.max(np.abs(values))) if np.size(values) else 0.0
     floor = 64.0 * k * 2.0**-52 * top * k
     return max(2.0 * float(np.max(np.abs(s0), initial=0.0)), floor), max(2.0 * float(np.max(np.abs(s1), initial=0.0)), floor * k)
+
+
+# --- guarded tensors: stored block sums -----------------------------------------------------
+#
+# Biases, a GRU's joined bias, int8 scales and other small tensors are not constrained (a
+# constraint on them costs accuracy, and a GRU's bias pair is one initializer made of two
+# parameters). They are *guarded* instead: the same blocks and syndromes, but the two sums of
+# each clean block are stored in the manifest (``precisions[p]["guard"]``), so a single flip
+# gives ``S0 - R0 = d`` and ``S1 - R1 = p d`` and is located and undone exactly as for a
+# constrained block. Storage: two float64 per block of ``k`` (1 byte per weight at k = 16,
+# base64 in the manifest, which the bundle's checksums and signature cover).
+
+
+def guard_tolerance(values: np.ndarray, k: int) -> tuple[float, float]:
+    """Check thresholds of a guarded tensor: the stored sums are exact up to float64 re-association
+    (the kernel sums in member order), so only that floor; 0 for integers."""
+    a = np.asarray(values)
+    if a.dtype.kind in "iu" or not a.size:
+        return 0.0, 0.0
+    with np.errstate(all="ignore"):
+        top = float(np.max(np.abs(a.astype(np.float64))))
+    t0 = 64.0 * k * 2.0**-52 * top * k
+    return t0, t0 * k
+
+
+def guard_positions(n: int, k: int, key: bytes | None, name: str, window: int) -> np.ndarray:
+    """Block membership of a guarded tensor (as ``block_positions``, a last block of any size kept)."""
+    return block_positions(n, k, key, name, window, min_last=1)
+
+
+def guard_record(values: np.ndarray, k: int, key: bytes | None, name: str, window: int) -> dict[str, Any]:
+    """The manifest record of one guarded tensor: shape, dtype, tolerances and the clean block sums."""
+    a = np.asarray(values)
+    pos = guard_positions(a.size, k, key, name, window)
+    s0, s1 = syndromes(a, pos)
+    sums = np.ascontiguousarray(np.stack([s0, s1], axis=1), dtype="<f8")
+    return {"shape": list(a.shape), "dtype": str(a.dtype), "tolerance": list(guard_tolerance(a, k)),
+            "sums": base64.b64encode(sums.tobytes()).decode("ascii")}
+
+
+def guard_sums(record: dict[str, Any]) -> np.ndarray:
+    """``(blocks, 2)`` stored clean sums of a guard record."""
+    return np.frombuffer(base64.b64decode(record["sums"]), dtype="<f8").reshape(-1, 2).astype(np.float64)
+
+
+def guardable(values: np.ndarray) -> bool:
+    """Whether an initializer is a weight a memory fault can hit and a guard can check (float or int8)."""
+    a = np.asarray(values)
+    return a.size > 0 and (a.dtype.kind == "f" or a.dtype == np.int8)
 
 
 @dataclass

@@ -9,6 +9,10 @@ the exact-zero-sum weight-only quantization, and writes ``manifest.extra["robust
 block size, window, whether keyed and the key's fingerprint (never the key), and per
 precision the file, storage dtype, initializer names and tolerances. The bundle is then
 re-written atomically with fresh checksums.
+
+Every other weight of each precision's graph (biases, the GRU's joined bias, int8 scales and
+zero points, small tensors) is *guarded*: its clean block sums go into the record
+(``precisions[p]["guard"]``), so the scrubber finds and undoes a flip there too.
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ from closedloop.runtime.protect.scrubber import (
     LAYOUT_VERSION,
     ROBUST_EXTRA,
     block_positions,
+    guard_record,
+    guardable,
     key_fingerprint,
     syndromes,
     tolerances,
@@ -44,8 +50,14 @@ def _precision(inits: dict, plan: ProtectionPlan, key: bytes | None, names: dict
     return {"dtype": str(inits[names[plan.tensors[0].onnx_name]].dtype), "names": names, "tolerance": tol}
 
 
+def _guard(inits: dict, protected: set[str], plan: ProtectionPlan, key: bytes | None) -> dict:
+    """Guard records (stored clean block sums) of every weight of one graph that is not constrained."""
+    return {o: guard_record(a, plan.k, key, o, plan.window) for o, a in sorted(inits.items())
+            if o not in protected and guardable(a)}
+
+
 def protect_bundle(path: str | Path, plan: ProtectionPlan, key: bytes | None = None, int8: bool = True,
-                   report=print) -> Path:
+                   guard: bool = True, report=print) -> Path:
     """Add the protection record (and the exact int8 variant) to the bundle at ``path``; return the path."""
     path = Path(path)
     if plan.keyed and (key is None or key_fingerprint(key) != plan.key_fingerprint):
@@ -69,6 +81,9 @@ def protect_bundle(path: str | Path, plan: ProtectionPlan, key: bytes | None = N
     if "fp16" in spec.variants:
         precisions["fp16"] = {"file": spec.variants["fp16"]["file"],
                               **_precision(bundle.onnx("main", "fp16").initializers, plan, key, ident)}
+    if guard:
+        for p, rec in precisions.items():
+            rec["guard"] = _guard(bundle.onnx("main", None if p == "fp32" else p).initializers, set(ident), plan, key)
     files = {rel: (bundle.root / rel).read_bytes() for rel in m.files}
     if int8:
         fp32 = files[spec.file]
@@ -93,14 +108,22 @@ def protect_bundle(path: str | Path, plan: ProtectionPlan, key: bytes | None = N
         names = {t.onnx_name: t.onnx_name + "_q" for t in plan.tensors}
         precisions["int8"] = {"file": rel, "dtype": "int8", "names": names,
                               "tolerance": {t.onnx_name: [0.0, 0.0] for t in plan.tensors}}
+        if guard:
+            from closedloop.runtime.onnx_reader import parse_onnx
+
+            precisions["int8"]["guard"] = _guard(parse_onnx(data).initializers, set(names.values()), plan, key)
         report(f"int8 variant (exact zero-sum blocks): max abs {parity['max_abs']:.3g} vs fp32")
     m.extra[ROBUST_EXTRA] = {
         "version": LAYOUT_VERSION, "scheme": "block zero-sum (sum w = 0, sum j w = 0)",
         "k": plan.k, "window": plan.window, "keyed": plan.keyed, "key_fingerprint": plan.key_fingerprint,
         "tensors": {t.onnx_name: t.shape for t in plan.tensors},
         "precisions": precisions,
-        "notes": {"torch_parameters": {t.onnx_name: t.param for t in plan.tensors}, "unprotected": plan.skipped},
+        "notes": {"torch_parameters": {t.onnx_name: t.param for t in plan.tensors},
+                  "unprotected": plan.skipped if not guard else
+                  {k: v + "; guarded (stored block sums)" for k, v in plan.skipped.items()}},
     }
     write_bundle(path, m, files, overwrite=True, zip=path.is_file())
-    report(f"protected {len(plan.tensors)} tensors (k={plan.k}, {'keyed' if plan.keyed else 'unkeyed'}) in {path}")
+    guarded = sorted(precisions["fp32"].get("guard", {}))
+    report(f"protected {len(plan.tensors)} tensors (k={plan.k}, {'keyed' if plan.keyed else 'unkeyed'}), guarded "
+           f"{len(guarded)} more (stored block sums: {', '.join(guarded[:4])}{' ...' if len(guarded) > 4 else ''}) in {path}")
     return path

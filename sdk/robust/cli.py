@@ -46,7 +46,8 @@ def _scrub_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weights-key-file", help="key of a keyed layout (or $CLOSEDLOOP_WEIGHTS_KEY_FILE)")
 
 
-@command("scrub", "load a protected bundle, check every weight block, repair single bit flips and report",
+@command("scrub", "load a protected bundle, check every weight block, repair single bit flips and report (exit 1 "
+                  "when a fault was found that is not repaired)",
          _scrub_args)
 def _scrub(a: argparse.Namespace) -> int:
     from closedloop.runtime import Model, load_bundle
@@ -65,6 +66,8 @@ def _scrub(a: argparse.Namespace) -> int:
     st = scrubber.stats
     for line in st.events:
         print(line)
-    print(f"{st.blocks} blocks on {scrubber.targets[0].name}: repaired {st.repaired}, unrepairable {st.unrepairable}; "
-          f"full scrub {st.full_scrub_us:.0f} us")
-    return 0
+    where = ", ".join(t.name for t in scrubber.targets)
+    print(f"{st.blocks} blocks on {where} ({st.guarded_blocks} of them guarded: biases, scales): repaired "
+          f"{st.repaired} (each verified), ambiguous {st.ambiguous} (not repaired, left as found), unrepairable "
+          f"{st.unrepairable}; full scrub {st.full_scrub_us:.0f} us")
+    return 1 if st.ambiguous else 0

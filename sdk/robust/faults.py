@@ -74,7 +74,12 @@ def replace_initializers(onnx_bytes: bytes, values: dict[str, np.ndarray]) -> by
     model = onnx.load_from_string(onnx_bytes)
     for t in model.graph.initializer:
         if t.name in values:
-            t.CopyFrom(numpy_helper.from_array(np.ascontiguousarray(values[t.name]), t.name))
+            old = numpy_helper.to_array(t)
+            new = np.asarray(values[t.name], dtype=old.dtype).reshape(old.shape)  # a 0-d scale stays 0-d
+            if t.raw_data:
+                t.raw_data = new.astype(old.dtype.newbyteorder("<")).tobytes()  # same bytes, same file size
+            else:
+                t.CopyFrom(numpy_helper.from_array(new, t.name))
     return model.SerializeToString()
 
 

@@ -21,8 +21,11 @@ def test_inject_faults_cli_writes_a_copy_the_checksum_refuses(unkeyed_bundle, tm
     _, problems, _ = check_bundle(out)
     assert any("SHA-256" in p for p in problems)
     assert main(["scrub", str(out)]) == 2  # refused: the checksum fails
-    assert main(["scrub", str(out), "--skip-checksum", "--backend", "numba"]) == 0
-    assert "blocks on numba (arena)" in capsys.readouterr().out
+    rc = main(["scrub", str(out), "--skip-checksum", "--backend", "numba"])
+    text = capsys.readouterr().out
+    assert "blocks on numba (arena)" in text
+    # exit 1 when a fault is left as found (issue 24: seed 1 puts one flip in a low mantissa bit that aliases)
+    assert rc == (1 if "left as found" in text else 0), text
 
 
 def test_an_adaptive_attack_on_a_float_variant_is_refused_not_a_silent_copy(unkeyed_bundle, tmp_path, capsys):

@@ -19,6 +19,7 @@ from closedloop.runtime.families.bci.ctc import (
     output_labels,
     tail_odds,
 )
+from closedloop.runtime.integrity import seal_manifest
 from closedloop.sdk.bci.deploy import export_bci_bundle
 from closedloop.sdk.models import GRUDecoder
 from closedloop.sim.handwriting import CHARSET
@@ -224,7 +225,7 @@ def test_char_probs_option_sends_probabilities(decoder, tmp_path):
     mpath = path / "manifest.json"
     d = json.loads(mpath.read_text())
     d["extra"]["bci"]["char_probs"] = True
-    mpath.write_text(json.dumps(d))
+    mpath.write_text(json.dumps(seal_manifest(d)))
     fam = _family(path, "onnxruntime")
     fam.on_message(NeuralFrame(0, decoder["trials"][0][0]))
     fam.model.run()
@@ -242,7 +243,7 @@ def test_inconsistent_decoder_bundle_is_refused_naming_each_problem(decoder, tmp
     d["preprocess"]["mean"] = d["preprocess"]["mean"][:-1]
     d["preprocess"]["std"][3] = 0.0
     d["extra"]["bci"]["end_completion"] = {"sentence_end": "!"}
-    mpath.write_text(json.dumps(d))
+    mpath.write_text(json.dumps(seal_manifest(d)))
     with pytest.raises(BundleError) as e:
         load_bundle(bad)
     msg = str(e.value)
@@ -251,6 +252,6 @@ def test_inconsistent_decoder_bundle_is_refused_naming_each_problem(decoder, tmp
     assert f"preprocess.mean has shape ({C - 1},), expected ({C},)" in msg
     assert "preprocess.std is <= 0 at channels [3]" in msg
     del d["extra"]["bci"]
-    mpath.write_text(json.dumps(d))
+    mpath.write_text(json.dumps(seal_manifest(d)))
     with pytest.raises(BundleError, match="extra.bci is missing"):
         load_bundle(bad)

@@ -16,6 +16,7 @@ from closedloop.runtime.bundle import load_bundle, sha256_file
 from closedloop.runtime.errors import BundleError
 from closedloop.runtime.families import get_family
 from closedloop.runtime.families.observer.certificate import certify_bundle, check_bundle_certificate
+from closedloop.runtime.integrity import seal_manifest
 from closedloop.runtime.model import Model
 
 
@@ -51,7 +52,7 @@ def _rehash(bundle: Path, manifest_edit=None) -> None:
         manifest_edit(m)
     for rel in m["files"]:
         m["files"][rel]["sha256"] = sha256_file(bundle / rel)
-    mpath.write_text(json.dumps(m))
+    mpath.write_text(json.dumps(seal_manifest(m)))
 
 
 def _scale_weights(bundle: Path, weights: list[np.ndarray], factor: float) -> None:
@@ -113,6 +114,49 @@ def test_a_changed_certificate_or_model_is_refused(observer_setup, tmp_path, edi
     _rehash(bad, edit)
     with pytest.raises(BundleError, match=expected):
         load_bundle(bad)
+
+
+def _unchecked(path: Path):
+    """The bundle as it stands, read without the checks (to see what a forger would compute)."""
+    from closedloop.runtime.bundle import Bundle, _read_manifest
+
+    return Bundle(root=path, manifest=_read_manifest(path, path), source=path)
+
+
+def test_a_forged_margin_is_refused_naming_both_values(observer_setup, tmp_path):
+    """Issue 24, defect 5: with ``margin = -10`` a network whose LMI has a positive largest eigenvalue passed, because
+    the check was ``max_eig <= -margin``. The forger here also keeps the fingerprint and ``max_eig`` consistent."""
+    from closedloop.runtime.families.observer.certificate import mlp_from_onnx, weights_fingerprint
+
+    _, net, _, _, path = observer_setup
+    bad = _copy(path, tmp_path / "forged")
+    _scale_weights(bad, net.weights(), 8.0)
+    _rehash(bad)
+    weights = mlp_from_onnx(_unchecked(bad).onnx()).weights
+    max_eig = check_bundle_certificate(_unchecked(bad)).check.max_eig
+    assert 0 < max_eig < 10  # not certified: M has a positive eigenvalue
+
+    def forge(m):
+        m["certificate"].update(margin=-10.0, max_eig=max_eig, weights_sha256=weights_fingerprint(weights))
+
+    _rehash(bad, forge)
+    with pytest.raises(BundleError) as err:
+        load_bundle(bad)
+    msg = str(err.value)
+    assert "certificate margin -10 is not positive" in msg and f"largest eigenvalue {max_eig:.6g}" in msg
+    assert f"a margin of {-max_eig:.6g}" in msg
+    text = certify_bundle(bad)  # closedloop certify: it printed PASS
+    assert "result              FAIL" in text and "margin -10 is not positive" in text
+
+
+def test_a_stored_largest_eigenvalue_the_weights_do_not_give_is_refused(observer_setup, tmp_path):
+    _, _, _, report, path = observer_setup
+    bad = _copy(path, tmp_path / "claimed")
+    _rehash(bad, lambda m: m["certificate"].update(max_eig=-0.5))
+    with pytest.raises(BundleError) as err:
+        load_bundle(bad)
+    assert f"certificate.max_eig is -0.5, but the LMI rebuilt from the bundle's weights has largest eigenvalue " \
+           f"{report.max_eig:.6g}" in str(err.value)
 
 
 def test_numba_observer_step_equals_the_numpy_reference(observer_setup):

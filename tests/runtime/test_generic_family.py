@@ -11,6 +11,7 @@ import torch
 
 from closedloop.export import export_bundle
 from closedloop.runtime import BundleError, Model, get_family, load_bundle
+from closedloop.runtime.integrity import seal_manifest
 
 
 def test_commands_are_clipped_to_the_bundle_limits(mlp_bundle):
@@ -52,7 +53,7 @@ def test_bad_postprocess_shape_refused_at_load(tmp_path, mlp_bundle):
     d = json.loads(mpath.read_text())
     d["postprocess"]["low"] = [0.0, 0.0]  # 2 values for 3 outputs
     d["preprocess"]["std"] = [1, 1, 0, 1, 1, 1]
-    mpath.write_text(json.dumps(d))
+    mpath.write_text(json.dumps(seal_manifest(d)))
     with pytest.raises(BundleError) as e:
         load_bundle(bad)
     msg = str(e.value)
@@ -65,6 +66,6 @@ def test_unknown_family_is_refused(tmp_path, mlp_bundle):
     shutil.copytree(mlp_bundle, bad)
     d = json.loads((bad / "manifest.json").read_text())
     d["family"] = "teleporter"
-    (bad / "manifest.json").write_text(json.dumps(d))
+    (bad / "manifest.json").write_text(json.dumps(seal_manifest(d)))
     with pytest.raises(BundleError, match="family 'teleporter' is not known"):
         load_bundle(bad)

@@ -13,6 +13,7 @@ from torch import nn
 
 from closedloop.export import ExportError, export_bundle
 from closedloop.runtime import BundleError, Model, SessionConfig, SessionError, load_bundle, run_session
+from closedloop.runtime.integrity import seal_manifest
 from closedloop.runtime.manifest import MANIFEST_NAME
 
 
@@ -139,6 +140,7 @@ def test_a_version_1_manifest_still_loads_with_default_roles(tmp_path, mlp_bundl
     copy = shutil.copytree(mlp_bundle, tmp_path / "v1")
     raw = json.loads((copy / MANIFEST_NAME).read_text())
     raw["schema_version"] = 1
+    raw.pop("integrity")  # a version-1 manifest predates the digest: nothing to check, it loads
     for t in raw["graphs"]["main"]["inputs"] + raw["graphs"]["main"]["outputs"]:
         t.pop("role", None)
         t.pop("window", None)
@@ -155,7 +157,7 @@ def test_a_role_that_contradicts_the_state_flag_is_refused(tmp_path, gru_bundle)
     copy = shutil.copytree(gru_bundle, tmp_path / "bad")
     raw = json.loads((copy / MANIFEST_NAME).read_text())
     raw["graphs"]["main"]["inputs"][0]["role"] = "state"
-    (copy / MANIFEST_NAME).write_text(json.dumps(raw))
+    (copy / MANIFEST_NAME).write_text(json.dumps(seal_manifest(raw)))
     with pytest.raises(BundleError, match="has role 'state' but state=False"):
         load_bundle(copy)
 

@@ -25,6 +25,7 @@ from closedloop.runtime import (
     load_bundle,
     run_session,
 )
+from closedloop.runtime.integrity import seal_manifest
 from closedloop.runtime.manifest import MANIFEST_NAME
 
 CHANNELS, LENGTH = 4, 16
@@ -57,7 +58,7 @@ class TimeMajor(nn.Module):
 def _with_window(path, window):
     manifest = json.loads((path / MANIFEST_NAME).read_text())
     manifest["graphs"]["main"]["inputs"][0]["window"] = window
-    (path / MANIFEST_NAME).write_text(json.dumps(manifest))
+    (path / MANIFEST_NAME).write_text(json.dumps(seal_manifest(manifest)))
     return path
 
 

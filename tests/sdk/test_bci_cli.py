@@ -18,6 +18,7 @@ import torch
 
 from closedloop.runtime import BundleError, load_bundle
 from closedloop.runtime.families.bci import read_calibration_state
+from closedloop.runtime.integrity import seal_manifest
 from closedloop.sdk.bci import calibrate_bundle, evaluate_bundle, format_evaluation
 from closedloop.sdk.bci.calibrate import CalibrationConfig
 from closedloop.sdk.bci.data import Normalization, make_examples, session_normalization
@@ -138,7 +139,7 @@ def _with_state(bundle, dst, edit):
     m = json.loads((dst / "manifest.json").read_text())
     m["files"][CALIBRATION_STATE_FILE]["sha256"] = hashlib.sha256((dst / CALIBRATION_STATE_FILE).read_bytes()).hexdigest()
     m["files"][CALIBRATION_STATE_FILE]["bytes"] = (dst / CALIBRATION_STATE_FILE).stat().st_size
-    (dst / "manifest.json").write_text(json.dumps(m))
+    (dst / "manifest.json").write_text(json.dumps(seal_manifest(m)))
     return dst
 
 

@@ -314,7 +314,7 @@ class CertificateCheck:
 def check_certificate(model: ErrorModel, lft: NetworkLFT, P: Any, t: Any, lam: Any, rho: float, margin: float,
                       *, dt: float | None = None, w_lo: np.ndarray | None = None,
                       w_hi: np.ndarray | None = None) -> CertificateCheck:
-    """Rebuild ``M`` and check ``max eig(M) <= -margin``, ``P > 0`` (Cholesky), ``t, lam >= 0``."""
+    """Rebuild ``M`` and check ``max eig(M) <= -margin`` with ``margin > 0``, ``P > 0`` (Cholesky), ``t, lam >= 0``."""
     t0 = time.perf_counter()
     P = np.asarray(P, dtype=float)
     t = np.asarray(t, dtype=float).reshape(-1)
@@ -351,7 +351,13 @@ def check_certificate(model: ErrorModel, lft: NetworkLFT, P: Any, t: Any, lam: A
     else:
         M = data.normalised_matrix(P, t, lam, float(rho))
         max_eig = float(np.linalg.eigvalsh(M)[-1]) if np.all(np.isfinite(M)) else float("inf")
-    if not max_eig <= -margin:
+    if not (np.isfinite(margin) and margin > 0):
+        # max eig(M) <= -margin proves V(e+) <= (rho^2 - margin) V(e) only for a positive margin; a zero or
+        # negative one lets an indefinite M (no certificate at all) pass the comparison below
+        problems.append(f"certificate margin {margin:.6g} is not positive, and the LMI rebuilt from the weights has "
+                        f"largest eigenvalue {max_eig:.6g} (a margin of {-max_eig:.6g}): a certificate needs the "
+                        "largest eigenvalue <= -margin < 0; the stored margin is forged or damaged: re-certify")
+    elif not max_eig <= -margin:
         problems.append(f"LMI violated: largest eigenvalue of M is {max_eig:.6g}, the certificate needs <= -{margin:.6g} "
                         f"(margin {margin:.6g} violated by {max_eig + margin:.3g}) at rho = {rho:.6g}")
     return CertificateCheck(not problems, max_eig, float(margin), float(rho), dt, p_min, problems,

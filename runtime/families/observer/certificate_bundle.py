@@ -204,11 +204,31 @@ def check_bundle_certificate(bundle: Bundle) -> BundleCertificateCheck:
         rho, margin = float(cert["rho"]), float(cert["margin"])
         dt = bundle.manifest.extra.get("observer", {}).get("dt")
         check = check_certificate(model, lft, P, t, lam, rho, margin, dt=dt)
-        problems += check.problems
+        problems += check.problems + _claim_problems(cert, margin, check.max_eig)
     except (CertificateError, KeyError, TypeError, ValueError) as exc:
         what = f"missing field {exc}" if isinstance(exc, KeyError) else str(exc)
         return BundleCertificateCheck(None, [f"certificate unreadable: {what}"], None, (time.perf_counter() - t0) * 1e3, cert)
     return BundleCertificateCheck(check, problems, fp_ok, (time.perf_counter() - t0) * 1e3, cert)
+
+
+def _claim_problems(cert: dict[str, Any], margin: float, max_eig: float) -> list[str]:
+    """The stored largest eigenvalue against the one recomputed from the bundle's own weights.
+
+    (``check_certificate`` refuses a stored margin that is not positive, or larger than the
+    recomputed one, ``-max_eig``.) A stored ``max_eig`` the weights do not give is a forged or
+    damaged certificate, refused with both values.
+    """
+    if "max_eig" not in cert:
+        return []
+    try:
+        stored = float(cert["max_eig"])
+    except (TypeError, ValueError):
+        stored = float("nan")
+    if abs(stored - max_eig) <= 1e-6 * max(1.0, abs(max_eig)):
+        return []
+    return [f"certificate.max_eig is {cert['max_eig']!r}, but the LMI rebuilt from the bundle's weights has largest "
+            f"eigenvalue {max_eig:.6g} (a margin of {-max_eig:.6g}; stored margin {margin:.6g}): the certificate does "
+            "not belong to these weights; re-certify and re-export the bundle"]
 
 
 def format_certificate_report(result: BundleCertificateCheck, source: str = "") -> str:
