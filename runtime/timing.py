@@ -142,7 +142,8 @@ def stats_us(ns: np.ndarray) -> dict:
             "max_us": float(ns.max()) / 1e3, "mean_us": float(ns.mean()) / 1e3, "n": int(ns.size)}
 
 
-def _back_to_back(step: Callable[[], None], steps: int) -> np.ndarray:
+def time_back_to_back(step: Callable[[], None], steps: int) -> np.ndarray:
+    """Each of ``steps`` calls of ``step``, timed alone (ns), one after the other."""
     out = np.empty(steps, dtype=np.int64)
     clock = time.perf_counter_ns
     for i in range(steps):
@@ -261,8 +262,8 @@ def _time_pair(model: Model, cfg: BenchConfig, rate: float, samples: dict, key: 
             arr[...] = rng.standard_normal(arr.shape)
     step = model.run
     prewarm = getattr(model, "prewarm", None)
-    first = _back_to_back(step, 1)
-    runs = {"back_to_back": _back_to_back(step, cfg.steps),
+    first = time_back_to_back(step, 1)
+    runs = {"back_to_back": time_back_to_back(step, cfg.steps),
             "paced_cold": _paced(step, rate, cfg.paced_s, None)}
     if prewarm is not None:
         runs["paced_prewarmed"] = _paced(step, rate, cfg.paced_s, prewarm)

@@ -58,7 +58,7 @@ class FrameWindow:
     def push(self, frame: np.ndarray) -> bool:
         """Add one frame; return whether the window was due and has been written into the input."""
         a, b = self._rows[self._pos]
-        flat = frame.reshape(-1)
+        flat = frame if frame.ndim == 1 else frame.reshape(-1)  # no view made for the usual 1-D frame
         if flat.size != self.features:
             raise ValueError(f"a frame of {flat.size} values does not fit a window of {self.features} features per frame")
         np.copyto(a, flat, casting="same_kind")

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import platform
 import tempfile
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -22,6 +21,7 @@ import torch
 
 from closedloop.export import export_bundle
 from closedloop.runtime import LoopConfig, Model, RealTimeLoop
+from closedloop.runtime.timing import time_back_to_back
 
 from .models import GRUDecoder, MLPPolicy
 from .roofline import (
@@ -96,16 +96,6 @@ def _runtime_step_fn(bundle: Path, backend: str, n_in: int, seed: int) -> tuple[
     m = Model(bundle, backend=backend)
     m.inputs[m.spec.data_inputs[0].name][...] = np.random.default_rng(seed).standard_normal((1, n_in))
     return m.run, m
-
-
-def _time_back_to_back(step: Callable[[], None], steps: int) -> np.ndarray:
-    out = np.empty(steps, dtype=np.int64)
-    clock = time.perf_counter_ns
-    for i in range(steps):
-        t0 = clock()
-        step()
-        out[i] = clock() - t0
-    return out
 
 
 def _time_at_cadence(
@@ -184,7 +174,7 @@ def run_spine_benchmark(cfg: SpineBenchConfig | None = None, report: Callable[[s
                 prewarm = holder.prewarm
             report(f"  {mname} / {method}: back to back x{cfg.back_to_back_steps}, then {cfg.cadence_s:g} s at 50 Hz "
                    "cold and prewarmed")
-            b2b = _time_back_to_back(step, cfg.back_to_back_steps)
+            b2b = time_back_to_back(step, cfg.back_to_back_steps)
             cad = _time_at_cadence(step, 50.0, cfg.cadence_s)
             warm = _time_at_cadence(step, 50.0, cfg.cadence_s, prewarm=prewarm)
             samples[f"{mname}/{method}/b2b"] = b2b

@@ -102,3 +102,23 @@ def mlp_bundle(tmp_path_factory, tiny_models):
         variants=(),
         report=lambda s: None,
     )
+
+
+@pytest.fixture(scope="session")
+def bytes_allocated():
+    """``bytes_allocated(fn, calls)``: the bytes Python's allocator gained over ``calls`` calls of ``fn``
+    (tracemalloc; what a hot path must keep near zero)."""
+    import tracemalloc
+
+    def measure(fn, calls: int) -> int:
+        tracemalloc.start()
+        try:
+            before = tracemalloc.take_snapshot()
+            for _ in range(calls):
+                fn()
+            after = tracemalloc.take_snapshot()
+        finally:
+            tracemalloc.stop()
+        return sum(s.size_diff for s in after.compare_to(before, "filename") if s.size_diff > 0)
+
+    return measure

@@ -63,6 +63,14 @@ def _as_2d(values: list[int], fill: int) -> list[int]:
     return [fill] + values if len(values) == 1 else values
 
 
+def _geometry_2d(x_shape, outs, kernel, strides, dil, begin, end) -> tuple[int, ...]:
+    """A 1-D or 2-D window's sizes as 2-D ones (a 1-D axis is height 1): input h, w; output h, w; kernel,
+    strides, dilations, and the padding at the start and end of each axis."""
+    return (*_as_2d(list(x_shape[2:]), 1), *_as_2d(outs, 1), *_as_2d(kernel, 1), *_as_2d(strides, 1),
+            *_as_2d(dil, 1), *_as_2d(begin, 0), *_as_2d(end, 0))
+
+
+
 @handles("Conv")
 def _conv(p: Planner, node) -> None:
     x, w = p.act(node), p.const(node, 1).astype(np.float32)
@@ -77,13 +85,8 @@ def _conv(p: Planner, node) -> None:
     b = p.const(node, 2, required=False)
     bias = np.zeros((1, cout), np.float32) if b is None else b.astype(np.float32).reshape(1, cout)
     y = p.new_act((x.shape[0], cout, *outs))
-    h, wd = _as_2d(list(x.shape[2:]), 1)
-    ho, wo = _as_2d(outs, 1)
-    kh, kw = _as_2d(kernel, 1)
-    sh, sw = _as_2d(strides, 1)
-    dh, dw = _as_2d(dil, 1)
-    ph, pw = _as_2d(begin, 0)
-    ph_end, pw_end = _as_2d(end, 0)
+    h, wd, ho, wo, kh, kw, sh, sw, dh, dw, ph, pw, ph_end, pw_end = _geometry_2d(x.shape, outs, kernel, strides, dil,
+                                                                                 begin, end)
     geometry = (x.shape[0], cin, h, wd, cout, ho, wo, kh, kw, sh, sw, dh, dw, ph, pw, ph_end, pw_end, groups,
                 p.k.ACT_NONE)
     if groups == 1:
@@ -115,13 +118,8 @@ def _pool(p: Planner, node) -> None:
     if not is_max and any(d != 1 for d in dil):
         raise unsupported(node, f"dilations={dil} in average pooling")
     y = p.new_act(x.shape[:2] + tuple(outs))
-    h, wd = _as_2d(list(x.shape[2:]), 1)
-    ho, wo = _as_2d(outs, 1)
-    kh, kw = _as_2d(kernel, 1)
-    sh, sw = _as_2d(strides, 1)
-    dh, dw = _as_2d(dil, 1)
-    ph, pw = _as_2d(begin, 0)
-    ph_end, pw_end = _as_2d(end, 0)
+    h, wd, ho, wo, kh, kw, sh, sw, dh, dw, ph, pw, ph_end, pw_end = _geometry_2d(x.shape, outs, kernel, strides, dil,
+                                                                                 begin, end)
     mode = p.k.POOL_MAX if is_max else p.k.POOL_AVG
     p.emit(p.k.OP_POOL, x.flat(), y.flat(), x.shape[0] * x.shape[1], h, wd, ho, wo, kh, kw, sh, sw, ph, pw,
            ph_end, pw_end, dh, dw, mode, int(node.attributes.get("count_include_pad", 0)), out=y.buf)

@@ -232,7 +232,8 @@ class FamilyPlugin:
         self.on_message(message)
         if not self._due:
             return None, None
-        if self.model.unset_inputs - {self.measurement.name}:
+        unset = self.model.unset_inputs  # checked without building a set: this is the hot path
+        if unset and (len(unset) > 1 or self.measurement.name not in unset):
             return None, "held"  # a held input (a goal) has no value yet: nothing to act on
         bad = self.model.run_checked()
         if bad is not None:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
-import tracemalloc
 from pathlib import Path
 
 import numpy as np
@@ -328,7 +327,7 @@ def test_manifest_that_does_not_match_the_graph_is_refused(graphs):
 
 
 # -- real-time properties ----------------------------------------------------------------
-def test_run_writes_outputs_in_place_and_allocates_nothing(graphs):
+def test_run_writes_outputs_in_place_and_allocates_nothing(graphs, bytes_allocated):
     _, path, spec = graphs("gru", 192, 256, 2, 32)
     nb = NumbaBackend(path, spec)
     outputs = {k: (v, v.ctypes.data) for k, v in nb.outputs.items()}
@@ -336,15 +335,7 @@ def test_run_writes_outputs_in_place_and_allocates_nothing(graphs):
     _fill(nb, rng)
     nb.run()
     first = nb.outputs["logp"].copy()
-    tracemalloc.start()
-    try:
-        before = tracemalloc.take_snapshot()
-        for _ in range(500):
-            nb.run()
-        after = tracemalloc.take_snapshot()
-    finally:
-        tracemalloc.stop()
-    grown = sum(s.size_diff for s in after.compare_to(before, "filename") if s.size_diff > 0)
+    grown = bytes_allocated(nb.run, 500)
     assert grown < 1024, f"run() allocated {grown} bytes over 500 calls"
     nb.inputs["x"][...] = rng.standard_normal(nb.inputs["x"].shape)
     nb.run()

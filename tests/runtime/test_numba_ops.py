@@ -15,7 +15,6 @@ approximations within 4.2e-7; a wrong axis, stride or padding shows up as O(1) e
 from __future__ import annotations
 
 import contextlib
-import tracemalloc
 
 import numpy as np
 import pytest
@@ -234,19 +233,11 @@ def test_fusion_leaves_one_step_per_layer(graphs):
 
 
 @pytest.mark.parametrize("name", ["conv_bn_maxpool_gelu_gap", "encoder_gelu_norm_first", "transpose_reshape_split_expand"])
-def test_run_allocates_nothing(graphs, name):
+def test_run_allocates_nothing(graphs, name, bytes_allocated):
     nb = NumbaBackend(*graphs(name))
     nb.inputs["x"][...] = 0.5
     nb.run()
-    tracemalloc.start()
-    try:
-        before = tracemalloc.take_snapshot()
-        for _ in range(300):
-            nb.run()
-        after = tracemalloc.take_snapshot()
-    finally:
-        tracemalloc.stop()
-    grown = sum(s.size_diff for s in after.compare_to(before, "filename") if s.size_diff > 0)
+    grown = bytes_allocated(nb.run, 300)
     assert grown < 1024, f"{name}: run() allocated {grown} bytes over 300 calls"
 
 

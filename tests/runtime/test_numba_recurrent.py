@@ -13,8 +13,6 @@ Runtime its own order and functions; a wrong gate order, bias or layer shows up 
 
 from __future__ import annotations
 
-import tracemalloc
-
 import numpy as np
 import pytest
 
@@ -197,18 +195,10 @@ def test_lstm_streams_through_model_as_onnxruntime_over_50_steps(tmp_path):
     np.testing.assert_allclose(outs["numba"][:, 0], ref[0].numpy(), rtol=RTOL, atol=ATOL)
 
 
-def test_lstm_step_allocates_nothing(tmp_path):
+def test_lstm_step_allocates_nothing(tmp_path, bytes_allocated):
     path, spec = _step_graph(tmp_path, 2)
     nb = NumbaBackend(path, spec)
     nb.inputs["x"][...] = 1.0
     nb.run()
-    tracemalloc.start()
-    try:
-        before = tracemalloc.take_snapshot()
-        for _ in range(500):
-            nb.run()
-        after = tracemalloc.take_snapshot()
-    finally:
-        tracemalloc.stop()
-    grown = sum(s.size_diff for s in after.compare_to(before, "filename") if s.size_diff > 0)
+    grown = bytes_allocated(nb.run, 500)
     assert grown < 1024, f"run() allocated {grown} bytes over 500 calls"
