@@ -1,0 +1,24 @@
+"""Per-step hooks for a live session: a shared-memory ring of step records and the observers that read it."""
+
+from .hub import ObserverHub, SessionObserver
+from .ring import (
+    FLAG_ACTED,
+    FLAG_COMMAND,
+    FLAG_DISCONNECTED,
+    FLAG_SAFE,
+    FLAG_WATCHDOG,
+    StepBatch,
+    StepRing,
+)
+
+__all__ = [
+    "FLAG_ACTED",
+    "FLAG_COMMAND",
+    "FLAG_DISCONNECTED",
+    "FLAG_SAFE",
+    "FLAG_WATCHDOG",
+    "ObserverHub",
+    "SessionObserver",
+    "StepBatch",
+    "StepRing",
+]

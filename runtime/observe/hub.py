@@ -1,0 +1,120 @@
+"""Session observers: what attaches to a live session without slowing it.
+
+A ``SessionObserver`` receives the session's start information, batches of step
+records (``StepBatch``: step index, time, latency, lateness, the input used, the
+model output, the command sent, flags), events and the summary. The loop only writes
+records into a ``StepRing``; an ``ObserverHub`` gives every in-process observer a thread
+of its own that drains the ring at ``interval_s``, so a slow observer loses records
+(counted in ``lost``) and never delays the loop or another observer.
+
+An observer's work runs in the session's process and so shares its GIL: keep it
+light (append to a list, put on a queue, write a socket). The browser monitor runs its
+server in another process that attaches to the ring by name (``StepRing.attach``).
+
+Example
+-------
+>>> from closedloop.runtime.observe import SessionObserver
+>>> class Counter(SessionObserver):
+...     def __init__(self):
+...         self.steps = 0
+...     def on_steps(self, batch):
+...         self.steps += len(batch)
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import traceback
+from typing import Any
+
+from .ring import StepBatch, StepRing
+
+
+class SessionObserver:
+    """Override what you need; every method runs on the observer's own thread, never on the loop's."""
+
+    #: Records per delivery at most (None: everything since the last one).
+    max_batch: int | None = None
+
+    def on_start(self, info: dict[str, Any]) -> None:
+        """The session started: bundle, family, device, backend, rate, and the names of inputs/outputs/command."""
+
+    def on_steps(self, batch: StepBatch) -> None:
+        """Records since the last call, oldest first; ``batch.lost`` counts those that were overwritten first."""
+
+    def on_event(self, event: dict[str, Any]) -> None:
+        """A session event (watchdog, reconnect, device HELLO, scrub repair...), as recorded."""
+
+    def on_stop(self, summary: dict[str, Any]) -> None:
+        """The session ended; ``summary`` is ``SessionSummary.to_dict()``."""
+
+
+class _Runner(threading.Thread):
+    def __init__(self, hub: ObserverHub, observer: SessionObserver):
+        super().__init__(name=f"closedloop-observer-{type(observer).__name__}", daemon=True)
+        self.hub = hub
+        self.observer = observer
+        self.cursor = hub.ring.published
+        self.event_cursor = hub.ring.events_published
+        self.lost = 0
+        self.delivered = 0
+        self.error: str | None = None
+        self._wake = threading.Event()
+
+    def drain(self) -> None:
+        ring = self.hub.ring
+        events, self.event_cursor, _ = ring.read_events(self.event_cursor)
+        for ev in events:
+            self.observer.on_event(ev)
+        batch, self.cursor = ring.read(self.cursor, self.observer.max_batch)
+        self.lost += batch.lost
+        if len(batch) or batch.lost:
+            self.delivered += len(batch)
+            self.observer.on_steps(batch)
+
+    def run(self) -> None:
+        try:
+            self.observer.on_start(self.hub.info)
+            while not self.hub.stopping.is_set():
+                self.drain()
+                self.hub.stopping.wait(self.hub.interval_s)
+            self.drain()  # what the loop wrote before it stopped
+        except Exception:  # noqa: BLE001  (an observer's bug must not reach the session)
+            self.error = traceback.format_exc(limit=4)
+            sys.stderr.write(f"\nwarning: session observer {type(self.observer).__name__} failed and was detached:\n"
+                             f"{self.error}")
+
+
+class ObserverHub:
+    """Owns the ring and one thread per observer. The session calls ``start``, writes the ring, then ``stop``."""
+
+    def __init__(self, ring: StepRing, observers: list[SessionObserver], interval_s: float = 0.02):
+        self.ring = ring
+        self.observers = list(observers)
+        self.interval_s = interval_s
+        self.info: dict[str, Any] = {}
+        self.stopping = threading.Event()
+        self._runners: list[_Runner] = []
+
+    def start(self, info: dict[str, Any]) -> None:
+        self.info = info
+        self._runners = [_Runner(self, o) for o in self.observers]
+        for r in self._runners:
+            r.start()
+
+    def stop(self, summary: dict[str, Any], timeout_s: float = 5.0) -> dict[str, dict[str, Any]]:
+        """Deliver what is left, call ``on_stop``, join; return per-observer counts (delivered, lost, error)."""
+        self.stopping.set()
+        report = {}
+        for r in self._runners:
+            r.join(timeout_s)
+            if r.error is None and not r.is_alive():
+                try:
+                    r.observer.on_stop(summary)
+                except Exception:  # noqa: BLE001
+                    r.error = traceback.format_exc(limit=4)
+            name = type(r.observer).__name__
+            report[name] = {"delivered": r.delivered, "lost": r.lost, "error": r.error,
+                            "still_running": r.is_alive()}
+        return report

@@ -1,0 +1,278 @@
+"""A lock-free ring of per-step records in shared memory: the loop writes, observers read.
+
+The session loop must never wait for whoever watches it (a browser monitor, an LSL
+outlet, a user's callback). So each step's record goes into a fixed-size ring that
+the loop fills without allocating and without a lock, and each reader keeps its own
+cursor: a reader that falls more than ``capacity`` steps behind loses the oldest
+records and counts them, the loop never notices. The ring lives in a
+``multiprocessing.shared_memory`` block, so a reader can be another process (the
+monitor's web server runs in one, away from the loop's GIL) that attaches by name.
+
+Layout (little-endian; an outside reader can implement it from this table): a
+header of ``_HEADER`` int64 words, then the step arrays, then the event slots.
+
+=======  ===================================================================
+word     meaning
+=======  ===================================================================
+0        magic ``0x434C4F4F50524E47`` ("CLOOPRNG")
+1        layout version (1)
+2        capacity C (step records)
+3        n_in (input values per step), 4: n_out, 5: n_cmd
+6        steps published (monotonic count; slot of step record j is j mod C)
+7        event capacity E, 8: event slot size in bytes, 9: events published
+=======  ===================================================================
+
+Step arrays, each C long: int64 ``step``, ``t_ns`` (``time.monotonic_ns`` at the step's
+start), ``latency_ns``, ``lateness_ns``, ``input_seq`` (-1: no input acted on), int64
+``flags`` (``FLAG_*``); float32 ``inputs[C, n_in]``, ``outputs[C, n_out]``, ``command[C, n_cmd]``
+(NaN where nothing was sent). Event slots: E slots of ``slot`` bytes, each a u32 length then
+that many bytes of UTF-8 JSON.
+
+A record is written in full before the published count moves past it; a reader
+copies a span, then re-reads the count and discards any record the writer may have
+overwritten meanwhile, so what it keeps is whole.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from multiprocessing import shared_memory
+from typing import Any
+
+import numpy as np
+
+MAGIC = 0x434C4F4F50524E47
+LAYOUT_VERSION = 1
+_HEADER = 16
+_W_CAP, _W_NIN, _W_NOUT, _W_NCMD, _W_HEAD, _W_ECAP, _W_ESLOT, _W_EHEAD = 2, 3, 4, 5, 6, 7, 8, 9
+
+FLAG_ACTED = 1  # the model ran on a device frame this step
+FLAG_COMMAND = 2  # a model command was sent
+FLAG_SAFE = 4  # the safe command was sent (watchdog, held input missing, non-finite value)
+FLAG_DISCONNECTED = 8  # the transport was down for this step
+FLAG_WATCHDOG = 16  # the watchdog was tripped (no input for watchdog_s)
+
+_INT_FIELDS = ("step", "t_ns", "latency_ns", "lateness_ns", "input_seq", "flags")
+
+
+@dataclass
+class StepBatch:
+    """Copies of the records a reader took in one read, oldest first, and how many it lost before them."""
+
+    step: np.ndarray
+    t_ns: np.ndarray
+    latency_ns: np.ndarray
+    lateness_ns: np.ndarray
+    input_seq: np.ndarray
+    flags: np.ndarray
+    inputs: np.ndarray
+    outputs: np.ndarray
+    command: np.ndarray
+    lost: int = 0
+
+    def __len__(self) -> int:
+        return int(self.step.size)
+
+
+def _nbytes(capacity: int, n_in: int, n_out: int, n_cmd: int, event_capacity: int, event_slot: int) -> int:
+    return 8 * _HEADER + capacity * (8 * len(_INT_FIELDS) + 4 * (n_in + n_out + n_cmd)) + event_capacity * event_slot
+
+
+class StepRing:
+    """The shared ring. ``StepRing.create(...)`` for the writer, ``StepRing.attach(name)`` for a reader elsewhere."""
+
+    def __init__(self, shm: shared_memory.SharedMemory, owner: bool):
+        self._shm = shm
+        self.owner = owner
+        buf = shm.buf
+        self._header = np.ndarray((_HEADER,), dtype="<i8", buffer=buf)
+        h = self._header
+        if int(h[0]) != MAGIC or int(h[1]) != LAYOUT_VERSION:
+            raise ValueError(f"shared memory {shm.name!r} is not a closedloop step ring (layout {LAYOUT_VERSION})")
+        cap, n_in, n_out, n_cmd = (int(h[w]) for w in (_W_CAP, _W_NIN, _W_NOUT, _W_NCMD))
+        self.capacity, self.n_in, self.n_out, self.n_cmd = cap, n_in, n_out, n_cmd
+        self.event_capacity, self.event_slot = int(h[_W_ECAP]), int(h[_W_ESLOT])
+        off = 8 * _HEADER
+        self._ints: dict[str, np.ndarray] = {}
+        for name in _INT_FIELDS:
+            self._ints[name] = np.ndarray((cap,), dtype="<i8", buffer=buf, offset=off)
+            off += 8 * cap
+        self.inputs = np.ndarray((cap, n_in), dtype="<f4", buffer=buf, offset=off)
+        off += 4 * cap * n_in
+        self.outputs = np.ndarray((cap, n_out), dtype="<f4", buffer=buf, offset=off)
+        off += 4 * cap * n_out
+        self.command = np.ndarray((cap, n_cmd), dtype="<f4", buffer=buf, offset=off)
+        off += 4 * cap * n_cmd
+        self._events = np.ndarray((self.event_capacity, self.event_slot), dtype=np.uint8, buffer=buf, offset=off)
+        # Per-slot row views made once, so the writer's copies create no array objects per step.
+        self._in_rows = list(self.inputs)
+        self._out_rows = list(self.outputs)
+        self._cmd_rows = list(self.command)
+        self._slot = 0  # writer: slot of the record being filled
+
+    # --- lifecycle ----------------------------------------------------------------
+
+    @classmethod
+    def create(cls, n_in: int, n_out: int, n_cmd: int, capacity: int = 4096, event_capacity: int = 256,
+               event_slot: int = 2048) -> StepRing:
+        for what, v in (("n_in", n_in), ("n_out", n_out), ("n_cmd", n_cmd)):
+            if v < 0:
+                raise ValueError(f"{what} must be >= 0, got {v}")
+        if capacity < 2 or event_capacity < 1 or event_slot < 64:
+            raise ValueError(f"ring capacity {capacity} (>= 2), event capacity {event_capacity} (>= 1) and "
+                             f"event slot {event_slot} bytes (>= 64) are too small")
+        size = _nbytes(capacity, n_in, n_out, n_cmd, event_capacity, event_slot)
+        shm = shared_memory.SharedMemory(create=True, size=size)
+        h = np.ndarray((_HEADER,), dtype="<i8", buffer=shm.buf)
+        h[:] = 0
+        h[0], h[1] = MAGIC, LAYOUT_VERSION
+        h[_W_CAP], h[_W_NIN], h[_W_NOUT], h[_W_NCMD] = capacity, n_in, n_out, n_cmd
+        h[_W_ECAP], h[_W_ESLOT] = event_capacity, event_slot
+        del h
+        return cls(shm, owner=True)
+
+    @classmethod
+    def attach(cls, name: str) -> StepRing:
+        # track=False: a reader must not unlink the writer's block when it exits (Python >= 3.13 has the
+        # flag; on 3.11/3.12 the resource tracker is told to forget the block instead).
+        try:
+            shm = shared_memory.SharedMemory(name=name, track=False)  # type: ignore[call-arg]
+        except TypeError:
+            shm = shared_memory.SharedMemory(name=name)
+            try:
+                from multiprocessing import resource_tracker
+
+                resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
+            except Exception:  # noqa: BLE001  (best effort: only a warning at exit is at stake)
+                pass
+        return cls(shm, owner=False)
+
+    @property
+    def name(self) -> str:
+        return self._shm.name
+
+    def close(self) -> None:
+        """Drop this process's mapping; the owner also frees the block."""
+        for attr in ("_header", "_ints", "inputs", "outputs", "command", "_events", "_in_rows", "_out_rows",
+                     "_cmd_rows"):
+            if hasattr(self, attr):
+                delattr(self, attr)
+        try:
+            self._shm.close()
+        except BufferError:
+            return  # a StepBatch view still points into it; the mapping goes with the process
+        if self.owner:
+            try:
+                self._shm.unlink()
+            except FileNotFoundError:
+                pass
+
+    # --- writer (the loop's thread; no allocation, no lock) -------------------------
+
+    def begin(self, step: int, t_ns: int) -> None:
+        """Start the record of ``step``: inputs, outputs and command start as NaN, flags as 0."""
+        i = int(self._header[_W_HEAD]) % self.capacity
+        self._slot = i
+        ints = self._ints
+        ints["step"][i] = step
+        ints["t_ns"][i] = t_ns
+        ints["input_seq"][i] = -1
+        ints["flags"][i] = 0
+        self._in_rows[i].fill(np.nan)
+        self._out_rows[i].fill(np.nan)
+        self._cmd_rows[i].fill(np.nan)
+
+    def input_row(self) -> np.ndarray:
+        """The current record's input row, to be written in place (``InputKind.to_vector``)."""
+        return self._in_rows[self._slot]
+
+    def set_input_seq(self, seq: int) -> None:
+        self._ints["input_seq"][self._slot] = seq
+
+    def set_output(self, values: np.ndarray) -> None:
+        row = self._out_rows[self._slot]
+        n = min(row.size, values.size)
+        if n:
+            np.copyto(row[:n], values.reshape(-1)[:n], casting="unsafe")
+
+    def set_command(self, values: np.ndarray) -> None:
+        row = self._cmd_rows[self._slot]
+        n = min(row.size, values.size)
+        if n:
+            np.copyto(row[:n], values.reshape(-1)[:n], casting="unsafe")
+
+    def add_flags(self, flags: int) -> None:
+        self._ints["flags"][self._slot] |= flags
+
+    def publish(self, latency_ns: int, lateness_ns: int) -> None:
+        """Finish the current record and make it visible to readers."""
+        i = self._slot
+        self._ints["latency_ns"][i] = latency_ns
+        self._ints["lateness_ns"][i] = lateness_ns
+        self._header[_W_HEAD] += 1
+
+    def event(self, obj: dict[str, Any]) -> None:
+        """Append an event (rare: watchdog trips, reconnects, repairs); JSON longer than a slot is cut to its kind."""
+        data = json.dumps(obj, default=_json_default, separators=(",", ":")).encode()
+        if len(data) + 4 > self.event_slot:
+            data = json.dumps({"event": obj.get("event"), "step": obj.get("step"), "truncated": True}).encode()
+        j = int(self._header[_W_EHEAD])
+        slot = self._events[j % self.event_capacity]
+        slot[:4] = np.frombuffer(np.uint32(len(data)).tobytes(), dtype=np.uint8)
+        slot[4 : 4 + len(data)] = np.frombuffer(data, dtype=np.uint8)
+        self._header[_W_EHEAD] = j + 1
+
+    # --- readers (any thread or process) ----------------------------------------------
+
+    @property
+    def published(self) -> int:
+        return int(self._header[_W_HEAD])
+
+    @property
+    def events_published(self) -> int:
+        return int(self._header[_W_EHEAD])
+
+    def read(self, cursor: int, max_records: int | None = None) -> tuple[StepBatch, int]:
+        """Copies of the records from ``cursor`` on; returns them and the cursor to pass next time."""
+        head = self.published
+        # The slot after the newest record is the next one the writer fills: C - 1 records are readable.
+        start = max(cursor, head - self.capacity + 1)
+        if max_records is not None and head - start > max_records:
+            start = head - max_records  # a reader that only wants the newest: the rest counts as skipped
+        idx = np.arange(start, head) % self.capacity
+        ints = {name: arr[idx] for name, arr in self._ints.items()}
+        inputs, outputs, command = self.inputs[idx], self.outputs[idx], self.command[idx]
+        # Anything the writer reached while we copied may be torn: keep only records it cannot have touched.
+        # (The record being filled is slot head2 % C, which a published span of at most C - 1 never includes.)
+        head2 = self.published
+        first_safe = head2 - self.capacity + 1
+        drop = max(0, first_safe - start)
+        if drop:
+            keep = slice(drop, None)
+            ints = {k: v[keep] for k, v in ints.items()}
+            inputs, outputs, command = inputs[keep], outputs[keep], command[keep]
+        batch = StepBatch(**ints, inputs=inputs, outputs=outputs, command=command, lost=(start - cursor) + drop)
+        return batch, head
+
+    def read_events(self, cursor: int) -> tuple[list[dict[str, Any]], int, int]:
+        """Events from ``cursor`` on: (events, next cursor, number lost to overwriting)."""
+        head = self.events_published
+        start = max(cursor, head - self.event_capacity + 1)
+        out = []
+        for j in range(start, head):
+            slot = self._events[j % self.event_capacity]
+            n = int(np.frombuffer(slot[:4].tobytes(), dtype="<u4")[0])
+            try:
+                out.append(json.loads(slot[4 : 4 + n].tobytes()))
+            except (ValueError, UnicodeDecodeError):
+                continue  # overwritten while read
+        return out, head, start - cursor
+
+
+def _json_default(o: Any) -> Any:
+    if isinstance(o, np.ndarray):
+        return o.tolist()
+    if isinstance(o, np.generic):
+        return o.item()
+    return str(o)

@@ -1,0 +1,196 @@
+"""Per-step hooks: the step ring and the observer hub (runtime/observe/)."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from closedloop.runtime.observe import FLAG_ACTED, FLAG_SAFE, ObserverHub, SessionObserver, StepRing
+
+
+@pytest.fixture
+def ring():
+    r = StepRing.create(n_in=3, n_out=2, n_cmd=1, capacity=16, event_capacity=4, event_slot=256)
+    yield r
+    r.close()
+
+
+def _write(ring: StepRing, k: int, flags: int = FLAG_ACTED) -> None:
+    ring.begin(k, 1000 * k)
+    np.copyto(ring.input_row(), np.array([k, k + 1, k + 2], dtype=np.float32))
+    ring.set_input_seq(100 + k)
+    ring.set_output(np.array([0.5 * k, -k], dtype=np.float32))
+    ring.set_command(np.array([k], dtype=np.float32))
+    ring.add_flags(flags)
+    ring.publish(latency_ns=10 * k, lateness_ns=k)
+
+
+def test_a_reader_gets_every_record_in_order_with_its_values(ring):
+    for k in range(5):
+        _write(ring, k)
+    batch, cursor = ring.read(0)
+    assert cursor == 5 and batch.lost == 0
+    np.testing.assert_array_equal(batch.step, np.arange(5))
+    np.testing.assert_array_equal(batch.inputs[:, 1], np.arange(5) + 1)
+    np.testing.assert_array_equal(batch.outputs[:, 1], -np.arange(5))
+    np.testing.assert_array_equal(batch.latency_ns, 10 * np.arange(5))
+    np.testing.assert_array_equal(batch.input_seq, 100 + np.arange(5))
+    again, cursor2 = ring.read(cursor)
+    assert len(again) == 0 and cursor2 == cursor
+
+
+def test_a_reader_that_falls_behind_loses_the_oldest_and_counts_them(ring):
+    for k in range(40):
+        _write(ring, k)
+    batch, cursor = ring.read(0)
+    assert cursor == 40
+    # 16 slots; the one after the newest record is the next the writer fills, so 15 are readable.
+    assert len(batch) == 15 and batch.lost == 25
+    np.testing.assert_array_equal(batch.step, np.arange(25, 40))
+
+
+def test_a_record_not_written_is_nan_and_flags_mark_the_safe_command(ring):
+    ring.begin(0, 0)
+    ring.add_flags(FLAG_SAFE)
+    ring.publish(5, 1)
+    batch, _ = ring.read(0)
+    assert np.isnan(batch.outputs).all() and np.isnan(batch.command).all()
+    assert batch.flags[0] == FLAG_SAFE and batch.input_seq[0] == -1
+
+
+def test_writing_a_step_allocates_nothing(ring, bytes_allocated):
+    frame = np.arange(3, dtype=np.float32)
+    out = np.ones(2, dtype=np.float32)
+    cmd = np.ones(1, dtype=np.float32)
+    k = [0]
+
+    def one_step():
+        ring.begin(k[0], 0)
+        np.copyto(ring.input_row(), frame)
+        ring.set_output(out)
+        ring.set_command(cmd)
+        ring.add_flags(FLAG_ACTED)
+        ring.publish(1, 1)
+        k[0] += 1
+
+    one_step()
+    assert bytes_allocated(one_step, 2000) < 2048
+
+
+def test_events_round_trip_and_overflow_is_counted(ring):
+    for j in range(6):
+        ring.event({"event": "watchdog", "step": j, "silent_s": 0.3})
+    events, cursor, lost = ring.read_events(0)
+    assert cursor == 6 and lost == 3  # 4 slots, the one being written is never read
+    assert [e["step"] for e in events] == [3, 4, 5]
+    ring.event({"event": "x", "step": 7, "blob": "y" * 1000})
+    events, _, _ = ring.read_events(cursor)
+    assert events == [{"event": "x", "step": 7, "truncated": True}]
+
+
+def _child_reads(name, q):
+    r = StepRing.attach(name)
+    batch, cursor = r.read(0)
+    q.put((cursor, batch.step.tolist(), batch.command[:, 0].tolist()))
+    r.close()
+
+
+def test_another_process_attaches_by_name_and_reads_the_same_records(ring):
+    for k in range(3):
+        _write(ring, k)
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=_child_reads, args=(ring.name, q))
+    p.start()
+    cursor, steps, cmds = q.get(timeout=60)
+    p.join(30)
+    assert p.exitcode == 0
+    assert cursor == 3 and steps == [0, 1, 2] and cmds == [0.0, 1.0, 2.0]
+    _write(ring, 3)  # the writer's block survives the reader's exit
+    assert ring.read(0)[0].step.tolist() == [0, 1, 2, 3]
+
+
+def test_attach_refuses_a_block_that_is_not_a_ring():
+    from multiprocessing import shared_memory
+
+    shm = shared_memory.SharedMemory(create=True, size=256)
+    try:
+        with pytest.raises(ValueError, match="not a closedloop step ring"):
+            StepRing.attach(shm.name)
+    finally:
+        shm.close()
+        shm.unlink()
+
+
+class _Collect(SessionObserver):
+    def __init__(self, delay_s: float = 0.0):
+        self.steps: list[int] = []
+        self.lost = 0
+        self.events: list[dict] = []
+        self.started = self.stopped = None
+        self.delay_s = delay_s
+
+    def on_start(self, info):
+        self.started = info
+
+    def on_steps(self, batch):
+        self.steps += batch.step.tolist()
+        self.lost += batch.lost
+        time.sleep(self.delay_s)
+
+    def on_event(self, event):
+        self.events.append(event)
+
+    def on_stop(self, summary):
+        self.stopped = summary
+
+
+def test_a_slow_observer_loses_records_and_never_delays_the_writer_or_a_fast_one():
+    ring = StepRing.create(n_in=3, n_out=2, n_cmd=1, capacity=64)
+    fast, slow = _Collect(), _Collect(delay_s=0.2)
+    hub = ObserverHub(ring, [fast, slow], interval_s=0.005)
+    hub.start({"family": "test"})
+    t0 = time.perf_counter()
+    worst = 0.0
+    for k in range(2000):
+        t = time.perf_counter()
+        _write(ring, k)
+        worst = max(worst, time.perf_counter() - t)
+        if k % 20 == 0:
+            time.sleep(0.002)  # a 10 kHz-ish producer with pauses, as a loop would be
+    ring.event({"event": "watchdog", "step": 1999})
+    report = hub.stop({"steps": 2000})
+    elapsed = time.perf_counter() - t0
+    ring.close()
+    assert fast.started == {"family": "test"} and fast.stopped == {"steps": 2000}
+    # Fast: every record, in order. Slow: fewer, the rest counted as lost, never duplicated.
+    assert fast.steps == list(range(2000)) and fast.lost == 0
+    assert len(slow.steps) + slow.lost == 2000 and slow.lost > 0
+    assert slow.steps == sorted(set(slow.steps))
+    assert report["_Collect"]["error"] is None
+    assert [e["event"] for e in fast.events] == ["watchdog"]
+    # The writer never waited for the slow observer (its 0.2 s sleeps): a record costs microseconds.
+    assert worst < 0.05, f"a record took {worst * 1e3:.1f} ms to write"
+    assert elapsed < 5.0
+
+
+def test_an_observer_that_raises_is_detached_with_a_warning(capsys):
+    class Broken(SessionObserver):
+        def on_steps(self, batch):
+            raise RuntimeError("bug in user code")
+
+    ring = StepRing.create(n_in=1, n_out=1, n_cmd=1, capacity=8)
+    hub = ObserverHub(ring, [Broken()], interval_s=0.001)
+    hub.start({})
+    _write_1 = threading.Event()
+    ring.begin(0, 0)
+    ring.publish(1, 1)
+    _write_1.wait(0.05)
+    report = hub.stop({})
+    ring.close()
+    assert "bug in user code" in report["Broken"]["error"]
+    assert "session observer Broken failed and was detached" in capsys.readouterr().err
