@@ -21,13 +21,14 @@ $(STAMP): pyproject.toml setup.py Makefile $(CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet $(TORCH_SPEC)
-	$(PY) -m pip install --quiet -e '.[train,sim,rl,dev]' $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
+	$(PY) -m pip install --quiet -e '.[train,sim,rl,monitor,dev]' $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
 	@touch $(STAMP)
 
 demo: $(STAMP)
 	$(PY) -m closedloop.sdk.demo
 
 test: $(STAMP)
+	@tools/ensure_chromium.sh
 	$(PY) -m pytest -q
 
 bench: $(STAMP)

@@ -1,0 +1,208 @@
+// closedloop monitor page: one WebSocket (/ws), rolling buffers, canvas charts. No dependencies.
+"use strict";
+(function () {
+  const FLAG = { ACTED: 1, COMMAND: 2, SAFE: 4, DISCONNECTED: 8, WATCHDOG: 16 };
+  const KEEP = 1500;           // steps kept for the charts
+  const RASTER_ROWS = 200;     // input rows kept for the heat map
+  const $ = (id) => document.getElementById(id);
+  const S = window.monitorState = {
+    info: null, connected: false, ended: false, updates: 0, step: -1, state: "connecting", text: "",
+    prompt: "", events: [], counts: { watchdog: 0, reconnects: 0, missed: 0, lost: 0, dropped: 0 },
+    t: [], lat: [], late: [], missed: [], flags: [], cmd: [], inp: [], out: [], stepsSeen: 0, status: null,
+  };
+  let updatesThisSecond = 0;
+
+  function push(arr, items, keep) { for (const x of items) arr.push(x); if (arr.length > keep) arr.splice(0, arr.length - keep); }
+
+  function onHello(m) {
+    S.info = m.info;
+    const i = m.info;
+    $("bundle").textContent = i.bundle_name || "-";
+    $("family").textContent = i.family || "-";
+    $("device").textContent = (i.device && (i.device.kind + " " + (i.device.name || ""))) || i.device_url || "-";
+    $("backend").textContent = i.backend || "-";
+    $("rate").textContent = i.rate_hz ? i.rate_hz + " Hz" : "-";
+    const fam = i.family;
+    $("input-title").textContent = fam === "bci" ? "Input: neural channels (heat map, newest right)" :
+      fam === "observer" ? "Input: plant measurements y, with the observer's estimates" :
+      fam === "policy" ? "Input: joint state (q, dq)" : "Input";
+    $("output-title").textContent = fam === "bci" ? "Output: decoded text" :
+      fam === "observer" ? "Output: state and disturbance estimates, and the command" :
+      fam === "policy" ? "Output: joint commands and episode outcomes" : "Output";
+    $("text-box").hidden = fam !== "bci";
+    for (const e of m.events || []) onEvent(e, true);
+    renderEvents();
+  }
+
+  function onEvent(e, quiet) {
+    if (e.event === "status") { onStatus(e); return; }
+    S.events.push(e);
+    if (S.events.length > 300) S.events.splice(0, 100);
+    if (e.event === "watchdog") S.counts.watchdog++;
+    if (e.event === "reconnected") S.counts.reconnects++;
+    if (e.event === "session_end") { S.ended = true; }
+    if (!quiet) renderEvents();
+  }
+
+  function onStatus(e) {
+    S.status = e;
+    if (typeof e.text === "string") S.text = e.text;
+    if (typeof e.prompt === "string") S.prompt = e.prompt;
+    if (e.state) S.state = e.state;
+    if (e.lost !== undefined) S.counts.lost = e.lost;
+    if (e.missed !== undefined) S.counts.missed = e.missed;
+    if (e.watchdog_trips !== undefined) S.counts.watchdog = e.watchdog_trips;
+    if (e.reconnects !== undefined) S.counts.reconnects = e.reconnects;
+    const skip = new Set(["type", "event", "step", "state", "text", "prompt", "lost", "missed", "p99_us", "watchdog_trips",
+                          "reconnects", "t_ns"]);
+    const parts = [];
+    for (const [k, v] of Object.entries(e)) if (!skip.has(k)) parts.push(`${k} <b>${typeof v === "number" ? +v.toFixed(3) : v}</b>`);
+    $("family-metrics").innerHTML = parts.join(" ");
+    if (e.p99_us !== undefined) $("p99").textContent = Math.round(e.p99_us) + " us";
+  }
+
+  function onSteps(m) {
+    S.updates++; updatesThisSecond++;
+    S.counts.dropped += m.lost;
+    S.stepsSeen += m.count;
+    if (m.step.length) S.step = m.step[m.step.length - 1];
+    push(S.t, m.t_s, KEEP); push(S.lat, m.latency_us, KEEP); push(S.late, m.lateness_us, KEEP);
+    push(S.missed, m.missed, KEEP); push(S.flags, m.flags, KEEP); push(S.cmd, m.command, KEEP);
+    push(S.out, m.outputs, KEEP);
+    const acted = m.inputs.filter((row, j) => m.flags[j] & FLAG.ACTED);
+    push(S.inp, acted, RASTER_ROWS);
+    const last = m.flags[m.flags.length - 1] || 0;
+    if (!S.status || !S.status.state) S.state = last & FLAG.DISCONNECTED ? "DISCONNECTED" : last & FLAG.SAFE ? "SAFE" : "running";
+  }
+
+  // --- drawing ----------------------------------------------------------------------------
+  const COLORS = ["#58a6ff", "#f0883e", "#3fb950", "#bc8cff", "#ff7b72", "#d29922", "#39c5cf", "#e6e9ec"];
+
+  function canvas(id) {
+    const c = $(id), r = c.getBoundingClientRect(), dpr = window.devicePixelRatio || 1;
+    const w = Math.max(50, Math.round(r.width * dpr)), h = Math.round(c.height > 0 ? (c.dataset.h || c.height) * dpr : 100);
+    if (!c.dataset.h) c.dataset.h = c.height;
+    if (c.width !== w || c.height !== h) { c.width = w; c.height = h; }
+    const g = c.getContext("2d"); g.clearRect(0, 0, w, h); return [g, w, h];
+  }
+
+  function range(series) {
+    let lo = Infinity, hi = -Infinity;
+    for (const s of series) for (const v of s) if (v !== null && isFinite(v)) { if (v < lo) lo = v; if (v > hi) hi = v; }
+    if (!isFinite(lo)) return [0, 1];
+    if (hi - lo < 1e-9) { lo -= 1; hi += 1; }
+    return [lo, hi];
+  }
+
+  function lines(g, w, h, cols, n, lo, hi) {
+    cols.forEach((col, k) => {
+      g.strokeStyle = COLORS[k % COLORS.length]; g.lineWidth = 1.5; g.beginPath();
+      let pen = false;
+      col.forEach((v, i) => {
+        if (v === null || !isFinite(v)) { pen = false; return; }
+        const x = (i / Math.max(1, n - 1)) * w, y = h - ((v - lo) / (hi - lo)) * (h - 8) - 4;
+        if (pen) g.lineTo(x, y); else g.moveTo(x, y); pen = true;
+      });
+      g.stroke();
+    });
+  }
+
+  function column(rows, j) { return rows.map((r) => (r && j < r.length ? r[j] : null)); }
+
+  function drawTiming() {
+    const [g, w, h] = canvas("latency");
+    const n = S.lat.length; if (!n) return;
+    const [lo, hi] = range([S.lat, S.late]);
+    S.missed.forEach((m, i) => { if (m) { g.fillStyle = "#f85149"; g.fillRect((i / Math.max(1, n - 1)) * w - 1, 0, 2, h); } });
+    lines(g, w, h, [S.lat, S.late], n, Math.min(0, lo), hi);
+    g.fillStyle = "#8a96a3"; g.font = `${12 * (window.devicePixelRatio || 1)}px sans-serif`;
+    g.fillText(`${hi.toFixed(0)} us`, 4, 14 * (window.devicePixelRatio || 1));
+    const [hg, hw, hh] = canvas("histogram");
+    const bins = 40, top = Math.max(...S.lat) || 1, counts = new Array(bins).fill(0);
+    for (const v of S.lat) counts[Math.min(bins - 1, Math.floor((v / top) * bins))]++;
+    const cmax = Math.max(...counts) || 1;
+    hg.fillStyle = "#58a6ff";
+    counts.forEach((c, i) => { const bh = (c / cmax) * (hh - 4); hg.fillRect((i / bins) * hw + 1, hh - bh, hw / bins - 2, bh); });
+    hg.fillStyle = "#8a96a3"; hg.font = `${11 * (window.devicePixelRatio || 1)}px sans-serif`;
+    hg.fillText(`0 .. ${top.toFixed(0)} us`, 4, 12 * (window.devicePixelRatio || 1));
+    const sorted = [...S.lat].sort((a, b) => a - b);
+    if (!S.status || S.status.p99_us === undefined) $("p99").textContent = Math.round(sorted[Math.floor(0.99 * (sorted.length - 1))]) + " us";
+  }
+
+  function drawInput() {
+    const rows = S.inp; if (!rows.length) return;
+    const nch = rows[rows.length - 1].length;
+    const fam = S.info && S.info.family;
+    if (nch > 16 || fam === "bci") {
+      const [g, w, h] = canvas("input");
+      let hi = 0; for (const r of rows) for (const v of r) if (v !== null && v > hi) hi = v;
+      hi = hi || 1;
+      const cw = w / RASTER_ROWS, ch = h / nch;
+      const off = RASTER_ROWS - rows.length;
+      rows.forEach((r, i) => r.forEach((v, j) => {
+        const a = v === null ? 0 : Math.min(1, v / hi);
+        g.fillStyle = `rgba(88,166,255,${a.toFixed(2)})`;
+        g.fillRect((off + i) * cw, j * ch, Math.ceil(cw), Math.ceil(ch));
+      }));
+      $("input-legend").textContent = `${nch} channels x last ${rows.length} frames; brightest = ${hi} counts`;
+    } else {
+      const [g, w, h] = canvas("input");
+      const cols = []; for (let j = 0; j < nch; j++) cols.push(column(rows, j));
+      let est = [];
+      if (fam === "observer") { const no = (S.out[S.out.length - 1] || []).length; for (let j = 0; j < Math.min(no, 4); j++) est.push(column(S.out.slice(-rows.length), j)); }
+      const [lo, hi] = range(cols.concat(est));
+      lines(g, w, h, cols.concat(est), rows.length, lo, hi);
+      $("input-legend").textContent = `${nch} measured values` + (est.length ? `, ${est.length} estimates (later colours)` : "") + ` over the last ${rows.length} frames`;
+    }
+  }
+
+  function drawCommand() {
+    const [g, w, h] = canvas("command");
+    const n = S.cmd.length; if (!n) return;
+    S.flags.forEach((f, i) => { if (f & FLAG.SAFE) { g.fillStyle = "rgba(248,81,73,0.25)"; g.fillRect((i / Math.max(1, n - 1)) * w - 1, 0, Math.max(2, w / n + 1), h); } });
+    const nc = Math.min(8, (S.cmd[n - 1] || []).length);
+    const cols = []; for (let j = 0; j < nc; j++) cols.push(column(S.cmd, j));
+    const [lo, hi] = range(cols);
+    lines(g, w, h, cols, n, lo, hi);
+  }
+
+  function renderEvents() {
+    const ol = $("events"); ol.innerHTML = "";
+    for (const e of S.events.slice(-100).reverse()) {
+      const li = document.createElement("li");
+      li.className = e.event;
+      const rest = Object.entries(e).filter(([k]) => k !== "event" && k !== "step").map(([k, v]) => `${k}=${JSON.stringify(v)}`).join(" ");
+      li.textContent = `step ${e.step ?? "-"}  ${e.event}  ${rest}`.slice(0, 300);
+      ol.appendChild(li);
+    }
+  }
+
+  function render() {
+    $("step").textContent = Math.max(0, S.step);
+    $("missed").textContent = S.counts.missed;
+    $("lost").textContent = S.counts.lost;
+    $("watchdog").textContent = S.counts.watchdog;
+    $("reconnects").textContent = S.counts.reconnects;
+    $("dropped").textContent = S.counts.dropped;
+    const st = S.ended ? "ended" : S.connected ? S.state : "reconnecting";
+    $("state").textContent = st; $("state").dataset.state = st;
+    $("typed").textContent = S.text; $("prompt").textContent = S.prompt;
+    try { drawTiming(); drawInput(); drawCommand(); } catch (err) { console.error(err); }
+  }
+
+  setInterval(() => { $("ups").textContent = updatesThisSecond; S.ups = updatesThisSecond; updatesThisSecond = 0; }, 1000);
+  setInterval(render, 100);
+
+  function connect() {
+    const token = new URLSearchParams(location.search).get("token");
+    const proto = location.protocol === "https:" ? "wss:" : "ws:";
+    const ws = new WebSocket(`${proto}//${location.host}/ws` + (token ? `?token=${encodeURIComponent(token)}` : ""));
+    ws.onopen = () => { S.connected = true; };
+    ws.onmessage = (ev) => {
+      let m; try { m = JSON.parse(ev.data); } catch { return; }
+      if (m.type === "hello") onHello(m); else if (m.type === "steps") onSteps(m); else if (m.type === "event") onEvent(m);
+    };
+    ws.onclose = () => { S.connected = false; if (!S.ended) setTimeout(connect, 1000); };
+  }
+  connect();
+})();

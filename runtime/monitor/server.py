@@ -1,0 +1,325 @@
+"""The browser monitor's server: a separate process that reads the session's step ring.
+
+``closedloop run ... --monitor [HOST:]PORT`` starts this process before the loop. It
+attaches to the session's ``StepRing`` by name, so the web server (aiohttp) never takes
+the loop's GIL, and serves one page and its assets from the package (no CDN, no
+network) plus a WebSocket that pushes what the ring holds at ``push_hz``. A browser
+that is slow or gone loses updates (counted); the session never waits for it.
+
+WebSocket messages (JSON text frames, server to browser; documented in docs/monitor.md):
+``hello`` once (session info and the recent history), then ``steps`` (arrays of the new
+records) and ``event`` (each session event, status updates included). The browser sends
+nothing the server needs; anything it sends is ignored, malformed or not.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import ipaddress
+import json
+import math
+import select
+import subprocess
+import sys
+import time
+from importlib import resources
+from typing import Any
+
+import numpy as np
+
+from closedloop.runtime.observe.ring import StepBatch, StepRing
+
+#: Most step records per push; a faster session (a 1 kHz plant at 20 pushes/s sends 50) is decimated past this.
+MAX_ROWS_PER_PUSH = 250
+#: Pushes a browser may lag behind before the oldest are dropped for it.
+CLIENT_QUEUE = 16
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def steps_message(batch: StepBatch, period_s: float, t0_ns: int) -> dict[str, Any]:
+    """A ``steps`` message from a batch, decimated to ``MAX_ROWS_PER_PUSH`` rows (missed deadlines always kept)."""
+    n = len(batch)
+    late_ns = batch.lateness_ns
+    lat_ns = batch.latency_ns
+    missed = (lat_ns + np.maximum(late_ns, 0)) > period_s * 1e9
+    if n > MAX_ROWS_PER_PUSH:
+        keep = np.zeros(n, dtype=bool)
+        keep[np.linspace(0, n - 1, MAX_ROWS_PER_PUSH).astype(int)] = True
+        keep |= missed
+        idx = np.flatnonzero(keep)
+    else:
+        idx = np.arange(n)
+
+    def rows(a: np.ndarray) -> list[list[float | None]]:
+        sub = a[idx]
+        return [[None if not math.isfinite(v) else round(float(v), 5) for v in row] for row in sub]
+
+    return {
+        "type": "steps",
+        "step": batch.step[idx].tolist(),
+        "t_s": ((batch.t_ns[idx] - t0_ns) / 1e9).round(4).tolist(),
+        "latency_us": (lat_ns[idx] / 1e3).round(1).tolist(),
+        "lateness_us": (late_ns[idx] / 1e3).round(1).tolist(),
+        "missed": missed[idx].astype(int).tolist(),
+        "flags": batch.flags[idx].tolist(),
+        "input_seq": batch.input_seq[idx].tolist(),
+        "inputs": rows(batch.inputs),
+        "outputs": rows(batch.outputs),
+        "command": rows(batch.command),
+        "count": n,
+        "lost": int(batch.lost),
+    }
+
+
+class _Client:
+    def __init__(self, ws: Any):
+        self.ws = ws
+        self.queue: asyncio.Queue[str] = asyncio.Queue(CLIENT_QUEUE)
+        self.dropped = 0
+
+    def offer(self, text: str) -> None:
+        if self.queue.full():
+            self.queue.get_nowait()
+            self.dropped += 1
+        self.queue.put_nowait(text)
+
+
+class MonitorApp:
+    """The aiohttp application over one ring (also used in-process by the tests of the page)."""
+
+    def __init__(self, ring: StepRing, info: dict[str, Any], token: str | None, push_hz: float = 20.0):
+        self.ring = ring
+        self.info = info
+        self.token = token
+        self.push_s = 1.0 / push_hz
+        self.period_s = 1.0 / float(info.get("rate_hz") or 1.0)
+        self.t0_ns = int(info.get("t0_ns") or time.monotonic_ns())
+        self.clients: set[_Client] = set()
+        self.events: list[dict[str, Any]] = []  # every event so far (a session has few), for late joiners
+        self.history: list[str] = []  # the last few steps messages, for late joiners
+        self.pushes = 0
+
+    def _authorised(self, request: Any) -> bool:
+        if self.token is None:
+            return True
+        given = request.query.get("token", "")
+        return hmac.compare_digest(given.encode(), self.token.encode())
+
+    async def index(self, request: Any) -> Any:
+        from aiohttp import web
+
+        if not self._authorised(request):
+            return web.Response(status=403, text="this monitor needs ?token=... (printed by closedloop run)\n")
+        return web.Response(text=_asset("index.html"), content_type="text/html")
+
+    async def asset(self, request: Any) -> Any:
+        from aiohttp import web
+
+        name = request.match_info["name"]
+        types = {"js": "application/javascript", "css": "text/css"}
+        ext = name.rsplit(".", 1)[-1]
+        if "/" in name or ext not in types:
+            raise web.HTTPNotFound()
+        try:
+            return web.Response(text=_asset(name), content_type=types[ext])
+        except FileNotFoundError:
+            raise web.HTTPNotFound() from None
+
+    async def state(self, request: Any) -> Any:
+        from aiohttp import web
+
+        if not self._authorised(request):
+            return web.json_response({"error": "token required"}, status=403)
+        status = next((e for e in reversed(self.events) if e.get("event") == "status"), None)
+        return web.json_response({"info": self.info, "published": self.ring.published, "pushes": self.pushes,
+                                  "clients": len(self.clients), "status": status,
+                                  "events": [e for e in self.events if e.get("event") != "status"][-50:]})
+
+    async def websocket(self, request: Any) -> Any:
+        from aiohttp import WSMsgType, web
+
+        if not self._authorised(request):
+            return web.Response(status=403, text="token required\n")
+        ws = web.WebSocketResponse(heartbeat=10.0, max_msg_size=4096)
+        await ws.prepare(request)
+        client = _Client(ws)
+        hello = {"type": "hello", "info": self.info, "events": self.events[-200:]}
+        await ws.send_str(json.dumps(hello))
+        for text in self.history:
+            client.offer(text)
+        self.clients.add(client)
+        sender = asyncio.ensure_future(self._send_loop(client))
+        try:
+            async for msg in ws:  # the page sends nothing we act on; a malformed message is simply ignored
+                if msg.type in (WSMsgType.ERROR, WSMsgType.CLOSE):
+                    break
+        finally:
+            self.clients.discard(client)
+            sender.cancel()
+        return ws
+
+    async def _send_loop(self, client: _Client) -> None:
+        try:
+            while True:
+                text = await client.queue.get()
+                await client.ws.send_str(text)
+        except (ConnectionError, RuntimeError, asyncio.CancelledError):
+            return
+
+    async def pump(self) -> None:
+        """Read the ring at push_hz and hand every client the new records and events."""
+        cursor = max(0, self.ring.published - MAX_ROWS_PER_PUSH)
+        ev_cursor = 0
+        while True:
+            events, ev_cursor, _ = self.ring.read_events(ev_cursor)
+            for ev in events:
+                self.events.append(ev)
+                if len(self.events) > 5000:
+                    del self.events[:1000]
+                text = json.dumps({"type": "event", **ev}, default=str)
+                for c in list(self.clients):
+                    c.offer(text)
+            batch, cursor = self.ring.read(cursor)
+            if len(batch) or batch.lost:
+                text = json.dumps(steps_message(batch, self.period_s, self.t0_ns))
+                self.history.append(text)
+                del self.history[:-8]
+                for c in list(self.clients):
+                    c.offer(text)
+                self.pushes += 1
+            await asyncio.sleep(self.push_s)
+
+    def make_app(self) -> Any:
+        from aiohttp import web
+
+        app = web.Application()
+        app.router.add_get("/", self.index)
+        app.router.add_get("/static/{name}", self.asset)
+        app.router.add_get("/api/state", self.state)
+        app.router.add_get("/ws", self.websocket)
+
+        async def start_pump(app: Any) -> None:
+            app["pump"] = asyncio.ensure_future(self.pump())
+
+        async def stop_pump(app: Any) -> None:
+            app["pump"].cancel()
+
+        app.on_startup.append(start_pump)
+        app.on_cleanup.append(stop_pump)
+        return app
+
+
+def _asset(name: str) -> str:
+    return resources.files("closedloop.runtime.monitor").joinpath("assets", name).read_text(encoding="utf-8")
+
+
+def serve(ring_name: str, host: str, port: int, token: str | None, info: dict[str, Any], ready: Any) -> None:
+    """Serve until terminated; report ``("ok", bound_port)`` or ``("error", message)`` through ``ready(...)``."""
+    try:
+        from aiohttp import web
+    except ImportError:
+        ready(("error", "the monitor needs aiohttp: pip install 'closedloop[monitor]'"))
+        return
+    ring = StepRing.attach(ring_name)
+    app = MonitorApp(ring, info, token)
+
+    async def main() -> None:
+        runner = web.AppRunner(app.make_app(), access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, host, port)
+        try:
+            await site.start()
+        except OSError as exc:
+            ready(("error", f"cannot listen on {host}:{port}: {exc.strerror or exc}; choose another port "
+                            "with --monitor HOST:PORT (0 picks a free one)"))
+            await runner.cleanup()
+            return
+        bound = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        ready(("ok", bound))
+        while True:
+            await asyncio.sleep(3600)
+
+    try:
+        asyncio.run(main())
+    except KeyboardInterrupt:
+        pass
+    finally:
+        ring.close()
+
+
+def main() -> None:
+    """``python -m closedloop.runtime.monitor RING HOST PORT``, the session info as JSON on stdin."""
+    ring_name, host, port = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    request = json.loads(sys.stdin.readline())
+
+    def ready(msg: tuple[str, Any]) -> None:
+        sys.stdout.write(json.dumps(list(msg)) + "\n")
+        sys.stdout.flush()
+
+    serve(ring_name, host, port, request.get("token"), request["info"], ready)
+
+
+class MonitorProcess:
+    """Starts the server process for a ring and stops it; ``url`` is what to open in a browser.
+
+    The server is a fresh interpreter (``python -m``), not a multiprocessing child: nothing of the
+    session's state, threads or ``__main__`` module is copied or re-run there.
+    """
+
+    def __init__(self, ring: StepRing, host: str, port: int, token: str | None, info: dict[str, Any],
+                 start_timeout_s: float = 60.0):
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "closedloop.runtime.monitor", ring.name, host, str(port)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        )
+        assert self._proc.stdin is not None and self._proc.stdout is not None
+        self._proc.stdin.write(json.dumps({"token": token, "info": info}, default=str) + "\n")
+        self._proc.stdin.close()
+        ready, _, _ = select.select([self._proc.stdout], [], [], start_timeout_s)
+        line = self._proc.stdout.readline() if ready else ""
+        if not line:
+            self.stop()
+            raise RuntimeError(f"the monitor did not start within {start_timeout_s:g} s (see the messages above)")
+        status, value = json.loads(line)
+        if status != "ok":
+            self.stop()
+            raise RuntimeError(value)
+        self.host, self.port, self.token = host, int(value), token
+        shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+        shown = f"[{shown}]" if ":" in shown else shown
+        self.url = f"http://{shown}:{self.port}/" + (f"?token={token}" if token else "")
+
+    def stop(self) -> None:
+        if self._proc.poll() is None:
+            self._proc.terminate()
+            try:
+                self._proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait(5)
+
+
+def parse_address(text: str) -> tuple[str, int]:
+    """``PORT`` or ``HOST:PORT`` (``[::1]:PORT`` for IPv6) -> (host, port); a bare port binds 127.0.0.1."""
+    host, sep, port = text.rpartition(":")
+    if not sep:
+        host, port = "127.0.0.1", text
+    host = host.strip("[]") or "127.0.0.1"
+    try:
+        p = int(port)
+    except ValueError:
+        raise ValueError(f"--monitor {text!r}: expected PORT or HOST:PORT (e.g. 8765 or 127.0.0.1:8765)") from None
+    if not 0 <= p <= 65535:
+        raise ValueError(f"--monitor {text!r}: port {p} is outside 0..65535")
+    return host, p
+
+

@@ -1,0 +1,171 @@
+"""The monitor page in a real browser, fed by a step ring written the way a session writes it."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import numpy as np
+import pytest
+
+from closedloop.runtime.observe import FLAG_ACTED, FLAG_COMMAND, FLAG_SAFE, StepRing
+
+pytest.importorskip("aiohttp", reason="the monitor needs the [monitor] extra (aiohttp)")
+
+from closedloop.runtime.monitor import MonitorProcess, parse_address  # noqa: E402
+
+
+class FakeSession:
+    """Writes step records and status events at 50 Hz like a decoder session; ``safe`` makes it go silent."""
+
+    def __init__(self, ring: StepRing):
+        self.ring = ring
+        self.safe = False
+        self.text = ""
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        rng = np.random.default_rng(1)
+        k = 0
+        while not self._stop.is_set():
+            r = self.ring
+            r.begin(k, time.monotonic_ns())
+            if self.safe:
+                r.add_flags(FLAG_SAFE)
+            else:
+                r.input_row()[:] = rng.poisson(2.0, r.n_in)
+                r.set_output(rng.random(r.n_out).astype(np.float32))
+                r.set_command(rng.random(r.n_cmd).astype(np.float32))
+                r.add_flags(FLAG_ACTED | FLAG_COMMAND)
+                if k % 5 == 0:
+                    self.text += "abcdefghij "[(k // 5) % 11]
+            r.publish(300_000, 20_000)
+            if k % 10 == 0:
+                r.event({"event": "status", "step": k, "state": "SAFE" if self.safe else "running",
+                         "p99_us": 350.0, "missed": 0, "lost": 0, "text": self.text, "chars": len(self.text)})
+            k += 1
+            time.sleep(0.02)
+
+    def __enter__(self):
+        self._t.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._t.join(2)
+
+
+INFO = {"family": "bci", "bundle_name": "tiny-decoder", "rate_hz": 50.0, "backend": "numba",
+        "device": {"kind": "headstage", "name": "sim"}}
+
+
+@pytest.fixture
+def monitored():
+    ring = StepRing.create(n_in=16, n_out=4, n_cmd=4, capacity=1024)
+    mon = MonitorProcess(ring, "127.0.0.1", 0, None, INFO | {"t0_ns": time.monotonic_ns()})
+    try:
+        with FakeSession(ring) as sess:
+            yield mon, sess, ring
+    finally:
+        mon.stop()
+        ring.close()
+
+
+def _state(page) -> dict:
+    return page.evaluate("() => ({step: monitorState.step, text: monitorState.text, state: document.getElementById('state').textContent,"
+                         " events: monitorState.events.map(e => e.event), updates: monitorState.updates,"
+                         " typed: document.getElementById('typed').textContent, ups: monitorState.ups})")
+
+
+def test_the_page_shows_counters_rising_text_growing_and_safe_with_its_watchdog_event(monitored, page, screenshot_dir):
+    mon, sess, ring = monitored
+    page.goto(mon.url)
+    page.wait_for_function("() => monitorState.step > 20", timeout=20_000)
+    first = _state(page)
+    assert first["state"] == "running"
+    assert page.text_content("#family") == "bci" and page.text_content("#bundle") == "tiny-decoder"
+    time.sleep(1.5)
+    second = _state(page)
+    assert second["step"] > first["step"] + 30, (first, second)  # 50 Hz for 1.5 s
+    assert len(second["typed"]) > len(first["typed"]) > 0
+    assert second["ups"] >= 10, f"page updated {second['ups']} times in a second"
+    page.screenshot(path=str(screenshot_dir / "monitor_fake_running.png"))
+
+    sess.safe = True
+    ring.event({"event": "watchdog", "step": second["step"], "silent_s": 0.26, "other_frames": 0, "other_type": ""})
+    page.wait_for_function("() => document.getElementById('state').textContent === 'SAFE'", timeout=10_000)
+    page.wait_for_function("() => monitorState.events.some(e => e.event === 'watchdog')", timeout=10_000)
+    assert page.text_content("#watchdog") == "1"
+    assert "watchdog" in page.text_content("#events")
+    ring.event({"event": "reconnected", "step": second["step"] + 5})
+    page.wait_for_function("() => document.getElementById('reconnects').textContent === '1'", timeout=10_000)
+    page.screenshot(path=str(screenshot_dir / "monitor_fake_safe.png"))
+
+
+def test_a_browser_that_reloads_gets_the_history_and_continues(monitored, page):
+    mon, _, _ = monitored
+    page.goto(mon.url)
+    page.wait_for_function("() => monitorState.step > 5", timeout=20_000)
+    page.reload()
+    page.wait_for_function("() => monitorState.updates > 2 && monitorState.step > 5", timeout=20_000)
+
+
+def test_state_api_and_a_malformed_websocket_message_change_nothing(monitored, page):
+    mon, _, _ = monitored
+    page.goto(mon.url)
+    page.wait_for_function("() => monitorState.updates > 2", timeout=20_000)
+    page.evaluate("""() => { const ws = new WebSocket(`ws://${location.host}/ws`);
+                             ws.onopen = () => { ws.send('{not json'); ws.send('x'.repeat(10000)); }; }""")
+    time.sleep(0.5)
+    before = _state(page)["updates"]
+    time.sleep(0.6)
+    assert _state(page)["updates"] > before  # the page's own socket still streams
+    state = json.loads(urllib.request.urlopen(mon.url + "api/state", timeout=5).read())
+    assert state["info"]["family"] == "bci" and state["published"] > 0
+    assert state["status"]["event"] == "status"
+
+
+def test_a_non_loopback_monitor_needs_its_token():
+    ring = StepRing.create(n_in=1, n_out=1, n_cmd=1, capacity=8)
+    mon = MonitorProcess(ring, "127.0.0.1", 0, "s3cret-token", INFO)
+    try:
+        base = f"http://127.0.0.1:{mon.port}/"
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(base, timeout=5)
+        assert err.value.code == 403
+        assert urllib.request.urlopen(base + "?token=s3cret-token", timeout=5).status == 200
+        with pytest.raises(urllib.error.HTTPError):
+            urllib.request.urlopen(base + "api/state?token=wrong", timeout=5)
+    finally:
+        mon.stop()
+        ring.close()
+
+
+def test_a_port_in_use_is_a_clear_error():
+    import socket
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen()
+    port = s.getsockname()[1]
+    ring = StepRing.create(n_in=1, n_out=1, n_cmd=1, capacity=8)
+    try:
+        with pytest.raises(RuntimeError, match=f"cannot listen on 127.0.0.1:{port}.*choose another port"):
+            MonitorProcess(ring, "127.0.0.1", port, None, INFO)
+    finally:
+        ring.close()
+        s.close()
+
+
+def test_monitor_addresses_parse_and_bad_ones_say_what_is_expected():
+    assert parse_address("8765") == ("127.0.0.1", 8765)
+    assert parse_address("0.0.0.0:9000") == ("0.0.0.0", 9000)
+    assert parse_address("[::1]:9000") == ("::1", 9000)
+    with pytest.raises(ValueError, match="expected PORT or HOST:PORT"):
+        parse_address("localhost:http")
+    with pytest.raises(ValueError, match="outside 0..65535"):
+        parse_address("70000")
