@@ -13,7 +13,8 @@ ends after the next deadline is an overrun, handled by policy:
 - ``stop``: end the loop (``stopped_by="overrun"``).
 
 Ctrl-C ends the loop cleanly with a summary. Spare time after a step can be given
-to ``on_idle(k, budget_ns)`` (status lines, weight scrubbing) with a stated budget.
+to ``on_idle(k, budget_ns)`` (status lines, weight scrubbing) with a stated budget, and
+``on_step_end(k, latency_ns, lateness_ns)`` hands each step's timing to per-step hooks.
 
 Two measures against tail latency, both on by default and both measured in
 ``bench/``: Python's cyclic garbage collector is frozen and disabled for the loop's
@@ -98,6 +99,7 @@ class RealTimeLoop:
         on_hold: Callable[[int], object] | None = None,
         on_idle: Callable[[int, int], object] | None = None,
         prewarm: Callable[[], object] | None = None,
+        on_step_end: Callable[[int, int, int], object] | None = None,
     ) -> LoopSummary:
         cfg = self.config
         period = cfg.period_ns
@@ -147,6 +149,8 @@ class RealTimeLoop:
                 steps += 1
                 late_add(start - deadline)
                 lat_add(end - start)
+                if on_step_end is not None:  # per-step hooks (runtime.observe): the step's own timing
+                    on_step_end(k, end - start, start - deadline)
                 next_deadline = deadline + period
                 if end > next_deadline:
                     self.overruns += 1

@@ -12,7 +12,7 @@ time is in the first META record). Record types: META (JSON), RX (bytes exactly 
 received from the device, so replay sees what the session saw, garbage included),
 TX (bytes exactly as sent: the command after clipping), OUTPUT (u32 step index, u32 input
 frame sequence number, float32 model output), EVENT (JSON: watchdog, reconnects, device status...),
-SUMMARY (JSON, last).
+SUMMARY (JSON, last), STEPS (per-step timing, written off the hot path: ``runtime.observe.record_steps``).
 
 The hot path only appends to an in-memory buffer; a background thread writes it
 out at least every ``flush_interval_s`` (default 0.5 s), so a session killed with
@@ -49,6 +49,7 @@ class RecordType(enum.IntEnum):
     OUTPUT = 4
     EVENT = 5
     SUMMARY = 6
+    STEPS = 7
 
 
 class RecordingError(ValueError):

@@ -1,0 +1,117 @@
+"""The session's side of the hooks: one object the loop calls a few times per step.
+
+``SessionTap`` owns the step ring, the observer hub (user observers on their own
+threads) and the browser monitor's process. The session calls ``begin`` at the start
+of a step, ``acted`` / ``command`` / ``flag`` as the step goes, and the loop calls
+``publish`` with the step's latency and lateness; events and status updates go through
+``event`` and ``status``. Every call is a few array writes: nothing allocates, nothing
+waits for a reader.
+"""
+
+from __future__ import annotations
+
+import secrets
+import sys
+import time
+from typing import Any, TextIO
+
+import numpy as np
+
+from .hub import ObserverHub, SessionObserver
+from .ring import FLAG_ACTED, FLAG_COMMAND, StepRing
+
+
+class MonitorAddressError(ValueError):
+    """``--monitor`` asks for an address the session will not bind without being told it may."""
+
+
+class SessionTap:
+    def __init__(self, info: dict[str, Any], n_in: int, n_out: int, n_cmd: int,
+                 observers: list[SessionObserver] | None = None, monitor: str | None = None,
+                 monitor_public: bool = False, status_interval_s: float = 0.25, out: TextIO | None = None,
+                 capacity: int = 8192):
+        self.out = out if out is not None else sys.stderr
+        self.info = dict(info, t0_ns=time.monotonic_ns())
+        self.ring = StepRing.create(n_in, n_out, n_cmd, capacity=capacity)
+        self.hub = ObserverHub(self.ring, observers or [])
+        self.monitor = None
+        self.status_interval_ns = int(status_interval_s * 1e9)
+        self._next_status_ns = 0
+        try:
+            if monitor is not None:
+                self.monitor = _start_monitor(self.ring, monitor, monitor_public, self.info, self.out)
+            self.hub.start(self.info)
+        except BaseException:
+            self.ring.close()
+            raise
+
+    @property
+    def monitor_url(self) -> str | None:
+        return self.monitor.url if self.monitor is not None else None
+
+    # --- per step (the loop's thread) -------------------------------------------------------
+
+    def begin(self, step: int) -> None:
+        self.ring.begin(step, time.monotonic_ns())
+
+    def acted(self, seq: int, frame: np.ndarray, output: np.ndarray) -> None:
+        r = self.ring
+        r.set_input_seq(seq)
+        row = r.input_row()
+        if row.size == frame.size:
+            np.copyto(row, frame.reshape(-1), casting="unsafe")
+        r.set_output(output)
+        r.add_flags(FLAG_ACTED)
+
+    def command(self, values: np.ndarray) -> None:
+        self.ring.set_command(values)
+        self.ring.add_flags(FLAG_COMMAND)
+
+    def flag(self, flags: int) -> None:
+        self.ring.add_flags(flags)
+
+    def publish(self, step: int, latency_ns: int, lateness_ns: int) -> None:  # noqa: ARG002 (the loop's signature)
+        self.ring.publish(latency_ns, lateness_ns)
+
+    def event(self, record: dict[str, Any]) -> None:
+        self.ring.event(record)
+
+    def status_due(self) -> bool:
+        now = time.monotonic_ns()
+        if now < self._next_status_ns:
+            return False
+        self._next_status_ns = now + self.status_interval_ns
+        return True
+
+    # --- end --------------------------------------------------------------------------------
+
+    def close(self, summary: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Stop observers (each gets ``on_stop``) and the monitor; free the ring. Returns per-observer counts."""
+        try:
+            self.ring.event({"event": "session_end", "step": -1})
+            report = self.hub.stop(summary or {})
+        finally:
+            if self.monitor is not None:
+                self.monitor.stop()
+            self.ring.close()
+        return report
+
+
+def _start_monitor(ring: StepRing, address: str, public: bool, info: dict[str, Any], out: TextIO) -> Any:
+    from closedloop.runtime.monitor.server import MonitorProcess, is_loopback, parse_address
+
+    host, port = parse_address(address)
+    token = None
+    if not is_loopback(host):
+        if not public:
+            raise MonitorAddressError(
+                f"--monitor {address}: {host} is reachable from other machines, and the monitor shows the live "
+                "session; bind 127.0.0.1 (--monitor PORT), or pass --monitor-public to serve it there with a token")
+        token = secrets.token_urlsafe(16)
+    mon = MonitorProcess(ring, host, port, token, info)
+    if token is not None:
+        out.write(f"warning: the monitor listens on {host}:{mon.port}, reachable from other machines; it asks for "
+                  "the token in this URL\n")
+    out.write(f"monitor: {mon.url}\n")
+    out.flush()
+    return mon

@@ -1,0 +1,127 @@
+"""A recording decoded into arrays: what a plot, a monitor or an NWB file is made from.
+
+``view_recording`` reads a recording once and decodes its RX bytes into the device's
+input stream (neural counts, plant measurements, joint states), its TX bytes into the
+commands actually sent (and a decoder's typed text), its OUTPUT records into model
+outputs, its EVENTs, and its STEPS records into per-step timing. Host times are
+seconds since the first record; device times are the device's own clock.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from closedloop.firmware_bridge import (
+    ActuatorCommand,
+    DecoderOutput,
+    FrameParser,
+    JointCommand,
+    JointState,
+    NeuralFrame,
+    PlantMeasurement,
+)
+
+from .observe.record_steps import STEPS_RECORD_TYPE, decode_steps
+from .recording import RecordingReader, RecordType
+
+
+@dataclass
+class Series:
+    """Samples of one stream: host seconds, device seconds (NaN where none) and values (samples x width)."""
+
+    t_host_s: list[float] = field(default_factory=list)
+    t_device_s: list[float] = field(default_factory=list)
+    values: list[np.ndarray] = field(default_factory=list)
+
+    def add(self, t_host: float, t_device: float, v: np.ndarray) -> None:
+        self.t_host_s.append(t_host)
+        self.t_device_s.append(t_device)
+        self.values.append(np.asarray(v, dtype=np.float64).reshape(-1))
+
+    def array(self) -> np.ndarray:
+        return np.stack(self.values) if self.values else np.zeros((0, 0))
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+
+@dataclass
+class RecordingView:
+    path: Path
+    meta: dict[str, Any]
+    summary: dict[str, Any] | None
+    t0_ns: int
+    #: the device's stream by NWB-style name: binned_spikes, plant_output_y, plant_input_u, joint_positions, ...
+    inputs: dict[str, Series]
+    commands: Series
+    outputs: Series
+    #: a decoder's DECODER_OUTPUT frames: (host seconds, bin index, text added)
+    typed: list[tuple[float, int, str]]
+    #: (host seconds, event dict)
+    events: list[tuple[float, dict[str, Any]]]
+    #: per-step timing (STEPS records): step, t_s (host seconds), latency_us, lateness_us, input_seq, flags
+    steps: dict[str, np.ndarray]
+    described: str = ""
+
+    @property
+    def text(self) -> str:
+        return "".join(t for _, _, t in self.typed)
+
+
+def view_recording(recording: str | Path | RecordingReader) -> RecordingView:
+    reader = recording if isinstance(recording, RecordingReader) else RecordingReader(recording)
+    t0 = reader.records[0].host_ns if reader.records else 0
+    rx, tx = FrameParser(), FrameParser()
+    inputs: dict[str, Series] = {}
+    commands, outputs = Series(), Series()
+    typed: list[tuple[float, int, str]] = []
+    events: list[tuple[float, dict[str, Any]]] = []
+    steps_payloads: list[bytes] = []
+
+    def add(name: str, t_host: float, t_dev: float, v: np.ndarray) -> None:
+        inputs.setdefault(name, Series()).add(t_host, t_dev, v)
+
+    for rec in reader:
+        t_host = (rec.host_ns - t0) / 1e9
+        if rec.type == RecordType.RX:
+            for f in rx.feed(rec.payload):
+                m, t_dev = f.message, f.timestamp_us / 1e6
+                if isinstance(m, NeuralFrame):
+                    add("binned_spikes", t_host, t_dev, m.counts)
+                elif isinstance(m, PlantMeasurement):
+                    add("plant_output_y", t_host, t_dev, m.y)
+                    add("plant_input_u", t_host, t_dev, m.u)
+                elif isinstance(m, JointState):
+                    add("joint_positions", t_host, t_dev, m.q)
+                    add("joint_velocities", t_host, t_dev, m.dq)
+        elif rec.type == RecordType.TX:
+            for f in tx.feed(rec.payload):
+                m = f.message
+                if isinstance(m, ActuatorCommand):
+                    commands.add(t_host, float("nan"), m.u)
+                elif isinstance(m, JointCommand):
+                    commands.add(t_host, float("nan"), m.values)
+                elif isinstance(m, DecoderOutput):
+                    typed.append((t_host, int(m.bin_index), m.text))
+        elif rec.type == RecordType.OUTPUT:
+            outputs.add(t_host, float("nan"), rec.output()[2])
+        elif rec.type == RecordType.EVENT:
+            events.append((t_host, rec.json()))
+        elif rec.type == STEPS_RECORD_TYPE:
+            steps_payloads.append(bytes(rec.payload))
+    raw = decode_steps(steps_payloads)
+    steps = {
+        "step": raw["step"],
+        "t_s": (raw["t_ns"] - t0) / 1e9,
+        "latency_us": raw["latency_ns"] / 1e3,
+        "lateness_us": raw["lateness_ns"] / 1e3,
+        "input_seq": raw["input_seq"],
+        "flags": raw["flags"],
+    }
+    return RecordingView(path=Path(reader.path), meta=reader.meta, summary=reader.summary, t0_ns=t0, inputs=inputs,
+                         commands=commands, outputs=outputs, typed=typed, events=events, steps=steps,
+                         described=reader.describe())

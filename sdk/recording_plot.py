@@ -1,0 +1,159 @@
+"""``closedloop recording FILE --plot out.png``: one figure that says how a session went.
+
+A 2 x 2 grid: latency and lateness over time (missed deadlines marked), the latency
+histogram against the deadline, the input stream (a heat map of neural channels, or the
+measured traces), and the commands sent with the safe-command periods shaded and the
+events marked, with a decoder's typed text in the title.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from closedloop.common.atomic import atomic_write_bytes
+from closedloop.runtime.observe.ring import FLAG_SAFE
+from closedloop.runtime.recording_view import RecordingView, view_recording
+
+_EVENT_COLOURS = {"watchdog": "tab:red", "disconnected": "tab:red", "reconnected": "tab:green",
+                  "input_resumed": "tab:green", "device_hello": "tab:purple", "nonfinite": "tab:orange"}
+
+
+def plot_recording(recording: str | Path, out: str | Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    v = view_recording(recording)
+    rate = float(v.meta.get("rate_hz") or (v.summary or {}).get("loop", {}).get("rate_hz") or 0.0)
+    period_us = 1e6 / rate if rate else None
+    fig, axes = plt.subplots(2, 2, figsize=(13, 8), constrained_layout=True)
+    _timing(axes[0, 0], v, period_us)
+    _histogram(axes[0, 1], v, period_us)
+    _inputs(axes[1, 0], v)
+    _commands(axes[1, 1], v)
+    title = (f"{v.meta.get('bundle_name') or v.meta.get('bundle', '?')} on {v.meta.get('device_url', '?')} "
+             f"({v.meta.get('family', '?')}, {rate:g} Hz, backend {v.meta.get('backend', '?')})")
+    if v.typed:
+        text = v.text
+        title += "\ntyped: " + (text if len(text) <= 110 else "..." + text[-107:])
+    fig.suptitle(title, fontsize=11)
+    out = Path(out)
+    tmp = out.with_name(f".{out.stem}.tmp{out.suffix or '.png'}")
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    atomic_write_bytes(out, tmp.read_bytes())
+    tmp.unlink()
+    return out
+
+
+def _no_steps(ax, what: str) -> None:
+    ax.text(0.5, 0.5, f"this recording holds no STEPS records\n(per-step timing): no {what}", ha="center",
+            va="center", transform=ax.transAxes, color="0.4")
+    ax.set_xticks([])
+    ax.set_yticks([])
+
+
+def _timing(ax, v: RecordingView, period_us: float | None) -> None:
+    s = v.steps
+    ax.set_title("latency and lateness per step")
+    if not s["step"].size:
+        _no_steps(ax, "timing")
+        return
+    ax.plot(s["t_s"], s["latency_us"], lw=0.7, label="latency")
+    ax.plot(s["t_s"], s["lateness_us"], lw=0.7, label="lateness", alpha=0.8)
+    if period_us:
+        missed = s["latency_us"] + np.maximum(s["lateness_us"], 0) > period_us
+        if missed.any():
+            ax.scatter(s["t_s"][missed], s["latency_us"][missed], s=12, color="tab:red", zorder=3,
+                       label=f"missed deadline ({int(missed.sum())})")
+        ax.axhline(period_us, color="0.5", ls="--", lw=0.8, label=f"period {period_us:.0f} us")
+    ax.set_xlabel("host time (s)")
+    ax.set_ylabel("us")
+    ax.set_yscale("symlog", linthresh=10)
+    ax.legend(loc="upper right", fontsize=8)
+
+
+def _histogram(ax, v: RecordingView, period_us: float | None) -> None:
+    lat = v.steps["latency_us"]
+    ax.set_title("step latency distribution")
+    if not lat.size:
+        _no_steps(ax, "histogram")
+        return
+    hi = max(float(np.percentile(lat, 99.9)) * 1.2, 1.0)
+    ax.hist(np.clip(lat, 0, hi), bins=80, color="tab:blue", alpha=0.8)
+    for q, ls in ((50, "-"), (99, "--")):
+        x = float(np.percentile(lat, q))
+        ax.axvline(x, color="k", ls=ls, lw=0.9, label=f"p{q} {x:.0f} us")
+    ax.axvline(float(lat.max()), color="tab:red", ls=":", lw=0.9, label=f"max {lat.max():.0f} us")
+    if period_us and period_us <= hi:
+        ax.axvline(period_us, color="0.5", ls="--", lw=0.8, label="period")
+    ax.set_xlabel("latency (us)")
+    ax.set_ylabel("steps")
+    ax.legend(fontsize=8)
+
+
+def _inputs(ax, v: RecordingView) -> None:
+    if "binned_spikes" in v.inputs:
+        s = v.inputs["binned_spikes"]
+        counts = s.array()
+        ax.set_title(f"neural input: {counts.shape[1]} channels x {counts.shape[0]} bins")
+        t = np.asarray(s.t_host_s)
+        im = ax.imshow(counts.T, aspect="auto", origin="lower", cmap="magma", interpolation="nearest",
+                       extent=(t[0], t[-1] if t[-1] > t[0] else t[0] + 1, 0, counts.shape[1]))
+        ax.figure.colorbar(im, ax=ax, label="counts per bin", fraction=0.04)
+        ax.set_ylabel("channel")
+    else:
+        name = next((n for n in ("plant_output_y", "joint_positions") if n in v.inputs), None)
+        if name is None:
+            ax.set_title("input")
+            ax.text(0.5, 0.5, "no input frames decoded", ha="center", va="center", transform=ax.transAxes)
+            return
+        s = v.inputs[name]
+        vals = s.array()
+        ax.set_title(f"input: {name} ({vals.shape[1]} values)")
+        for j in range(min(vals.shape[1], 8)):
+            ax.plot(s.t_host_s, vals[:, j], lw=0.8, label=f"{name}[{j}]")
+        if v.outputs and v.meta.get("family") == "observer":
+            out = v.outputs.array()
+            for j in range(min(out.shape[1], 4)):
+                ax.plot(v.outputs.t_host_s, out[:, j], lw=0.8, ls="--", label=f"estimate[{j}]")
+        ax.legend(fontsize=7, ncol=2, loc="upper right")
+    ax.set_xlabel("host time (s)")
+
+
+def _commands(ax, v: RecordingView) -> None:
+    ax.set_title("commands sent (shaded: safe command) and events")
+    if len(v.commands):
+        vals = v.commands.array()
+        for j in range(min(vals.shape[1], 8)):
+            ax.plot(v.commands.t_host_s, vals[:, j], lw=0.8)
+    elif v.typed:
+        t = [x[0] for x in v.typed]
+        ax.plot(t, np.cumsum([len(x[2]) for x in v.typed]), lw=1.0, label="characters typed")
+        ax.legend(fontsize=8, loc="upper left")
+    s = v.steps
+    if s["step"].size:
+        safe = (s["flags"] & FLAG_SAFE) != 0
+        _shade(ax, s["t_s"], safe)
+    seen: set[str] = set()
+    for t, ev in v.events:
+        kind = str(ev.get("event"))
+        if kind in ("steps_lost",):
+            continue
+        colour = _EVENT_COLOURS.get(kind, "0.4")
+        ax.axvline(t, color=colour, lw=0.8, ls=":", label=kind if kind not in seen else None)
+        seen.add(kind)
+    if seen:
+        ax.legend(fontsize=7, loc="lower right")
+    ax.set_xlabel("host time (s)")
+
+
+def _shade(ax, t: np.ndarray, mask: np.ndarray) -> None:
+    if not mask.any():
+        return
+    edges = np.flatnonzero(np.diff(np.concatenate([[0], mask.astype(np.int8), [0]])))
+    for a, b in zip(edges[::2], edges[1::2], strict=True):
+        ax.axvspan(t[a], t[min(b, t.size - 1)], color="tab:red", alpha=0.15, lw=0)
