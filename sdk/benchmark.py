@@ -277,21 +277,24 @@ def _plot(samples: dict[str, np.ndarray], results: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 7, figsize=(30, 4))
-    panels = [(m, mode) for m in ("gru", "mlp") for mode in ("b2b", "cadence", "prewarm")]
+    # A grid a person reads at a glance: one row per model (back to back, cold, prewarmed), the loop below.
+    fig = plt.figure(figsize=(16, 12))
+    grid = fig.add_gridspec(3, 3)
     titles = {"b2b": "back to back", "cadence": "one step / 20 ms, cold", "prewarm": "one step / 20 ms, prewarmed"}
-    for ax, (mname, mode) in zip(axes, panels, strict=False):
-        all_us = np.concatenate([samples[f"{mname}/{m}/{mode}"] for m in METHODS]) / 1e3
-        bins = np.logspace(np.log10(max(all_us.min(), 0.5)), np.log10(all_us.max() * 1.05), 60)
-        for method in METHODS:
-            ax.hist(samples[f"{mname}/{method}/{mode}"] / 1e3, bins=bins, histtype="step", label=method)
-        ax.axvline(results["models"][mname]["floor_us"], color="k", ls="--", lw=0.8, label="floor")
-        ax.set_xscale("log")
-        ax.set_yscale("log")
-        ax.set_xlabel("step latency (us)")
-        ax.set_title(f"{mname}, {titles[mode]}")
-        ax.legend(fontsize=7)
-    ax = axes[-1]
+    for row, mname in enumerate(("gru", "mlp")):
+        for col, mode in enumerate(("b2b", "cadence", "prewarm")):
+            ax = fig.add_subplot(grid[row, col])
+            all_us = np.concatenate([samples[f"{mname}/{m}/{mode}"] for m in METHODS]) / 1e3
+            bins = np.logspace(np.log10(max(all_us.min(), 0.5)), np.log10(all_us.max() * 1.05), 60)
+            for method in METHODS:
+                ax.hist(samples[f"{mname}/{method}/{mode}"] / 1e3, bins=bins, histtype="step", label=method)
+            ax.axvline(results["models"][mname]["floor_us"], color="k", ls="--", lw=0.8, label="floor")
+            ax.set_xscale("log")
+            ax.set_yscale("log")
+            ax.set_xlabel("step latency (us)")
+            ax.set_title(f"{mname}, {titles[mode]}")
+            ax.legend(fontsize=7)
+    ax = fig.add_subplot(grid[2, :])
     for key in ("loop/1000Hz/lateness", "loop/1000Hz-spin/lateness", "loop/50Hz/lateness"):
         us = samples[key] / 1e3
         ax.hist(np.clip(us, 0.1, None), bins=np.logspace(-1, np.log10(max(us.max(), 1.0) * 1.05), 60), histtype="step", label=key.split("/")[1])
