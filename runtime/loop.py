@@ -89,8 +89,13 @@ class RealTimeLoop:
         self.skipped = 0
         self.overruns = 0
 
-    def stop(self) -> None:
-        """Ask the loop to end after the current step (thread-safe)."""
+    def stop(self, reason: str = "stop") -> None:
+        """Ask the loop to end after the current step (thread-safe); ``reason`` becomes ``stopped_by``.
+
+        A safety rule names itself (``device_changed``, ``watchdog_limit``, ``weights_unrepairable``), so a
+        caller (the CLI's exit code) can tell a safety stop from a requested one.
+        """
+        self._stop.reason = reason  # type: ignore[attr-defined]
         self._stop.set()
 
     def run(
@@ -133,7 +138,8 @@ class RealTimeLoop:
                     stopped_by = "duration"
                     break
                 if self._stop.is_set():
-                    stopped_by = "interrupt" if getattr(self._stop, "by_sigint", False) else "stop"
+                    stopped_by = ("interrupt" if getattr(self._stop, "by_sigint", False)
+                                  else getattr(self._stop, "reason", "stop"))
                     break
                 now = clock()
                 wait = deadline - now - wake_early

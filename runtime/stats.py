@@ -13,6 +13,9 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+#: ``LoopSummary.stopped_by`` values that mean a safety rule ended the run (the CLI exits 1 for them).
+SAFETY_STOPS = frozenset({"overrun", "device_changed", "watchdog_limit", "weights_unrepairable"})
+
 
 class RingRecorder:
     """Fixed-capacity int64 samples (nanoseconds), newest kept; count and max over all."""
@@ -56,7 +59,9 @@ class LoopSummary:
     missed_deadlines: int  # steps that finished after their period ended, plus skipped periods
     skipped_periods: int
     overruns: int
-    stopped_by: str  # "duration", "steps", "interrupt", "stop", "overrun"
+    # "duration", "steps", "interrupt", "stop", or a safety rule: "overrun", "device_changed", "watchdog_limit",
+    # "weights_unrepairable" (SAFETY_STOPS)
+    stopped_by: str
     # wall time from the first deadline to the loop's end, and the set-up before it (GC pass, settling period);
     # 0.0 where the summary was not measured by the loop
     wall_s: float = 0.0

@@ -2,6 +2,11 @@
 
 Subcommands register themselves with ``@command`` (name, help, argument setup), so
 adding one is a function here or in a family's module, never an if/elif chain.
+
+Exit codes (docs/cli.md): 0 a clean end; 1 a check that failed or a session stopped by a
+safety rule (overrun policy stop, the device changed, the watchdog limit, unrepairable
+weights); 2 usage or bad input; 130 Ctrl-C; 141 a closed output pipe (``| head``).
+With ``--json`` a command prints only JSON on stdout; everything else goes to stderr.
 """
 
 from __future__ import annotations
@@ -22,6 +27,13 @@ def command(name: str, help: str, setup: Callable[[argparse.ArgumentParser], Non
         return fn
 
     return deco
+
+
+def _jsonable(obj: object) -> object:
+    """A report dataclass as a dict (``--json``)."""
+    import dataclasses
+
+    return dataclasses.asdict(obj) if dataclasses.is_dataclass(obj) and not isinstance(obj, type) else obj
 
 
 def _trust_arg(p: argparse.ArgumentParser) -> None:
@@ -47,6 +59,7 @@ def _inspect(a: argparse.Namespace) -> int:
 
 def _backends_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("bundle", nargs="?", help="also check which backends can run this bundle's main graph")
+    p.add_argument("--json", action="store_true", help="print {backend: {available, reason}} as JSON")
 
 
 @command("backends", "list backends and whether each can run here", _backends_args)
@@ -57,7 +70,11 @@ def _backends(a: argparse.Namespace) -> int:
     if a.bundle:
         b = load_bundle(a.bundle)
         path, spec = b.graph_path(), b.graph()
-    for name, av in backend_report(path, spec).items():
+    report = backend_report(path, spec)
+    if a.json:
+        print(json.dumps({name: {"available": bool(av), "reason": av.reason} for name, av in report.items()}, indent=2))
+        return 0
+    for name, av in report.items():
         print(f"{name:<22} {'available' if av else 'unavailable':<12} {av.reason}")
     return 0
 
@@ -132,7 +149,7 @@ def _run(a: argparse.Namespace) -> int:
         )
         summary = run_session(_run_bundle(a), cfg)
         print(json.dumps(summary.to_dict(), indent=2, default=str) if a.json else summary.format())
-        return 0
+        return _exit_code(summary.loop.stopped_by)
     device_only = [flag for flag, value in (("--record", a.record), ("--key", a.key)) if value]
     if device_only:
         print(f"error: {' and '.join(device_only)} need{'s' if len(device_only) == 1 else ''} --device: without a device the loop runs on synthetic "
@@ -157,12 +174,14 @@ def _run(a: argparse.Namespace) -> int:
     rate = a.rate or bundle.manifest.rate_hz
     duration = 5.0 if a.duration is None else a.duration
     choice = model.choice
+    log = sys.stderr if a.json else sys.stdout  # --json: stdout holds only the JSON
     if choice.p99_us:
-        print("backend auto-selection (p99 us): " + ", ".join(f"{k} {v:.1f}" for k, v in choice.p99_us.items()))
+        print("backend auto-selection (p99 us): " + ", ".join(f"{k} {v:.1f}" for k, v in choice.p99_us.items()),
+              file=log)
     for k, why in choice.skipped.items():
-        print(f"  skipped {k}: {why}")
+        print(f"  skipped {k}: {why}", file=log)
     print(f"no --device: synthetic frames into {bundle.manifest.name or a.bundle} on {model.backend_name} "
-          f"at {rate:g} Hz for {duration:g} s (Ctrl-C stops)")
+          f"at {rate:g} Hz for {duration:g} s (Ctrl-C stops)", file=log)
 
     def step(k: int) -> None:
         fam.preprocess(frames[k & 255])
@@ -174,20 +193,29 @@ def _run(a: argparse.Namespace) -> int:
 
     def idle(k: int, budget_ns: int) -> None:
         if scrub.on_idle(budget_ns) == "stop":  # an unrepairable block under policy "stop"
-            loop.stop()
+            loop.stop("weights_unrepairable")
 
     summary = loop.run(step, on_idle=idle if scrub is not None else None)
     sc = scrub.summary() if scrub is not None else {}
     if a.json:
         print(json.dumps(summary.to_dict() | ({"scrub": sc} if sc else {}), indent=2))
-        return 0
+        return _exit_code(summary.stopped_by)
     print(summary.format())
     if sc:
         print(f"  weights scrubbed: {sc['full_passes']} full passes, repaired {sc['repaired']}, restored "
               f"{sc['restored']}, unrepairable {sc['unrepairable']} (full scrub {sc['full_scrub_us']:.0f} us)")
         for line in sc["events"][:5]:
             print(f"    {line}")
-    return 0
+    return _exit_code(summary.stopped_by)
+
+
+def _exit_code(stopped_by: str) -> int:
+    """A run's exit code from what ended its loop (module docstring)."""
+    from closedloop.runtime.stats import SAFETY_STOPS
+
+    if stopped_by == "interrupt":
+        return EXIT_INTERRUPTED
+    return EXIT_FAILED if stopped_by in SAFETY_STOPS else EXIT_OK
 
 
 def _replay_args(p: argparse.ArgumentParser) -> None:
@@ -196,6 +224,7 @@ def _replay_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", default="auto")
     p.add_argument("--tolerance", type=float, default=None,
                    help="fail (exit 1) if any output differs from the recorded one by more than this")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
 
 
 @command("replay", "re-run a bundle over a recorded session and compare outputs", _replay_args)
@@ -203,13 +232,13 @@ def _replay(a: argparse.Namespace) -> int:
     from closedloop.runtime import replay_recording
 
     report = replay_recording(a.recording, a.bundle, backend=a.backend)
-    print(report.format())
+    print(json.dumps(_jsonable(report), indent=2, default=str) if a.json else report.format())
     if report.outputs_compared == 0 and report.missing_inputs:
         print(f"error: none of the {report.missing_inputs} recorded outputs could be re-run: their input frames are "
               "not the bundle's session input (manifest extra.session.input, docs/bundle.md)", file=sys.stderr)
         return 1
     if a.tolerance is not None and not report.max_abs_diff <= a.tolerance:
-        print(f"outputs differ by more than {a.tolerance:g}")
+        print(f"outputs differ by more than {a.tolerance:g}", file=sys.stderr if a.json else sys.stdout)
         return 1
     return 0
 
@@ -218,6 +247,7 @@ def _nwb_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("recording")
     p.add_argument("out", help="NWB file to write")
     p.add_argument("--overwrite", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the file written as JSON")
 
 
 @command("export-nwb", "convert a session recording to NWB", _nwb_args)
@@ -225,19 +255,38 @@ def _export_nwb(a: argparse.Namespace) -> int:
     from .nwb_export import recording_to_nwb
 
     path = recording_to_nwb(a.recording, a.out, overwrite=a.overwrite)
-    print(f"wrote {path}")
+    print(json.dumps({"nwb": str(path)}) if a.json else f"wrote {path}")
     return 0
 
 
 def _recording_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("recording")
+    p.add_argument("--json", action="store_true", help="print what it holds, its META and SUMMARY as JSON")
+    p.add_argument("--plot", default=None, metavar="OUT.png",
+                   help="draw latency over time, its histogram, the input stream, the commands and the events")
 
 
-@command("recording", "summarise a recording (records, torn tail, session summary)", _recording_args)
+@command("recording", "summarise a recording (records, torn tail, session summary); --plot draws it", _recording_args)
 def _recording(a: argparse.Namespace) -> int:
     from closedloop.runtime import RecordingReader
 
     r = RecordingReader(a.recording)
+    plotted = None
+    if a.plot:
+        from .recording_plot import plot_recording
+
+        plotted = str(plot_recording(r, a.plot))
+    if a.json:
+        counts: dict[str, int] = {}
+        for rec in r.records:
+            name = rec.type.name if hasattr(rec.type, "name") else f"type{rec.type}"
+            counts[name] = counts.get(name, 0) + 1
+        print(json.dumps({"path": str(r.path), "records": counts, "dropped_bytes": r.dropped_bytes,
+                          "tail_problem": r.tail_problem, "meta": r.meta, "summary": r.summary, "plot": plotted},
+                         indent=2, default=str))
+        return 0
+    if plotted:
+        print(f"wrote {plotted}")
     print(r.describe())
     if r.meta:
         bundle = r.meta.get("bundle_name") or r.meta.get("bundle")
@@ -359,6 +408,7 @@ def _generate(a: argparse.Namespace) -> int:
 
 def _certify_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("bundle", help="an observer bundle")
+    p.add_argument("--json", action="store_true", help="print {passed, report} as JSON")
 
 
 @command("certify", "re-check an observer bundle's stability certificate from its own weights and print the report",
@@ -367,8 +417,9 @@ def _certify(a: argparse.Namespace) -> int:
     from closedloop.runtime.families.observer.certificate import certify_bundle
 
     text = certify_bundle(a.bundle)
-    print(text)
-    return 0 if text.rstrip().endswith("PASS") else 1
+    passed = text.rstrip().endswith("PASS")
+    print(json.dumps({"bundle": a.bundle, "passed": passed, "report": text}, indent=2) if a.json else text)
+    return 0 if passed else 1
 
 
 def _keygen_args(p: argparse.ArgumentParser) -> None:
@@ -376,6 +427,7 @@ def _keygen_args(p: argparse.ArgumentParser) -> None:
                    help="writes NAME.key (private: keep it off boards, mode 0600) and NAME.pub (give it to boards); "
                         "default lab")
     p.add_argument("--force", action="store_true", help="replace an existing key pair of that name")
+    p.add_argument("--json", action="store_true", help="print the files and key id as JSON")
 
 
 @command("keygen", "make an Ed25519 key pair for signing bundles (NAME.key, NAME.pub)", _keygen_args)
@@ -383,6 +435,9 @@ def _keygen(a: argparse.Namespace) -> int:
     from closedloop.runtime.signing import generate_key_pair
 
     key, pub, kid = generate_key_pair(a.name, overwrite=a.force)
+    if a.json:
+        print(json.dumps({"private_key": str(key), "public_key": str(pub), "key_id": kid}))
+        return 0
     print(f"wrote {key} (private: sign with it, keep it secret) and {pub} (public: --trust {pub} on boards); key id {kid}")
     return 0
 
@@ -390,6 +445,7 @@ def _keygen(a: argparse.Namespace) -> int:
 def _sign_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("bundle", help="bundle folder or zip to sign (verified first; manifest.sig is written into it)")
     p.add_argument("--key", required=True, help="private key file (NAME.key from closedloop keygen)")
+    p.add_argument("--json", action="store_true", help="print the signature's details as JSON")
 
 
 @command("sign", "sign a bundle with a lab's private key, so boards that trust the public key run it", _sign_args)
@@ -397,6 +453,9 @@ def _sign(a: argparse.Namespace) -> int:
     from closedloop.runtime.signing import sign_bundle
 
     r = sign_bundle(a.bundle, a.key)
+    if a.json:
+        print(json.dumps(_jsonable(r), indent=2, default=str))
+        return 0
     print(f"signed {r.bundle} with key {r.key_id}: manifest digest {r.digest[:16]}..., signature in {r.signature_file}"
           + (" (added the manifest digest: the bundle predates it)" if r.sealed else "")
           + (f"; kept {r.kept} other signature(s)" if r.kept else ""))
@@ -448,37 +507,103 @@ _family_commands("closedloop.sdk.robust.cli", (("inject-faults", "flip weight bi
                                     ("scrub", "check and repair a protected bundle's weights")))
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="closedloop", description="closed-loop deployment of neural models")
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED, EXIT_BROKEN_PIPE = 0, 1, 2, 130, 141
+
+
+def _version() -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version("closedloop")
+    except metadata.PackageNotFoundError:
+        from closedloop import __version__
+
+        return __version__
+
+
+def _build() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    parser = argparse.ArgumentParser(prog="closedloop", description="closed-loop deployment of neural models",
+                                     epilog="exit codes: 0 clean end; 1 a failed check or a session stopped by a "
+                                            "safety rule; 2 usage or bad input; 130 Ctrl-C; 141 closed pipe")
+    parser.add_argument("--version", action="version", version=f"closedloop {_version()}")
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="more log messages on stderr (-vv: debug)")
+    parser.add_argument("-q", "--quiet", dest="global_quiet", action="store_true",
+                        help="only warnings and errors on stderr (and no live status line)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    subparsers: dict[str, argparse.ArgumentParser] = {}
     for name, (help_, setup, fn) in _COMMANDS.items():
         p = sub.add_parser(name, help=help_, description=help_)
         setup(p)
         p.set_defaults(func=fn)
+        subparsers[name] = p
     for name, (help_, _fn) in _PASSTHROUGH.items():
         sub.add_parser(name, help=help_, description=help_, add_help=False)
-    return parser
+    return parser, subparsers
+
+
+def build_parser() -> argparse.ArgumentParser:
+    return _build()[0]
+
+
+def _configure_logging(verbose: int, quiet: bool) -> None:
+    import logging
+
+    level = logging.WARNING if quiet or not verbose else (logging.INFO if verbose == 1 else logging.DEBUG)
+    logging.basicConfig(stream=sys.stderr, level=level, format="%(levelname)s %(name)s: %(message)s")
+
+
+def _quiet_broken_pipe() -> int:
+    """stdout's reader went away (``closedloop inspect B | head -1``): no traceback, no second error at exit."""
+    import os
+
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
+    return EXIT_BROKEN_PIPE
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] in _PASSTHROUGH:
         return _PASSTHROUGH[argv[0]][1](argv[1:])
-    args = build_parser().parse_args(argv)
+    parser, subparsers = _build()
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # a subcommand's unknown flag: that subcommand's usage, not the top level's
+        subparsers[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
+    _configure_logging(args.verbose, args.global_quiet)
+    if args.global_quiet and hasattr(args, "quiet"):
+        args.quiet = True
     try:
         return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        print(f"closedloop {args.command}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        return _quiet_broken_pipe()
     except ImportError as exc:  # a command that needs a training dependency, on a torch-free install
         print(f"closedloop {args.command}: error: needs {exc.name or exc}, which is not installed: {_TRAIN_EXTRAS}",
               file=sys.stderr)
-        return 2
+        return EXIT_USAGE
     except (ValueError, RuntimeError, OSError) as exc:
         # Typed errors carry a message that says what was wrong and what to do.
         print(f"closedloop {args.command}: error: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
+
+
+def console_main() -> int:
+    """The ``closedloop`` console script: ``main``, with a stdout closed by the time it flushes handled too."""
+    try:
+        code = main()
+        sys.stdout.flush()
+    except BrokenPipeError:
+        code = _quiet_broken_pipe()
+    return code
 
 
 if __name__ == "__main__":
     # run the imported module's main: family modules register their commands on sdk.cli, not on __main__
-    from closedloop.sdk.cli import main as _main
+    from closedloop.sdk.cli import console_main
 
-    sys.exit(_main())
+    sys.exit(console_main())
