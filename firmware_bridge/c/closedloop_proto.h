@@ -17,6 +17,8 @@
  * struct; define CLP_RX_MAX_PAYLOAD smaller to save RAM on a device that never
  * receives large payloads (it then refuses them as oversize).  Define CLP_NO_SIGNING
  * to leave out SHA-256/HMAC (signed frames are then refused as bad_tag).
+ * Define CLP_CRC_SLICE8 on a host to compute CRC-32C with an 8 KiB table (about 8x faster
+ * than the default 64-byte nibble table; the host's scanner library is built this way).
  *
  * Typical firmware use (one parser and one output buffer, both static):
  *
@@ -162,6 +164,14 @@ size_t clp_frame_encode(uint8_t msg_type, uint32_t seq, uint64_t timestamp_us,
 
 /* Parser set-up: key may be NULL (no signing).  require_signed refuses unsigned frames. */
 void clp_parser_init(clp_parser_t *p, const uint8_t *key, size_t key_len, int require_signed);
+
+/* The frame checks of docs/protocol.md, "Receiving", on one COBS-decoded frame of n bytes:
+ * length (oversize, short), CRC-32C, magic/version, reserved bits and types, payload_len
+ * against max_payload, and the length match.  Returns CLP_FRAME with the header fields,
+ * payload pointer (into raw) and sign_counter (0 when unsigned) in *out, or
+ * CLP_ERR_OVERSIZE, CLP_ERR_MALFORMED or CLP_ERR_CRC.  Signature and sequence checks are
+ * the caller's (clp_parser_feed does both).  Reads raw only after n passed the length check. */
+clp_result_t clp_check_frame(const uint8_t *raw, size_t n, size_t max_payload, clp_frame_t *out);
 
 /* Feed one received byte.  On CLP_FRAME, *out holds the frame. Never fails on input. */
 clp_result_t clp_parser_feed(clp_parser_t *p, uint8_t byte, clp_frame_t *out);

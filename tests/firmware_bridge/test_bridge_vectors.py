@@ -95,7 +95,7 @@ def test_c_implementation_matches_vectors_byte_for_byte(cc: str, vectors: dict, 
     assert bad.returncode == 1 and "FAIL" in bad.stdout
 
 
-@pytest.mark.parametrize("defines", [["-DCLP_NO_SIGNING"], ["-DCLP_RX_MAX_PAYLOAD=256"]])
+@pytest.mark.parametrize("defines", [["-DCLP_NO_SIGNING"], ["-DCLP_RX_MAX_PAYLOAD=256"], ["-DCLP_CRC_SLICE8"]])
 def test_c_compiles_in_reduced_configurations(cc: str, defines: list[str], tmp_path: Path) -> None:
     subprocess.run([cc, *CFLAGS, *defines, "-c", str(C_DIR / "closedloop_proto.c"), "-o", str(tmp_path / "p.o")],
                    check=True, capture_output=True, text=True)
