@@ -4,13 +4,17 @@
 headstage, a plant, a robot arm, or a simulator that pretends to be one).  It defines
 a versioned binary protocol (COBS-framed, CRC-32C-checked frames with sequence
 numbers, device timestamps and optional HMAC signing; see ``docs/protocol.md``),
-one dataclass per message type, a streaming :class:`FrameParser` that never raises,
+one dataclass per message type, a streaming :class:`FrameParser` that never raises (and
+:class:`CFrameParser`, the same parser with its per-byte work in C, which :func:`make_parser`
+picks when it can be built),
 transports addressed by URL (serial ports, pty pairs, pyserial's ``loop://`` and
 ``socket://``, extensible by scheme), and a :class:`Link` that ties them together.
 A portable C99 implementation for firmware lives in ``firmware_bridge/c``.  It
 depends only on the standard library, numpy and pyserial.
 """
 
+from .c_library import CParserUnavailableError
+from .c_parser import CFrameParser, ParserBackend, make_parser, parser_backend
 from .cobs import cobs_decode, cobs_encode
 from .crc import crc32c
 from .errors import (
@@ -76,7 +80,8 @@ __all__ = [
     "DeviceState", "Severity", "NeuralFrame", "DecoderOutput", "PlantMeasurement", "ActuatorCommand",
     "JointState", "JointCommand", "JointMode",
     # parsing and signing
-    "FrameParser", "ParserStats", "REJECTION_REASONS", "FrameSigner", "FrameVerifier", "derive_link_keys",
+    "FrameParser", "ParserStats", "REJECTION_REASONS", "CFrameParser", "make_parser", "parser_backend",
+    "ParserBackend", "CParserUnavailableError", "FrameSigner", "FrameVerifier", "derive_link_keys",
     # transports and links
     "Transport", "open_transport", "register_transport", "registered_schemes", "open_pty_pair",
     "SerialTransport", "FdTransport", "SpyTransport", "Link", "LinkStats", "open_link",

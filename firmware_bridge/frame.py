@@ -22,7 +22,7 @@ from .messages import MESSAGE_TYPES, PROTOCOL_VERSION, Message, UnknownMessage
 from .signing import SIGNATURE_LEN, FrameSigner, FrameVerifier
 
 __all__ = [
-    "Frame", "encode_frame", "decode_frame", "check_raw_frame",
+    "Frame", "encode_frame", "decode_frame", "check_raw_frame", "finish_raw_frame",
     "MAGIC", "HEADER_LEN", "CRC_LEN", "MAX_PAYLOAD_LEN", "MAX_RAW_FRAME_LEN", "MAX_ENCODED_FRAME_LEN",
     "FLAG_SIGNED", "SEQ_MODULUS",
 ]
@@ -118,15 +118,26 @@ def check_raw_frame(raw: bytes | bytearray, verifier: FrameVerifier | None = Non
     if plen > max_payload_len:
         return ("oversize", f"payload_len {plen} exceeds the limit {max_payload_len}")
     signed = flags & FLAG_SIGNED
-    end = HEADER_LEN + plen
-    if n != end + (SIGNATURE_LEN if signed else 0) + CRC_LEN:
+    if n != HEADER_LEN + plen + (SIGNATURE_LEN if signed else 0) + CRC_LEN:
         return ("malformed", f"payload_len {plen} (signed={bool(signed)}) does not match the {n}-byte frame")
+    return finish_raw_frame(raw, msg_type, flags, plen, seq, ts, verifier)
+
+
+def finish_raw_frame(raw: bytes | bytearray | memoryview, msg_type: int, flags: int, plen: int, seq: int, ts: int,
+                     verifier: FrameVerifier | None = None) -> Frame | tuple[str, str]:
+    """The checks after the header's (signature, then payload layout) on a frame whose length,
+    CRC and header fields already passed; return a :class:`Frame` or ``(reason, detail)``.
+
+    :func:`check_raw_frame` ends here, and so does the C-backed parser, so both give the
+    same frames and reasons.
+    """
+    end = HEADER_LEN + plen
     counter = None
-    if signed:
+    if flags & FLAG_SIGNED:
         counter = _U64.unpack_from(raw, end)[0]
         if verifier is None:
             return ("bad_tag", "signed frame on a link without a key; configure the shared key")
-        bad = verifier.check(memoryview(raw)[: end + 8], counter, raw[end + 8 : end + SIGNATURE_LEN])
+        bad = verifier.check(memoryview(raw)[: end + 8], counter, bytes(raw[end + 8 : end + SIGNATURE_LEN]))
         if bad is not None:
             return bad
     elif verifier is not None and verifier.required:

@@ -16,9 +16,10 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Literal
 
+from .c_parser import make_parser
 from .frame import SEQ_MODULUS, Frame, encode_frame
 from .messages import Message
-from .parser import FrameParser, ParserStats
+from .parser import ParserStats
 from .signing import FrameSigner, FrameVerifier, derive_link_keys
 from .transports import Transport, open_transport
 
@@ -55,6 +56,10 @@ class Link:
         Timestamp source in microseconds for outgoing frames (default: monotonic clock).
     first_seq : int
         Sequence number of the first frame sent.
+    parser : {"auto", "c", "python"}, optional
+        Which frame parser reads incoming bytes (see :func:`~closedloop.firmware_bridge.c_parser.make_parser`);
+        default ``$CLOSEDLOOP_PARSER``, else ``"auto"``: the C-backed one when it is available.
+        Both give the same frames and counters.
 
     Notes
     -----
@@ -63,7 +68,8 @@ class Link:
 
     def __init__(self, transport: Transport, *, shared_secret: bytes | None = None,
                  role: Literal["host", "device"] = "host", require_signed: bool | None = None,
-                 clock_us: Callable[[], int] | None = None, first_seq: int = 0) -> None:
+                 clock_us: Callable[[], int] | None = None, first_seq: int = 0,
+                 parser: str | None = None) -> None:
         if role not in ("host", "device"):
             raise ValueError(f"role must be 'host' or 'device'; got {role!r}")
         self.transport = transport
@@ -77,7 +83,7 @@ class Link:
             verifier = FrameVerifier(recv_key, required=require_signed)
         elif require_signed:
             raise ValueError("require_signed=True needs a shared_secret to verify with")
-        self.parser = FrameParser(verifier)
+        self.parser = make_parser(verifier, backend=parser)
         self.stats = LinkStats(received=self.parser.stats)
         self.next_seq = first_seq % SEQ_MODULUS
         self._clock_us = clock_us or _now_us
@@ -149,11 +155,11 @@ class Link:
 
 
 def open_link(url: str, *, shared_secret: bytes | None = None, role: Literal["host", "device"] = "host",
-              require_signed: bool | None = None, **transport_options: Any) -> Link:
-    """Open the transport at ``url`` and wrap it in a :class:`Link`."""
+              require_signed: bool | None = None, parser: str | None = None, **transport_options: Any) -> Link:
+    """Open the transport at ``url`` and wrap it in a :class:`Link` (``parser`` as for :class:`Link`)."""
     transport = open_transport(url, **transport_options)
     try:
-        return Link(transport, shared_secret=shared_secret, role=role, require_signed=require_signed)
+        return Link(transport, shared_secret=shared_secret, role=role, require_signed=require_signed, parser=parser)
     except Exception:
         transport.close()
         raise

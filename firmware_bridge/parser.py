@@ -29,6 +29,14 @@ _MASK = (1 << _WINDOW) - 1
 _HALF = 2**31
 _HELLO = Hello.TYPE_ID
 
+# Rejections decided before a segment is decoded (shared with the C-backed parser).
+NOT_COBS = ("malformed", "not valid COBS (truncated or corrupted frame)")
+NO_DELIMITER = ("oversize", f"more than {MAX_ENCODED_FRAME_LEN} bytes without a delimiter")
+
+
+def segment_oversize(size: int) -> tuple[str, str]:
+    return ("oversize", f"{size}-byte segment exceeds {MAX_ENCODED_FRAME_LEN}")
+
 
 @dataclass
 class ParserStats:
@@ -177,32 +185,39 @@ class FrameParser:
             segments[0] = b""
             self._skipping = False
         frames: list[Frame] = []
-        verifier, max_payload, sequence = self.verifier, self.max_payload_len, self.sequence
+        verifier, max_payload = self.verifier, self.max_payload_len
         for seg in segments:
             if not seg:
                 continue
             if len(seg) > MAX_ENCODED_FRAME_LEN:
-                self._reject(("oversize", f"{len(seg)}-byte segment exceeds {MAX_ENCODED_FRAME_LEN}"), len(seg))
+                self._reject(segment_oversize(len(seg)), len(seg))
                 continue
             raw = _decode_or_none(seg)
             if raw is None:
-                self._reject(("malformed", "not valid COBS (truncated or corrupted frame)"), len(seg))
+                self._reject(NOT_COBS, len(seg))
                 continue
             result = check_raw_frame(raw, verifier, max_payload)
             if result.__class__ is tuple:
                 self._reject(result, len(seg))
                 continue
             frame: Frame = result  # type: ignore[assignment]  # mypy narrows `__class__ is` only when true
-            if frame.msg_type == _HELLO and sequence.top is not None:
-                sequence.reset()
-                stats.seq_resets += 1
-            if sequence.observe(frame.seq, stats):
-                stats.accepted += 1
-                if isinstance(frame.message, UnknownMessage):
-                    stats.unknown_type += 1
+            if self._is_new(frame):
                 frames.append(frame)
         self._hold(tail)
         return frames
+
+    def _is_new(self, frame: Frame) -> bool:
+        """Sequence checks on a frame that passed every frame check; ``True`` when it is delivered."""
+        sequence, stats = self.sequence, self.stats
+        if frame.msg_type == _HELLO and sequence.top is not None:
+            sequence.reset()
+            stats.seq_resets += 1
+        if sequence.observe(frame.seq, stats):
+            stats.accepted += 1
+            if isinstance(frame.message, UnknownMessage):
+                stats.unknown_type += 1
+            return True
+        return False
 
     def _hold(self, data: bytes) -> None:
         if self._skipping:
@@ -210,8 +225,7 @@ class FrameParser:
             return
         self._pending += data
         if len(self._pending) > MAX_ENCODED_FRAME_LEN:
-            self._reject(("oversize", f"more than {MAX_ENCODED_FRAME_LEN} bytes without a delimiter"),
-                         len(self._pending))
+            self._reject(NO_DELIMITER, len(self._pending))
             self._pending.clear()
             self._skipping = True
 
