@@ -1,4 +1,5 @@
-"""Reduced-precision variants of an exported graph: FP16 and dynamically quantized INT8.
+"""Reduced-precision variants of an exported graph: FP16, dynamically quantized INT8, and float32
+graphs whose weights are stored in float16 or int8 (FP16W, INT8W).
 
 Each variant is made from the FP32 graph, keeps its float32 inputs and outputs (so
 the manifest's tensor specs hold for every variant), and is measured against the
@@ -14,6 +15,12 @@ and the user can decline it.
   fly). Only some ops have integer kernels: MatMul and Gemm become ``MatMulInteger``;
   GRU stays float32. The record lists which ops were quantized and which
   weight-bearing ops kept float.
+* ``fp16w``, ``int8w``: the product weights stored in float16, or in int8 with a float32
+  scale per output row, widened to float32 inside the graph; every activation stays
+  float32 (``closedloop.export.weight_storage``). ONNX Runtime runs them as plain ONNX and
+  the Numba backend keeps the weights in that storage, so a model whose float32 weights
+  do not fit the cache can run from it. The record says ``auto_choice``: a runtime
+  choosing automatically may take the variant when it is within tolerance.
 
 Adding a variant is one builder function and one ``VARIANTS`` entry.
 """
@@ -21,6 +28,9 @@ Adding a variant is one builder function and one ``VARIANTS`` entry.
 from __future__ import annotations
 
 import logging
+import signal
+import subprocess
+import sys
 import tempfile
 import warnings
 from collections.abc import Callable
@@ -36,6 +46,7 @@ from closedloop.runtime.onnx_reader import parse_onnx
 from .errors import ExportError
 from .onnx_export import op_counts
 from .parity import ParityInputs, Runner, Tolerance, compare, ort_runner
+from .weight_storage import store_weights
 
 # Ops that carry weights, so a quantizer may or may not convert them.
 WEIGHT_OPS = {"Gemm", "MatMul", "Conv", "ConvTranspose", "GRU", "LSTM", "RNN", "Attention", "Gather"}
@@ -47,15 +58,25 @@ class VariantBuild:
     info: dict[str, Any]
 
 
-def _fp16(fp32: bytes) -> VariantBuild:
-    from onnxruntime.transformers.float16 import convert_float_to_float16
+# Ops the fp16 variant keeps in float32, beyond the converter's own list. LayerNormalization: its variance
+# sums lose digits in float16, and a transformer encoder converted with it in float16 segfaults ONNX Runtime
+# 1.32's session creation at ORT_ENABLE_ALL (the crash goes with MatmulTransposeFusion or NchwcTransformer
+# disabled, or with the normalisation in float32, which is what the Cast nodes around it give).
+FP16_KEEP_FLOAT32 = ("LayerNormalization",)
 
+
+def _fp16(fp32: bytes) -> VariantBuild:
+    from onnxruntime.transformers.float16 import DEFAULT_OP_BLOCK_LIST, convert_float_to_float16
+
+    block = sorted(set(DEFAULT_OP_BLOCK_LIST) | set(FP16_KEEP_FLOAT32))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        model = convert_float_to_float16(onnx.load_from_string(fp32), keep_io_types=True)
+        model = convert_float_to_float16(onnx.load_from_string(fp32), keep_io_types=True, op_block_list=block)
     info: dict[str, Any] = {
-        "converter": "onnxruntime.transformers.float16.convert_float_to_float16(keep_io_types=True)",
+        "converter": "onnxruntime.transformers.float16.convert_float_to_float16(keep_io_types=True, "
+                     f"op_block_list=DEFAULT_OP_BLOCK_LIST + {list(FP16_KEEP_FLOAT32)})",
         "io_dtype": "float32",
+        "float32_ops": list(FP16_KEEP_FLOAT32),
     }
     if caught:  # e.g. weights outside float16's range, clamped
         info["converter_warnings"] = sorted({str(w.message)[:200] for w in caught})
@@ -91,13 +112,43 @@ def _int8(fp32: bytes) -> VariantBuild:
     return VariantBuild(data, info)
 
 
-VARIANTS: dict[str, Callable[[bytes], VariantBuild]] = {"fp16": _fp16, "int8": _int8}
+def _fp16w(fp32: bytes) -> VariantBuild:
+    return VariantBuild(*store_weights(fp32, "float16"))
+
+
+def _int8w(fp32: bytes) -> VariantBuild:
+    return VariantBuild(*store_weights(fp32, "int8"))
+
+
+VARIANTS: dict[str, Callable[[bytes], VariantBuild]] = {"fp16": _fp16, "int8": _int8, "fp16w": _fp16w,
+                                                        "int8w": _int8w}
 
 #: Stated tolerances against the FP32 graph (same rule as FP32 parity: abs OR rel).
 VARIANT_TOLERANCES: dict[str, Tolerance] = {
     "fp16": Tolerance(abs=1e-2, rel=1e-2),  # float16 has ~3 significant digits
     "int8": Tolerance(abs=5e-2, rel=5e-2),  # 8-bit weights and activations
+    "fp16w": Tolerance(abs=1e-2, rel=1e-2),  # float16 weights, float32 arithmetic: as fp16 or better
+    "int8w": Tolerance(abs=5e-2, rel=5e-2),  # 8-bit weights (one scale per row), float32 activations
 }
+
+
+def _session_crash(data: bytes) -> str | None:
+    """How ONNX Runtime's session creation dies on ``data`` in a child process (None when it loads).
+
+    A converter can write a graph on which ONNX Runtime crashes the process rather than raising; the
+    parity check would take the exporting process with it, so the variant is loaded first where a
+    crash costs only the child (about 0.4 s).
+    """
+    code = ("import sys, onnxruntime as o; o.InferenceSession(sys.argv[1], providers=['CPUExecutionProvider'])")
+    with tempfile.TemporaryDirectory(prefix="closedloop-variant-") as d:
+        path = Path(d) / "variant.onnx"
+        path.write_bytes(data)
+        result = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=300)
+    if result.returncode == 0:
+        return None
+    if result.returncode < 0:
+        return f"is killed by {signal.Signals(-result.returncode).name}"
+    return f"fails ({result.stderr.strip().splitlines()[-1][:300] if result.stderr.strip() else 'no message'})"
 
 
 def check_variant_names(names: tuple[str, ...] | list[str]) -> tuple[str, ...]:
@@ -120,6 +171,13 @@ def build_variant(
     """Make variant ``name`` of the FP32 graph and measure it; return (bytes, manifest record without 'file')."""
     check_variant_names([name])
     built = VARIANTS[name](fp32)
+    crash = _session_crash(built.onnx_bytes)
+    if crash:
+        import onnxruntime
+
+        raise ExportError(f"variant {name}: ONNX Runtime {onnxruntime.__version__} {crash} creating a session for it "
+                          "at its default optimisation level, so no runtime could load it; export without it "
+                          f"(variants=[...] without {name!r}) or report the graph")
     tol = tolerance or VARIANT_TOLERANCES[name]
     parity = compare(fp32_run, ort_runner(built.onnx_bytes), spec, inputs, tol)
     parity["reference"] = "fp32 ONNX graph (ONNX Runtime)"
