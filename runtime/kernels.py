@@ -54,6 +54,9 @@ from .kernels_conv import POOL_AVG, POOL_MAX, conv_direct, conv_panel, pool2d  #
 from .kernels_dense import (  # noqa: F401
     LANES,
     POSITIONS,
+    W_F16,
+    W_F32,
+    W_I8,
     affine,
     copy_into,
     dense,
@@ -61,6 +64,8 @@ from .kernels_dense import (  # noqa: F401
     lstm_seq,
     matmul_panel,
     panel_layout,
+    panel_storage,
+    panel_width,
 )
 from .kernels_nd import (  # noqa: F401
     BIN_ADD,
@@ -86,18 +91,18 @@ from .kernels_nd import (  # noqa: F401
 
 # Opcodes of a plan row ``[op, a1, a2, ...]``: array arguments are rows of the array
 # table, then integers; ``g...`` is a geometry the kernel reads from the row itself.
-OP_DENSE = 0  # x, w, b, y, act                       y = act(x @ w.T + b), w in panel layout
-OP_GRU = 1  # x, h0, w, r, bw, br, y, gx, gh, reverse  GRU over every step, linear_before_reset=1
+OP_DENSE = 0  # x, w, b, y, act, st                   y = act(x @ w.T + b), w in panels stored as st (W_*)
+OP_GRU = 1  # x, h0, w, r, bw, br, y, gx, gh, reverse, st  GRU over every step, linear_before_reset=1
 OP_AFFINE = 2  # x, scale, shift, y                   y = x * scale + shift (per column)
 OP_ACT = 3  # x, y, act, prm                          y = act(x; alpha=prm[0,0], beta=prm[0,1])
 OP_COPY = 4  # x, y                                   y = x
-OP_LSTM = 5  # x, h0, c0, w, r, b, y, c, gx, reverse   LSTM over every step
+OP_LSTM = 5  # x, h0, c0, w, r, b, y, c, gx, reverse, st  LSTM over every step
 OP_STRIDED = 6  # x, y, g[14]                         strided copy (transpose, slice, gather, concat)
 OP_BINARY = 7  # a, b, y, g[10]                       y = a op b, broadcasting
 OP_REDUCE = 8  # x, y, g[4]                           reduce the middle of (outer, n, inner)
 OP_LAYER_NORM = 9  # x, scale, shift, y, eps          per-row layer normalisation
 OP_BATCHED_MATMUL = 10  # a, b, bias, y, packed, alpha, g[7]  y[i] = alpha a[i] @ b[i] (or b[i].T) + bias
-OP_CONV = 11  # x, panels, b, y, padded, g[19]        convolution (groups 1), then an activation
+OP_CONV = 11  # x, panels, b, y, padded, st, g[19]    convolution (groups 1), then an activation
 OP_POOL = 12  # x, y, g[17]                           max or average pooling
 OP_CONV_GROUPED = 13  # x, w, b, y, g[19]             convolution (any groups), then an activation
 PROGRAM_WIDTH = 26
@@ -125,7 +130,7 @@ def run_plan(program, table, arena):
         op = p[0]
         if op == OP_DENSE:
             dense(_view(arena, table, p[1]), _view(arena, table, p[2]), _view(arena, table, p[3]),
-                  _view(arena, table, p[4]), p[5], lanes)
+                  _view(arena, table, p[4]), p[5], lanes, p[6])
         elif op == OP_AFFINE:
             affine(_view(arena, table, p[1]), _view(arena, table, p[2]), _view(arena, table, p[3]),
                    _view(arena, table, p[4]))
@@ -148,7 +153,7 @@ def run_plan(program, table, arena):
             reduce(_view(arena, table, p[1]), _view(arena, table, p[2]), p[3:])
         elif op == OP_CONV:
             conv_panel(_view(arena, table, p[1]), _view(arena, table, p[2]), _view(arena, table, p[3]),
-                       _view(arena, table, p[4]), _view(arena, table, p[5]), lanes, p[6:])
+                       _view(arena, table, p[4]), _view(arena, table, p[5]), lanes, p[6], p[7:])
         elif op == OP_CONV_GROUPED:
             conv_direct(_view(arena, table, p[1]), _view(arena, table, p[2]), _view(arena, table, p[3]),
                         _view(arena, table, p[4]), p[5:])
@@ -159,12 +164,14 @@ def run_plan(program, table, arena):
                 _view(arena, table, p[1]), _view(arena, table, p[2]), _view(arena, table, p[3]),
                 _view(arena, table, p[4]), _view(arena, table, p[5]), _view(arena, table, p[6]),
                 _view(arena, table, p[7]), _view(arena, table, p[8]), _view(arena, table, p[9]), lanes, p[10],
+                p[11],
             )
         elif op == OP_LSTM:
             lstm_seq(
                 _view(arena, table, p[1]), _view(arena, table, p[2]), _view(arena, table, p[3]),
                 _view(arena, table, p[4]), _view(arena, table, p[5]), _view(arena, table, p[6]),
                 _view(arena, table, p[7]), _view(arena, table, p[8]), _view(arena, table, p[9]), lanes, p[10],
+                p[11],
             )
         elif op == OP_COPY:
             copy_into(_view(arena, table, p[1]), _view(arena, table, p[2]))

@@ -20,7 +20,7 @@ import numpy as np
 from numba import njit
 
 from .kernels_act import JIT, apply_act
-from .kernels_dense import LANES, POSITIONS, panel_dot8_at, panel_dot8_at_add, panel_dot_at, panel_dot_at_add
+from .kernels_dense import LANES, POSITIONS, panel_dot8_at, panel_dot_at, panel_width
 
 POOL_MAX = 0
 POOL_AVG = 1
@@ -35,13 +35,13 @@ def _u(i):
 
 
 @njit(**JIT)
-def conv_panel(x, panels, bias, y, padded, lanes, g):
+def conv_panel(x, panels, bias, y, padded, lanes, storage, g):
     """Convolution with ``groups == 1``, then an activation.
 
     ``panels`` stacks, per kernel segment, ``panel_layout`` of its (out, K) weights: a
     segment is a kernel row (K = kw * cin) when the column dilation is 1, else one
     kernel tap (K = cin); segment ``s`` of output block ``b`` is panel ``s * blocks +
-    b``. ``padded`` is ((h + ph + ph_end) * (w + pw + pw_end) * cin) scratch whose
+    b``, stored as ``storage`` (``kernels_dense.panel_storage``). ``padded`` is ((h + ph + ph_end) * (w + pw + pw_end) * cin) scratch whose
     padding stays zero; ``bias`` is (1, out); ``lanes`` holds ``POSITIONS * LANES`` values.
     """
     xf, yf, pf = x[0], y[0], padded[0]
@@ -54,7 +54,7 @@ def conv_panel(x, panels, bias, y, padded, lanes, g):
     k = (kw if fused else 1) * cin
     blocks = (cout + LANES - 1) // LANES
     plane = ho * wo
-    if (panels.shape[1] != k * LANES or panels.shape[0] != kh * per_row * blocks
+    if (panels.shape[1] != panel_width(k, storage) or panels.shape[0] != kh * per_row * blocks
             or pf.shape[0] < (h + ph + ph_end) * wp * cin or xf.shape[0] < nb * cin * h * wd):
         raise ValueError("conv_panel: weights, input and scratch do not fit the geometry")
     for bi in range(nb):
@@ -76,14 +76,10 @@ def conv_panel(x, panels, bias, y, padded, lanes, g):
                             start = ((oh * sh + i * dh) * wp + ow * sw + jj * dw) * cin
                             seg = (i * per_row + jj) * blocks + block
                             first = i == 0 and jj == 0
-                            if many and first:
-                                panel_dot8_at(panels, seg, padded, start, sw * cin, lanes)  # type: ignore[call-arg]
-                            elif many:
-                                panel_dot8_at_add(panels, seg, padded, start, sw * cin, lanes)  # type: ignore[call-arg]
-                            elif first:
-                                panel_dot_at(panels, seg, padded, start, lanes)  # type: ignore[call-arg]
+                            if many:
+                                panel_dot8_at(panels, seg, padded, start, sw * cin, lanes, storage, not first)
                             else:
-                                panel_dot_at_add(panels, seg, padded, start, lanes)  # type: ignore[call-arg]
+                                panel_dot_at(panels, seg, padded, start, lanes, storage, not first)
                     t = bi * cout * plane + oh * wo + ow
                     span = POSITIONS if many else 1
                     for q in range(count):

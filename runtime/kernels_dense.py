@@ -8,10 +8,12 @@ each input meets lie side by side, so a matrix-vector product streams the weight
 once, front to back, into a vector of accumulators. A batch-1 step is bound by how
 fast the weights come from cache (a 2-layer, 256-unit GRU holds 3 MB of them), and
 this layout reaches that limit where plain row-major dot products spend a third of
-their time on horizontal sums; the same panels, held in fp16 or int8 and widened in
-``_panel_dot``, are where smaller weight storage would go. Sums are reordered (SIMD
-lanes, ``fastmath``), so results differ from torch's in the last bits (about 1e-6).
-Nothing here allocates.
+their time on horizontal sums. The same panels can be held in float16 or in int8 with
+a float32 scale per output row (``panel_storage``): the kernels widen each weight
+vector as it is loaded and accumulate in float32, so a step reads a half or a quarter
+of the bytes, which is what lets a model whose fp32 weights spill out of L2 run from
+it. Sums are reordered (SIMD lanes, ``fastmath``), so results differ from torch's in
+the last bits (about 1e-6). Nothing here allocates.
 """
 
 from __future__ import annotations
@@ -44,16 +46,115 @@ def panel_layout(w: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(padded.reshape(blocks, LANES, m).transpose(0, 2, 1).reshape(blocks, m * LANES))
 
 
-def _panel_dot_ir(panels, block, x, row, lanes, accumulate: bool, flat: bool = False):
+# How a weight panel is stored (``panel_storage``); the kernels accumulate in float32 for every storage.
+W_F32 = 0  # float32 panels
+W_F16 = 1  # IEEE float16 panels, widened on load (F16C's vcvtph2ps on x86)
+W_I8 = 2  # int8 panels, one float32 scale per output row ahead of each panel's codes
+
+
+@njit(**JIT)
+def panel_width(inputs, storage):
+    """Float32 slots one panel (``LANES`` output rows by ``inputs``) takes in ``storage``."""
+    if storage == W_F16:
+        return inputs * LANES // 2
+    if storage == W_I8:
+        return LANES + inputs * LANES // 4
+    return inputs * LANES
+
+
+def panel_storage(panels: np.ndarray, storage: int, scales: np.ndarray | None = None) -> np.ndarray:
+    """Float32 ``panel_layout`` panels in ``storage``, as the float32 array the plan's arena holds.
+
+    The arena is one float32 array, so a compressed panel is its bytes seen as float32: float16
+    codes two to a slot, or ``LANES`` float32 scales (one per output row of the panel) then int8
+    codes four to a slot. ``scales`` (``(panels, LANES)``) are the int8 rows' scales, so that a
+    weight stored as int8 codes times a scale (``DequantizeLinear`` in a bundle) gets back exactly
+    its codes; without them each row is quantized symmetrically, ``s = max |w| / 127``.
+    """
+    panels = np.ascontiguousarray(panels, dtype=np.float32)
+    blocks, width = panels.shape
+    if storage == W_F32:
+        return panels
+    if storage == W_F16:
+        return np.ascontiguousarray(panels.astype(np.float16)).view(np.float32)
+    if storage != W_I8:
+        raise ValueError(f"weight storage {storage} is not one of W_F32, W_F16, W_I8")
+    if width % 4:
+        raise ValueError(f"int8 panels need a multiple of 4 weights per panel, got {width}")
+    per_row = panels.reshape(blocks, width // LANES, LANES)  # [panel, input, lane]
+    if scales is None:
+        scales = np.abs(per_row).max(axis=1) / np.float32(127)
+    scales = np.array(np.broadcast_to(scales, (blocks, LANES)), dtype=np.float32)
+    scales[scales == 0] = 1  # an all-zero (or padding) row: any scale gives codes 0
+    codes = np.clip(np.rint(per_row / scales[:, None, :]), -128, 127).astype(np.int8).reshape(blocks, width)
+    out = np.empty((blocks, LANES + width // 4), dtype=np.float32)
+    out[:, :LANES] = scales
+    out[:, LANES:] = codes.view(np.float32)
+    return out
+
+
+def _float_arrays(*arrays) -> bool:
+    return all(isinstance(a, types.Array) and a.dtype == types.float32 and a.ndim == 2 and a.layout == "C"
+               for a in arrays)
+
+
+class _Weights:
+    """LLVM IR that reads weight vectors from panel ``block`` in one storage (see ``panel_storage``)."""
+
+    def __init__(self, context, builder, pa, block, storage: int):
+        self.b, self.storage = builder, storage
+        intp = context.get_value_type(types.intp)
+        self.intp = intp
+        self.vec = ir.VectorType(ir.FloatType(), LANES)
+        self.width = cgutils.unpack_tuple(builder, pa.shape, 2)[1]
+        base = builder.gep(pa.data, [builder.mul(block, self.width)])
+        self.scales = None
+        if storage == W_F16:
+            self.data = builder.bitcast(base, ir.HalfType().as_pointer())
+            self.raw = ir.VectorType(ir.HalfType(), LANES)
+        elif storage == W_I8:
+            self.scales = builder.bitcast(base, self.vec.as_pointer())
+            self.data = builder.bitcast(builder.gep(base, [ir.Constant(intp, LANES)]), ir.IntType(8).as_pointer())
+            self.raw = ir.VectorType(ir.IntType(8), LANES)
+        else:
+            self.data, self.raw = base, self.vec
+
+    def inputs(self):
+        """How many inputs a panel spans, from its width in float32 slots."""
+        b, c = self.b, (lambda v: ir.Constant(self.intp, v))
+        if self.storage == W_F16:
+            return b.udiv(b.mul(self.width, c(2)), c(LANES))
+        if self.storage == W_I8:
+            return b.udiv(b.mul(b.sub(self.width, c(LANES)), c(4)), c(LANES))
+        return b.udiv(self.width, c(LANES))
+
+    def load(self, k):
+        """The ``LANES`` weights input ``k`` meets, as float32 (before any int8 scale)."""
+        b = self.b
+        ptr = b.bitcast(b.gep(self.data, [b.mul(k, ir.Constant(self.intp, LANES))]), self.raw.as_pointer())
+        raw = b.load(ptr, align=1 if self.storage == W_I8 else (2 if self.storage == W_F16 else 4))
+        if self.storage == W_F16:
+            return b.fpext(raw, self.vec)
+        if self.storage == W_I8:
+            return b.sitofp(raw, self.vec)
+        return raw
+
+    def finish(self, total, start):
+        """The dot product from the raw sum: times the per-row scales for int8, plus ``start`` if given."""
+        if self.scales is not None:
+            total = self.b.fmul(total, self.b.load(self.scales, align=4))
+        return total if start is None else self.b.fadd(total, start)
+
+
+def _panel_dot_ir(panels, block, x, row, lanes, accumulate: bool, flat: bool = False, storage: int = W_F32):
     """Signature and LLVM IR of ``_panel_dot``.
 
-    ``accumulate``: start from ``lanes`` instead of zero; ``flat``: ``row`` is an element
-    offset into ``x`` and the dot product runs over the panel's width (``panels.shape[1]
-    / LANES`` inputs) rather than over a row of ``x``.
+    ``accumulate``: add to ``lanes`` instead of overwriting it; ``flat``: ``row`` is an element
+    offset into ``x`` and the dot product runs over the panel's width (its inputs) rather
+    than over a row of ``x``; ``storage``: how the panels hold the weights.
     """
-    for a in (panels, x, lanes):
-        if not (isinstance(a, types.Array) and a.dtype == types.float32 and a.ndim == 2 and a.layout == "C"):
-            return None  # only 2-D C-contiguous float32 arrays: the IR below assumes that layout
+    if not _float_arrays(panels, x, lanes):
+        return None  # only 2-D C-contiguous float32 arrays: the IR below assumes that layout
     sig = types.void(panels, block, x, row, lanes)
 
     def codegen(context, builder, signature, args):
@@ -72,12 +173,11 @@ def _panel_dot_ir(panels, block, x, row, lanes, accumulate: bool, flat: bool = F
         fma = cgutils.get_or_insert_function(
             builder.module, ir.FunctionType(vec, [vec, vec, vec]), f"llvm.fma.v{LANES}f32"
         )
-        panel_width = cgutils.unpack_tuple(builder, pa.shape, 2)[1]
         bv = context.cast(builder, bv, bty, types.intp)
         rv = context.cast(builder, rv, rty, types.intp)
-        wbase = builder.gep(pa.data, [builder.mul(bv, panel_width)])
+        weights = _Weights(context, builder, pa, bv, storage)
         if flat:
-            m = builder.udiv(panel_width, const(LANES))
+            m = weights.inputs()
             xbase = builder.gep(xa.data, [rv])
         else:
             m = cgutils.unpack_tuple(builder, xa.shape, 2)[1]
@@ -86,14 +186,13 @@ def _panel_dot_ir(panels, block, x, row, lanes, accumulate: bool, flat: bool = F
         undef = ir.Constant(vec, ir.Undefined)
         splat = ir.Constant(ir.VectorType(ir.IntType(32), LANES), [0] * LANES)
         accs = [cgutils.alloca_once_value(builder, zero) for _ in range(UNROLL)]
-        if accumulate:
-            builder.store(builder.load(builder.bitcast(la.data, vec_ptr), align=4), accs[0])
+        lanes_ptr = builder.bitcast(la.data, vec_ptr)
+        start = builder.load(lanes_ptr, align=4) if accumulate else None
 
         def step(k, acc):
             xk = builder.load(builder.gep(xbase, [k]))
             xs = builder.shuffle_vector(builder.insert_element(undef, xk, ir.Constant(ir.IntType(32), 0)), undef, splat)
-            w = builder.load(builder.bitcast(builder.gep(wbase, [builder.mul(k, const(LANES))]), vec_ptr), align=4)
-            builder.store(builder.call(fma, [w, xs, builder.load(acc)]), acc)
+            builder.store(builder.call(fma, [weights.load(k), xs, builder.load(acc)]), acc)
 
         quads = builder.udiv(m, const(UNROLL))
         with cgutils.for_range(builder, quads) as loop:
@@ -106,7 +205,7 @@ def _panel_dot_ir(panels, block, x, row, lanes, accumulate: bool, flat: bool = F
         total = builder.load(accs[0])
         for acc in accs[1:]:
             total = builder.fadd(total, builder.load(acc))
-        builder.store(total, builder.bitcast(la.data, vec_ptr), align=4)
+        builder.store(weights.finish(total, start), lanes_ptr, align=4)
         return context.get_dummy_value()
 
     return sig, codegen
@@ -115,11 +214,10 @@ def _panel_dot_ir(panels, block, x, row, lanes, accumulate: bool, flat: bool = F
 POSITIONS = 8  # output positions per panel pass of a convolution (8 independent FMA chains)
 
 
-def _panel_dot_multi_ir(panels, block, x, start, step, lanes, accumulate: bool):
+def _panel_dot_multi_ir(panels, block, x, start, step, lanes, accumulate: bool, storage: int = W_F32):
     """Signature and LLVM IR of ``panel_dot8_at``: ``POSITIONS`` dot products sharing each weight load."""
-    for a in (panels, x, lanes):
-        if not (isinstance(a, types.Array) and a.dtype == types.float32 and a.ndim == 2 and a.layout == "C"):
-            return None
+    if not _float_arrays(panels, x, lanes):
+        return None
     sig = types.void(panels, block, x, start, step, lanes)
 
     def codegen(context, builder, signature, args):
@@ -138,97 +236,133 @@ def _panel_dot_multi_ir(panels, block, x, start, step, lanes, accumulate: bool):
         fma = cgutils.get_or_insert_function(
             builder.module, ir.FunctionType(vec, [vec, vec, vec]), f"llvm.fma.v{LANES}f32"
         )
-        panel_width = cgutils.unpack_tuple(builder, pa.shape, 2)[1]
         bv = context.cast(builder, bv, bty, types.intp)
         sv = context.cast(builder, sv, sty, types.intp)
         tv = context.cast(builder, tv, tty, types.intp)
-        wbase = builder.gep(pa.data, [builder.mul(bv, panel_width)])
-        m = builder.udiv(panel_width, const(LANES))
+        weights = _Weights(context, builder, pa, bv, storage)
+        m = weights.inputs()
         xbases = [builder.gep(xa.data, [builder.add(sv, builder.mul(tv, const(q)))]) for q in range(POSITIONS)]
         lane_ptrs = [builder.bitcast(builder.gep(la.data, [const(q * LANES)]), vec_ptr) for q in range(POSITIONS)]
         zero = ir.Constant(vec, [0.0] * LANES)
         undef = ir.Constant(vec, ir.Undefined)
         splat = ir.Constant(ir.VectorType(ir.IntType(32), LANES), [0] * LANES)
         accs = [cgutils.alloca_once_value(builder, zero) for _ in range(POSITIONS)]
-        if accumulate:
-            for acc, ptr in zip(accs, lane_ptrs, strict=True):
-                builder.store(builder.load(ptr, align=4), acc)
+        starts = [builder.load(ptr, align=4) for ptr in lane_ptrs] if accumulate else [None] * POSITIONS
         with cgutils.for_range(builder, m) as loop:
             k = loop.index
-            w = builder.load(builder.bitcast(builder.gep(wbase, [builder.mul(k, const(LANES))]), vec_ptr), align=4)
+            w = weights.load(k)
             for xb, acc in zip(xbases, accs, strict=True):
                 xk = builder.load(builder.gep(xb, [k]))
                 xs = builder.shuffle_vector(builder.insert_element(undef, xk, ir.Constant(ir.IntType(32), 0)), undef,
                                             splat)
                 builder.store(builder.call(fma, [w, xs, builder.load(acc)]), acc)
-        for acc, ptr in zip(accs, lane_ptrs, strict=True):
-            builder.store(builder.load(acc), ptr, align=4)
+        for acc, ptr, first in zip(accs, lane_ptrs, starts, strict=True):
+            builder.store(weights.finish(builder.load(acc), first), ptr, align=4)
         return context.get_dummy_value()
 
     return sig, codegen
 
 
-@intrinsic
-def panel_dot8_at(typingctx, panels, block, x, start, step, lanes):
-    """``lanes[0, q*LANES : (q+1)*LANES] = panels[block] . x.flat[start + q*step :][:K]`` for ``q < POSITIONS``.
+def _dot(storage: int, accumulate: bool, flat: bool):
+    def typer(typingctx, panels, block, x, row, lanes):
+        return _panel_dot_ir(panels, block, x, row, lanes, accumulate, flat, storage)
 
-    The convolution kernel's inner product: ``POSITIONS`` output positions (``step``
-    elements apart in the input) share every weight load and run as independent FMA
-    chains. ``lanes`` must hold ``POSITIONS * LANES`` values; unchecked like ``panel_dot_at``.
-    """
-    return _panel_dot_multi_ir(panels, block, x, start, step, lanes, accumulate=False)
+    typer.__name__ = typer.__qualname__ = f"panel_dot_s{storage}_a{int(accumulate)}_f{int(flat)}"
+    return intrinsic(typer)
 
 
-@intrinsic
-def panel_dot8_at_add(typingctx, panels, block, x, start, step, lanes):
-    """``panel_dot8_at`` that adds to ``lanes``."""
-    return _panel_dot_multi_ir(panels, block, x, start, step, lanes, accumulate=True)
+def _dot8(storage: int, accumulate: bool):
+    def typer(typingctx, panels, block, x, start, step, lanes):
+        return _panel_dot_multi_ir(panels, block, x, start, step, lanes, accumulate, storage)
+
+    typer.__name__ = typer.__qualname__ = f"panel_dot8_s{storage}_a{int(accumulate)}"
+    return intrinsic(typer)
 
 
-@intrinsic
-def _panel_dot(typingctx, panels, block, x, row, lanes):
-    """``lanes[0, :LANES] = panels[block] . x[row]`` with explicit SIMD vectors.
+# One intrinsic per storage: the storage picks the IR, so the kernels branch on it once per panel.
+# ``_dot_row[s]``: ``lanes[0, :LANES] = panels[block] . x[row]`` with explicit SIMD vectors, written in
+# LLVM IR because Numba's own loops cannot keep a vector of accumulators in registers (LLVM either
+# vectorises along ``k``, one horizontal sum per output row, 1.3x slower here, or gives up); ``UNROLL``
+# accumulators hide the FMA latency, and ``<LANES x float>`` is legal IR everywhere (LLVM splits it into
+# AVX-512, AVX2 or NEON vectors). ``_dot_at[s]``/``_dot_at_add[s]``: the same over ``x.flat[start:][:K]``
+# (K the panel's inputs), overwriting or adding to ``lanes``. ``_dot8_at[s]``/``_dot8_at_add[s]``:
+# ``POSITIONS`` such products ``step`` elements apart sharing every weight load (the convolution's inner
+# product; ``lanes`` holds ``POSITIONS * LANES`` values). All unchecked: callers keep reads inside ``x``.
+_dot_row = [_dot(s, False, False) for s in (W_F32, W_F16, W_I8)]
+_dot_at = [_dot(s, False, True) for s in (W_F32, W_F16, W_I8)]
+_dot_at_add = [_dot(s, True, True) for s in (W_F32, W_F16, W_I8)]
+_dot8_at = [_dot8(s, False) for s in (W_F32, W_F16, W_I8)]
+_dot8_at_add = [_dot8(s, True) for s in (W_F32, W_F16, W_I8)]
+_dot_row_f32, _dot_row_f16, _dot_row_i8 = _dot_row
+_dot_at_f32, _dot_at_f16, _dot_at_i8 = _dot_at
+_dot_at_add_f32, _dot_at_add_f16, _dot_at_add_i8 = _dot_at_add
+_dot8_at_f32, _dot8_at_f16, _dot8_at_i8 = _dot8_at
+_dot8_at_add_f32, _dot8_at_add_f16, _dot8_at_add_i8 = _dot8_at_add
 
-    Written in LLVM IR because Numba's own loops cannot keep a vector of
-    accumulators in registers: LLVM either vectorises along ``k`` (one horizontal
-    sum per output row, 1.3x slower here) or gives up. ``UNROLL`` accumulators hide
-    the FMA latency. ``<LANES x float>`` is legal IR everywhere; LLVM splits it into
-    native vectors (AVX-512, AVX2, NEON).
-    """
-    return _panel_dot_ir(panels, block, x, row, lanes, accumulate=False)
+
+@njit(inline="always", **JIT)
+def panel_dot(panels, block, x, row, lanes, storage):
+    """``lanes[0, :LANES] = panels[block] . x[row]`` for panels in ``storage``."""
+    if storage == W_F16:
+        _dot_row_f16(panels, block, x, row, lanes)
+    elif storage == W_I8:
+        _dot_row_i8(panels, block, x, row, lanes)
+    else:
+        _dot_row_f32(panels, block, x, row, lanes)
 
 
-@intrinsic
-def panel_dot_at(typingctx, panels, block, x, start, lanes):
-    """``lanes[0, :LANES] = panels[block] . x.flat[start : start + K]``, ``K = panels.shape[1] / LANES``.
+@njit(inline="always", **JIT)
+def panel_dot_at(panels, block, x, start, lanes, storage, add):
+    """``lanes[0, :LANES] (+)= panels[block] . x.flat[start : start + K]``; unchecked."""
+    if add:
+        if storage == W_F16:
+            _dot_at_add_f16(panels, block, x, start, lanes)
+        elif storage == W_I8:
+            _dot_at_add_i8(panels, block, x, start, lanes)
+        else:
+            _dot_at_add_f32(panels, block, x, start, lanes)
+    elif storage == W_F16:
+        _dot_at_f16(panels, block, x, start, lanes)
+    elif storage == W_I8:
+        _dot_at_i8(panels, block, x, start, lanes)
+    else:
+        _dot_at_f32(panels, block, x, start, lanes)
 
-    Unchecked: the caller makes sure ``start + K`` stays inside ``x``.
-    """
-    return _panel_dot_ir(panels, block, x, start, lanes, accumulate=False, flat=True)
 
-
-@intrinsic
-def panel_dot_at_add(typingctx, panels, block, x, start, lanes):
-    """``panel_dot_at`` that adds to ``lanes``."""
-    return _panel_dot_ir(panels, block, x, start, lanes, accumulate=True, flat=True)
+@njit(inline="always", **JIT)
+def panel_dot8_at(panels, block, x, start, step, lanes, storage, add):
+    """``lanes[0, q*LANES : (q+1)*LANES] (+)= panels[block] . x.flat[start + q*step :][:K]``, ``q < POSITIONS``."""
+    if add:
+        if storage == W_F16:
+            _dot8_at_add_f16(panels, block, x, start, step, lanes)
+        elif storage == W_I8:
+            _dot8_at_add_i8(panels, block, x, start, step, lanes)
+        else:
+            _dot8_at_add_f32(panels, block, x, start, step, lanes)
+    elif storage == W_F16:
+        _dot8_at_f16(panels, block, x, start, step, lanes)
+    elif storage == W_I8:
+        _dot8_at_i8(panels, block, x, start, step, lanes)
+    else:
+        _dot8_at_f32(panels, block, x, start, step, lanes)
 
 
 @njit(**JIT)
-def matmul_rows(x, x0, panels, b, y, y0, rows, lanes, accumulate):
+def matmul_rows(x, x0, panels, b, y, y0, rows, lanes, accumulate, storage=W_F32):
     """``y[y0 + i, j] (+)= dot(w[j], x[x0 + i])`` for ``i < rows``, plus ``b[0, j]`` unless ``accumulate``.
 
-    ``panels = panel_layout(w)``; ``lanes`` is (1, LANES) scratch. Row offsets rather
-    than slices keep every array C-contiguous for ``_panel_dot``.
+    ``panels = panel_storage(panel_layout(w), storage)``; ``lanes`` is (1, LANES) scratch. Row
+    offsets rather than slices keep every array C-contiguous for the IR of ``panel_dot``.
     """
     n = y.shape[1]
-    if (panels.shape[1] != x.shape[1] * LANES or n > panels.shape[0] * LANES or x0 < 0 or y0 < 0
+    if (panels.shape[1] != panel_width(x.shape[1], storage) or n > panels.shape[0] * LANES or x0 < 0 or y0 < 0
             or x0 + rows > x.shape[0] or y0 + rows > y.shape[0]):
         raise ValueError("matmul_rows: panels, x and y do not fit together")  # the IR reads unchecked
     for block in range(panels.shape[0]):
         o = block * LANES
         count = min(LANES, n - o)
         for i in range(rows):
-            _panel_dot(panels, block, x, x0 + i, lanes)  # type: ignore[call-arg]  # numba types @intrinsic with typingctx
+            panel_dot(panels, block, x, x0 + i, lanes, storage)
             if accumulate:
                 for j in range(count):
                     y[y0 + i, o + j] += lanes[0, j]
@@ -238,30 +372,30 @@ def matmul_rows(x, x0, panels, b, y, y0, rows, lanes, accumulate):
 
 
 @njit(**JIT)
-def matmul_panel(x, panels, b, y, lanes):
-    """``y[i, j] = b[0, j] + dot(w[j], x[i])`` with ``panels = panel_layout(w)``; ``lanes`` is (1, LANES) scratch."""
+def matmul_panel(x, panels, b, y, lanes, storage=W_F32):
+    """``y[i, j] = b[0, j] + dot(w[j], x[i])``, ``panels`` as for ``matmul_rows``; ``lanes`` is (1, LANES) scratch."""
     if x.shape[0] != y.shape[0]:
         raise ValueError("matmul_panel: x and y have different row counts")
-    matmul_rows(x, 0, panels, b, y, 0, y.shape[0], lanes, False)
+    matmul_rows(x, 0, panels, b, y, 0, y.shape[0], lanes, False, storage)
 
 
 @njit(**JIT)
-def dense(x, panels, b, y, act, lanes):
-    """``y = act(x @ w.T + b)`` with ``panels = panel_layout(w)``, ``w`` of shape (out, in)."""
-    matmul_panel(x, panels, b, y, lanes)
+def dense(x, panels, b, y, act, lanes, storage=W_F32):
+    """``y = act(x @ w.T + b)`` with ``panels = panel_storage(panel_layout(w), storage)``, ``w`` of shape (out, in)."""
+    matmul_panel(x, panels, b, y, lanes, storage)
     if act != ACT_NONE:
         activate(y, y, act)
 
 
 @njit(**JIT)
-def gru_seq(x, h0, w, r, bw, br, y, gx, gh, lanes, reverse):
+def gru_seq(x, h0, w, r, bw, br, y, gx, gh, lanes, reverse, storage=W_F32):
     """ONNX GRU (gate order z, r, n; ``linear_before_reset=1``) over every time step of ``x``.
 
     ``x`` is (steps * batch, inputs) time-major, ``h0`` (batch, hidden), ``y`` (steps *
     batch, hidden) receives the state after each step (``reverse``: steps run last
     to first, as ONNX's reverse direction). ``w``/``r`` are ``panel_layout`` of the
-    (3H, I) input and (3H, H) recurrent weights of all three gates, so one pass over
-    each computes every gate; ``gx``/``gh`` (batch, 3H) are scratch. ``y`` must not
+    (3H, I) input and (3H, H) recurrent weights of all three gates (in ``storage``), so one
+    pass over each computes every gate; ``gx``/``gh`` (batch, 3H) are scratch. ``y`` must not
     share memory with ``x``.
     """
     batch, hidden = h0.shape
@@ -270,8 +404,8 @@ def gru_seq(x, h0, w, r, bw, br, y, gx, gh, lanes, reverse):
         t = steps - 1 - s if reverse else s
         prev = h0 if s == 0 else y
         prow = 0 if s == 0 else ((t + 1) * batch if reverse else (t - 1) * batch)
-        matmul_rows(x, t * batch, w, bw, gx, 0, batch, lanes, False)
-        matmul_rows(prev, prow, r, br, gh, 0, batch, lanes, False)
+        matmul_rows(x, t * batch, w, bw, gx, 0, batch, lanes, False, storage)
+        matmul_rows(prev, prow, r, br, gh, 0, batch, lanes, False, storage)
         for i in range(batch):
             for j in range(hidden):
                 z = fast_sigmoid(gx[i, j] + gh[i, j])
@@ -281,7 +415,7 @@ def gru_seq(x, h0, w, r, bw, br, y, gx, gh, lanes, reverse):
 
 
 @njit(**JIT)
-def lstm_seq(x, h0, c0, w, r, b, y, c, gx, lanes, reverse):
+def lstm_seq(x, h0, c0, w, r, b, y, c, gx, lanes, reverse, storage=W_F32):
     """ONNX LSTM (gate order i, o, f, c; no peepholes) over every time step of ``x``.
 
     As ``gru_seq``: ``x`` (steps * batch, inputs), ``h0``/``c0`` (batch, hidden), ``y``
@@ -296,8 +430,8 @@ def lstm_seq(x, h0, c0, w, r, b, y, c, gx, lanes, reverse):
         prev = h0 if s == 0 else y
         prow = 0 if s == 0 else ((t + 1) * batch if reverse else (t - 1) * batch)
         cprev = c0 if s == 0 else c
-        matmul_rows(x, t * batch, w, b, gx, 0, batch, lanes, False)
-        matmul_rows(prev, prow, r, b, gx, 0, batch, lanes, True)
+        matmul_rows(x, t * batch, w, b, gx, 0, batch, lanes, False, storage)
+        matmul_rows(prev, prow, r, b, gx, 0, batch, lanes, True, storage)
         for i in range(batch):
             for j in range(hidden):
                 ig = fast_sigmoid(gx[i, j])

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .backends import BackendChoice, BackendOptions, create_backend
+from .backends import BackendChoice, BackendOptions, choose_backend, create_backend
 from .bundle import Bundle, ensure_trusted, load_bundle
 from .signing import TrustSpec
 from .window import FrameWindow
@@ -39,7 +39,11 @@ class Model:
         A backend name (``closedloop backends`` lists them) or ``"auto"``, which times
         every available backend on this graph and keeps the fastest at p99.
     variant
-        ``None``/``"fp32"``, or a variant the bundle holds (``"fp16"``, ``"int8"``).
+        ``"fp32"``, or a variant the bundle holds (``"fp16"``, ``"int8"``, ``"fp16w"``, ``"int8w"``).
+        ``None``: fp32, except that with ``backend="auto"`` the variants whose record allows an
+        automatic choice (``auto_choice``, the weight-storage variants fp16w and int8w) and that are
+        within their tolerance are timed too, and the fastest is kept if it is clearly faster than
+        fp32 (``model.variant`` and ``model.choice`` say which). ``"fp32"`` rules the variants out.
     trust
         Public key files or folders of ``*.pub`` files: refuse a bundle none of them signed
         (docs/bundle.md, "Signatures and integrity"). ``None``: unsigned bundles load.
@@ -57,8 +61,14 @@ class Model:
         self.bundle = ensure_trusted(bundle, trust) if isinstance(bundle, Bundle) else load_bundle(bundle, trust=trust)
         self.spec = self.bundle.graph(graph)
         self.graph_name, self.variant = graph, variant
-        path = self.bundle.graph_path(graph, variant)
-        self.backend, self.choice = create_backend(backend, path, self.spec, options)
+        picks = auto_variants(self.spec.variants) if backend == "auto" and variant is None else []
+        if picks:
+            paths = {"fp32": self.bundle.graph_path(graph)} | {v: self.bundle.graph_path(graph, v) for v in picks}
+            self.backend, self.choice = choose_backend(paths, self.spec, options)
+            self.variant = None if self.choice.variant == "fp32" else self.choice.variant
+        else:
+            path = self.bundle.graph_path(graph, variant)
+            self.backend, self.choice = create_backend(backend, path, self.spec, options)
         self.inputs = self.backend.inputs
         self.outputs = self.backend.outputs
         self._pairs = [(self.inputs[t.name], self.outputs[t.state_pair or ""]) for t in self.spec.state_inputs]
@@ -235,6 +245,12 @@ class Model:
 
     def close(self) -> None:
         self.backend.close()
+
+
+def auto_variants(variants: dict[str, dict]) -> list[str]:
+    """The variants an automatic choice may take: records with ``auto_choice`` that are within tolerance."""
+    return [name for name, record in variants.items()
+            if record.get("auto_choice") is True and record.get("within_tolerance") is True]
 
 
 def _finite_checks(arrays) -> list[tuple[np.ndarray, np.ndarray]]:

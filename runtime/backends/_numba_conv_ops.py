@@ -97,8 +97,9 @@ def _conv(p: Planner, node) -> None:
             segments = [w4[:, :, i, j] for i in range(kh) for j in range(kw)]
         panels = np.concatenate([p.k.panel_layout(s) for s in segments], axis=0)
         padded = Buffer((h + ph + ph_end) * (wd + pw + pw_end) * cin)
-        p.emit(p.k.OP_CONV, x.flat(), p.param(panels), p.param(bias), y.flat(), Mat(padded, 1, padded.size),
-               *geometry, out=[y.buf, padded])
+        storage, scales = p.storage(node, 1, 0)
+        p.emit(p.k.OP_CONV, x.flat(), p.panels(panels, storage, scales), p.param(bias), y.flat(),
+               Mat(padded, 1, padded.size), storage, *geometry, out=[y.buf, padded])
     else:
         p.emit(p.k.OP_CONV_GROUPED, x.flat(), p.param(w.reshape(cout, -1)), p.param(bias), y.flat(), *geometry,
                out=y.buf)

@@ -269,12 +269,18 @@ def _softmax(p: Planner, node) -> None:
 
 
 # -- products -------------------------------------------------------------------------------
-def dense(p: Planner, x: Act, w: np.ndarray, bias: np.ndarray | None) -> Act:
-    """``x @ w.T + bias`` over the last axis of ``x`` (any leading axes), ``w`` of shape (out, in)."""
+def dense(p: Planner, x: Act, w: np.ndarray, bias: np.ndarray | None,
+          storage: tuple[int, np.ndarray | None] | None = None) -> Act:
+    """``x @ w.T + bias`` over the last axis of ``x`` (any leading axes), ``w`` of shape (out, in).
+
+    ``storage``: how the weights are kept (``Planner.storage``; default float32).
+    """
     n = w.shape[0]
     b = np.zeros((1, n), np.float32) if bias is None else np.broadcast_to(bias.astype(np.float32), (1, n))
     y = p.new_act(x.shape[:-1] + (n,))
-    p.emit(p.k.OP_DENSE, x.mat(), p.param(p.k.panel_layout(w)), p.param(b), y.mat(), p.k.ACT_NONE, out=y.buf)
+    code, scales = storage or (p.k.W_F32, None)
+    p.emit(p.k.OP_DENSE, x.mat(), p.panels(p.k.panel_layout(w), code, scales), p.param(b), y.mat(), p.k.ACT_NONE,
+           code, out=y.buf)
     return y
 
 
@@ -352,12 +358,14 @@ def _gemm(p: Planner, node) -> None:
         x = p.rearrange(node, x, 0, x.shape[::-1], contiguous_strides(x.shape)[::-1])
     w = p.const(node, 1).astype(np.float32)
     w = (w if a.get("transB", 0) else w.T) * np.float32(a.get("alpha", 1.0))
+    # a scaled weight is no longer the values the file stores: keep it in float32
+    storage = p.storage(node, 1, 0 if a.get("transB", 0) else 1) if a.get("alpha", 1.0) == 1.0 else None
     if len(x.shape) != 2 or x.shape[1] != w.shape[1]:
         raise unsupported(node, f"input {x.shape} does not match weight {w.shape}")
     c = p.value(node, 2)
     beta = np.float32(a.get("beta", 1.0))
     per_column = isinstance(c, np.ndarray) and c.size in (1, w.shape[0]) and c.shape[-1:] in ((), (1,), (w.shape[0],))
-    y = dense(p, x, w, c.reshape(-1) * beta if per_column else None)
+    y = dense(p, x, w, c.reshape(-1) * beta if per_column else None, storage)
     if c is not None and not per_column:
         cv = c if isinstance(c, Act) else p.materialize(np.asarray(c, np.float32))
         if beta != 1:
@@ -372,7 +380,7 @@ def _matmul(p: Planner, node) -> None:
     if isinstance(a, Act) and isinstance(b, np.ndarray) and b.ndim == 2:
         if a.shape[-1] != b.shape[0]:
             raise unsupported(node, f"activation {a.shape} @ constant {b.shape}: inner sizes differ")
-        p.define(node, dense(p, a, b.astype(np.float32).T, None))
+        p.define(node, dense(p, a, b.astype(np.float32).T, None, p.storage(node, 1, 1)))
         return
     p.define(node, batched_matmul(p, node, p.act(node, 0, materialize=True), p.act(node, 1, materialize=True)))
 

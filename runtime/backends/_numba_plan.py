@@ -25,10 +25,13 @@ from . import _numba_conv_ops, _numba_ops, _numba_seq_ops, _numba_shape_ops  # n
 from ._numba_values import (
     FOLDS,
     HANDLERS,
+    STORAGE,
     Act,
     Buffer,
     Mat,
     Op,
+    StoredWeight,
+    axis_of,
     contiguous_strides,
     merge_axes,
     unsupported,
@@ -72,6 +75,7 @@ class Planner:
         # id(Buffer) -> (source, base, shape, strides) of the strided copy that filled it, so a consumer that
         # wants the data in another order can read the source directly (the copy is then dropped as unread)
         self.copied: dict[int, tuple] = {}
+        self.stored: dict[str, StoredWeight] = {}  # folded weights the file holds in float16 or int8
         for node in model.nodes:
             for name in node.inputs:
                 self.uses[name] = self.uses.get(name, 0) + 1
@@ -141,6 +145,40 @@ class Planner:
             arr = arr.reshape(1, -1)
         self.params.append(arr)
         return arr
+
+    def storage(self, node, i: int, row_axis: int) -> tuple[int, np.ndarray | None]:
+        """How to keep constant weight input ``i``: ``(W_F32, None)``, ``(W_F16, None)`` or ``(W_I8, scales)``
+        with one scale per index of ``row_axis`` (the axis of the weight's output rows).
+
+        A weight stays in the storage the file gives it (a ``Cast`` from float16, a ``DequantizeLinear``
+        from int8), so the kernels compute with exactly the values ONNX Runtime does. int8 scales along
+        another axis than the output rows cannot be applied per row: such a weight runs in float32.
+        """
+        stored = self.stored.get(node.inputs[i]) if i < len(node.inputs) else None
+        if stored is None:
+            return self.k.W_F32, None
+        if stored.kind == "float16":
+            return self.k.W_F16, None
+        w = self.const(node, i)
+        rows = w.shape[axis_of(node, row_axis, w.ndim)]
+        assert stored.scale is not None
+        if stored.scale.size == 1:
+            return self.k.W_I8, np.full(rows, stored.scale[0], np.float32)
+        if stored.axis == axis_of(node, row_axis, w.ndim):
+            return self.k.W_I8, stored.scale
+        return self.k.W_F32, None
+
+    def panels(self, panels: np.ndarray, storage: int, scales: np.ndarray | None = None) -> np.ndarray:
+        """``panel_layout`` panels (one or more stacked sets over the same output rows) as a weight
+        parameter in ``storage``; ``scales``: the int8 output rows' scales."""
+        per_set = None
+        if scales is not None:
+            lanes = self.k.LANES
+            padded = np.ones(-(-scales.size // lanes) * lanes, np.float32)
+            padded[: scales.size] = scales
+            per_set = padded.reshape(-1, lanes)
+            per_set = np.tile(per_set, (panels.shape[0] // per_set.shape[0], 1))
+        return self.param(self.k.panel_storage(panels, storage, per_set))
 
     def materialize(self, c: np.ndarray) -> Act:
         """A constant as an activation the kernels read (refreshed by ``set_initializers`` like weights)."""
@@ -229,6 +267,9 @@ class Planner:
                 result = FOLDS[node.op_type](node, *vals)
                 for k, r in enumerate(result if isinstance(result, tuple) else (result,)):
                     self.define(node, np.asarray(r), k)
+                stored = STORAGE[node.op_type](node, *vals) if node.op_type in STORAGE else None
+                if stored is not None:
+                    self.stored[node.outputs[0]] = stored
             elif node.op_type in HANDLERS:
                 HANDLERS[node.op_type](self, node)
             else:
@@ -310,11 +351,18 @@ class Planner:
 def build_plan(model: OnnxModel, spec: GraphSpec, batch: int, inputs: dict | None = None,
                outputs: dict | None = None) -> Plan:
     """Turn a graph into a plan; raises ``GraphUnsupportedError`` naming the first node it cannot run."""
-    low = sorted({str(a.dtype) for a in model.initializers.values() if a.dtype.kind == "f" and a.itemsize < 4})
+    widened = {n.inputs[0] for n in model.nodes if n.op_type == "Cast" and n.attributes.get("to") == 1}
+    readers: dict[str, set[str]] = {}
+    for n in model.nodes:
+        for name in n.inputs:
+            readers.setdefault(name, set()).add(n.outputs[0] if n.outputs else "")
+    low = sorted({str(a.dtype) for name, a in model.initializers.items() if a.dtype.kind == "f" and a.itemsize < 4
+                  and (name not in widened or len(readers.get(name, ())) > 1)})
     if low:
-        # an fp16 variant casts its float32 inputs down first; say why it cannot run rather than fail on the cast
+        # an fp16 variant casts its float32 inputs down first; say why it cannot run rather than fail on the cast.
+        # Weights stored in float16 and widened by a Cast to float32 (an fp16w variant) run.
         raise GraphUnsupportedError(f"the graph computes in {', '.join(low)} (an fp16 variant); the numba backend "
-                                    "runs float32 graphs only")
+                                    "runs float32 graphs and float16 weights widened to float32 (an fp16w variant)")
     if inputs is None or outputs is None:
         inputs = {t.name: np.zeros(t.concrete_shape(batch), np.float32) for t in spec.inputs}
         outputs = {t.name: np.zeros(t.concrete_shape(batch), np.float32) for t in spec.outputs}

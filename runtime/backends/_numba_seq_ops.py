@@ -67,6 +67,18 @@ def _recurrent(p: Planner, node, gates: int, activations: list[str]) -> tuple:
     return x, w[0], r[0], b[0], hidden, steps, batch, direction == "reverse"
 
 
+def _weights(p: Planner, node, w: np.ndarray, r: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
+    """The input and recurrent weights as panel parameters in the storage the file gives them, and its code.
+
+    One storage for both (the kernel takes one); weights stored differently run in float32.
+    """
+    (ws, w_scales), (rs, r_scales) = p.storage(node, 1, 1), p.storage(node, 2, 1)
+    if ws != rs:
+        ws = rs = p.k.W_F32
+        w_scales = r_scales = None
+    return p.panels(p.k.panel_layout(w), ws, w_scales), p.panels(p.k.panel_layout(r), rs, r_scales), ws
+
+
 def _outputs(p: Planner, node, y: Act, steps: int, batch: int, hidden: int, reverse: bool) -> None:
     """Y (steps, 1, batch, hidden) and Y_h, the state after the last step run (a window of Y)."""
     p.define(node, y, 0)
@@ -83,9 +95,10 @@ def _gru(p: Planner, node) -> None:
     h0 = _initial(p, node, 5, batch, hidden, "initial_h")
     y = p.new_act((steps, 1, batch, hidden))
     gx, gh = Buffer(batch * 3 * hidden), Buffer(batch * 3 * hidden)
-    p.emit(p.k.OP_GRU, x.mat(), h0.mat(), p.param(p.k.panel_layout(w)), p.param(p.k.panel_layout(r)),
-           p.param(b[: 3 * hidden]), p.param(b[3 * hidden :]), Mat(y.buf, steps * batch, hidden),
-           Mat(gx, batch, 3 * hidden), Mat(gh, batch, 3 * hidden), int(reverse), out=[y.buf, gx, gh])
+    wp, rp, storage = _weights(p, node, w, r)
+    p.emit(p.k.OP_GRU, x.mat(), h0.mat(), wp, rp, p.param(b[: 3 * hidden]), p.param(b[3 * hidden :]),
+           Mat(y.buf, steps * batch, hidden), Mat(gx, batch, 3 * hidden), Mat(gh, batch, 3 * hidden), int(reverse),
+           storage, out=[y.buf, gx, gh])
     _outputs(p, node, y, steps, batch, hidden, reverse)
 
 
@@ -101,8 +114,9 @@ def _lstm(p: Planner, node) -> None:
     y = p.new_act((steps, 1, batch, hidden))
     c = p.new_act((1, batch, hidden))
     gx = Buffer(batch * 4 * hidden)
-    p.emit(p.k.OP_LSTM, x.mat(), h0.mat(), c0.mat(), p.param(p.k.panel_layout(w)), p.param(p.k.panel_layout(r)),
-           p.param(b[: 4 * hidden] + b[4 * hidden :]), Mat(y.buf, steps * batch, hidden), c.mat(),
-           Mat(gx, batch, 4 * hidden), int(reverse), out=[y.buf, c.buf, gx])
+    wp, rp, storage = _weights(p, node, w, r)
+    p.emit(p.k.OP_LSTM, x.mat(), h0.mat(), c0.mat(), wp, rp, p.param(b[: 4 * hidden] + b[4 * hidden :]),
+           Mat(y.buf, steps * batch, hidden), c.mat(), Mat(gx, batch, 4 * hidden), int(reverse), storage,
+           out=[y.buf, c.buf, gx])
     _outputs(p, node, y, steps, batch, hidden, reverse)
     p.define(node, c, 2)

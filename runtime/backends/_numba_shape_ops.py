@@ -21,7 +21,9 @@ import numpy as np
 from ..onnx_reader import ONNX_DTYPES
 from ._numba_values import (
     FOLDS,
+    STORAGE,
     Act,
+    StoredWeight,
     axis_of,
     broadcast_shape,
     broadcast_strides,
@@ -120,6 +122,43 @@ def _fold_identity(node, x, *rest):
 @folds("Cast")
 def _fold_cast(node, x):
     return x.astype(ONNX_DTYPES[node.attributes.get("to")])
+
+
+def _stored_cast(node, x) -> StoredWeight | None:
+    return StoredWeight("float16") if x.dtype == np.float16 and node.attributes.get("to") == 1 else None
+
+
+STORAGE["Cast"] = _stored_cast
+
+
+def _per_axis(node, x: np.ndarray, v: np.ndarray) -> np.ndarray:
+    """A DequantizeLinear scale or zero point shaped to broadcast against ``x`` (scalar or along ``axis``)."""
+    if v.size == 1:
+        return v.reshape(())
+    a = axis_of(node, node.attributes.get("axis", 1), x.ndim)
+    if v.ndim != 1 or v.size != x.shape[a]:
+        raise unsupported(node, f"a scale or zero point of shape {v.shape} for input {x.shape} along axis {a}")
+    return v.reshape([-1 if i == a else 1 for i in range(x.ndim)])
+
+
+@folds("DequantizeLinear")
+def _fold_dequantize(node, x, scale, zero=None):
+    if node.attributes.get("block_size", 0):
+        raise unsupported(node, "blocked quantization (block_size); per-tensor and per-axis scales are supported")
+    q = x.astype(np.float32)
+    if zero is not None:
+        q = q - _per_axis(node, x, zero).astype(np.float32)
+    return (q * _per_axis(node, x, scale).astype(np.float32)).astype(np.float32)
+
+
+def _stored_dequantize(node, x, scale, zero=None) -> StoredWeight | None:
+    if x.dtype != np.int8 or (zero is not None and np.any(zero != 0)) or node.attributes.get("block_size", 0):
+        return None
+    axis = axis_of(node, node.attributes.get("axis", 1), x.ndim) if scale.size > 1 else 0
+    return StoredWeight("int8", np.asarray(scale, np.float32).reshape(-1), axis)
+
+
+STORAGE["DequantizeLinear"] = _stored_dequantize
 
 
 @handles("Identity", "Dropout", "Cast")

@@ -25,6 +25,19 @@ from ..errors import GraphUnsupportedError
 
 HANDLERS: dict[str, Callable] = {}  # ONNX op type -> handler(planner, node)
 FOLDS: dict[str, Callable] = {}  # ONNX op type -> numpy function of constant inputs (node, *values)
+# ONNX op type -> stored_as(node, *values): how the folded float32 result was stored in the file
+# (a ``StoredWeight``), or None; a weight handler keeps such a weight in that storage.
+STORAGE: dict[str, Callable] = {}
+
+
+@dataclasses.dataclass(frozen=True)
+class StoredWeight:
+    """A constant weight the graph widens to float32 at run time: float16 values (``Cast``), or int8
+    codes times ``scale`` (``DequantizeLinear``; a scalar or one scale per index of ``axis``)."""
+
+    kind: str  # "float16" or "int8"
+    scale: np.ndarray | None = None
+    axis: int = 0
 
 
 def handles(*ops: str):

@@ -2,7 +2,9 @@
 
 Adding a backend is one class plus ``@register_backend``; selection is by name or
 ``"auto"``, which times every available backend that supports the graph on the
-graph itself and keeps the one with the lowest p99 step time.
+graph itself and keeps the one with the lowest p99 step time. ``choose_backend`` does
+the same over several variants of one graph (fp32 and the variants a runtime may pick
+by itself), keeping a variant only when it is clearly faster than fp32.
 """
 
 from __future__ import annotations
@@ -57,9 +59,53 @@ class BackendChoice:
     """What auto-selection measured, so a user can see why a backend was chosen."""
 
     chosen: str
-    p99_us: dict[str, float] = field(default_factory=dict)
+    p99_us: dict[str, float] = field(default_factory=dict)  # by backend (fp32), or "backend/variant"
     p50_us: dict[str, float] = field(default_factory=dict)
     skipped: dict[str, str] = field(default_factory=dict)
+    variant: str = "fp32"
+
+
+#: A variant (an approximation of the fp32 graph, within its tolerance) is chosen over fp32 only when
+#: its p99 is below this fraction of fp32's best: a timing within noise keeps the exact graph.
+VARIANT_MARGIN = 0.95
+
+
+def choose_backend(paths: dict[str, Path], spec: GraphSpec, options: BackendOptions | None = None,
+                   candidates: list[str] | None = None) -> tuple[Backend, BackendChoice]:
+    """The fastest backend over the graph's variants ``paths`` (``{"fp32": path, variant: path, ...}``).
+
+    Each variant gets ``create_backend("auto", ...)``; the fastest variant wins if its p99 is at most
+    ``VARIANT_MARGIN`` of fp32's. The choice's timings are keyed by backend for fp32 and by
+    ``"backend/variant"`` for the others.
+    """
+    total = BackendChoice(chosen="")
+    best: tuple[float, str, Backend] | None = None
+    fp32_p99 = float("inf")
+    for variant, path in paths.items():
+        try:
+            b, c = create_backend("auto", path, spec, options, candidates)
+        except BackendUnavailableError as exc:
+            if variant == "fp32":
+                raise
+            total.skipped[f"variant {variant}"] = str(exc)
+            continue
+        tag = "" if variant == "fp32" else f"/{variant}"
+        total.p99_us |= {f"{k}{tag}": v for k, v in c.p99_us.items()}
+        total.p50_us |= {f"{k}{tag}": v for k, v in c.p50_us.items()}
+        total.skipped |= {f"{k}{tag}": v for k, v in c.skipped.items()}
+        p99 = c.p99_us[c.chosen]
+        if variant == "fp32":
+            fp32_p99 = p99
+        good = best is None or (p99 < best[0] and (variant == "fp32" or p99 <= VARIANT_MARGIN * fp32_p99))
+        if good:
+            if best is not None:
+                best[2].close()
+            best = (p99, variant, b)
+        else:
+            b.close()
+    assert best is not None  # fp32 comes first and raises if nothing runs it
+    total.chosen, total.variant = best[2].name, best[1]
+    return best[2], total
 
 
 def time_backend(backend: Backend, steps: int = 300, warmup: int = 30, seed: int = 0) -> np.ndarray:

@@ -422,6 +422,7 @@ def test_an_fp16_variant_is_refused_saying_why(gru_bundle):
     from closedloop.runtime import Model
 
     with pytest.raises(BackendUnavailableError, match="computes in float16 .an fp16 variant.; the numba backend runs "
-                                                      "float32 graphs only; use --backend onnxruntime"):
+                                                      "float32 graphs and float16 weights widened to float32 .an "
+                                                      "fp16w variant.; use --backend onnxruntime"):
         Model(gru_bundle, backend="numba", variant="fp16")
     assert Model(gru_bundle, backend="onnxruntime", variant="fp16").backend_name == "onnxruntime"
