@@ -43,6 +43,11 @@ LAYERS_BELOW = {
     "sdk": {"export", "runtime", "sim", "firmware_bridge", "common"},
 }
 BARE_LAYER_NAMES = {"sdk", "runtime", "firmware_bridge", "export", "sim"}
+# An optional package (an extra) that one module alone may import, inside a function, with an error that
+# names the extra when it is missing.
+OPTIONAL_IMPORTS = {
+    "closedloop.firmware_bridge.transports.lsl": {"pylsl"},  # lsl:// and --lsl-out: pip install 'closedloop[lsl]'
+}
 
 
 def module_name(layer: str, path: Path) -> str:
@@ -87,6 +92,8 @@ def violations(layer: str, module: str, source: str, is_package: bool = False) -
             if other != layer and other not in LAYERS_BELOW[layer]:
                 bad.append(f"{module} imports {name}: {layer} may import only "
                            f"{sorted(LAYERS_BELOW[layer]) or 'no other layer'}")
+        elif top in OPTIONAL_IMPORTS.get(module, ()):
+            continue
         elif top not in stdlib and THIRD_PARTY[layer] is not None and top not in THIRD_PARTY[layer]:
             bad.append(f"{module} imports {name}: not among {layer}'s dependencies {sorted(THIRD_PARTY[layer])}")
     return bad

@@ -1,0 +1,386 @@
+"""The ``lsl://NAME?type=...`` transport: a Lab Streaming Layer stream as a device.
+
+An LSL inlet behind the transport interface, so a session reads any LSL source (an
+amplifier's EEG, a spike sorter's counts, a motion tracker) exactly as it reads a
+board: the transport plays the device's side of the protocol in bytes. It answers
+the host's HELLO with a device HELLO built from the stream's info, turns every
+pulled sample into the device's data frame (``NEURAL_FRAME`` for a ``headstage``,
+``PLANT_MEASUREMENT`` for a ``plant``) encoded by :func:`~closedloop.firmware_bridge.frame.encode_frame`,
+and parses what the host writes (commands are counted and dropped: an LSL stream
+takes no input). Every data frame's ``timestamp_us`` is the sample's LSL timestamp on
+the source's clock; a ``STATUS(LSL_CLOCK)`` once a second carries the inlet's
+``time_correction()`` and this host's LSL and monotonic clocks read together, so a
+recording keeps every clock it needs (docs/lsl.md). A stream that stops gets a
+``STATUS(LSL_STREAM_LOST)`` (the session's watchdog trips on the silence) and
+frames resume when it returns.
+
+pylsl, whose wheel carries liblsl, is imported here only: ``pip install 'closedloop[lsl]'``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ..errors import DeviceNotConnectedError
+from ..frame import encode_frame
+from ..messages import Hello, Message, NeuralFrame, PlantMeasurement, Severity, Status
+from ..parser import FrameParser
+from .base import Transport, split_device_url
+
+__all__ = ["LslParams", "LslStats", "LslTransport", "LslStreamNotFoundError", "open_lsl", "import_pylsl",
+           "STATUS_LSL_CLOCK", "STATUS_LSL_STREAM_LOST", "STATUS_LSL_STREAM_BACK", "NEURAL_TYPES"]
+
+log = logging.getLogger("closedloop.lsl")
+
+#: STATUS codes this transport sends (the emulators' codes stop below 50, docs/devices.md).
+STATUS_LSL_CLOCK = 50
+STATUS_LSL_STREAM_LOST = 51
+STATUS_LSL_STREAM_BACK = 52
+_REQUEST_REPORT, _REPORT = 1, 2
+
+#: Stream types (lower case) that open as a ``headstage`` when the URL gives no ``kind``; any other is a ``plant``.
+NEURAL_TYPES = frozenset({"eeg", "ecog", "seeg", "lfp", "meg", "emg", "spikes", "spikecounts", "neural"})
+_KINDS = ("headstage", "plant")
+_MAX_CHUNK = 256  # samples pulled per call; a session at the stream's rate finds one or two
+
+
+class LslStreamNotFoundError(DeviceNotConnectedError, LookupError):
+    """No LSL stream of that name (and type / source id) answered within the timeout."""
+
+
+def import_pylsl() -> Any:
+    """pylsl, or an ImportError that says how to install it (its wheel carries liblsl)."""
+    try:
+        import pylsl
+    except ImportError as exc:
+        raise ImportError(f"lsl:// and --lsl-out need pylsl ({exc}); install it with "
+                          "pip install 'closedloop[lsl]'") from None
+    except RuntimeError as exc:  # pylsl raises this when it cannot load liblsl
+        raise ImportError(f"pylsl is installed but cannot load liblsl ({exc}); reinstall it with "
+                          "pip install --force-reinstall 'closedloop[lsl]' (the wheel carries liblsl), or set "
+                          "PYLSL_LIB to a liblsl.so") from None
+    return pylsl
+
+
+@dataclass(frozen=True)
+class LslParams:
+    """What ``lsl://NAME?...`` asks for. Every parameter but the name is optional."""
+
+    name: str
+    type: str = ""  # the stream's type must equal this too
+    source_id: str = ""  # and its source id
+    kind: str = ""  # headstage or plant; empty: from the stream type (NEURAL_TYPES)
+    timeout_s: float = 5.0  # to find the stream and get the first clock offset
+    buffer_s: int = 2  # the inlet keeps at most this many seconds of samples
+    lost_s: float = 0.5  # a stream silent this long is reported lost (STATUS(LSL_STREAM_LOST))
+    clock_s: float = 1.0  # a STATUS(LSL_CLOCK) this often
+
+    _NUMBERS = {"timeout": "timeout_s", "buffer_s": "buffer_s", "lost_s": "lost_s", "clock_s": "clock_s"}
+
+    @classmethod
+    def from_url(cls, url: str) -> LslParams:
+        """Parse ``lsl://NAME?type=EEG&kind=headstage&timeout=5``.
+
+        >>> LslParams.from_url("lsl://BioSemi?type=EEG&timeout=2")
+        LslParams(name='BioSemi', type='EEG', source_id='', kind='', timeout_s=2.0, buffer_s=2, lost_s=0.5, clock_s=1.0)
+        """
+        scheme, name, q = split_device_url(url)
+        if scheme != "lsl" or not name:
+            raise ValueError(f"{url!r} is not an LSL device URL; expected lsl://NAME?type=...&kind=... "
+                             "with NAME the stream's name")
+        allowed = {"type", "source_id", "kind", *cls._NUMBERS}
+        unknown = sorted(set(q) - allowed)
+        if unknown:
+            raise ValueError(f"lsl:// does not take {unknown}; it takes {sorted(allowed)} (docs/lsl.md)")
+        kw: dict[str, Any] = {"name": name, "type": q.get("type", ""), "source_id": q.get("source_id", ""),
+                              "kind": q.get("kind", "").lower()}
+        if kw["kind"] and kw["kind"] not in _KINDS:
+            raise ValueError(f"lsl:// kind={q['kind']!r}: expected one of {list(_KINDS)}")
+        for key, attr in cls._NUMBERS.items():
+            if key in q:
+                try:
+                    value = int(q[key]) if attr == "buffer_s" else float(q[key])
+                except ValueError:
+                    raise ValueError(f"lsl:// {key}={q[key]!r} is not a number") from None
+                if not value > 0:
+                    raise ValueError(f"lsl:// {key}={q[key]!r} must be > 0")
+                kw[attr] = value
+        return cls(**kw)
+
+    def predicate(self) -> str:
+        """The XPath query liblsl resolves (``name='X' and type='Y'``)."""
+        parts = [f"name='{self.name}'"]
+        if self.type:
+            parts.append(f"type='{self.type}'")
+        if self.source_id:
+            parts.append(f"source_id='{self.source_id}'")
+        return " and ".join(parts)
+
+
+@dataclass
+class LslStats:
+    """Counters of one LSL transport (also in the STATUS(REPORT) it answers with)."""
+
+    samples: int = 0
+    frames_sent: int = 0
+    host_hellos: int = 0
+    commands: dict[str, int] = field(default_factory=dict)  # what the host wrote, by message name
+    clipped_values: int = 0  # headstage: values outside 0..65535 (or NaN) before rounding
+    losses: int = 0  # times the stream went silent for lost_s
+    inlets_reopened: int = 0  # a new inlet after liblsl gave the stream up
+
+
+def _describe(info: Any) -> str:
+    return (f"{info.name()!r} (type {info.type()!r}, {info.channel_count()} channels at "
+            f"{info.nominal_srate():g} Hz, source_id {info.source_id()!r}, host {info.hostname()!r})")
+
+
+def _resolve(pylsl: Any, params: LslParams) -> Any:
+    found = pylsl.resolve_bypred(params.predicate(), 1, params.timeout_s)
+    if found:
+        return found[0]
+    others = pylsl.resolve_streams(wait_time=min(1.0, params.timeout_s))
+    listing = "; ".join(_describe(i) for i in others) or "none"
+    raise LslStreamNotFoundError(
+        f"no LSL stream matching {params.predicate()} answered within {params.timeout_s:g} s; streams on the "
+        f"network: {listing}. Check the name (and type=/source_id=), that the source is running, and that "
+        "multicast reaches this machine (docs/lsl.md)")
+
+
+class LslTransport(Transport):
+    """An LSL inlet that speaks the device side of the protocol. Open it with ``open_transport("lsl://NAME")``.
+
+    Attributes
+    ----------
+    params : LslParams
+    info : pylsl.StreamInfo
+        The stream's info as resolved.
+    kind : str
+        ``headstage`` (NEURAL_FRAME) or ``plant`` (PLANT_MEASUREMENT).
+    stats : LslStats
+    time_correction_s : float
+        The latest ``inlet.time_correction()``: add it to a sample's timestamp for this host's LSL clock.
+    """
+
+    def __init__(self, url: str, params: LslParams, pylsl: Any, info: Any):
+        super().__init__(url)
+        self.params = params
+        self._lsl = pylsl
+        self.info = info
+        self.n_channels = int(info.channel_count())
+        self.rate_hz = float(info.nominal_srate())
+        if info.channel_format() == pylsl.cf_string:
+            raise ValueError(f"LSL stream {_describe(info)} carries strings (markers); lsl:// reads numeric "
+                             "streams only")
+        self.kind = params.kind or ("headstage" if info.type().lower() in NEURAL_TYPES else "plant")
+        self.stats = LslStats()
+        self._parser = FrameParser()  # what the host writes
+        self._out = bytearray(b"\x00")  # a leading delimiter ends any partial bytes the host holds
+        self._seq = 0
+        self._bin = 0
+        self._streaming = False
+        self._counts = np.zeros(self.n_channels, dtype="<u2")
+        self._empty = np.zeros(0, dtype=np.float32)
+        self._lost = False
+        self._last_sample_s = 0.0
+        self._next_clock_s = 0.0
+        self._resolver: Any = None
+        self.inlet = self._new_inlet(info)
+        try:
+            self.inlet.open_stream(timeout=params.timeout_s)
+            self.time_correction_s = float(self.inlet.time_correction(timeout=params.timeout_s))
+        except Exception as exc:  # pylsl's TimeoutError / LostError
+            self.inlet.close_stream()
+            raise DeviceNotConnectedError(f"LSL stream {_describe(info)} was found but did not connect within "
+                                          f"{params.timeout_s:g} s ({exc!r}); is the source still running?") from None
+        self._buf = np.zeros((_MAX_CHUNK, self.n_channels), dtype=self.inlet.np_dtype)
+
+    def _new_inlet(self, info: Any) -> Any:
+        # recover=True: liblsl reconnects by itself to a stream with a source id that comes back
+        return self._lsl.StreamInlet(info, max_buflen=self.params.buffer_s, recover=True)
+
+    # --- the device's messages ----------------------------------------------------------
+
+    def hello(self) -> Hello:
+        """The device HELLO this stream answers with (no command dims: an LSL stream takes none)."""
+        return Hello(kind=self.kind, name=f"lsl:{self.info.name()}"[:255], n_channels=self.n_channels,
+                     rate_hz=self.rate_hz)
+
+    def _source_now_us(self) -> int:
+        """Now on the source's clock, the clock every frame of this device carries."""
+        return max(0, round((self._lsl.local_clock() - self.time_correction_s) * 1e6))
+
+    def _emit(self, message: Message, timestamp_us: int | None = None) -> None:
+        ts = self._source_now_us() if timestamp_us is None else timestamp_us
+        self._out += encode_frame(message, self._seq, ts)
+        self._seq = (self._seq + 1) & 0xFFFFFFFF
+        self.stats.frames_sent += 1
+
+    def _status(self, code: int, severity: Severity, text: str) -> None:
+        self._emit(Status(code=code, severity=severity, text=text))
+
+    def clock_reading(self) -> dict[str, float | int]:
+        """The clocks read together: this host's LSL clock and monotonic clock, and the inlet's correction."""
+        t0 = time.monotonic_ns()
+        local = self._lsl.local_clock()
+        t1 = time.monotonic_ns()
+        return {"time_correction_s": self.time_correction_s, "local_clock_s": local,
+                "monotonic_ns": (t0 + t1) // 2, "read_ns": t1 - t0}
+
+    def _clock_status(self, now_s: float) -> None:
+        try:  # after the first estimate this returns the latest one without waiting
+            self.time_correction_s = float(self.inlet.time_correction(timeout=0.0))
+        except Exception:  # noqa: BLE001  (lost or not re-estimated yet: keep the last value)
+            pass
+        self._next_clock_s = now_s + self.params.clock_s
+        self._status(STATUS_LSL_CLOCK, Severity.DEBUG, json.dumps(self.clock_reading()))
+
+    # --- samples -> frames ----------------------------------------------------------------
+
+    def _frames_from(self, samples: np.ndarray, stamps: np.ndarray) -> None:
+        n = len(stamps)
+        self.stats.samples += n
+        for i in range(n):
+            ts_us = max(0, round(float(stamps[i]) * 1e6))
+            x = samples[i]
+            if self.kind == "headstage":
+                if x.dtype.kind == "f":
+                    bad = ~(x >= -0.5) | (x >= 65535.5)  # NaN or outside after rounding
+                    if bad.any():
+                        self.stats.clipped_values += int(bad.sum())
+                    np.copyto(self._counts, np.clip(np.rint(np.nan_to_num(x, nan=0.0)), 0, 65535), casting="unsafe")
+                else:
+                    if x.size and (x.min() < 0 or x.max() > 65535):
+                        self.stats.clipped_values += int(((x < 0) | (x > 65535)).sum())
+                    np.copyto(self._counts, np.clip(x, 0, 65535), casting="unsafe")
+                msg: Message = NeuralFrame(bin_index=self._bin, counts=self._counts)
+                self._bin = (self._bin + 1) & 0xFFFFFFFF
+            else:
+                msg = PlantMeasurement(y=x.astype(np.float32), u=self._empty)
+            self._emit(msg, ts_us)
+
+    def _pull(self, timeout: float) -> int:
+        try:
+            if timeout > 0:
+                _, stamps = self.inlet.pull_chunk(timeout=timeout, max_samples=_MAX_CHUNK, dest_obj=self._buf,
+                                                  min_samples=1, as_numpy=True)
+            else:
+                _, stamps = self.inlet.pull_chunk(timeout=0.0, max_samples=_MAX_CHUNK, dest_obj=self._buf,
+                                                  as_numpy=True)
+        except self._lsl.util.LostError:
+            self._stream_gone("liblsl lost it; without a source id it cannot reconnect by itself, so the network is watched for it")
+            return 0
+        n = len(stamps)
+        if n:
+            self._frames_from(self._buf, stamps)
+        return n
+
+    def _stream_gone(self, why: str) -> None:
+        """The inlet gave up: watch the network for the stream and open a new inlet when it is back."""
+        if self._resolver is None:
+            self._resolver = self._lsl.ContinuousResolver(pred=self.params.predicate(), forget_after=1.0)
+            self._mark_lost(why)
+
+    def _mark_lost(self, why: str) -> None:
+        if not self._lost:
+            self._lost = True
+            self.stats.losses += 1
+            gone = f"is gone ({why})" if why else f"sent no sample for {self.params.lost_s:g} s"
+            text = (f"LSL stream {self.params.predicate()} {gone}; the session's watchdog sends the safe command, "
+                    "and frames resume when the stream returns")
+            log.warning(text)
+            self._status(STATUS_LSL_STREAM_LOST, Severity.WARNING, text)
+
+    def _try_reopen(self) -> None:
+        found = self._resolver.results()
+        if not found:
+            return
+        self.inlet.close_stream()
+        self.inlet = self._new_inlet(found[0])
+        self._resolver = None
+        self.stats.inlets_reopened += 1
+
+    # --- Transport ----------------------------------------------------------------------------
+
+    def _read(self, max_bytes: int, timeout: float | None) -> bytes:
+        now = self._lsl.local_clock()
+        if self._streaming and not self._out:
+            if self._resolver is not None:
+                self._try_reopen()
+            if self._resolver is None:
+                got = self._pull(0.0)
+                if not got and timeout != 0:
+                    got = self._pull(0.1 if timeout is None else timeout)
+                now = self._lsl.local_clock()
+                if got:
+                    self._last_sample_s = now
+                    if self._lost:
+                        self._lost = False
+                        self._status(STATUS_LSL_STREAM_BACK, Severity.INFO,
+                                     f"LSL stream {self.params.name!r} is back")
+                elif now - self._last_sample_s > self.params.lost_s:
+                    self._mark_lost("")
+            if now >= self._next_clock_s:
+                self._clock_status(now)
+        elif not self._out and timeout != 0:
+            time.sleep(0.05 if timeout is None else min(timeout, 0.05))  # nothing to say until the host's HELLO
+        data = bytes(self._out[:max_bytes])
+        del self._out[:max_bytes]
+        return data
+
+    def _write(self, data: bytes) -> int:
+        for f in self._parser.feed(data):
+            m = f.message
+            if isinstance(m, Hello):
+                self._on_host_hello()
+            elif isinstance(m, Status) and int(m.code) == _REQUEST_REPORT:
+                self._status(_REPORT, Severity.INFO, json.dumps(self.report()))
+            else:
+                name = type(m).__name__
+                self.stats.commands[name] = self.stats.commands.get(name, 0) + 1
+        return len(data)
+
+    def _on_host_hello(self) -> None:
+        self.stats.host_hellos += 1
+        if not self._streaming:
+            self.inlet.flush()  # samples from before the session are not part of it
+            self._streaming = True
+            self._last_sample_s = self._lsl.local_clock()
+        self._emit(self.hello())
+        self._clock_status(self._lsl.local_clock())
+
+    def report(self) -> dict[str, Any]:
+        """What the STATUS(REPORT) carries: the stream, the parameters, the counters and the clocks."""
+        return {"device": "lsl", "kind": self.kind, "stream": _describe(self.info), "params": asdict(self.params),
+                "streaming": self._streaming, "lost": self._lost, **asdict(self.stats),
+                "clock": self.clock_reading()}
+
+    def _close(self) -> None:
+        try:
+            self.inlet.close_stream()
+        except Exception:  # noqa: BLE001  (closing a lost inlet)
+            pass
+        self._resolver = None
+
+
+def open_lsl(url: str, **_options: Any) -> LslTransport:
+    """Resolve ``lsl://NAME?...`` on the network and open an inlet on it (the ``closedloop.transports`` entry point).
+
+    Raises
+    ------
+    ValueError
+        A malformed URL or parameter, or a string (marker) stream.
+    LslStreamNotFoundError
+        No stream matched within ``timeout``; the message lists the streams that answered.
+    ImportError
+        pylsl is not installed.
+    """
+    params = LslParams.from_url(url)
+    pylsl = import_pylsl()
+    return LslTransport(url, params, pylsl, _resolve(pylsl, params))

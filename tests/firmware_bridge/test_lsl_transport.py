@@ -1,0 +1,164 @@
+"""lsl://NAME: an LSL stream read as a device, fed by an outlet in this process (pylsl's wheel carries liblsl)."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import numpy as np
+import pytest
+
+from closedloop.firmware_bridge import Hello, Link, NeuralFrame, PlantMeasurement, Status, open_transport
+from closedloop.firmware_bridge.transports.lsl import (
+    STATUS_LSL_CLOCK,
+    STATUS_LSL_STREAM_BACK,
+    STATUS_LSL_STREAM_LOST,
+    LslParams,
+    LslStreamNotFoundError,
+)
+
+try:
+    import pylsl
+except (ImportError, RuntimeError) as exc:  # RuntimeError: pylsl without a loadable liblsl
+    pytest.skip(f"pylsl with liblsl is needed for lsl:// ({exc}); pip install 'closedloop[lsl]'",
+                allow_module_level=True)
+
+
+def _name() -> str:
+    return f"cltest-{uuid.uuid4().hex[:10]}"  # other test runs may share this machine's LSL network
+
+
+def _outlet(name, n, rate, fmt="float32", stype="EEG", source_id=None):
+    return pylsl.StreamOutlet(pylsl.StreamInfo(name, stype, n, rate, fmt, source_id or f"{name}-src"))
+
+
+def _poll(link, seconds, push=None):
+    frames, t_end = [], time.monotonic() + seconds
+    while time.monotonic() < t_end:
+        if push is not None:
+            push()
+        frames += link.poll()
+        time.sleep(0.005)
+    return frames
+
+
+def test_url_parameters_are_checked_before_anything_is_resolved():
+    p = LslParams.from_url("lsl://Amp?type=EEG&kind=plant&timeout=0.5&buffer_s=3")
+    assert (p.name, p.type, p.kind, p.timeout_s, p.buffer_s) == ("Amp", "EEG", "plant", 0.5, 3)
+    assert p.predicate() == "name='Amp' and type='EEG'"
+    with pytest.raises(ValueError, match=r"does not take \['rate'\]"):
+        LslParams.from_url("lsl://Amp?rate=100")
+    with pytest.raises(ValueError, match="kind='arm'"):
+        LslParams.from_url("lsl://Amp?kind=arm")
+    with pytest.raises(ValueError, match="timeout='soon' is not a number"):
+        LslParams.from_url("lsl://Amp?timeout=soon")
+
+
+def test_no_stream_of_that_name_names_it_and_lists_what_answered():
+    other = _name()
+    keep = _outlet(other, 2, 10)
+    missing = _name()
+    with pytest.raises(LslStreamNotFoundError) as err:
+        open_transport(f"lsl://{missing}?timeout=0.3")
+    msg = str(err.value)
+    assert f"name='{missing}'" in msg and "0.3 s" in msg and other in msg, msg
+    assert isinstance(err.value, ConnectionError)  # callers catching DeviceNotConnectedError catch it too
+    del keep
+
+
+def test_counts_arrive_intact_with_their_lsl_timestamps_and_the_clocks():
+    name = _name()
+    out = _outlet(name, 5, 100, fmt="int32", stype="Spikes")
+    t = open_transport(f"lsl://{name}?timeout=3")
+    assert t.kind == "headstage" and t.n_channels == 5 and t.rate_hz == 100
+    link = Link(t)
+    link.send(Hello(kind="host", name="test", rate_hz=100))
+    sent = []
+
+    def push():
+        k = len(sent)
+        x = [k, k + 1, 3 * k, 65535 if k % 2 else 0, 7]
+        ts = pylsl.local_clock()
+        out.push_sample(x, ts)
+        sent.append((x, ts))
+
+    frames = _poll(link, 0.5, push) + _poll(link, 0.1)
+    hellos = [f.message for f in frames if isinstance(f.message, Hello)]
+    assert len(hellos) == 1 and hellos[0].kind == "headstage" and hellos[0].n_channels == 5
+    assert hellos[0].rate_hz == 100 and hellos[0].name == f"lsl:{name}" and hellos[0].command_low.size == 0
+    data = [f for f in frames if isinstance(f.message, NeuralFrame)]
+    assert len(data) == len(sent) > 20
+    for i, (f, (x, ts)) in enumerate(zip(data, sent, strict=True)):
+        assert f.message.bin_index == i
+        np.testing.assert_array_equal(f.message.counts, x)
+        # the source's clock in microseconds (the stream is in this process: the same clock)
+        assert abs(f.timestamp_us - ts * 1e6) <= 1
+    clocks = [f.message for f in frames if isinstance(f.message, Status) and f.message.code == STATUS_LSL_CLOCK]
+    assert clocks, [type(f.message).__name__ for f in frames[:5]]
+    import json
+
+    c = json.loads(clocks[0].text)
+    assert set(c) >= {"time_correction_s", "local_clock_s", "monotonic_ns"}
+    assert abs(c["time_correction_s"]) < 0.01  # one machine
+    link.close()
+
+
+def test_float_measurements_arrive_as_plant_frames_and_commands_are_counted():
+    name = _name()
+    out = _outlet(name, 3, 200, stype="MoCap")
+    t = open_transport(f"lsl://{name}?timeout=3")
+    assert t.kind == "plant"  # not a neural type
+    link = Link(t)
+    link.send(Hello(kind="host", name="test", rate_hz=200))
+    x = np.array([0.125, -3.5e-3, 1e6], dtype=np.float32)
+    frames = _poll(link, 0.2, lambda: out.push_sample(x.tolist()))
+    ys = [f.message.y for f in frames if isinstance(f.message, PlantMeasurement)]
+    assert len(ys) > 5 and all(np.array_equal(y, x) for y in ys)
+    from closedloop.firmware_bridge import ActuatorCommand
+
+    link.send(ActuatorCommand(u=np.array([1.0])))
+    link.send(Status(code=1))  # REQUEST_REPORT
+    frames = _poll(link, 0.1)
+    assert t.stats.commands == {"ActuatorCommand": 1}
+    reports = [f.message for f in frames if isinstance(f.message, Status) and f.message.code == 2]
+    assert reports and '"ActuatorCommand": 1' in reports[0].text
+    link.close()
+
+
+def test_rounding_rule_for_float_counts():
+    name = _name()
+    out = _outlet(name, 5, 100, stype="EEG")
+    t = open_transport(f"lsl://{name}?timeout=3")
+    link = Link(t)
+    link.send(Hello(kind="host", name="test", rate_hz=100))
+    frames = _poll(link, 0.15, lambda: out.push_sample([2.5, 3.49, -4.0, float("nan"), 70000.0]))
+    counts = [f.message.counts for f in frames if isinstance(f.message, NeuralFrame)]
+    assert counts
+    np.testing.assert_array_equal(counts[0], [2, 3, 0, 0, 65535])  # round half to even, clip, NaN -> 0
+    assert t.stats.clipped_values == 3 * len(counts)
+    link.close()
+
+
+@pytest.mark.parametrize("source_id", ["with-id", ""])
+def test_a_stream_that_disappears_is_reported_and_frames_resume_when_it_returns(source_id):
+    name = _name()
+    sid = f"{name}-src" if source_id else ""
+    info = lambda: pylsl.StreamInfo(name, "EEG", 2, 100, "float32", sid)  # noqa: E731
+    out = pylsl.StreamOutlet(info())
+    t = open_transport(f"lsl://{name}?timeout=3&lost_s=0.2")
+    link = Link(t)
+    link.send(Hello(kind="host", name="test", rate_hz=100))
+    before = _poll(link, 0.3, lambda: out.push_sample([1.0, 2.0]))
+    assert any(isinstance(f.message, NeuralFrame) for f in before)
+    del out  # the source goes away
+    gone = _poll(link, 0.6)
+    lost = [f.message for f in gone if isinstance(f.message, Status) and f.message.code == STATUS_LSL_STREAM_LOST]
+    assert len(lost) == 1 and name in lost[0].text and not any(isinstance(f.message, NeuralFrame) for f in gone)
+    out = pylsl.StreamOutlet(info())
+    back = _poll(link, 4.0, lambda: out.push_sample([3.0, 4.0]))
+    codes = [f.message.code for f in back if isinstance(f.message, Status)]
+    assert STATUS_LSL_STREAM_BACK in codes, codes
+    again = [f.message.counts for f in back if isinstance(f.message, NeuralFrame)]
+    assert again and list(again[-1]) == [3, 4]
+    assert t.stats.losses == 1
+    link.close()
