@@ -1,0 +1,81 @@
+"""The CLI as a script sees it: --version, exit codes, --json on stdout only, quiet broken pipes, usage per subcommand."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+CLI = [sys.executable, "-m", "closedloop.sdk.cli"]
+
+
+def _run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout)
+
+
+def test_version_prints_the_installed_version():
+    from importlib import metadata
+
+    r = _run("--version")
+    assert r.returncode == 0 and r.stdout.strip() == f"closedloop {metadata.version('closedloop')}"
+
+
+def test_a_subcommands_bad_flag_shows_that_subcommands_usage(mlp_bundle):
+    r = _run("inspect", str(mlp_bundle), "--no-such-flag")
+    assert r.returncode == 2
+    assert "usage: closedloop inspect" in r.stderr and "--no-such-flag" in r.stderr
+
+
+@pytest.mark.parametrize("args", [("inspect", "{b}", "--json"), ("backends", "{b}", "--json")])
+def test_json_commands_print_only_json_on_stdout(mlp_bundle, args):
+    r = _run(*(a.format(b=mlp_bundle) for a in args))
+    assert r.returncode == 0, r.stderr
+    json.loads(r.stdout)  # the whole of stdout is one JSON document
+
+
+def test_a_synthetic_run_with_json_keeps_its_log_lines_off_stdout(mlp_bundle):
+    r = _run("run", str(mlp_bundle), "--backend", "onnxruntime", "--duration", "0.3", "--json")
+    assert r.returncode == 0, r.stderr
+    summary = json.loads(r.stdout)
+    assert summary["stopped_by"] == "duration" and summary["steps"] > 0
+    assert "synthetic frames" in r.stderr
+
+
+def test_an_overrun_stop_is_a_safety_stop_exit_1(mlp_bundle):
+    # A 1 MHz loop cannot keep a deadline: with --overrun stop the loop ends at the first overrun.
+    r = _run("run", str(mlp_bundle), "--backend", "onnxruntime", "--rate", "1000000", "--overrun", "stop",
+             "--duration", "2", "--json")
+    assert r.returncode == 1, r.stderr
+    assert json.loads(r.stdout)["stopped_by"] == "overrun"
+
+
+def test_ctrl_c_ends_a_run_cleanly_with_exit_130(mlp_bundle):
+    p = subprocess.Popen([*CLI, "run", str(mlp_bundle), "--backend", "onnxruntime", "--duration", "60", "--json"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    seen = ""
+    while "synthetic frames" not in seen and time.monotonic() < deadline:  # the loop is running
+        line = p.stderr.readline()
+        if not line:
+            break
+        seen += line
+    time.sleep(0.5)
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 130, seen + err
+    assert json.loads(out)["stopped_by"] == "interrupt"  # the summary still comes out
+
+
+def test_a_closed_pipe_is_quiet(mlp_bundle):
+    # The reader is gone before the command writes (it closes its end at once; the command needs a
+    # second to start): every write meets EPIPE, as under `closedloop inspect B | head -0`.
+    p = subprocess.Popen([*CLI, "inspect", str(mlp_bundle), "--json"], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    p.stdout.close()
+    err = p.stderr.read()
+    assert p.wait(timeout=120) == 141, err
+    assert "Traceback" not in err and "BrokenPipe" not in err and "Exception ignored" not in err, err
