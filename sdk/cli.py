@@ -296,6 +296,36 @@ def _recording(a: argparse.Namespace) -> int:
     return 0
 
 
+def _monitor_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("recording", help="a session recording (.clrec) to show in the monitor's page")
+    p.add_argument("--port", type=int, default=8765, help="port on 127.0.0.1 (0 picks a free one; default 8765)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1, this machine only)")
+
+
+@command("monitor", "show a recording in the browser monitor's page, with a time slider ([monitor] extra)",
+         _monitor_args)
+def _monitor(a: argparse.Namespace) -> int:
+    import asyncio
+
+    from closedloop.runtime.monitor.server import is_loopback
+
+    try:
+        import aiohttp  # noqa: F401
+    except ImportError:
+        print("closedloop monitor: error: needs aiohttp: pip install 'closedloop[monitor]'", file=sys.stderr)
+        return 2
+    from closedloop.runtime.monitor.recording_server import serve_recording
+
+    if not is_loopback(a.host):
+        print(f"warning: serving {a.recording} on {a.host}, reachable from other machines", file=sys.stderr)
+    try:
+        asyncio.run(serve_recording(a.recording, a.host, a.port,
+                                    ready=lambda url: print(f"monitor: {url} (Ctrl-C stops)", flush=True)))
+    except KeyboardInterrupt:
+        return 0
+    return 0
+
+
 def _bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("bundles", nargs="*", metavar="BUNDLE",
                    help="bundle folders or zips to time on every backend and variant that runs here (no torch "

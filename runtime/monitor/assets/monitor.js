@@ -30,6 +30,7 @@
       fam === "observer" ? "Output: state and disturbance estimates, and the command" :
       fam === "policy" ? "Output: joint commands and episode outcomes" : "Output";
     $("text-box").hidden = fam !== "bci";
+    if (i.mode === "recording") { $("scrub").hidden = false; $("recording-name").textContent = i.recording || ""; }
     for (const e of m.events || []) onEvent(e, true);
     renderEvents();
   }
@@ -73,6 +74,44 @@
     push(S.inp, acted, RASTER_ROWS);
     const last = m.flags[m.flags.length - 1] || 0;
     if (!S.status || !S.status.state) S.state = last & FLAG.DISCONNECTED ? "DISCONNECTED" : last & FLAG.SAFE ? "SAFE" : "running";
+  }
+
+  // --- a recording (closedloop monitor FILE): everything at once, the slider picks the moment shown ---------
+  let REC = null;
+  function upTo(ts, T) { let lo = 0, hi = ts.length; while (lo < hi) { const mid = (lo + hi) >> 1; if (ts[mid] <= T) lo = mid + 1; else hi = mid; } return lo; }
+
+  function showAt(T) {
+    const r = REC; if (!r) return;
+    S.recordingT = T;
+    $("slider-t").textContent = T.toFixed(2) + " s";
+    const period = 1e6 / ((S.info && S.info.rate_hz) || 1);
+    const n = upTo(r.steps.t_s, T), a = Math.max(0, n - KEEP);
+    S.t = r.steps.t_s.slice(a, n); S.lat = r.steps.latency_us.slice(a, n); S.late = r.steps.lateness_us.slice(a, n);
+    S.flags = r.steps.flags.slice(a, n);
+    S.missed = S.lat.map((v, j) => (v + Math.max(S.late[j], 0) > period ? 1 : 0));
+    S.step = n ? r.steps.step[n - 1] : -1;
+    const last = S.flags[S.flags.length - 1] || 0;
+    S.state = last & FLAG.DISCONNECTED ? "DISCONNECTED" : last & FLAG.SAFE ? "SAFE" : "running";
+    const ni = upTo(r.inputs.t_s, T); S.inp = r.inputs.rows.slice(Math.max(0, ni - RASTER_ROWS), ni);
+    const series = r.commands.rows.length ? r.commands : r.outputs;
+    const nc = upTo(series.t_s, T); S.cmd = series.rows.slice(Math.max(0, nc - KEEP), nc);
+    const no = upTo(r.outputs.t_s, T); S.out = r.outputs.rows.slice(Math.max(0, no - KEEP), no);
+    S.text = r.typed.filter((x) => x[0] <= T).map((x) => x[1]).join("");
+    S.events = r.events.filter((e) => e.t_s <= T);
+    S.counts.watchdog = S.events.filter((e) => e.event === "watchdog").length;
+    S.counts.reconnects = S.events.filter((e) => e.event === "reconnected").length;
+    S.counts.missed = S.missed.reduce((x, y) => x + y, 0);
+    renderEvents();
+    render();
+  }
+
+  function onRecording(m) {
+    REC = m;
+    S.status = { state: null };
+    const sl = $("slider");
+    sl.max = m.duration_s.toFixed(2); sl.value = sl.max;
+    sl.oninput = () => showAt(parseFloat(sl.value));
+    showAt(m.duration_s);
   }
 
   // --- drawing ----------------------------------------------------------------------------
@@ -201,6 +240,7 @@
     ws.onmessage = (ev) => {
       let m; try { m = JSON.parse(ev.data); } catch { return; }
       if (m.type === "hello") onHello(m); else if (m.type === "steps") onSteps(m); else if (m.type === "event") onEvent(m);
+      else if (m.type === "recording") onRecording(m);
     };
     ws.onclose = () => { S.connected = false; if (!S.ended) setTimeout(connect, 1000); };
   }

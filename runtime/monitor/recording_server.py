@@ -1,0 +1,116 @@
+"""``closedloop monitor FILE.clrec``: a recording in the live monitor's page, with a time slider.
+
+The page is the same; instead of a stream of ``steps`` messages it receives one
+``recording`` message holding the decoded recording (``runtime.recording_view``):
+per-step timing and flags, the input frames, the commands, the model outputs, the typed
+text and the events, each with host seconds. The page's slider picks the moment shown.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from closedloop.runtime.recording_view import RecordingView, view_recording
+
+#: Rows per series sent to the page at most (longer series are decimated evenly).
+MAX_ROWS = 20000
+
+
+def _decimate(n: int) -> np.ndarray:
+    return np.arange(n) if n <= MAX_ROWS else np.linspace(0, n - 1, MAX_ROWS).astype(int)
+
+
+def _rows(a: np.ndarray) -> list[list[float | None]]:
+    return [[None if not math.isfinite(v) else round(float(v), 5) for v in row] for row in a]
+
+
+def recording_message(v: RecordingView) -> dict[str, Any]:
+    s = v.steps
+    idx = _decimate(s["step"].size)
+    msg: dict[str, Any] = {
+        "type": "recording",
+        "steps": {"step": s["step"][idx].tolist(), "t_s": s["t_s"][idx].round(4).tolist(),
+                  "latency_us": s["latency_us"][idx].round(1).tolist(),
+                  "lateness_us": s["lateness_us"][idx].round(1).tolist(), "flags": s["flags"][idx].tolist()},
+        "typed": [[round(t, 4), text] for t, _, text in v.typed if text],
+        "events": [dict(ev, t_s=round(t, 4)) for t, ev in v.events],
+    }
+    name = next((n for n in ("binned_spikes", "plant_output_y", "joint_positions") if n in v.inputs), None)
+    for key, series in (("inputs", v.inputs.get(name) if name else None), ("commands", v.commands),
+                        ("outputs", v.outputs)):
+        if series is None or not len(series):
+            msg[key] = {"t_s": [], "rows": []}
+            continue
+        j = _decimate(len(series))
+        msg[key] = {"t_s": np.round(np.asarray(series.t_host_s)[j], 4).tolist(), "rows": _rows(series.array()[j])}
+    times = [msg[k]["t_s"][-1] for k in ("inputs", "commands", "outputs") if msg[k]["t_s"]]
+    times += msg["steps"]["t_s"][-1:]
+    msg["duration_s"] = max(times) if times else 0.0
+    return msg
+
+
+def recording_info(v: RecordingView) -> dict[str, Any]:
+    m = v.meta
+    return {"family": m.get("family"), "bundle_name": m.get("bundle_name") or m.get("bundle"),
+            "rate_hz": m.get("rate_hz"), "backend": m.get("backend"), "device": m.get("device"),
+            "device_url": m.get("device_url"), "mode": "recording", "recording": str(v.path),
+            "described": v.described, "has_steps": bool(v.steps["step"].size)}
+
+
+async def serve_recording(path: str | Path, host: str, port: int, ready: Any = print) -> None:
+    """Serve the page for one recording until cancelled; ``ready(url)`` once listening."""
+    from aiohttp import WSMsgType, web
+
+    from .server import _asset
+
+    view = view_recording(path)
+    info = recording_info(view)
+    payload = json.dumps(recording_message(view), default=str)
+
+    async def index(request: Any) -> Any:
+        return web.Response(text=_asset("index.html"), content_type="text/html")
+
+    async def asset(request: Any) -> Any:
+        name = request.match_info["name"]
+        types = {"js": "application/javascript", "css": "text/css"}
+        ext = name.rsplit(".", 1)[-1]
+        if "/" in name or ext not in types:
+            raise web.HTTPNotFound()
+        return web.Response(text=_asset(name), content_type=types[ext])
+
+    async def websocket(request: Any) -> Any:
+        ws = web.WebSocketResponse(max_msg_size=4096)
+        await ws.prepare(request)
+        await ws.send_str(json.dumps({"type": "hello", "info": info, "events": []}, default=str))
+        await ws.send_str(payload)
+        async for msg in ws:  # nothing from the page is acted on
+            if msg.type in (WSMsgType.ERROR, WSMsgType.CLOSE):
+                break
+        return ws
+
+    app = web.Application()
+    app.router.add_get("/", index)
+    app.router.add_get("/static/{name}", asset)
+    app.router.add_get("/ws", websocket)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    try:
+        await site.start()
+    except OSError as exc:
+        await runner.cleanup()
+        raise OSError(f"cannot listen on {host}:{port}: {exc.strerror or exc}; choose another with --port "
+                      "(0 picks a free one)") from None
+    bound = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    ready(f"http://{host}:{bound}/")
+    try:
+        while True:
+            await asyncio.sleep(3600)
+    finally:
+        await runner.cleanup()
