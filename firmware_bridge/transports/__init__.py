@@ -1,8 +1,9 @@
 """Transports: byte pipes to devices, opened by URL through a registry keyed by scheme.
 
 Importing this package registers the built-in schemes: ``serial`` (and bare device
-paths), pyserial's ``loop``, ``socket`` and ``rfc2217``, and ``pty``.  Other packages
-add theirs (``sim``, ``replay``) with :func:`register_transport`.
+paths), pyserial's ``loop``, ``socket`` and ``rfc2217``, and ``pty``; ``lsl`` (an LSL
+stream, with pylsl installed) is found through its entry point. Other packages add
+theirs (``sim``, ``replay``) with :func:`register_transport`.
 """
 
 from .base import (
@@ -13,6 +14,7 @@ from .base import (
     registered_schemes,
     split_device_url,
 )
+from .lsl import LslStreamNotFoundError, LslTransport, open_lsl
 from .pty_pair import FdTransport, open_pty, open_pty_pair
 from .serial_port import (
     LatencyWarning,
@@ -27,4 +29,5 @@ __all__ = [
     "Transport", "TransportFactory", "open_transport", "register_transport", "registered_schemes",
     "split_device_url", "FdTransport", "open_pty", "open_pty_pair", "LatencyWarning", "SerialTransport",
     "ftdi_latency_timer_ms", "open_pyserial_url", "open_serial", "SpyTransport", "hexdump",
+    "LslTransport", "LslStreamNotFoundError", "open_lsl",
 ]

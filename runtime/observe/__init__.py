@@ -1,6 +1,7 @@
 """Per-step hooks for a live session: a shared-memory ring of step records and the observers that read it."""
 
 from .hub import ObserverHub, SessionObserver
+from .lsl_out import LslOutlets
 from .ring import (
     FLAG_ACTED,
     FLAG_COMMAND,
@@ -17,6 +18,7 @@ __all__ = [
     "FLAG_DISCONNECTED",
     "FLAG_SAFE",
     "FLAG_WATCHDOG",
+    "LslOutlets",
     "ObserverHub",
     "SessionObserver",
     "StepBatch",

@@ -1,0 +1,154 @@
+"""``--lsl-out NAME``: a session observer that publishes the session as LSL streams.
+
+Three outlets, so any LSL consumer (LabRecorder, a BCI display, another lab's
+pipeline) can follow a live session next to the streams it already records:
+
+=================  ===========  ===========================  ====================================
+outlet             type         channels                     one sample per
+=================  ===========  ===========================  ====================================
+``NAME-outputs``   ModelOutput  the model's data output      step that ran the model on a frame
+``NAME-commands``  Command      the command's values         step that sent a command (safe too)
+``NAME-text``      Markers      one string (irregular rate)  change of the decoder's typed text
+=================  ===========  ===========================  ====================================
+
+Each sample's LSL timestamp is the end of the step that produced it (``t_ns +
+latency_ns``, the loop's monotonic clock, at most the step's latency after the command
+was written) mapped onto ``pylsl.local_clock()`` with an offset measured once at the
+start, so outputs and commands line up with the input stream's timestamps on one clock.
+On Linux both clocks are ``CLOCK_MONOTONIC`` and the offset is about a microsecond.
+The observer runs on its own thread (``ObserverHub``); a slow consumer costs the outlet,
+never the loop.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+
+from closedloop.firmware_bridge.transports.lsl import import_pylsl
+
+from .hub import SessionObserver
+from .ring import StepBatch
+
+
+def clock_offset_s(pylsl: Any, reads: int = 9) -> tuple[float, float]:
+    """``(local_clock() - time.monotonic(), uncertainty)`` in seconds, from the tightest of ``reads`` bracketed reads."""
+    best = (0.0, float("inf"))
+    for _ in range(reads):
+        t0 = time.monotonic_ns()
+        lsl = pylsl.local_clock()
+        t1 = time.monotonic_ns()
+        width = (t1 - t0) / 1e9
+        if width < best[1]:
+            best = (lsl - (t0 + t1) / 2e9, width)
+    return best
+
+
+def _new_text(previous: str, text: str) -> str:
+    """What ``text`` adds to ``previous``: the part after their longest overlap (a status line may scroll)."""
+    if text.startswith(previous):
+        return text[len(previous):]
+    for k in range(min(len(previous), len(text)), 0, -1):
+        if previous.endswith(text[:k]):
+            return text[k:]
+    return text
+
+
+class LslOutlets(SessionObserver):
+    """Publish a session's model outputs, commands and typed text as LSL outlets named ``NAME-...``.
+
+    Parameters
+    ----------
+    name : str
+        The outlets' name prefix (``--lsl-out NAME``).
+    source_id : str, optional
+        Prefix of the outlets' source ids (default ``closedloop:NAME``), so a consumer
+        reconnects to the same streams when the session restarts.
+
+    Attributes
+    ----------
+    pushed : dict
+        Samples pushed per outlet (``outputs``, ``commands``, ``text``).
+    lost : int
+        Step records the ring overwrote before this observer read them.
+    offset_s : float
+        ``local_clock() - time.monotonic()`` measured at the start.
+    """
+
+    def __init__(self, name: str, source_id: str | None = None):
+        if not name or any(c in name for c in "'\"\n"):
+            raise ValueError(f"--lsl-out {name!r}: give a plain stream name prefix, like 'closedloop'")
+        self.name = name
+        self.source_id = source_id or f"closedloop:{name}"
+        self._lsl = import_pylsl()  # fail at construction (the CLI's argument check), not in the session
+        self.offset_s, self.offset_uncertainty_s = clock_offset_s(self._lsl)
+        self.info: dict[str, Any] = {}
+        self.outlets: dict[str, Any] = {}
+        self.pushed = {"outputs": 0, "commands": 0, "text": 0}
+        self.lost = 0
+        self._text = ""
+
+    # --- outlets ----------------------------------------------------------------------------
+
+    def _outlet(self, which: str, stream_type: str, n: int, rate_hz: float, fmt: str) -> Any:
+        lsl = self._lsl
+        info = lsl.StreamInfo(f"{self.name}-{which}", stream_type, n, rate_hz, fmt, f"{self.source_id}:{which}")
+        desc = info.desc()
+        desc.append_child_value("producer", "closedloop")
+        for key in ("bundle_name", "family", "backend", "device_url"):
+            if self.info.get(key) is not None:
+                desc.append_child_value(key, str(self.info[key]))
+        desc.append_child_value("clock", "end of the session step, on local_clock()")
+        return lsl.StreamOutlet(info)
+
+    def _open(self, n_out: int, n_cmd: int) -> None:
+        rate = float(self.info.get("rate_hz") or 0.0)
+        if n_out and "outputs" not in self.outlets:
+            self.outlets["outputs"] = self._outlet("outputs", "ModelOutput", n_out, rate, "float32")
+        if n_cmd and "commands" not in self.outlets:
+            self.outlets["commands"] = self._outlet("commands", "Command", n_cmd, rate, "float32")
+        if "text" not in self.outlets:
+            self.outlets["text"] = self._outlet("text", "Markers", 1, self._lsl.IRREGULAR_RATE, "string")
+
+    def lsl_time(self, t_ns: np.ndarray | int) -> np.ndarray | float:
+        """A ``time.monotonic_ns`` value (or array) on the LSL clock, in seconds."""
+        return np.asarray(t_ns, dtype=np.float64) / 1e9 + self.offset_s
+
+    # --- SessionObserver --------------------------------------------------------------------
+
+    def on_start(self, info: dict[str, Any]) -> None:
+        self.info = dict(info)
+        n_out, n_cmd = info.get("n_out"), info.get("n_cmd")
+        if isinstance(n_out, int) and isinstance(n_cmd, int):
+            self._open(n_out, n_cmd)
+
+    def on_steps(self, batch: StepBatch) -> None:
+        self.lost += batch.lost
+        if not len(batch):
+            return
+        self._open(batch.outputs.shape[1], batch.command.shape[1])
+        stamps = self.lsl_time(batch.t_ns + batch.latency_ns)
+        for which, values in (("outputs", batch.outputs), ("commands", batch.command)):
+            outlet = self.outlets.get(which)
+            if outlet is None:
+                continue
+            rows = np.flatnonzero(~np.isnan(values).all(axis=1))  # NaN rows: nothing ran / nothing was sent
+            if rows.size:
+                outlet.push_chunk(np.ascontiguousarray(values[rows]), stamps[rows].tolist())
+                self.pushed[which] += int(rows.size)
+
+    def on_event(self, event: dict[str, Any]) -> None:
+        if event.get("event") != "status" or not isinstance(event.get("text"), str):
+            return
+        added = _new_text(self._text, event["text"])
+        self._text = event["text"]
+        if added and "text" in self.outlets:
+            t_ns = event.get("t_ns")
+            stamp = float(self.lsl_time(t_ns)) if isinstance(t_ns, int) else self._lsl.local_clock()
+            self.outlets["text"].push_sample([added], stamp)
+            self.pushed["text"] += 1
+
+    def on_stop(self, summary: dict[str, Any]) -> None:
+        self.outlets.clear()  # liblsl withdraws a stream when its outlet is destroyed

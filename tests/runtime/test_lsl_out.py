@@ -1,0 +1,107 @@
+"""--lsl-out NAME: the LslOutlets observer publishes outputs, commands and typed text; an inlet here reads them."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import numpy as np
+import pytest
+
+from closedloop.runtime.observe import FLAG_ACTED, FLAG_COMMAND, FLAG_SAFE, ObserverHub, StepRing
+
+try:
+    import pylsl
+except (ImportError, RuntimeError) as exc:
+    pytest.skip(f"pylsl with liblsl is needed for --lsl-out ({exc}); pip install 'closedloop[lsl]'",
+                allow_module_level=True)
+
+from closedloop.runtime.observe.lsl_out import LslOutlets, _new_text, clock_offset_s
+
+
+def _inlet(name: str):
+    found = pylsl.resolve_byprop("name", name, 1, 5.0)
+    assert found, f"no outlet {name!r}"
+    inlet = pylsl.StreamInlet(found[0])
+    inlet.open_stream(timeout=5.0)
+    return inlet
+
+
+def _pull_all(inlet, want: int, timeout_s: float = 5.0):
+    samples, stamps = [], []
+    end = time.monotonic() + timeout_s
+    while len(stamps) < want and time.monotonic() < end:
+        x, t = inlet.pull_chunk(timeout=0.1)
+        samples += x
+        stamps += t
+    return samples, np.array(stamps)
+
+
+def test_text_is_published_as_what_it_adds():
+    assert _new_text("", "he") == "he"
+    assert _new_text("he", "hello") == "llo"
+    assert _new_text("abcdef", "defgh") == "gh"  # a status line that scrolled
+    assert _new_text("abc", "xyz") == "xyz"
+    assert _new_text("abc", "abc") == ""
+
+
+def test_the_clock_offset_is_small_on_one_machine():
+    offset, width = clock_offset_s(pylsl)
+    assert width < 1e-3
+    assert abs(offset) < 0.05  # Linux: both CLOCK_MONOTONIC
+
+
+def test_an_inlet_receives_outputs_commands_and_text_stamped_at_each_step():
+    name = f"cltest-{uuid.uuid4().hex[:10]}"
+    obs = LslOutlets(name)
+    ring = StepRing.create(n_in=3, n_out=2, n_cmd=1, capacity=256, event_capacity=8, event_slot=256)
+    hub = ObserverHub(ring, [obs], interval_s=0.005)
+    hub.start({"rate_hz": 100.0, "n_out": 2, "n_cmd": 1, "bundle_name": "tiny", "family": "generic"})
+    try:
+        end = time.monotonic() + 5
+        while len(obs.outlets) < 3 and time.monotonic() < end:
+            time.sleep(0.01)
+        outs, cmds, text = _inlet(f"{name}-outputs"), _inlet(f"{name}-commands"), _inlet(f"{name}-text")
+        assert outs.info().type() == "ModelOutput" and outs.info().channel_count() == 2
+        assert cmds.info().channel_count() == 1 and text.info().type() == "Markers"
+        steps = []
+        for k in range(40):
+            t_ns = time.monotonic_ns()
+            ring.begin(k, t_ns)
+            acted = k % 4 != 3  # every fourth step: no frame, the safe command on odd ones of those
+            if acted:
+                ring.set_input_seq(k)
+                ring.set_output(np.array([k, -0.5 * k], dtype=np.float32))
+                ring.set_command(np.array([0.25 * k], dtype=np.float32))
+                ring.add_flags(FLAG_ACTED | FLAG_COMMAND)
+            elif k % 8 == 7:
+                ring.set_command(np.array([0.0], dtype=np.float32))
+                ring.add_flags(FLAG_SAFE)
+            ring.publish(latency_ns=50_000, lateness_ns=1_000)
+            steps.append((k, t_ns + 50_000, acted, k % 8 == 7))
+            if k == 10:
+                ring.event({"event": "status", "step": k, "text": "he"})
+            if k == 30:
+                ring.event({"event": "status", "step": k, "text": "hello"})
+            time.sleep(0.002)
+        acted_steps = [s for s in steps if s[2]]
+        sent_steps = [s for s in steps if s[2] or s[3]]
+        x, ts = _pull_all(outs, len(acted_steps))
+        np.testing.assert_array_equal(np.array(x), [[k, -0.5 * k] for k, *_ in acted_steps])
+        want = np.array([t for _, t, *_ in acted_steps]) / 1e9 + obs.offset_s
+        np.testing.assert_allclose(ts, want, atol=1e-6)  # the end of each step, on the LSL clock
+        c, cts = _pull_all(cmds, len(sent_steps))
+        np.testing.assert_array_equal(np.array(c)[:, 0], [0.25 * k if a else 0.0 for k, _, a, _ in sent_steps])
+        np.testing.assert_allclose(cts, np.array([t for _, t, *_ in sent_steps]) / 1e9 + obs.offset_s, atol=1e-6)
+        words, _ = _pull_all(text, 2)
+        assert [w[0] for w in words] == ["he", "llo"]
+    finally:
+        hub.stop({})
+        ring.close()
+    assert obs.pushed == {"outputs": len(acted_steps), "commands": len(sent_steps), "text": 2}
+    assert obs.lost == 0 and not obs.outlets
+
+
+def test_a_bad_name_is_refused_with_what_to_give():
+    with pytest.raises(ValueError, match="plain stream name prefix"):
+        LslOutlets("")
