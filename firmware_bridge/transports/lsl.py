@@ -255,10 +255,11 @@ class LslTransport(Transport):
                     if bad.any():
                         self.stats.clipped_values += int(bad.sum())
                     np.copyto(self._counts, np.clip(np.rint(np.nan_to_num(x, nan=0.0)), 0, 65535), casting="unsafe")
-                else:
-                    if x.size and (x.min() < 0 or x.max() > 65535):
-                        self.stats.clipped_values += int(((x < 0) | (x > 65535)).sum())
+                elif x.size and (x.min() < 0 or x.max() > 65535):
+                    self.stats.clipped_values += int(((x < 0) | (x > 65535)).sum())
                     np.copyto(self._counts, np.clip(x, 0, 65535), casting="unsafe")
+                else:  # the usual case, counts in range: no temporary array
+                    np.copyto(self._counts, x, casting="unsafe")
                 msg: Message = NeuralFrame(bin_index=self._bin, counts=self._counts)
                 self._bin = (self._bin + 1) & 0xFFFFFFFF
             else:

@@ -32,9 +32,9 @@ def _outlet(name, n, rate, fmt="float32", stype="EEG", source_id=None):
     return pylsl.StreamOutlet(pylsl.StreamInfo(name, stype, n, rate, fmt, source_id or f"{name}-src"))
 
 
-def _poll(link, seconds, push=None):
+def _poll(link, seconds, push=None, until=None):
     frames, t_end = [], time.monotonic() + seconds
-    while time.monotonic() < t_end:
+    while time.monotonic() < t_end and not (until is not None and until(frames)):
         if push is not None:
             push()
         frames += link.poll()
@@ -155,7 +155,12 @@ def test_a_stream_that_disappears_is_reported_and_frames_resume_when_it_returns(
     lost = [f.message for f in gone if isinstance(f.message, Status) and f.message.code == STATUS_LSL_STREAM_LOST]
     assert len(lost) == 1 and name in lost[0].text and not any(isinstance(f.message, NeuralFrame) for f in gone)
     out = pylsl.StreamOutlet(info())
-    back = _poll(link, 4.0, lambda: out.push_sample([3.0, 4.0]))
+    def resumed(frames):
+        codes = [f.message.code for f in frames if isinstance(f.message, Status)]
+        return STATUS_LSL_STREAM_BACK in codes and isinstance(frames[-1].message, NeuralFrame)
+
+    # liblsl reconnects within about a second of the source's return; a loaded machine may take longer
+    back = _poll(link, 15.0, lambda: out.push_sample([3.0, 4.0]), until=resumed)
     codes = [f.message.code for f in back if isinstance(f.message, Status)]
     assert STATUS_LSL_STREAM_BACK in codes, codes
     again = [f.message.counts for f in back if isinstance(f.message, NeuralFrame)]
