@@ -4,7 +4,8 @@
 exactly one frame per ``write`` call, so each write is one frame to drop, corrupt,
 duplicate or delay, with seeded random draws so a test sees the same faults every
 run.  It can also be muted (silence: frames are generated and numbered but not
-written) and detached (disconnect: the port is closed; the runner reopens it).
+written) and detached (disconnect: the port is closed; the runner reopens it).  The
+scheduled device reset (``reset_at``) is played by the runner, which restarts its link.
 Sequence numbers are assigned before this layer, so a dropped or muted frame shows up
 at the host as a sequence gap, exactly as a frame lost on a real wire would.
 """
@@ -35,6 +36,8 @@ class FaultConfig:
     silence_s: float = 1.0
     disconnect_at: float | None = None
     disconnect_s: float = 1.0
+    reset_at: float | None = None
+    reset_s: float = 0.5
 
     @classmethod
     def from_params(cls, params: dict[str, Any]) -> FaultConfig:
@@ -50,6 +53,8 @@ class FaultConfig:
             on.update(silence_at=self.silence_at, silence_s=self.silence_s)
         if self.disconnect_at is not None:
             on.update(disconnect_at=self.disconnect_at, disconnect_s=self.disconnect_s)
+        if self.reset_at is not None:
+            on.update(reset_at=self.reset_at, reset_s=self.reset_s)
         return on
 
 

@@ -167,4 +167,7 @@ FAULT_PARAMS: tuple[Param, ...] = (
     Param("silence_s", float, 1.0, "how long the silence lasts", 0.0),
     Param("disconnect_at", float, None, "close the port this many seconds after streaming starts", 0.0),
     Param("disconnect_s", float, 1.0, "reopen the port after this many seconds", 0.0),
+    Param("reset_at", float, None, "restart the device this many seconds after streaming starts, port kept open "
+          "(seq 0, HELLO once a second until a host HELLO)", 0.0),
+    Param("reset_s", float, 0.5, "how long the restarting device is silent before its first HELLO", 0.0),
 )

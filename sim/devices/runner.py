@@ -7,7 +7,12 @@ and then, in one thread: announces the device's HELLO once per second until a ho
 HELLO arrives, answers every host HELLO with a fresh HELLO, streams the device's
 ticks at its rate on an absolute schedule (catching up after a hiccup, skipping
 ahead after a long stall), sends a HEARTBEAT every second, answers report requests,
-and plays the scheduled silence and disconnect faults.  Frame timestamps are the
+and plays the scheduled silence, disconnect and reset faults.  A reset is a board that
+reboots behind a port that stays open (a USB-serial adapter): it goes quiet for
+``reset_s``, then starts again as from power-on, on a fresh link (seq 0, a new signing
+counter, no memory of the host's numbers), announcing its HELLO once a second until a
+host HELLO answers it.  The device model itself carries on (the plant's physics and the
+neural source do not reboot with the board).  Frame timestamps are the
 device's own clock: microseconds since the runner was created.
 """
 
@@ -93,11 +98,15 @@ class DeviceRunner:
         self.ticks_skipped = 0
         self.host_hellos = 0
         self.host_heartbeats = 0
+        self.resets = 0
         self._period_s = 1.0 / device.rate_hz
         self._next_heartbeat_s = 0.0
         self._next_announce_s = 0.0
         self._silence: tuple[float, float] | None = None
         self._disconnect: tuple[float, float] | None = None
+        self._reset: tuple[float, float] | None = None
+        self._rebooting = False
+        self._faults_armed = False  # the scheduled faults play once, from the first streaming start
         self._stop = False
 
     # -- clock -------------------------------------------------------------------------------
@@ -117,8 +126,13 @@ class DeviceRunner:
     def open(self) -> None:
         """Open the port; the device announces its HELLO right away."""
         self.faulty = FaultyTransport(open_transport(self.port), self.faults, self._fault_rng, self.now_s)
-        self.link = Link(self.faulty, shared_secret=self.shared_secret, role="device", clock_us=self.clock_us)
+        self.link = self._new_link()
         self.log(f"serving on {self.port}")
+
+    def _new_link(self) -> Link:
+        # A fresh Link is what a booted board has: seq 0, a signing counter from the clock, no host history.
+        return Link(self.faulty, shared_secret=self.shared_secret, role="device",  # type: ignore[arg-type]
+                    clock_us=self.clock_us)
 
     def stop(self) -> None:
         """Ask the loop to end (safe from a signal handler)."""
@@ -144,9 +158,12 @@ class DeviceRunner:
             now = self.now_s()
             try:
                 self._scheduled_faults(now)
-                self._receive(now)
-                self._stream(now)
-                self._housekeeping(now)
+                if self._rebooting:
+                    self.faulty.read(65536, 0.0)  # type: ignore[union-attr]  # a board that is off hears nothing
+                else:
+                    self._receive(now)
+                    self._stream(now)
+                    self._housekeeping(now)
                 self.faulty.flush_due()  # type: ignore[union-attr]
             except DeviceNotConnectedError as exc:
                 self._recover(exc)
@@ -196,10 +213,14 @@ class DeviceRunner:
         self.stream_start_s = now
         self.tick_index = 0
         cfg = self.faults
-        if cfg.silence_at is not None:
-            self._silence = (now + cfg.silence_at, now + cfg.silence_at + cfg.silence_s)
-        if cfg.disconnect_at is not None:
-            self._disconnect = (now + cfg.disconnect_at, now + cfg.disconnect_at + cfg.disconnect_s)
+        if not self._faults_armed:  # after a reset the stream starts again; the faults stay played
+            self._faults_armed = True
+            if cfg.silence_at is not None:
+                self._silence = (now + cfg.silence_at, now + cfg.silence_at + cfg.silence_s)
+            if cfg.disconnect_at is not None:
+                self._disconnect = (now + cfg.disconnect_at, now + cfg.disconnect_at + cfg.disconnect_s)
+            if cfg.reset_at is not None:
+                self._reset = (now + cfg.reset_at, now + cfg.reset_at + cfg.reset_s)
         self.device.start(now)
         active = cfg.active()
         text = f"streaming at {self.device.rate_hz:g} Hz" + (f"; fault injection: {active}" if active else "")
@@ -262,6 +283,25 @@ class DeviceRunner:
             elif now >= end:
                 self._disconnect = None
                 self._reopen(f"after the injected {end - begin:g} s disconnect")
+        if self._reset is not None:
+            begin, end = self._reset
+            if not self._rebooting and begin <= now < end:
+                self.log(f"fault: resetting; silent for {end - begin:g} s, then HELLO at seq 0")
+                self._rebooting = True
+                self.streaming = False
+            elif now >= end:
+                self._reset = None
+                self._boot(now)
+
+    def _boot(self, now: float) -> None:
+        """Start again as a board does after a reset: new link, not streaming, HELLO first."""
+        self._rebooting = False
+        self.streaming = False
+        self.resets += 1
+        self.link = self._new_link()
+        self._next_announce_s = now
+        self._next_heartbeat_s = now
+        self.log("fault: restarted (seq 0); announcing HELLO until a host answers")
 
     def _reopen(self, why: str) -> None:
         deadline = self.now_s() + self.reopen_s
@@ -293,12 +333,14 @@ class DeviceRunner:
     def _wait(self) -> None:
         now = self.now_s()
         deadline = self._next_heartbeat_s
-        if self.streaming:
+        if self._rebooting:  # nothing is due until the board is up again (the reset's end, below)
+            deadline = math.inf
+        elif self.streaming:
             deadline = min(deadline, self._tick_time(self.tick_index))
         else:
             deadline = min(deadline, self._next_announce_s)
         for pending in (self.faulty.next_release_s(),  # type: ignore[union-attr]
-                        *(self._silence or ()), *(self._disconnect or ())):
+                        *(self._silence or ()), *(self._disconnect or ()), *(self._reset or ())):
             if pending is not None and pending > now:
                 deadline = min(deadline, pending)
         timeout = min(max(deadline - now, 0.0), _MAX_WAIT_S)
@@ -316,7 +358,7 @@ class DeviceRunner:
             "device": self.device.NAME, "kind": self.device.KIND, "uptime_s": round(self.now_s(), 3),
             "params": {k: v for k, v in self.device.params.items() if k != "key"},
             "streaming": self.streaming, "ticks": self.tick_index, "ticks_skipped": self.ticks_skipped,
-            "host_hellos": self.host_hellos, "host_heartbeats": self.host_heartbeats,
+            "host_hellos": self.host_hellos, "host_heartbeats": self.host_heartbeats, "resets": self.resets,
             "frames_sent": link.stats.frames_sent if link else 0,
             "received": link.stats.received.as_dict() if link else {},
             "faults": self.faulty.counters.as_dict() if self.faulty else {},

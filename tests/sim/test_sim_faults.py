@@ -114,3 +114,24 @@ def test_plant_applies_zero_input_while_its_host_is_unreachable(host):
     frame, _ = h.first_frame_after_reconnect(PlantMeasurement, 2.0)
     assert frame.message.u[0] == 0.0  # hold_s ran out while the port was closed
     h.wait_status(StatusCode.HOLD)
+
+
+def test_reset_restarts_at_seq_0_and_says_hello_every_second_until_answered(host):
+    # a board rebooting behind a USB-serial adapter: the port stays open, the stream stops, and the board
+    # comes back as from power-on; it streams again only once a host answers its HELLO
+    h = host("sim://headstage?channels=4&rate=100&reset_at=0.4&reset_s=0.3")
+    h.handshake()
+    assert len(h.collect(0.2, NeuralFrame)) > 5  # streaming (past the handshake's HELLOs)
+    hello = h.wait_for(lambda f: isinstance(f.message, Hello), 2.0)  # the restarted board's first frame
+    assert hello.seq == 0
+    later = h.collect(1.3)
+    hellos = [(t, f) for t, f in later if isinstance(f.message, Hello)]
+    assert not any(isinstance(f.message, NeuralFrame) for _, f in later)  # nothing streams unanswered
+    assert len(hellos) == 1 and hellos[0][1].seq > 0  # repeated about a second later, numbered on
+    assert h.stats.seq_resets >= 2  # each HELLO starts a new stream at the host
+    h.send(Hello(kind="host"))
+    frames = h.collect(0.5, NeuralFrame)
+    assert len(frames) > 20 and frames[0][1].message.bin_index == 0
+    report = h.report()
+    assert report["resets"] == 1 and report["streaming"]
+    assert report["host_hellos"] == 2  # the handshake's and the answer to the restarted board
