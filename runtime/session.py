@@ -442,7 +442,8 @@ class Session:
 
     def idle(self, k: int, budget_ns: int) -> None:
         if self.scrubber is not None and self.scrubber.on_idle(budget_ns, self._event) == "stop":
-            self._send(self.family.safe_message(k))
+            if self._send(self.family.safe_message(k)):
+                self.summary_counts["safe_commands_sent"] += 1
             self._loop.stop()
         now = time.monotonic_ns()
         if self.config.status and now >= self._next_status_ns:
@@ -474,8 +475,9 @@ class Session:
                 self.step, on_hold=self.hold, on_idle=self.idle, prewarm=self.model.prewarm if cfg.prewarm else None
             )
         finally:
-            if self.link is not None:
-                self._send(self.family.safe_message(self._step))
+            # the stop's safe command is on the wire and in the recording: it is counted like any other
+            if self.link is not None and self._send(self.family.safe_message(self._step)):
+                self.summary_counts["safe_commands_sent"] += 1
         if cfg.status:
             self.out.write("\n")
         stats = self.link.parser.stats if self.link is not None else None
