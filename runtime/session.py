@@ -230,10 +230,7 @@ class Session:
             frame = link.recv(timeout=0.1)
             if frame is not None and isinstance(frame.message, Hello):
                 return frame.message
-        raise SessionError(
-            f"no Hello from {self.config.device} within {timeout_s:g} s; check the port, baud rate and that the "
-            "device speaks closedloop protocol (docs/protocol.md)"
-        )
+        raise SessionError(f"no Hello from {self.config.device} within {timeout_s:g} s; " + _no_hello_reason(link))
 
     def _event(self, kind: str, **fields: Any) -> None:
         if self.writer is not None:
@@ -508,6 +505,32 @@ class Session:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _no_hello_reason(link: Link) -> str:
+    """Why no HELLO came, from what the host's parser saw: a key mismatch, a wrong baud rate, or nothing at all."""
+    st = link.parser.stats
+    keyed = link.signer is not None
+    if st.unsigned:
+        return (f"{st.unsigned} frames arrived but were refused: unsigned frame on a link that requires signing; "
+                "the device does not sign its frames: give the device the key, or run without --key "
+                "(SessionConfig.key) (docs/protocol.md section 7)")
+    if st.bad_tag and not keyed:
+        return (f"{st.bad_tag} frames arrived but were refused: bad tag (signed frames on a link without a key); "
+                "the device signs its frames: give the host its key with --key HEX (SessionConfig.key), or turn "
+                "signing off on the device (docs/protocol.md section 7)")
+    if st.bad_tag:
+        return (f"{st.bad_tag} frames arrived but were refused: bad tag (the HMAC tag does not verify); the device "
+                "signs with another key: give both ends the same --key (SessionConfig.key) (docs/protocol.md section 7)")
+    garbled = st.crc_errors + st.malformed + st.oversize
+    if garbled:
+        return (f"{garbled} frames arrived but were refused (crc errors {st.crc_errors}, malformed {st.malformed}, "
+                f"oversize {st.oversize}): check the baud rate and that the device speaks closedloop protocol "
+                "version 1 (docs/protocol.md)")
+    if st.accepted:
+        return (f"{st.accepted} frames arrived, none of them a HELLO: the device must answer the host's HELLO "
+                "with its own (docs/devices.md, 'Session semantics')")
+    return "check the port, baud rate and that the device speaks closedloop protocol (docs/protocol.md)"
 
 
 def run_session(bundle: Bundle | str | Path, config: SessionConfig, out: TextIO | None = None) -> SessionSummary:

@@ -1,0 +1,93 @@
+"""A signing-key mismatch between host and device is reported as what it is, not as a missing device.
+
+Each end refuses the other's frames, so no HELLO ever gets through; the handshake timeout says what the
+host's parser refused and what to do: device unsigned and host keyed, device signing and host unkeyed,
+both keyed with different keys.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from closedloop.export import export_bundle
+from closedloop.firmware_bridge import Heartbeat, Hello, Link, open_pty_pair
+from closedloop.runtime import SessionConfig, SessionError, run_session
+from closedloop.sdk.models import MLPPolicy
+
+KEY_A = "00112233445566778899aabbccddeeff00112233445566778899aabbccddeeff"
+KEY_B = "ffeeddccbbaa99887766554433221100ffeeddccbbaa99887766554433221100"
+PLANT = "sim://plant?model=msd&rate=100&seed=1"
+
+
+@pytest.fixture(scope="module")
+def bundle(tmp_path_factory):
+    torch.manual_seed(1)
+    return export_bundle(
+        MLPPolicy(1, 1, (8,)).eval(), tmp_path_factory.mktemp("keys") / "ctl", kind="feedforward",
+        example_input=torch.zeros(1, 1), rate_hz=100.0, name="ctl", postprocess={"low": [-2.0], "high": [2.0]},
+        extra={"session": {"input": "plant_measurement", "command": "actuator_command"}},
+        variants=(), tensorrt=False, report=lambda s: None,
+    )
+
+
+def _refused(bundle, device: str, key: str | None) -> str:
+    cfg = SessionConfig(device=device, key=key, handshake_timeout_s=2.5, duration_s=0.5, status=False,
+                        backend="onnxruntime")
+    with pytest.raises(SessionError) as e:
+        run_session(bundle, cfg)
+    msg = str(e.value)
+    assert "check the port, baud rate" not in msg, msg  # not "a missing device"
+    return msg
+
+
+def test_host_keyed_device_unsigned(bundle):
+    msg = _refused(bundle, PLANT, KEY_A)
+    assert "frames arrived but were refused: unsigned frame on a link that requires signing" in msg, msg
+    assert "does not sign" in msg and "give the device the key, or run without --key" in msg
+
+
+def test_host_and_device_keyed_with_different_keys(bundle):
+    msg = _refused(bundle, PLANT + f"&key={KEY_B}", KEY_A)  # --key wins over the URL's key
+    assert "frames arrived but were refused: bad tag" in msg and "signs with another key" in msg, msg
+
+
+def test_host_unkeyed_device_signs(bundle):
+    # a board that signs (sim:// would hand the host its key, so this one is on a bare pty): it says HELLO
+    # and HEARTBEAT once a second until a host HELLO it can verify arrives, which never happens here
+    board_end, port_end = open_pty_pair()
+    stop = threading.Event()
+
+    def board():
+        link = Link(board_end, role="device", shared_secret=bytes.fromhex(KEY_A))
+        while not stop.is_set():
+            link.poll()
+            link.send(Hello(kind="plant", n_channels=1, rate_hz=100.0))
+            link.send(Heartbeat())
+            stop.wait(0.5)
+
+    t = threading.Thread(target=board, daemon=True)
+    t.start()
+    try:
+        msg = _refused(bundle, port_end.path, None)
+    finally:
+        stop.set()
+        t.join(2)
+        board_end.close()
+        port_end.close()
+    assert "frames arrived but were refused: bad tag" in msg and "the device signs its frames" in msg, msg
+    assert "give the host its key with --key" in msg
+
+
+def test_the_cli_says_it_too(bundle, capsys):
+    from closedloop.sdk.cli import main
+
+    t = time.monotonic()
+    rc = main(["run", str(bundle), "--device", PLANT, "--key", KEY_A, "--duration", "0.5", "--quiet",
+               "--backend", "onnxruntime"])
+    err = capsys.readouterr().err
+    assert rc == 2 and time.monotonic() - t < 30
+    assert "closedloop run: error: no Hello from" in err and "unsigned frame on a link that requires signing" in err
