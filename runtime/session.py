@@ -7,7 +7,10 @@ then runs one step per period: read everything that arrived, act on the newest
 input frame (or on every frame in order, for families that need every bin), run
 the model, send the clipped command, and record. A watchdog sends the safe command
 when input stops for ``watchdog_s`` and the session resumes when frames return; a
-lost transport is reopened every ``reconnect_interval_s``. A model input (after the
+lost transport is reopened every ``reconnect_interval_s``. A device HELLO that does
+not answer the host's own is a device that restarted behind an open port: the session
+re-handshakes (checks it against the bundle as at the start, answers it, resets the
+family's state) and acts on its new stream. A model input (after the
 family's preprocessing), model output or command that is not finite is never acted
 on: the safe command goes out instead, counted, and state that became non-finite is
 reset (``FamilyPlugin.guarded_step``, ``recover_nonfinite``). A live status line and a
@@ -43,6 +46,11 @@ from .loop import LoopConfig, OverrunPolicy, RealTimeLoop
 from .model import Model
 from .recording import RecordingWriter, RecordType
 from .stats import LoopSummary
+
+# A device answers every host HELLO with its own (docs/devices.md). A device HELLO this soon after the host's
+# is taken as that answer; any other is a device that restarted and waits for a host HELLO (it repeats its
+# own once a second, so the window stays under a second: a restart inside it is answered at the repeat).
+HELLO_ANSWER_S = 0.75
 
 
 class SessionError(RuntimeError):
@@ -207,6 +215,7 @@ class Session:
         self._next_reconnect_ns = 0
         self._next_status_ns = 0
         self._last_cmd: Message | None = None
+        self._hello_sent_ns = 0  # when the host last sent its HELLO
         self._side_messages = self.family.side_messages
         self._step = 0
         self._unused_type: type[Message] | None = None
@@ -220,17 +229,26 @@ class Session:
         key = self._key if self._key is not None else getattr(inner, "shared_secret", None)
         return Link(_Tap(inner, self.writer), shared_secret=key, role="host")
 
+    def _host_hello(self) -> Hello:
+        self._hello_sent_ns = time.monotonic_ns()
+        return Hello(kind="host", name="closedloop", rate_hz=self.rate_hz)
+
     def _handshake(self, link: Link, timeout_s: float) -> Hello:
         deadline = time.monotonic() + timeout_s
         next_hello = 0.0
         while time.monotonic() < deadline:
             if time.monotonic() >= next_hello:
-                link.send(Hello(kind="host", name="closedloop", rate_hz=self.rate_hz))
+                link.send(self._host_hello())
                 next_hello = time.monotonic() + 0.5
             frame = link.recv(timeout=0.1)
             if frame is not None and isinstance(frame.message, Hello):
                 return frame.message
         raise SessionError(f"no Hello from {self.config.device} within {timeout_s:g} s; " + _no_hello_reason(link))
+
+    def _mismatch(self, problems: list[str]) -> DeviceMismatchError:
+        return DeviceMismatchError(
+            f"device at {self.config.device} does not match bundle {self.bundle.source}:\n  - " + "\n  - ".join(problems)
+        )
 
     def _event(self, kind: str, **fields: Any) -> None:
         if self.writer is not None:
@@ -251,9 +269,7 @@ class Session:
         problems = self.family.check_device(hello)
         if problems:
             self.link.close()
-            raise DeviceMismatchError(
-                f"device at {self.config.device} does not match bundle {self.bundle.source}:\n  - " + "\n  - ".join(problems)
-            )
+            raise self._mismatch(problems)
         self.hello = hello
         if self.writer is not None:
             mpath = self.bundle.root / "manifest.json"
@@ -315,7 +331,7 @@ class Session:
         self._disconnected = False
         self.summary_counts["reconnects"] += 1
         self._event("reconnected")
-        self._send(Hello(kind="host", name="closedloop", rate_hz=self.rate_hz))
+        self._send(self._host_hello())
 
     def _send(self, message) -> bool:
         if message is None or self.link is None:
@@ -392,7 +408,7 @@ class Session:
                 self.family.on_side_message(m)
                 self._last_input_ns = time.monotonic_ns()
             elif isinstance(m, Hello):
-                self._on_hello(m)
+                self._on_hello(f)
             elif isinstance(m, Status):
                 self._event("device_status", code=int(m.code), severity=int(m.severity), text=m.text)
             elif not isinstance(m, Heartbeat):
@@ -423,14 +439,29 @@ class Session:
             self._safe = False
             self._event("input_resumed")
 
-    def _on_hello(self, hello: Hello) -> None:
+    def _on_hello(self, frame: Frame) -> None:
+        """A device HELLO mid-session: the answer to the host's own, or a device that restarted (re-handshake).
+
+        Either way it is checked against the bundle as at the first handshake, and the family's state starts
+        again with the device's new stream (the parser restarted its sequence tracking at the HELLO).
+        """
+        hello = frame.message
+        assert isinstance(hello, Hello)  # step() routes only HELLOs here
         problems = self.family.check_device(hello)
-        self._event("device_hello", device=_hello_dict(hello), problems=problems)
+        if self.hello is not None and hello.kind != self.hello.kind:
+            problems.insert(0, f"device kind changed from {self.hello.kind!r} to {hello.kind!r} mid-session; "
+                               "the session was set up for the first")
+        answer = time.monotonic_ns() - self._hello_sent_ns < HELLO_ANSWER_S * 1e9
+        self._event("device_hello", device=_hello_dict(hello), problems=problems, answer=answer)
         if problems:
-            # A different device came back on this port: stop acting on it.
-            raise DeviceMismatchError("device changed mid-session:\n  - " + "\n  - ".join(problems))
+            # Another device came back on this port: refuse it as the first handshake would, unanswered, so it
+            # never streams to a session that will not act on it (the safe command goes out on the way out).
+            raise self._mismatch(problems)
         self.hello = hello
         self.family.reset()
+        if not answer:
+            self._event("rehandshake", seq=frame.seq, silent_s=(time.monotonic_ns() - self._last_input_ns) / 1e9)
+            self._send(self._host_hello())
 
     def hold(self, k: int) -> None:
         """Overrun policy 'hold': re-send the last command for a skipped period."""
