@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 from .c_library import RECORD_SIZE, CParserUnavailableError, load_scanner
 from .frame import (
+    CRC_MISMATCH,
     HEADER_LEN,
     MAX_ENCODED_FRAME_LEN,
     MAX_PAYLOAD_LEN,
@@ -47,7 +48,7 @@ BACKENDS = ("auto", "c", "python")
 
 # clp_scan_record_t in closedloop_scan.h, field for field: result, seg_len, raw_off, raw_len, seq,
 # payload_len, msg_type, flags, timestamp_us
-_RECORD = struct.Struct("<5IH2BQ")
+_RECORD = struct.Struct("=5IH2BQ")  # native byte order, standard sizes, no padding (as the C struct)
 if _RECORD.size != RECORD_SIZE:  # pragma: no cover - a mismatch here is a bug in this file
     raise ImportError(f"record layout is {_RECORD.size} bytes; clp_scan_record_t is {RECORD_SIZE}")
 _HELLO = Hello.TYPE_ID
@@ -116,7 +117,8 @@ class CFrameParser(FrameParser):
         # unsigned frames skip the verifier unless it requires signing: decode them here, as
         # finish_raw_frame would, without its call (the per-frame cost is what this parser is for)
         plain = verifier is None or not verifier.required
-        classes, sequence, stats = MESSAGE_TYPES, self.sequence, self.stats
+        classes, sequence, append = MESSAGE_TYPES, self.sequence, frames.append
+        fast_accepted = fast_unknown = 0  # added to stats once, after the loop
         for result, seg_len, off, raw_len, seq, plen, msg_type, flags, ts in _RECORD.iter_unpack(
                 memoryview(self._records)[: count * RECORD_SIZE]):
             if result == _FRAME:
@@ -138,26 +140,30 @@ class CFrameParser(FrameParser):
                         self._reject(got, seg_len)
                         continue
                     frame = got  # type: ignore[assignment]
-                top = sequence.top
-                if msg_type != _HELLO and top is not None and (seq - top) & 0xFFFFFFFF == 1:
-                    # SequenceTracker.observe's common case, inline; everything else goes through it
+                if seq - 1 == sequence.top and msg_type != _HELLO:
+                    # SequenceTracker.observe's common case (the next number, no wrap), inline;
+                    # everything else goes through _is_new
                     sequence.top = seq
                     sequence.seen = ((sequence.seen << 1) | 1) & _MASK
                     sequence.lost_bits = (sequence.lost_bits << 1) & _MASK
-                    stats.accepted += 1
+                    fast_accepted += 1
                     if isinstance(frame.message, UnknownMessage):
-                        stats.unknown_type += 1
-                    frames.append(frame)
+                        fast_unknown += 1
+                    append(frame)
                 elif self._is_new(frame):
-                    frames.append(frame)
+                    append(frame)
             elif result == _SEGMENT_OVERSIZE:
                 self._reject(segment_oversize(seg_len), seg_len)
             elif result == _NO_DELIMITER:
                 self._reject(NO_DELIMITER, seg_len)
             elif result == _BAD_COBS:
                 self._reject(NOT_COBS, seg_len)
+            elif result == _CRC:  # the commonest rejection on a noisy line: no need to ask the Python checks
+                self._reject(CRC_MISMATCH, seg_len)
             else:
                 self._reject(self._describe(bytes(view[off : off + raw_len]), _AFTER_DECODE[result]), seg_len)
+        stats.accepted += fast_accepted
+        stats.unknown_type += fast_unknown
         return frames
 
     def _describe(self, raw: bytes, reason: str) -> tuple[str, str]:

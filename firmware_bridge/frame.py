@@ -42,6 +42,8 @@ _HEADER = struct.Struct("<2sBBBBHIQ")
 _U64 = struct.Struct("<Q")
 _RESERVED_TYPES = (0x00, 0xFF)
 _SIGNATURE_REASONS = ("bad_tag", "replayed", "unsigned")
+#: The rejection of a frame whose CRC does not match (shared with the C-backed parser).
+CRC_MISMATCH = ("crc_errors", "CRC-32C does not match: bytes were corrupted in transit")
 
 
 @dataclass(slots=True)
@@ -108,7 +110,7 @@ def check_raw_frame(raw: bytes | bytearray, verifier: FrameVerifier | None = Non
     if n < HEADER_LEN + CRC_LEN:
         return ("malformed", f"decoded frame is {n} bytes; a header and CRC need {HEADER_LEN + CRC_LEN}")
     if not crc_residue_ok(raw):
-        return ("crc_errors", "CRC-32C does not match: bytes were corrupted in transit")
+        return CRC_MISMATCH
     magic, version, msg_type, flags, reserved, plen, seq, ts = _HEADER.unpack_from(raw)
     if magic != MAGIC or version != PROTOCOL_VERSION:
         return ("malformed", f"magic/version {magic.hex()}/{version}; expected {MAGIC.hex()}/{PROTOCOL_VERSION}")
