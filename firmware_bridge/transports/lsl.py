@@ -57,7 +57,7 @@ class LslStreamNotFoundError(DeviceNotConnectedError, LookupError):
 def import_pylsl() -> Any:
     """pylsl, or an ImportError that says how to install it (its wheel carries liblsl)."""
     try:
-        import pylsl
+        import pylsl  # type: ignore[import-untyped]
     except ImportError as exc:
         raise ImportError(f"lsl:// and --lsl-out need pylsl ({exc}); install it with "
                           "pip install 'closedloop[lsl]'") from None
@@ -187,7 +187,7 @@ class LslTransport(Transport):
         self._streaming = False
         self._counts = np.zeros(self.n_channels, dtype="<u2")
         self._empty = np.zeros(0, dtype=np.float32)
-        self._lost = False
+        self._is_lost = False
         self._last_sample_s = 0.0
         self._next_clock_s = 0.0
         self._resolver: Any = None
@@ -289,8 +289,8 @@ class LslTransport(Transport):
             self._mark_lost(why)
 
     def _mark_lost(self, why: str) -> None:
-        if not self._lost:
-            self._lost = True
+        if not self._is_lost:
+            self._is_lost = True
             self.stats.losses += 1
             gone = f"is gone ({why})" if why else f"sent no sample for {self.params.lost_s:g} s"
             text = (f"LSL stream {self.params.predicate()} {gone}; the session's watchdog sends the safe command, "
@@ -321,8 +321,8 @@ class LslTransport(Transport):
                 now = self._lsl.local_clock()
                 if got:
                     self._last_sample_s = now
-                    if self._lost:
-                        self._lost = False
+                    if self._is_lost:
+                        self._is_lost = False
                         self._status(STATUS_LSL_STREAM_BACK, Severity.INFO,
                                      f"LSL stream {self.params.name!r} is back")
                 elif now - self._last_sample_s > self.params.lost_s:
@@ -359,7 +359,7 @@ class LslTransport(Transport):
     def report(self) -> dict[str, Any]:
         """What the STATUS(REPORT) carries: the stream, the parameters, the counters and the clocks."""
         return {"device": "lsl", "kind": self.kind, "stream": _describe(self.info), "params": asdict(self.params),
-                "streaming": self._streaming, "lost": self._lost, **asdict(self.stats),
+                "streaming": self._streaming, "lost": self._is_lost, **asdict(self.stats),
                 "clock": self.clock_reading()}
 
     def _close(self) -> None:

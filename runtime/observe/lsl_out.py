@@ -112,8 +112,8 @@ class LslOutlets(SessionObserver):
         if "text" not in self.outlets:
             self.outlets["text"] = self._outlet("text", "Markers", 1, self._lsl.IRREGULAR_RATE, "string")
 
-    def lsl_time(self, t_ns: np.ndarray | int) -> np.ndarray | float:
-        """A ``time.monotonic_ns`` value (or array) on the LSL clock, in seconds."""
+    def lsl_time(self, t_ns: np.ndarray) -> np.ndarray:
+        """``time.monotonic_ns`` values on the LSL clock, in seconds."""
         return np.asarray(t_ns, dtype=np.float64) / 1e9 + self.offset_s
 
     # --- SessionObserver --------------------------------------------------------------------
@@ -146,7 +146,7 @@ class LslOutlets(SessionObserver):
         self._text = event["text"]
         if added and "text" in self.outlets:
             t_ns = event.get("t_ns")
-            stamp = float(self.lsl_time(t_ns)) if isinstance(t_ns, int) else self._lsl.local_clock()
+            stamp = t_ns / 1e9 + self.offset_s if isinstance(t_ns, int) else self._lsl.local_clock()
             self.outlets["text"].push_sample([added], stamp)
             self.pushed["text"] += 1
 
