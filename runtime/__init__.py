@@ -21,9 +21,18 @@ from .families import FamilyPlugin, get_family, register_family
 from .loop import LoopConfig, OverrunPolicy, RealTimeLoop
 from .manifest import SCHEMA_VERSION, GraphSpec, Manifest, TensorSpec, Window
 from .model import Model
+from .observe import SessionObserver, StepBatch
 from .recording import RecordingReader, RecordingWriter, RecordType
 from .replay import ReplayReport, replay_recording
-from .session import DeviceMismatchError, Session, SessionConfig, SessionError, SessionSummary, run_session
+from .session import (
+    DeviceChangedError,
+    DeviceMismatchError,
+    Session,
+    SessionConfig,
+    SessionError,
+    SessionSummary,
+    run_session,
+)
 from .signing import SigningError, TrustedKeys, generate_key_pair, seal_manifest, sign_bundle
 from .stats import LoopSummary
 from .timing import BenchConfig, BundleBench, bench_bundle, format_bench_table
@@ -50,11 +59,14 @@ __all__ = [
     "RecordingWriter",
     "ReplayReport",
     "Session",
+    "SessionObserver",
+    "StepBatch",
     "SessionConfig",
     "SessionError",
     "SessionSummary",
     "SigningError",
     "TrustedKeys",
+    "DeviceChangedError",
     "DeviceMismatchError",
     "replay_recording",
     "run_session",

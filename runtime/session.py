@@ -23,9 +23,11 @@ import gc
 import hashlib
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, TextIO
+
+import numpy as np
 
 from closedloop.firmware_bridge import (
     DeviceNotConnectedError,
@@ -44,6 +46,9 @@ from .bundle import Bundle, load_bundle
 from .families import FamilyPlugin, get_family
 from .loop import LoopConfig, OverrunPolicy, RealTimeLoop
 from .model import Model
+from .observe.record_steps import StepRecorder
+from .observe.ring import FLAG_DISCONNECTED, FLAG_SAFE, FLAG_WATCHDOG
+from .observe.tap import SessionTap
 from .recording import RecordingWriter, RecordType
 from .stats import LoopSummary
 
@@ -59,6 +64,10 @@ class SessionError(RuntimeError):
 
 class DeviceMismatchError(SessionError, ValueError):
     """The device's Hello contradicts the bundle (channels, rate, limits)."""
+
+
+class DeviceChangedError(DeviceMismatchError):
+    """Mid-session, the device came back as another that does not match the bundle: a safety stop."""
 
 
 @dataclass
@@ -90,6 +99,22 @@ class SessionConfig:
     inputs: dict[str, Any] = field(default_factory=dict)
     # Public key files or folders of *.pub files: refuse a bundle none of them signed (docs/bundle.md).
     trust: list[str] = field(default_factory=list)
+    # Per-step hooks (runtime/observe/, docs/monitor.md): SessionObserver objects, each on its own thread.
+    observers: list[Any] = field(default_factory=list)
+    # Serve the browser monitor on [HOST:]PORT (127.0.0.1 unless monitor_public; then a token is required).
+    monitor: str | None = None
+    monitor_public: bool = False
+    # Publish outputs, commands and typed text as LSL outlets NAME-outputs, NAME-commands, NAME-text.
+    lsl_out: str | None = None
+    # End the session (a safety stop, stopped_by "watchdog_limit") after this many seconds without input.
+    watchdog_limit_s: float | None = None
+
+    def record_dict(self) -> dict[str, Any]:
+        """The settings as a recording's META keeps them: no secret, observers by class name."""
+        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "observers"}
+        d["key"] = "***" if self.key else None
+        d["observers"] = [type(o).__name__ for o in self.observers]
+        return d
 
 
 @dataclass
@@ -112,6 +137,9 @@ class SessionSummary:
     family: dict[str, Any] = field(default_factory=dict)
     recording: str | None = None
     scrub: dict[str, Any] = field(default_factory=dict)
+    monitor_url: str | None = None
+    # per observer (class name): records delivered, records lost to a slow observer, its error if it failed
+    observers: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -220,6 +248,8 @@ class Session:
         self._step = 0
         self._unused_type: type[Message] | None = None
         self._unused, self._warned_unused = 0, False  # frames not of the input's type
+        self._tap: SessionTap | None = None  # per-step hooks: made in start() when anything listens
+        self.monitor_url: str | None = None
 
     # --- connection -------------------------------------------------------------
 
@@ -251,24 +281,30 @@ class Session:
         )
 
     def _event(self, kind: str, **fields: Any) -> None:
+        record = {"event": kind, "step": self._step, **fields}
         if self.writer is not None:
-            self.writer.append_json(RecordType.EVENT, {"event": kind, "step": self._step, **fields})
+            self.writer.append_json(RecordType.EVENT, record)
+        if self._tap is not None:
+            self._tap.event(record)
 
     def start(self) -> Hello:
         # The loop freezes the garbage collector; the full collection before that is done here, while the
         # device is still idle. After the handshake it streams, and a collection in a big process (a notebook,
         # a test suite) can take a second: frames pile up unread, and timed device events pass unseen.
         gc.collect()
+        self._open_tap()  # the monitor's server starts here, not once the device streams
         self.link = self._open_link()
         try:
             hello = self._handshake(self.link, self.config.handshake_timeout_s)
         except BaseException:
             self.link.close()
+            self.close_tap()
             raise
         self.family.adopt_device(hello.kind)
         problems = self.family.check_device(hello)
         if problems:
             self.link.close()
+            self.close_tap()
             raise self._mismatch(problems)
         self.hello = hello
         if self.writer is not None:
@@ -287,12 +323,47 @@ class Session:
                     "rate_hz": self.rate_hz,
                     "backend": self.model.backend_name,
                     "output_shape": list(self.model.output.shape),
-                    "config": asdict(self.config) | {"key": "***" if self.config.key else None},
+                    "config": self.config.record_dict(),
                 },
             )
         self.family.reset()
+        if self._tap is not None:  # observers start with the device known
+            self._tap.start({"device": _hello_dict(hello)})
         self._last_input_ns = time.monotonic_ns()
         return hello
+
+    def _open_tap(self) -> None:
+        """The step ring and whoever reads it: given observers, the monitor, LSL outlets, the recording's STEPS."""
+        cfg = self.config
+        observers = list(cfg.observers)
+        if self.writer is not None:
+            observers.append(StepRecorder(self.writer))
+        if cfg.lsl_out:
+            from .observe.lsl_out import LslOutlets
+
+            observers.append(LslOutlets(cfg.lsl_out))
+        if not observers and cfg.monitor is None:
+            return
+        info = {
+            "bundle": str(self.bundle.source), "bundle_name": self.bundle.manifest.name,
+            "family": self.bundle.manifest.family, "device_url": cfg.device, "backend": self.model.backend_name,
+            "rate_hz": self.rate_hz, "input": self.family.measurement.name,
+            "output_shape": list(self.model.output.shape),
+        }
+        safe = np.asarray(self.family.safe_output())
+        try:
+            self._tap = SessionTap(info, n_in=self.family.frame_vector.size, n_out=self.model.output.size,
+                                   n_cmd=safe.size, observers=observers, monitor=cfg.monitor,
+                                   monitor_public=cfg.monitor_public, out=self.out)
+        except (RuntimeError, ValueError, OSError) as exc:
+            raise SessionError(f"monitor: {exc}") from None
+        self.monitor_url = self._tap.monitor_url
+        self._safe_values = safe.reshape(-1).astype(np.float32)
+
+    def close_tap(self) -> None:
+        if self._tap is not None:
+            self._tap.close()
+            self._tap = None
 
     # --- one period -------------------------------------------------------------
 
@@ -349,17 +420,28 @@ class Session:
                 self.link = None
             return False
 
+    def _send_safe(self, k: int) -> bool:
+        """Send the safe command (counted, and marked in the step record)."""
+        if not self._send(self.family.safe_message(k)):
+            return False
+        self.summary_counts["safe_commands_sent"] += 1
+        if self._tap is not None:
+            self._tap.command(self._safe_values)
+            self._tap.flag(FLAG_SAFE)
+        return True
+
     def _act(self, frame: Frame, k: int) -> None:
         fam = self.family
         cmd, bad = fam.guarded_step(frame.message)
         if cmd is None and bad is None:  # the model did not run on this frame (a window not yet due)
             return
         if bad == "held":  # a held input (a goal) has no value yet: the safe command until it comes
-            if self._send(fam.safe_message(k)):
-                self.summary_counts["safe_commands_sent"] += 1
+            self._send_safe(k)
             return
         if self.writer is not None:
             self.writer.append_output(k, frame.seq, self.model.output)
+        if self._tap is not None:
+            self._tap.acted(frame.seq, fam.frame_vector, self.model.output)
         if bad is not None:
             self._refuse_nonfinite(bad, k)
             return
@@ -371,6 +453,8 @@ class Session:
         if self._send(out):
             self.summary_counts["commands_sent"] += 1
             self._last_cmd = out
+            if self._tap is not None:
+                self._tap.command(cmd)
 
     def _refuse_nonfinite(self, where: str, k: int) -> None:
         """A step with a non-finite model input, output or command: send the safe command instead, reset bad state."""
@@ -380,11 +464,13 @@ class Session:
         if not self._nonfinite_run:
             self._event("nonfinite", where=where, state_reset=state_reset)
         self._nonfinite_run += 1
-        if self._send(self.family.safe_message(k)):
-            counts["safe_commands_sent"] += 1
+        self._send_safe(k)
 
     def step(self, k: int) -> None:
         self._step = k
+        tap = self._tap
+        if tap is not None:
+            tap.begin(k)
         frames = self._poll()
         counts = self.summary_counts
         counts["frames_received"] += len(frames)
@@ -433,11 +519,18 @@ class Session:
                                    f"{self.config.watchdog_s:g} s, but it sent {self._unused} {other} "
                                    "frames: the bundle's session input (manifest extra.session.input) may not "
                                    "match this device\n")
-            if self._send(self.family.safe_message(k)):
-                counts["safe_commands_sent"] += 1
+            self._send_safe(k)
+            limit = self.config.watchdog_limit_s
+            if limit is not None and now - self._last_input_ns > limit * 1e9:
+                self._event("watchdog_limit", silent_s=(now - self._last_input_ns) / 1e9, limit_s=limit)
+                self._loop.stop("watchdog_limit")
+            if tap is not None:
+                tap.flag(FLAG_WATCHDOG)
         elif self._safe:
             self._safe = False
             self._event("input_resumed")
+        if tap is not None and (self.link is None or self._disconnected):
+            tap.flag(FLAG_DISCONNECTED)
 
     def _on_hello(self, frame: Frame) -> None:
         """A device HELLO mid-session: the answer to the host's own, or a device that restarted (re-handshake).
@@ -456,7 +549,7 @@ class Session:
         if problems:
             # Another device came back on this port: refuse it as the first handshake would, unanswered, so it
             # never streams to a session that will not act on it (the safe command goes out on the way out).
-            raise self._mismatch(problems)
+            raise DeviceChangedError(str(self._mismatch(problems)))
         self.hello = hello
         self.family.reset()
         if not answer:
@@ -470,23 +563,41 @@ class Session:
 
     def idle(self, k: int, budget_ns: int) -> None:
         if self.scrubber is not None and self.scrubber.on_idle(budget_ns, self._event) == "stop":
-            if self._send(self.family.safe_message(k)):
-                self.summary_counts["safe_commands_sent"] += 1
-            self._loop.stop()
+            self._send_safe(k)
+            self._loop.stop("weights_unrepairable")
         now = time.monotonic_ns()
+        if self._tap is not None and self._tap.status_due():
+            self._tap.event(self._status_event())
         if self.config.status and now >= self._next_status_ns:
             self._next_status_ns = now + int(self.config.status_interval_s * 1e9)
             self.out.write("\r" + self.status_line() + "\x1b[K")
             self.out.flush()
+
+    def _state(self) -> str:
+        if self.link is None or self._disconnected:
+            return "DISCONNECTED"
+        return "SAFE" if (self._safe or self._nonfinite_run) else "running"
+
+    def _status_event(self) -> dict[str, Any]:
+        """What the monitor's status bar shows, a few times a second (idle time, never the step)."""
+        lat = self._loop.latency
+        c = self.summary_counts
+        metrics = dict(self.family.live_metrics())
+        if "text" in metrics:  # the whole typed text, not the status line's tail
+            metrics["text"] = self.family.summary_metrics().get("text", metrics["text"])
+        return {"event": "status", "step": self._step, "state": self._state(),
+                "p99_us": lat.percentile_us(99) if lat.count else None, "missed": self._loop.missed,
+                "lost": self.link.parser.stats.lost if self.link is not None else 0,
+                "watchdog_trips": c["watchdog_trips"], "reconnects": c["reconnects"],
+                "inputs_used": c["inputs_used"], "commands_sent": c["commands_sent"],
+                "safe_commands_sent": c["safe_commands_sent"], **metrics}
 
     def status_line(self) -> str:
         lat = self._loop.latency if hasattr(self, "_loop") else None
         p99 = lat.percentile_us(99) if lat is not None and lat.count else float("nan")
         missed = self._loop.missed if hasattr(self, "_loop") else 0
         lost = self.link.parser.stats.lost if self.link is not None else 0
-        safe = self._safe or self._nonfinite_run
-        state = "DISCONNECTED" if (self.link is None or self._disconnected) else ("SAFE" if safe else "running")
-        parts = [f"{self.rate_hz:g} Hz", f"p99 {p99:.0f} us", f"missed {missed}", f"lost {lost}", state]
+        parts = [f"{self.rate_hz:g} Hz", f"p99 {p99:.0f} us", f"missed {missed}", f"lost {lost}", self._state()]
         parts += [f"{k} {v}" for k, v in self.family.live_metrics().items()]
         return " | ".join(parts)
 
@@ -500,7 +611,8 @@ class Session:
         )
         try:
             loop_summary = self._loop.run(
-                self.step, on_hold=self.hold, on_idle=self.idle, prewarm=self.model.prewarm if cfg.prewarm else None
+                self.step, on_hold=self.hold, on_idle=self.idle, prewarm=self.model.prewarm if cfg.prewarm else None,
+                on_step_end=self._tap.publish if self._tap is not None else None,
             )
         finally:
             # the stop's safe command is on the wire and in the recording: it is counted like any other
@@ -517,13 +629,18 @@ class Session:
             family=dict(self.family.summary_metrics()),
             recording=str(cfg.record) if cfg.record else None,
             scrub=self.scrubber.summary() if self.scrubber is not None else {},
+            monitor_url=self.monitor_url,
             **self.summary_counts,
         )
+        if self._tap is not None:  # observers drain and stop first: their last STEPS come before SUMMARY
+            summary.observers = self._tap.close(summary.to_dict())
+            self._tap = None
         if self.writer is not None:
             self.writer.append_json(RecordType.SUMMARY, summary.to_dict())
         return summary
 
     def close(self) -> None:
+        self.close_tap()
         if self.link is not None:
             self.link.close()
             self.link = None

@@ -102,6 +102,16 @@ def _run_args(p: argparse.ArgumentParser) -> None:
                         "closedloop inject-faults); never for a bundle that drives real hardware")
     p.add_argument("--input", action="append", default=[], metavar="NAME=V1,V2,...",
                    help="value of a model input the device does not stream (a goal, a mode); repeat per input")
+    p.add_argument("--monitor", default=None, metavar="[HOST:]PORT",
+                   help="serve a live view of the session in a browser (127.0.0.1:PORT; 0 picks a free port; "
+                        "needs the [monitor] extra)")
+    p.add_argument("--monitor-public", action="store_true",
+                   help="allow --monitor on an address other machines reach (a token is then required and printed)")
+    p.add_argument("--lsl-out", default=None, metavar="NAME",
+                   help="publish outputs, commands and typed text as LSL outlets NAME-outputs, NAME-commands, "
+                        "NAME-text ([lsl] extra)")
+    p.add_argument("--watchdog-limit", type=float, default=None, metavar="S",
+                   help="end the session (exit 1) after S seconds without input; default: wait for the device")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quiet", action="store_true", help="no live status line")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
@@ -146,11 +156,19 @@ def _run(a: argparse.Namespace) -> int:
             device=a.device, backend=a.backend, variant=a.variant, duration_s=a.duration, rate_hz=a.rate,
             record=a.record, watchdog_s=a.watchdog, overrun=a.overrun, key=a.key, status=not a.quiet,
             weights_key_file=a.weights_key_file, scrub=a.scrub, inputs=_held_inputs(a.input), trust=a.trust,
+            monitor=a.monitor, monitor_public=a.monitor_public, lsl_out=a.lsl_out, watchdog_limit_s=a.watchdog_limit,
         )
-        summary = run_session(_run_bundle(a), cfg)
+        from closedloop.runtime.session import DeviceChangedError
+
+        try:
+            summary = run_session(_run_bundle(a), cfg)
+        except DeviceChangedError as exc:  # a safety stop, not bad input
+            print(f"closedloop run: stopped: {exc}", file=sys.stderr)
+            return EXIT_FAILED
         print(json.dumps(summary.to_dict(), indent=2, default=str) if a.json else summary.format())
         return _exit_code(summary.loop.stopped_by)
-    device_only = [flag for flag, value in (("--record", a.record), ("--key", a.key)) if value]
+    device_only = [flag for flag, value in (("--record", a.record), ("--key", a.key), ("--monitor", a.monitor),
+                                            ("--lsl-out", a.lsl_out)) if value]
     if device_only:
         print(f"error: {' and '.join(device_only)} need{'s' if len(device_only) == 1 else ''} --device: without a device the loop runs on synthetic "
               "frames, with no link to sign and nothing to record", file=sys.stderr)

@@ -70,6 +70,11 @@ class FamilyPlugin:
         self._due = True
         self._side = self._side_inputs(session.get("inputs", {}))
 
+    @property
+    def frame_vector(self) -> np.ndarray:
+        """The newest device frame as the family read it (float32, flat): what a monitor shows as the input."""
+        return self._frame
+
     @classmethod
     def problems(cls, bundle: Bundle) -> list[str]:
         """Family-specific reasons to refuse this bundle (empty if none)."""

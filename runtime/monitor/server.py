@@ -182,6 +182,8 @@ class MonitorApp:
         while True:
             events, ev_cursor, _ = self.ring.read_events(ev_cursor)
             for ev in events:
+                if ev.get("event") == "session_info":  # later pages get it in their hello
+                    self.info.update({k: v for k, v in ev.items() if k not in ("event", "step")})
                 self.events.append(ev)
                 if len(self.events) > 5000:
                     del self.events[:1000]

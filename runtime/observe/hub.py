@@ -97,6 +97,10 @@ class ObserverHub:
         self.stopping = threading.Event()
         self._runners: list[_Runner] = []
 
+    @property
+    def started(self) -> bool:
+        return bool(self._runners) or not self.observers
+
     def start(self, info: dict[str, Any]) -> None:
         self.info = info
         self._runners = [_Runner(self, o) for o in self.observers]

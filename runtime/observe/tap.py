@@ -37,13 +37,19 @@ class SessionTap:
         self.monitor = None
         self.status_interval_ns = int(status_interval_s * 1e9)
         self._next_status_ns = 0
+        self._closed = False
         try:
             if monitor is not None:
                 self.monitor = _start_monitor(self.ring, monitor, monitor_public, self.info, self.out)
-            self.hub.start(self.info)
         except BaseException:
             self.ring.close()
             raise
+
+    def start(self, more_info: dict[str, Any]) -> None:
+        """The session is about to run (the device answered): start the observers; tell the monitor."""
+        self.info.update(more_info)
+        self.ring.event({"event": "session_info", "step": -1, **more_info})
+        self.hub.start(self.info)
 
     @property
     def monitor_url(self) -> str | None:
@@ -87,9 +93,12 @@ class SessionTap:
 
     def close(self, summary: dict[str, Any] | None = None) -> dict[str, Any]:
         """Stop observers (each gets ``on_stop``) and the monitor; free the ring. Returns per-observer counts."""
+        if self._closed:
+            return {}
+        self._closed = True
         try:
             self.ring.event({"event": "session_end", "step": -1})
-            report = self.hub.stop(summary or {})
+            report = self.hub.stop(summary or {}) if self.hub.started else {}
         finally:
             if self.monitor is not None:
                 self.monitor.stop()

@@ -37,6 +37,10 @@
 
   function onEvent(e, quiet) {
     if (e.event === "status") { onStatus(e); return; }
+    if (e.event === "session_info") {  // the device answered: its HELLO joins the session's info
+      if (S.info) { Object.assign(S.info, e); const d = e.device; if (d) $("device").textContent = d.kind + " " + (d.name || ""); }
+      return;
+    }
     S.events.push(e);
     if (S.events.length > 300) S.events.splice(0, 100);
     if (e.event === "watchdog") S.counts.watchdog++;

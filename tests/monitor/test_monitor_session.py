@@ -1,0 +1,169 @@
+"""The monitor of live emulator sessions in a real browser, and what observers and recordings receive."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from closedloop.export import export_bundle
+from closedloop.runtime import RecordingReader, RecordType, Session, SessionConfig, SessionObserver, run_session
+from closedloop.runtime.recording_view import view_recording
+from closedloop.sdk.bci.deploy import export_bci_bundle
+from closedloop.sdk.models import GRUDecoder, MLPPolicy
+
+pytest.importorskip("aiohttp", reason="the monitor needs the [monitor] extra (aiohttp)")
+C = 12
+
+
+@pytest.fixture(scope="module")
+def typing_bundle(tmp_path_factory):
+    torch.manual_seed(3)
+    module = GRUDecoder(C, 16, 1, 32).eval()
+    with torch.no_grad():  # a random decoder that types now and then on Poisson input
+        module.readout.weight.mul_(10)
+    return export_bci_bundle(
+        module, tmp_path_factory.mktemp("mon") / "typing", n_channels=C, mean=np.full(C, 0.16),
+        std=np.full(C, 0.4), session_name="2023.04.17", variants=(), tensorrt=False, report=lambda s: None,
+    )
+
+
+@pytest.fixture(scope="module")
+def plant_bundle(tmp_path_factory):
+    torch.manual_seed(1)
+    return export_bundle(
+        MLPPolicy(1, 1, (8,)).eval(), tmp_path_factory.mktemp("mon") / "plant", kind="feedforward",
+        example_input=torch.zeros(1, 1), rate_hz=200.0, name="plant-ctl",
+        postprocess={"scale": [5.0], "offset": [3.0], "low": [-2.0], "high": [2.0]},
+        extra={"session": {"input": "plant_measurement", "command": "actuator_command"}},
+        variants=(), tensorrt=False, report=lambda s: None,
+    )
+
+
+class Background:
+    """A session running on a thread, its monitor URL known once it started."""
+
+    def __init__(self, bundle, **cfg):
+        cfg.setdefault("status", False)
+        cfg.setdefault("backend", "onnxruntime")
+        self.session = Session(bundle, SessionConfig(**cfg))
+        self.session.start()
+        self.summary = None
+        self.error: BaseException | None = None
+        self._t = threading.Thread(target=self._run, daemon=True)
+        self._t.start()
+
+    def _run(self):
+        try:
+            self.summary = self.session.run()
+        except BaseException as exc:  # noqa: BLE001  (reported by join)
+            self.error = exc
+        finally:
+            self.session.close()
+
+    def join(self, timeout=60):
+        self._t.join(timeout)
+        if self.error is not None:
+            raise self.error
+        return self.summary
+
+
+def _page_state(page):
+    return page.evaluate("() => ({step: monitorState.step, typed: document.getElementById('typed').textContent,"
+                         " state: document.getElementById('state').textContent,"
+                         " events: monitorState.events.map(e => e.event), ups: monitorState.ups})")
+
+
+def test_a_typing_session_shows_text_growing_and_steps_rising(typing_bundle, page, screenshot_dir, tmp_path):
+    bg = Background(typing_bundle, device=f"sim://headstage?channels={C}&seed=3", duration_s=8.0, monitor="0",
+                    record=str(tmp_path / "typing.clrec"))
+    url = bg.session.monitor_url
+    assert url and url.startswith("http://127.0.0.1:")
+    page.goto(url)
+    page.wait_for_function("() => monitorState.step > 50 && document.getElementById('typed').textContent.length > 0",
+                           timeout=30_000)
+    first = _page_state(page)
+    time.sleep(2.5)
+    second = _page_state(page)
+    assert second["step"] > first["step"] + 80  # 50 Hz
+    assert len(second["typed"]) >= len(first["typed"]) and second["typed"].startswith(first["typed"][:5])
+    assert second["state"] == "running" and second["ups"] >= 10
+    assert page.text_content("#family") == "bci_handwriting"
+    page.screenshot(path=str(screenshot_dir / "monitor_bci.png"))
+    s = bg.join()
+    # the page showed the session's own text: what it typed by the end starts with what the page showed
+    assert s.family["text"].startswith(second["typed"][: min(len(second["typed"]), 10)])
+    assert s.observers["StepRecorder"]["lost"] == 0
+    view = view_recording(tmp_path / "typing.clrec")
+    assert view.steps["step"].size == s.loop.steps  # every step's timing is in the recording
+    assert np.all(np.diff(view.steps["step"]) > 0)
+
+
+def test_a_silent_plant_shows_safe_and_the_watchdog_then_recovers(plant_bundle, page, screenshot_dir):
+    bg = Background(plant_bundle, device="sim://plant?model=msd&rate=200&seed=5&silence_at=2.5&silence_s=2.5",
+                    duration_s=7.0, watchdog_s=0.15, monitor="127.0.0.1:0")
+    page.goto(bg.session.monitor_url)
+    page.wait_for_function("() => monitorState.step > 100", timeout=30_000)
+    page.wait_for_function("() => document.getElementById('state').textContent === 'SAFE'", timeout=15_000)
+    page.wait_for_function("() => monitorState.events.some(e => e.event === 'watchdog')", timeout=10_000)
+    assert page.text_content("#watchdog") == "1"
+    page.screenshot(path=str(screenshot_dir / "monitor_plant_safe.png"))
+    page.wait_for_function("() => document.getElementById('state').textContent === 'running'", timeout=15_000)
+    assert "input_resumed" in _page_state(page)["events"]
+    s = bg.join()
+    assert s.watchdog_trips == 1
+
+
+def test_a_reconnect_shows(plant_bundle, page):
+    bg = Background(plant_bundle, device="sim://plant?model=msd&rate=200&seed=6&disconnect_at=2.0&disconnect_s=0.6",
+                    duration_s=5.0, watchdog_s=0.15, monitor="0")
+    page.goto(bg.session.monitor_url)
+    page.wait_for_function("() => monitorState.events.some(e => e.event === 'reconnected')", timeout=30_000)
+    assert int(page.text_content("#reconnects")) >= 1
+    assert "disconnected" in _page_state(page)["events"]
+    assert bg.join().reconnects == 1
+
+
+class Collect(SessionObserver):
+    def __init__(self):
+        self.steps, self.lost, self.acted, self.events, self.info, self.summary = [], 0, 0, [], None, None
+
+    def on_start(self, info):
+        self.info = info
+
+    def on_steps(self, batch):
+        self.steps += batch.step.tolist()
+        self.lost += batch.lost
+        self.acted += int((batch.flags & 1).sum())
+
+    def on_event(self, event):
+        self.events.append(event["event"])
+
+    def on_stop(self, summary):
+        self.summary = summary
+
+
+def test_an_observer_gets_every_step_its_timing_and_the_summary(plant_bundle, tmp_path):
+    obs = Collect()
+    s = run_session(plant_bundle, SessionConfig(device="sim://plant?model=msd&rate=200&seed=5", duration_s=1.5,
+                                                status=False, backend="onnxruntime", observers=[obs],
+                                                record=str(tmp_path / "p.clrec")))
+    assert obs.info["family"] and obs.info["rate_hz"] == 200.0
+    assert obs.lost == 0 and len(obs.steps) == s.loop.steps and obs.steps == sorted(obs.steps)
+    assert obs.acted == s.inputs_used
+    assert obs.summary["commands_sent"] == s.commands_sent
+    assert "status" in obs.events and s.observers["Collect"]["error"] is None
+    r = RecordingReader(tmp_path / "p.clrec")
+    assert r.records[-1].type == RecordType.SUMMARY  # the STEPS records came before it
+    assert r.summary["observers"]["StepRecorder"]["lost"] == 0
+
+
+def test_a_monitor_on_a_public_address_needs_the_flag(plant_bundle):
+    from closedloop.runtime import SessionError
+
+    with pytest.raises(SessionError, match="--monitor-public"):
+        Session(plant_bundle, SessionConfig(device="sim://plant?model=msd&rate=200", status=False,
+                                            backend="onnxruntime", monitor="0.0.0.0:0")).start()
