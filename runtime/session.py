@@ -231,7 +231,7 @@ class Session:
         self._key = bytes.fromhex(config.key) if config.key else None
         self.link: Link | None = None
         self.hello: Hello | None = None
-        self.summary_counts = dict(
+        self.summary_counts: dict[str, Any] = dict(
             frames_received=0, inputs_used=0, inputs_skipped=0, commands_sent=0, safe_commands_sent=0,
             commands_resent=0,
             watchdog_trips=0, nonfinite_inputs=0, nonfinite_outputs=0, disconnects=0, reconnects=0,

@@ -221,7 +221,7 @@ class MonitorApp:
 
 
 def _asset(name: str) -> str:
-    return resources.files("closedloop.runtime.monitor").joinpath("assets", name).read_text(encoding="utf-8")
+    return resources.files("closedloop.runtime.monitor").joinpath("assets").joinpath(name).read_text(encoding="utf-8")
 
 
 def serve(ring_name: str, host: str, port: int, token: str | None, info: dict[str, Any], ready: Any) -> None:
