@@ -139,11 +139,22 @@ class _Weights:
             return b.sitofp(raw, self.vec)
         return raw
 
-    def finish(self, total, start):
-        """The dot product from the raw sum: times the per-row scales for int8, plus ``start`` if given."""
-        if self.scales is not None:
-            total = self.b.fmul(total, self.b.load(self.scales, align=4))
-        return total if start is None else self.b.fadd(total, start)
+    def start(self, acc, lanes_ptr) -> None:
+        """Start accumulator ``acc`` from the values at ``lanes_ptr`` (to add to them).
+
+        float32 and float16 sums start there; an int8 sum must be scaled before it is added, so it
+        starts from zero and ``finish`` adds the values then (read late: a value held across the
+        loop would take a vector register the convolution's eight chains need).
+        """
+        if self.scales is None:
+            self.b.store(self.b.load(lanes_ptr, align=4), acc)
+
+    def finish(self, total, lanes_ptr, accumulate: bool):
+        """The dot product from the sum: times the per-row scales for int8 (plus the old values when adding)."""
+        if self.scales is None:
+            return total
+        total = self.b.fmul(total, self.b.load(self.scales, align=4))
+        return self.b.fadd(total, self.b.load(lanes_ptr, align=4)) if accumulate else total
 
 
 def _panel_dot_ir(panels, block, x, row, lanes, accumulate: bool, flat: bool = False, storage: int = W_F32):
@@ -187,7 +198,8 @@ def _panel_dot_ir(panels, block, x, row, lanes, accumulate: bool, flat: bool = F
         splat = ir.Constant(ir.VectorType(ir.IntType(32), LANES), [0] * LANES)
         accs = [cgutils.alloca_once_value(builder, zero) for _ in range(UNROLL)]
         lanes_ptr = builder.bitcast(la.data, vec_ptr)
-        start = builder.load(lanes_ptr, align=4) if accumulate else None
+        if accumulate:
+            weights.start(accs[0], lanes_ptr)
 
         def step(k, acc):
             xk = builder.load(builder.gep(xbase, [k]))
@@ -205,7 +217,7 @@ def _panel_dot_ir(panels, block, x, row, lanes, accumulate: bool, flat: bool = F
         total = builder.load(accs[0])
         for acc in accs[1:]:
             total = builder.fadd(total, builder.load(acc))
-        builder.store(weights.finish(total, start), lanes_ptr, align=4)
+        builder.store(weights.finish(total, lanes_ptr, accumulate), lanes_ptr, align=4)
         return context.get_dummy_value()
 
     return sig, codegen
@@ -247,7 +259,9 @@ def _panel_dot_multi_ir(panels, block, x, start, step, lanes, accumulate: bool, 
         undef = ir.Constant(vec, ir.Undefined)
         splat = ir.Constant(ir.VectorType(ir.IntType(32), LANES), [0] * LANES)
         accs = [cgutils.alloca_once_value(builder, zero) for _ in range(POSITIONS)]
-        starts = [builder.load(ptr, align=4) for ptr in lane_ptrs] if accumulate else [None] * POSITIONS
+        if accumulate:
+            for acc, ptr in zip(accs, lane_ptrs, strict=True):
+                weights.start(acc, ptr)
         with cgutils.for_range(builder, m) as loop:
             k = loop.index
             w = weights.load(k)
@@ -256,8 +270,8 @@ def _panel_dot_multi_ir(panels, block, x, start, step, lanes, accumulate: bool, 
                 xs = builder.shuffle_vector(builder.insert_element(undef, xk, ir.Constant(ir.IntType(32), 0)), undef,
                                             splat)
                 builder.store(builder.call(fma, [w, xs, builder.load(acc)]), acc)
-        for acc, ptr, first in zip(accs, lane_ptrs, starts, strict=True):
-            builder.store(weights.finish(builder.load(acc), first), ptr, align=4)
+        for acc, ptr in zip(accs, lane_ptrs, strict=True):
+            builder.store(weights.finish(builder.load(acc), ptr, accumulate), ptr, align=4)
         return context.get_dummy_value()
 
     return sig, codegen
