@@ -10,7 +10,14 @@ import pytest
 import torch
 
 from closedloop.export import export_bundle
-from closedloop.runtime import RecordingReader, RecordType, Session, SessionConfig, SessionObserver, run_session
+from closedloop.runtime import (
+    RecordingReader,
+    RecordType,
+    Session,
+    SessionConfig,
+    SessionObserver,
+    run_session,
+)
 from closedloop.runtime.recording_view import view_recording
 from closedloop.sdk.bci.deploy import export_bci_bundle
 from closedloop.sdk.models import GRUDecoder, MLPPolicy

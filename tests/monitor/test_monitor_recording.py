@@ -1,0 +1,80 @@
+"""A recording in the monitor's page (closedloop monitor FILE) and as a figure (closedloop recording --plot)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from closedloop.export import export_bundle
+from closedloop.runtime import SessionConfig, run_session
+from closedloop.runtime.recording_view import view_recording
+from closedloop.sdk.models import MLPPolicy
+
+
+@pytest.fixture(scope="module")
+def plant_recording(tmp_path_factory):
+    torch.manual_seed(1)
+    root = tmp_path_factory.mktemp("monrec")
+    bundle = export_bundle(
+        MLPPolicy(1, 1, (8,)).eval(), root / "plant", kind="feedforward", example_input=torch.zeros(1, 1),
+        rate_hz=200.0, name="plant-ctl", postprocess={"scale": [5.0], "offset": [3.0], "low": [-2.0], "high": [2.0]},
+        extra={"session": {"input": "plant_measurement", "command": "actuator_command"}},
+        variants=(), tensorrt=False, report=lambda s: None,
+    )
+    rec = root / "plant.clrec"
+    s = run_session(bundle, SessionConfig(device="sim://plant?model=msd&rate=200&seed=5&silence_at=1.0&silence_s=0.6",
+                                          duration_s=2.5, watchdog_s=0.15, status=False, backend="onnxruntime",
+                                          record=str(rec)))
+    return rec, s
+
+
+def test_the_view_holds_each_steps_timing_the_inputs_commands_and_events(plant_recording):
+    rec, s = plant_recording
+    v = view_recording(rec)
+    assert v.steps["step"].size == s.loop.steps
+    assert np.all(v.steps["latency_us"] > 0) and np.all(np.diff(v.steps["t_s"]) > 0)
+    assert len(v.inputs["plant_output_y"]) == s.inputs_used + s.inputs_skipped  # every measurement frame
+    assert len(v.commands) == s.commands_sent + s.safe_commands_sent + s.commands_resent
+    safe_steps = int(((v.steps["flags"] & 4) != 0).sum())
+    assert safe_steps > 0 and "watchdog" in [e["event"] for _, e in v.events]
+
+
+def test_recording_plot_writes_a_png(plant_recording, tmp_path):
+    rec, _ = plant_recording
+    out = tmp_path / "session.png"
+    r = subprocess.run([sys.executable, "-m", "closedloop.sdk.cli", "recording", str(rec), "--plot", str(out)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    data = out.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 20_000
+
+
+def test_monitor_shows_a_recording_with_a_time_slider(plant_recording, page, screenshot_dir):
+    pytest.importorskip("aiohttp", reason="the monitor needs the [monitor] extra (aiohttp)")
+    rec, s = plant_recording
+    p = subprocess.Popen([sys.executable, "-m", "closedloop.sdk.cli", "monitor", str(rec), "--port", "0"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = p.stdout.readline()
+        assert line.startswith("monitor: http://127.0.0.1:"), line + p.stderr.read()
+        url = line.split()[1]
+        page.goto(url)
+        page.wait_for_function("() => monitorState.step > 0", timeout=30_000)
+        at_end = page.evaluate("() => monitorState.step")
+        assert at_end == int(view_recording(rec).steps["step"][-1])  # the slider starts at the end
+        assert page.is_visible("#slider")
+        page.evaluate("() => { const s = document.getElementById('slider'); s.value = '1.3'; "
+                      "s.dispatchEvent(new Event('input')); }")  # inside the silence
+        time.sleep(0.3)
+        mid = page.evaluate("() => ({step: monitorState.step, state: document.getElementById('state').textContent,"
+                            " watchdog: document.getElementById('watchdog').textContent})")
+        assert 0 < mid["step"] < at_end and mid["state"] == "SAFE" and mid["watchdog"] == "1"
+        page.screenshot(path=str(screenshot_dir / "monitor_recording.png"))
+    finally:
+        p.terminate()
+        p.communicate(timeout=10)
