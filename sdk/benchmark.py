@@ -1,6 +1,9 @@
 """The spine benchmark: per-step latency of a GRU decoder and an MLP policy on torch
 eager, ONNX Runtime and the Numba backend, back to back and at the real cadence,
 beside each step's floor; and the real-time loop's lateness at 1 kHz and 50 Hz.
+The Numba backend is timed on fp32 and on the weight-storage variants (``numba/fp16w``:
+weights in float16, ``numba/int8w``: int8 with a scale per row; float32 arithmetic),
+each with its error against fp32 from the export.
 
 Run with ``python bench/bench_spine.py`` or ``closedloop bench``; ``make demo`` runs a
 short version. ``bench/bench_spine.py`` writes ``spine.json`` and ``spine_latency.png`` to
@@ -20,7 +23,7 @@ import numpy as np
 import torch
 
 from closedloop.export import export_bundle
-from closedloop.runtime import LoopConfig, Model, RealTimeLoop
+from closedloop.runtime import LoopConfig, Model, RealTimeLoop, load_bundle
 from closedloop.runtime.timing import time_back_to_back
 
 from .models import GRUDecoder, MLPPolicy
@@ -35,6 +38,7 @@ from .roofline import (
 GRU_SHAPE = dict(n_inputs=192, n_hidden=256, n_layers=2, n_outputs=32)
 MLP_SHAPE = dict(n_obs=40, n_actions=8, hidden=(256, 256))
 METHODS = ("torch-eager", "onnxruntime", "numba")
+STORED = ("fp16w", "int8w")  # the weight-storage variants, timed on numba as "numba/<variant>"
 
 
 @dataclass
@@ -92,8 +96,9 @@ def _torch_step_fn(model: torch.nn.Module, kind: str, n_in: int, seed: int) -> t
     return step_ff, step_ff
 
 
-def _runtime_step_fn(bundle: Path, backend: str, n_in: int, seed: int) -> tuple[Callable[[], None], Model]:
-    m = Model(bundle, backend=backend)
+def _runtime_step_fn(bundle: Path, backend: str, n_in: int, seed: int,
+                     variant: str = "fp32") -> tuple[Callable[[], None], Model]:
+    m = Model(bundle, backend=backend, variant=variant)
     m.inputs[m.spec.data_inputs[0].name][...] = np.random.default_rng(seed).standard_normal((1, n_in))
     return m.run, m
 
@@ -145,11 +150,12 @@ def run_spine_benchmark(cfg: SpineBenchConfig | None = None, report: Callable[[s
             example_input=torch.zeros(1, n_in),
             rate_hz=50.0 if mname == "gru" else 1000.0,
             name=f"bench-{mname}",
-            variants=(),
+            variants=STORED,
             tensorrt=False,
             overwrite=True,
             report=lambda s: None,
         )
+        stored = load_bundle(bundle).graph().variants
         wbytes = _weight_bytes(module)
         bw = read_bandwidth_gbs(wbytes)
         bw_cold = cold_read_bandwidth_gbs(wbytes)
@@ -164,13 +170,16 @@ def run_spine_benchmark(cfg: SpineBenchConfig | None = None, report: Callable[[s
             "floor_bound": "flops" if t_flops > wbytes / (bw * 1e3) else "bandwidth",
             "floor_cold_us": max(t_flops, wbytes / (bw_cold * 1e3)),
             "methods": {},
+            "variants": {v: {k: r.get(k) for k in ("within_tolerance", "tolerance", "weight_storage")}
+                         | {k: r["parity_vs_fp32"].get(k) for k in ("max_abs", "max_rel")} for v, r in stored.items()},
         }
-        for method in METHODS:
+        for method in (*METHODS, *(f"numba/{v}" for v in STORED)):
             if method == "torch-eager":
                 step, prewarm = _torch_step_fn(module, kind, n_in, cfg.seed)
                 holder = None
             else:
-                step, holder = _runtime_step_fn(bundle, method, n_in, cfg.seed)
+                backend, _, variant = method.partition("/")
+                step, holder = _runtime_step_fn(bundle, backend, n_in, cfg.seed, variant or "fp32")
                 prewarm = holder.prewarm
             report(f"  {mname} / {method}: back to back x{cfg.back_to_back_steps}, then {cfg.cadence_s:g} s at 50 Hz "
                    "cold and prewarmed")
@@ -226,6 +235,16 @@ def _targets(r: dict) -> list[dict]:
     for mode, label in modes.items():
         ratio = g["torch-eager"][mode]["p99_us"] / g["numba"][mode]["p99_us"]
         t.append({"target": f"numba GRU p99 >= 3x faster than torch eager ({label})", "value": f"{ratio:.2f}x", "met": ratio >= 3})
+    fp16_tol = gm["variants"].get("fp16w", {}).get("tolerance") or {"abs": 1e-2, "rel": 1e-2}
+    for v, rec in gm["variants"].items():
+        if f"numba/{v}" not in g:
+            continue
+        ratio = g["torch-eager"]["back_to_back"]["p99_us"] / g[f"numba/{v}"]["back_to_back"]["p99_us"]
+        close = rec["max_abs"] <= fp16_tol["abs"] or rec["max_rel"] <= fp16_tol["rel"]
+        t.append({"target": f"numba GRU, {v} variant: p99 >= 3x faster than torch eager (back to back), its error "
+                            "within the fp16 variant's tolerance",
+                  "value": f"{ratio:.2f}x; max abs {rec['max_abs']:.2g} vs fp32 (tolerance {fp16_tol['abs']:g})",
+                  "met": ratio >= 3 and close and bool(rec["within_tolerance"])})
     for mode, label, floor in (
         ("back_to_back", "back to back, vs cache-resident floor", gm["floor_us"]),
         ("cadence_50hz", "50 Hz cold, vs cold-memory floor", gm["floor_cold_us"]),
@@ -256,7 +275,12 @@ def format_table(r: dict) -> str:
                 f"{w['p50_us']:8.1f} {w['p99_us']:8.1f} {b['first_us']:7.1f} {entry['floor_us']:6.1f} {entry['floor_cold_us']:7.1f}"
             )
     lines.append("(cold: at 50 Hz as is; warm: at 50 Hz with the loop's prewarm just before each deadline;"
-                 " floor: FLOPs at peak or weights at cache bandwidth; cold fl: weights from memory)")
+                 " floor: FLOPs at peak or fp32 weights at cache bandwidth; cold fl: weights from memory;"
+                 " numba/fp16w, numba/int8w: weights stored in float16 / int8, float32 arithmetic)")
+    for mname, entry in r["models"].items():
+        for v, rec in entry.get("variants", {}).items():
+            lines.append(f"{mname} {v}: max abs {rec['max_abs']:.2g}, max rel {rec['max_rel']:.2g} vs fp32 "
+                         f"({'within' if rec['within_tolerance'] else 'OUTSIDE'} tolerance {rec['tolerance']['abs']:g})")
     lines.append("")
     lines.append(f"{'loop':11} {'model':5} {'steps':>7} {'late p50':>9} {'late p99':>9} {'late max':>9} {'overruns':>9} {'missed':>8}")
     for rate, s in r["loops"].items():

@@ -90,13 +90,19 @@ def format_zoo_table(results: dict) -> str:
                  "at cache bandwidth; a windowed model's step is one run on a full window)")
     lines.append("")
     lines.append("variants (error vs fp32 from the export; p50/p99 us where a backend runs them):")
-    lines.append(f"{'model':12} {'variant':8} {'max abs':>9} {'within':>6} {'ORT p50':>9} {'p99':>8} {'numba p50':>9} {'p99':>8}")
+    lines.append(f"{'model':12} {'variant':8} {'max abs':>9} {'within':>6} {'ORT p50':>9} {'p99':>8} {'numba p50':>9} {'p99':>8} "
+                 f"{'numba/torch':>11}")
     for name, rec in results["models"].items():
+        te = _row(rec, "torch-eager")
         for v, info in rec["variants"].items():
             ma = info.get("max_abs")
+            nb = _row(rec, "numba", v)
+            ratio = f"{nb['p99_us'] / te['p99_us']:11.2f}" if nb and te else f"{'-':>11}"
             lines.append(f"{name:12} {v:8} {ma if ma is None else f'{ma:9.2e}':>9} "
                          f"{'yes' if info.get('within_tolerance') else 'NO':>6} "
-                         f"{_pair(_row(rec, 'onnxruntime', v))} {_pair(_row(rec, 'numba', v))}")
+                         f"{_pair(_row(rec, 'onnxruntime', v))} {_pair(nb)} {ratio}")
+    lines.append("(fp16w, int8w: weights stored in float16 / int8 with a scale per row, float32 arithmetic; "
+                 "fp16, int8: ONNX Runtime's float16 graph and dynamic quantization)")
     if skipped:
         lines.append("")
         lines.append("not timed here, and why:")
