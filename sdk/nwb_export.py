@@ -8,7 +8,7 @@ What goes where in the NWB file:
   ``joint_positions`` and ``joint_velocities`` for joint states.
 - ``processing["closedloop"]``: ``model_output`` (every recorded model output, host
   clock), ``commands_sent`` (actuator and joint commands, decoded from the exact bytes
-  written, host clock), ``decoder_outputs`` (a decoder's DECODER_OUTPUT frames: bin index
+  written, host clock), ``step_timing`` (each loop step's latency and lateness, host clock), ``decoder_outputs`` (a decoder's DECODER_OUTPUT frames: bin index
   and the text added, as a table) and ``session_events`` (watchdog, disconnects, device
   status) as a table.
 - ``session_description`` and ``notes`` carry the device, bundle and summary.
@@ -26,16 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from closedloop.common.atomic import atomic_write_bytes
-from closedloop.firmware_bridge import (
-    ActuatorCommand,
-    DecoderOutput,
-    FrameParser,
-    JointCommand,
-    JointState,
-    NeuralFrame,
-    PlantMeasurement,
-)
-from closedloop.runtime.recording import RecordingReader, RecordType
+from closedloop.runtime.recording_view import view_recording
 
 
 def recording_to_nwb(recording: str | Path, out: str | Path, overwrite: bool = False) -> Path:
@@ -45,9 +36,8 @@ def recording_to_nwb(recording: str | Path, out: str | Path, overwrite: bool = F
     out = Path(out)
     if out.exists() and not overwrite:
         raise FileExistsError(f"{out} exists; pass overwrite=True (--overwrite) or choose another name")
-    reader = RecordingReader(recording)
-    meta = reader.meta
-    t0 = reader.records[0].host_ns if reader.records else 0
+    view = view_recording(recording)
+    meta = view.meta
     start = meta.get("started_utc")
     start_dt = (
         datetime.strptime(start, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=timezone.utc) if start else datetime.now(timezone.utc)
@@ -57,53 +47,17 @@ def recording_to_nwb(recording: str | Path, out: str | Path, overwrite: bool = F
         f"{meta.get('device', {}).get('kind', '?')} ({meta.get('device_url', '?')})",
         identifier=f"closedloop-{Path(recording).stem}",
         session_start_time=start_dt,
-        notes=json.dumps({"meta": meta, "summary": reader.summary, "recording": reader.describe()}),
+        notes=json.dumps({"meta": meta, "summary": view.summary, "recording": view.described}),
     )
-    rx, tx = FrameParser(), FrameParser()
-    series: dict[str, tuple[list, list]] = {}
-    outputs, out_t, cmds, cmd_t = [], [], [], []
-    ev_t, ev_kind, ev_detail = [], [], []
-    dec_t, dec_bin, dec_text = [], [], []  # a decoder's DECODER_OUTPUTs: the text it typed, bin by bin
-
-    def add(name: str, t: float, v: np.ndarray) -> None:
-        series.setdefault(name, ([], []))
-        series[name][0].append(t)
-        series[name][1].append(np.asarray(v, dtype=np.float64))
-
-    for rec in reader:
-        t_host = (rec.host_ns - t0) / 1e9
-        if rec.type == RecordType.RX:
-            for f in rx.feed(rec.payload):
-                m, t_dev = f.message, f.timestamp_us / 1e6
-                if isinstance(m, NeuralFrame):
-                    add("binned_spikes", t_dev, m.counts)
-                elif isinstance(m, PlantMeasurement):
-                    add("plant_output_y", t_dev, m.y)
-                    add("plant_input_u", t_dev, m.u)
-                elif isinstance(m, JointState):
-                    add("joint_positions", t_dev, m.q)
-                    add("joint_velocities", t_dev, m.dq)
-        elif rec.type == RecordType.TX:
-            for f in tx.feed(rec.payload):
-                m = f.message
-                if isinstance(m, ActuatorCommand):
-                    cmds.append(m.u)
-                    cmd_t.append(t_host)
-                elif isinstance(m, JointCommand):
-                    cmds.append(m.values)
-                    cmd_t.append(t_host)
-                elif isinstance(m, DecoderOutput):
-                    dec_t.append(t_host)
-                    dec_bin.append(int(m.bin_index))
-                    dec_text.append(m.text)
-        elif rec.type == RecordType.OUTPUT:
-            outputs.append(rec.output()[2].copy())
-            out_t.append(t_host)
-        elif rec.type == RecordType.EVENT:
-            ev = rec.json()
-            ev_t.append(t_host)
-            ev_kind.append(str(ev.pop("event", "?")))
-            ev_detail.append(json.dumps(ev))
+    series = {name: (s.t_device_s, s.values) for name, s in view.inputs.items()}
+    outputs, out_t = view.outputs.values, view.outputs.t_host_s
+    cmds, cmd_t = view.commands.values, view.commands.t_host_s
+    dec_t = [t for t, _, _ in view.typed]
+    dec_bin = [b for _, b, _ in view.typed]
+    dec_text = [x for _, _, x in view.typed]
+    ev_t = [t for t, _ in view.events]
+    ev_kind = [str(ev.get("event", "?")) for _, ev in view.events]
+    ev_detail = [json.dumps({k: v for k, v in ev.items() if k != "event"}) for _, ev in view.events]
     units = {"binned_spikes": "counts per bin"}
     for name, (ts, vals) in series.items():
         nwb.add_acquisition(TimeSeries(name=name, data=np.stack(vals), timestamps=np.asarray(ts), unit=units.get(name, "a.u.")))
@@ -112,6 +66,12 @@ def recording_to_nwb(recording: str | Path, out: str | Path, overwrite: bool = F
         mod.add(TimeSeries(name="model_output", data=np.stack(outputs), timestamps=np.asarray(out_t), unit="a.u."))
     if cmds:
         mod.add(TimeSeries(name="commands_sent", data=np.stack(cmds), timestamps=np.asarray(cmd_t), unit="a.u."))
+    steps = view.steps
+    if steps["step"].size:
+        mod.add(TimeSeries(name="step_timing", data=np.stack([steps["latency_us"], steps["lateness_us"]], axis=1),
+                           timestamps=steps["t_s"], unit="microseconds",
+                           description="per loop step (STEPS records): column 0 its latency, column 1 its lateness "
+                                       "(start minus deadline); timestamps are the steps' starts, host clock"))
     if dec_t:
         mod.add(
             DynamicTable(
