@@ -7,7 +7,7 @@ An outlet in another process pushes 192 spike counts (int32) at 1 kHz (declared;
 ``--source-ppm`` fast, as a real amplifier's clock differs from the host's, so over the run
 its samples arrive at every phase of the session's 1 kHz loop), each stamped with
 ``pylsl.local_clock()`` as it is pushed, paced by sleep. First a bare
-inlet in this process busy-polls the stream for ``--probe-s`` seconds: the LSL
+inlet in this process waits on the stream for ``--probe-s`` seconds: the LSL
 transit alone (push to pulled). Then ``closedloop.runtime.run_session`` decodes the
 stream through ``lsl://NAME`` with a small GRU bundle (192 -> 64 -> 8) at 1 kHz and
 records it. From the recording, for every model output: the sample's LSL timestamp
@@ -21,7 +21,8 @@ after the output, written right after the transport's write), all on the LSL clo
   loop step, up to one period: the stream and the loop run at 1 kHz on unrelated phases);
 - step: read -> command sent (parse, model, encode, write).
 
-Prints a table and writes ``lsl.json`` and ``lsl.png`` (``lsl_quick*`` with ``--quick``) to
+``--realtime`` runs the session and the source under SCHED_FIFO. Prints a table and writes
+``lsl.json`` and ``lsl.png`` (``lsl_rt*`` with ``--realtime``, ``lsl_quick*`` with ``--quick``) to
 ``--out`` (default ``bench/results/lsl``).
 """
 
@@ -66,16 +67,24 @@ def run_outlet(name: str, seconds: float, ppm: float) -> None:
         k += 1
 
 
-def start_outlet(name: str, seconds: float, ppm: float) -> subprocess.Popen:
+def realtime(priority: int = 50) -> None:
+    """SCHED_FIFO for this thread and the threads it starts from now on (liblsl's, numba's): Linux, as root."""
+    try:
+        os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(priority))
+    except (AttributeError, PermissionError, OSError) as exc:
+        raise SystemExit(f"--realtime needs Linux and the right to SCHED_FIFO (root or CAP_SYS_NICE): {exc}") from None
+
+
+def start_outlet(name: str, seconds: float, ppm: float, rt: bool) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, __file__, "--outlet", name, "--outlet-seconds", str(seconds),
-                             "--source-ppm", str(ppm)],
+                             "--source-ppm", str(ppm)] + (["--realtime"] if rt else []),
                             stderr=subprocess.DEVNULL)
 
 
 # ----------------------------------------------------------------------------- measurements
 
 def probe_transit(name: str, seconds: float) -> np.ndarray:
-    """Push -> pulled by a busy-polling inlet, microseconds: LSL's own share of the latency."""
+    """Push -> pulled by an inlet waiting in liblsl for each sample, microseconds: LSL's own share of the latency."""
     import pylsl
 
     found = pylsl.resolve_byprop("name", name, 1, 10.0)
@@ -89,7 +98,9 @@ def probe_transit(name: str, seconds: float) -> np.ndarray:
     end = time.monotonic() + seconds
     buf = np.zeros((64, CHANNELS), dtype=np.int32)
     while time.monotonic() < end:
-        _, ts = inlet.pull_chunk(timeout=0.0, max_samples=64, dest_obj=buf, as_numpy=True)
+        # blocking in liblsl (the GIL and the core released) returns as soon as a sample is there; a busy poll
+        # would take the core from liblsl's own receiving thread, under SCHED_FIFO above all
+        _, ts = inlet.pull_chunk(timeout=0.1, max_samples=64, dest_obj=buf, min_samples=1, as_numpy=True)
         if len(ts):
             now = pylsl.local_clock()
             out.extend((now - (t + corr)) * 1e6 for t in ts)
@@ -148,7 +159,8 @@ def latencies(record: Path, offset_s: float) -> dict[str, np.ndarray]:
 def pct(a: np.ndarray) -> dict[str, float]:
     if not a.size:
         return {"n": 0}
-    return {"n": int(a.size), "p50_us": round(float(np.percentile(a, 50)), 1),
+    return {"n": int(a.size), "p1_us": round(float(np.percentile(a, 1)), 1),
+            "p50_us": round(float(np.percentile(a, 50)), 1),
             "p99_us": round(float(np.percentile(a, 99)), 1), "p999_us": round(float(np.percentile(a, 99.9)), 1),
             "max_us": round(float(a.max()), 1), "mean_us": round(float(a.mean()), 1)}
 
@@ -166,7 +178,7 @@ def plot(legs: dict[str, np.ndarray], transit: np.ndarray, path: Path) -> None:
     for key, label in (("total", "LSL timestamp -> command sent"), ("to_read", "LSL timestamp -> session read"),
                        ("step", "session read -> command sent")):
         ax.hist(np.clip(legs[key], 0, hi), bins=bins, histtype="step", label=label, density=True)
-    ax.hist(np.clip(transit, 0, hi), bins=bins, histtype="step", label="LSL transit (busy-polling inlet)",
+    ax.hist(np.clip(transit, 0, hi), bins=bins, histtype="step", label="LSL transit (bare inlet)",
             density=True, linestyle="--")
     ax.axvline(1000, color="k", lw=0.8, ls=":")
     ax.set_xlabel("microseconds")
@@ -197,11 +209,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--source-ppm", type=float, default=500.0,
                     help="the source runs this many ppm fast (its phase against the loop's sweeps every "
                          "1e6 / (ppm * 1000) s); 0: a fixed phase, whose luck decides the wait for the loop")
+    ap.add_argument("--realtime", action="store_true",
+                    help="run the session and the source under SCHED_FIFO (a board's real-time set-up), so other "
+                         "work on the machine does not preempt them")
     ap.add_argument("--quick", action="store_true", help="3 s session, 1 s probe")
     ap.add_argument("--out", type=Path, default=RESULTS)
     ap.add_argument("--outlet", help=argparse.SUPPRESS)
     ap.add_argument("--outlet-seconds", type=float, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.realtime:
+        realtime()
     if args.outlet:
         run_outlet(args.outlet, args.outlet_seconds, args.source_ppm)
         return 0
@@ -215,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
 
     load_before = list(os.getloadavg())  # other work on the machine shows in every leg: recorded with the run
     name = f"clbench-{uuid.uuid4().hex[:8]}"
-    source = start_outlet(name, args.probe_s + args.seconds + 60.0, args.source_ppm)
+    source = start_outlet(name, args.probe_s + args.seconds + 60.0, args.source_ppm, args.realtime)
     try:
         with tempfile.TemporaryDirectory() as tmp:
             bundle = make_bundle(Path(tmp))
@@ -257,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     for k, met in targets.items():
         print(f"target {k}: {'MET' if met else 'NOT MET'}")
 
-    stem = "lsl_quick" if args.quick else "lsl"
+    stem = ("lsl_quick" if args.quick else "lsl") + ("_rt" if args.realtime else "")
     args.out.mkdir(parents=True, exist_ok=True)
     plot(legs, transit, args.out / f"{stem}.png")
     record = {
@@ -266,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
                    "numpy": np.__version__, "pylsl": pylsl.__version__, "liblsl": pylsl.library_version(),
                    "load_average_before": load_before, "load_average_after": list(os.getloadavg())},
         "stream": {"channels": CHANNELS, "rate_hz": RATE_HZ, "format": "int32", "source_ppm": args.source_ppm},
-        "session_s": args.seconds, "probe_s": args.probe_s,
+        "session_s": args.seconds, "probe_s": args.probe_s, "realtime": args.realtime,
         "clock_offset_lsl_minus_monotonic_s": offset, "clock_offset_read_width_s": width,
         "time_correction_s": float(legs["time_correction_s"][0]),
         "legs": stats, "added_p99_us": round(added_p99, 1),
