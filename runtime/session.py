@@ -351,6 +351,7 @@ class Session:
             "output_shape": list(self.model.output.shape),
         }
         safe = np.asarray(self.family.safe_output())
+        info.update(n_in=int(self.family.frame_vector.size), n_out=int(self.model.output.size), n_cmd=int(safe.size))
         try:
             self._tap = SessionTap(info, n_in=self.family.frame_vector.size, n_out=self.model.output.size,
                                    n_cmd=safe.size, observers=observers, monitor=cfg.monitor,
@@ -585,7 +586,7 @@ class Session:
         metrics = dict(self.family.live_metrics())
         if "text" in metrics:  # the whole typed text, not the status line's tail
             metrics["text"] = self.family.summary_metrics().get("text", metrics["text"])
-        return {"event": "status", "step": self._step, "state": self._state(),
+        return {"event": "status", "step": self._step, "t_ns": time.monotonic_ns(), "state": self._state(),
                 "p99_us": lat.percentile_us(99) if lat.count else None, "missed": self._loop.missed,
                 "lost": self.link.parser.stats.lost if self.link is not None else 0,
                 "watchdog_trips": c["watchdog_trips"], "reconnects": c["reconnects"],

@@ -563,10 +563,8 @@ def _version() -> str:
 
     try:
         return metadata.version("closedloop")
-    except metadata.PackageNotFoundError:
-        from closedloop import __version__
-
-        return __version__
+    except metadata.PackageNotFoundError:  # run from a source tree that was never installed
+        return "(not installed)"
 
 
 def _build() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:

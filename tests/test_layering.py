@@ -47,6 +47,9 @@ BARE_LAYER_NAMES = {"sdk", "runtime", "firmware_bridge", "export", "sim"}
 # names the extra when it is missing.
 OPTIONAL_IMPORTS = {
     "closedloop.firmware_bridge.transports.lsl": {"pylsl"},  # lsl:// and --lsl-out: pip install 'closedloop[lsl]'
+    # the browser monitor's web server, imported only where it serves: pip install 'closedloop[monitor]'
+    "closedloop.runtime.monitor.server": {"aiohttp"},
+    "closedloop.runtime.monitor.recording_server": {"aiohttp"},
 }
 
 

@@ -3,23 +3,11 @@
 from __future__ import annotations
 
 import os
-import shutil
 from pathlib import Path
 
 import pytest
 
-CHROMIUM_FLAGS = [
-    "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
-    "--disable-component-update", "--disable-sync",
-]
-
-
-def chromium_path() -> str | None:
-    for candidate in (os.environ.get("CLOSEDLOOP_CHROMIUM"), "/usr/bin/chromium", shutil.which("chromium"),
-                      shutil.which("chromium-browser")):
-        if candidate and Path(candidate).exists():
-            return candidate
-    return None
+from closedloop.runtime.monitor.browser import CHROMIUM_FLAGS, chromium_path
 
 
 @pytest.fixture(scope="session")

@@ -172,21 +172,28 @@
     if (!S.status || S.status.p99_us === undefined) $("p99").textContent = Math.round(sorted[Math.floor(0.99 * (sorted.length - 1))]) + " us";
   }
 
+  let heat = null;
   function drawInput() {
     const rows = S.inp; if (!rows.length) return;
     const nch = rows[rows.length - 1].length;
     const fam = S.info && S.info.family;
     if (nch > 16 || fam === "bci") {
+      // One pixel per (frame, channel) in an ImageData, scaled up by drawImage: a 192 x 200 map is one blit.
       const [g, w, h] = canvas("input");
       let hi = 0; for (const r of rows) for (const v of r) if (v !== null && v > hi) hi = v;
       hi = hi || 1;
-      const cw = w / RASTER_ROWS, ch = h / nch;
+      if (!heat || heat.width !== RASTER_ROWS || heat.height !== nch) {
+        heat = document.createElement("canvas"); heat.width = RASTER_ROWS; heat.height = nch;
+      }
+      const hg = heat.getContext("2d"), img = hg.createImageData(RASTER_ROWS, nch), px = img.data;
       const off = RASTER_ROWS - rows.length;
       rows.forEach((r, i) => r.forEach((v, j) => {
-        const a = v === null ? 0 : Math.min(1, v / hi);
-        g.fillStyle = `rgba(88,166,255,${a.toFixed(2)})`;
-        g.fillRect((off + i) * cw, j * ch, Math.ceil(cw), Math.ceil(ch));
+        const a = v === null ? 0 : Math.min(1, v / hi), k = 4 * ((nch - 1 - j) * RASTER_ROWS + off + i);
+        px[k] = 88 * a; px[k + 1] = 166 * a; px[k + 2] = 255 * a; px[k + 3] = 255;
       }));
+      hg.putImageData(img, 0, 0);
+      g.imageSmoothingEnabled = false;
+      g.drawImage(heat, 0, 0, w, h);
       $("input-legend").textContent = `${nch} channels x last ${rows.length} frames; brightest = ${hi} counts`;
     } else {
       const [g, w, h] = canvas("input");
@@ -220,6 +227,7 @@
     }
   }
 
+  let drawn = -1;
   function render() {
     $("step").textContent = Math.max(0, S.step);
     $("missed").textContent = S.counts.missed;
@@ -230,6 +238,9 @@
     const st = S.ended ? "ended" : S.connected ? S.state : "reconnecting";
     $("state").textContent = st; $("state").dataset.state = st;
     $("typed").textContent = S.text; $("prompt").textContent = S.prompt;
+    const version = S.updates + (S.recordingT || 0);
+    if (version === drawn) return;  // nothing new: leave the canvases as they are
+    drawn = version;
     try { drawTiming(); drawInput(); drawCommand(); } catch (err) { console.error(err); }
   }
 

@@ -1,0 +1,194 @@
+"""What the browser monitor costs a live session, and how fast its page updates.
+
+Two sessions against the emulators, each run alternately without and with the monitor
+(``--monitor``) and a connected headless Chromium page, ``--repeats`` times:
+
+- a certified flexible-joint observer at 1 kHz against ``sim://plant``;
+- a 192-channel GRU decoder (2 x 256, random weights: latency does not depend on them)
+  at 50 Hz against ``sim://headstage``.
+
+Per run: the loop's p99 step latency and missed deadlines (from the session summary),
+and with the page, its updates per second (the page's own counter) and the step records
+it received. Targets (issue 25): p99 ratio with/without <= 1.1, no more missed
+deadlines than the run-to-run spread without the monitor, page >= 10 updates/s.
+
+    python bench/bench_monitor.py                # 3 repeats x 10 s per condition
+    python bench/bench_monitor.py --quick        # 1 repeat x 3 s, writes nothing unless --out
+
+Writes bench/results/monitor/{monitor.json, monitor.md, monitor.png}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def build_bundles(root: Path) -> dict[str, tuple[Path, str]]:
+    import torch
+
+    from closedloop.sdk.bci.deploy import export_bci_bundle
+    from closedloop.sdk.models import GRUDecoder
+    from closedloop.sdk.observer.certify import certify
+    from closedloop.sdk.observer.neural import NeuralObserver, ObserverModel, export_observer_bundle
+    from closedloop.sdk.observer.systems import observer_system
+    from closedloop.sdk.observer.train import TrainConfig, _initial_net
+
+    model = ObserverModel.from_system(observer_system("flexible-joint"))
+    torch.manual_seed(0)
+    net = _initial_net(model, TrainConfig(hidden=(6, 6), init_gain=0.1)).scale_(0.5)
+    report = certify(model, net, rho=0.999, local_vbar=None, coverage_eps=0.05, coverage_beta=1e-2)
+    observer = export_observer_bundle(NeuralObserver(model, net), report, root / "observer", report=lambda s: None)
+    torch.manual_seed(1)
+    decoder = export_bci_bundle(GRUDecoder(192, 256, 2, 32).eval(), root / "decoder", n_channels=192,
+                                mean=np.full(192, 0.16), std=np.full(192, 0.4), session_name="bench",
+                                variants=(), tensorrt=False, report=lambda s: None)
+    return {"observer_1kHz": (Path(observer), "sim://plant?model=flexible-joint&rate=1000&seed=1"),
+            "decoder_50Hz": (Path(decoder), "sim://headstage?channels=192&seed=3")}
+
+
+def one_run(bundle: Path, device: str, duration_s: float, monitor: bool, browser) -> dict:
+    from closedloop.runtime import Session, SessionConfig
+
+    cfg = SessionConfig(device=device, duration_s=duration_s, status=False, backend="auto",
+                        monitor="0" if monitor else None)
+    s = Session(bundle, cfg)
+    s.start()
+    out: dict = {}
+    t = threading.Thread(target=lambda: out.update(summary=s.run()))
+    t.start()
+    page_stats = None
+    if monitor:
+        page = browser.new_page()
+        page.goto(s.monitor_url)
+        ups = []
+        time.sleep(1.5)  # the page connects and fills
+        while t.is_alive():
+            ups.append(page.evaluate("() => monitorState.ups"))
+            time.sleep(1.0)
+        seen = page.evaluate("() => monitorState.stepsSeen")
+        page.close()
+        page_stats = {"updates_per_s_median": float(np.median(ups[:-1] or ups)), "updates_per_s_min":
+                      float(min(ups[:-1] or ups)), "steps_seen": int(seen)}
+    t.join()
+    s.close()
+    summary = out["summary"]
+    loop = summary.loop
+    return {"monitor": monitor, "p99_us": loop.latency_p99_us, "p50_us": loop.latency_p50_us,
+            "missed": loop.missed_deadlines, "steps": loop.steps, "backend": summary.backend,
+            "page": page_stats}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--duration", type=float, default=10.0)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    if a.quick:
+        a.repeats, a.duration = 1, 3.0
+    out_dir = Path(a.out) if a.out else (None if a.quick else ROOT / "bench/results/monitor")
+    from playwright.sync_api import sync_playwright
+
+    from closedloop.runtime.monitor.browser import CHROMIUM_FLAGS, chromium_path
+
+    results: dict = {"host": {"machine": platform.machine(), "processor": _cpu(), "python": platform.python_version()},
+                     "repeats": a.repeats, "duration_s": a.duration, "sessions": {}}
+    with tempfile.TemporaryDirectory() as tmp, sync_playwright() as pw:
+        bundles = build_bundles(Path(tmp))
+        browser = pw.chromium.launch(executable_path=chromium_path(), headless=True, args=CHROMIUM_FLAGS)
+        for name, (bundle, device) in bundles.items():
+            one_run(bundle, device, 1.0, False, None)  # warm: compile caches, emulator start-up
+            runs = []
+            for r in range(a.repeats):
+                for monitor in (False, True):
+                    run = one_run(bundle, device, a.duration, monitor, browser)
+                    runs.append(run)
+                    print(f"{name} repeat {r} monitor={monitor}: p99 {run['p99_us']:.0f} us, missed {run['missed']}"
+                          + (f", page {run['page']['updates_per_s_median']:.0f} updates/s" if run["page"] else ""),
+                          flush=True)
+            results["sessions"][name] = {"runs": runs, **_compare(runs)}
+        browser.close()
+    text = _table(results)
+    print(text)
+    if out_dir is not None:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "monitor.json").write_text(json.dumps(results, indent=2))
+        (out_dir / "monitor.md").write_text(text + "\n")
+        _plot(results, out_dir / "monitor.png")
+        print(f"wrote {out_dir}/monitor.{{json,md,png}}")
+    return 0
+
+
+def _compare(runs: list[dict]) -> dict:
+    off = [r for r in runs if not r["monitor"]]
+    on = [r for r in runs if r["monitor"]]
+    p99_off, p99_on = np.median([r["p99_us"] for r in off]), np.median([r["p99_us"] for r in on])
+    missed_off = [r["missed"] for r in off]
+    ups = [r["page"]["updates_per_s_min"] for r in on]
+    return {"p99_off_us": float(p99_off), "p99_on_us": float(p99_on), "p99_ratio": float(p99_on / p99_off),
+            "missed_off": missed_off, "missed_on": [r["missed"] for r in on],
+            "missed_noise": int(max(missed_off) - min(missed_off)), "page_updates_per_s_min": float(min(ups)),
+            "targets": {"p99_ratio<=1.1": bool(p99_on / p99_off <= 1.1),
+                        "missed_within_noise": bool(max(r["missed"] for r in on) <= max(missed_off)
+                                                    + (max(missed_off) - min(missed_off))),
+                        "page>=10Hz": bool(min(ups) >= 10)}}
+
+
+def _table(results: dict) -> str:
+    lines = [f"monitor cost: {results['repeats']} repeats x {results['duration_s']:g} s per condition on "
+             f"{results['host']['processor']} ({results['host']['machine']})", "",
+             "| session | p99 off (us) | p99 on (us) | ratio | missed off | missed on | page updates/s (min) |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for name, s in results["sessions"].items():
+        lines.append(f"| {name} | {s['p99_off_us']:.0f} | {s['p99_on_us']:.0f} | {s['p99_ratio']:.2f} | "
+                     f"{s['missed_off']} | {s['missed_on']} | {s['page_updates_per_s_min']:.0f} |")
+    lines.append("")
+    for name, s in results["sessions"].items():
+        for target, met in s["targets"].items():
+            lines.append(f"[{'met' if met else 'NOT MET'}] {name}: {target}")
+    return "\n".join(lines)
+
+
+def _plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(results["sessions"]), figsize=(6 * len(results["sessions"]), 4), squeeze=False)
+    for ax, (name, s) in zip(axes[0], results["sessions"].items(), strict=True):
+        for monitor, colour in ((False, "tab:blue"), (True, "tab:orange")):
+            vals = [r["p99_us"] for r in s["runs"] if r["monitor"] is monitor]
+            ax.scatter([int(monitor)] * len(vals), vals, color=colour, s=30)
+        ax.set_xticks([0, 1], ["no monitor", "monitor + browser"])
+        ax.set_ylabel("p99 step latency (us)")
+        ax.set_title(f"{name}: ratio {s['p99_ratio']:.2f}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _cpu() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
