@@ -23,13 +23,13 @@
     $("backend").textContent = i.backend || "-";
     $("rate").textContent = i.rate_hz ? i.rate_hz + " Hz" : "-";
     const fam = i.family;
-    $("input-title").textContent = fam === "bci" ? "Input: neural channels (heat map, newest right)" :
+    $("input-title").textContent = (fam === "bci" || fam === "bci_handwriting") ? "Input: neural channels (heat map, newest right)" :
       fam === "observer" ? "Input: plant measurements y, with the observer's estimates" :
       fam === "policy" ? "Input: joint state (q, dq)" : "Input";
-    $("output-title").textContent = fam === "bci" ? "Output: decoded text" :
+    $("output-title").textContent = (fam === "bci" || fam === "bci_handwriting") ? "Output: decoded text" :
       fam === "observer" ? "Output: state and disturbance estimates, and the command" :
       fam === "policy" ? "Output: joint commands and episode outcomes" : "Output";
-    $("text-box").hidden = fam !== "bci";
+    $("text-box").hidden = !(fam === "bci" || fam === "bci_handwriting");
     if (i.mode === "recording") { $("scrub").hidden = false; $("recording-name").textContent = i.recording || ""; }
     for (const e of m.events || []) onEvent(e, true);
     renderEvents();
@@ -177,7 +177,8 @@
     const rows = S.inp; if (!rows.length) return;
     const nch = rows[rows.length - 1].length;
     const fam = S.info && S.info.family;
-    if (nch > 16 || fam === "bci") {
+    const neural = fam === "bci" || fam === "bci_handwriting" || (S.info && S.info.device && S.info.device.kind === "headstage");
+    if (neural) {
       // One pixel per (frame, channel) in an ImageData, scaled up by drawImage: a 192 x 200 map is one blit.
       const [g, w, h] = canvas("input");
       let hi = 0; for (const r of rows) for (const v of r) if (v !== null && v > hi) hi = v;
@@ -197,12 +198,12 @@
       $("input-legend").textContent = `${nch} channels x last ${rows.length} frames; brightest = ${hi} counts`;
     } else {
       const [g, w, h] = canvas("input");
-      const cols = []; for (let j = 0; j < nch; j++) cols.push(column(rows, j));
+      const cols = []; for (let j = 0; j < Math.min(nch, 8); j++) cols.push(column(rows, j));
       let est = [];
       if (fam === "observer") { const no = (S.out[S.out.length - 1] || []).length; for (let j = 0; j < Math.min(no, 4); j++) est.push(column(S.out.slice(-rows.length), j)); }
       const [lo, hi] = range(cols.concat(est));
       lines(g, w, h, cols.concat(est), rows.length, lo, hi);
-      $("input-legend").textContent = `${nch} measured values` + (est.length ? `, ${est.length} estimates (later colours)` : "") + ` over the last ${rows.length} frames`;
+      $("input-legend").textContent = `${nch} measured values${nch > 8 ? " (first 8 shown)" : ""}` + (est.length ? `, ${est.length} estimates (later colours)` : "") + ` over the last ${rows.length} frames`;
     }
   }
 
@@ -221,7 +222,7 @@
     for (const e of S.events.slice(-100).reverse()) {
       const li = document.createElement("li");
       li.className = e.event;
-      const rest = Object.entries(e).filter(([k]) => k !== "event" && k !== "step").map(([k, v]) => `${k}=${JSON.stringify(v)}`).join(" ");
+      const rest = Object.entries(e).filter(([k]) => !["event", "step", "type", "t_ns", "t_s"].includes(k)).map(([k, v]) => `${k}=${JSON.stringify(v)}`).join(" ");
       li.textContent = `step ${e.step ?? "-"}  ${e.event}  ${rest}`.slice(0, 300);
       ol.appendChild(li);
     }
