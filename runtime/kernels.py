@@ -218,3 +218,8 @@ def pack_arena(arrays: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray, list[n
         table[k] = (offset, a.shape[0], a.shape[1])
         views.append(arena[offset : offset + a.size].reshape(a.shape))
     return arena, table, views, twins
+
+
+# every kernel module's digest, so that an edit to any of them refreshes Numba's cache of all
+# (tools/kernel_digest.py says why)
+KERNEL_SOURCES = "8deebbe57db16e4c"

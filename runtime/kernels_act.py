@@ -413,3 +413,6 @@ def activate(x, y, act):
     apply_act(x, y, act, 0.0, 0.0)
 
 
+# every kernel module's digest, so that an edit to any of them refreshes Numba's cache of all
+# (tools/kernel_digest.py says why)
+KERNEL_SOURCES = "8deebbe57db16e4c"

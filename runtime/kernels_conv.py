@@ -207,3 +207,8 @@ def pool2d(x, y, g):
                     ws = q * sw - pw
                     cols_in = (min(ws + kw, wd + pw_end) - ws) if cip else _inside(ws, kw, wd)
                     yf[_u(yr + q)] = yf[_u(yr + q)] / np.float32(max(rows_in * cols_in, 1))
+
+
+# every kernel module's digest, so that an edit to any of them refreshes Numba's cache of all
+# (tools/kernel_digest.py says why)
+KERNEL_SOURCES = "8deebbe57db16e4c"

@@ -471,3 +471,8 @@ def copy_into(x, y):
     for i in range(rows):
         for j in range(n):
             y[i, j] = x[i, j]
+
+
+# every kernel module's digest, so that an edit to any of them refreshes Numba's cache of all
+# (tools/kernel_digest.py says why)
+KERNEL_SOURCES = "8deebbe57db16e4c"

@@ -216,3 +216,8 @@ def batched_matmul(a, b, bias, y, packed, alpha, lanes, g):
                         for q in range(k):
                             row[q * LANES + lane] = 0.0
         matmul_rows(a, i * m if a_step else 0, packed, bias, y, i * m, m, lanes, False)
+
+
+# every kernel module's digest, so that an edit to any of them refreshes Numba's cache of all
+# (tools/kernel_digest.py says why)
+KERNEL_SOURCES = "8deebbe57db16e4c"
