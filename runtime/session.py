@@ -19,6 +19,7 @@ summary report rate, latency, missed deadlines and link errors.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import hashlib
 import sys
@@ -49,6 +50,7 @@ from .model import Model
 from .observe.record_steps import StepRecorder
 from .observe.ring import FLAG_DISCONNECTED, FLAG_SAFE, FLAG_WATCHDOG
 from .observe.tap import SessionTap
+from .realtime import DEFAULT_PRIORITY, RealtimeConfig, RealtimeGrant, realtime
 from .recording import RecordingWriter, RecordType
 from .stats import LoopSummary
 
@@ -108,6 +110,11 @@ class SessionConfig:
     lsl_out: str | None = None
     # End the session (a safety stop, stopped_by "watchdog_limit") after this many seconds without input.
     watchdog_limit_s: float | None = None
+    # Real-time settings of the loop's thread for the loop's duration (runtime/realtime.py, docs/realtime.md):
+    # SCHED_FIFO at rt_priority, pinned to CPU rt_cpu (None: not pinned), memory locked; refused with RealtimeError.
+    rt: bool = False
+    rt_cpu: int | None = None
+    rt_priority: int = DEFAULT_PRIORITY
 
     def record_dict(self) -> dict[str, Any]:
         """The settings as a recording's META keeps them: no secret, observers by class name."""
@@ -140,6 +147,8 @@ class SessionSummary:
     monitor_url: str | None = None
     # per observer (class name): records delivered, records lost to a slow observer, its error if it failed
     observers: dict[str, Any] = field(default_factory=dict)
+    # with SessionConfig.rt: {"asked": ..., "granted": ...} (RealtimeGrant.to_dict); empty without
+    realtime: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -164,6 +173,11 @@ class SessionSummary:
             sc = self.scrub
             lines.append(f"  weights scrubbed: {sc['full_passes']} full passes, repaired {sc['repaired']}, restored "
                          f"{sc['restored']}, unrepairable {sc['unrepairable']} (full scrub {sc['full_scrub_us']:.0f} us)")
+        if self.realtime:
+            g = self.realtime["granted"]
+            lines.append(f"  real time: {g['policy']} priority {g['priority']} on CPU {','.join(map(str, g['cpus']))}, "
+                         f"memory {'locked' if g['memory_locked'] else 'not locked'}, "
+                         f"gc {'frozen' if g['gc_frozen'] else 'running'}")
         if self.recording:
             lines.append(f"  recorded to {self.recording}")
         return "\n".join(lines)
@@ -610,11 +624,19 @@ class Session:
             LoopConfig(rate_hz=self.rate_hz, duration_s=cfg.duration_s, max_steps=cfg.max_steps, overrun=OverrunPolicy(cfg.overrun),
                        collect_gc=False)  # collected in start(), before the handshake
         )
+        grant: RealtimeGrant | None = None
         try:
-            loop_summary = self._loop.run(
-                self.step, on_hold=self.hold, on_idle=self.idle, prewarm=self.model.prewarm if cfg.prewarm else None,
-                on_step_end=self._tap.publish if self._tap is not None else None,
-            )
+            # the loop's thread gets the real-time settings for the loop only; they are restored when it ends
+            with (realtime(RealtimeConfig(priority=cfg.rt_priority, cpu=cfg.rt_cpu)) if cfg.rt
+                  else contextlib.nullcontext()) as grant:
+                if grant is not None:
+                    grant.gc_frozen = self._loop.config.freeze_gc
+                    self._event("realtime", **grant.to_dict())
+                loop_summary = self._loop.run(
+                    self.step, on_hold=self.hold, on_idle=self.idle,
+                    prewarm=self.model.prewarm if cfg.prewarm else None,
+                    on_step_end=self._tap.publish if self._tap is not None else None,
+                )
         finally:
             # the stop's safe command is on the wire and in the recording: it is counted like any other
             if self.link is not None and self._send(self.family.safe_message(self._step)):
@@ -631,6 +653,7 @@ class Session:
             recording=str(cfg.record) if cfg.record else None,
             scrub=self.scrubber.summary() if self.scrubber is not None else {},
             monitor_url=self.monitor_url,
+            realtime=grant.to_dict() if grant is not None else {},
             **self.summary_counts,
         )
         if self._tap is not None:  # observers drain and stop first: their last STEPS come before SUMMARY
