@@ -112,6 +112,12 @@ def _run_args(p: argparse.ArgumentParser) -> None:
                         "NAME-text ([lsl] extra)")
     p.add_argument("--watchdog-limit", type=float, default=None, metavar="S",
                    help="end the session (exit 1) after S seconds without input; default: wait for the device")
+    p.add_argument("--rt", action="store_true",
+                   help="real-time settings for the loop: SCHED_FIFO, memory locked (mlockall), pinned with --cpu; "
+                        "refused with the reason where not permitted (docs/realtime.md; check with closedloop doctor)")
+    p.add_argument("--cpu", type=int, default=None, metavar="N", help="with --rt: pin the loop's thread to CPU N")
+    p.add_argument("--priority", type=int, default=None, metavar="P",
+                   help="with --rt: the SCHED_FIFO priority, 1-99 (default 80)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quiet", action="store_true", help="no live status line")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
@@ -157,6 +163,7 @@ def _run(a: argparse.Namespace) -> int:
             record=a.record, watchdog_s=a.watchdog, overrun=a.overrun, key=a.key, status=not a.quiet,
             weights_key_file=a.weights_key_file, scrub=a.scrub, inputs=_held_inputs(a.input), trust=a.trust,
             monitor=a.monitor, monitor_public=a.monitor_public, lsl_out=a.lsl_out, watchdog_limit_s=a.watchdog_limit,
+            **_rt_settings(a),
         )
         from closedloop.runtime.session import DeviceChangedError
 
@@ -213,18 +220,50 @@ def _run(a: argparse.Namespace) -> int:
         if scrub.on_idle(budget_ns) == "stop":  # an unrepairable block under policy "stop"
             loop.stop("weights_unrepairable")
 
-    summary = loop.run(step, on_idle=idle if scrub is not None else None)
+    with _rt_context(a, loop.config.freeze_gc) as grant:
+        summary = loop.run(step, on_idle=idle if scrub is not None else None)
     sc = scrub.summary() if scrub is not None else {}
+    rt = {"realtime": grant.to_dict()} if grant is not None else {}
     if a.json:
-        print(json.dumps(summary.to_dict() | ({"scrub": sc} if sc else {}), indent=2))
+        print(json.dumps(summary.to_dict() | ({"scrub": sc} if sc else {}) | rt, indent=2))
         return _exit_code(summary.stopped_by)
     print(summary.format())
+    if grant is not None:
+        print(f"  {grant.format()}")
     if sc:
         print(f"  weights scrubbed: {sc['full_passes']} full passes, repaired {sc['repaired']}, restored "
               f"{sc['restored']}, unrepairable {sc['unrepairable']} (full scrub {sc['full_scrub_us']:.0f} us)")
         for line in sc["events"][:5]:
             print(f"    {line}")
     return _exit_code(summary.stopped_by)
+
+
+def _rt_settings(a: argparse.Namespace) -> dict:
+    """``--rt --cpu N --priority P`` as SessionConfig's fields; --cpu or --priority without --rt is refused."""
+    if not a.rt and (a.cpu is not None or a.priority is not None):
+        raise ValueError("--cpu and --priority are real-time settings: add --rt (closedloop run BUNDLE --rt --cpu 1)")
+    from closedloop.runtime.realtime import DEFAULT_PRIORITY
+
+    return {"rt": a.rt, "rt_cpu": a.cpu, "rt_priority": DEFAULT_PRIORITY if a.priority is None else a.priority}
+
+
+def _rt_context(a: argparse.Namespace, gc_frozen: bool):
+    """The no-device loop's real-time settings as a context (yields the grant, or None without --rt)."""
+    import contextlib
+
+    from closedloop.runtime.realtime import RealtimeConfig, realtime
+
+    rt = _rt_settings(a)
+    if not rt["rt"]:
+        return contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def ctx():
+        with realtime(RealtimeConfig(priority=rt["rt_priority"], cpu=rt["rt_cpu"])) as grant:
+            grant.gc_frozen = gc_frozen
+            yield grant
+
+    return ctx()
 
 
 def _exit_code(stopped_by: str) -> int:
@@ -234,6 +273,23 @@ def _exit_code(stopped_by: str) -> int:
     if stopped_by == "interrupt":
         return EXIT_INTERRUPTED
     return EXIT_FAILED if stopped_by in SAFETY_STOPS else EXIT_OK
+
+
+def _doctor_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true", help="print the checks as JSON")
+    p.add_argument("--jitter-seconds", type=float, default=2.0, metavar="S", help="length of the loop-jitter probe")
+    p.add_argument("--check", action="append", default=None, metavar="NAME",
+                   help="run only this check (repeatable; names as in --json's output and docs/realtime.md)")
+
+
+@command("doctor", "is this machine ready for a real-time session? each check pass / warn / fail, with the fix "
+                   "(exit 1 when one fails)", _doctor_args)
+def _doctor(a: argparse.Namespace) -> int:
+    from closedloop.runtime.doctor import DoctorConfig, run_doctor
+
+    report = run_doctor(DoctorConfig(jitter_s=a.jitter_seconds, only=a.check))
+    print(json.dumps(report.to_dict(), indent=2) if a.json else report.format())
+    return EXIT_FAILED if report.failed else EXIT_OK
 
 
 def _replay_args(p: argparse.ArgumentParser) -> None:
