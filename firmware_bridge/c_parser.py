@@ -26,6 +26,8 @@ import os
 import struct
 from dataclasses import dataclass
 
+import numpy as np
+
 from .c_library import RECORD_SIZE, CParserUnavailableError, load_scanner
 from .frame import (
     CRC_MISMATCH,
@@ -36,7 +38,7 @@ from .frame import (
     check_raw_frame,
     finish_raw_frame,
 )
-from .messages import MESSAGE_TYPES, Hello, Message, UnknownMessage
+from .messages import MESSAGE_TYPES, Hello, Message, NeuralFrame, UnknownMessage
 from .parser import _MASK, NO_DELIMITER, NOT_COBS, FrameParser, segment_oversize
 from .signing import FrameVerifier
 
@@ -52,6 +54,11 @@ _RECORD = struct.Struct("=5IH2BQ")  # native byte order, standard sizes, no padd
 if _RECORD.size != RECORD_SIZE:  # pragma: no cover - a mismatch here is a bug in this file
     raise ImportError(f"record layout is {_RECORD.size} bytes; clp_scan_record_t is {RECORD_SIZE}")
 _HELLO = Hello.TYPE_ID
+_NEURAL = NeuralFrame
+_NEURAL_HEAD = struct.Struct("<IH")  # NEURAL_FRAME's bin_index, n_channels
+_U16 = np.dtype("<u2")
+_new_neural = object.__new__
+_frombuffer = np.frombuffer
 _FRAME, _CRC, _MALFORMED, _OVERSIZE = 1, 2, 3, 4  # clp_result_t
 _SEGMENT_OVERSIZE, _NO_DELIMITER, _BAD_COBS = 32, 33, 34
 _AFTER_DECODE = {_CRC: "crc_errors", _MALFORMED: "malformed", _OVERSIZE: "oversize"}
@@ -124,15 +131,27 @@ class CFrameParser(FrameParser):
             if result == _FRAME:
                 if flags == 0 and plain:
                     cls = classes.get(msg_type)
-                    payload = view[off + HEADER_LEN : off + HEADER_LEN + plen]
-                    if cls is None:
-                        message: Message = UnknownMessage(msg_type, payload)
-                    else:
-                        try:
-                            message = cls.decode_payload(payload)
-                        except Exception as exc:  # noqa: BLE001 - as in finish_raw_frame
-                            self._reject(("malformed", f"{cls.__name__} payload: {exc}"), seg_len)
-                            continue
+                    message: Message | None = None
+                    if cls is _NEURAL and plen >= 6:
+                        # the commonest frame at high rates: its counts are a view of this chunk's own
+                        # buffer (fresh per chunk, never reused), not a copy; other sizes take the
+                        # class's own decoder and its error
+                        bin_index, n_ch = _NEURAL_HEAD.unpack_from(out, off + HEADER_LEN)
+                        if plen == 6 + 2 * n_ch:
+                            neural = _new_neural(_NEURAL)
+                            neural.bin_index = bin_index
+                            neural.counts = _frombuffer(out, _U16, n_ch, off + HEADER_LEN + 6)
+                            message = neural
+                    if message is None:
+                        payload = view[off + HEADER_LEN : off + HEADER_LEN + plen]
+                        if cls is None:
+                            message = UnknownMessage(msg_type, payload)
+                        else:
+                            try:
+                                message = cls.decode_payload(payload)
+                            except Exception as exc:  # noqa: BLE001 - as in finish_raw_frame
+                                self._reject(("malformed", f"{cls.__name__} payload: {exc}"), seg_len)
+                                continue
                     frame = Frame(msg_type, seq, ts, message, 0, None)
                 else:
                     got = finish_raw_frame(view[off : off + raw_len], msg_type, flags, plen, seq, ts, verifier)
