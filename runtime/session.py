@@ -58,6 +58,8 @@ from .stats import LoopSummary
 # is taken as that answer; any other is a device that restarted and waits for a host HELLO (it repeats its
 # own once a second, so the window stays under a second: a restart inside it is answered at the repeat).
 HELLO_ANSWER_S = 0.75
+# STATUS codes of docs/devices.md: the host asks for a REPORT, the device answers with one (JSON text).
+REQUEST_REPORT, REPORT = 1, 2
 
 
 class SessionError(RuntimeError):
@@ -256,6 +258,7 @@ class Session:
         self._disconnected = False
         self._next_reconnect_ns = 0
         self._next_status_ns = 0
+        self._next_report_ns = 0
         self._last_cmd: Message | None = None
         self._hello_sent_ns = 0  # when the host last sent its HELLO
         self._side_messages = self.family.side_messages
@@ -583,6 +586,10 @@ class Session:
         now = time.monotonic_ns()
         if self._tap is not None and self._tap.status_due():
             self._tap.event(self._status_event())
+            if self.config.monitor is not None and now >= self._next_report_ns:
+                # the page shows what the device plays (a prompted sentence) from its REPORT, once a second
+                self._next_report_ns = now + 1_000_000_000
+                self._send(Status(code=REQUEST_REPORT, text="monitor"))
         if self.config.status and now >= self._next_status_ns:
             self._next_status_ns = now + int(self.config.status_interval_s * 1e9)
             self.out.write("\r" + self.status_line() + "\x1b[K")

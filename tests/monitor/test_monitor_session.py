@@ -109,6 +109,18 @@ def test_a_typing_session_shows_text_growing_and_steps_rising(typing_bundle, pag
     assert np.all(np.diff(view.steps["step"]) > 0)
 
 
+def test_the_page_shows_the_prompt_the_device_reports(typing_bundle, page):
+    # the handwriting source reports the sentence it is playing; the session asks for REPORTs when monitored
+    bg = Background(typing_bundle, device=f"sim://headstage?channels={C}&source=handwriting&session=1&seed=2",
+                    duration_s=6.0, monitor="0")
+    page.goto(bg.session.monitor_url)
+    page.wait_for_function("() => monitorState.prompt.length > 3", timeout=30_000)
+    prompt = page.evaluate("() => monitorState.prompt")
+    assert page.text_content("#prompt") == f"prompt: {prompt}"
+    s = bg.join()
+    assert s.inputs_used > 0
+
+
 def test_a_silent_plant_shows_safe_and_the_watchdog_then_recovers(plant_bundle, page, screenshot_dir):
     bg = Background(plant_bundle, device="sim://plant?model=msd&rate=200&seed=5&silence_at=2.5&silence_s=2.5",
                     duration_s=7.0, watchdog_s=0.15, monitor="127.0.0.1:0")

@@ -37,6 +37,10 @@
 
   function onEvent(e, quiet) {
     if (e.event === "status") { onStatus(e); return; }
+    if (e.event === "device_status" && e.code === 2) {  // a REPORT: what the device plays, e.g. the prompt
+      try { const rep = JSON.parse(e.text); if (rep.source && typeof rep.source.sentence === "string") S.prompt = rep.source.sentence; } catch { /* not JSON */ }
+      return;  // once a second: not an event a person needs listed
+    }
     if (e.event === "session_info") {  // the device answered: its HELLO joins the session's info
       if (S.info) { Object.assign(S.info, e); const d = e.device; if (d) $("device").textContent = d.kind + " " + (d.name || ""); }
       return;
@@ -101,7 +105,12 @@
     const nc = upTo(series.t_s, T); S.cmd = series.rows.slice(Math.max(0, nc - KEEP), nc);
     const no = upTo(r.outputs.t_s, T); S.out = r.outputs.rows.slice(Math.max(0, no - KEEP), no);
     S.text = r.typed.filter((x) => x[0] <= T).map((x) => x[1]).join("");
-    S.events = r.events.filter((e) => e.t_s <= T);
+    const upto = r.events.filter((e) => e.t_s <= T);
+    const isReport = (e) => e.event === "device_status" && e.code === 2;
+    S.events = upto.filter((e) => !isReport(e));
+    const reports = upto.filter(isReport);
+    S.prompt = "";
+    if (reports.length) { try { S.prompt = JSON.parse(reports[reports.length - 1].text).source.sentence || ""; } catch { /* not JSON */ } }
     S.counts.watchdog = S.events.filter((e) => e.event === "watchdog").length;
     S.counts.reconnects = S.events.filter((e) => e.event === "reconnected").length;
     S.counts.missed = S.missed.reduce((x, y) => x + y, 0);
@@ -238,7 +247,7 @@
     $("dropped").textContent = S.counts.dropped;
     const st = S.ended ? "ended" : S.connected ? S.state : "reconnecting";
     $("state").textContent = st; $("state").dataset.state = st;
-    $("typed").textContent = S.text; $("prompt").textContent = S.prompt;
+    $("typed").textContent = S.text; $("prompt").textContent = S.prompt ? "prompt: " + S.prompt : "";
     const version = S.updates + (S.recordingT || 0);
     if (version === drawn) return;  // nothing new: leave the canvases as they are
     drawn = version;
