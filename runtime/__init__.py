@@ -16,12 +16,14 @@ from closedloop.runtime.protect.scrubber import (
 from . import replay as _replay  # noqa: F401  (registers the replay:// transport)
 from .backends import Availability, Backend, BackendOptions, backend_names, backend_report, create_backend
 from .bundle import Bundle, check_bundle, load_bundle
+from .doctor import DoctorConfig, DoctorReport, run_doctor
 from .errors import BackendUnavailableError, BundleError, GraphUnsupportedError
 from .families import FamilyPlugin, get_family, register_family
 from .loop import LoopConfig, OverrunPolicy, RealTimeLoop
 from .manifest import SCHEMA_VERSION, GraphSpec, Manifest, TensorSpec, Window
 from .model import Model
 from .observe import SessionObserver, StepBatch
+from .realtime import RealtimeConfig, RealtimeError, RealtimeGrant, apply_realtime
 from .recording import RecordingReader, RecordingWriter, RecordType
 from .replay import ReplayReport, replay_recording
 from .session import (
@@ -47,6 +49,8 @@ __all__ = [
     "BundleBench",
     "Bundle",
     "BundleError",
+    "DoctorConfig",
+    "DoctorReport",
     "FamilyPlugin",
     "GraphSpec",
     "GraphUnsupportedError",
@@ -54,6 +58,9 @@ __all__ = [
     "LoopSummary",
     "Manifest",
     "Model",
+    "RealtimeConfig",
+    "RealtimeError",
+    "RealtimeGrant",
     "RecordType",
     "RecordingReader",
     "RecordingWriter",
@@ -79,6 +86,7 @@ __all__ = [
     "TensorSpec",
     "Window",
     "WeightsCorruptedError",
+    "apply_realtime",
     "attach_scrubber",
     "backend_names",
     "backend_report",
@@ -90,6 +98,7 @@ __all__ = [
     "get_family",
     "load_bundle",
     "register_family",
+    "run_doctor",
     "seal_manifest",
     "sign_bundle",
 ]
