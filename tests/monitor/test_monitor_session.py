@@ -112,7 +112,7 @@ def test_a_typing_session_shows_text_growing_and_steps_rising(typing_bundle, pag
 def test_the_page_shows_the_prompt_the_device_reports(typing_bundle, page):
     # the handwriting source reports the sentence it is playing; the session asks for REPORTs when monitored
     bg = Background(typing_bundle, device=f"sim://headstage?channels={C}&source=handwriting&session=1&seed=2",
-                    duration_s=6.0, monitor="0")
+                    duration_s=12.0, monitor="0")
     page.goto(bg.session.monitor_url)
     page.wait_for_function("() => monitorState.prompt.length > 3", timeout=30_000)
     prompt = page.evaluate("() => monitorState.prompt")

@@ -38,7 +38,7 @@
   function onEvent(e, quiet) {
     if (e.event === "status") { onStatus(e); return; }
     if (e.event === "device_status" && e.code === 2) {  // a REPORT: what the device plays, e.g. the prompt
-      try { const rep = JSON.parse(e.text); if (rep.source && typeof rep.source.sentence === "string") S.prompt = rep.source.sentence; } catch { /* not JSON */ }
+      try { const rep = JSON.parse(e.text); if (rep.source && rep.source.sentence) S.prompt = rep.source.sentence; /* kept while the writer rests */ } catch { /* not JSON */ }
       return;  // once a second: not an event a person needs listed
     }
     if (e.event === "session_info") {  // the device answered: its HELLO joins the session's info
@@ -110,7 +110,7 @@
     S.events = upto.filter((e) => !isReport(e));
     const reports = upto.filter(isReport);
     S.prompt = "";
-    if (reports.length) { try { S.prompt = JSON.parse(reports[reports.length - 1].text).source.sentence || ""; } catch { /* not JSON */ } }
+    for (const e of reports) { try { S.prompt = JSON.parse(e.text).source.sentence || S.prompt; } catch { /* not JSON */ } }
     S.counts.watchdog = S.events.filter((e) => e.event === "watchdog").length;
     S.counts.reconnects = S.events.filter((e) => e.event === "reconnected").length;
     S.counts.missed = S.missed.reduce((x, y) => x + y, 0);
