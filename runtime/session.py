@@ -137,6 +137,7 @@ class SessionSummary:
     commands_sent: int = 0
     safe_commands_sent: int = 0
     commands_resent: int = 0  # overrun policy "hold": the last command sent again for a skipped period
+    stop_commands_sent: int = 0  # the safe command sent as the session ends (1 unless the link was down)
     watchdog_trips: int = 0
     nonfinite_inputs: int = 0  # model inputs (after preprocessing) with a NaN/inf: safe command sent instead
     nonfinite_outputs: int = 0  # model outputs or commands with a NaN/inf: safe command sent instead
@@ -163,7 +164,8 @@ class SessionSummary:
             self.loop.format(),
             f"  device {self.device.get('kind')} {self.device.get('name', '')!r} on backend {self.backend}",
             f"  frames received {self.frames_received}, used {self.inputs_used}, skipped for newer {self.inputs_skipped}; "
-            f"commands sent {self.commands_sent} (safe {self.safe_commands_sent}, re-sent on overrun {self.commands_resent})",
+            f"commands sent {self.commands_sent} (safe {self.safe_commands_sent}, re-sent on overrun {self.commands_resent}, "
+            f"safe at stop {self.stop_commands_sent})",
             f"  link: lost {lk.get('lost', 0)}, crc errors {lk.get('crc_errors', 0)}, duplicates {lk.get('duplicate', 0)}, "
             f"out of order {lk.get('out_of_order', 0)}, bad tag {lk.get('bad_tag', 0)}",
             f"  watchdog trips {self.watchdog_trips}, disconnects {self.disconnects}, reconnects {self.reconnects}",
@@ -249,7 +251,7 @@ class Session:
         self.hello: Hello | None = None
         self.summary_counts: dict[str, Any] = dict(
             frames_received=0, inputs_used=0, inputs_skipped=0, commands_sent=0, safe_commands_sent=0,
-            commands_resent=0,
+            commands_resent=0, stop_commands_sent=0,
             watchdog_trips=0, nonfinite_inputs=0, nonfinite_outputs=0, disconnects=0, reconnects=0,
         )
         self._last_input_ns = 0
@@ -645,9 +647,10 @@ class Session:
                     on_step_end=self._tap.publish if self._tap is not None else None,
                 )
         finally:
-            # the stop's safe command is on the wire and in the recording: it is counted like any other
+            # the stop's safe command is on the wire and in the recording: counted on its own, so that
+            # safe_commands_sent still says how often a safety rule acted during the session
             if self.link is not None and self._send(self.family.safe_message(self._step)):
-                self.summary_counts["safe_commands_sent"] += 1
+                self.summary_counts["stop_commands_sent"] += 1
         if cfg.status:
             self.out.write("\n")
         stats = self.link.parser.stats if self.link is not None else None

@@ -39,7 +39,7 @@ def test_the_view_holds_each_steps_timing_the_inputs_commands_and_events(plant_r
     assert v.steps["step"].size == s.loop.steps
     assert np.all(v.steps["latency_us"] > 0) and np.all(np.diff(v.steps["t_s"]) > 0)
     assert len(v.inputs["plant_output_y"]) == s.inputs_used + s.inputs_skipped  # every measurement frame
-    assert len(v.commands) == s.commands_sent + s.safe_commands_sent + s.commands_resent
+    assert len(v.commands) == s.commands_sent + s.safe_commands_sent + s.commands_resent + s.stop_commands_sent
     safe_steps = int(((v.steps["flags"] & 4) != 0).sum())
     assert safe_steps > 0 and "watchdog" in [e["event"] for _, e in v.events]
 

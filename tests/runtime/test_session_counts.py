@@ -33,7 +33,9 @@ def test_summary_command_counts_equal_the_commands_on_the_wire(bundle, tmp_path)
     wire = [f.message for rec in reader.of_type(RecordType.TX) for f in parser.feed(rec.payload)
             if isinstance(f.message, ActuatorCommand)]
     assert s.safe_commands_sent > 1 and s.commands_sent > 50
-    assert s.commands_sent + s.safe_commands_sent + s.commands_resent == len(wire)
+    assert s.stop_commands_sent == 1
+    assert s.commands_sent + s.safe_commands_sent + s.commands_resent + s.stop_commands_sent == len(wire)
     assert wire[-1].u[0] == 0.0  # the last one is the stop's safe command
     recorded = reader.summary
-    assert recorded["commands_sent"] + recorded["safe_commands_sent"] + recorded["commands_resent"] == len(wire)
+    assert (recorded["commands_sent"] + recorded["safe_commands_sent"] + recorded["commands_resent"]
+            + recorded["stop_commands_sent"]) == len(wire)
