@@ -85,7 +85,9 @@ def _run_args(p: argparse.ArgumentParser) -> None:
                    help="device URL: a port path, serial:///dev/ttyACM0?baud=921600, sim://NAME?..., replay://FILE, "
                         "loop://, socket://HOST:PORT (spy+URL hexdumps traffic). Without it, synthetic frames drive the loop")
     p.add_argument("--backend", default="auto", help="backend name or 'auto' (fastest measured here)")
-    p.add_argument("--variant", default=None, help="graph variant: fp32 (default), fp16, int8")
+    p.add_argument("--variant", default=None,
+                   help="graph variant: fp32, fp16, int8, fp16w or int8w (those the bundle holds; default fp32, or "
+                        "with --backend auto a variant recorded as auto_choice when within tolerance and faster)")
     p.add_argument("--duration", type=float, default=None, help="seconds to run (default: until Ctrl-C; 5 s without a device)")
     p.add_argument("--rate", type=float, default=None, help="loop rate in Hz (default: the bundle's)")
     p.add_argument("--overrun", choices=["skip", "hold", "stop"], default="hold")
