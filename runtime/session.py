@@ -610,7 +610,7 @@ class Session:
         if "text" in metrics:  # the whole typed text, not the status line's tail
             metrics["text"] = self.family.summary_metrics().get("text", metrics["text"])
         return {"event": "status", "step": self._step, "t_ns": time.monotonic_ns(), "state": self._state(),
-                "p99_us": lat.percentile_us(99) if lat.count else None, "missed": self._loop.missed,
+                "p99_us": lat.recent_percentile_us(99) if lat.count else None, "missed": self._loop.missed,
                 "lost": self.link.parser.stats.lost if self.link is not None else 0,
                 "watchdog_trips": c["watchdog_trips"], "reconnects": c["reconnects"],
                 "inputs_used": c["inputs_used"], "commands_sent": c["commands_sent"],
@@ -618,7 +618,7 @@ class Session:
 
     def status_line(self) -> str:
         lat = self._loop.latency if hasattr(self, "_loop") else None
-        p99 = lat.percentile_us(99) if lat is not None and lat.count else float("nan")
+        p99 = lat.recent_percentile_us(99) if lat is not None and lat.count else float("nan")
         missed = self._loop.missed if hasattr(self, "_loop") else 0
         lost = self.link.parser.stats.lost if self.link is not None else 0
         parts = [f"{self.rate_hz:g} Hz", f"p99 {p99:.0f} us", f"missed {missed}", f"lost {lost}", self._state()]

@@ -36,6 +36,18 @@ class RingRecorder:
         n = min(self.count, self.capacity)
         return self.buf[:n].copy()
 
+    def recent_percentile_us(self, q: float, n: int = 2048) -> float:
+        """Percentile of the newest ``n`` samples only: cheap enough to call from the loop's idle time."""
+        count = min(self.count, self.capacity, n)
+        if not count:
+            return float("nan")
+        end = self.count % self.capacity
+        if end >= count:
+            window = self.buf[end - count : end]
+        else:
+            window = np.concatenate((self.buf[self.capacity - (count - end) :], self.buf[:end]))
+        return float(np.percentile(window, q)) / 1e3
+
     def percentile_us(self, q: float) -> float:
         s = self.samples()
         return float(np.percentile(s, q)) / 1e3 if s.size else float("nan")

@@ -115,6 +115,8 @@ def test_the_page_shows_the_prompt_the_device_reports(typing_bundle, page):
                     duration_s=12.0, monitor="0")
     page.goto(bg.session.monitor_url)
     page.wait_for_function("() => monitorState.prompt.length > 3", timeout=30_000)
+    page.wait_for_function("() => document.getElementById('prompt').textContent.startsWith('prompt: ')",
+                           timeout=5_000)
     prompt = page.evaluate("() => monitorState.prompt")
     assert page.text_content("#prompt") == f"prompt: {prompt}"
     s = bg.join()

@@ -70,7 +70,18 @@
     if (e.p99_us !== undefined) $("p99").textContent = Math.round(e.p99_us) + " us";
   }
 
+  // Rows arrive as base64 float32 ({f32, shape}); NaN marks "nothing this step".
+  function rows(x) {
+    if (!x || !x.f32) return x || [];
+    const bin = atob(x.f32), bytes = new Uint8Array(bin.length);
+    for (let i = 0; i < bin.length; i++) bytes[i] = bin.charCodeAt(i);
+    const all = new Float32Array(bytes.buffer), [n, w] = x.shape, out = [];
+    for (let i = 0; i < n; i++) out.push(Array.from(all.subarray(i * w, (i + 1) * w)));
+    return out;
+  }
+
   function onSteps(m) {
+    m.inputs = rows(m.inputs); m.outputs = rows(m.outputs); m.command = rows(m.command);
     S.updates++; updatesThisSecond++;
     S.counts.dropped += m.lost;
     S.stepsSeen += m.count;
@@ -190,7 +201,7 @@
     if (neural) {
       // One pixel per (frame, channel) in an ImageData, scaled up by drawImage: a 192 x 200 map is one blit.
       const [g, w, h] = canvas("input");
-      let hi = 0; for (const r of rows) for (const v of r) if (v !== null && v > hi) hi = v;
+      let hi = 0; for (const r of rows) for (const v of r) if (v > hi) hi = v;
       hi = hi || 1;
       if (!heat || heat.width !== RASTER_ROWS || heat.height !== nch) {
         heat = document.createElement("canvas"); heat.width = RASTER_ROWS; heat.height = nch;
@@ -198,7 +209,7 @@
       const hg = heat.getContext("2d"), img = hg.createImageData(RASTER_ROWS, nch), px = img.data;
       const off = RASTER_ROWS - rows.length;
       rows.forEach((r, i) => r.forEach((v, j) => {
-        const a = v === null ? 0 : Math.min(1, v / hi), k = 4 * ((nch - 1 - j) * RASTER_ROWS + off + i);
+        const a = v === null || !(v > 0) ? 0 : Math.min(1, v / hi), k = 4 * ((nch - 1 - j) * RASTER_ROWS + off + i);
         px[k] = 88 * a; px[k + 1] = 166 * a; px[k + 2] = 255 * a; px[k + 3] = 255;
       }));
       hg.putImageData(img, 0, 0);
