@@ -99,7 +99,7 @@ def test_the_page_shows_counters_rising_text_growing_and_safe_with_its_watchdog_
     ring.event({"event": "watchdog", "step": second["step"], "silent_s": 0.26, "other_frames": 0, "other_type": ""})
     page.wait_for_function("() => document.getElementById('state').textContent === 'SAFE'", timeout=10_000)
     page.wait_for_function("() => monitorState.events.some(e => e.event === 'watchdog')", timeout=10_000)
-    assert page.text_content("#watchdog") == "1"
+    page.wait_for_function("() => document.getElementById('watchdog').textContent === '1'", timeout=5_000)
     assert "watchdog" in page.text_content("#events")
     ring.event({"event": "reconnected", "step": second["step"] + 5})
     page.wait_for_function("() => document.getElementById('reconnects').textContent === '1'", timeout=10_000)

@@ -130,7 +130,7 @@ def test_a_silent_plant_shows_safe_and_the_watchdog_then_recovers(plant_bundle, 
     page.wait_for_function("() => monitorState.step > 100", timeout=30_000)
     page.wait_for_function("() => document.getElementById('state').textContent === 'SAFE'", timeout=15_000)
     page.wait_for_function("() => monitorState.events.some(e => e.event === 'watchdog')", timeout=10_000)
-    assert page.text_content("#watchdog") == "1"
+    page.wait_for_function("() => document.getElementById('watchdog').textContent === '1'", timeout=5_000)
     page.screenshot(path=str(screenshot_dir / "monitor_plant_safe.png"))
     page.wait_for_function("() => document.getElementById('state').textContent === 'running'", timeout=15_000)
     assert "input_resumed" in _page_state(page)["events"]
@@ -143,7 +143,7 @@ def test_a_reconnect_shows(plant_bundle, page):
                     duration_s=5.0, watchdog_s=0.15, monitor="0")
     page.goto(bg.session.monitor_url)
     page.wait_for_function("() => monitorState.events.some(e => e.event === 'reconnected')", timeout=30_000)
-    assert int(page.text_content("#reconnects")) >= 1
+    page.wait_for_function("() => +document.getElementById('reconnects').textContent >= 1", timeout=5_000)
     assert "disconnected" in _page_state(page)["events"]
     assert bg.join().reconnects == 1
 
