@@ -96,9 +96,10 @@ def store_weights(fp32: bytes, storage: str) -> tuple[bytes, dict[str, Any]]:
             shape = [-1 if a == axis else 1 for a in range(w.ndim)]
             codes = np.clip(np.rint(w / scale.reshape(shape)), -127, 127).astype(np.int8)
             after += codes.nbytes + scale.nbytes
-            extra = [numpy_helper.from_array(codes, f"{name}.int8"), numpy_helper.from_array(scale, f"{name}.scale"),
-                     numpy_helper.from_array(np.zeros_like(codes, shape=scale.shape), f"{name}.zero")]
-            nodes.append(helper.make_node("DequantizeLinear", [f"{name}.int8", f"{name}.scale", f"{name}.zero"],
+            # symmetric codes: no zero point (ONNX's default is 0), so a runtime's choice of how to keep the
+            # weight depends on types alone, never on a value a bit flip could change
+            extra = [numpy_helper.from_array(codes, f"{name}.int8"), numpy_helper.from_array(scale, f"{name}.scale")]
+            nodes.append(helper.make_node("DequantizeLinear", [f"{name}.int8", f"{name}.scale"],
                                           [name], axis=axis, name=f"{name}.dequantize"))
         graph.initializer.extend(extra)
         replaced.add(name)

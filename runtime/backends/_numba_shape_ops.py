@@ -152,7 +152,10 @@ def _fold_dequantize(node, x, scale, zero=None):
 
 
 def _stored_dequantize(node, x, scale, zero=None) -> StoredWeight | None:
-    if x.dtype != np.int8 or (zero is not None and np.any(zero != 0)) or node.attributes.get("block_size", 0):
+    # Only a DequantizeLinear without a zero point keeps its int8 codes: the plan's layout must follow the
+    # graph's types, not its values, or a weight scrubber's repair of a flipped zero point would change the
+    # layout under the running kernels (a zero point present runs in float32, dequantized at load).
+    if x.dtype != np.int8 or zero is not None or node.attributes.get("block_size", 0):
         return None
     axis = axis_of(node, node.attributes.get("axis", 1), x.ndim) if scale.size > 1 else 0
     return StoredWeight("int8", np.asarray(scale, np.float32).reshape(-1), axis)

@@ -153,7 +153,10 @@ def test_a_stream_that_disappears_is_reported_and_frames_resume_when_it_returns(
     del out  # the source goes away
     gone = _poll(link, 0.6)
     lost = [f.message for f in gone if isinstance(f.message, Status) and f.message.code == STATUS_LSL_STREAM_LOST]
-    assert len(lost) == 1 and name in lost[0].text and not any(isinstance(f.message, NeuralFrame) for f in gone)
+    assert len(lost) == 1 and name in lost[0].text
+    # samples the source pushed just before it went may still be pulled late (a loaded machine); none after
+    at = next(i for i, f in enumerate(gone) if f.message is lost[0])
+    assert not any(isinstance(f.message, NeuralFrame) for f in gone[at:])
     out = pylsl.StreamOutlet(info())
     def resumed(frames):
         codes = [f.message.code for f in frames if isinstance(f.message, Status)]

@@ -43,7 +43,7 @@ def test_unrepairable_block_stops_the_session_under_policy_stop(keyed_bundle, tm
         s.start()
         summary = s.run()
     assert summary.scrub["unrepairable"] >= 1
-    assert summary.loop.stopped_by == "stop" and summary.loop.duration_s < 2.0
+    assert summary.loop.stopped_by == "weights_unrepairable" and summary.loop.duration_s < 2.0
 
 
 def test_unrepairable_block_is_restored_from_the_last_good_copy_under_policy_fallback(keyed_bundle, tmp_path):
