@@ -98,6 +98,10 @@ def test_a_typing_session_shows_text_growing_and_steps_rising(typing_bundle, pag
     assert second["step"] > first["step"] + 80  # 50 Hz
     assert len(second["typed"]) >= len(first["typed"]) and second["typed"].startswith(first["typed"][:5])
     assert second["state"] == "running" and second["ups"] >= 10
+    # the input, output and command panels get rows: the frame as read (12 channels), outputs, commands
+    panels = page.evaluate("() => ({inp: monitorState.inp.length, width: (monitorState.inp[0] || []).length,"
+                           " out: monitorState.out.length, cmd: monitorState.cmd.length})")
+    assert panels["inp"] > 50 and panels["width"] == C and panels["out"] > 50 and panels["cmd"] > 50, panels
     assert page.text_content("#family") == "bci_handwriting"
     page.screenshot(path=str(screenshot_dir / "monitor_bci.png"))
     s = bg.join()
