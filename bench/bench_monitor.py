@@ -35,6 +35,8 @@ from pathlib import Path
 
 import numpy as np
 
+from closedloop.runtime.timing import _cpu_name  # the CPU's model name, as the timing tables give it
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -43,16 +45,9 @@ def build_bundles(root: Path) -> dict[str, tuple[Path, str]]:
 
     from closedloop.sdk.bci.deploy import export_bci_bundle
     from closedloop.sdk.models import GRUDecoder
-    from closedloop.sdk.observer.certify import certify
-    from closedloop.sdk.observer.neural import NeuralObserver, ObserverModel, export_observer_bundle
-    from closedloop.sdk.observer.systems import observer_system
-    from closedloop.sdk.observer.train import TrainConfig, _initial_net
+    from closedloop.sdk.observer.neural import example_observer_bundle
 
-    model = ObserverModel.from_system(observer_system("flexible-joint"))
-    torch.manual_seed(0)
-    net = _initial_net(model, TrainConfig(hidden=(6, 6), init_gain=0.1)).scale_(0.5)
-    report = certify(model, net, rho=0.999, local_vbar=None, coverage_eps=0.05, coverage_beta=1e-2)
-    observer = export_observer_bundle(NeuralObserver(model, net), report, root / "observer", report=lambda s: None)
+    observer = example_observer_bundle(root / "observer")
     torch.manual_seed(1)
     decoder = export_bci_bundle(GRUDecoder(192, 256, 2, 32).eval(), root / "decoder", n_channels=192,
                                 mean=np.full(192, 0.16), std=np.full(192, 0.4), session_name="bench",
@@ -126,7 +121,7 @@ def main() -> int:
 
     from closedloop.runtime.monitor.browser import CHROMIUM_FLAGS, chromium_path
 
-    results: dict = {"host": {"machine": platform.machine(), "processor": _cpu(), "python": platform.python_version(),
+    results: dict = {"host": {"machine": platform.machine(), "processor": _cpu_name(), "python": platform.python_version(),
                               "load_before": os.getloadavg()},
                      "repeats": a.repeats, "duration_s": a.duration, "rt": a.rt, "sessions": {}}
     with tempfile.TemporaryDirectory() as tmp, sync_playwright() as pw:
@@ -212,16 +207,6 @@ def _plot(results: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
-
-
-def _cpu() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 if __name__ == "__main__":

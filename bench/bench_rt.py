@@ -35,6 +35,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from closedloop.runtime.timing import _cpu_name  # the CPU model name, as the timing tables give it
+
 ROOT = Path(__file__).resolve().parents[1]
 DEVICE = "sim://plant?model=flexible-joint&rate=1000&seed=1"
 BUSY = "while True:\n    pass\n"
@@ -50,19 +52,9 @@ with Session(bundle, SessionConfig(device=device, duration_s=float(duration), ba
 
 
 def build_bundle(root: Path) -> Path:
-    import torch
+    from closedloop.sdk.observer.neural import example_observer_bundle
 
-    from closedloop.sdk.observer.certify import certify
-    from closedloop.sdk.observer.neural import NeuralObserver, ObserverModel, export_observer_bundle
-    from closedloop.sdk.observer.systems import observer_system
-    from closedloop.sdk.observer.train import TrainConfig, _initial_net
-
-    model = ObserverModel.from_system(observer_system("flexible-joint"))
-    torch.manual_seed(0)
-    net = _initial_net(model, TrainConfig(hidden=(6, 6), init_gain=0.1)).scale_(0.5)
-    report = certify(model, net, rho=0.999, local_vbar=None, coverage_eps=0.05, coverage_beta=1e-2)
-    assert report.certified
-    return Path(export_observer_bundle(NeuralObserver(model, net), report, root / "fj", report=lambda s: None))
+    return example_observer_bundle(root / "fj")
 
 
 def run_cmd(bundle: Path, condition: str, cpu: int, duration_s: float, backend: str) -> list[str]:
@@ -131,7 +123,7 @@ def main() -> int:
     conditions = ["plain", "rt", "pinned"] if fifo else ["plain", "pinned"]
     t_start = time.time()
     results: dict = {
-        "host": {"machine": platform.machine(), "processor": _cpu(), "cpus": os.cpu_count(),
+        "host": {"machine": platform.machine(), "processor": _cpu_name(), "cpus": os.cpu_count(),
                  "kernel": platform.release(), "python": platform.python_version(), "uid": os.getuid(),
                  "uptime_before": _uptime()},
         "permitted": rights, "sched_fifo_permitted": fifo, "conditions": conditions, "repeats": a.repeats,
@@ -244,16 +236,6 @@ def _uptime() -> str:
         return subprocess.run(["uptime"], capture_output=True, text=True, timeout=5).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return ""
-
-
-def _cpu() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 if __name__ == "__main__":

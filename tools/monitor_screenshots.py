@@ -25,10 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def bundles(root: Path) -> dict[str, tuple[Path, str]]:
     from closedloop.sdk.bci.deploy import export_bci_bundle
     from closedloop.sdk.models import GRUDecoder
-    from closedloop.sdk.observer.certify import certify
-    from closedloop.sdk.observer.neural import NeuralObserver, ObserverModel, export_observer_bundle
-    from closedloop.sdk.observer.systems import observer_system
-    from closedloop.sdk.observer.train import TrainConfig, _initial_net
+    from closedloop.sdk.observer.neural import example_observer_bundle
     from closedloop.sdk.rl.deploy import export_policy
     from closedloop.sim.manipulation.env import PandaTaskEnv
 
@@ -38,11 +35,7 @@ def bundles(root: Path) -> dict[str, tuple[Path, str]]:
         dec.readout.weight.mul_(10)
     bci = export_bci_bundle(dec, root / "bci", n_channels=12, mean=np.full(12, 0.16), std=np.full(12, 0.4),
                             session_name="screenshot", variants=(), tensorrt=False, report=lambda s: None)
-    model = ObserverModel.from_system(observer_system("flexible-joint"))
-    torch.manual_seed(0)
-    net = _initial_net(model, TrainConfig(hidden=(6, 6), init_gain=0.1)).scale_(0.5)
-    report = certify(model, net, rho=0.999, local_vbar=None, coverage_eps=0.05, coverage_beta=1e-2)
-    obs_bundle = export_observer_bundle(NeuralObserver(model, net), report, root / "observer", report=lambda s: None)
+    obs_bundle = example_observer_bundle(root / "observer")
     torch.manual_seed(0)
     actor = torch.nn.Sequential(torch.nn.Linear(21, 32), torch.nn.ReLU(), torch.nn.Linear(32, 3), torch.nn.Tanh())
     env = PandaTaskEnv("push")
