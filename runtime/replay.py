@@ -23,6 +23,7 @@ from urllib.parse import parse_qsl, urlsplit
 import numpy as np
 
 from closedloop.firmware_bridge import Hello, Message, Transport, make_parser, register_transport
+from closedloop.firmware_bridge.signing import FrameVerifier, derive_link_keys
 
 from .bundle import Bundle, load_bundle
 from .families import get_family
@@ -108,6 +109,7 @@ class ReplayReport:
     missing_inputs: int
     backend: str
     recording_note: str
+    signed_frames_refused: int = 0  # with a key: frames whose tag did not verify, left out as the session left them
     per_output_max: list[float] = field(default_factory=list, repr=False)
 
     def format(self) -> str:
@@ -119,7 +121,37 @@ class ReplayReport:
         )
 
 
-def replay_recording(recording: str | Path, bundle: Bundle | str | Path, backend: str = "auto") -> ReplayReport:
+class _UnverifiedTags(FrameVerifier):
+    """Accepts a signed frame's tag unchecked: replaying a signed session without its key. The frames were
+    verified when they were recorded; without the key nobody can check that again, and the report says so."""
+
+    def __init__(self) -> None:
+        super().__init__(None, required=False)
+        self.signed = 0
+
+    def check(self, signed_region, counter: int, tag) -> tuple[str, str] | None:
+        self.signed += 1
+        return None
+
+
+def _replay_verifier(key: bytes | str | None) -> FrameVerifier:
+    if key is None:
+        return _UnverifiedTags()
+    try:
+        secret = bytes.fromhex(key) if isinstance(key, str) else bytes(key)
+    except ValueError:
+        raise ValueError("replay key must be the link's shared secret in hex (as given to run --key)") from None
+    return FrameVerifier(derive_link_keys(secret)[1], required=False)  # the device-to-host direction
+
+
+def replay_recording(recording: str | Path, bundle: Bundle | str | Path, backend: str = "auto",
+                     key: bytes | str | None = None) -> ReplayReport:
+    """Re-run ``bundle`` over ``recording``'s input frames and compare its outputs with the recorded ones.
+
+    ``key`` is the link's shared secret (bytes or hex) when the session was signed: with it every signed
+    frame's tag is checked again and a frame that fails is left out, as the session left it out; without it
+    signed frames are replayed unchecked and the report says how many.
+    """
     reader = RecordingReader(recording)
     b = bundle if isinstance(bundle, Bundle) else load_bundle(bundle)
     model = Model(b, backend=backend)
@@ -130,7 +162,8 @@ def replay_recording(recording: str | Path, bundle: Bundle | str | Path, backend
     except ValueError as exc:
         raise ValueError(f"{recording}: cannot replay through this bundle: {exc}") from None
     fam.reset()
-    parser = make_parser()  # the C-backed one where it builds: same frames, faster on 1 kHz recordings
+    verifier = _replay_verifier(key)
+    parser = make_parser(verifier)  # the C-backed one where it builds: same frames, faster on 1 kHz recordings
     inputs: dict[int, Message] = {}
     want, side = fam.input.message, fam.side_messages
     # A window over the stream saw every frame in order, outputs recorded only when it was due: replay feeds
@@ -198,6 +231,16 @@ def replay_recording(recording: str | Path, bundle: Bundle | str | Path, backend
         mean_abs_diff=total / count if count else float("nan"),
         missing_inputs=missing,
         backend=model.backend_name,
-        recording_note=reader.describe(),
+        recording_note=reader.describe() + _signing_note(verifier, parser),
+        signed_frames_refused=parser.stats.bad_tag + parser.stats.replayed,
         per_output_max=diffs,
     )
+
+
+def _signing_note(verifier: FrameVerifier, parser) -> str:
+    if isinstance(verifier, _UnverifiedTags):
+        return (f"\n{verifier.signed} signed frames replayed without checking their tags (no key given; "
+                "pass the link's key to check them)") if verifier.signed else ""
+    refused = parser.stats.bad_tag + parser.stats.replayed
+    return f"\nsigned frames checked with the given key; {refused} refused" if refused else (
+        "\nsigned frames checked with the given key")
