@@ -300,6 +300,9 @@ def _replay_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", default="auto")
     p.add_argument("--tolerance", type=float, default=None,
                    help="fail (exit 1) if any output differs from the recorded one by more than this")
+    p.add_argument("--key", default=None,
+                   help="hex shared secret of a signed session: check every recorded frame's tag again "
+                        "(without it signed frames replay unchecked, and the report says so)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
 
 
@@ -307,8 +310,12 @@ def _replay_args(p: argparse.ArgumentParser) -> None:
 def _replay(a: argparse.Namespace) -> int:
     from closedloop.runtime import replay_recording
 
-    report = replay_recording(a.recording, a.bundle, backend=a.backend)
+    report = replay_recording(a.recording, a.bundle, backend=a.backend, key=a.key)
     print(json.dumps(_jsonable(report), indent=2, default=str) if a.json else report.format())
+    if report.outputs_compared == 0 and report.signed_frames_refused:
+        print(f"error: {report.signed_frames_refused} recorded frames failed their signature check with this --key: "
+              "give the key the session ran with, or replay without --key", file=sys.stderr)
+        return 1
     if report.outputs_compared == 0 and report.missing_inputs:
         print(f"error: none of the {report.missing_inputs} recorded outputs could be re-run: their input frames are "
               "not the bundle's session input (manifest extra.session.input, docs/bundle.md)", file=sys.stderr)
