@@ -88,6 +88,7 @@ class RealTimeLoop:
         self.missed = 0
         self.skipped = 0
         self.overruns = 0
+        self.last_summary: LoopSummary | None = None  # the latest run's, also when a step raised
 
     def stop(self, reason: str = "stop") -> None:
         """Ask the loop to end after the current step (thread-safe); ``reason`` becomes ``stopped_by``.
@@ -180,6 +181,9 @@ class RealTimeLoop:
                             on_idle(k, budget)
         except KeyboardInterrupt:
             stopped_by = "interrupt"
+        except BaseException:
+            stopped_by = "error"  # a step raised: the caller still gets the loop's figures (last_summary)
+            raise
         finally:
             t_end = clock()
             restore()
@@ -187,7 +191,9 @@ class RealTimeLoop:
                 gc.unfreeze()
                 if gc_was_enabled:
                     gc.enable()
-        return self._summary(steps, stopped_by, wall_s=(t_end - t0) / 1e9, setup_s=(t0 - t_setup) / 1e9)
+            self.last_summary = self._summary(steps, stopped_by, wall_s=(t_end - t0) / 1e9,
+                                              setup_s=(t0 - t_setup) / 1e9)
+        return self.last_summary
 
     def _summary(self, steps: int, stopped_by: str, wall_s: float, setup_s: float) -> LoopSummary:
         cfg = self.config

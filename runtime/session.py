@@ -152,6 +152,8 @@ class SessionSummary:
     observers: dict[str, Any] = field(default_factory=dict)
     # with SessionConfig.rt: {"asked": ..., "granted": ...} (RealtimeGrant.to_dict); empty without
     realtime: dict[str, Any] = field(default_factory=dict)
+    # the error that ended the session (loop.stopped_by "error"), as "Type: message"; None when it ended normally
+    error: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -634,6 +636,7 @@ class Session:
                        collect_gc=False)  # collected in start(), before the handshake
         )
         grant: RealtimeGrant | None = None
+        error: Exception | None = None
         try:
             # the loop's thread gets the real-time settings for the loop only; they are restored when it ends
             with (realtime(RealtimeConfig(priority=cfg.rt_priority, cpu=cfg.rt_cpu)) if cfg.rt
@@ -641,11 +644,17 @@ class Session:
                 if grant is not None:
                     grant.gc_frozen = self._loop.config.freeze_gc
                     self._event("realtime", **grant.to_dict())
-                loop_summary = self._loop.run(
-                    self.step, on_hold=self.hold, on_idle=self.idle,
-                    prewarm=self.model.prewarm if cfg.prewarm else None,
-                    on_step_end=self._tap.publish if self._tap is not None else None,
-                )
+                try:
+                    loop_summary = self._loop.run(
+                        self.step, on_hold=self.hold, on_idle=self.idle,
+                        prewarm=self.model.prewarm if cfg.prewarm else None,
+                        on_step_end=self._tap.publish if self._tap is not None else None,
+                    )
+                except Exception as exc:  # a safety stop (a device that came back as another) or a fault:
+                    if self._loop.last_summary is None:  # the loop never started
+                        raise
+                    error = exc  # the recording still ends with a SUMMARY that says why
+                    loop_summary = self._loop.last_summary
         finally:
             # the stop's safe command is on the wire and in the recording: counted on its own, so that
             # safe_commands_sent still says how often a safety rule acted during the session
@@ -664,6 +673,7 @@ class Session:
             scrub=self.scrubber.summary() if self.scrubber is not None else {},
             monitor_url=self.monitor_url,
             realtime=grant.to_dict() if grant is not None else {},
+            error=f"{type(error).__name__}: {error}" if error is not None else None,
             **self.summary_counts,
         )
         if self._tap is not None:  # observers drain and stop first: their last STEPS come before SUMMARY
@@ -671,6 +681,8 @@ class Session:
             self._tap = None
         if self.writer is not None:
             self.writer.append_json(RecordType.SUMMARY, summary.to_dict())
+        if error is not None:
+            raise error
         return summary
 
     def close(self) -> None:

@@ -160,3 +160,7 @@ def test_a_device_that_comes_back_as_another_is_refused(recurrent_plant_bundle, 
     assert not [m for t, m in _tx(cfg.record, Hello) if t > t_refused]  # not answered: it must not stream
     last = _tx(cfg.record, ActuatorCommand)[-1]
     assert last[0] > t_refused and last[1].u[0] == 0.0  # the safe command went out on the way out
+    # and the recording still ends with a SUMMARY that says why the session stopped
+    assert reader.summary["loop"]["stopped_by"] == "error" and reader.summary["stop_commands_sent"] == 1
+    assert reader.summary["error"].startswith("DeviceChangedError: ") and expect in reader.summary["error"]
+    assert reader.summary["inputs_used"] == len(list(reader.of_type(RecordType.OUTPUT)))
