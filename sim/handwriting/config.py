@@ -99,6 +99,12 @@ class DriftConfig:
     noise: float = 0.08              # unmodulated background rate, Hz per sqrt(day), per channel
     array_wide: float = 0.5          # array-wide walk std relative to the per-channel one (gain, baseline)
     turnover_loss: float = 0.4       # probability that a turnover leaves the channel without a unit
+    # Abrupt changes: each session's own jump, drawn afresh per session and not carried to the next (a
+    # re-implanted reference, a headstage swap, a new amplifier setting). 0 (default) leaves the data as the
+    # walks above make it. Not multiplied by ``scale``.
+    session_rotation: float = 0.0    # SD of each session's own preferred-direction offset, rad, per channel
+    session_gain: float = 0.0        # SD of each session's own log gain jump (per channel + array-wide part)
+    session_baseline: float = 0.0    # SD of each session's own log baseline jump (per channel + array-wide)
 
     def magnitude(self, component: str) -> float:
         """Effective magnitude of ``component`` (its field times ``scale``)."""
@@ -160,6 +166,13 @@ class HandwritingConfig(JsonConfig):
                    held_in_dates=("2022-05-18", "2022-06-22", "2023-02-28"),
                    held_out_dates=("2023-04-17", "2023-10-09"),
                    writing=WritingConfig(words_per_sentence=(1, 3)))
+
+    def with_session_jumps(self, rotation: float = 0.3, gain: float = 0.2, baseline: float = 0.3
+                           ) -> HandwritingConfig:
+        """A copy in which every session also jumps on its own (``DriftConfig.session_*``): each day's own
+        rotation, gain and baseline change on top of the slow walks."""
+        return dataclasses.replace(self, drift=dataclasses.replace(
+            self.drift, session_rotation=rotation, session_gain=gain, session_baseline=baseline))
 
     def ablate(self, component: str) -> HandwritingConfig:
         """A copy with one drift component switched off (``"all"``: no drift at all)."""

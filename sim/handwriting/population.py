@@ -120,6 +120,26 @@ def session_channel_params(cfg: HandwritingConfig) -> list[ChannelParams]:
         else:
             walks[name] = mag * per_channel
 
+    # Each session's own jumps: a stream of their own, drawn only when asked for, so the default data
+    # (and every other draw) stay bit-identical.
+    jumps = {name: np.zeros((n_sessions, n_ch)) for name in ("rotation", "gain", "baseline")}
+    for j, (name, sd) in enumerate((("rotation", drift.session_rotation), ("gain", drift.session_gain),
+                                    ("baseline", drift.session_baseline))):
+        if sd < 0:
+            raise ValueError(f"DriftConfig.session_{name} must be >= 0 (an SD); got {sd}")
+        if sd == 0:
+            continue
+        rng = stream(cfg.seed, 2, j)
+        per_channel = rng.standard_normal((n_sessions, n_ch))
+        if name == "rotation":
+            jumps[name] = sd * per_channel
+        else:  # per channel + array-wide, mean-preserving in rate like the walks
+            z = per_channel + drift.array_wide * rng.standard_normal(n_sessions)[:, None]
+            jumps[name] = sd * z - 0.5 * sd**2 * (1.0 + drift.array_wide**2)
+    walks["tuning_rotation"] = walks["tuning_rotation"] + jumps["rotation"]
+    walks["gain"] = walks["gain"] + jumps["gain"]
+    walks["baseline"] = walks["baseline"] + jumps["baseline"]
+
     turnover_rng = stream(cfg.seed, 1, DRIFT_COMPONENTS.index("unit_turnover"))
     hazard = drift.magnitude("unit_turnover")
     base = {k: units[k].copy() for k in _UNIT_FIELDS}

@@ -79,3 +79,21 @@ def test_drift_walks_scale_like_sqrt_days():
     params = session_channel_params(_cfg(scale=1.0))
     spread = [np.std(p.vel_angle - params[0].vel_angle) for p in params]
     assert spread[0] == 0 and spread[-1] > spread[5] > 0
+
+
+def test_session_jumps_are_each_days_own_and_leave_the_default_data_alone():
+    base = session_channel_params(_cfg())
+    plain = session_channel_params(dataclasses.replace(_cfg(), drift=dataclasses.replace(
+        _cfg().drift, session_rotation=0.0, session_gain=0.0, session_baseline=0.0)))
+    for a, b in zip(base, plain, strict=True):
+        for f in ALL_FIELDS:
+            assert np.array_equal(getattr(a, f), getattr(b, f))
+    jumped = session_channel_params(_cfg().with_session_jumps(rotation=0.4, gain=0.3, baseline=0.3))
+    # the jump on each session: large against the slow walk, and not carried over (consecutive jumps uncorrelated)
+    d = np.array([j.vel_angle - p.vel_angle for j, p in zip(jumped, base, strict=True)])
+    assert 0.3 < d.std() < 0.5
+    assert abs(np.corrcoef(d[1:-1].ravel(), d[2:].ravel())[0, 1]) < 0.1
+    g = np.array([j.log_gain - p.log_gain for j, p in zip(jumped, base, strict=True)])
+    assert 0.25 < g.std() < 0.45 and np.all(jumped[0].alive == base[0].alive)
+    with pytest.raises(ValueError, match="session_gain must be >= 0"):
+        session_channel_params(_cfg().with_session_jumps(gain=-0.1))
