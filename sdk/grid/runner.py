@@ -1,0 +1,315 @@
+"""One grid runner for every sweep: benchmark grids and simulator-in-the-loop batches.
+
+A grid is a list of independent :class:`Cell` s (a config dict and a seed, with a stable
+key). :func:`run_grid` runs a function on each cell on a local Ray instance (this machine's
+cores), on a Ray cluster given its address, or in this process one cell after another where
+Ray (the ``[scale]`` extra) is not installed. Each finished cell is appended as one JSON line
+to a results file, so a rerun skips what is done; a cell whose worker dies is retried once and
+then reported as failed with the error. :class:`GridRunner` is the lower level under it, for
+grids whose tasks depend on each other (the iBCI benchmark's training and scoring tasks).
+It sits in ``sdk/`` and is never imported by the runtime: the deployed footprint has no Ray.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import socket
+import time
+import traceback
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+def ray_available() -> bool:
+    """Whether Ray (``pip install 'closedloop[scale]'``) can be imported here."""
+    try:
+        import ray  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One independent unit of a grid: ``config`` (JSON values) and ``seed``.
+
+    ``key`` is stable across runs (a hash of the config and seed unless given), so a rerun
+    recognises the cells a results file already holds.
+    """
+
+    config: dict[str, Any]
+    seed: int = 0
+    name: str | None = None
+
+    @property
+    def key(self) -> str:
+        if self.name is not None:
+            return self.name
+        text = json.dumps({"config": self.config, "seed": self.seed}, sort_keys=True, default=str)
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def grid(seeds: Iterable[int], **axes: Sequence[Any]) -> list[Cell]:
+    """Every combination of ``axes`` (name -> values) for every seed, as cells.
+
+    >>> [(c.config, c.seed) for c in grid([0, 1], method=["a"])]
+    [({'method': 'a'}, 0), ({'method': 'a'}, 1)]
+    """
+    import itertools
+
+    names = list(axes)
+    return [Cell(dict(zip(names, values, strict=True)), seed)
+            for values in itertools.product(*(axes[n] for n in names)) for seed in seeds]
+
+
+@dataclass
+class Done:
+    """A finished task: its tag, its result or the error that ended it, and where it ran."""
+
+    tag: Any
+    result: Any = None
+    error: str | None = None
+    node: str = ""
+    host: str = ""
+    pid: int = 0
+    started: float = 0.0
+    wall_s: float = 0.0
+
+
+def _where() -> tuple[str, str, int]:
+    node = os.environ.get("CLOSEDLOOP_GRID_NODE", "local")
+    try:
+        import ray
+
+        if ray.is_initialized():
+            node = ray.get_runtime_context().get_node_id()
+    except ImportError:
+        pass
+    return node, socket.gethostname(), os.getpid()
+
+
+def _call(fn: Callable, args: tuple) -> tuple[Any, str, str, int, float, float]:
+    """Run ``fn(*args)`` where a worker picked it up; the result and where and when it ran."""
+    node, host, pid = _where()
+    started = time.time()
+    t0 = time.perf_counter()
+    result = fn(*args)
+    return result, node, host, pid, started, time.perf_counter() - t0
+
+
+def _error_text(exc: BaseException) -> str:
+    text = f"{type(exc).__name__}: {exc}"
+    return text if len(text) < 4000 else text[:4000] + " ..."
+
+
+@dataclass
+class GridRunner:
+    """Tasks submitted one by one and collected as they finish, on Ray or in this process.
+
+    ``backend``: ``"auto"`` (Ray if it is installed, else in-process), ``"ray"`` or
+    ``"inprocess"``. ``address`` joins a running Ray cluster (``ray start --head``); without
+    it a local Ray instance with ``workers`` CPUs (default: all of them) is started and shut
+    down at :meth:`close`. ``retries``: how many times a task whose worker died is run again.
+    Use it as a context manager.
+    """
+
+    address: str | None = None
+    workers: int | None = None
+    retries: int = 1
+    backend: str = "auto"
+    _queue: list = field(default_factory=list, init=False, repr=False)
+    _pending: dict = field(default_factory=dict, init=False, repr=False)
+    _started_ray: bool = field(default=False, init=False, repr=False)
+    _remote: Any = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.backend not in ("auto", "ray", "inprocess"):
+            raise ValueError(f"backend {self.backend!r}: expected 'auto', 'ray' or 'inprocess'")
+        if self.workers is not None and self.workers < 1:
+            raise ValueError(f"workers={self.workers}: expected 1 or more (or None for every CPU)")
+        if self.retries < 0:
+            raise ValueError(f"retries={self.retries}: expected 0 or more")
+        if self.backend == "auto":
+            self.backend = "ray" if ray_available() else "inprocess"
+        if self.backend == "inprocess" and self.address:
+            raise ValueError(f"address {self.address!r} needs Ray, which is not installed: "
+                             "pip install 'closedloop[scale]'")
+        if self.backend == "ray":
+            self._start_ray()
+
+    def _start_ray(self) -> None:
+        try:
+            import ray
+        except ImportError:
+            raise RuntimeError("backend 'ray' needs Ray: pip install 'closedloop[scale]'") from None
+        if not ray.is_initialized():
+            kwargs: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False,
+                                      "configure_logging": False}
+            if self.address:
+                ray.init(address=self.address, **kwargs)
+            else:
+                ray.init(num_cpus=self.workers or os.cpu_count() or 1, **kwargs)
+            self._started_ray = True
+        # SPREAD: on a cluster, cells go to every node rather than filling the driver's first
+        self._remote = ray.remote(_call).options(num_cpus=1, max_retries=self.retries, retry_exceptions=False,
+                                                 scheduling_strategy="SPREAD")
+
+    @property
+    def nodes(self) -> int:
+        """How many nodes the tasks may run on (1 in-process)."""
+        if self.backend != "ray":
+            return 1
+        import ray
+
+        return sum(1 for n in ray.nodes() if n.get("Alive"))
+
+    def submit(self, fn: Callable, *args: Any, tag: Any = None) -> None:
+        """Start ``fn(*args)`` (in-process: when :meth:`next_done` asks for it); ``tag`` comes back with it."""
+        if self.backend == "ray":
+            self._pending[self._remote.remote(fn, args)] = tag
+        else:
+            self._queue.append((fn, args, tag))
+
+    def __len__(self) -> int:
+        """Tasks submitted and not yet collected."""
+        return len(self._pending) + len(self._queue)
+
+    def next_done(self) -> Done:
+        """The next task to finish (in-process: the next one run); an error is returned, not raised."""
+        if not len(self):
+            raise RuntimeError("next_done() with no task running: submit one first")
+        if self.backend != "ray":
+            fn, args, tag = self._queue.pop(0)
+            node, host, pid = _where()
+            started, t0 = time.time(), time.perf_counter()
+            try:
+                result = fn(*args)
+            except Exception as exc:  # a cell's failure is its record, never the grid's end
+                return Done(tag, None, _error_text(exc) + "\n" + traceback.format_exc(limit=3), node, host, pid,
+                            started, time.perf_counter() - t0)
+            return Done(tag, result, None, node, host, pid, started, time.perf_counter() - t0)
+        import ray
+
+        ready: list = []
+        while not ready:  # a timeout, so that Ctrl-C and SIGTERM reach the driver promptly
+            ready, _ = ray.wait(list(self._pending), num_returns=1, timeout=1.0)
+        ref = ready[0]
+        tag = self._pending.pop(ref)
+        try:
+            result, node, host, pid, started, wall = ray.get(ref)
+        except Exception as exc:  # RayTaskError (the cell raised) or WorkerCrashedError (its worker died)
+            cause = getattr(exc, "cause", None)
+            return Done(tag, None, _error_text(cause if isinstance(cause, BaseException) else exc))
+        return Done(tag, result, None, node, host, pid, started, wall)
+
+    def close(self) -> None:
+        if self.backend == "ray":
+            import ray
+
+            for ref in self._pending:
+                ray.cancel(ref, force=True)
+            self._pending.clear()
+            if self._started_ray:
+                ray.shutdown()
+                self._started_ray = False
+        self._queue.clear()
+
+    def __enter__(self) -> GridRunner:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def read_results(path: str | os.PathLike) -> dict[str, dict]:
+    """The records of a results file by cell key (the last line of a key wins); a torn last line is ignored."""
+    records: dict[str, dict] = {}
+    p = Path(path)
+    if not p.exists():
+        return records
+    for line in p.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:  # a driver killed mid-write leaves at most one torn line
+            continue
+        if isinstance(rec, dict) and "key" in rec:
+            records[rec["key"]] = rec
+    return records
+
+
+def _append(path: Path, record: dict) -> None:
+    """One line, one ``write`` on an ``O_APPEND`` descriptor, flushed to disk: a kill leaves whole lines."""
+    try:
+        line = json.dumps(record, allow_nan=True) + "\n"
+    except TypeError as exc:
+        raise TypeError(f"cell {record['key']}: its result cannot be stored as JSON in {path} ({exc}); return "
+                        "dicts, lists, numbers and strings, or pass results=None") from None
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        with open(path, "rb") as f:  # a torn last line from a killed run: start on a fresh line
+            size = f.seek(0, os.SEEK_END)
+            if size:
+                f.seek(size - 1)
+                if f.read(1) != b"\n":
+                    line = "\n" + line
+        os.write(fd, line.encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def run_grid(fn: Callable[[dict, int], Any], cells: Sequence[Cell], results: str | os.PathLike | None = None,
+             address: str | None = None, workers: int | None = None, retries: int = 1, progress: bool = True,
+             backend: str = "auto", desc: str = "grid") -> list[dict]:
+    """Run ``fn(cell.config, cell.seed)`` for every cell; one record per cell, in the cells' order.
+
+    A record is ``{"key", "config", "seed", "status": "ok" | "failed", "result" | "error",
+    "node", "host", "pid", "started", "wall_s"}``. With ``results`` (a ``.jsonl`` path) each
+    record is appended as its cell finishes, and cells already there with status ``ok`` are
+    not run again (their stored record is returned); failed cells are run again.
+    ``fn`` must be importable by the workers (a module-level function) and, with ``results``,
+    return JSON. See :class:`GridRunner` for ``address``, ``workers``, ``retries`` and ``backend``.
+    """
+    keys = [c.key for c in cells]
+    if len(set(keys)) != len(keys):
+        dup = next(k for k in keys if keys.count(k) > 1)
+        raise ValueError(f"two cells have the key {dup!r}: give each cell a distinct config, seed or name")
+    path = Path(results) if results is not None else None
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    done = {k: r for k, r in (read_results(path).items() if path else ()) if r.get("status") == "ok"}
+    todo = [c for c in cells if c.key not in done]
+    out: dict[str, dict] = dict(done)
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(cells), initial=len(cells) - len(todo), desc=desc, unit="cell", leave=True)
+    try:
+        if todo:
+            with GridRunner(address=address, workers=workers, retries=retries, backend=backend) as runner:
+                for cell in todo:
+                    runner.submit(fn, cell.config, cell.seed, tag=cell)
+                while len(runner):
+                    d = runner.next_done()
+                    cell = d.tag
+                    rec = {"key": cell.key, "config": cell.config, "seed": cell.seed,
+                           "status": "failed" if d.error else "ok"}
+                    rec |= {"error": d.error} if d.error else {"result": d.result}
+                    rec |= {"node": d.node, "host": d.host, "pid": d.pid, "started": d.started,
+                            "wall_s": round(d.wall_s, 4)}
+                    if path is not None:
+                        _append(path, rec)
+                    out[cell.key] = rec
+                    if bar is not None:
+                        bar.update(1)
+                        if d.error:
+                            bar.write(f"{desc}: cell {cell.key} failed: {d.error.splitlines()[0]}")
+    finally:
+        if bar is not None:
+            bar.close()
+    return [out[k] for k in keys]

@@ -1,0 +1,191 @@
+"""The grid runner: in-process, on a local Ray instance, on a two-node loopback cluster, with a worker
+killed mid-cell and a driver killed mid-grid (docs/grid.md)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from closedloop.sdk.grid import Cell, grid, read_results, run_grid
+
+
+def square(config: dict, seed: int) -> dict:
+    if config.get("fail"):
+        raise ValueError(f"cell {config['x']} was told to fail")
+    if config.get("sleep"):
+        time.sleep(config["sleep"])
+    return {"y": config["x"] ** 2 + seed}
+
+
+def die_once(config: dict, seed: int) -> dict:
+    """Kill this worker the first time (the marker file says whether it already died), or every time."""
+    marker = Path(config["marker"])
+    if config.get("always") or not marker.exists():
+        marker.touch()
+        os.kill(os.getpid(), signal.SIGKILL)
+    return {"survived": True}
+
+
+def _by_value() -> None:
+    # Ray's workers cannot import this test module by name (pytest's importlib mode): ship the functions by value
+    import ray.cloudpickle
+
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+def test_in_process_grid_records_every_cell_and_a_failing_cell_with_its_error(tmp_path):
+    cells = grid([0, 1], x=[1, 2, 3]) + [Cell({"x": 9, "fail": True})]
+    out = tmp_path / "r.jsonl"
+    recs = run_grid(square, cells, results=out, backend="inprocess", progress=False)
+    assert [r["key"] for r in recs] == [c.key for c in cells]
+    assert [r["result"]["y"] for r in recs[:-1]] == [c.config["x"] ** 2 + c.seed for c in cells[:-1]]
+    assert recs[-1]["status"] == "failed" and "ValueError: cell 9 was told to fail" in recs[-1]["error"]
+    lines = out.read_text().splitlines()
+    assert len(lines) == len(cells) and all(json.loads(line)["key"] for line in lines)
+    # a rerun runs only the failed cell again; the finished ones come back from the file
+    recs2 = run_grid(square, cells, results=out, backend="inprocess", progress=False)
+    assert len(out.read_text().splitlines()) == len(cells) + 1
+    assert [r["started"] for r in recs2[:-1]] == [r["started"] for r in recs[:-1]]
+
+
+def test_cells_with_the_same_key_are_refused():
+    with pytest.raises(ValueError, match="two cells have the key"):
+        run_grid(square, [Cell({"x": 1}), Cell({"x": 1})], backend="inprocess", progress=False)
+
+
+def test_a_torn_last_line_is_ignored_and_the_next_record_starts_a_fresh_line(tmp_path):
+    out = tmp_path / "r.jsonl"
+    cells = grid([0], x=[1, 2])
+    run_grid(square, cells[:1], results=out, backend="inprocess", progress=False)
+    with open(out, "a") as f:
+        f.write('{"key": "torn", "sta')  # a driver killed in the middle of a write
+    run_grid(square, cells, results=out, backend="inprocess", progress=False)
+    assert set(read_results(out)) == {c.key for c in cells}
+
+
+def test_resume_after_the_driver_is_killed_skips_the_finished_cells(tmp_path):
+    out, ran = tmp_path / "r.jsonl", tmp_path / "ran.txt"
+    driver = textwrap.dedent(f"""
+        import sys, time
+        from closedloop.sdk.grid import grid, run_grid
+        def cell(config, seed):
+            with open({str(ran)!r}, "a") as f:
+                f.write(str(config["x"]) + "\\n")
+            time.sleep(0.25)
+            return config["x"]
+        run_grid(cell, grid([0], x=list(range(12))), results={str(out)!r}, backend="inprocess", progress=False)
+        """)
+    p = subprocess.Popen([sys.executable, "-c", driver])
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and (not out.exists() or len(out.read_text().splitlines()) < 3):
+        time.sleep(0.05)
+    p.kill()
+    p.wait()
+    done_before = set(read_results(out))
+    assert 3 <= len(done_before) < 12
+    first_run = ran.read_text().split()
+    assert subprocess.run([sys.executable, "-c", driver], timeout=60).returncode == 0
+    again = ran.read_text().split()[len(first_run):]
+    recs = read_results(out)
+    assert len(recs) == 12 and all(r["status"] == "ok" for r in recs.values())
+    # only the unfinished cells ran again (the one cut off mid-cell among them)
+    assert set(map(int, again)) == set(range(12)) - {r["config"]["x"] for k, r in recs.items() if k in done_before}
+
+
+ray = pytest.importorskip("ray", reason="the Ray tests need the [scale] extra (pip install 'closedloop[scale]')")
+
+
+def test_a_tiny_grid_on_a_local_ray_instance(tmp_path):
+    _by_value()
+    cells = grid([0, 1], x=[1, 2])
+    recs = run_grid(square, cells, results=tmp_path / "r.jsonl", workers=2, progress=False)
+    assert [r["result"]["y"] for r in recs] == [c.config["x"] ** 2 + c.seed for c in cells]
+    assert all(len(r["node"]) == 56 for r in recs)  # a Ray node id, not the in-process "local"
+    assert not ray.is_initialized()  # the runner shut down the instance it started
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def loopback_cluster(tmp_path_factory):
+    """A Ray head and a worker node on 127.0.0.1, one CPU each; the worker has the resource ``second_node``.
+
+    ``ray start --block`` keeps each node's processes under one process group that is ended by its id
+    afterwards (``ray stop`` would stop every Ray on the machine).
+    """
+    ray_cli = str(Path(sys.executable).with_name("ray"))
+    port = _free_port()
+    tmp = tmp_path_factory.mktemp("ray")
+    env = os.environ | {"RAY_USAGE_STATS_ENABLED": "0"}
+    common = ["--num-cpus=1", "--block", "--disable-usage-stats"]
+    nodes = [subprocess.Popen([ray_cli, "start", "--head", "--node-ip-address=127.0.0.1", f"--port={port}",
+                               "--include-dashboard=false", f"--temp-dir={tmp}", *common],
+                              start_new_session=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
+    address = f"127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline or nodes[0].poll() is not None:
+                    pytest.fail("the Ray head node did not start")
+                time.sleep(0.2)
+        nodes.append(subprocess.Popen([ray_cli, "start", f"--address={address}", "--node-ip-address=127.0.0.1",
+                                       '--resources={"second_node": 1}', *common],
+                                      start_new_session=True, env=env, stdout=subprocess.DEVNULL,
+                                      stderr=subprocess.DEVNULL))
+        ray.init(address=address, include_dashboard=False, log_to_driver=False)
+        while sum(1 for n in ray.nodes() if n["Alive"]) < 2:
+            if time.monotonic() > deadline:
+                pytest.fail("the Ray worker node did not join the head")
+            time.sleep(0.2)
+        _by_value()
+        yield address
+    finally:
+        if ray.is_initialized():
+            ray.shutdown()
+        for p in reversed(nodes):
+            with __import__("contextlib").suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGTERM)
+        for p in reversed(nodes):
+            try:
+                p.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+
+
+def test_a_grid_on_a_two_node_loopback_cluster_places_cells_on_both_nodes(loopback_cluster, tmp_path):
+    second = {n["NodeID"] for n in ray.nodes() if n["Alive"] and "second_node" in n["Resources"]}
+    head = {n["NodeID"] for n in ray.nodes() if n["Alive"]} - second
+    cells = grid([0], x=list(range(6)), sleep=[0.3])
+    recs = run_grid(square, cells, results=tmp_path / "r.jsonl", address=loopback_cluster, progress=False)
+    assert all(r["status"] == "ok" for r in recs)
+    nodes = {r["node"] for r in recs}
+    assert nodes == head | second and len(nodes) == 2, (nodes, head, second)
+    assert ray.is_initialized()  # a connection the runner found stays for its owner
+
+
+def test_a_killed_worker_is_retried_once_then_its_cell_fails_with_the_error(loopback_cluster, tmp_path):
+    cells = [Cell({"marker": str(tmp_path / "once")}, name="dies-once"),
+             Cell({"marker": str(tmp_path / "always"), "always": True}, name="dies-always")]
+    recs = run_grid(die_once, cells, results=tmp_path / "r.jsonl", address=loopback_cluster, retries=1,
+                    progress=False)
+    assert recs[0]["status"] == "ok" and recs[0]["result"] == {"survived": True}
+    assert recs[1]["status"] == "failed" and "WorkerCrashedError" in recs[1]["error"], recs[1]
+    assert json.loads((tmp_path / "r.jsonl").read_text().splitlines()[-1])["status"] in ("ok", "failed")
