@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml setup.py Makefile $(CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet $(TORCH_SPEC)
-	$(PY) -m pip install --quiet -e '.[train,sim,rl,monitor,lsl,dev]' $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
+	$(PY) -m pip install --quiet -e '.[train,sim,rl,monitor,lsl,scale,dev]' $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
 	@touch $(STAMP)
 
 demo: $(STAMP)

@@ -164,7 +164,7 @@ def loopback_cluster(tmp_path_factory):
                 os.killpg(p.pid, signal.SIGTERM)
         for p in reversed(nodes):
             try:
-                p.wait(timeout=15)
+                p.wait(timeout=3)
             except subprocess.TimeoutExpired:
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
