@@ -15,7 +15,6 @@ from .workflow import (
     format_evaluation,
     load_sessions,
     train_harness,
-    train_pooled_bundle,
 )
 
 
@@ -44,29 +43,80 @@ def _train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, help="bundle to write (calibratable: `closedloop calibrate` it per session)")
     p.add_argument("--config", help="a HarnessConfig JSON (train/meta/calibration sections): its settings replace "
                                     "those of the benchmark's configuration (or --tiny's); the rest stay")
-    p.add_argument("--tiny", action="store_true", help="the tests' tiny training configuration (a minute)")
+    p.add_argument("--tiny", action="store_true", help="the tests' tiny training configuration (a minute; not scaled)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="auto", help="auto, cpu or cuda")
     p.add_argument("--end-completion", choices=("off", "sentence-end", "plain"), default="off",
                    help="end-of-trial completion in the bundle's runtime text (docs/bci_deployment.md): 'sentence-end' "
                         "appends the sentence-final mark greedy decoding leaves out (default off: plain greedy)")
+    p.add_argument("--steps", type=int, default=None,
+                   help="stage 1's step ceiling (default: scaled with the data, docs/bci.md); training stops earlier "
+                        "when validation stops improving")
+    p.add_argument("--time-budget", type=float, default=1800.0,
+                   help="wall-time budget in seconds for both stages (default 1800; 0: none)")
+    p.add_argument("--patience", type=int, default=6,
+                   help="validation evaluations without a lower CER before stage 1 stops (default 6)")
+    p.add_argument("--eval-every", type=int, default=0,
+                   help="steps between validation evaluations (default: a fortieth of the ceiling, at least 10)")
+    p.add_argument("--validation-fraction", type=float, default=0.1,
+                   help="share of each held-in session's trials withheld for validation (default 0.1, at least 1)")
+    p.add_argument("--unlearned-cer", type=float, default=0.4,
+                   help="best validation greedy CER above which the decoder counts as not learned (default 0.4)")
+    p.add_argument("--allow-unlearned", action="store_true",
+                   help="exit 0 even when the decoder has not learned (it is written either way)")
+    p.add_argument("--json", action="store_true", help="print the training summary as JSON on stdout")
     p.add_argument("--overwrite", action="store_true")
 
 
-@command("bci-train", "train the pooled handwriting decoder and its meta-learned alignment; write a calibratable bundle",
-         _train_args)
+def _explicit_train_settings(config: str | None, steps: int | None) -> frozenset[str]:
+    """The stage-1 settings the user chose (a --config's train.backbone / train.steps, --steps): not scaled."""
+    keep = set()
+    if config:
+        train = json.loads(open(config).read()).get("train") or {}
+        keep |= {k for k in ("backbone", "steps") if k in train}
+    if steps is not None:
+        keep.add("steps")
+    return frozenset(keep)
+
+
+@command("bci-train", "train the pooled handwriting decoder and its meta-learned alignment until it has learned "
+                      "(validation, early stopping, a time budget); write a calibratable bundle", _train_args)
 def _train(a: argparse.Namespace) -> int:
+    import dataclasses
+    import sys
+
     from .data import resolve_device
     from .malloc import retain_freed_memory
+    from .progress import Progress
+    from .recipe import Recipe, train_recipe
 
     resolve_device(a.device)  # a device this machine lacks is refused before the data are read
+    if a.steps is not None and a.steps < 1:
+        raise ValueError(f"--steps {a.steps}: the step ceiling must be at least 1")
+    recipe = Recipe(validation_fraction=a.validation_fraction, eval_every=a.eval_every, patience=a.patience,
+                    time_budget_s=a.time_budget, unlearned_cer=a.unlearned_cer, scale=not a.tiny, seed=a.seed)
     retain_freed_memory()  # this process only trains: keep freed tensors' memory for the next step (sdk.bci.malloc)
     harness = train_harness(a.config, tiny=a.tiny, seed=a.seed, device=a.device)
+    if a.steps is not None:
+        harness = dataclasses.replace(harness, train=dataclasses.replace(harness.train, steps=a.steps))
+    progress = Progress(quiet=getattr(a, "global_quiet", False))
     sessions = load_sessions(a.data)
-    print(f"{len(sessions)} sessions from {a.data} ({sum(s.split == 'held_in' for s in sessions)} held-in)")
-    path = train_pooled_bundle(sessions, harness, a.out, provenance={"data": str(a.data)}, overwrite=a.overwrite,
-                               end_completion=None if a.end_completion == "off" else a.end_completion)
-    print(f"wrote {path}: calibrate it per session with `closedloop calibrate {path} --data SESSION.nwb --sentences 3`")
+    progress.note(f"{len(sessions)} sessions from {a.data} ({sum(s.split == 'held_in' for s in sessions)} held-in)")
+    result = train_recipe(sessions, harness, a.out, recipe=recipe, keep=_explicit_train_settings(a.config, a.steps),
+                          progress=progress, provenance={"data": str(a.data)}, overwrite=a.overwrite,
+                          end_completion=None if a.end_completion == "off" else a.end_completion)
+    if a.json:
+        print(json.dumps(result.summary, indent=2))
+    else:
+        print(result.format())
+        print(f"wrote {result.bundle}: calibrate it per session with `closedloop calibrate {result.bundle} "
+              "--data SESSION.nwb --sentences 3`")
+    if not result.learned:
+        for p in result.problems:
+            print(f"error: NOT LEARNED: {p}", file=sys.stderr)
+        if not a.allow_unlearned:
+            print("error: the decoder has not learned (exit 1); --allow-unlearned keeps going", file=sys.stderr)
+            return 1
     return 0
 
 
@@ -75,8 +125,17 @@ def _evaluate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data", required=True, help="an NWB file or a folder of them (FALCON H2 layout)")
     p.add_argument("--beam", action="store_true", help="also score the lexicon-constrained beam search")
     p.add_argument("--beam-width", type=int, default=16)
-    p.add_argument("--lexicon", default=None,
-                   help="extra words for the beam (default: the words of the data's non-evaluation sentences)")
+    p.add_argument("--lexicon", default=None, metavar="closed|open|FILE",
+                   help="the beam's vocabulary: 'closed' (default; the words of the sentences the bundle was trained "
+                        "and calibrated on, stored in it: optimistic WER), 'open' (English, the most frequent words "
+                        "of wordfreq with their frequencies as prior: for comparisons with published numbers) or a "
+                        "file of words")
+    p.add_argument("--sentence-end", default=None, metavar="MARKS|none",
+                   help="the marks a sentence must end with for greedy_end and beam, e.g. '~?' (default: the rule the "
+                        "bundle stored from its training sentences; 'none': no rule)")
+    p.add_argument("--word-weight", type=float, default=None,
+                   help="weight of the beam's unigram word prior (default 0.5 for open, 0 for closed or a file)")
+    p.add_argument("--open-words", type=int, default=None, help="size of the open vocabulary (default 50000)")
     p.add_argument("--backend", default="auto", help="runtime backend or 'auto'")
     p.add_argument("--json", action="store_true", help="print scores, predictions and references as JSON")
 
@@ -84,6 +143,8 @@ def _evaluate_args(p: argparse.ArgumentParser) -> None:
 @command("evaluate", "score a decoder bundle on NWB data (FALCON CER/WER per session, through the runtime)",
          _evaluate_args)
 def _evaluate(a: argparse.Namespace) -> int:
-    r = evaluate_bundle(a.bundle, a.data, beam=a.beam, beam_width=a.beam_width, lexicon=a.lexicon, backend=a.backend)
+    r = evaluate_bundle(a.bundle, a.data, beam=a.beam, beam_width=a.beam_width, lexicon=a.lexicon,
+                        sentence_end=a.sentence_end, word_weight=a.word_weight, open_words=a.open_words,
+                        backend=a.backend)
     print(json.dumps(r, indent=2) if a.json else format_evaluation(r))
     return 0

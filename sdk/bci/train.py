@@ -12,10 +12,12 @@ and number of steps.
 
 from __future__ import annotations
 
+import copy
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 import numpy as np
 import torch
@@ -78,6 +80,14 @@ class TrainConfig(JsonConfig):
     plateau_steps: int = 200
     plateau_fraction: float = 0.8
     max_restarts: int = 2
+    # validation (on when the trainer is given validation trials, as ``bci-train`` does; docs/bci.md, "The training
+    # recipe"): greedy CER of the validation trials every ``eval_every`` steps; the run stops when it has not improved
+    # for ``patience`` evaluations (counted from the first CER below STARTED_CER, 75%), and the best checkpoint
+    # is restored. ``steps`` is then a ceiling. ``time_budget_s`` (0: none) stops the run when it has used that much
+    # wall time.
+    eval_every: int = 50
+    patience: int = 6
+    time_budget_s: float = 0.0
     seed: int = 0
     device: str = "auto"
     progress: bool = True
@@ -117,13 +127,32 @@ class TrainingLog:
     seed: int = 0  # the seed of the run kept (``restart_seed`` of the configured one after restarts)
     restarts: list[dict] = field(default_factory=list)  # abandoned runs: seed, loss curve, wall_s
     on_plateau: bool = False  # the kept run itself failed the plateau check (every restart was used)
+    # with validation trials: one row per evaluation ({"step", "CER", "WER", "chars"}: greedy decoding, FALCON's
+    # scores, characters emitted), the best row's step (its weights are the ones kept), why the run ended
+    validation: list[dict] = field(default_factory=list)
+    best_step: int = 0
+    stop_reason: str = "ceiling"  # "ceiling" (ran every step), "patience", "time_budget"
+
+    @property
+    def steps_run(self) -> int:
+        return len(self.loss)
+
+    def best(self) -> dict | None:
+        """The validation row whose weights were kept (None without validation)."""
+        return next((v for v in self.validation if v["step"] == self.best_step), None)
 
     def to_dict(self) -> dict:
         return {"what": self.what, "loss": self.loss, "wall_s": self.wall_s, "device": self.device,
-                "n_trials": self.n_trials, "seed": self.seed, "restarts": self.restarts, "on_plateau": self.on_plateau}
+                "n_trials": self.n_trials, "seed": self.seed, "restarts": self.restarts, "on_plateau": self.on_plateau,
+                "validation": self.validation, "best_step": self.best_step, "stop_reason": self.stop_reason,
+                "steps_run": self.steps_run}
 
     def warning(self) -> str | None:
         """A sentence for the user when training had to restart or never left the CTC plateau, else None."""
+        if self.on_plateau and self.validation:
+            return (f"{self.what}: validation greedy CER never came below {STARTED_CER:.0%} in {self.steps_run} steps "
+                    f"({len(self.restarts)} restart(s) used): the model ignores its input. Raise --steps or "
+                    "--time-budget, lower train.lr, or check that the inputs carry the signal")
         if self.on_plateau:
             return (f"{self.what}: the loss never left the CTC plateau ({len(self.restarts)} restart(s) used): the "
                     "model mostly ignores its input. Train longer (train.steps), lower train.lr, or check that the "
@@ -160,6 +189,46 @@ def cosine_lr(step: int, steps: int, lr: float, final_fraction: float, warmup: i
     return lr * (final_fraction + (1 - final_fraction) * 0.5 * (1 + math.cos(math.pi * done)))
 
 
+# validation greedy CER below which a run has started to learn (random characters from an untrained network score
+# about 100%): patience counts only from then, and a run that has not reached it by the plateau check is on the plateau
+STARTED_CER = 0.75
+
+
+def _started(rows: Sequence[dict]) -> bool:
+    return any(r["CER"] < STARTED_CER for r in rows)
+
+
+def validation_scores(module: nn.Module, forward: Callable[[torch.Tensor, Batch], torch.Tensor],
+                      examples: Sequence[Example], device: torch.device | str = "cpu") -> dict:
+    """Greedy decoding of ``examples`` (no augmentation, eval mode): CER and WER pooled over the trials (FALCON's
+    edit distances summed over trials, divided by the references' characters and words), and characters emitted."""
+    from .decoding import greedy_decode
+    from .metrics import score_session
+
+    was_training = module.training
+    module.eval()
+    texts: list[str] = []
+    with torch.no_grad():
+        for i in range(0, len(examples), 32):
+            chunk = examples[i: i + 32]
+            batch = collate(chunk, device)
+            logp = forward(batch.x, batch).cpu().numpy()
+            texts += [greedy_decode(logp[k, : e.x.shape[0]]) for k, e in enumerate(chunk)]
+    module.train(was_training)
+    score = score_session(texts, [e.sentence for e in examples])
+    return {"CER": score.cer, "WER": score.wer, "chars": sum(len(t) for t in texts)}
+
+
+def plateau_check_step(config: TrainConfig, validated: bool) -> int:
+    """The step at which a run is checked for the CTC plateau (0: never). With validation, a quarter of the ceiling
+    if that is later than ``plateau_steps``: the ceiling then scales with the data, and so does the time a run needs
+    to leave the plateau."""
+    if not config.plateau_steps:
+        return 0
+    at = max(config.plateau_steps, config.steps // 4) if validated else config.plateau_steps
+    return at if config.steps > at else 0
+
+
 def fit_ctc(
     module: nn.Module,
     forward: Callable[[torch.Tensor, Batch], torch.Tensor],
@@ -169,12 +238,23 @@ def fit_ctc(
     lr_scales: dict[int, float] | None = None,
     seed: int | None = None,
     stop_on_plateau: bool = False,
+    validation: Sequence[Example] | None = None,
+    progress: Any = None,
+    deadline: float | None = None,
 ) -> TrainingLog:
     """Train ``module`` in place: ``forward(x, batch) -> logp`` on augmented batches, CTC loss, Adam.
 
     ``lr_scales`` maps ``id(parameter)`` to a learning-rate factor (default 1). ``seed``
     (default ``config.seed``) seeds batches and augmentation. ``stop_on_plateau`` ends the
-    run at ``config.plateau_steps`` when it fails the plateau check (``log.on_plateau``).
+    run at the plateau check when it fails it (``log.on_plateau``).
+
+    With ``validation`` trials the run is scored on them every ``config.eval_every`` steps
+    (:func:`validation_scores`), stops after ``config.patience`` evaluations without a lower
+    CER (counted from the first below :data:`STARTED_CER`) or at ``deadline``
+    (``time.perf_counter()`` seconds) or after ``config.time_budget_s``, and the best
+    evaluation's weights are restored; the plateau check then asks whether a validation CER
+    has come below :data:`STARTED_CER` instead of reading the loss. ``progress`` (a
+    :class:`~closedloop.sdk.bci.progress.StageProgress`) is told every step.
     """
     seed = config.seed if seed is None else seed
     device = resolve_device(config.device)
@@ -190,10 +270,26 @@ def fit_ctc(
     opt = torch.optim.Adam([{"params": ps, "scale": k} for k, ps in groups.items()], lr=config.lr,
                            weight_decay=config.weight_decay)
     log = TrainingLog(device=str(device), n_trials=len(examples), what=what, seed=seed)
-    check = config.plateau_steps if config.steps > config.plateau_steps else 0
+    validated = bool(validation)
+    check = plateau_check_step(config, validated)
     batches = iterate_batches(examples, config.batch_size, rng, config.shortest_first_epochs)
     t0 = time.perf_counter()
-    bar = tqdm(range(config.steps), desc=what, disable=not config.progress, leave=False)
+    if config.time_budget_s:
+        deadline = min(deadline or math.inf, t0 + config.time_budget_s)
+    best_cer, best_state, stale = math.inf, None, 0
+    bar = tqdm(range(config.steps), desc=what, disable=not config.progress or progress is not None, leave=False)
+
+    def evaluate(step: int) -> None:
+        nonlocal best_cer, best_state, stale
+        row = {"step": step, **validation_scores(module, forward, validation, device)}
+        log.validation.append(row)
+        if row["CER"] < best_cer:
+            best_cer, best_state, stale, log.best_step = row["CER"], copy.deepcopy(module.state_dict()), 0, step
+        elif _started(log.validation):
+            stale += 1
+        if progress is not None:
+            progress.validated(step, row, log.best())
+
     for step in bar:
         for g in opt.param_groups:
             g["lr"] = g["scale"] * cosine_lr(step, config.steps, config.lr, config.lr_final_fraction, config.warmup_steps)
@@ -208,39 +304,68 @@ def fit_ctc(
         log.loss.append(float(loss.detach()))
         if step % 10 == 0:
             bar.set_postfix(loss=f"{np.mean(log.loss[-10:]):.3f}")
-        if step + 1 == check and on_plateau(log.loss, check, config.plateau_fraction):
-            log.on_plateau = True
-            if stop_on_plateau:
-                break
+        done = step + 1
+        out_of_time = deadline is not None and time.perf_counter() >= deadline
+        if validated and (done % config.eval_every == 0 or done == config.steps or done == check or out_of_time):
+            evaluate(done)
+        if progress is not None:
+            progress.step(done, float(np.mean(log.loss[-10:])))
+        if done == check:
+            stuck = (not _started(log.validation) if validated
+                     else on_plateau(log.loss, check, config.plateau_fraction))
+            if stuck:
+                log.on_plateau = True
+                if stop_on_plateau:
+                    break
+        if validated and stale >= config.patience:
+            log.stop_reason = "patience"
+            break
+        if out_of_time:
+            log.stop_reason = "time_budget"
+            break
     if log.on_plateau and len(log.loss) == config.steps:  # ran to the end anyway: did it leave the plateau later?
-        log.on_plateau = on_plateau(log.loss, check, config.plateau_fraction, at=config.steps)
+        log.on_plateau = (not _started(log.validation) if validated
+                          else on_plateau(log.loss, check, config.plateau_fraction, at=config.steps))
+    if best_state is not None:
+        module.load_state_dict(best_state)
     module.eval()
     log.wall_s = time.perf_counter() - t0
     return log
 
 
 def fit_ctc_restarting(build: Callable[[], tuple[nn.Module, Callable, dict[int, float] | None]],
-                       examples: Sequence[Example], config: TrainConfig, what: str) -> tuple[nn.Module, TrainingLog]:
+                       examples: Sequence[Example], config: TrainConfig, what: str,
+                       validation: Sequence[Example] | None = None, progress: Any = None,
+                       deadline: float | None = None) -> tuple[nn.Module, TrainingLog]:
     """``fit_ctc`` on ``build()``'s model, restarted from a new initialisation while it sits on the CTC plateau.
 
     ``build`` makes a fresh ``(module, forward, lr_scales)`` after ``torch.manual_seed``
-    of the attempt's seed (``restart_seed``); see ``TrainConfig.plateau_steps``.
+    of the attempt's seed (``restart_seed``); see ``TrainConfig.plateau_steps``. A run
+    that hits ``deadline`` (or the time budget) is kept whatever its state.
     """
     abandoned: list[dict] = []
+    if config.time_budget_s:  # one budget for the run and its restarts
+        deadline = min(deadline or math.inf, time.perf_counter() + config.time_budget_s)
+        config = replace(config, time_budget_s=0.0)
     for attempt in range(config.max_restarts + 1):
         seed = restart_seed(config.seed, attempt)
         torch.manual_seed(seed)
         module, forward, scales = build()
         last = attempt == config.max_restarts
-        log = fit_ctc(module, forward, examples, config, what, scales, seed=seed, stop_on_plateau=not last)
-        if not log.on_plateau or last:
+        if progress is not None and attempt:
+            progress.restart(attempt, seed)
+        log = fit_ctc(module, forward, examples, config, what, scales, seed=seed, stop_on_plateau=not last,
+                      validation=validation, progress=progress, deadline=deadline)
+        if not log.on_plateau or last or log.stop_reason == "time_budget":
             log.restarts = abandoned
             return module, log
-        abandoned.append({"seed": seed, "loss": log.loss, "wall_s": log.wall_s})
+        abandoned.append({"seed": seed, "loss": log.loss, "wall_s": log.wall_s, "validation": log.validation})
     raise AssertionError("unreachable")
 
 
-def train_backbone(sessions: Sequence[Session], config: TrainConfig | None = None) -> tuple[GRUBackbone, TrainingLog]:
+def train_backbone(sessions: Sequence[Session], config: TrainConfig | None = None,
+                   validation: Sequence[Example] | None = None, progress: Any = None,
+                   deadline: float | None = None) -> tuple[GRUBackbone, TrainingLog]:
     """Stage 1: a GRU backbone on pooled held-in sessions, no session-specific input layer.
 
     Parameters
@@ -250,6 +375,10 @@ def train_backbone(sessions: Sequence[Session], config: TrainConfig | None = Non
         non-evaluation trials.
     config
         Model size, optimiser and augmentation.
+    validation, progress, deadline
+        Validation trials (normalised like the training trials, e.g. from
+        :func:`closedloop.sdk.bci.recipe.split_validation`) for early stopping and the best
+        checkpoint, a progress reporter and a wall-clock deadline: see :func:`fit_ctc`.
 
     Returns
     -------
@@ -264,11 +393,12 @@ def train_backbone(sessions: Sequence[Session], config: TrainConfig | None = Non
         backbone = GRUBackbone(examples[0].x.shape[1], bc.n_hidden, bc.n_layers, bc.dropout)
         return backbone, lambda x, b: backbone(x)[0], None
 
-    return fit_ctc_restarting(build, examples, config, "stage 1: pooled backbone")
+    return fit_ctc_restarting(build, examples, config, "stage 1: pooled backbone", validation, progress, deadline)
 
 
 def train_session_layers(
-    sessions: Sequence[Session], config: TrainConfig | None = None
+    sessions: Sequence[Session], config: TrainConfig | None = None, validation: Sequence[Example] | None = None,
+    progress: Any = None, deadline: float | None = None,
 ) -> tuple[SessionInputDecoder, TrainingLog]:
     """The usual multi-session decoder: one affine input layer per held-in session, trained jointly with a backbone."""
     config = config or TrainConfig()
@@ -282,4 +412,4 @@ def train_session_layers(
         scales = {id(p): config.input_layer_lr_scale for p in model.layers.parameters()}
         return model, lambda x, b: model(x, b.session)[0], scales
 
-    return fit_ctc_restarting(build, examples, config, "session input layers")
+    return fit_ctc_restarting(build, examples, config, "session input layers", validation, progress, deadline)

@@ -27,8 +27,8 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["CalibrationReport", "calibrate_bundle", "evaluate_bundle", "format_evaluation", "load_sessions",
-           "train_harness", "train_pooled_bundle"]
+__all__ = ["CalibrationReport", "calibrate_bundle", "evaluate_bundle", "export_pooled_bundle", "format_evaluation",
+           "load_sessions", "train_harness", "train_pooled_bundle"]
 
 # --- calibrate ------------------------------------------------------------------------------
 
@@ -131,6 +131,7 @@ def calibrate_bundle(
     from .calibrate import CalibrationConfig, trials_to_examples
     from .data import Normalization, resolve_device
     from .deploy import BCI_FAMILY, decoder_from_state, export_bci_bundle
+    from .lexicon import calibrated_decoding
     from .models import AffineAlignment, AlignedDecoder
 
     t0 = time.perf_counter()
@@ -198,6 +199,7 @@ def calibrate_bundle(
         provenance=provenance, charset=state["charset"], blank=state["blank"], rate_hz=m.rate_hz,
         recorded_bins=calib[0].spikes, display=bci.get("display"), char_probs=bool(bci.get("char_probs", False)),
         end_completion=(bci.get("end_completion") or {}).get("sentence_end"), meta=meta, std_floor=state["std_floor"],
+        decoding=calibrated_decoding(bci, [t.sentence for t in calib]),
         calibration_config=block.get("config") or {}, calibratable=True,
         variants=tuple(spec.variants) if variants is None else variants, tensorrt=bool(spec.tensorrt_engines),
         overwrite=overwrite, zip=out.suffix == ".zip", report=lambda s: None,
@@ -222,12 +224,7 @@ def train_pooled_bundle(sessions: list, harness: Any, out: str | Path, *, proven
     sentence-final marks every held-in training sentence ends with): the runtime's
     end-of-trial completion (docs/bci_deployment.md).
     """
-    from .charset import PUNCTUATION
-    from .data import session_normalization
-    from .decoding import Lexicon
-    from .deploy import export_bci_bundle
     from .evaluate import train_models
-    from .models import AlignedDecoder
 
     held_in = [s for s in sessions if s.split == "held_in"]
     if not held_in:
@@ -238,6 +235,22 @@ def train_pooled_bundle(sessions: list, harness: Any, out: str | Path, *, proven
            f"{models.logs['meta'].wall_s:.1f} s")
     if (warning := models.logs["backbone"].warning()) is not None:
         report(f"warning: {warning}")
+    return export_pooled_bundle(models, sessions, harness, out, provenance=provenance, end_completion=end_completion,
+                                overwrite=overwrite)
+
+
+def export_pooled_bundle(models: Any, sessions: list, harness: Any, out: str | Path, *, provenance: dict | None = None,
+                         end_completion: str | None = None, overwrite: bool = False) -> Path:
+    """The calibratable bundle of trained ``models`` (backbone and meta): :func:`train_pooled_bundle`'s export step,
+    also used by :func:`closedloop.sdk.bci.recipe.train_recipe`."""
+    from .charset import PUNCTUATION
+    from .data import session_normalization
+    from .decoding import Lexicon
+    from .deploy import export_bci_bundle
+    from .lexicon import pooled_bundle_defaults
+    from .models import AlignedDecoder
+
+    held_in = [s for s in sessions if s.split == "held_in"]
     marks = None
     if end_completion == "plain":
         marks = ""
@@ -252,7 +265,7 @@ def train_pooled_bundle(sessions: list, harness: Any, out: str | Path, *, proven
     return export_bci_bundle(
         AlignedDecoder(models.meta.new_alignment(), models.backbone), out, n_channels=held_in[0].n_channels,
         mean=norm.mean, std=norm.std, session_name="pooled", meta=models.meta, std_floor=harness.calibration.std_floor,
-        calibration_config=harness.calibration.to_dict(), end_completion=marks,
+        calibration_config=harness.calibration.to_dict(), end_completion=marks, **pooled_bundle_defaults(held_in),
         provenance={"training": harness.to_dict(), **(provenance or {})},
         variants=(), tensorrt=False, overwrite=overwrite, report=lambda s: None,
     )
@@ -290,27 +303,6 @@ def load_sessions(data: str | Path) -> list:
     return load_falcon_h2_dir(path) if path.is_dir() else [load_falcon_h2(path)]
 
 
-def _lexicon_for(sessions: list, words_file: str | Path | None) -> Any:
-    """Words of the sentences a method may learn from (held-in non-evaluation, held-out calibration), plus a file's."""
-    from .decoding import PUNCTUATION, Lexicon
-
-    sentences = []
-    for s in sessions:
-        ev = set(s.evaluation)
-        idx = s.calibration if s.split == "held_out" else [i for i in range(len(s.trials)) if i not in ev]
-        sentences += [s.trials[i].sentence for i in idx]
-    lex = Lexicon.from_sentences(sentences)
-    if words_file is not None:
-        extra = {w.strip(PUNCTUATION) for w in Path(words_file).read_text().replace(">", " ").split()} - {""}
-        lex = Lexicon(set(lex.words) | extra, None, lex.sentence_end)  # no unigram prior: word_weight is 0
-    if not len(lex):
-        raise ValueError("the beam search needs a lexicon, and these files have no non-evaluation sentences to build "
-                         "one from: pass --lexicon WORDS.txt (words or sentences, whitespace-separated; "
-                         "`closedloop generate-data` writes its vocabulary.txt), or point --data at a folder that "
-                         "also holds calibration files")
-    return lex
-
-
 def evaluate_bundle(
     bundle: str | Path,
     data: str | Path,
@@ -318,32 +310,55 @@ def evaluate_bundle(
     beam: bool = False,
     beam_width: int = 16,
     lexicon: str | Path | None = None,
+    sentence_end: str | None = None,
+    word_weight: float | None = None,
+    open_words: int | None = None,
     backend: str = "auto",
 ) -> dict:
     """Score ``bundle`` on the evaluation trials of ``data`` (an NWB file or a folder) through the runtime.
 
     Each trial is streamed bin by bin through the bundle (normalise, step, greedy CTC),
     with the recurrent state and text reset between trials, as a live session and the
-    FALCON adapter do. With ``beam`` the bins' log-probabilities also go through the
-    lexicon-constrained beam search (:func:`closedloop.sdk.bci.decoding.beam_decode`).
+    FALCON adapter do; a bundle that normalises with a new day's own statistics
+    (``extra.bci.normalization``: the uncalibrated pooled bundle) starts its warm-up again at
+    each session's first evaluation trial, as a live session starts it at its first bin.
+    Every trial is scored with three decoders: ``greedy`` (the runtime's best path, nothing a
+    board lacks), ``greedy_end`` (the same with end-of-trial completion under the sentence-end
+    rule) and, with ``beam``, the lexicon beam search
+    (:func:`closedloop.sdk.bci.decoding.beam_decode`) over the same bins' log-probabilities.
+
+    The sentence-end rule and the beam's vocabulary come from ``sentence_end`` / ``lexicon``
+    (``"closed"`` when None, ``"open"`` or a word file: :mod:`closedloop.sdk.bci.lexicon`) or
+    from what the bundle stored at training, never from ``data``: a file and a folder
+    holding it give the same text.
 
     Returns
     -------
     dict
-        ``sessions`` (per session: ``greedy`` and maybe ``beam`` scores as
+        ``sessions`` (per session: each decoder's scores as
         ``closedloop.sdk.bci.metrics.falcon_metrics`` reports them, the ``predictions`` and
         ``references``), ``mean`` (per decoder: ``CER`` and ``WER`` averaged over
-        sessions), ``skipped`` (sessions without evaluation trials), and the setup.
+        sessions), ``skipped`` (sessions without evaluation trials), ``sentence_end``,
+        ``lexicon`` (mode, source, words, prior weight; with ``beam``), ``normalization``
+        and the setup.
     """
     from closedloop.runtime import Model, get_family, load_bundle
 
     from .decoding import beam_decode
+    from .lexicon import OPEN_WORDS, resolve_lexicon, resolve_sentence_end
     from .metrics import falcon_metrics
 
     t0 = time.perf_counter()
     b = load_bundle(bundle)
     if b.manifest.family != "bci_handwriting":
         raise ValueError(f"bundle {bundle} is family {b.manifest.family!r}; evaluate scores 'bci_handwriting' bundles")
+    if beam_width < 1:
+        raise ValueError(f"--beam-width {beam_width}: the beam keeps at least 1 prefix")
+    bci = b.manifest.extra["bci"]
+    stored = bci.get("decoding")
+    rule, rule_source = resolve_sentence_end(sentence_end, stored, (bci.get("end_completion") or {}).get("sentence_end"))
+    choice = (resolve_lexicon(lexicon, stored, rule, rule_source, word_weight, open_words or OPEN_WORDS)
+              if beam else None)
     sessions = load_sessions(data)
     scored = [s for s in sessions if s.evaluation]
     skipped = [s.name for s in sessions if not s.evaluation]
@@ -352,21 +367,30 @@ def evaluate_bundle(
                          "has 'calib') is never scored; point --data at the evaluation files (DANDI's '-minival', "
                          "FALCON's '_eval') or a folder holding them. FALCON's held-out evaluation data stay on its "
                          "server: score those with sdk.bci.falcon_decoder")
-    lex = _lexicon_for(sessions, lexicon) if beam else None
     model = Model(b, backend=backend)
     fam = get_family(b.manifest.family)(b, model)
     n_ch = fam.n_channels
-    # "greedy" is the runtime's text at the end of each trial: plain greedy CTC, or with end-of-trial completion
-    # when the bundle sets extra.bci.end_completion (then reported under its own name)
-    greedy_name = "greedy" if fam.sentence_end is None else "greedy_end"
-    calibrated_for = b.manifest.extra["bci"].get("session")
-    out: dict[str, Any] = {"bundle": str(bundle), "data": str(data), "backend": model.backend_name,
-                           "decoders": [greedy_name] + (["beam"] if beam else []), "sessions": {}, "skipped": skipped,
-                           "end_completion": fam.sentence_end, "calibrated_for": calibrated_for,
-                           "other_sessions": _other_sessions(calibrated_for, [s.name for s in scored])}
+    decoders = ["greedy", "greedy_end"] + (["beam"] if beam else [])
+    calibrated_for = bci.get("session")
+    norm = bci.get("normalization")
+    out: dict[str, Any] = {
+        "bundle": str(bundle), "data": str(data), "backend": model.backend_name, "decoders": decoders,
+        "sessions": {}, "skipped": skipped, "end_completion": fam.sentence_end,
+        # the text the bundle's runtime itself produces at each trial's end
+        "runtime_decoder": "greedy" if fam.sentence_end is None else "greedy_end",
+        "sentence_end": rule, "sentence_end_source": rule_source,
+        "lexicon": choice.describe() if choice is not None else None,
+        "normalization": ("calibration statistics" if norm is None else
+                          f"each session's own: its first {norm['warmup_bins']} bins "
+                          f"({norm['warmup_bins'] * float(bci.get('bin_s', 0.02)):.0f} s) of evaluation trials"),
+        "calibrated_for": calibrated_for,
+        "other_sessions": [] if norm is not None else _other_sessions(calibrated_for, [s.name for s in scored]),
+    }
     try:
         for s in scored:
-            greedy, beams, refs = [], [], []
+            fam.restart_warmup()  # another day: a warm-up bundle learns its statistics again
+            texts: dict[str, list[str]] = {d: [] for d in decoders}
+            refs = []
             for i in s.evaluation:
                 spikes = s.trials[i].spikes
                 if spikes.shape[1] != n_ch:
@@ -377,19 +401,20 @@ def evaluate_bundle(
                     fam.decode_bin(row)
                     if logp is not None:
                         logp[k] = fam.log_probs[0]
-                greedy.append(fam.end_trial())
+                texts["greedy"].append(fam.ctc.text())
+                fam.ctc.complete_end(rule)
+                texts["greedy_end"].append(fam.ctc.text())
+                fam.reset()
                 if logp is not None:
-                    beams.append(beam_decode(logp, lex, beam_width))
+                    texts["beam"].append(beam_decode(logp, choice.lexicon, beam_width, word_weight=choice.word_weight))
                 refs.append(s.trials[i].sentence)
-            row: dict[str, Any] = {greedy_name: falcon_metrics([greedy], [refs])["per_session"][0]}
-            if beam:
-                row["beam"] = falcon_metrics([beams], [refs])["per_session"][0]
-            row.update(predictions={greedy_name: greedy, **({"beam": beams} if beam else {})}, references=refs)
+            row: dict[str, Any] = {d: falcon_metrics([texts[d]], [refs])["per_session"][0] for d in decoders}
+            row.update(predictions=texts, references=refs)
             out["sessions"][s.name] = row
     finally:
         model.close()
     out["mean"] = {d: {k: float(np.mean([r[d][k] for r in out["sessions"].values()])) for k in ("CER", "WER")}
-                   for d in out["decoders"]}
+                   for d in decoders}
     out["wall_s"] = time.perf_counter() - t0
     return out
 
@@ -416,6 +441,17 @@ def format_evaluation(result: dict) -> str:
                      + "".join(f"{r[d]['CER']:>{width[d]}.2%}{r[d]['WER']:>{width[d]}.2%}" for d in decs))
     lines.append(f"{'mean':<14}{'':>7}" + "".join(f"{result['mean'][d]['CER']:>{width[d]}.2%}"
                                                   f"{result['mean'][d]['WER']:>{width[d]}.2%}" for d in decs))
+    rule = result.get("sentence_end")
+    if rule is not None:
+        lines.append(f"greedy_end and beam: sentences end with {rule!r} ({result['sentence_end_source']})" if rule else
+                     f"greedy_end and beam: no sentence-end rule ({result['sentence_end_source']})")
+    if result.get("runtime_decoder"):
+        lines.append(f"the bundle's runtime text is {result['runtime_decoder']}; normalisation: {result['normalization']}")
+    lex = result.get("lexicon")
+    if lex:
+        lines.append(f"beam lexicon: {lex['mode']} ({lex['source']}; {lex['words']} words, prior weight "
+                     f"{lex['word_weight']:g})" + ("; closed-lexicon WER is optimistic: compare with published "
+                                                  "numbers using --lexicon open" if lex["mode"] == "closed" else ""))
     if result["skipped"]:
         lines.append(f"skipped (no evaluation trials): {', '.join(result['skipped'])}")
     if result.get("other_sessions"):

@@ -1,0 +1,323 @@
+"""The training recipe of ``closedloop bci-train``: train until the decoder has learned, within a budget.
+
+* **Validation split** (:func:`split_validation`): from each held-in session, a seeded
+  random ``validation_fraction`` of the trials it may learn from (at least one where the
+  session has two or more) is withheld from both stages and from the session's
+  normalisation.
+* **Stopping** (:func:`closedloop.sdk.bci.train.fit_ctc`): stage 1 is scored on the
+  validation trials (greedy CER) every ``eval_every`` steps; it stops after ``patience``
+  evaluations without a lower CER (counted once validation emits a character), when the
+  time budget runs out, or at the step ceiling, and keeps the best evaluation's weights.
+* **Scaling** (:func:`scaled_train_config`): unless set explicitly, the GRU's width
+  follows the channel count, its depth the characters of training text, and the step
+  ceiling the training trials (which grow with sessions).
+* **Not learned** (:attr:`RecipeResult.problems`): best validation greedy CER above
+  ``unlearned_cer`` or no character emitted, for stage 1 and for the two-stage decoder
+  (stage 2's meta-learned alignment fitted on a few training sentences of each held-in
+  session, scored on its validation trials).
+
+docs/bci.md, "The training recipe", states the rules and their numbers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from closedloop.common.config import JsonConfig
+
+from .progress import Progress, format_seconds
+
+__all__ = ["Recipe", "RecipeResult", "scaled_train_config", "split_validation", "train_recipe",
+           "validation_examples", "write_curve"]
+
+
+@dataclass
+class Recipe(JsonConfig):
+    """What ``bci-train`` adds to a harness configuration's training settings."""
+
+    validation_fraction: float = 0.1
+    eval_every: int = 0  # 0: a fortieth of the step ceiling, at least 10 steps
+    patience: int = 6
+    time_budget_s: float = 1800.0  # stage 1 and stage 2 together; 0: none
+    unlearned_cer: float = 0.4
+    scale: bool = True  # model size and step ceiling from the data (scaled_train_config)
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.validation_fraction < 1.0:
+            raise ValueError(f"validation_fraction {self.validation_fraction}: use a fraction between 0 and 1 "
+                             "(0.1 withholds a tenth of each held-in session's trials)")
+        if self.patience < 1:
+            raise ValueError(f"patience {self.patience}: at least 1 evaluation")
+        if self.time_budget_s < 0:
+            raise ValueError(f"time budget {self.time_budget_s} s: use a positive number of seconds, or 0 for none")
+
+
+def split_validation(sessions: Sequence[Any], fraction: float, seed: int = 0) -> tuple[list, dict[str, list[int]]]:
+    """Withhold validation trials from every held-in session.
+
+    Returns copies of ``sessions`` in which each held-in session's validation trials are
+    added to its ``evaluation`` list (so :func:`~closedloop.sdk.bci.data.fit_indices`, and
+    with it both stages and the session's normalisation, leave them out), and the
+    validation trial indices per session name. A session with ``n`` trials to learn from
+    gives ``round(fraction * n)`` of them, at least 1 when ``n >= 2``, none when ``n < 2``.
+    """
+    from .data import fit_indices
+
+    out, val = [], {}
+    for k, s in enumerate(sessions):
+        if s.split != "held_in":
+            out.append(s)
+            continue
+        idx = fit_indices(s)
+        n_val = 0 if len(idx) < 2 else min(len(idx) - 1, max(1, round(fraction * len(idx))))
+        pick = sorted(int(i) for i in np.random.default_rng([seed, k]).choice(idx, n_val, replace=False)) if n_val else []
+        val[s.name] = pick
+        out.append(dataclasses.replace(s, evaluation=sorted(set(s.evaluation) | set(pick))))
+    return out, val
+
+
+def validation_examples(train_sessions: Sequence[Any], val: dict[str, list[int]], std_floor: float) -> list:
+    """The validation trials as examples, each normalised with its session's (training-trial) statistics and
+    indexed by its place among the held-in sessions (as :func:`~closedloop.sdk.bci.train.held_in_examples`)."""
+    from .data import make_examples, session_normalization
+
+    held_in = [s for s in train_sessions if s.split == "held_in"]
+    out = []
+    for k, s in enumerate(held_in):
+        if val.get(s.name):
+            out += make_examples(s, val[s.name], session_normalization(s, std_floor), session_index=k)
+    return out
+
+
+def data_size(train_sessions: Sequence[Any]) -> dict:
+    """Channels, held-in sessions, training trials and training characters (the scaling rule's inputs)."""
+    from .data import fit_indices
+
+    held_in = [s for s in train_sessions if s.split == "held_in"]
+    trials = [s.trials[i] for s in held_in for i in fit_indices(s)]
+    return {"channels": held_in[0].n_channels if held_in else 0, "sessions": len(held_in), "trials": len(trials),
+            "characters": int(sum(len(t.sentence) for t in trials))}
+
+
+def scaled_train_config(base: Any, size: dict, keep: frozenset[str] = frozenset()) -> Any:
+    """``base`` (a TrainConfig) with the model size and step ceiling the data call for.
+
+    * width: ``n_hidden`` = the channel count rounded up to a multiple of 32, within [64, 512]
+      (the first layer does not squeeze the channels);
+    * depth: 2 GRU layers from 20,000 characters of training text, else 1;
+    * ceiling: ``steps`` = 200 epochs of the training trials in batches of ``batch_size``,
+      within [1000, 20000].
+
+    ``keep`` names what a user set and stays: ``"backbone"`` and/or ``"steps"``.
+    """
+    from .train import BackboneConfig
+
+    width = min(512, max(64, 32 * math.ceil(size["channels"] / 32)))
+    depth = 2 if size["characters"] >= 20_000 else 1
+    steps = min(20_000, max(1000, math.ceil(200 * size["trials"] / base.batch_size)))
+    out = base
+    if "backbone" not in keep:
+        out = dataclasses.replace(out, backbone=BackboneConfig(width, depth, base.backbone.dropout))
+    if "steps" not in keep:
+        out = dataclasses.replace(out, steps=steps)
+    return out
+
+
+@dataclass
+class RecipeResult:
+    """What :func:`train_recipe` did. ``learned`` is False when ``problems`` is not empty."""
+
+    bundle: str
+    curve: str
+    summary: dict = field(default_factory=dict)
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def learned(self) -> bool:
+        return not self.problems
+
+    def format(self) -> str:
+        s = self.summary
+        s1, s2 = s["stage1"], s["stage2"]
+        lines = [
+            f"stage 1 (pooled backbone {s['model']['n_hidden']}x{s['model']['n_layers']}): {s1['steps_run']} of "
+            f"{s1['ceiling']} steps, stopped by {s1['stop_reason']}; best validation greedy CER "
+            f"{_pct(s1['best_val_CER'])} / WER {_pct(s1['best_val_WER'])} at step {s1['best_step']} "
+            f"({s['validation']['trials']} validation trials); {format_seconds(s1['wall_s'])}",
+            f"stage 2 (meta-learned alignment): {s2['steps']} meta-steps; two-stage validation greedy CER "
+            f"{_pct(s2['val_CER'])} / WER {_pct(s2['val_WER'])}; {format_seconds(s2['wall_s'])}",
+            f"total {format_seconds(s['wall_s'])}; curve {self.curve}",
+        ]
+        lines += [f"NOT LEARNED: {p}" for p in self.problems]
+        return "\n".join(lines)
+
+
+def _pct(x: float | None) -> str:
+    return "n/a" if x is None or x != x else f"{x:.1%}"
+
+
+def _stage2_validation(backbone: Any, meta: Any, train_sessions: Sequence[Any], val: dict[str, list[int]],
+                       harness: Any) -> dict:
+    """The two-stage decoder on held-in data: per held-in session, the meta-learned alignment fitted (its inner loop,
+    untuned) on the session's first ``meta.n_support`` training sentences, greedy CER on its validation trials."""
+    from .calibrate import calibrate_session, trials_to_examples
+    from .data import fit_indices, session_normalization
+    from .metrics import to_words
+    from .models import AlignedDecoder
+    from .train import validation_scores
+
+    config = dataclasses.replace(harness.calibration, optimizer="meta", tune=False)
+    texts_rows = []
+    model = AlignedDecoder(meta.new_alignment(), backbone)
+    for s in train_sessions:
+        if s.split != "held_in" or not val.get(s.name):
+            continue
+        norm = session_normalization(s, harness.calibration.std_floor)
+        support = [s.trials[i] for i in fit_indices(s)[: harness.meta.n_support]]
+        fitted = calibrate_session(model, support, config, meta=meta, normalization=norm).model
+        ex = trials_to_examples([s.trials[i] for i in val[s.name]], norm)
+        texts_rows.append((validation_scores(fitted, lambda x, b, m=fitted: m(x)[0], ex, next(backbone.parameters()).device),
+                           sum(len(e.sentence) for e in ex), sum(len(to_words(e.sentence)) for e in ex)))
+    if not texts_rows:
+        return {"CER": float("nan"), "WER": float("nan"), "chars": 0}
+    n_c = sum(r[1] for r in texts_rows)
+    n_w = sum(r[2] for r in texts_rows)
+    return {"CER": sum(r[0]["CER"] * r[1] for r in texts_rows) / n_c,
+            "WER": sum(r[0]["WER"] * r[2] for r in texts_rows) / max(n_w, 1),
+            "chars": sum(r[0]["chars"] for r in texts_rows)}
+
+
+def write_curve(log: Any, meta_log: Any, path: str | Path) -> Path:
+    """Stage 1's training loss and validation CER, and stage 2's query loss, as a PNG (matplotlib, Agg)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    ax = axes[0]
+    ax.plot(np.arange(1, len(log.loss) + 1), log.loss, lw=0.6, color="0.6", label="training loss")
+    if len(log.loss) >= 25:
+        ax.plot(np.arange(25, len(log.loss) + 1), log.smoothed(25), color="C0", label="mean of 25 steps")
+    ax.set_xlabel("step")
+    ax.set_ylabel("CTC loss per character")
+    ax.set_title("stage 1: pooled backbone")
+    if log.validation:
+        ax2 = ax.twinx()
+        steps = [v["step"] for v in log.validation]
+        ax2.plot(steps, [v["CER"] for v in log.validation], "o-", ms=3, color="C3", label="validation greedy CER")
+        ax2.axvline(log.best_step, color="C3", ls=":", lw=1)
+        ax2.set_ylabel("validation greedy CER", color="C3")
+        ax2.set_ylim(0, max(1.0, max(v["CER"] for v in log.validation)))
+    ax.legend(loc="upper right", fontsize=8)
+    axes[1].plot(np.arange(1, len(meta_log.loss) + 1), meta_log.loss, color="C2")
+    axes[1].set_xlabel("meta-step")
+    axes[1].set_ylabel("query CTC loss")
+    axes[1].set_title("stage 2: meta-learned alignment")
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def train_recipe(sessions: Sequence[Any], harness: Any, out: str | Path, *, recipe: Recipe | None = None,
+                 keep: frozenset[str] = frozenset(), progress: Progress | None = None,
+                 provenance: dict | None = None, end_completion: str | None = None,
+                 overwrite: bool = False) -> RecipeResult:
+    """Train the two-stage decoder with the recipe (validation, early stopping, scaling, the not-learned check) and
+    write the calibratable bundle ``out`` and its curve ``<out>.curve.png``.
+
+    ``harness`` is a seeded :class:`~closedloop.sdk.bci.evaluate.HarnessConfig`; ``keep`` names the training
+    settings the user set, which scaling leaves alone (:func:`scaled_train_config`). A decoder that has not
+    learned is still written; the result's ``problems`` say why it is not usable.
+    """
+    from .baselines import TrainedModels
+    from .meta import meta_train_alignment
+    from .train import train_backbone
+    from .workflow import export_pooled_bundle
+
+    recipe = recipe or Recipe()
+    progress = progress or Progress()
+    t0 = time.perf_counter()
+    deadline = t0 + recipe.time_budget_s if recipe.time_budget_s else None
+    held_in = [s for s in sessions if s.split == "held_in"]
+    if not held_in:
+        raise ValueError(f"none of the {len(sessions)} sessions is held-in: training needs held-in sessions "
+                         "(FALCON H2's held-in files, or `closedloop generate-data`)")
+    train_sessions, val = split_validation(sessions, recipe.validation_fraction, recipe.seed)
+    size = data_size(train_sessions)
+    tc = scaled_train_config(harness.train, size, keep) if recipe.scale else harness.train
+    every = recipe.eval_every or max(10, tc.steps // 40)
+    tc = dataclasses.replace(tc, eval_every=every, patience=recipe.patience, progress=False)
+    harness = dataclasses.replace(harness, train=tc)
+    val_ex = validation_examples(train_sessions, val, tc.std_floor)
+    if not val_ex:
+        raise ValueError("no held-in session has the 2 or more training trials a validation split needs")
+    progress.note(f"validation: {len(val_ex)} trials withheld ({recipe.validation_fraction:.0%} of each held-in "
+                  f"session's, seed {recipe.seed}); data: {size['channels']} channels, {size['sessions']} sessions, "
+                  f"{size['trials']} training trials, {size['characters']} characters; model "
+                  f"{tc.backbone.n_hidden}x{tc.backbone.n_layers}, at most {tc.steps} steps, validation every "
+                  f"{every}, patience {recipe.patience}" + (f", time budget {format_seconds(recipe.time_budget_s)}"
+                                                            if deadline else ""))
+    bar = progress.stage("stage 1: pooled backbone", tc.steps, deadline)
+    backbone, log = train_backbone(train_sessions, tc, val_ex, bar, deadline)
+    best = log.best() or {"CER": float("nan"), "WER": float("nan"), "chars": 0}
+    bar.close(f"{log.steps_run} steps, stopped by {log.stop_reason}, best validation CER {_pct(best['CER'])} at "
+              f"step {log.best_step} (restored)")
+    meta_cfg = harness.meta
+    t_meta = time.perf_counter()
+    spent = deadline is not None and time.perf_counter() >= deadline
+    progress.note(f"stage 2: meta-learning, {meta_cfg.meta_steps} meta-steps"
+                  + (" (the time budget is spent; stage 2 is short and still runs)" if spent else ""))
+    meta, meta_log = meta_train_alignment(backbone, train_sessions, dataclasses.replace(meta_cfg, progress=False))
+    two_stage = _stage2_validation(backbone, meta, train_sessions, val, harness)
+    meta_s = time.perf_counter() - t_meta
+    progress.note(f"stage 2: two-stage validation greedy CER {_pct(two_stage['CER'])} ({format_seconds(meta_s)})")
+
+    problems = []
+    threshold = recipe.unlearned_cer
+    for what, row in (("stage 1 (pooled backbone)", best), ("stage 2 (two-stage decoder)", two_stage)):
+        if not row["chars"]:
+            problems.append(f"{what} emits no characters on the validation trials")
+        elif not row["CER"] <= threshold:
+            problems.append(f"{what} validation greedy CER {_pct(row['CER'])} is above the {threshold:.0%} "
+                            "threshold")
+    if problems:
+        hint = ("raise --steps or --time-budget" if log.stop_reason != "patience" else
+                "check the data (channels carry the signal, sentences match the trials) or a larger model "
+                "(--config train.backbone)")
+        problems[-1] += f"; {hint}"
+    models = TrainedModels(held_in_days={s.name: float(s.day) for s in held_in}, backbone=backbone, meta=meta)
+    models.logs.update(backbone=log, meta=meta_log)
+    path = export_pooled_bundle(models, train_sessions, harness, out, provenance={
+        **(provenance or {}), "validation": {"fraction": recipe.validation_fraction, "seed": recipe.seed,
+                                             "trials": val}}, end_completion=end_completion, overwrite=overwrite)
+    curve = write_curve(log, meta_log, Path(str(path).removesuffix(".zip") + ".curve.png"))
+    summary = {
+        "bundle": str(path), "curve": str(curve), "learned": not problems, "problems": problems,
+        "threshold_CER": threshold, "data": size,
+        "model": {"n_hidden": tc.backbone.n_hidden, "n_layers": tc.backbone.n_layers, "scaled": recipe.scale},
+        "validation": {"fraction": recipe.validation_fraction, "seed": recipe.seed, "trials": len(val_ex),
+                       "per_session": {k: len(v) for k, v in val.items()}},
+        "stage1": {"steps_run": log.steps_run, "ceiling": tc.steps, "stop_reason": log.stop_reason,
+                   "best_step": log.best_step, "best_val_CER": best["CER"], "best_val_WER": best["WER"],
+                   "eval_every": every, "patience": recipe.patience, "restarts": len(log.restarts),
+                   "wall_s": log.wall_s, "final_loss": float(np.mean(log.loss[-25:])) if log.loss else None,
+                   "validation": log.validation},
+        "stage2": {"steps": len(meta_log.loss), "val_CER": two_stage["CER"], "val_WER": two_stage["WER"],
+                   "val_chars": two_stage["chars"], "wall_s": meta_s},
+        "time_budget_s": recipe.time_budget_s, "wall_s": time.perf_counter() - t0,
+    }
+    if (w := log.warning()) is not None:
+        summary["warning"] = w
+    return RecipeResult(str(path), str(curve), summary, problems)
