@@ -575,6 +575,38 @@ def _sign(a: argparse.Namespace) -> int:
     return 0
 
 
+def _package_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("bundles", nargs="+", metavar="BUNDLE", help="bundle folders or zips (each verified first)")
+    p.add_argument("--target", required=True, help="the board: jetson-jp6, or host (this machine)")
+    p.add_argument("--out", required=True, help="the package folder to write")
+    p.add_argument("--extras", nargs="*", default=[], metavar="EXTRA", help="closedloop extras to include (monitor, lsl)")
+    p.add_argument("--ort-only", action="store_true",
+                   help="no Numba or llvmlite: the smallest install, bundles run on ONNX Runtime")
+    p.add_argument("--find-links", action="append", default=[], metavar="DIR", help="a folder of wheels for pip")
+    p.add_argument("--no-index", action="store_true", help="fetch wheels only from --find-links (offline)")
+    p.add_argument("--from-installed", action="store_true",
+                   help="host only: rebuild the wheels from this interpreter's installed packages (offline)")
+    p.add_argument("--prefix", default="/opt/closedloop", help="where install.sh puts the venv and bundles")
+    p.add_argument("--device", default="/dev/ttyACM0", help="the device URL the service's session opens")
+    p.add_argument("--cpu", type=int, default=1, help="the CPU the service's loop is pinned to")
+    p.add_argument("--priority", type=int, default=80, help="the service's SCHED_FIFO priority (1-99)")
+    p.add_argument("--user", default="closedloop", help="the user the service runs as")
+    p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out folder")
+
+
+@command("package", "bundles and their runtime for a board: wheelhouse, install.sh, systemd unit", _package_args)
+def _package(a: argparse.Namespace) -> int:
+    from .package import PackageOptions, package
+
+    if not 1 <= a.priority <= 99:
+        raise ValueError(f"--priority {a.priority}: SCHED_FIFO priorities are 1 to 99")
+    opts = PackageOptions(target=a.target, extras=a.extras, ort_only=a.ort_only, find_links=a.find_links,
+                          no_index=a.no_index, from_installed=a.from_installed, prefix=a.prefix, device=a.device,
+                          cpu=a.cpu, priority=a.priority, user=a.user, overwrite=a.overwrite)
+    package(a.bundles, a.out, opts, report=lambda s: print(s, file=sys.stderr))
+    return 0
+
+
 def _device_passthrough(argv: list[str]) -> int:
     from closedloop.sim import cli_main
 
@@ -618,6 +650,7 @@ _family_commands("closedloop.sdk.bci.cli", (("calibrate", "fit a bundle's alignm
 _family_commands("closedloop.sdk.rl.cli", (("rl-train", "behaviour-clone and fine-tune a Panda policy"),))
 _family_commands("closedloop.sdk.robust.cli", (("inject-faults", "flip weight bits in a copy of a bundle"),
                                     ("scrub", "check and repair a protected bundle's weights")))
+_family_commands("closedloop.sdk.grid.validate", (("validate", "run a batch of simulator-in-the-loop sessions"),))
 
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED, EXIT_BROKEN_PIPE = 0, 1, 2, 130, 141

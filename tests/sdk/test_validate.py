@@ -1,0 +1,66 @@
+"""``closedloop validate``: a batch of emulator sessions with faults, judged, recordings kept only where needed."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from closedloop.sdk.cli import main
+from closedloop.sdk.grid.validate import session_url
+
+HEADSTAGE = "sim://headstage?channels=12&seed=3"
+
+
+def test_a_faulty_batch_reports_every_session_and_deletes_the_recordings_of_those_that_behaved(
+        gru_bundle, tmp_path, capsys):
+    out = tmp_path / "v"
+    code = main(["validate", str(gru_bundle), "--device", HEADSTAGE, "--sessions", "2", "--duration", "2.5",
+                 "--faults", "drops,corruption,resets", "--out", str(out), "--backend", "onnxruntime",
+                 "--max-miss", "0.2", "--no-ray", "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert report == json.loads((out / "validate.json").read_text())
+    sessions = report["session_summaries"]
+    assert [s["index"] for s in sessions] == [0, 1] and code == (1 if report["misbehaved"] else 0)
+    assert len({s["device"] for s in sessions}) == 2  # each session its own seed
+    for s in sessions:
+        assert s["steps"] > 0 and s["recording_records"] > 0
+        # the faults reached the link: frames lost to drops, rejected for corruption, a re-handshake after the reset
+        assert s["link"]["lost"] > 0 and s["link"]["crc_errors"] + s["link"]["malformed"] > 0, s["link"]
+        assert s["link"]["seq_resets"] >= 1
+        assert s["recording_kept"] == bool(s["misbehaved"])
+    kept = sorted(p.name for p in out.glob("*.clrec"))
+    assert kept == sorted(f"session-{s['index']:04d}.clrec" for s in sessions if s["misbehaved"])
+    assert len((out / "sessions.jsonl").read_text().splitlines()) == 2
+
+
+def test_a_session_whose_device_goes_silent_for_good_misbehaves_keeps_its_recording_and_fails_the_batch(
+        gru_bundle, tmp_path, capsys):
+    out = tmp_path / "v"
+    code = main(["validate", str(gru_bundle), "--device", HEADSTAGE + "&silence_at=0.2&silence_s=30", "--sessions",
+                 "1", "--duration", "1", "--no-ray", "--out", str(out), "--backend", "onnxruntime"])
+    text = capsys.readouterr().out
+    assert code == 1
+    assert "session 0 misbehaved: safe command in" in text and "session-0000.clrec" in text
+    report = json.loads((out / "validate.json").read_text())
+    assert report["success_rate"] == 0.0 and report["recordings_kept"] == [str(out / "session-0000.clrec")]
+    assert (out / "session-0000.clrec").stat().st_size > 0
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--faults", "drops,floods"], "--faults floods: unknown; choose from drops,corruption,silences,resets"),
+    (["--device", "loop://"], "validate runs against emulators"),
+    (["--sessions", "0"], "--sessions 0: expected 1 or more"),
+])
+def test_bad_input_is_refused_saying_what_to_give(gru_bundle, tmp_path, capsys, args, message):
+    base = {"--device": HEADSTAGE, "--sessions": "1", "--duration": "1", "--no-ray": None}
+    for flag, value in zip(args[::2], args[1::2], strict=True):
+        base[flag] = value
+    argv = ["validate", str(gru_bundle), "--out", str(tmp_path)] + [x for kv in base.items() for x in kv if x is not None]
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_session_urls_get_their_own_seed_and_the_faults_without_overriding_what_the_url_gives():
+    url = session_url("sim://plant?model=msd&drop=0.5", ("drops", "resets"), 2.0, 4)
+    assert url == "sim://plant?model=msd&drop=0.5&seed=4&reset_at=0.6&reset_s=0.2"
