@@ -87,6 +87,7 @@ class TrainConfig(JsonConfig):
     # wall time.
     eval_every: int = 50
     patience: int = 6
+    patience_from_cer: float = 0.75  # STARTED_CER: patience counts from the first validation CER below this
     time_budget_s: float = 0.0
     seed: int = 0
     device: str = "auto"
@@ -189,13 +190,13 @@ def cosine_lr(step: int, steps: int, lr: float, final_fraction: float, warmup: i
     return lr * (final_fraction + (1 - final_fraction) * 0.5 * (1 + math.cos(math.pi * done)))
 
 
-# validation greedy CER below which a run has started to learn (random characters from an untrained network score
-# about 100%): patience counts only from then, and a run that has not reached it by the plateau check is on the plateau
+# validation greedy CER below which a run has started to learn (an untrained network's random characters score
+# 80-140%): patience counts only from then, and a run that has not reached it by the plateau check is on the plateau
 STARTED_CER = 0.75
 
 
-def _started(rows: Sequence[dict]) -> bool:
-    return any(r["CER"] < STARTED_CER for r in rows)
+def _started(rows: Sequence[dict], below: float = STARTED_CER) -> bool:
+    return any(r["CER"] < below for r in rows)
 
 
 def validation_scores(module: nn.Module, forward: Callable[[torch.Tensor, Batch], torch.Tensor],
@@ -250,7 +251,7 @@ def fit_ctc(
 
     With ``validation`` trials the run is scored on them every ``config.eval_every`` steps
     (:func:`validation_scores`), stops after ``config.patience`` evaluations without a lower
-    CER (counted from the first below :data:`STARTED_CER`) or at ``deadline``
+    CER (counted from the first below ``config.patience_from_cer``, :data:`STARTED_CER`) or at ``deadline``
     (``time.perf_counter()`` seconds) or after ``config.time_budget_s``, and the best
     evaluation's weights are restored; the plateau check then asks whether a validation CER
     has come below :data:`STARTED_CER` instead of reading the loss. ``progress`` (a
@@ -285,7 +286,7 @@ def fit_ctc(
         log.validation.append(row)
         if row["CER"] < best_cer:
             best_cer, best_state, stale, log.best_step = row["CER"], copy.deepcopy(module.state_dict()), 0, step
-        elif _started(log.validation):
+        elif _started(log.validation, config.patience_from_cer):
             stale += 1
         if progress is not None:
             progress.validated(step, row, log.best())
@@ -311,7 +312,7 @@ def fit_ctc(
         if progress is not None:
             progress.step(done, float(np.mean(log.loss[-10:])))
         if done == check:
-            stuck = (not _started(log.validation) if validated
+            stuck = (not _started(log.validation, config.patience_from_cer) if validated
                      else on_plateau(log.loss, check, config.plateau_fraction))
             if stuck:
                 log.on_plateau = True
@@ -324,7 +325,7 @@ def fit_ctc(
             log.stop_reason = "time_budget"
             break
     if log.on_plateau and len(log.loss) == config.steps:  # ran to the end anyway: did it leave the plateau later?
-        log.on_plateau = (not _started(log.validation) if validated
+        log.on_plateau = (not _started(log.validation, config.patience_from_cer) if validated
                           else on_plateau(log.loss, check, config.plateau_fraction, at=config.steps))
     if best_state is not None:
         module.load_state_dict(best_state)

@@ -32,6 +32,9 @@ __all__ = ["CalibrationReport", "calibrate_bundle", "evaluate_bundle", "export_p
 
 # --- calibrate ------------------------------------------------------------------------------
 
+# calibration trials after the first ``n_sentences`` that calibrate scores before and after the fit (not fitted)
+HELD_OUT_CALIBRATION = 3
+
 
 @dataclass
 class CalibrationReport:
@@ -55,16 +58,31 @@ class CalibrationReport:
     backbone_identical: bool = True
     fit_s: float = 0.0
     wall_s: float = 0.0
+    # greedy CER / WER of the scored trials with the given bundle's alignment and after the fit (both with the new
+    # session's normalisation): held-out calibration trials the fit did not use when the session has them, else the
+    # fitted trials themselves (``scored_on`` says which: "held_out" or "fitted")
+    scored_trials: list[int] = field(default_factory=list)
+    scored_on: str = "fitted"
+    cer_given: float = float("nan")
+    cer_after: float = float("nan")
+    wer_given: float = float("nan")
+    wer_after: float = float("nan")
+    warning: str | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
 
     def format(self) -> str:
+        on = (f"held-out calibration trials {self.scored_trials} (not fitted)" if self.scored_on == "held_out" else
+              "the fitted trials (no other calibration trials to hold out)")
         return "\n".join([
             f"calibrated {self.source} for session {self.session} on trials {self.trials} of {self.data}",
             f"  method: {self.method}; chosen {self.chosen}",
             f"  calibration CTC loss per char: given bundle {self.loss_given:.3f}, fit start {self.loss_start:.3f}, "
             f"after {self.loss_after:.3f}",
+            f"  greedy CER on {on}: before {self.cer_given:.1%}, after {self.cer_after:.1%} "
+            f"(WER {self.wer_given:.1%} -> {self.wer_after:.1%})",
+            *([f"  warning: {self.warning}"] if self.warning else []),
             f"  backbone bit-identical: {'yes' if self.backbone_identical else 'NO'}; fit {self.fit_s:.1f} s, "
             f"total {self.wall_s:.1f} s",
             f"  wrote {self.bundle}",
@@ -133,6 +151,7 @@ def calibrate_bundle(
     from .deploy import BCI_FAMILY, decoder_from_state, export_bci_bundle
     from .lexicon import calibrated_decoding
     from .models import AffineAlignment, AlignedDecoder
+    from .train import validation_scores
 
     t0 = time.perf_counter()
     if device is not None:
@@ -147,8 +166,9 @@ def calibrate_bundle(
                          "closedloop.sdk.bci.deploy.export_bci_bundle from an AlignedDecoder(AffineAlignment, GRUBackbone)")
     if n_sentences < 1:
         raise ValueError(f"--sentences {n_sentences}: at least one calibration sentence is needed")
-    session, data_name = _load_session(data, n_sentences)
+    session, data_name = _load_session(data, n_sentences + HELD_OUT_CALIBRATION)
     idx = list(session.calibration)[:n_sentences]
+    scored_idx = list(session.calibration)[n_sentences:n_sentences + HELD_OUT_CALIBRATION]
     if len(idx) < n_sentences:
         why = ("it is a file of evaluation trials, which never calibrate: use the session's calibration file"
                if not idx and session.evaluation else f"use --sentences {len(idx)} or fewer" if idx else
@@ -181,6 +201,15 @@ def calibrate_bundle(
     adapted = get_method(method).adapt(TrainedModels(backbone=decoder.backbone, meta=meta), session, calib, norm,
                                        config, {})
     loss_after = mean_calibration_loss(adapted.model, examples, torch_device)
+    scored = trials_to_examples([session.trials[i] for i in scored_idx], norm) if scored_idx else examples
+    given_s = validation_scores(decoder, lambda x, b: decoder(x)[0], scored, torch_device)
+    after_s = validation_scores(adapted.model, lambda x, b: adapted.model(x)[0], scored, torch_device)
+    warning = None
+    if after_s["CER"] > given_s["CER"]:
+        warning = (f"calibration made the greedy CER worse ({given_s['CER']:.1%} -> {after_s['CER']:.1%} on "
+                   f"{'held-out calibration' if scored_idx else 'the fitted'} trials): try more --sentences, or "
+                   "keep the given bundle for this session")
+        report(f"warning: {warning}")
     model = adapted.model.cpu().eval()
     if model.backbone is not decoder.backbone or _backbone_bits(
             {f"backbone.{k}": v.numpy() for k, v in model.backbone.state_dict().items()}) != before:
@@ -208,7 +237,10 @@ def calibrate_bundle(
     if after != before:
         raise RuntimeError(f"{path}: the written backbone differs from {bundle}'s (a bug: report it)")
     return CalibrationReport(str(path), str(src.source), data_name, name, idx, what, loss_given, loss_start, loss_after,
-                             adapted.info, True, adapted.wall_s, time.perf_counter() - t0)
+                             adapted.info, True, adapted.wall_s, time.perf_counter() - t0,
+                             scored_trials=list(scored_idx or idx), scored_on="held_out" if scored_idx else "fitted",
+                             cer_given=given_s["CER"], cer_after=after_s["CER"], wer_given=given_s["WER"],
+                             wer_after=after_s["WER"], warning=warning)
 
 
 # --- train ----------------------------------------------------------------------------------

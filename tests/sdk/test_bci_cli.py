@@ -24,6 +24,7 @@ from closedloop.sdk.bci.calibrate import CalibrationConfig
 from closedloop.sdk.bci.data import Normalization, make_examples, session_normalization
 from closedloop.sdk.bci.deploy import CALIBRATION_STATE_FILE, decoder_from_state, export_bci_bundle
 from closedloop.sdk.bci.evaluate import decode_examples
+from closedloop.sdk.bci.lexicon import pooled_bundle_defaults
 from closedloop.sdk.bci.meta import MetaConfig, meta_train_alignment
 from closedloop.sdk.bci.metrics import falcon_metrics
 from closedloop.sdk.bci.models import AffineAlignment, AlignedDecoder
@@ -71,8 +72,9 @@ def _export(module, path, sessions, **kw):
 @pytest.fixture(scope="module")
 def bundle(two_stage, sessions, tmp_path_factory):
     backbone, meta = two_stage
+    held_in = [s for s in sessions if s.split == "held_in"]
     return _export(AlignedDecoder(meta.new_alignment(), backbone), tmp_path_factory.mktemp("bci") / "pooled",
-                   sessions, meta=meta)
+                   sessions, meta=meta, decoding=pooled_bundle_defaults(held_in)["decoding"])
 
 
 @pytest.fixture(scope="module")
@@ -286,7 +288,7 @@ def test_bci_train_then_calibrate_from_the_shell(sessions, tmp_path, capsys):
                   meta=MetaConfig(inner_steps=2, n_query=2, tasks_per_step=2, meta_steps=3),
                   calibration=CALIB, progress=False).save(cfg)
     assert main(["bci-train", str(data), "--out", str(tmp_path / "pooled"), "--config", str(cfg),
-                 "--device", "cpu", "--end-completion", "sentence-end"]) == 0
+                 "--device", "cpu", "--end-completion", "sentence-end", "--allow-unlearned"]) == 0
     assert load_bundle(tmp_path / "pooled").manifest.extra["bci"]["end_completion"] == {"sentence_end": "?~"}
     state = read_calibration_state(load_bundle(tmp_path / "pooled"))
     assert state["n_channels"] == C and state["has_meta"]  # the meta-learned init and step sizes travel in the bundle
@@ -297,7 +299,8 @@ def test_bci_train_then_calibrate_from_the_shell(sessions, tmp_path, capsys):
     capsys.readouterr()
     assert main(["evaluate", str(tmp_path / "cal"), "--data", str(data), "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
-    assert result["decoders"] == ["greedy_end"] and result["end_completion"] == "?~"
+    assert result["decoders"] == ["greedy", "greedy_end"] and result["end_completion"] == "?~"
+    assert result["runtime_decoder"] == "greedy_end" and result["sentence_end"] == "?~"
     texts = [t for r in result["sessions"].values() for t in r["predictions"]["greedy_end"]]
     assert texts and all(t[-1:] in ("~", "?") for t in texts)  # every trial's text ends a sentence
     # bad input: a folder with no held-in session is refused with what to do
@@ -322,3 +325,104 @@ def test_a_partial_config_changes_only_its_settings_over_the_tiny_or_default_bas
     path.write_text(json.dumps({"meta": {"no_such_setting": 1}}))
     with pytest.raises(ValueError, match="no_such_setting"):
         train_harness(path, tiny=True)
+
+
+def test_evaluate_reports_three_decoders_and_the_same_beam_text_for_a_file_or_its_folder(calibrated, held_out_file,
+                                                                                         sessions, tmp_path, capsys):
+    out, _ = calibrated
+    write_falcon_h2_dir(sessions, tmp_path / "data")
+    one = evaluate_bundle(out, held_out_file, beam=True, beam_width=4, backend="numba")
+    folder = evaluate_bundle(out, tmp_path / "data", beam=True, beam_width=4, backend="numba")
+    assert one["decoders"] == ["greedy", "greedy_end", "beam"]
+    day = "2023.04.17"
+    # the lexicon and sentence-end rule are the bundle's, whatever else --data holds
+    assert folder["sessions"][day]["predictions"] == one["sessions"][day]["predictions"]
+    assert one["lexicon"] == folder["lexicon"] and one["lexicon"]["mode"] == "closed"
+    vocab = load_bundle(out).manifest.extra["bci"]["decoding"]["vocabulary"]
+    calib_words = {w.strip(",~?") for i in sessions[3].calibration[:3] for w in sessions[3].trials[i].sentence.split(">")}
+    assert calib_words <= set(vocab) and one["lexicon"]["words"] == len(vocab)  # calibration words joined the closed set
+    assert one["sentence_end"] == "?~" and one["sentence_end_source"].startswith("bundle")
+    for text in one["sessions"][day]["predictions"]["beam"]:  # every word it completed is a closed-lexicon word
+        assert all(w.strip(",~?") in vocab for w in text.split(">")[:-1])
+    # greedy_end is greedy plus at most one final character, which then ends the sentence
+    for g, e in zip(one["sessions"][day]["predictions"]["greedy"], one["sessions"][day]["predictions"]["greedy_end"],
+                    strict=True):
+        assert e.startswith(g) and len(e) - len(g) <= 1 and (g[-1:] in ("?", "~") or e[-1:] in ("?", "~"))
+    assert main(["evaluate", str(out), "--data", str(held_out_file), "--beam", "--beam-width", "4"]) == 0
+    text = capsys.readouterr().out
+    assert "greedy CER" in text and "greedy_end CER" in text and "beam CER" in text
+    assert "beam lexicon: closed" in text and "--lexicon open" in text
+
+
+def test_evaluate_options_choose_the_lexicon_and_sentence_end(calibrated, held_out_file, tmp_path, capsys):
+    out, _ = calibrated
+    r = evaluate_bundle(out, held_out_file, beam=True, beam_width=4, sentence_end="?", backend="numba")
+    preds = next(iter(r["sessions"].values()))["predictions"]
+    assert all(t.endswith("?") for t in preds["greedy_end"]) and r["sentence_end_source"] == "--sentence-end"
+    words = tmp_path / "words.txt"
+    words.write_text("cat hat\nsat\n")
+    r = evaluate_bundle(out, held_out_file, beam=True, beam_width=4, lexicon=words, sentence_end="none",
+                        backend="numba")
+    assert r["lexicon"]["mode"] == "file" and r["lexicon"]["words"] == 3 and r["sentence_end"] == ""
+    for t in next(iter(r["sessions"].values()))["predictions"]["beam"]:
+        assert {w.strip(",~?") for w in t.split(">")[:-1]} <= {"cat", "hat", "sat"}
+    assert main(["evaluate", str(out), "--data", str(held_out_file), "--beam", "--sentence-end", "x"]) == 2
+    assert "--sentence-end 'x'" in capsys.readouterr().err
+    assert main(["evaluate", str(out), "--data", str(held_out_file), "--beam", "--lexicon", str(tmp_path / "no")]) == 2
+    assert "not 'closed', 'open' or a word file" in capsys.readouterr().err
+
+
+def test_evaluate_open_lexicon_uses_english_word_frequencies(calibrated, held_out_file):
+    pytest.importorskip("wordfreq")
+    from closedloop.sdk.bci.lexicon import open_vocabulary
+
+    out, _ = calibrated
+    r = evaluate_bundle(out, held_out_file, beam=True, beam_width=4, lexicon="open", open_words=3000, backend="numba")
+    lex = r["lexicon"]
+    assert lex["mode"] == "open" and lex["source"].startswith("wordfreq ") and lex["word_weight"] > 0
+    vocab = open_vocabulary(3000)
+    assert lex["words"] == len(vocab) > 2500 and vocab["the"] > vocab["cat"] > 0
+    for t in next(iter(r["sessions"].values()))["predictions"]["beam"]:
+        assert all(w.strip(",~?") in vocab for w in t.split(">")[:-1])
+
+
+def _shifted(session, gain, baseline, name):
+    """``session`` as another day whose counts have another gain and baseline (a new array's day)."""
+    import copy
+
+    s = copy.deepcopy(session)
+    for t in s.trials:
+        t.spikes = np.clip(np.rint(t.spikes * gain + baseline), 0, 255).astype(np.uint8)
+    s.name, s.meta["date"] = name.replace("-", "."), name
+    return s
+
+
+def test_a_pooled_bundle_on_a_new_day_normalises_with_that_days_own_first_bins(two_stage, sessions, tmp_path):
+    """Zero-shot on a day with a shifted gain and baseline: the warm-up statistics beat the last held-in day's."""
+    backbone, meta = two_stage
+    module = AlignedDecoder(meta.new_alignment(), backbone)
+    day = _shifted(sessions[4], 1.8, 2.0, "2023-10-09")
+    day.evaluation = list(range(len(day.trials)))  # score every trial of the new day, zero-shot
+    f = write_falcon_h2(day, tmp_path / "sub-SIM-held-out_ses-20231009.nwb")
+    warm = _export(module, tmp_path / "warm", sessions, meta=meta, warmup_bins=100)
+    fixed = _export(module, tmp_path / "fixed", sessions, meta=meta)  # the last held-in day's statistics
+    r_warm = evaluate_bundle(warm, f, backend="numba")
+    r_fixed = evaluate_bundle(fixed, f, backend="numba")
+    assert r_warm["normalization"].startswith("each session's own: its first 100 bins")
+    assert r_warm["mean"]["greedy"]["CER"] < r_fixed["mean"]["greedy"]["CER"]
+    assert r_warm["other_sessions"] == [] and r_fixed["other_sessions"] == ["2023.10.09"]
+    # the runtime's warm-up statistics are the day's first 100 bins' (evaluation order), then frozen
+    from closedloop.runtime import Model, get_family
+
+    b = load_bundle(warm)
+    fam = get_family(b.manifest.family)(b, Model(b, backend="numba"))
+    bins = np.concatenate([day.trials[i].spikes for i in day.evaluation]).astype(np.float64)
+    for row in bins[:150]:
+        fam.decode_bin(row)
+    first = bins[:100]
+    assert fam.warmed_up
+    np.testing.assert_allclose(fam._mean, first.mean(0), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(1.0 / fam._inv_std, np.maximum(first.std(0), 0.3), rtol=1e-4)
+    fam.restart_warmup()
+    assert not fam.warmed_up
+    fam.model.close()
