@@ -79,7 +79,7 @@ def _one_run(args: tuple[str, int, dict, str]) -> dict:
     from closedloop.sdk.rl import FineTuneConfig, ShapingConfig
     from closedloop.sdk.rl.finetune import fine_tune
 
-    shaping = ShapingConfig(kind=kind, gamma=0.95, **cfg["shaping"])
+    shaping = ShapingConfig(kind=kind, **cfg["shaping"])
     ft = FineTuneConfig(task=cfg["task"], seed=seed, shaping=shaping, **cfg["run"])
     result = fine_tune(ft)
     rec = result.record

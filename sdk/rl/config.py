@@ -33,8 +33,10 @@ class ShapingConfig(JsonConfig):
         lambda, the weight of the discriminator term.
     beta : float
         Logits are clipped to ``[-beta, beta]`` (bounds the bonus at ``lam * beta`` per step).
-    gamma : float
-        Discount in the potential-based form (use the RL algorithm's).
+    gamma : float or None
+        Discount in the potential-based form.  None (default): the RL algorithm's, bound by
+        :meth:`VisitationReward.bind_gamma` at training start; a set value that differs from
+        the algorithm's is an error for ``potential`` (exact invariance needs the same discount).
     hidden : tuple of int
         Discriminator hidden widths (ReLU MLP).
     lr, weight_decay : float
@@ -56,7 +58,7 @@ class ShapingConfig(JsonConfig):
     kind: str = "svm"
     lam: float = 0.05
     beta: float = 5.0
-    gamma: float = 0.95
+    gamma: float | None = None
     hidden: tuple[int, ...] = (64, 64)
     lr: float = 1e-3
     weight_decay: float = 1e-4
@@ -72,7 +74,7 @@ class ShapingConfig(JsonConfig):
             raise ValueError(f"ShapingConfig.kind={self.kind!r}; expected one of {SHAPING_KINDS}")
         if self.success_when not in ("final", "any"):
             raise ValueError(f"ShapingConfig.success_when={self.success_when!r}; expected 'final' or 'any'")
-        if self.beta <= 0 or self.lam < 0 or not 0 < self.gamma <= 1:
+        if self.beta <= 0 or self.lam < 0 or (self.gamma is not None and not 0 < self.gamma <= 1):
             raise ValueError(f"ShapingConfig needs beta > 0, lam >= 0, 0 < gamma <= 1; got beta={self.beta}, "
                              f"lam={self.lam}, gamma={self.gamma}")
         self.hidden = tuple(int(h) for h in self.hidden)

@@ -157,6 +157,7 @@ def fine_tune(config: FineTuneConfig, verbose: int = 0, env_factory=None) -> Fin
     train_env = SuccessVisitationWrapper(factory(cfg.task, mean, std), cfg.shaping, seed=cfg.seed)
     eval_env = factory(cfg.task, mean, std)
     vr = train_env.reward_model
+    vr.bind_gamma(cfg.gamma)  # the potential form's discount is SAC's
     model = PriorRegularisedSAC(
                 "MlpPolicy", train_env, learning_rate=cfg.learning_rate, buffer_size=max(cfg.total_steps * 2, 10_000),
                 learning_starts=0, batch_size=cfg.batch_size, gamma=cfg.gamma, train_freq=cfg.train_freq,

@@ -123,9 +123,25 @@ class VisitationReward:
             torch.manual_seed(seed)
             self.net = Discriminator(n_in, config.hidden).to(self.device)
         self.opt = torch.optim.AdamW(self.net.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+        self.gamma: float | None = config.gamma
         self.updates = 0
         self.last_loss = float("nan")
         self.last_accuracy = float("nan")
+
+    def bind_gamma(self, gamma: float) -> None:
+        """Take the RL algorithm's discount when ``config.gamma`` is None; refuse a different one for ``potential``.
+
+        The potential form keeps the optimal policy exactly only with the algorithm's own
+        discount, so a ``ShapingConfig.gamma`` set to another value is an error there
+        (``svm``/``gail``/``sparse`` do not use gamma).
+        """
+        gamma = float(gamma)
+        if self.config.gamma is None:
+            self.gamma = gamma
+        elif self.config.kind == "potential" and abs(self.config.gamma - gamma) > 1e-12:
+            raise ValueError(f"ShapingConfig.gamma={self.config.gamma} but the algorithm's gamma is {gamma}: the "
+                             "potential form keeps the optimal policy only with the algorithm's discount; set "
+                             "ShapingConfig.gamma=None (take the algorithm's) or to the same value")
 
     # --- data -------------------------------------------------------------------------
 
@@ -203,9 +219,13 @@ class VisitationReward:
             return np.zeros(len(obs))
         cfg = self.config
         if cfg.kind == "potential":
+            if self.gamma is None:
+                raise RuntimeError("ShapingConfig.gamma is None (take it from the algorithm) and no algorithm's gamma "
+                                   "was given: call reward_model.bind_gamma(model.gamma) (closedloop.sdk.rl.sb3.OutcomeLogger "
+                                   "does it at training start), or set ShapingConfig.gamma")
             nxt = np.asarray(next_obs, np.float32).reshape(len(obs), -1)
             done = np.zeros(len(obs)) if terminated is None else np.asarray(terminated, np.float64).reshape(-1)
-            return cfg.lam * (cfg.gamma * self.potential(nxt) * (1.0 - done) - self.potential(obs))
+            return cfg.lam * (self.gamma * self.potential(nxt) * (1.0 - done) - self.potential(obs))
         x = np.concatenate([obs, np.asarray(actions, np.float32).reshape(len(obs), -1)], axis=1)
         return cfg.lam * clipped_logit(self.logit(x), cfg.beta)
 

@@ -5,6 +5,13 @@
   learns from follows the discriminator as it is refitted, instead of freezing the
   bonus a transition had when it was collected.  For on-policy algorithms (PPO) the
   wrapper's step-time reward is already current, and no buffer is needed.
+- :class:`ShapedDictReplayBuffer` does the same for dict observations (panda-gym's
+  goal-conditioned ones), and :class:`ShapedHerReplayBuffer` relabels goals as SB3's
+  ``HerReplayBuffer`` does, with the reward of a relabelled transition the environment's
+  ``compute_reward`` for the new goal *plus* the bonus of the discriminator for the new goal
+  (it sees the whole flattened observation, ``desired_goal`` included).  SB3's plain
+  ``HerReplayBuffer`` on a :class:`~closedloop.sdk.rl.SuccessVisitationWrapper` is refused
+  (the wrapper's ``compute_reward`` raises) instead of dropping the bonus.
 - :class:`OutcomeLogger` logs the outcome-only success rate and return next to the
   shaped return (``rollout/outcome_success_rate``, ``rollout/outcome_return``,
   ``rollout/shaped_return``, the discriminator's loss and accuracy) and evaluates the
@@ -17,18 +24,44 @@
 
 from __future__ import annotations
 
+import copy
 from collections import deque
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
-from stable_baselines3.common.buffers import ReplayBuffer
+from gymnasium import spaces
+from stable_baselines3.common.buffers import DictReplayBuffer, ReplayBuffer
 from stable_baselines3.common.callbacks import BaseCallback
+from stable_baselines3.common.type_aliases import DictReplayBufferSamples
+from stable_baselines3.her import HerReplayBuffer
 
 from .reward import VisitationReward
+from .wrapper import flatten_batch
 
-__all__ = ["ShapedReplayBuffer", "OutcomeLogger", "ActorWarmup", "evaluate_success"]
+__all__ = ["ShapedReplayBuffer", "ShapedDictReplayBuffer", "ShapedHerReplayBuffer", "OutcomeLogger", "ActorWarmup",
+           "evaluate_success"]
+
+
+def _outcomes(infos, reward) -> list[float]:
+    return [info.get("outcome_reward", r) for info, r in zip(infos, reward, strict=True)]
+
+
+def _numpy_obs(obs) -> Any:
+    if isinstance(obs, dict):
+        return {k: v.cpu().numpy() for k, v in obs.items()}
+    return obs.cpu().numpy()
+
+
+def _shaped(samples, outcome: np.ndarray, reward_model: VisitationReward, space: spaces.Space):
+    """``samples`` with rewards replaced by ``outcome`` + the current bonus of ``reward_model``."""
+    obs = flatten_batch(space, _numpy_obs(samples.observations))
+    nxt = flatten_batch(space, _numpy_obs(samples.next_observations))
+    bonus = reward_model.bonus(obs, samples.actions.cpu().numpy(), nxt, samples.dones.cpu().numpy())
+    rewards = torch.as_tensor((np.asarray(outcome, np.float64).reshape(-1) + bonus).reshape(-1, 1),
+                              dtype=samples.rewards.dtype, device=samples.rewards.device)
+    return samples._replace(rewards=rewards)
 
 
 class ShapedReplayBuffer(ReplayBuffer):
@@ -39,27 +72,113 @@ class ShapedReplayBuffer(ReplayBuffer):
     sharing ``vr`` (it puts ``outcome_reward`` in ``info``).  One environment only.
     """
 
-    def __init__(self, *args: Any, reward_model: VisitationReward | None = None, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, buffer_size: int, observation_space: spaces.Space, *args: Any,
+                 reward_model: VisitationReward | None = None, **kwargs: Any) -> None:
+        if isinstance(observation_space, spaces.Dict):
+            raise TypeError("ShapedReplayBuffer takes flat (Box) observations; for dict observations use "
+                            "ShapedDictReplayBuffer, or ShapedHerReplayBuffer to relabel goals")
+        super().__init__(buffer_size, observation_space, *args, **kwargs)
         if self.n_envs != 1:
             raise ValueError(f"ShapedReplayBuffer relabels one environment's transitions; got n_envs={self.n_envs}")
         self.reward_model = reward_model
         self.outcome_rewards = np.zeros((self.buffer_size, 1), dtype=np.float32)
 
     def add(self, obs, next_obs, action, reward, done, infos) -> None:
-        self.outcome_rewards[self.pos] = [info.get("outcome_reward", r) for info, r in zip(infos, reward, strict=True)]
+        self.outcome_rewards[self.pos] = _outcomes(infos, reward)
         super().add(obs, next_obs, action, reward, done, infos)
 
     def _get_samples(self, batch_inds: np.ndarray, env=None):
         samples = super()._get_samples(batch_inds, env)
         if self.reward_model is None:
             return samples
-        outcome = self.outcome_rewards[batch_inds, 0].astype(np.float64)
-        bonus = self.reward_model.bonus(samples.observations.cpu().numpy(), samples.actions.cpu().numpy(),
-                                        samples.next_observations.cpu().numpy(), samples.dones.cpu().numpy())
-        rewards = torch.as_tensor((outcome + bonus).reshape(-1, 1), dtype=samples.rewards.dtype,
-                                  device=samples.rewards.device)
-        return samples._replace(rewards=rewards)
+        return _shaped(samples, self.outcome_rewards[batch_inds, 0], self.reward_model, self.observation_space)
+
+
+def _refuse_normaliser(env) -> None:
+    if env is not None:
+        raise ValueError("the shaped replay buffers do not support VecNormalize (the bonus would be added to a "
+                         "normalised outcome); normalise observations in the environment instead (FixedNormalization)")
+
+
+class ShapedDictReplayBuffer(DictReplayBuffer):
+    """:class:`ShapedReplayBuffer` for dict observations: rewards are the stored outcome + the current bonus.
+
+    The discriminator sees the observation flattened in ``gymnasium.spaces.flatten``'s order
+    (as :class:`~closedloop.sdk.rl.SuccessVisitationWrapper` feeds it).  One environment only.
+    """
+
+    def __init__(self, *args: Any, reward_model: VisitationReward | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if self.n_envs != 1:
+            raise ValueError(f"ShapedDictReplayBuffer relabels one environment's transitions; got n_envs={self.n_envs}")
+        self.reward_model = reward_model
+        self.outcome_rewards = np.zeros((self.buffer_size, 1), dtype=np.float32)
+
+    def add(self, obs, next_obs, action, reward, done, infos) -> None:
+        self.outcome_rewards[self.pos] = _outcomes(infos, reward)
+        super().add(obs, next_obs, action, reward, done, infos)
+
+    def _get_samples(self, batch_inds: np.ndarray, env=None):
+        samples = super()._get_samples(batch_inds, env)
+        if self.reward_model is None:
+            return samples
+        _refuse_normaliser(env)
+        return _shaped(samples, self.outcome_rewards[batch_inds, 0], self.reward_model, self.observation_space)
+
+
+class ShapedHerReplayBuffer(HerReplayBuffer):
+    """SB3's ``HerReplayBuffer`` whose rewards keep the bonus, for real and for relabelled goals.
+
+    A real transition's reward is its stored outcome + the current bonus; a relabelled one's is
+    ``compute_outcome_reward(next achieved goal, new goal)`` (the goal-conditioned environment's
+    own ``compute_reward``) + ``bonus(s with the new goal, a, s' with the new goal)``.  The
+    environment must be a :class:`~closedloop.sdk.rl.SuccessVisitationWrapper` (pass
+    ``replay_buffer_kwargs={"reward_model": env.reward_model}`` and HER's own settings).
+    """
+
+    def __init__(self, *args: Any, reward_model: VisitationReward | None = None, **kwargs: Any) -> None:
+        if reward_model is None:
+            raise ValueError("ShapedHerReplayBuffer needs reward_model= (the SuccessVisitationWrapper's); without "
+                             "one use stable-baselines3's HerReplayBuffer on the unwrapped environment")
+        super().__init__(*args, **kwargs)
+        self.reward_model = reward_model
+        self.outcome_rewards = np.zeros((self.buffer_size, self.n_envs), dtype=np.float32)
+
+    def add(self, obs, next_obs, action, reward, done, infos) -> None:  # type: ignore[override]
+        self.outcome_rewards[self.pos] = _outcomes(infos, reward)
+        super().add(obs, next_obs, action, reward, done, infos)
+
+    def _get_real_samples(self, batch_indices, env_indices, env=None):
+        _refuse_normaliser(env)
+        samples = super()._get_real_samples(batch_indices, env_indices, env)
+        return _shaped(samples, self.outcome_rewards[batch_indices, env_indices], self.reward_model,
+                       self.observation_space)
+
+    def _get_virtual_samples(self, batch_indices, env_indices, env=None):
+        _refuse_normaliser(env)
+        obs = {key: o[batch_indices, env_indices, :] for key, o in self.observations.items()}
+        next_obs = {key: o[batch_indices, env_indices, :] for key, o in self.next_observations.items()}
+        infos = (copy.deepcopy(self.infos[batch_indices, env_indices]) if self.copy_info_dict
+                 else [{} for _ in range(len(batch_indices))])
+        new_goals = self._sample_goals(batch_indices, env_indices)
+        obs["desired_goal"] = new_goals
+        next_obs["desired_goal"] = new_goals
+        if self.env is None:
+            raise ValueError("ShapedHerReplayBuffer needs its VecEnv (SB3 passes it) to compute relabelled outcomes")
+        outcome = self.env.env_method("compute_outcome_reward", next_obs["achieved_goal"], new_goals, infos,
+                                      indices=[0])[0]
+        dones = self.dones[batch_indices, env_indices] * (1 - self.timeouts[batch_indices, env_indices])
+        bonus = self.reward_model.bonus(flatten_batch(self.observation_space, obs),
+                                        self.actions[batch_indices, env_indices],
+                                        flatten_batch(self.observation_space, next_obs), dones)
+        self.last_virtual = {"outcome": np.asarray(outcome, np.float64).reshape(-1), "bonus": bonus}
+        return DictReplayBufferSamples(
+            observations={k: self.to_torch(v) for k, v in obs.items()},
+            actions=self.to_torch(self.actions[batch_indices, env_indices]),
+            next_observations={k: self.to_torch(v) for k, v in next_obs.items()},
+            dones=self.to_torch(dones).reshape(-1, 1),
+            rewards=self.to_torch((self.last_virtual["outcome"] + bonus).astype(np.float32).reshape(-1, 1)),
+        )
 
 
 def evaluate_success(act: Callable[[np.ndarray], np.ndarray], env, episodes: int, seed: int = 10_000) -> float:
@@ -112,6 +231,8 @@ class OutcomeLogger(BaseCallback):
         return rate
 
     def _on_training_start(self) -> None:
+        if self.reward_model is not None:
+            self.reward_model.bind_gamma(self.model.gamma)
         if self.eval_env is not None and self.num_timesteps >= self._next_eval:
             self.evaluate()
             self._next_eval = self.num_timesteps + self.eval_every

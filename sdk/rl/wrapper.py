@@ -23,11 +23,27 @@ from gymnasium import spaces
 from .config import ShapingConfig
 from .reward import VisitationReward
 
-__all__ = ["SuccessVisitationWrapper", "FixedNormalization", "flat_dim"]
+__all__ = ["SuccessVisitationWrapper", "FixedNormalization", "flat_dim", "flatten_batch"]
 
 
 def flat_dim(space: spaces.Space) -> int:
     return int(spaces.flatdim(space))
+
+
+def flatten_batch(space: spaces.Space, obs: Any) -> np.ndarray:
+    """A batch of observations (a dict of ``(n, ...)`` arrays for a Dict space) as ``(n, flatdim)`` float32 rows,
+    in the order of ``gymnasium.spaces.flatten`` (the discriminator's input: the goal is part of it)."""
+    if isinstance(space, spaces.Dict):
+        parts = []
+        for key, sub in space.spaces.items():
+            if not isinstance(sub, spaces.Box):
+                raise TypeError(f"flatten_batch: Dict observation key {key!r} is {type(sub).__name__}; only Box "
+                                "sub-spaces are supported (flatten the observation with a wrapper first)")
+            x = np.asarray(obs[key], np.float32)
+            parts.append(x.reshape(x.shape[0], -1))
+        return np.concatenate(parts, axis=1)
+    x = np.asarray(obs, np.float32)
+    return x.reshape(x.shape[0], -1)
 
 
 class SuccessVisitationWrapper(gym.Wrapper):
@@ -61,6 +77,22 @@ class SuccessVisitationWrapper(gym.Wrapper):
 
     def _flat(self, obs: Any) -> np.ndarray:
         return np.asarray(spaces.flatten(self.env.observation_space, obs), dtype=np.float32)
+
+    def compute_reward(self, achieved_goal, desired_goal, info):
+        """Refused: the outcome alone would drop the bonus of relabelled transitions without a word.
+
+        SB3's ``HerReplayBuffer`` calls this for relabelled goals; use
+        :class:`closedloop.sdk.rl.sb3.ShapedHerReplayBuffer` (outcome for the new goal + the bonus
+        for it), or :meth:`compute_outcome_reward` where the outcome alone is meant.
+        """
+        raise TypeError("SuccessVisitationWrapper.compute_reward would give the outcome without the shaping bonus "
+                        "(a relabelled goal's transitions would lose it silently): with stable-baselines3's HER use "
+                        "replay_buffer_class=closedloop.sdk.rl.sb3.ShapedHerReplayBuffer, or call "
+                        "compute_outcome_reward for the outcome alone")
+
+    def compute_outcome_reward(self, achieved_goal, desired_goal, info):
+        """The wrapped goal-conditioned environment's own ``compute_reward`` (the outcome, no bonus)."""
+        return self.env.get_wrapper_attr("compute_reward")(achieved_goal, desired_goal, info)
 
     def reset(self, **kwargs):
         obs, info = self.env.reset(**kwargs)

@@ -65,7 +65,8 @@ def _two_clusters(vr, n_episodes=4, seed=0):
 
 @pytest.mark.parametrize("kind", ["svm", "potential"])
 def test_discriminator_learns_to_separate_success_from_failure(kind):
-    vr = VisitationReward(ShapingConfig(kind=kind, lam=1.0, beta=5.0, updates_per_episode=0), obs_dim=2, act_dim=1)
+    vr = VisitationReward(ShapingConfig(kind=kind, lam=1.0, beta=5.0, gamma=0.95, updates_per_episode=0), obs_dim=2,
+                          act_dim=1)
     _two_clusters(vr)
     assert vr.replay.episodes == {"positive": 2, "negative": 2}
     vr.fit(300)
@@ -111,3 +112,18 @@ def test_config_round_trips_through_json():
     assert again == cfg
     with pytest.raises(ValueError, match="kind"):
         ShapingConfig(kind="dense")
+
+
+def test_gamma_is_the_algorithms_unless_set_and_a_different_one_is_refused_for_the_potential_form():
+    vr = VisitationReward(ShapingConfig(kind="potential", updates_per_episode=0), obs_dim=2, act_dim=1)
+    _two_clusters(vr)
+    vr.fit(5)
+    with pytest.raises(RuntimeError, match="bind_gamma"):
+        vr.bonus(np.ones((1, 2)), np.zeros((1, 1)), np.ones((1, 2)))
+    vr.bind_gamma(0.99)
+    assert vr.gamma == 0.99 and np.isfinite(vr.bonus(np.ones((1, 2)), np.zeros((1, 1)), np.ones((1, 2)))).all()
+    fixed = VisitationReward(ShapingConfig(kind="potential", gamma=0.95), obs_dim=2, act_dim=1)
+    with pytest.raises(ValueError, match="algorithm's gamma is 0.99"):
+        fixed.bind_gamma(0.99)
+    fixed.bind_gamma(0.95)
+    VisitationReward(ShapingConfig(kind="svm", gamma=0.95), obs_dim=2, act_dim=1).bind_gamma(0.99)  # unused by svm
