@@ -321,7 +321,19 @@ def _ort(cfg: DoctorConfig) -> CheckResult:
         return _r(WARN, f"onnxruntime {ort.__version__}: CPU only ({', '.join(providers)}); no CUDA or TensorRT "
                         "provider", "on a GPU machine: pip install onnxruntime-gpu (Jetson: the JetPack build); "
                                     "a CPU board needs nothing", providers=providers)
-    return _r(PASS, f"onnxruntime {ort.__version__}: CPU and {', '.join(gpu)}", providers=providers)
+    # A listed provider may still fail to load (a missing libcudnn): the ort-cuda / ort-trt backends' own probe says.
+    from .backends.ort_gpu_backend import OrtCudaBackend, OrtTrtBackend
+
+    backends = {cls.name: cls.availability() for cls in (OrtCudaBackend, OrtTrtBackend)
+                if cls.provider in providers}
+    broken = {n: a.reason for n, a in backends.items() if not a}
+    if broken:
+        return _r(WARN, f"onnxruntime {ort.__version__} lists {', '.join(gpu)}, but "
+                        + "; ".join(f"backend {n} is unavailable: {r}" for n, r in broken.items()),
+                  "install the CUDA and cuDNN libraries that this onnxruntime-gpu build needs (its release notes "
+                  "name the versions) and check the driver with nvidia-smi", providers=providers, backends=broken)
+    return _r(PASS, f"onnxruntime {ort.__version__}: CPU and {', '.join(gpu)} (backends "
+                    f"{', '.join(backends) or 'none'} run)", providers=providers)
 
 
 @check("tensorrt", "tensorrt and cuda-python")

@@ -1,7 +1,8 @@
-"""Backends that run a graph: ONNX Runtime (CPU/CUDA/TensorRT EPs), native TensorRT, Numba."""
+"""Backends that run a graph: ONNX Runtime (CPU; CUDA and TensorRT EPs as ort-cuda, ort-trt), native TensorRT, Numba."""
 
 from . import (
     onnxruntime_backend,  # noqa: F401  (registers)
+    ort_gpu_backend,  # noqa: F401  (ort-cuda, ort-trt)
     tensorrt_backend,  # noqa: F401
 )
 from .base import Availability, Backend, BackendOptions

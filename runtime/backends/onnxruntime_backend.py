@@ -1,4 +1,4 @@
-"""ONNX Runtime backends: CPU, and the CUDA and TensorRT execution providers when present.
+"""ONNX Runtime's CPU backend, and the base class of its GPU backends (``ort_gpu_backend``).
 
 Inputs and outputs are bound once with io_binding to the backend's preallocated
 numpy arrays, so a step is one ``run_with_iobinding`` call with no allocation and no
@@ -65,7 +65,7 @@ class _OrtBackend(Backend):
             v = ort.OrtValue.ortvalue_from_numpy(arr)
             self._keep.append(v)
             so.add_initializer(name, v)
-        self._sess = ort.InferenceSession(str(self.path), sess_options=so, providers=self._providers())
+        self._sess = self._make_session(ort, so)
         io = self._sess.io_binding()
         device = "cpu"
         for name, arr in self.inputs.items():
@@ -79,6 +79,13 @@ class _OrtBackend(Backend):
         self._io = io
         self._run = self._sess.run_with_iobinding
         self._run(self._io)  # first run outside the loop: ORT allocates its arena here
+        self._after_first_run()
+
+    def _make_session(self, ort, so):
+        return ort.InferenceSession(str(self.path), sess_options=so, providers=self._providers())
+
+    def _after_first_run(self) -> None:
+        """Hook for a subclass: checks on the built session (the GPU backends' node placement)."""
 
     def run(self) -> None:
         self._run(self._io)
@@ -98,26 +105,3 @@ class OrtCpuBackend(_OrtBackend):
     name = "onnxruntime"
     provider = "CPUExecutionProvider"
     preference = 20
-
-
-@register_backend
-class OrtCudaBackend(_OrtBackend):
-    name = "onnxruntime-cuda"
-    provider = "CUDAExecutionProvider"
-    preference = 15
-
-    def _providers(self) -> list:
-        return [(self.provider, {"device_id": self.options.device_id}), "CPUExecutionProvider"]
-
-
-@register_backend
-class OrtTensorrtBackend(_OrtBackend):
-    name = "onnxruntime-tensorrt"
-    provider = "TensorrtExecutionProvider"
-    preference = 10
-
-    def _providers(self) -> list:
-        opts: dict = {"device_id": self.options.device_id, "trt_fp16_enable": True}
-        if self.options.cache_dir:
-            opts |= {"trt_engine_cache_enable": True, "trt_engine_cache_path": self.options.cache_dir}
-        return [(self.provider, opts), ("CUDAExecutionProvider", {"device_id": self.options.device_id}), "CPUExecutionProvider"]
