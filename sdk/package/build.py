@@ -1,0 +1,245 @@
+"""``closedloop package``: bundles and their runtime, as one folder to copy to a board and install offline.
+
+The folder: ``bundles/`` (each verified first), ``wheelhouse/`` (closedloop's wheel and every
+wheel the runtime needs on the target), ``constraints.txt`` (the target's tested pins),
+``install.sh`` (an offline install into a venv, then the Numba cache warmed for the bundles),
+``closedloop.service`` (a systemd unit running ``closedloop run --rt``), ``README.md`` and
+``manifest.json`` (the target, each wheel's sha256, the footprint).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shlex
+import shutil
+import tempfile
+import zipfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .targets import PackageError, Target, get_target
+from .wheels import (
+    build_project_wheel,
+    check_tags,
+    installed_closure,
+    pip_download,
+    repack,
+    wheel_requirements,
+)
+
+
+@dataclass
+class PackageOptions:
+    target: str = "host"
+    extras: list[str] = field(default_factory=list)
+    ort_only: bool = False
+    find_links: list[str] = field(default_factory=list)
+    no_index: bool = False
+    from_installed: bool = False
+    prefix: str = "/opt/closedloop"
+    device: str = "/dev/ttyACM0"
+    cpu: int = 1
+    priority: int = 80
+    user: str = "closedloop"
+    overwrite: bool = False
+
+
+@dataclass
+class PackageResult:
+    out: Path
+    target: str
+    bundles: list[str]
+    wheels: list[str]
+    wheelhouse_bytes: int
+    installed_bytes: int
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _unpacked_bytes(wheel: Path) -> int:
+    with zipfile.ZipFile(wheel) as z:
+        return sum(i.file_size for i in z.infolist())
+
+
+def _copy_bundles(paths: list[str], dest: Path) -> list[str]:
+    from closedloop.runtime import load_bundle
+
+    names: list[str] = []
+    dest.mkdir(parents=True)
+    for p in paths:
+        src = Path(p)
+        if not src.exists():
+            raise PackageError(f"bundle {p} does not exist: give a bundle folder or zip (closedloop export writes one)")
+        try:
+            load_bundle(src)
+        except ValueError as exc:
+            raise PackageError(f"bundle {p} does not verify, so it is not packaged (closedloop inspect {p} says "
+                               f"why):\n{exc}") from None
+        name = src.name
+        if name in names:
+            raise PackageError(f"two bundles are named {name!r}: rename one folder, bundles/ holds them by name")
+        (shutil.copytree if src.is_dir() else shutil.copy2)(src, dest / name)
+        names.append(name)
+    return names
+
+
+def _install_sh(target: Target, opts: PackageOptions, bundles: list[str], spec: str, reqs_file: str | None) -> str:
+    q = shlex.quote
+    if reqs_file:  # without Numba: the dependencies from the list, then closedloop itself without its own
+        pip = (f'"$PREFIX/venv/bin/pip" install --no-index --find-links "$HERE/wheelhouse" -c "$HERE/constraints.txt" '
+               f'-r "$HERE/{reqs_file}"\n'
+               f'"$PREFIX/venv/bin/pip" install --no-index --no-deps "$HERE"/wheelhouse/closedloop-*.whl\n')
+    else:
+        pip = (f'"$PREFIX/venv/bin/pip" install --no-index --find-links "$HERE/wheelhouse" -c "$HERE/constraints.txt" '
+               f'{q(spec)}\n')
+    return f"""#!/bin/sh
+# Offline install of closedloop for target {target.name}: {target.description}.
+# A venv in $CLOSEDLOOP_PREFIX (default {opts.prefix}) from ./wheelhouse only (no network), the
+# bundles copied beside it, then the Numba cache ($NUMBA_CACHE_DIR, default /var/cache/closedloop)
+# filled for them, so the service's first session compiles nothing.
+set -eu
+HERE=$(cd "$(dirname "$0")" && pwd)
+PREFIX=${{CLOSEDLOOP_PREFIX:-{opts.prefix}}}
+PYTHON=${{PYTHON:-python3}}
+export NUMBA_CACHE_DIR=${{NUMBA_CACHE_DIR:-/var/cache/closedloop}}
+have=$("$PYTHON" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
+if [ "$have" != "{target.python_version}" ]; then
+    echo "install.sh: this package is for Python {target.python_version} (target {target.name}); $PYTHON is $have." >&2
+    echo "  Set PYTHON=python{target.python_version}, or package again with --target host on this machine." >&2
+    exit 2
+fi
+"$PYTHON" -m venv "$PREFIX/venv"
+{pip}mkdir -p "$PREFIX/bundles" "$NUMBA_CACHE_DIR"
+cp -R "$HERE/bundles/." "$PREFIX/bundles/"
+"$PREFIX/venv/bin/python" -m closedloop.sdk.package.warm {' '.join(f'"$PREFIX/bundles/{b}"' for b in bundles)}
+if id {q(opts.user)} >/dev/null 2>&1; then chown -R {q(opts.user)} "$NUMBA_CACHE_DIR" 2>/dev/null || true; fi
+echo "installed closedloop in $PREFIX/venv; bundles in $PREFIX/bundles; Numba cache in $NUMBA_CACHE_DIR"
+"""
+
+
+def _unit(opts: PackageOptions, bundle: str) -> str:
+    run = (f"{opts.prefix}/venv/bin/closedloop run {opts.prefix}/bundles/{bundle} --device {opts.device} "
+           f"--rt --cpu {opts.cpu} --priority {opts.priority} --quiet")
+    return f"""[Unit]
+Description=closedloop session: {bundle} on {opts.device}
+StartLimitIntervalSec=60
+StartLimitBurst=5
+
+[Service]
+Type=simple
+User={opts.user}
+SupplementaryGroups=dialout
+ExecStart={run}
+Restart=on-failure
+RestartSec=2
+# real time: the loop on CPU {opts.cpu} under SCHED_FIFO {opts.priority}, its memory locked (closedloop run --rt)
+CPUAffinity={opts.cpu}
+CPUSchedulingPolicy=fifo
+CPUSchedulingPriority={opts.priority}
+LimitMEMLOCK=infinity
+LimitRTPRIO={opts.priority}
+AmbientCapabilities=CAP_SYS_NICE CAP_IPC_LOCK
+# the Numba kernels install.sh compiled; systemd keeps the folder writable by the service's user
+CacheDirectory=closedloop
+Environment=NUMBA_CACHE_DIR=/var/cache/closedloop
+
+[Install]
+WantedBy=multi-user.target
+"""
+
+
+def _readme(target: Target, opts: PackageOptions, bundles: list[str], installed_mb: float) -> str:
+    return f"""# closedloop for {target.name}
+
+{target.description}. Built by `closedloop package --target {target.name}`{' --ort-only' if opts.ort_only else ''}.
+Bundles: {', '.join(bundles)}. Installed size of the wheels: {installed_mb:.0f} MB{' (ONNX Runtime only, no Numba)' if opts.ort_only else ''}.
+
+On the board (Python {target.python_version}; no network needed):
+
+    sudo useradd --system --no-create-home --groups dialout {opts.user}   # once; the service runs as this user
+    sudo ./install.sh                      # venv in {opts.prefix}/venv, bundles in {opts.prefix}/bundles, Numba cache warmed
+    {opts.prefix}/venv/bin/closedloop doctor          # is this machine ready for a real-time session?
+    {opts.prefix}/venv/bin/closedloop inspect {opts.prefix}/bundles/{bundles[0]}
+    {opts.prefix}/venv/bin/closedloop run {opts.prefix}/bundles/{bundles[0]} --device sim://{'{NAME}'} --duration 2   # an emulated device
+    sudo cp closedloop.service /etc/systemd/system/ && sudo systemctl daemon-reload
+    sudo systemctl enable --now closedloop && journalctl -u closedloop -f
+
+`install.sh` reads `CLOSEDLOOP_PREFIX`, `PYTHON` and `NUMBA_CACHE_DIR` from the environment; the unit
+runs `{bundles[0]}` on `{opts.device}` with `--rt --cpu {opts.cpu} --priority {opts.priority}` and reads the
+Numba cache from /var/cache/closedloop: edit it if you change these. `manifest.json` lists every wheel
+with its sha256.
+"""
+
+
+def package(bundles: list[str], out: str | Path, opts: PackageOptions, report=print) -> PackageResult:
+    """Build the package folder ``out`` for ``opts.target``; raise ``PackageError`` saying what to change."""
+    target = get_target(opts.target)
+    if not bundles:
+        raise PackageError("no bundle given: closedloop package BUNDLE... --target TARGET --out DIR")
+    if opts.from_installed and target.foreign:
+        raise PackageError(f"--from-installed rebuilds wheels from this machine's packages, which do not run on "
+                           f"{target.name}: leave it out (pip fetches the target's wheels)")
+    out = Path(out)
+    if out.exists() and any(out.iterdir()):
+        if not opts.overwrite:
+            raise PackageError(f"{out} exists and is not empty: give a new --out folder, or --overwrite")
+        shutil.rmtree(out)
+    out.mkdir(parents=True, exist_ok=True)
+    names = _copy_bundles(bundles, out / "bundles")
+    report(f"bundles: {', '.join(names)} (verified)")
+    house = out / "wheelhouse"
+    house.mkdir()
+    own = build_project_wheel(house)
+    reqs = wheel_requirements(own, opts.extras, opts.ort_only)
+    (out / "constraints.txt").write_text(target.constraints_text())
+    if opts.from_installed:
+        for dist in installed_closure(reqs):
+            repack(dist, house)
+    else:
+        with tempfile.TemporaryDirectory() as tmp:
+            dl = Path(tmp)
+            pip_download(reqs, target, out / "constraints.txt", dl, opts.find_links, opts.no_index)
+            for w in dl.glob("*.whl"):
+                shutil.move(str(w), house / w.name)
+    wheels = sorted(house.glob("*.whl"))
+    check_tags(wheels, target)
+    report(f"wheelhouse: {len(wheels)} wheels for {target.name}")
+    if target.foreign is False:  # the host's constraints: exactly the wheels packaged
+        from packaging.utils import parse_wheel_filename
+
+        pins = sorted(f"{n}=={v}" for n, v, _b, _t in map(lambda w: parse_wheel_filename(w.name), wheels)
+                      if n != "closedloop")
+        (out / "constraints.txt").write_text(f"# host ({target.description}): the wheels in wheelhouse/\n"
+                                             + "\n".join(pins) + "\n")
+    spec = "closedloop" + (f"[{','.join(opts.extras)}]" if opts.extras else "")
+    reqs_file = None
+    if opts.ort_only:
+        reqs_file = "requirements.txt"
+        (out / reqs_file).write_text("\n".join(reqs) + "\n")
+    sh = out / "install.sh"
+    sh.write_text(_install_sh(target, opts, names, spec, reqs_file))
+    sh.chmod(0o755)
+    (out / "closedloop.service").write_text(_unit(opts, names[0]))
+    rows = [{"file": w.name, "sha256": _sha256(w), "bytes": w.stat().st_size, "installed_bytes": _unpacked_bytes(w)}
+            for w in wheels]
+    result = PackageResult(out, target.name, names, [w.name for w in wheels], sum(r["bytes"] for r in rows),
+                           sum(r["installed_bytes"] for r in rows))
+    (out / "README.md").write_text(_readme(target, opts, names, result.installed_bytes / 1e6))
+    manifest = {
+        "target": target.name, "description": target.description, "python_version": target.python_version,
+        "machine": target.machine, "glibc": target.glibc, "platforms": list(target.platforms),
+        "ort_only": opts.ort_only, "extras": opts.extras, "install": spec if not reqs_file else reqs,
+        "bundles": names, "wheels": rows,
+        "footprint": {"wheelhouse_bytes": result.wheelhouse_bytes, "installed_bytes": result.installed_bytes},
+    }
+    (out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    report(f"wrote {out}: {result.wheelhouse_bytes / 1e6:.0f} MB of wheels, {result.installed_bytes / 1e6:.0f} MB "
+           f"installed; on the board: ./install.sh (README.md)")
+    return result

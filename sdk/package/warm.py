@@ -1,0 +1,60 @@
+"""Fill the Numba cache for bundles, so a session's first start compiles nothing.
+
+``python -m closedloop.sdk.package.warm BUNDLE...`` (install.sh runs it with the service's
+``NUMBA_CACHE_DIR``): every graph of every bundle, and each of its variants, is loaded on the
+Numba backend and run once; the compiled kernels land in the cache that the service reads.
+Numba keys its cache on the installed source files, so warm in the venv the service runs.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+
+def warm(paths: list[str], report=print) -> int:
+    """Load and run each bundle's graphs on Numba; return how many graph variants were compiled."""
+    from closedloop.runtime import Model, load_bundle
+    from closedloop.runtime.errors import BackendUnavailableError
+
+    done = 0
+    for path in paths:
+        bundle = load_bundle(path)
+        t0 = time.perf_counter()
+        for graph, spec in bundle.manifest.graphs.items():
+            for variant in [None, *spec.variants]:
+                try:
+                    model = Model(bundle, backend="numba", graph=graph, variant=variant)
+                except BackendUnavailableError as exc:  # a graph Numba cannot run: the session uses another backend
+                    report(f"  {path} graph {graph} {variant or 'fp32'}: not on Numba ({exc})")
+                    continue
+                model.prewarm()
+                model.close()
+                done += 1
+        # and a short session on synthetic frames: what a session compiles beyond the graph's kernels
+        from closedloop.sdk.cli import main as cli_main
+
+        if cli_main(["run", str(path), "--backend", "numba", "--duration", "0.3", "--quiet", "--json"]) != 0:
+            report(f"  {path}: the warm-up session did not end cleanly; the first real session may compile")
+        report(f"warmed {path} on Numba in {time.perf_counter() - t0:.1f} s")
+    return done
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv:
+        print("usage: python -m closedloop.sdk.package.warm BUNDLE...", file=sys.stderr)
+        return 2
+    try:
+        import numba  # noqa: F401
+    except ImportError:
+        print("Numba is not installed (an --ort-only install): nothing to warm", file=sys.stderr)
+        return 0
+    print(f"Numba cache: {os.environ.get('NUMBA_CACHE_DIR') or '(NUMBA_CACHE_DIR unset: beside the sources)'}")
+    warm(argv)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
