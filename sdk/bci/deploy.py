@@ -188,6 +188,8 @@ def export_bci_bundle(
     display: Mapping[str, str] | None = None,
     char_probs: bool = False,
     end_completion: str | None = None,
+    decoding: Mapping[str, Any] | None = None,
+    warmup_bins: int | None = None,
     meta: Any = None,
     std_floor: float | None = None,
     calibration_config: Mapping[str, Any] | None = None,
@@ -233,6 +235,15 @@ def export_bci_bundle(
         the likelier of these sentence-final marks when the text lacks one (the lexicon
         beam search's sentence-end rule, as ``greedy_end`` in the harness), ``""`` appends
         a character only when CTC rates it more probable than none.
+    decoding
+        The beam search's defaults (``closedloop.sdk.bci.lexicon.decoding_block``): the closed
+        lexicon's word counts and the sentence-end rule of the training sentences, stored as
+        ``extra.bci.decoding`` for ``closedloop evaluate``.
+    warmup_bins
+        None (default): ``mean`` / ``std`` normalise every bin (a calibrated bundle). A count:
+        the runtime normalises a session with its own statistics, accumulated over its first
+        ``warmup_bins`` bins and then frozen (``extra.bci.normalization``; ``mean`` / ``std``
+        are then only stored, not used): an uncalibrated pooled bundle on a new day.
     meta, std_floor, calibration_config
         For the calibration state: the stage-2 ``MetaAlignment`` (None: a new session's
         alignment is fitted from identity), the normalisation's std floor (default
@@ -288,6 +299,14 @@ def export_bci_bundle(
         "char_probs": bool(char_probs),
         "end_completion": None if end_completion is None else {"sentence_end": str(end_completion)},
     }
+    if decoding is not None:
+        bci["decoding"] = dict(decoding)
+    if warmup_bins is not None:
+        if int(warmup_bins) < 1:
+            raise ValueError(f"warmup_bins {warmup_bins}: the session's own statistics need at least one bin")
+        if std_floor is None:
+            from .data import DEFAULT_STD_FLOOR as std_floor
+        bci["normalization"] = {"source": "warmup", "warmup_bins": int(warmup_bins), "std_floor": float(std_floor)}
     kwargs = dict(kind="recurrent", example_input=torch.zeros(1, n_channels), rate_hz=float(rate_hz),
                   family=BCI_FAMILY, name=name or f"bci-{session_name}",
                   preprocess={"mean": mean_a.tolist(), "std": std_a.tolist()},

@@ -54,6 +54,32 @@ def normalize(x: np.ndarray, mean: np.ndarray, inv_std: np.ndarray, out: np.ndar
 
 
 @njit(cache=True, fastmath=_FASTMATH, nogil=True)
+def normalize_warmup(x: np.ndarray, sums: np.ndarray, count: np.ndarray, warmup: int, std_floor: float,
+                     mean: np.ndarray, inv_std: np.ndarray, out: np.ndarray) -> None:
+    """``normalize`` with the session's own statistics, learned over its first ``warmup`` bins.
+
+    While ``count[0] < warmup`` the bin is added to ``sums`` (2 x channels, float64: sum and sum
+    of squares) and ``mean`` / ``inv_std`` become the mean and ``1 / max(std, std_floor)`` of the
+    bins so far, this one included; from then on they stay as they are (frozen). ``out`` may be ``x``.
+    """
+    n = count[0]
+    if n < warmup:
+        n += 1
+        count[0] = n
+        for i in range(out.shape[0]):
+            v = np.float64(x[i])
+            sums[0, i] += v
+            sums[1, i] += v * v
+            m = sums[0, i] / n
+            var = sums[1, i] / n - m * m
+            sd = np.sqrt(var) if var > 0.0 else 0.0
+            mean[i] = np.float32(m)
+            inv_std[i] = np.float32(1.0 / (sd if sd > std_floor else std_floor))
+    for i in range(out.shape[0]):
+        out[i] = (np.float32(x[i]) - mean[i]) * inv_std[i]
+
+
+@njit(cache=True, fastmath=_FASTMATH, nogil=True)
 def ctc_greedy_step(logp: np.ndarray, blank: int, state: np.ndarray, ring: np.ndarray, tail: np.ndarray) -> int:
     """One step of greedy CTC decoding; returns the emitted output index, or -1.
 

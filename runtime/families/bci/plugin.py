@@ -27,6 +27,15 @@ in ``docs/bci_deployment.md``):
   sentence-final mark greedy decoding left out, the likelier of those listed;
   ``{"sentence_end": ""}``: append whatever single character CTC rates more probable
   than nothing.
+- ``extra.bci.normalization``: absent: ``preprocess.mean`` / ``std`` normalise every bin
+  (a calibrated bundle). ``{"source": "warmup", "warmup_bins": N, "std_floor": f}`` (an
+  uncalibrated pooled bundle): the session is normalised with its own statistics, the running
+  mean and standard deviation (floored at ``f``) of its bins so far, frozen after its first ``N``
+  bins (``normalize_warmup``); they are kept across trials and start again only when the family is
+  built or :meth:`BCIHandwritingFamily.restart_warmup` is called. ``closedloop evaluate`` streams
+  each session's evaluation trials through this same code, so offline and live agree.
+- ``extra.bci.decoding``: the beam search's defaults for ``closedloop evaluate`` (closed
+  vocabulary, sentence-end rule); the runtime does not read it.
 - ``extra.bci.calibration_state``: ``{"file", "version", "meta", "config"}`` naming the
   bundle's calibration state file (an ``.npz`` listed, with its checksum, in the
   manifest's files): the frozen backbone's weights, the alignment layer in the graph and,
@@ -140,6 +149,12 @@ class BCIHandwritingFamily(FamilyPlugin):
             if not isinstance(ends, str) or (isinstance(charset, str) and any(c not in charset for c in ends)):
                 out.append(f"bci_handwriting: extra.bci.end_completion must be null or {{\"sentence_end\": S}} with S a "
                            f"string of charset characters (\"\" for plain completion), got {ec!r}")
+        norm = cfg.get("normalization")
+        if norm is not None and not (isinstance(norm, dict) and norm.get("source") == "warmup"
+                                     and isinstance(norm.get("warmup_bins"), int) and norm["warmup_bins"] >= 1
+                                     and isinstance(norm.get("std_floor"), int | float) and norm["std_floor"] > 0):
+            out.append("bci_handwriting: extra.bci.normalization must be absent or {\"source\": \"warmup\", "
+                       f"\"warmup_bins\": N >= 1, \"std_floor\": f > 0}}, got {norm!r}")
         command = m.extra.get("session", {}).get("command", cls.default_command)
         if command not in _COMMANDS:
             out.append(f"bci_handwriting: session command {command!r} is not one of {_COMMANDS}")
@@ -162,7 +177,7 @@ class BCIHandwritingFamily(FamilyPlugin):
     def __init__(self, bundle: Bundle, model: Model):
         # Numba is imported only when a decoder is built: ``import closedloop.runtime`` must work
         # (and say what is missing) without it.
-        from closedloop.runtime.families.bci.ctc import StreamingCTC, normalize
+        from closedloop.runtime.families.bci.ctc import StreamingCTC, normalize, normalize_warmup
 
         super().__init__(bundle, model)
         self._normalize = normalize
@@ -183,13 +198,36 @@ class BCIHandwritingFamily(FamilyPlugin):
         self.ctc: StreamingCTC = StreamingCTC(self.charset, self.blank, int(cfg.get("text_capacity", DEFAULT_TEXT_CAPACITY)))
         ec = cfg.get("end_completion")
         self.sentence_end: str | None = None if ec is None else str(ec["sentence_end"])  # None: no completion
+        norm = cfg.get("normalization")
+        self.warmup_bins: int = int(norm["warmup_bins"]) if norm is not None else 0  # 0: fixed statistics
+        self._std_floor = float(norm["std_floor"]) if norm is not None else 0.0
+        self._warm_sums = np.zeros((2, n), dtype=np.float64)
+        self._warm_count = np.zeros(1, dtype=np.int64)
+        self._normalize_warmup = normalize_warmup
         self._frame_bin: int | None = None
         self.bins = 0  # bins decoded since the last reset
         # Compile (or load from Numba's cache) both kernels for the exact array types of
         # the hot path now, so that the first bin of a session compiles nothing.
         normalize(self._frame, self._mean, self._inv_std, self._x)
+        if self.warmup_bins:
+            normalize_warmup(self._frame, self._warm_sums, self._warm_count, self.warmup_bins, self._std_floor,
+                             self._mean, self._inv_std, self._x)
         self.ctc.step(self._y)
+        self.restart_warmup()
         self.reset()
+
+    def restart_warmup(self) -> None:
+        """A new session (another day) on the same decoder: learn its statistics again from its first bins.
+
+        Only for a bundle with ``extra.bci.normalization`` (warm-up); otherwise nothing to do.
+        """
+        self._warm_sums[:] = 0.0
+        self._warm_count[0] = 0
+
+    @property
+    def warmed_up(self) -> bool:
+        """Whether the session's statistics are final (always, for a bundle with fixed statistics)."""
+        return int(self._warm_count[0]) >= self.warmup_bins
 
     # --- per trial -------------------------------------------------------------------
 
@@ -240,6 +278,10 @@ class BCIHandwritingFamily(FamilyPlugin):
         if frame.dtype != np.float32 or frame.ndim != 1:
             np.copyto(self._frame, frame.reshape(-1), casting="unsafe")
             frame = self._frame
+        if self.warmup_bins:
+            self._normalize_warmup(frame, self._warm_sums, self._warm_count, self.warmup_bins, self._std_floor,
+                                   self._mean, self._inv_std, self._x)
+            return
         self._normalize(frame, self._mean, self._inv_std, self._x)
 
     def postprocess(self) -> np.ndarray:
