@@ -5,6 +5,7 @@
     python bench/bench_bci.py --ablate tuning_rotation --seeds 0 --methods session_layers two_stage
                                        # one drift component off: writes bci_ablate_tuning_rotation.*
     python bench/bench_bci.py --reference   # also the drift reference (its own frozen recipe; ~11 min more)
+    python bench/bench_bci.py --data FOLDER # every method on your FALCON H2-layout NWB files: bci_data.*
 
 It prints the estimated run time before it starts. A new run of the default benchmark
 joins the pooled comparison over runs with ``python bench/pool_bci_runs.py --add RESULT.json``.
@@ -30,6 +31,9 @@ if __name__ == "__main__":
     ap.add_argument("--data-seed", type=int,
                     help="generate the recording from this seed (default 0, the benchmark's): a replication on "
                          "another recording of the same frozen generator; results go to bci_data{SEED}.*")
+    ap.add_argument("--data", metavar="FOLDER",
+                    help="run on a folder of FALCON H2-layout NWB files (held-in / held-out from the file names) "
+                         "instead of the generator; results go to bci_data.* (bci_tiny_data.* with --tiny)")
     ap.add_argument("--reference", action="store_true",
                     help="also train and score the drift reference (bench/calibrate_bci_drift.py; ~11 more minutes)")
     a = ap.parse_args()
@@ -59,5 +63,15 @@ if __name__ == "__main__":
     if a.ablate:
         cfg.ablate = a.ablate
         cfg.stem = f"{cfg.stem}_ablate_{a.ablate}"
+    if a.data:
+        from closedloop.sdk.bci.benchmark import load_data_folder
+
+        try:
+            load_data_folder(a.data)  # a folder without FALCON files is refused before anything is trained
+        except ValueError as exc:
+            sys.exit(f"bench_bci.py: error: {exc}")
+        cfg.data_dir = a.data
+        if not a.stem:
+            cfg.stem = f"{cfg.stem}_data"
     run_bci_benchmark(cfg)
     sys.exit(0)

@@ -79,6 +79,7 @@ class BciBenchConfig(JsonConfig):
     out_dir: str = "bench/results/bci"
     stem: str = "bci"
     ablate: str = ""  # a drift component switched off in the data (docs/handwriting_data.md), or "all"
+    data_dir: str = ""  # a folder of FALCON H2-layout NWB files to run on instead of the generator (bench_bci.py --data)
 
     @classmethod
     def tiny(cls) -> BciBenchConfig:
@@ -92,8 +93,42 @@ class BciBenchConfig(JsonConfig):
         ))
 
 
+def load_data_folder(folder: str | os.PathLike) -> list:
+    """A user's FALCON H2-layout folder as the benchmark's sessions, held-in / held-out from the file names.
+
+    Raises ``ValueError`` naming what is missing: no NWB files, no held-in or held-out session, or
+    held-out sessions without evaluation trials (FALCON's own held-out evaluation data stay on its server).
+    """
+    from .nwb import load_falcon_h2_dir
+
+    path = os.fspath(folder)
+    if not os.path.isdir(path):
+        raise ValueError(f"--data {path}: not a folder; give the folder holding the FALCON H2-layout NWB files")
+    try:
+        sessions = load_falcon_h2_dir(path)
+    except FileNotFoundError as exc:
+        raise ValueError(f"--data {path}: no FALCON H2 files: {exc}") from exc
+    held_in = [s.name for s in sessions if s.split == "held_in"]
+    held_out = [s for s in sessions if s.split == "held_out"]
+    if not held_in or not held_out:
+        raise ValueError(f"--data {path}: {len(held_in)} held-in and {len(held_out)} held-out sessions; the benchmark "
+                         "trains on held-in sessions and scores held-out ones, told apart by the file names "
+                         "('held-in' / 'held-out', as DANDI 000950 and `closedloop generate-data` name them)")
+    if not any(s.evaluation for s in held_out):
+        raise ValueError(f"--data {path}: no held-out session has evaluation trials (files named '-minival' or "
+                         "'_eval'); FALCON's own held-out evaluation data stay on its server: score those with "
+                         "sdk.bci.falcon_decoder")
+    return sessions
+
+
 def generate_data(config: BciBenchConfig) -> list:
     from closedloop.sim.handwriting import HandwritingConfig, generate_recording
+
+    if config.data_dir:  # a user's recordings: no generator (and nothing to ablate)
+        if config.ablate:
+            raise ValueError(f"--ablate {config.ablate} switches off a component of the generator; --data "
+                             f"{config.data_dir} is recorded data")
+        return load_data_folder(config.data_dir), None
 
     hw = HandwritingConfig.tiny(config.data_seed) if config.data_tiny else HandwritingConfig(seed=config.data_seed)
     if config.ablate:
@@ -390,6 +425,7 @@ def run_bci_benchmark(config: BciBenchConfig, report: Callable[[str], None] = _p
     from closedloop.sim.handwriting import VOCABULARY
 
     t0 = time.perf_counter()
+    words = [] if config.data_dir else list(VOCABULARY)  # a user's folder: the lexicon is its sentences' words
     retain_freed_memory()  # as the workers do (sdk.bci.malloc), so the throughput measured is theirs
     sessions, hw = generate_data(config)
     held_in = [s for s in sessions if s.split == "held_in"]
@@ -404,7 +440,7 @@ def run_bci_benchmark(config: BciBenchConfig, report: Callable[[str], None] = _p
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "data.pkl")
         with open(path, "wb") as f:
-            pickle.dump((sessions, list(VOCABULARY)), f)
+            pickle.dump((sessions, words), f)
         runs = run_seeds(path, config.harness, list(config.seeds), est["jobs"], report)
     for run in runs:
         for warning in run.get("training_warnings", []):
@@ -414,7 +450,9 @@ def run_bci_benchmark(config: BciBenchConfig, report: Callable[[str], None] = _p
     extra = {"benchmark": {"wall_s": wall, "estimated_s": est["total_s"], "estimate": est,
                            "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
                                        "torch": torch.__version__, "device": runs[0]["device"]},
-                           "data_config": json.loads(hw.to_json()), "bench_config": config.to_dict()}}
+                           "data_config": json.loads(hw.to_json()) if hw is not None else
+                           {"folder": config.data_dir, "sessions": [s.name for s in sessions]},
+                           "bench_config": config.to_dict()}}
     paths = write_results(summary, runs, config.out_dir, config.stem, extra)
     report(markdown_table(summary))
     report(f"wall time {wall / 60:.1f} min (estimated {est['total_s'] / 60:.1f}); wrote "
