@@ -77,7 +77,8 @@ class JointCommand(Message):
     """JOINT_COMMAND (0x31).  Payload: ``u8 mode, u16 n, f32 values[n]``.
 
     For ``JointMode.END_EFFECTOR`` the values are ``[x, y, z]`` (n = 3) or
-    ``[x, y, z, qx, qy, qz, qw]`` (n = 7).
+    ``[x, y, z, qx, qy, qz, qw]`` (n = 7); n = 4 and n = 8 add the gripper opening in
+    metres as the last value (docs/protocol.md, "Gripper channel").
     """
 
     TYPE_ID = 0x31
@@ -93,9 +94,9 @@ class JointCommand(Message):
             raise MessageError(f"JointCommand.mode {self.mode!r} is not a JointMode "
                                f"({', '.join(m.name for m in JointMode)})") from None
         self.values = as_f32_vector("JointCommand.values", self.values, 500)
-        if self.mode is JointMode.END_EFFECTOR and self.values.size not in (3, 7):
+        if self.mode is JointMode.END_EFFECTOR and self.values.size not in (3, 4, 7, 8):
             raise MessageError(f"an END_EFFECTOR JointCommand needs 3 ([x,y,z]) or 7 ([x,y,z,qx,qy,qz,qw]) "
-                               f"values; got {self.values.size}")
+                               f"values, or 4 / 8 with the gripper opening (m) last; got {self.values.size}")
 
     def encode_payload(self) -> bytes:
         return struct.pack("<BH", int(self.mode), self.values.size) + self.values.tobytes()

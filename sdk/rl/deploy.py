@@ -34,19 +34,20 @@ def policy_module(actor: nn.Module) -> nn.Module:
 
 def export_policy(actor: nn.Module, mean: np.ndarray, std: np.ndarray, task: str, out: str | Path,
                   provenance: dict[str, Any] | None = None, overwrite: bool = True, quiet: bool = True) -> Path:
-    """Export a policy for ``task`` (``reach`` or ``push``: the hand-only tasks the wire can command).
+    """Export a policy for ``task`` (``reach``, ``push``, or ``pick_and_place`` through the gripper channel).
 
     ``actor`` is a SAC actor (or any module mapping standardised observations to actions
     in ``[-1, 1]``); ``mean``/``std`` are the observation statistics it was trained with.
     """
     from closedloop.export import export_bundle
     from closedloop.sim.devices.panda_scene import task_class
+    from closedloop.sim.manipulation.tasks import GRIPPER_MAX_M
 
     cls = task_class(task)
     t = cls()
-    if t.n_actions != 3:
-        raise ValueError(f"task {task!r} has {t.n_actions} actions; an END_EFFECTOR JOINT_COMMAND carries only the "
-                         "hand target, so only hand-only tasks (reach, push) can be deployed over the wire")
+    if t.n_actions not in (3, 4):
+        raise ValueError(f"task {task!r} has {t.n_actions} actions; an END_EFFECTOR JOINT_COMMAND carries the hand "
+                         "target (3) and optionally the gripper opening (4)")
     module = policy_module(actor) if hasattr(actor, "latent_pi") else copy.deepcopy(actor).cpu().eval()
     names = [name for name, n in cls.OBS_LAYOUT for _ in range(n)]
     n_obs = len(names)
@@ -54,7 +55,8 @@ def export_policy(actor: nn.Module, mean: np.ndarray, std: np.ndarray, task: str
         raise ValueError(f"mean has shape {np.asarray(mean).shape}; task {task!r} observations have {n_obs} values")
     ee_index = [i for i, name in enumerate(names) if name == "ee_pos"]
     extra = {
-        "policy": {"task": task, "ee_index": ee_index, "action_scale_m": cls.action_scale_m, "n_actions": 3,
+        "policy": {"task": task, "ee_index": ee_index, "action_scale_m": cls.action_scale_m, "n_actions": t.n_actions,
+                   "gripper_max_m": GRIPPER_MAX_M if t.n_actions == 4 else 0.0,
                    "safe_position": cls.start_ee.tolist(), "observation_layout": [list(x) for x in cls.OBS_LAYOUT],
                    "episode_steps": cls.episode_steps},
         "session": {"input": "plant_measurement", "command": "none"},

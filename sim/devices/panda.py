@@ -6,7 +6,7 @@ is stepped up to device time and a JOINT_STATE is sent: 8 positions and velociti
 JOINT_COMMAND is applied as it arrives: POSITION (7 or 8 targets, clipped to the
 URDF joint limits), VELOCITY (7 or 8 rates, clipped to the URDF velocity limits),
 END_EFFECTOR (``[x, y, z]`` or with a quaternion; solved by PyBullet IK, then as
-POSITION).  Clipping and refused commands are reported by STATUS.  With no command
+POSITION; a 4th / 8th value is the gripper opening in m, clipped to 0..0.08).  Clipping and refused commands are reported by STATUS.  With no command
 for ``hold_s`` the arm holds where it is (position control at the current angles).
 
 With a ``task`` the emulator runs the task's episodes: ``rate`` and ``physics_hz``
@@ -147,7 +147,7 @@ class PandaDevice(Device):
             super().on_message(message, t_s)
             return
         values = np.asarray(message.values, dtype=float)
-        sizes = (3, 7) if message.mode is JointMode.END_EFFECTOR else (7, 8)
+        sizes = (3, 4, 7, 8) if message.mode is JointMode.END_EFFECTOR else (7, 8)
         if values.size not in sizes or not np.all(np.isfinite(values)):
             self.refused += 1
             self.notify(StatusCode.BAD_COMMAND, Severity.ERROR,
@@ -169,10 +169,14 @@ class PandaDevice(Device):
             scene.command_velocities(applied)
         else:
             pos = np.clip(values[:3], WORKSPACE_LOW, WORKSPACE_HIGH)
-            orn = values[3:] / np.linalg.norm(values[3:]) if n == 7 and np.linalg.norm(values[3:]) > 0 else None
-            applied = np.concatenate([pos, values[3:]])
-            what = "the workspace box"
+            quat = values[3:7] if n >= 7 else values[3:3]
+            orn = quat / np.linalg.norm(quat) if quat.size and np.linalg.norm(quat) > 0 else None
+            gripper = np.clip(values[-1:], 0.0, scene.upper[7]) if n in (4, 8) else values[:0]
+            applied = np.concatenate([pos, quat, gripper])
+            what = "the workspace box" + (f" and the gripper's 0..{scene.upper[7]:g} m" if gripper.size else "")
             scene.command_ee(pos, orn)
+            if gripper.size:  # the gripper channel: opening in metres, last value of n = 4 or 8
+                scene.command_gripper(float(gripper[0]))
         if np.any(applied != values):
             self.clipped += 1
             self.notify(StatusCode.COMMAND_CLIPPED, Severity.WARNING,

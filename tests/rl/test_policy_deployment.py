@@ -65,10 +65,64 @@ def test_commands_are_clipped_to_the_bundles_workspace(push_bundle):
     model.close()
 
 
-def test_export_refuses_a_task_the_wire_cannot_command(tmp_path):
-    net = torch.nn.Sequential(torch.nn.Linear(22, 4), torch.nn.Tanh())
-    with pytest.raises(ValueError, match="hand-only"):
-        export_policy(net, np.zeros(22), np.ones(22), "pick_and_place", tmp_path / "pp")
+def test_pick_and_place_policy_sends_the_gripper_channel_and_the_emulator_follows_it(tmp_path):
+    """The 4th action becomes the opening (m) of an n = 4 END_EFFECTOR command, as the environment maps it."""
+    from closedloop.firmware_bridge import JointCommand, JointMode
+    from closedloop.sim.manipulation.tasks import GRIPPER_MAX_M
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(22, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4), torch.nn.Tanh())
+    path = export_policy(net, np.zeros(22), np.ones(22), "pick_and_place", tmp_path / "pp")
+    bundle = load_bundle(path)
+    model = Model(bundle, backend="onnxruntime")
+    fam = get_family("policy")(bundle, model)
+    env = PandaTaskEnv("pick_and_place")
+    try:
+        obs, _ = env.reset(seed=2)
+        fam.preprocess(obs)
+        model.run()
+        cmd = fam.postprocess().copy()
+        with torch.no_grad():
+            a = net(torch.as_tensor(obs, dtype=torch.float32)[None]).numpy()[0]
+        assert cmd.shape == (4,)
+        np.testing.assert_allclose(cmd[:3], env.task.ee_target(env.scene, a), atol=TOL)
+        np.testing.assert_allclose(cmd[3], (a[3] + 1) / 2 * GRIPPER_MAX_M, atol=TOL)
+        msg = fam.command_message(cmd, 0)
+        assert msg.mode is JointMode.END_EFFECTOR and msg.values.size == 4
+        again = JointCommand.decode_payload(msg.encode_payload())  # the wire carries it
+        np.testing.assert_allclose(again.values, cmd)
+        assert fam.safe_output()[3] == pytest.approx(cmd[3])  # holding keeps the last opening: no dropped cube
+    finally:
+        env.close()
+        model.close()
+
+
+def test_panda_emulator_applies_the_gripper_channel():
+    from closedloop.firmware_bridge import JointCommand, JointMode
+    from closedloop.sim.devices.base import device_params
+
+    cls, params = device_params("panda", {"task": "pick_and_place"})
+    dev = cls(params)
+    dev.start(0.0)
+    try:
+        dev.on_message(JointCommand(JointMode.END_EFFECTOR, np.array([0.45, 0.0, 0.2, 0.02], np.float32)), 0.0)
+        assert dev.refused == 0
+        for k in range(1, 30):
+            dev._advance(k * 0.04)
+        assert dev.scene.state()[0][7] == pytest.approx(0.02, abs=0.004)
+        dev.on_message(JointCommand(JointMode.END_EFFECTOR, np.array([0.45, 0.0, 0.2, 0.5], np.float32)), 1.3)
+        assert dev.clipped == 1  # opening beyond 8 cm is clipped and reported
+    finally:
+        dev.close()
+
+
+def test_end_effector_commands_of_other_sizes_are_refused():
+    from closedloop.firmware_bridge import JointCommand, JointMode
+    from closedloop.firmware_bridge.messages.base import MessageError
+
+    for n in (2, 5, 6, 9):
+        with pytest.raises(MessageError, match="gripper opening"):
+            JointCommand(JointMode.END_EFFECTOR, np.zeros(n, np.float32))
 
 
 def test_session_against_the_push_emulator_counts_episodes(push_bundle):

@@ -9,7 +9,10 @@ standardises ``y`` with the bundle's ``preprocess.mean``/``std``, runs the polic
 
     target = clip(y[ee_index] + action_scale_m * action[:3], low, high)
 
-sent as a JOINT_COMMAND in END_EFFECTOR mode (``[x, y, z]``).  ``low``/``high`` are
+sent as a JOINT_COMMAND in END_EFFECTOR mode (``[x, y, z]``).  A policy with a gripper
+(``extra.policy.n_actions`` 4, pick-and-place) sends ``[x, y, z, opening]`` with
+``opening = (clip(action[3], -1, 1) + 1) / 2 * gripper_max_m`` (the protocol's gripper
+channel; its safe command keeps the last commanded opening).  ``low``/``high`` are
 ``postprocess.low``/``high`` (the task's workspace box).  The safe command holds the
 hand where it was last seen (the bundle's ``extra.policy.safe_position`` before any
 observation).  From the counters it reports the deployed success rate with a Wilson
@@ -79,6 +82,12 @@ class PolicyFamily(FamilyPlugin):
             out.append("policy: preprocess.std has values <= 0")
         if len(pol.get("safe_position", [])) != 3:
             out.append("policy: extra.policy.safe_position must be [x, y, z]")
+        n_act = int(pol.get("n_actions", 3))
+        if n_act not in (3, 4) or n_out < n_act:
+            out.append(f"policy: extra.policy.n_actions={n_act} must be 3 (hand) or 4 (hand + gripper) and at most "
+                       f"the graph's {n_out} outputs")
+        if n_act == 4 and not float(pol.get("gripper_max_m", 0)) > 0:
+            out.append("policy: a gripper policy (n_actions 4) needs extra.policy.gripper_max_m > 0")
         return out
 
     def __init__(self, bundle: Bundle, model: Model):
@@ -95,7 +104,15 @@ class PolicyFamily(FamilyPlugin):
         self._safe_home = np.asarray(pol["safe_position"], dtype=np.float32)
         self._obs = np.zeros(self._mean.size, dtype=np.float32)
         self._ee = self._safe_home.copy()
-        self._cmd = np.zeros(3, dtype=np.float32)
+        self._gripper = int(pol.get("n_actions", 3)) == 4
+        self._gripper_max = np.float32(pol.get("gripper_max_m", 0.0))
+        self._cmd = np.zeros(4 if self._gripper else 3, dtype=np.float32)
+        self._hand = self._cmd[:3]
+        self._safe = np.zeros_like(self._cmd)
+        self._safe[3:] = self._gripper_max  # open until a command says otherwise
+        if self._gripper:
+            self._low = np.append(self._low, np.float32(0.0))
+            self._high = np.append(self._high, self._gripper_max)
         self._counters = np.zeros(_COUNTERS)
         self._seen = False
 
@@ -134,15 +151,20 @@ class PolicyFamily(FamilyPlugin):
         np.multiply(x, self._inv_std, out=x)
 
     def postprocess(self) -> np.ndarray:
-        a = self._y.reshape(-1)[:3]
-        np.clip(a, -1.0, 1.0, out=self._cmd)
-        np.multiply(self._cmd, self._scale, out=self._cmd)
-        np.add(self._cmd, self._ee, out=self._cmd)
+        y = self._y.reshape(-1)
+        hand = self._hand
+        np.clip(y[:3], -1.0, 1.0, out=hand)
+        np.multiply(hand, self._scale, out=hand)
+        np.add(hand, self._ee, out=hand)
+        if self._gripper:
+            self._cmd[3] = (min(max(float(y[3]), -1.0), 1.0) + 1.0) * 0.5 * self._gripper_max
+            self._safe[3] = self._cmd[3]
         np.clip(self._cmd, self._low, self._high, out=self._cmd)
         return self._cmd
 
     def safe_output(self) -> np.ndarray:
-        return np.clip(self._ee, self._low, self._high)
+        self._safe[:3] = self._ee
+        return np.clip(self._safe, self._low, self._high)
 
     def command_limits(self) -> tuple[np.ndarray | None, np.ndarray | None]:
         return self._low, self._high
