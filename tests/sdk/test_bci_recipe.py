@@ -3,13 +3,22 @@ checkpoint, the time budget, and progress a person can follow (bars on a termina
 
 from __future__ import annotations
 
+import contextlib
 import io
+import json
 from dataclasses import replace
 
+import numpy as np
 import pytest
 import torch
 
+from closedloop.runtime import load_bundle
+from closedloop.sdk.bci import calibrate_bundle
+from closedloop.sdk.bci.calibrate import CalibrationConfig
 from closedloop.sdk.bci.data import fit_indices
+from closedloop.sdk.bci.evaluate import HarnessConfig
+from closedloop.sdk.bci.meta import MetaConfig
+from closedloop.sdk.bci.nwb import load_falcon_h2, write_falcon_h2_dir
 from closedloop.sdk.bci.progress import Progress, format_seconds
 from closedloop.sdk.bci.recipe import (
     Recipe,
@@ -26,6 +35,7 @@ from closedloop.sdk.bci.train import (
     train_backbone,
     validation_scores,
 )
+from closedloop.sdk.cli import main
 
 TINY = TrainConfig(backbone=BackboneConfig(16, 1, 0.0), steps=200, batch_size=4, lr=1e-2, device="cpu",
                    progress=False, eval_every=2, patience=2)
@@ -131,3 +141,112 @@ def test_progress_is_lines_in_a_log_a_bar_on_a_terminal_and_nothing_when_quiet()
     assert "stage 1" in tty.getvalue() and "10/10" in tty.getvalue()
     assert (format_seconds(42), format_seconds(75), format_seconds(3725), format_seconds(float("inf"))) == (
         "42s", "1m15s", "1h02m", "?")
+
+
+# --- bci-train and calibrate from the shell -----------------------------------------------------------------------
+
+DATES = ("2022-05-18", "2022-06-22", "2023-02-28", "2023-04-17", "2023-10-09")
+CALIB = CalibrationConfig(steps=4, tune=False, device="cpu")
+
+
+@pytest.fixture(scope="module")
+def nwb_sessions():
+    pytest.importorskip("pynwb")
+    ss = toy_recording(n_channels=8, n_held_in=3, n_held_out=2, n_trials=8, seed=1)
+    for s, d in zip(ss, DATES, strict=True):
+        s.name, s.meta["date"] = d.replace("-", "."), d
+        for t in s.trials:  # NWB holds integer counts
+            t.spikes = t.spikes.astype(np.uint8)
+    return ss
+
+
+@pytest.fixture(scope="module")
+def data(nwb_sessions, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("nwb") / "data"
+    write_falcon_h2_dir(nwb_sessions, folder)
+    return folder
+
+
+def _tiny_harness(path, steps=6):
+    HarnessConfig(train=TrainConfig(backbone=BackboneConfig(16, 1, 0.0), steps=steps, batch_size=4, lr=1e-2),
+                  meta=MetaConfig(inner_steps=2, n_query=2, tasks_per_step=2, meta_steps=2),
+                  calibration=CALIB, progress=False).save(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def trained_bundle(data, tmp_path_factory):
+    """bci-train --json --allow-unlearned on the toy folder: (exit code, summary, stderr, bundle path)."""
+    tmp = tmp_path_factory.mktemp("train")
+    cfg = _tiny_harness(tmp / "h.json")
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(["bci-train", str(data), "--config", str(cfg), "--device", "cpu", "--eval-every", "2",
+                     "--out", str(tmp / "pooled"), "--json", "--allow-unlearned"])
+    return code, json.loads(out.getvalue()), err.getvalue(), tmp / "pooled"
+
+
+def test_bci_train_json_summary_progress_lines_and_curve(trained_bundle):
+    code, summary, err, bundle = trained_bundle
+    assert code == 0  # --allow-unlearned: exit 0 although 6 steps learn nothing
+    assert "stage 1: pooled backbone: step 2/6" in err  # not a terminal: plain progress lines on stderr
+    assert "NOT LEARNED: stage 1 (pooled backbone)" in err and "above the 40% threshold" in err
+    assert summary["learned"] is False and summary["problems"] and summary["threshold_CER"] == 0.4
+    s1 = summary["stage1"]
+    assert s1["ceiling"] == 6 and 1 <= s1["steps_run"] <= 6 and s1["stop_reason"] in ("ceiling", "patience")
+    assert [v["step"] for v in s1["validation"]] == [2, 4, 6][:len(s1["validation"])]
+    assert s1["best_val_CER"] == min(v["CER"] for v in s1["validation"])
+    assert summary["model"] == {"n_hidden": 16, "n_layers": 1, "scaled": True}  # --config's backbone is kept
+    assert summary["validation"]["trials"] == sum(summary["validation"]["per_session"].values()) >= 3
+    assert summary["stage2"]["steps"] == 2 and 0 <= summary["stage2"]["val_CER"]
+    curve = bundle.parent / "pooled.curve.png"
+    assert summary["curve"] == str(curve) and curve.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert load_bundle(bundle).manifest.provenance["validation"]["fraction"] == 0.1
+
+
+def test_bci_train_that_has_not_learned_exits_1_and_quiet_shows_only_the_error(data, tmp_path, capsys):
+    cfg = _tiny_harness(tmp_path / "h.json", steps=2)
+    assert main(["-q", "bci-train", str(data), "--config", str(cfg), "--device", "cpu",
+                 "--out", str(tmp_path / "a")]) == 1
+    out, err = capsys.readouterr()
+    assert "pooled backbone: step" not in err and "validation:" not in err  # no progress with -q
+    assert "NOT LEARNED" in err and "--allow-unlearned" in err  # errors still show, with what to do
+    assert main(["bci-train", str(data), "--config", str(cfg), "--out", str(tmp_path / "b"), "--steps", "0"]) == 2
+    assert "--steps 0" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def held_out_file(data):
+    return next(p for p in sorted(data.rglob("*.nwb")) if "held-out" in p.name or "held_out" in p.name)
+
+
+def test_calibrate_reports_greedy_cer_before_and_after(trained_bundle, held_out_file, tmp_path):
+    bundle = trained_bundle[3]
+    r = calibrate_bundle(bundle, held_out_file, n_sentences=3, out=tmp_path / "c", report=lambda s: None)
+    assert r.scored_on == "held_out" and r.scored_trials and not set(r.scored_trials) & set(r.trials)
+    assert r.cer_given >= 0 and r.cer_after >= 0
+    assert f"before {r.cer_given:.1%}, after {r.cer_after:.1%}" in r.format() and "(not fitted)" in r.format()
+    assert (r.warning is not None) == (r.cer_after > r.cer_given)
+    n = len(load_falcon_h2(held_out_file, n_calibration=100).calibration)
+    fitted = calibrate_bundle(bundle, held_out_file, n_sentences=n, out=tmp_path / "all", report=lambda s: None)
+    assert fitted.scored_on == "fitted" and fitted.scored_trials == fitted.trials
+    assert "the fitted trials" in fitted.format()
+
+
+def test_calibration_that_makes_it_worse_is_warned_about(trained_bundle, held_out_file, tmp_path, monkeypatch):
+    from closedloop.sdk.bci import train
+
+    real, calls = train.validation_scores, []
+
+    def worse_after(module, forward, examples, device="cpu"):  # the second scoring is the calibrated decoder's
+        row = real(module, forward, examples, device)
+        calls.append(row)
+        return row if len(calls) == 1 else {**row, "CER": calls[0]["CER"] + 0.5}
+
+    monkeypatch.setattr(train, "validation_scores", worse_after)
+    lines = []
+    r = calibrate_bundle(trained_bundle[3], held_out_file, n_sentences=3, out=tmp_path / "w", report=lines.append)
+    assert r.cer_after == pytest.approx(r.cer_given + 0.5)
+    assert r.warning and "made the greedy CER worse" in r.warning
+    assert any(line.startswith("warning: calibration made the greedy CER worse") for line in lines)
+    assert "warning: calibration made" in r.format()
