@@ -60,6 +60,7 @@ from closedloop.firmware_bridge import (
     parser_backend,
 )
 from closedloop.firmware_bridge.transports import open_transport
+from closedloop.sdk.grid import Cell, run_grid
 
 RESULTS = Path("bench/results/protocol")
 KEY = bytes(range(32))
@@ -249,12 +250,20 @@ def _renumber(wire: bytes, seq: int) -> bytes:
     return cobs_encode(bytes(raw)) + b"\x00"
 
 
+def _fuzz_cell(config: dict, seed: int) -> dict:
+    return _fuzz_worker((seed, config["cases"]))
+
+
 def run_fuzz(total: int, workers: int) -> dict:
     per = [total // workers + (1 if i < total % workers else 0) for i in range(workers)]
     t0 = time.perf_counter()
-    if workers > 1:
-        with mp.get_context("fork").Pool(workers) as pool:
-            parts = pool.map(_fuzz_worker, [(1000 + i, n) for i, n in enumerate(per)])
+    if workers > 1:  # one cell per worker on the grid runner (a local Ray instance; in-process without Ray)
+        recs = run_grid(_fuzz_cell, [Cell({"cases": n}, seed=1000 + i) for i, n in enumerate(per)],
+                        workers=workers, desc="fuzz")
+        failed = [r["error"] for r in recs if r["status"] != "ok"]
+        if failed:
+            raise RuntimeError(f"a fuzz cell failed: {failed[0]}")
+        parts = [r["result"] for r in recs]
     else:
         parts = [_fuzz_worker((1000, total))]
     merged: dict = {"seconds": round(time.perf_counter() - t0, 1), "workers": workers, "total_cases": total}

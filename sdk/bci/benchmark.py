@@ -14,11 +14,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
-import multiprocessing as mp
 import os
 import pickle
 import platform
-import queue
 import signal
 import tempfile
 import threading
@@ -367,32 +365,20 @@ def run_seeds(data_path: str, harness: HarnessConfig, seeds: Sequence[int], work
 
 
 def _run_on_pool(workers: int, ready: list, next_ready: Callable, task: Callable, finish: Callable) -> None:
-    """Keep ``workers`` spawned processes busy with ``ready`` tasks until none is left or running."""
-    done: queue.Queue = queue.Queue()
-    running = 0
-    with _sigterm_exits(), mp.get_context("spawn").Pool(workers) as pool:
-        while ready or running:
-            while ready and running < workers:
+    """Keep ``workers`` workers of the grid runner (sdk.grid: a local Ray instance, or in-process without
+    Ray) busy with ``ready`` tasks until none is left or running; a task's error ends the run with it."""
+    from closedloop.sdk.grid import GridRunner
+
+    with _sigterm_exits(), GridRunner(workers=workers) as runner:
+        while ready or len(runner):
+            while ready and len(runner) < workers:
                 kind, args = next_ready()
                 fn, task_args = task(kind, args)
-                pool.apply_async(fn, task_args, callback=lambda r, k=kind, a=args: done.put((k, a, r, None)),
-                                 error_callback=lambda e, k=kind, a=args: done.put((k, a, None, e)))
-                running += 1
-            while True:  # a timeout, so that SIGTERM's SystemExit is raised here promptly
-                try:
-                    kind, args, result, error = done.get(timeout=1.0)
-                    break
-                except queue.Empty:
-                    continue
-            running -= 1
-            if error is not None:
-                raise error
-            finish(kind, args, result)  # may add the scoring tasks it unblocks to ``ready``
-        # Let the workers exit on their own: the ``with`` would terminate them, and a terminated worker
-        # leaves the semaphore of tqdm's write lock (made in every process that opens a bar) to the
-        # resource tracker, which warned "leaked semaphore objects" at the end of every run.
-        pool.close()
-        pool.join()
+                runner.submit(fn, *task_args, tag=(kind, args))
+            done = runner.next_done()  # waits in 1 s steps, so that SIGTERM's SystemExit is raised promptly
+            if done.error is not None:
+                raise done.exception if done.exception is not None else RuntimeError(done.error)
+            finish(*done.tag, done.result)  # may add the scoring tasks it unblocks to ``ready``
 
 
 @contextlib.contextmanager

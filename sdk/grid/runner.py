@@ -78,6 +78,8 @@ class Done:
     pid: int = 0
     started: float = 0.0
     wall_s: float = 0.0
+    #: the exception itself (the cell's own, unwrapped from Ray's), for callers that re-raise it
+    exception: BaseException | None = field(default=None, repr=False)
 
 
 def _where() -> tuple[str, str, int]:
@@ -152,7 +154,8 @@ class GridRunner:
             if self.address:
                 ray.init(address=self.address, **kwargs)
             else:
-                ray.init(num_cpus=self.workers or os.cpu_count() or 1, **kwargs)
+                # "local": a fresh instance, never a cluster that `ray start` left on this machine
+                ray.init(address="local", num_cpus=self.workers or os.cpu_count() or 1, **kwargs)
             self._started_ray = True
         # SPREAD: on a cluster, cells go to every node rather than filling the driver's first
         self._remote = ray.remote(_call).options(num_cpus=1, max_retries=self.retries, retry_exceptions=False,
@@ -190,7 +193,7 @@ class GridRunner:
                 result = fn(*args)
             except Exception as exc:  # a cell's failure is its record, never the grid's end
                 return Done(tag, None, _error_text(exc) + "\n" + traceback.format_exc(limit=3), node, host, pid,
-                            started, time.perf_counter() - t0)
+                            started, time.perf_counter() - t0, exc)
             return Done(tag, result, None, node, host, pid, started, time.perf_counter() - t0)
         import ray
 
@@ -203,7 +206,8 @@ class GridRunner:
             result, node, host, pid, started, wall = ray.get(ref)
         except Exception as exc:  # RayTaskError (the cell raised) or WorkerCrashedError (its worker died)
             cause = getattr(exc, "cause", None)
-            return Done(tag, None, _error_text(cause if isinstance(cause, BaseException) else exc))
+            own = cause if isinstance(cause, BaseException) else exc
+            return Done(tag, None, _error_text(own), exception=own)
         return Done(tag, result, None, node, host, pid, started, wall)
 
     def close(self) -> None:
