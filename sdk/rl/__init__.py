@@ -19,7 +19,8 @@ from .wrapper import FixedNormalization, SuccessVisitationWrapper
 
 # stable-baselines3 and PyBullet load only when these are first used
 _LAZY = {"fine_tune": ".finetune", "export_policy": ".deploy", "compare_deployment": ".deploy",
-         "run_deployed": ".deploy", "rl_train": ".workflow", "rl_train_config": ".workflow"}
+         "run_deployed": ".deploy", "rl_train": ".workflow", "rl_train_config": ".workflow",
+         "ShapedReplayBuffer": ".sb3", "ShapedDictReplayBuffer": ".sb3", "ShapedHerReplayBuffer": ".sb3"}
 
 __all__ = ["SHAPING_KINDS", "FineTuneConfig", "ShapingConfig", "Discriminator", "LabelledReplay",
            "VisitationReward", "clipped_logit", "FixedNormalization", "SuccessVisitationWrapper", *_LAZY]
