@@ -290,12 +290,19 @@ def test_bci_train_then_calibrate_from_the_shell(sessions, tmp_path, capsys):
     assert main(["bci-train", str(data), "--out", str(tmp_path / "pooled"), "--config", str(cfg),
                  "--device", "cpu", "--end-completion", "sentence-end", "--allow-unlearned"]) == 0
     assert load_bundle(tmp_path / "pooled").manifest.extra["bci"]["end_completion"] == {"sentence_end": "?~"}
+    pooled_bci = load_bundle(tmp_path / "pooled").manifest.extra["bci"]
+    assert pooled_bci["normalization"]["warmup_bins"] == 1000  # a new day, uncalibrated: its own first 20 s
+    from closedloop.sdk.bci.toy import TOY_WORDS
+
+    vocab = set(pooled_bci["decoding"]["vocabulary"])
+    assert pooled_bci["decoding"]["sentence_end"] == "?~" and vocab and vocab <= set(TOY_WORDS)
     state = read_calibration_state(load_bundle(tmp_path / "pooled"))
     assert state["n_channels"] == C and state["has_meta"]  # the meta-learned init and step sizes travel in the bundle
     held_out = next(p for p in sorted(data.rglob("*.nwb")) if "held-out" in p.name or "held_out" in p.name)
     assert main(["calibrate", str(tmp_path / "pooled"), "--data", str(held_out), "--sentences", "3",
                  "--out", str(tmp_path / "cal")]) == 0
     assert load_bundle(tmp_path / "cal").manifest.extra["bci"]["end_completion"] == {"sentence_end": "?~"}  # kept
+    assert "normalization" not in load_bundle(tmp_path / "cal").manifest.extra["bci"]  # its calibration statistics
     capsys.readouterr()
     assert main(["evaluate", str(tmp_path / "cal"), "--data", str(data), "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
