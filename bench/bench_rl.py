@@ -1,23 +1,273 @@
-"""Benchmark: fine-tuning a pre-trained push policy with sparse vs success-visitation rewards, and its deployment.
+"""Benchmark: fine-tuning with sparse vs success-visitation rewards, as a grid of independent cells, and its deployment.
 
-    python bench/bench_rl.py            # the full comparison (about 70 min on 2 loaded cores); writes bench/results/rl/
+    python bench/bench_rl.py            # the project-push comparison (about 70 min on 2 loaded cores); bench/results/rl/
     python bench/bench_rl.py --tiny     # a smoke run of about a minute (outputs rl_tiny.*, not committed)
+    python bench/bench_rl.py --cell PandaPush-v3:svm_her:0          # one cell, appended to bench/results/rl/cells/
+    python bench/bench_rl.py --cell push:svm:1:bc --steps 10000     # the project's push, from a cloned prior
+    python bench/bench_rl.py --report   # steps to 80/90% (bootstrap 95% intervals) and curves from the cells in
 
-Four rewards (sparse, svm, potential, gail) x 3 seeds of behaviour cloning then SAC on Panda
-push, two processes of one thread at a time; then the best policy deployed through the
-runtime and the panda emulator. What is measured: ``closedloop.sdk.rl.benchmark`` and docs/rl.md.
-Writes ``rl.json``, ``rl.md`` and ``rl_success.png``.
+The comparison (no ``--cell``): four rewards (sparse, svm, potential, gail) x 3 seeds of behaviour
+cloning then SAC on Panda push, two processes of one thread at a time; then the best policy deployed
+through the runtime and the panda emulator (``closedloop.sdk.rl.benchmark``, docs/rl.md). Writes
+``rl.json``, ``rl.md`` and ``rl_success.png``.
+
+A cell (``--cell TASK:REWARD:SEED[:PRIOR]``) is one independent run, :func:`run_cell`:
+
+- TASK: a panda-gym task (``PandaReach-v3``, ``PandaPush-v3``, ``PandaPickAndPlace-v3``) or the project's
+  ``push``/``reach``/``pick_and_place``;
+- REWARD: ``sparse``, ``svm``, ``potential``, ``gail``, each optionally ``_her`` (SB3's HER relabelling,
+  ``future`` goals; ``sparse_her`` is SB3's own ``HerReplayBuffer``, the shaped ones
+  :class:`~closedloop.sdk.rl.sb3.ShapedHerReplayBuffer`; panda-gym tasks only);
+- PRIOR: ``scratch`` (default: SAC from random weights) or ``bc`` (the project's tasks: behaviour cloning
+  from scripted demonstrations, then :func:`closedloop.sdk.rl.finetune.fine_tune`).
+
+The deterministic policy is evaluated on ``--eval-episodes`` (default 100) fresh episodes every
+``--eval-every`` steps; the record (one JSON line: the cell, its settings, the curve, wall time) is
+appended to ``bench/results/rl/cells/cells.jsonl``, and a cell already there is skipped, so a grid
+resumes where it stopped.  ``--report`` reads every line there.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
+import time
 from pathlib import Path
 
-from closedloop.sdk.rl.benchmark import full_config, run_rl_benchmark, tiny_config
+import numpy as np
 
 RESULTS = "bench/results/rl"
+CELLS = f"{RESULTS}/cells/cells.jsonl"
+REWARDS = ("sparse", "svm", "potential", "gail")
+PANDA_GYM = ("PandaReach-v3", "PandaPush-v3", "PandaPickAndPlace-v3")
+PROJECT = ("reach", "push", "pick_and_place")
+CELL_DEFAULTS = {"steps": 20_000, "eval_every": 2_000, "eval_episodes": 100, "lam": 0.05, "beta": 5.0,
+                 "learning_starts": 1_000, "batch_size": 256, "net": [256, 256], "gamma": 0.95}
+
+
+def parse_cell(text: str) -> dict:
+    """``TASK:REWARD:SEED[:PRIOR]`` as a cell dict; a clear error for anything else."""
+    parts = text.split(":")
+    if len(parts) not in (3, 4):
+        raise ValueError(f"--cell {text!r}: expected TASK:REWARD:SEED[:PRIOR], e.g. PandaPush-v3:svm_her:0")
+    task, reward, seed = parts[:3]
+    prior = parts[3] if len(parts) == 4 else "scratch"
+    if task not in PANDA_GYM + PROJECT:
+        raise ValueError(f"--cell task {task!r}: expected one of {PANDA_GYM + PROJECT}")
+    base = reward.removesuffix("_her")
+    if base not in REWARDS:
+        raise ValueError(f"--cell reward {reward!r}: expected one of {REWARDS}, optionally with _her")
+    if reward.endswith("_her") and task not in PANDA_GYM:
+        raise ValueError(f"--cell {text!r}: HER needs a goal-conditioned (panda-gym) task, not {task!r}")
+    if prior not in ("scratch", "bc"):
+        raise ValueError(f"--cell prior {prior!r}: expected scratch or bc")
+    if prior == "bc" and task not in PROJECT:
+        raise ValueError(f"--cell {text!r}: a cloned prior needs the project's scripted demonstrations "
+                         f"(tasks {PROJECT}); panda-gym tasks run from scratch")
+    if not seed.isdigit():
+        raise ValueError(f"--cell seed {seed!r}: expected a non-negative integer")
+    return {"task": task, "reward": reward, "seed": int(seed), "prior": prior}
+
+
+def cell_id(cell: dict) -> str:
+    return f"{cell['task']}:{cell['reward']}:{cell['seed']}:{cell.get('prior', 'scratch')}"
+
+
+def _evaluate(model, env, episodes: int, seed: int) -> float:
+    from closedloop.sdk.rl.sb3 import evaluate_success
+
+    return evaluate_success(lambda o: model.predict(o, deterministic=True)[0], env, episodes, seed)
+
+
+def _panda_gym_cell(cell: dict, s: dict) -> list[tuple[int, float]]:
+    import gymnasium as gym
+    import panda_gym  # noqa: F401  (registers the environments)
+    from stable_baselines3 import SAC
+    from stable_baselines3.common.callbacks import BaseCallback
+    from stable_baselines3.her import HerReplayBuffer
+
+    from closedloop.sdk.rl import ShapingConfig, SuccessVisitationWrapper
+    from closedloop.sdk.rl.sb3 import OutcomeLogger, ShapedDictReplayBuffer, ShapedHerReplayBuffer
+
+    kind, her = cell["reward"].removesuffix("_her"), cell["reward"].endswith("_her")
+    env = gym.make(cell["task"])
+    callbacks: list = []
+    kwargs: dict = {}
+    if kind == "sparse" and her:
+        kwargs = {"replay_buffer_class": HerReplayBuffer,
+                  "replay_buffer_kwargs": {"n_sampled_goal": 4, "goal_selection_strategy": "future"}}
+    else:
+        env = SuccessVisitationWrapper(env, ShapingConfig(kind=kind, lam=s["lam"], beta=s["beta"]), seed=cell["seed"])
+        vr = env.reward_model
+        callbacks.append(OutcomeLogger(reward_model=vr))  # binds the reward's gamma to SAC's
+        kwargs = ({"replay_buffer_class": ShapedHerReplayBuffer,
+                   "replay_buffer_kwargs": {"reward_model": vr, "n_sampled_goal": 4, "goal_selection_strategy": "future"}}
+                  if her else {"replay_buffer_class": ShapedDictReplayBuffer, "replay_buffer_kwargs": {"reward_model": vr}})
+    eval_env = gym.make(cell["task"])
+    model = SAC("MultiInputPolicy", env, buffer_size=max(s["steps"], 1_000), learning_starts=s["learning_starts"],
+                batch_size=s["batch_size"], gamma=s["gamma"], policy_kwargs={"net_arch": list(s["net"])},
+                seed=cell["seed"], device="cpu", **kwargs)
+    curve: list[tuple[int, float]] = []
+
+    class Evaluate(BaseCallback):
+        def _on_step(self) -> bool:
+            if self.num_timesteps % s["eval_every"] == 0:
+                curve.append((int(self.num_timesteps), _evaluate(self.model, eval_env, s["eval_episodes"], 10_000)))
+            return True
+
+    curve.append((0, _evaluate(model, eval_env, s["eval_episodes"], 10_000)))
+    model.learn(s["steps"], callback=[*callbacks, Evaluate()])
+    env.close()
+    eval_env.close()
+    return curve
+
+
+def run_cell(cell: dict) -> dict:
+    """One independent cell (task x reward x seed x prior): train, evaluate, return its record (JSON-able).
+
+    ``cell`` holds ``task``, ``reward``, ``seed``, optionally ``prior`` and any of :data:`CELL_DEFAULTS`
+    (``steps``, ``eval_every``, ``eval_episodes``, ``lam``, ``beta``, ...).  A plain top-level function of
+    one dict, so a grid runner can ship cells to other processes or machines.
+    """
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+
+    torch.set_num_threads(1)
+    cell = parse_cell(cell_id(cell)) | {k: v for k, v in cell.items() if k not in ("task", "reward", "seed", "prior")}
+    s = CELL_DEFAULTS | {k: cell[k] for k in CELL_DEFAULTS if k in cell}
+    if s["eval_episodes"] < 1 or s["eval_every"] < 1 or s["steps"] < 1:
+        raise ValueError(f"cell {cell_id(cell)}: steps, eval_every and eval_episodes must be >= 1")
+    t0 = time.perf_counter()
+    torch.manual_seed(cell["seed"])
+    np.random.seed(cell["seed"])
+    if cell["task"] in PANDA_GYM:
+        curve = _panda_gym_cell(cell, s)
+    else:
+        from closedloop.sdk.rl import FineTuneConfig, ShapingConfig
+        from closedloop.sdk.rl.finetune import fine_tune
+
+        ft = FineTuneConfig(task=cell["task"], seed=cell["seed"], total_steps=s["steps"], eval_every=s["eval_every"],
+                            eval_episodes=s["eval_episodes"], gamma=s["gamma"], net=tuple(s["net"]),
+                            shaping=ShapingConfig(kind=cell["reward"], lam=s["lam"], beta=s["beta"]))
+        if cell["prior"] == "scratch":
+            ft.demos, ft.bc_epochs, ft.critic_pretrain_steps, ft.actor_warmup_steps, ft.prior_weight = 1, 0, 0, 0, 0.0
+        curve = fine_tune(ft).curve
+    return {"id": cell_id(cell), "cell": {k: cell[k] for k in ("task", "reward", "seed", "prior")}, "settings": s,
+            "curve": [[int(a), float(b)] for a, b in curve], "wall_s": time.perf_counter() - t0,
+            "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+
+
+def finished_cells(path: Path) -> dict[str, dict]:
+    out = {}
+    if path.exists():
+        for line in path.read_text().splitlines():
+            if line.strip():
+                rec = json.loads(line)
+                out[rec["id"]] = rec
+    return out
+
+
+def run_and_append(cell: dict, path: Path) -> dict | None:
+    """Run ``cell`` unless ``path`` already has it; append its record as one JSON line."""
+    if cell_id(cell) in finished_cells(path):
+        print(f"{cell_id(cell)}: already in {path}, skipped", flush=True)
+        return None
+    rec = run_cell(cell)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as f:
+        f.write(json.dumps(rec) + "\n")
+    print(f"{rec['id']}: curve {rec['curve']} in {rec['wall_s']:.0f} s -> {path}", flush=True)
+    return rec
+
+
+def steps_to(curve, level: float) -> int | None:
+    for step, rate in curve:
+        if rate >= level:
+            return int(step)
+    return None
+
+
+def bootstrap_mean(values: np.ndarray, n: int = 10_000, seed: int = 0) -> tuple[float, float, float]:
+    """Mean and percentile-bootstrap 95% interval of the mean (resampling seeds)."""
+    rng = np.random.default_rng(seed)
+    boots = values[rng.integers(0, len(values), size=(n, len(values)))].mean(1)
+    return float(values.mean()), float(np.percentile(boots, 2.5)), float(np.percentile(boots, 97.5))
+
+
+def report(path: Path, out: Path) -> dict:
+    """Steps to 80%/90% per (task, reward, prior) with bootstrap 95% intervals over seeds, and learning curves.
+
+    A seed that never reaches a level counts at its budget (so that mean is a lower bound, marked ``>=``).
+    """
+    recs = list(finished_cells(path).values())
+    if not recs:
+        raise SystemExit(f"--report: no cells in {path}; run some with --cell first")
+    groups: dict[tuple, list[dict]] = {}
+    for r in recs:
+        c = r["cell"]
+        groups.setdefault((c["task"], c["reward"], c["prior"]), []).append(r)
+    table = []
+    for (task, reward, prior), rs in sorted(groups.items()):
+        row = {"task": task, "reward": reward, "prior": prior, "seeds": sorted(r["cell"]["seed"] for r in rs),
+               "eval_episodes": min(r["settings"]["eval_episodes"] for r in rs)}
+        for level in (0.8, 0.9):
+            hits = [steps_to(r["curve"], level) for r in rs]
+            budget = [r["settings"]["steps"] for r in rs]
+            vals = np.array([h if h is not None else b for h, b in zip(hits, budget, strict=True)], float)
+            mean, lo, hi = bootstrap_mean(vals)
+            row[f"to_{int(level * 100)}"] = {"per_seed": hits, "mean": mean, "ci95": [lo, hi],
+                                            "all_reached": all(h is not None for h in hits)}
+        table.append(row)
+    out.mkdir(parents=True, exist_ok=True)
+    lines = ["# RL cells: steps to 80% / 90% success", "",
+             f"From `{path}` ({len(recs)} cells; `python bench/bench_rl.py --report`). Mean over seeds with a "
+             "percentile-bootstrap 95% interval (10,000 resamples of the seeds); `>=`: some seed never reached the "
+             "level and counts at its budget.", "",
+             "| task | reward | prior | seeds | eval episodes | steps to 80% | steps to 90% |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    for row in table:
+        cells = []
+        for k in ("to_80", "to_90"):
+            v = row[k]
+            cells.append(f"{'' if v['all_reached'] else '>= '}{v['mean']:,.0f} [{v['ci95'][0]:,.0f}, {v['ci95'][1]:,.0f}]")
+        lines.append(f"| {row['task']} | {row['reward']} | {row['prior']} | {len(row['seeds'])} | {row['eval_episodes']} | "
+                     f"{cells[0]} | {cells[1]} |")
+    (out / "cells.md").write_text("\n".join(lines) + "\n")
+    _plot_cells(groups, out / "cells_success.png")
+    result = {"cells": len(recs), "table": table}
+    (out / "cells_report.json").write_text(json.dumps(result, indent=1))
+    print("\n".join(lines))
+    return result
+
+
+def _plot_cells(groups: dict, png: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tasks = sorted({k[0] for k in groups})
+    fig, axes = plt.subplots(1, len(tasks), figsize=(5.5 * len(tasks), 4), squeeze=False)
+    for ax, task in zip(axes[0], tasks, strict=True):
+        for i, ((t, reward, prior), rs) in enumerate(sorted(groups.items())):
+            if t != task:
+                continue
+            n = min(len(r["curve"]) for r in rs)
+            steps = np.array([p[0] for p in rs[0]["curve"][:n]])
+            rates = np.array([[p[1] for p in r["curve"][:n]] for r in rs])
+            ax.plot(steps, rates.mean(0), color=f"C{i}", label=f"{reward} ({prior}, {len(rs)} seeds)")
+            if len(rs) > 1:
+                ci = np.array([bootstrap_mean(rates[:, j])[1:] for j in range(n)])
+                ax.fill_between(steps, ci[:, 0], ci[:, 1], color=f"C{i}", alpha=0.15)
+        ax.set_title(f"{task}: mean success, bootstrap 95% band over seeds")
+        ax.set_xlabel("environment steps")
+        ax.set_ylabel("success (deterministic policy)")
+        ax.set_ylim(-0.02, 1.02)
+        ax.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -25,7 +275,29 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tiny", action="store_true", help="a smoke run of about a minute (outputs rl_tiny.*)")
     ap.add_argument("--out", default=RESULTS, help=f"results folder (default {RESULTS})")
     ap.add_argument("--workers", type=int, default=None, help="parallel runs (default 2)")
+    ap.add_argument("--cell", action="append", metavar="TASK:REWARD:SEED[:PRIOR]",
+                    help="run one independent cell (repeatable) and append it to --cells")
+    ap.add_argument("--cells", default=CELLS, help=f"the cells' JSON-lines file (default {CELLS})")
+    ap.add_argument("--report", action="store_true", help="tables and curves from the cells in --cells")
+    for key in ("steps", "eval_every", "eval_episodes", "learning_starts", "batch_size"):
+        ap.add_argument(f"--{key.replace('_', '-')}", type=int, default=None,
+                        help=f"cell setting (default {CELL_DEFAULTS[key]})")
+    for key in ("lam", "beta"):
+        ap.add_argument(f"--{key}", type=float, default=None, help=f"cell setting (default {CELL_DEFAULTS[key]})")
     a = ap.parse_args(argv)
+    if a.cell or a.report:
+        for text in a.cell or []:
+            try:
+                cell = parse_cell(text)
+            except ValueError as e:
+                ap.error(str(e))
+            cell |= {k: getattr(a, k) for k in CELL_DEFAULTS if getattr(a, k, None) is not None}
+            run_and_append(cell, Path(a.cells))
+        if a.report:
+            report(Path(a.cells), Path(a.cells).parent)
+        return 0
+    from closedloop.sdk.rl.benchmark import full_config, run_rl_benchmark, tiny_config
+
     cfg = tiny_config() if a.tiny else full_config()
     if a.workers:
         cfg["workers"] = a.workers

@@ -1,0 +1,66 @@
+"""bench/bench_rl.py's cells: parsing, resuming (a finished cell is skipped) and the report's bootstrap intervals."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_rl", ROOT / "bench" / "bench_rl.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_parse_cell_and_its_errors(bench):
+    assert bench.parse_cell("PandaPush-v3:sparse_her:3") == {"task": "PandaPush-v3", "reward": "sparse_her",
+                                                               "seed": 3, "prior": "scratch"}
+    assert bench.parse_cell("push:svm:1:bc")["prior"] == "bc"
+    for bad, what in (("PandaPush-v3:svm", "TASK:REWARD:SEED"), ("Pong:svm:0", "task"), ("push:dense:0", "reward"),
+                      ("push:svm_her:0", "HER needs"), ("PandaPush-v3:svm:0:bc", "cloned prior"),
+                      ("push:svm:x", "seed")):
+        with pytest.raises(ValueError, match=what):
+            bench.parse_cell(bad)
+
+
+def _rec(bench, reward, seed, curve, steps=1000):
+    cell = {"task": "PandaPush-v3", "reward": reward, "seed": seed, "prior": "scratch"}
+    return {"id": bench.cell_id(cell), "cell": cell, "settings": bench.CELL_DEFAULTS | {"steps": steps},
+            "curve": curve, "wall_s": 1.0}
+
+
+def test_report_gives_bootstrap_intervals_and_counts_unreached_at_the_budget(bench, tmp_path):
+    path = tmp_path / "cells.jsonl"
+    recs = [_rec(bench, "svm_her", s, [[0, 0.0], [500, 0.85], [1000, 0.95]]) for s in range(3)]
+    recs.append(_rec(bench, "sparse_her", 0, [[0, 0.0], [500, 0.5], [1000, 0.8]]))
+    recs.append(_rec(bench, "sparse_her", 1, [[0, 0.0], [500, 0.6], [1000, 0.7]]))  # never reaches 80%
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    out = bench.report(path, tmp_path)
+    rows = {r["reward"]: r for r in out["table"]}
+    svm, sparse = rows["svm_her"], rows["sparse_her"]
+    assert svm["to_80"]["mean"] == 500 and svm["to_80"]["ci95"] == [500, 500] and svm["to_80"]["all_reached"]
+    assert sparse["to_80"]["per_seed"] == [1000, None] and not sparse["to_80"]["all_reached"]
+    assert sparse["to_80"]["mean"] == 1000  # the unreached seed counts at its budget
+    assert ">= 1,000" in (tmp_path / "cells.md").read_text()
+    assert (tmp_path / "cells_success.png").stat().st_size > 0
+    mean, lo, hi = bench.bootstrap_mean(np.array([1.0, 2.0, 3.0, 10.0]))
+    assert lo < mean < hi and lo >= 1.0 and hi <= 10.0
+
+
+def test_a_finished_cell_is_skipped(bench, tmp_path, monkeypatch):
+    path = tmp_path / "cells.jsonl"
+    rec = _rec(bench, "svm_her", 0, [[0, 0.0]])
+    path.write_text(json.dumps(rec) + "\n")
+    monkeypatch.setattr(bench, "run_cell", lambda cell: pytest.fail("a finished cell was run again"))
+    assert bench.run_and_append(dict(rec["cell"]), path) is None
+    monkeypatch.setattr(bench, "run_cell", lambda cell: _rec(bench, cell["reward"], cell["seed"], [[0, 1.0]]))
+    assert bench.run_and_append({**rec["cell"], "seed": 1}, path)["id"].endswith(":1:scratch")
+    assert len(path.read_text().splitlines()) == 2
