@@ -5,13 +5,14 @@
 validation CER and the time left (the smaller of the bar's estimate to the step ceiling
 and what is left of the time budget). Anywhere else (a pipe, a CI log) it writes plain
 lines: one per validation evaluation, and one at least every ``interval_s`` seconds
-(10) between them. ``quiet`` writes nothing. Lines go to ``stream`` (stderr), so
+(10) between them, from a clock thread when a single step takes longer. ``quiet`` writes nothing. Lines go to ``stream`` (stderr), so
 ``--json`` output on stdout stays one document.
 """
 
 from __future__ import annotations
 
 import sys
+import threading
 import time
 from typing import IO, Any
 
@@ -41,8 +42,18 @@ class StageProgress:
         self.last_val: dict | None = None
         self.best_val: dict | None = None
         self.bar = None
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
         if parent.enabled and parent.tty:
             self.bar = tqdm(total=total, desc=name, file=parent.stream, leave=True, dynamic_ncols=True)
+        elif parent.enabled:  # a step can outlast the interval (the first one compiles kernels): a clock keeps time
+            threading.Thread(target=self._heartbeat, name=f"progress: {name}", daemon=True).start()
+
+    def _heartbeat(self) -> None:
+        while not self._stop.wait(min(1.0, self.parent.interval_s or 1.0)):
+            with self._lock:
+                if time.perf_counter() - self.last_line >= self.parent.interval_s and not self._stop.is_set():
+                    self._line()
 
     def time_left(self) -> float:
         """Seconds to the step ceiling at the current rate, or to the deadline if that is sooner."""
@@ -76,15 +87,18 @@ class StageProgress:
             self.bar.update(max(delta, 0))
             if done % 5 == 0 or done == self.total:
                 self.bar.set_postfix(self._fields(), refresh=False)
-        elif time.perf_counter() - self.last_line >= self.parent.interval_s:
-            self._line()
+        else:
+            with self._lock:
+                if time.perf_counter() - self.last_line >= self.parent.interval_s:
+                    self._line()
 
     def validated(self, step: int, row: dict, best: dict | None) -> None:
         """A validation evaluation at ``step`` (``row``: CER, WER, chars); ``best``: the best row so far."""
         self.last_val, self.best_val = row, best
         if self.parent.enabled and self.bar is None:
-            self.done = max(self.done, step)
-            self._line()
+            with self._lock:
+                self.done = max(self.done, step)
+                self._line()
 
     def restart(self, attempt: int, seed: int) -> None:
         """The run was abandoned on the CTC plateau; attempt ``attempt`` starts from seed ``seed``."""
@@ -95,6 +109,7 @@ class StageProgress:
             self.bar.reset()
 
     def close(self, summary: str = "") -> None:
+        self._stop.set()
         if self.bar is not None:
             self.bar.close()
         if summary:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import time
 from dataclasses import replace
 
 import numpy as np
@@ -118,6 +119,7 @@ def test_progress_is_lines_in_a_log_a_bar_on_a_terminal_and_nothing_when_quiet()
     stage = Progress(stream=log, interval_s=0.0).stage("stage 1", 100)
     stage.step(1, 3.0)  # interval 0: a line every step
     stage.validated(10, row, row)
+    stage.close()
     lines = log.getvalue().splitlines()
     assert lines[0].startswith("stage 1: step 1/100, loss 3.000") and "left" in lines[0]
     assert "val CER 50.0%" in lines[1] and "best 50.0%@10" in lines[1]
@@ -126,7 +128,16 @@ def test_progress_is_lines_in_a_log_a_bar_on_a_terminal_and_nothing_when_quiet()
     for k in range(1, 5):
         stage.step(k, 1.0)
     stage.validated(4, row, row)
+    stage.close()
     assert len(slow.getvalue().splitlines()) == 1
+    blocked = io.StringIO()  # one step longer than the interval (the first compiles kernels): the clock still writes
+    stage = Progress(stream=blocked, interval_s=0.2).stage("s", 100)
+    time.sleep(0.7)
+    stage.close()
+    n = len(blocked.getvalue().splitlines())
+    assert 1 <= n <= 4 and blocked.getvalue().startswith("s: step 0/100")
+    time.sleep(0.3)
+    assert len(blocked.getvalue().splitlines()) == n  # closed: no more lines
     quiet = io.StringIO()
     stage = Progress(quiet=True, stream=quiet).stage("s", 10)
     stage.step(1, 1.0)
