@@ -144,7 +144,7 @@ def resolve_lexicon(option: str | Path | None, stored: Mapping[str, Any] | None,
                              "`closedloop bci-train` and `calibrate` carry one): pass --lexicon open or --lexicon "
                              "WORDS.txt")
         lex = Lexicon(vocab, {w: int(n) for w, n in vocab.items()}, sentence_end)
-        return LexiconChoice(lex, "closed", "the bundle's training and calibration sentences", word_weight or 0.0,
+        return LexiconChoice(lex, "closed", "the sentences the bundle was trained (and calibrated) on", word_weight or 0.0,
                              sentence_end_source)
     if mode == "open":
         freq = open_vocabulary(open_words)
