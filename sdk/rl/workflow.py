@@ -3,8 +3,9 @@
 :func:`rl_train_config` builds a :class:`~closedloop.sdk.rl.FineTuneConfig` from an optional JSON
 file (a config, or a ``run.json`` whose ``config`` it takes) with the given settings over it;
 :func:`rl_train` pre-trains and fine-tunes (:func:`closedloop.sdk.rl.finetune.fine_tune`), writes the
-run's record as ``OUT/run.json`` and, for the hand-only tasks (reach, push), exports the policy
-to ``OUT/policy``, a bundle that ``closedloop run BUNDLE --device sim://panda?task=push`` deploys.
+run's record as ``OUT/run.json`` and exports the policy to ``OUT/policy``, a bundle that
+``closedloop run BUNDLE --device sim://panda?task=TASK`` deploys (pick-and-place through the
+protocol's gripper channel).
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ from .config import FineTuneConfig, ShapingConfig
 
 __all__ = ["RLTrainResult", "rl_train", "rl_train_config"]
 
-#: tasks whose policy commands only the hand, so the exported bundle runs against ``sim://panda``
-EXPORTABLE_TASKS = ("reach", "push")
+#: tasks whose policy the wire can command (the hand target, and the gripper opening for pick-and-place)
+EXPORTABLE_TASKS = ("reach", "push", "pick_and_place")
 
 
 @dataclass
