@@ -68,7 +68,11 @@ def _unpacked_bytes(wheel: Path) -> int:
         return sum(i.file_size for i in z.infolist())
 
 
-def _copy_bundles(paths: list[str], dest: Path) -> list[str]:
+# families whose session step is a Numba kernel of their own, not a graph on a backend
+NUMBA_FAMILIES = {"observer": "the observer family's step (runtime/families/observer) is a Numba kernel"}
+
+
+def _copy_bundles(paths: list[str], dest: Path, ort_only: bool = False) -> list[str]:
     from closedloop.runtime import load_bundle
 
     names: list[str] = []
@@ -78,10 +82,13 @@ def _copy_bundles(paths: list[str], dest: Path) -> list[str]:
         if not src.exists():
             raise PackageError(f"bundle {p} does not exist: give a bundle folder or zip (closedloop export writes one)")
         try:
-            load_bundle(src)
+            bundle = load_bundle(src)
         except ValueError as exc:
             raise PackageError(f"bundle {p} does not verify, so it is not packaged (closedloop inspect {p} says "
                                f"why):\n{exc}") from None
+        family = bundle.manifest.family
+        if ort_only and family in NUMBA_FAMILIES:
+            raise PackageError(f"bundle {p} cannot run without Numba ({NUMBA_FAMILIES[family]}): leave out --ort-only")
         name = src.name
         if name in names:
             raise PackageError(f"two bundles are named {name!r}: rename one folder, bundles/ holds them by name")
@@ -192,7 +199,7 @@ def package(bundles: list[str], out: str | Path, opts: PackageOptions, report=pr
             raise PackageError(f"{out} exists and is not empty: give a new --out folder, or --overwrite")
         shutil.rmtree(out)
     out.mkdir(parents=True, exist_ok=True)
-    names = _copy_bundles(bundles, out / "bundles")
+    names = _copy_bundles(bundles, out / "bundles", opts.ort_only)
     report(f"bundles: {', '.join(names)} (verified)")
     house = out / "wheelhouse"
     house.mkdir()

@@ -1,0 +1,199 @@
+"""closedloop package: a folder that installs offline on a board and runs a session there.
+
+The host-target package is built with --from-installed (wheels rebuilt from this venv, no
+network), installed with its own install.sh into a fresh venv from wheelhouse/ alone, and
+that venv's closedloop inspects the bundle and runs a 1 s session against sim://. The
+install is --ort-only (no Numba: compiling Numba's kernels in a fresh venv takes minutes on
+this VM; bench/bench_package.py times the full install and its warmed first start). The
+targets' constraints are resolved against the index for their platform where it can be reached.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from closedloop.sdk.cli import main
+from closedloop.sdk.package import PackageError, PackageOptions, get_target, package, target_names
+from closedloop.sdk.package.wheels import check_tags, wheel_requirements
+
+DEVICE = "sim://headstage?channels=12&seed=2"
+
+
+@pytest.fixture(scope="module")
+def decoder(tmp_path_factory) -> Path:
+    torch = pytest.importorskip("torch")
+    from closedloop.export import export_bundle
+    from closedloop.sdk.models import GRUDecoder
+
+    torch.manual_seed(0)
+    return export_bundle(
+        GRUDecoder(12, 16, 1, 5).eval(), tmp_path_factory.mktemp("bundle") / "decoder", kind="recurrent",
+        example_input=torch.zeros(1, 12), rate_hz=50.0,
+        extra={"session": {"input": "neural_frame", "command": "decoder_output"}},
+        variants=(), tensorrt=False, report=lambda s: None,
+    )
+
+
+@pytest.fixture(scope="module")
+def installed(decoder, tmp_path_factory):
+    """The --ort-only host package, installed by its install.sh into a fresh venv, offline."""
+    root = tmp_path_factory.mktemp("pkg")
+    prefix, out = root / "opt", root / "out"
+    code = main(["package", str(decoder), "--target", "host", "--out", str(out), "--from-installed", "--ort-only",
+                 "--prefix", str(prefix), "--device", DEVICE, "--cpu", "0"])
+    assert code == 0
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(root), "CLOSEDLOOP_PREFIX": str(prefix), "PYTHON": sys.executable,
+           "NUMBA_CACHE_DIR": str(root / "cache"), "PIP_NO_INDEX": "1", "PIP_CONFIG_FILE": os.devnull}
+    r = subprocess.run([str(out / "install.sh")], capture_output=True, text=True, timeout=300, env=env, cwd=root)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    return out, prefix, r.stdout + r.stderr
+
+
+def _venv_run(prefix: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([str(prefix / "venv" / "bin" / "closedloop"), *args], capture_output=True, text=True,
+                          timeout=120, cwd="/", env={"PATH": "/usr/bin:/bin", "HOME": str(prefix)})
+
+
+def test_the_package_folder_holds_what_a_board_needs(installed):
+    out, prefix, _log = installed
+    names = {p.name for p in out.iterdir()}
+    assert {"bundles", "wheelhouse", "constraints.txt", "install.sh", "closedloop.service", "README.md",
+            "manifest.json", "requirements.txt"} <= names
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["target"] == "host" and manifest["ort_only"] is True
+    wheels = {w["file"].split("-")[0].lower() for w in manifest["wheels"]}
+    assert {"closedloop", "numpy", "onnxruntime", "pyserial", "cryptography"} <= wheels
+    assert not wheels & {"numba", "llvmlite"}  # --ort-only: the smallest install
+    for w in manifest["wheels"]:
+        assert len(w["sha256"]) == 64 and (out / "wheelhouse" / w["file"]).stat().st_size == w["bytes"]
+    assert manifest["footprint"]["installed_bytes"] >= manifest["footprint"]["wheelhouse_bytes"] > 0
+    unit = (out / "closedloop.service").read_text()
+    for line in ("CPUSchedulingPolicy=fifo", "CPUSchedulingPriority=80", "LimitMEMLOCK=infinity", "CPUAffinity=0",
+                 "Environment=NUMBA_CACHE_DIR=/var/cache/closedloop", "Restart=on-failure",
+                 "SupplementaryGroups=dialout"):
+        assert line in unit, line
+    assert f"ExecStart={prefix}/venv/bin/closedloop run {prefix}/bundles/decoder --device {DEVICE} --rt" in unit
+
+
+def test_the_offline_install_inspects_and_runs_a_session(installed):
+    out, prefix, _log = installed
+    bundle = prefix / "bundles" / "decoder"
+    r = _venv_run(prefix, "inspect", str(bundle), "--json")
+    assert r.returncode == 0, r.stderr
+    report = json.loads(r.stdout)
+    assert report["problems"] == [] and "main" in report["manifest"]["graphs"]
+    r = _venv_run(prefix, "run", str(bundle), "--device", DEVICE, "--duration", "1", "--quiet", "--json")
+    assert r.returncode == 0, r.stderr[-3000:]
+    summary = json.loads(r.stdout)
+    assert summary["backend"] == "onnxruntime" and summary["commands_sent"] > 10
+    # the fresh venv is the package's alone: closedloop from wheelhouse/, not this checkout, and no Numba
+    r = subprocess.run([str(prefix / "venv" / "bin" / "python"), "-c",
+                        "import closedloop, importlib.util as u; print(closedloop.__file__, u.find_spec('numba'))"],
+                       capture_output=True, text=True, timeout=60, cwd="/", env={"PATH": "/usr/bin:/bin"})
+    where, numba = r.stdout.split()
+    assert where.startswith(str(prefix)) and numba == "None"
+
+
+def test_the_unit_verifies(installed):
+    if shutil.which("systemd-analyze") is None:
+        pytest.skip("systemd-analyze is not installed here: the unit's syntax is not checked")
+    out, _prefix, _log = installed
+    r = subprocess.run(["systemd-analyze", "verify", str(out / "closedloop.service")], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_install_sh_refuses_another_python(installed, tmp_path):
+    out, _prefix, _log = installed
+    fake = tmp_path / "python3"
+    fake.write_text("#!/bin/sh\necho 2.7\n")
+    fake.chmod(0o755)
+    r = subprocess.run([str(out / "install.sh")], capture_output=True, text=True, timeout=60,
+                       env={"PATH": "/usr/bin:/bin", "PYTHON": str(fake), "CLOSEDLOOP_PREFIX": str(tmp_path / "p")})
+    assert r.returncode == 2 and "this package is for Python" in r.stderr and not (tmp_path / "p").exists()
+
+
+def test_the_full_install_warms_numba_for_each_bundle(decoder, tmp_path, capsys):
+    """The warm step install.sh runs: every graph on Numba, then a short session (here on this venv's cache)."""
+    pytest.importorskip("numba")
+    from closedloop.sdk.package.warm import main as warm_main
+
+    assert warm_main([str(decoder)]) == 0
+    assert f"warmed {decoder} on Numba" in capsys.readouterr().out
+
+
+def test_refusals(decoder, tmp_path, capsys):
+    with pytest.raises(PackageError, match="unknown target 'pi5'.*host, jetson-jp6"):
+        get_target("pi5")
+    assert main(["package", str(decoder), "--target", "pi5", "--out", str(tmp_path / "a")]) == 2
+    assert "known targets are host, jetson-jp6" in capsys.readouterr().err
+    broken = tmp_path / "broken"
+    shutil.copytree(decoder, broken)
+    graph = next(p for p in broken.iterdir() if p.suffix == ".onnx")
+    graph.write_bytes(graph.read_bytes()[:-8])
+    with pytest.raises(PackageError, match="does not verify"):
+        package([str(broken)], tmp_path / "b", PackageOptions(target="host", from_installed=True))
+    with pytest.raises(PackageError, match="--from-installed.*jetson-jp6"):
+        package([str(decoder)], tmp_path / "c", PackageOptions(target="jetson-jp6", from_installed=True))
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "x").write_text("")
+    with pytest.raises(PackageError, match="not empty"):
+        package([str(decoder)], tmp_path / "d", PackageOptions(target="host", from_installed=True))
+
+
+def test_a_wheel_without_a_build_for_the_target_is_named(tmp_path):
+    jp6 = get_target("jetson-jp6")
+    x86 = tmp_path / "numpy-2.2.6-cp310-cp310-manylinux_2_17_x86_64.whl"
+    arm = tmp_path / "numpy-2.2.6-cp310-cp310-manylinux_2_17_aarch64.manylinux2014_aarch64.whl"
+    check_tags([arm], jp6)
+    with pytest.raises(PackageError, match="numpy 2.2.6 has no build for target jetson-jp6.*manylinux_2_17_x86_64"):
+        check_tags([x86], jp6)
+    too_new = tmp_path / "numba-0.68.1-cp311-cp311-manylinux_2_28_aarch64.whl"
+    with pytest.raises(PackageError, match="numba 0.68.1.*cp310"):
+        check_tags([too_new], jp6)
+
+
+def test_ort_only_leaves_numba_out_and_extras_are_checked(installed):
+    out, _prefix, _log = installed
+    own = next((out / "wheelhouse").glob("closedloop-*.whl"))
+    full = {r.split(">")[0].split("=")[0] for r in wheel_requirements(own, [], ort_only=False)}
+    assert {"numpy", "numba", "onnxruntime", "pyserial", "cryptography"} <= full
+    assert "numba" not in {r.split(">")[0] for r in wheel_requirements(own, [], ort_only=True)}
+    assert any(r.startswith("aiohttp") for r in wheel_requirements(own, ["monitor"], ort_only=False))
+    with pytest.raises(PackageError, match="unknown extra.*gpu.*monitor"):
+        wheel_requirements(own, ["gpu"], ort_only=False)
+
+
+def _index_reachable() -> bool:
+    try:
+        urllib.request.urlopen("https://pypi.org/simple/pyserial/", timeout=5).close()
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("name", target_names())
+def test_each_targets_constraints_resolve(name, tmp_path):
+    """The target's pins hold a wheel for its platform and Python for the runtime and its extras."""
+    if not _index_reachable():
+        pytest.skip("the PyPI index cannot be reached from here: the targets' constraints are not resolved")
+    target = get_target(name)
+    constraints = tmp_path / "c.txt"
+    constraints.write_text(target.constraints_text())
+    deps = ["numpy", "numba", "llvmlite", "onnxruntime", "pyserial", "cryptography", "aiohttp", "pylsl"]
+    cmd = [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--only-binary=:all:",
+           "--quiet", "--report", str(tmp_path / "r.json"), "-c", str(constraints), *target.pip_args()]
+    if target.foreign:
+        cmd += ["--target", str(tmp_path / "t")]
+    r = subprocess.run(cmd + deps, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = {i["metadata"]["name"].lower() for i in json.loads((tmp_path / "r.json").read_text())["install"]}
+    assert set(deps) <= got
