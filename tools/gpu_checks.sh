@@ -172,11 +172,12 @@ for name, (model, kind, n_in, rate) in cases.items():
     xs = np.random.default_rng(1).standard_normal((200, n_in)).astype(np.float32)
     res = {}
     with torch.no_grad():
-        for dev in ("cpu", os.environ.get("GPU_CHECKS_DEVICE", "cuda")):  # cpu: a logic check without a GPU
+        # GPU_CHECKS_DEVICE=cpu: a check of this script without a GPU
+        for label, dev in (("torch-cpu", "cpu"), ("torch-cuda", os.environ.get("GPU_CHECKS_DEVICE", "cuda"))):
             m = model.to(dev)
             x = torch.from_numpy(xs).to(dev)
             y = m(x[None])[0][0] if kind == "recurrent" else m(x)
-            res["torch-cpu" if dev == "cpu" else "torch-cuda"] = y.cpu().numpy()
+            res[label] = y.cpu().numpy()
         model.to("cpu")
     b = load_bundle(path)
     for backend, a in backend_report(b.graph_path(), b.graph()).items():
