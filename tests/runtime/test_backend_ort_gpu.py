@@ -153,3 +153,16 @@ def test_a_provider_that_loads_but_leaves_nodes_on_the_cpu_is_refused_naming_the
     b = load_bundle(gru_bundle)
     with pytest.raises(BackendUnavailableError, match=r"nodes on the CPU under AzureExecutionProvider: .*\(GRU\)"):
         Leaves(b.graph_path(), b.graph())
+
+
+def test_doctor_warns_when_a_listed_gpu_provider_does_not_load(monkeypatch, fresh_probe):
+    if "CUDAExecutionProvider" in ort.get_available_providers():
+        pytest.skip("this onnxruntime build really has the CUDA provider")
+    from closedloop.runtime import doctor
+
+    real = ort.get_available_providers
+    monkeypatch.setattr(ort, "get_available_providers", lambda: [*real(), "CUDAExecutionProvider"])
+    r = doctor._ort(doctor.DoctorConfig())
+    assert r.status == doctor.WARN
+    assert "backend ort-cuda is unavailable" in r.message and "fell back entirely" in r.message, r.message
+    assert "ort-cuda" in r.data["backends"] and "cuDNN" in r.fix
