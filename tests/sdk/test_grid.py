@@ -129,6 +129,10 @@ def loopback_cluster(tmp_path_factory):
     ray_cli = str(Path(sys.executable).with_name("ray"))
     port = _free_port()
     tmp = tmp_path_factory.mktemp("ray")
+    # Ray 2.60's default token authentication refused the driver's connection to a `ray start` head here
+    # ("Missing authorization header"): off for this loopback cluster of the test's own processes
+    auth = os.environ.get("RAY_AUTH_MODE")
+    os.environ["RAY_AUTH_MODE"] = "disabled"
     env = os.environ | {"RAY_USAGE_STATS_ENABLED": "0"}
     common = ["--num-cpus=1", "--block", "--disable-usage-stats"]
     nodes = [subprocess.Popen([ray_cli, "start", "--head", "--node-ip-address=127.0.0.1", f"--port={port}",
@@ -159,6 +163,10 @@ def loopback_cluster(tmp_path_factory):
     finally:
         if ray.is_initialized():
             ray.shutdown()
+        if auth is None:
+            os.environ.pop("RAY_AUTH_MODE", None)
+        else:
+            os.environ["RAY_AUTH_MODE"] = auth
         for p in reversed(nodes):
             with __import__("contextlib").suppress(ProcessLookupError):
                 os.killpg(p.pid, signal.SIGTERM)
