@@ -1,9 +1,9 @@
 """The runtime installs offline and runs a bundle on aarch64, emulated by qemu-user (tools/aarch64_smoke.sh).
 
-It needs an arm64 root filesystem that takes ~12 minutes to create, so it runs only where one is
-cached (~/.cache/closedloop/aarch64-rootfs, or $CLOSEDLOOP_AARCH64_CACHE) or where
-CLOSEDLOOP_AARCH64_SMOKE=1 asks for it (creating one if missing). Under CI it runs only when asked:
-even with a cached root filesystem, one emulated session takes about a minute.
+It needs an arm64 root filesystem that takes ~12 minutes to create (cached under
+~/.cache/closedloop/aarch64-rootfs, or $CLOSEDLOOP_AARCH64_CACHE), and one emulated session on the
+shared 2-core VM did not finish within minutes (docs/jetson.md), so it runs only when
+CLOSEDLOOP_AARCH64_SMOKE=1 asks for it (creating the root filesystem if missing; offline when cached).
 """
 
 from __future__ import annotations
@@ -22,13 +22,10 @@ CACHE = Path(os.environ.get("CLOSEDLOOP_AARCH64_CACHE", Path.home() / ".cache/cl
 
 
 def _skip_reason() -> str | None:
-    asked = os.environ.get("CLOSEDLOOP_AARCH64_SMOKE") == "1"
-    cached = (CACHE / "bookworm-arm64" / ".complete").exists()
-    if not asked and os.environ.get("CI"):
-        return "emulated aarch64 smoke test runs in CI only with CLOSEDLOOP_AARCH64_SMOKE=1 (about a minute)"
-    if not (asked or cached):
-        return (f"no cached arm64 root filesystem under {CACHE}; CLOSEDLOOP_AARCH64_SMOKE=1 creates one "
-                "(debootstrap, ~12 min) and runs the test")
+    if os.environ.get("CLOSEDLOOP_AARCH64_SMOKE") != "1":
+        cached = (CACHE / "bookworm-arm64" / ".complete").exists()
+        return ("emulated aarch64 smoke test runs only with CLOSEDLOOP_AARCH64_SMOKE=1 (minutes under qemu; "
+                + (f"root filesystem cached at {CACHE})" if cached else "creates the root filesystem, ~12 min)"))
     if os.geteuid() != 0:
         return "the smoke test chroots into the arm64 root filesystem, which needs root"
     if os.uname().machine != "aarch64" and shutil.which("qemu-aarch64-static") is None:
@@ -36,12 +33,13 @@ def _skip_reason() -> str | None:
     return None
 
 
+_REASON = _skip_reason()
+
+
+@pytest.mark.skipif(_REASON is not None, reason=_REASON or "")
 @pytest.mark.timeout(1800)
 def test_runtime_installs_and_runs_a_bundle_on_emulated_aarch64(mlp_bundle):
-    reason = _skip_reason()
-    if reason:
-        pytest.skip(reason)
-    offline = [] if os.environ.get("CLOSEDLOOP_AARCH64_SMOKE") == "1" else ["--offline"]
+    offline = ["--offline"] if (CACHE / "bookworm-arm64" / ".complete").exists() else []
     proc = subprocess.run(["bash", str(SCRIPT), "--bundle", str(mlp_bundle), "--backend", "onnxruntime",
                            *offline], capture_output=True, text=True, timeout=1700)
     out = proc.stdout + proc.stderr
