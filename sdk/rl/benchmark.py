@@ -19,7 +19,6 @@ import json
 import os
 import tempfile
 import time
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -67,6 +66,11 @@ def estimate_minutes(cfg: dict) -> float:
     rounds = -(-len(cfg["seeds"]) * len(cfg["kinds"]) // workers)
     deploy_s = cfg["deploy_episodes"] * 2.0 * 2 + 10.0  # deployed episodes at 25 Hz, then in-process ones
     return (rounds * run_s * (_CONTENTION if workers > 1 else 1.0) + deploy_s) / 60.0
+
+
+def _rl_cell(config: dict, seed: int) -> dict:
+    """A grid cell of the RL benchmark: one (reward, seed) run."""
+    return _one_run((config["kind"], seed, config["cfg"], config["save_dir"]))
 
 
 def _one_run(args: tuple[str, int, dict, str]) -> dict:
@@ -225,13 +229,21 @@ def run_rl_benchmark(cfg: dict, out: Path, stem: str = "rl", tiny: bool = False,
            f"{estimate_minutes(cfg):.0f} min")
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="bench-rl-") as tmp:
-        jobs = [(kind, seed, cfg, tmp) for seed in cfg["seeds"] for kind in cfg["kinds"]]
-        with ProcessPoolExecutor(max_workers=cfg["workers"]) as pool:
-            runs = []
-            for rec in pool.map(_one_run, jobs):
-                report(f"{rec['kind']:>9} seed {rec['seed']}: start {rec['curve'][0][1]:.2f} -> final "
-                       f"{rec['final_success']:.2f} in {rec['wall_s']:.0f} s")
-                runs.append(rec)
+        from closedloop.sdk.grid import Cell, run_grid
+
+        # one cell per (reward, seed) on the grid runner (Ray where installed, else one by one, docs/grid.md)
+        cells = [Cell({"kind": kind, "cfg": cfg, "save_dir": tmp}, seed, name=f"{kind}:{seed}")
+                 for seed in cfg["seeds"] for kind in cfg["kinds"]]
+        records = run_grid(_rl_cell, cells, workers=cfg["workers"], desc="bench_rl")
+        failed = [r for r in records if r["status"] != "ok"]
+        if failed:
+            raise RuntimeError(f"bench_rl: {len(failed)} runs failed; first, {failed[0]['key']}: {failed[0]['error']}")
+        runs = []
+        for r in records:
+            rec = r["result"]
+            report(f"{rec['kind']:>9} seed {rec['seed']}: start {rec['curve'][0][1]:.2f} -> final "
+                   f"{rec['final_success']:.2f} in {rec['wall_s']:.0f} s")
+            runs.append(rec)
         deployment = deploy_best(runs, cfg, Path(tmp))
     for r in runs:
         r.pop("actor", None)
