@@ -64,53 +64,13 @@ def _shaped(samples, outcome: np.ndarray, reward_model: VisitationReward, space:
     return samples._replace(rewards=rewards)
 
 
-class ShapedReplayBuffer(ReplayBuffer):
-    """A :class:`~stable_baselines3.common.buffers.ReplayBuffer` whose rewards are outcome + current bonus.
+class _ShapedSamples:
+    """What the flat and dict buffers share: each transition's outcome stored beside it, and samples whose
+    rewards are that outcome + the reward model's current bonus (one environment)."""
 
-    Pass ``replay_buffer_class=ShapedReplayBuffer, replay_buffer_kwargs={"reward_model": vr}``
-    to SAC; the environment must be wrapped in :class:`~closedloop.sdk.rl.SuccessVisitationWrapper`
-    sharing ``vr`` (it puts ``outcome_reward`` in ``info``).  One environment only.
-    """
-
-    def __init__(self, buffer_size: int, observation_space: spaces.Space, *args: Any,
-                 reward_model: VisitationReward | None = None, **kwargs: Any) -> None:
-        if isinstance(observation_space, spaces.Dict):
-            raise TypeError("ShapedReplayBuffer takes flat (Box) observations; for dict observations use "
-                            "ShapedDictReplayBuffer, or ShapedHerReplayBuffer to relabel goals")
-        super().__init__(buffer_size, observation_space, *args, **kwargs)
+    def _init_shaping(self, reward_model: VisitationReward | None) -> None:
         if self.n_envs != 1:
-            raise ValueError(f"ShapedReplayBuffer relabels one environment's transitions; got n_envs={self.n_envs}")
-        self.reward_model = reward_model
-        self.outcome_rewards = np.zeros((self.buffer_size, 1), dtype=np.float32)
-
-    def add(self, obs, next_obs, action, reward, done, infos) -> None:
-        self.outcome_rewards[self.pos] = _outcomes(infos, reward)
-        super().add(obs, next_obs, action, reward, done, infos)
-
-    def _get_samples(self, batch_inds: np.ndarray, env=None):
-        samples = super()._get_samples(batch_inds, env)
-        if self.reward_model is None:
-            return samples
-        return _shaped(samples, self.outcome_rewards[batch_inds, 0], self.reward_model, self.observation_space)
-
-
-def _refuse_normaliser(env) -> None:
-    if env is not None:
-        raise ValueError("the shaped replay buffers do not support VecNormalize (the bonus would be added to a "
-                         "normalised outcome); normalise observations in the environment instead (FixedNormalization)")
-
-
-class ShapedDictReplayBuffer(DictReplayBuffer):
-    """:class:`ShapedReplayBuffer` for dict observations: rewards are the stored outcome + the current bonus.
-
-    The discriminator sees the observation flattened in ``gymnasium.spaces.flatten``'s order
-    (as :class:`~closedloop.sdk.rl.SuccessVisitationWrapper` feeds it).  One environment only.
-    """
-
-    def __init__(self, *args: Any, reward_model: VisitationReward | None = None, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        if self.n_envs != 1:
-            raise ValueError(f"ShapedDictReplayBuffer relabels one environment's transitions; got n_envs={self.n_envs}")
+            raise ValueError(f"{type(self).__name__} relabels one environment's transitions; got n_envs={self.n_envs}")
         self.reward_model = reward_model
         self.outcome_rewards = np.zeros((self.buffer_size, 1), dtype=np.float32)
 
@@ -124,6 +84,41 @@ class ShapedDictReplayBuffer(DictReplayBuffer):
             return samples
         _refuse_normaliser(env)
         return _shaped(samples, self.outcome_rewards[batch_inds, 0], self.reward_model, self.observation_space)
+
+
+def _refuse_normaliser(env) -> None:
+    if env is not None:
+        raise ValueError("the shaped replay buffers do not support VecNormalize (the bonus would be added to a "
+                         "normalised outcome); normalise observations in the environment instead (FixedNormalization)")
+
+
+class ShapedReplayBuffer(_ShapedSamples, ReplayBuffer):
+    """A :class:`~stable_baselines3.common.buffers.ReplayBuffer` whose rewards are outcome + current bonus.
+
+    Pass ``replay_buffer_class=ShapedReplayBuffer, replay_buffer_kwargs={"reward_model": vr}``
+    to SAC; the environment must be wrapped in :class:`~closedloop.sdk.rl.SuccessVisitationWrapper`
+    sharing ``vr`` (it puts ``outcome_reward`` in ``info``).  One environment only.
+    """
+
+    def __init__(self, buffer_size: int, observation_space: spaces.Space, *args: Any,
+                 reward_model: VisitationReward | None = None, **kwargs: Any) -> None:
+        if isinstance(observation_space, spaces.Dict):
+            raise TypeError("ShapedReplayBuffer takes flat (Box) observations; for dict observations use "
+                            "ShapedDictReplayBuffer, or ShapedHerReplayBuffer to relabel goals")
+        super().__init__(buffer_size, observation_space, *args, **kwargs)
+        self._init_shaping(reward_model)
+
+
+class ShapedDictReplayBuffer(_ShapedSamples, DictReplayBuffer):
+    """:class:`ShapedReplayBuffer` for dict observations: rewards are the stored outcome + the current bonus.
+
+    The discriminator sees the observation flattened in ``gymnasium.spaces.flatten``'s order
+    (as :class:`~closedloop.sdk.rl.SuccessVisitationWrapper` feeds it).  One environment only.
+    """
+
+    def __init__(self, *args: Any, reward_model: VisitationReward | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._init_shaping(reward_model)
 
 
 class ShapedHerReplayBuffer(HerReplayBuffer):
