@@ -369,7 +369,7 @@ def _run_on_pool(workers: int, ready: list, next_ready: Callable, task: Callable
     Ray) busy with ``ready`` tasks until none is left or running; a task's error ends the run with it."""
     from closedloop.sdk.grid import GridRunner
 
-    with _sigterm_exits(), GridRunner(workers=workers) as runner:
+    with GridRunner(workers=workers) as runner, _sigterm_exits():  # after Ray, whose init takes SIGTERM
         while ready or len(runner):
             while ready and len(runner) < workers:
                 kind, args = next_ready()
