@@ -27,6 +27,8 @@ def _ort():
 class _OrtBackend(Backend):
     provider: ClassVar[str] = "CPUExecutionProvider"
 
+    missing_hint: ClassVar[str] = ""  # what to install when the provider is not in the build
+
     @classmethod
     def availability(cls) -> Availability:
         try:
@@ -35,7 +37,8 @@ class _OrtBackend(Backend):
             return Availability(False, f"onnxruntime not importable ({exc})")
         providers = ort.get_available_providers()
         if cls.provider not in providers:
-            return Availability(False, f"{cls.provider} not in this onnxruntime build (has {providers})")
+            return Availability(False, f"{cls.provider} is not in this onnxruntime build (onnxruntime "
+                                       f"{ort.__version__} has {', '.join(providers)})" + cls.missing_hint)
         return Availability(True, f"onnxruntime {ort.__version__}")
 
     def _providers(self) -> list:

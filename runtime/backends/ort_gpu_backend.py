@@ -180,6 +180,7 @@ class _OrtGpuBackend(_OrtBackend):
     """An ORT session on one GPU provider that refuses to run on the CPU (see the module's docstring)."""
 
     provider: ClassVar[str]
+    missing_hint: ClassVar[str] = f": {_INSTALL_HINT}"
 
     @classmethod
     def availability(cls) -> Availability:
@@ -189,14 +190,10 @@ class _OrtGpuBackend(_OrtBackend):
 
     @classmethod
     def _probe(cls) -> Availability:
-        try:
-            ort = _ort()
-        except ImportError as exc:
-            return Availability(False, f"onnxruntime not importable ({exc})")
-        providers = ort.get_available_providers()
-        if cls.provider not in providers:
-            return Availability(False, f"{cls.provider} is not in this onnxruntime build (onnxruntime "
-                                       f"{ort.__version__} has {', '.join(providers)}): {_INSTALL_HINT}")
+        listed = super().availability()  # importable, and the provider in this build
+        if not listed.available:
+            return listed
+        ort = _ort()
         try:
             import numpy as np
 
