@@ -11,17 +11,14 @@ measures this machine's GRU throughput and prints the estimated run time.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import json
 import os
 import pickle
 import platform
-import signal
 import tempfile
-import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -369,37 +366,16 @@ def _run_on_pool(workers: int, ready: list, next_ready: Callable, task: Callable
     Ray) busy with ``ready`` tasks until none is left or running; a task's error ends the run with it."""
     from closedloop.sdk.grid import GridRunner
 
-    with GridRunner(workers=workers) as runner, _sigterm_exits():  # after Ray, whose init takes SIGTERM
+    with GridRunner(workers=workers) as runner:  # SIGTERM leaves through its close(): no worker outlives us
         while ready or len(runner):
             while ready and len(runner) < workers:
                 kind, args = next_ready()
                 fn, task_args = task(kind, args)
                 runner.submit(fn, *task_args, tag=(kind, args))
-            done = runner.next_done()  # waits in 1 s steps, so that SIGTERM's SystemExit is raised promptly
+            done = runner.next_done()
             if done.error is not None:
                 raise done.exception if done.exception is not None else RuntimeError(done.error)
             finish(*done.tag, done.result)  # may add the scoring tasks it unblocks to ``ready``
-
-
-@contextlib.contextmanager
-def _sigterm_exits() -> Iterator[None]:
-    """SIGTERM raises SystemExit here, so leaving the pool's ``with`` terminates its seed processes.
-
-    Without it ``kill PID`` ends the driver and leaves its workers training for the rest of
-    the hour (a pool's workers outlive a parent that SIGTERM's default action kills).
-    """
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def stop(signum: int, frame: object) -> None:
-        raise SystemExit(128 + signum)
-
-    previous = signal.signal(signal.SIGTERM, stop)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 def _print_now(line: str) -> None:

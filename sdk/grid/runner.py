@@ -15,7 +15,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import signal
 import socket
+import threading
 import time
 import traceback
 from collections.abc import Callable, Iterable, Sequence
@@ -117,6 +119,10 @@ class GridRunner:
     it a local Ray instance with ``workers`` CPUs (default: all of them) is started and shut
     down at :meth:`close`. ``retries``: how many times a task whose worker died is run again.
     Use it as a context manager.
+
+    While a Ray runner is open (in the main thread), SIGTERM raises ``SystemExit(143)``, so that
+    ``kill PID`` on the driver leaves through :meth:`close`, which ends its workers and the
+    local Ray instance, even when the signal lands while Ray is still starting.
     """
 
     address: str | None = None
@@ -127,6 +133,8 @@ class GridRunner:
     _pending: dict = field(default_factory=dict, init=False, repr=False)
     _started_ray: bool = field(default=False, init=False, repr=False)
     _remote: Any = field(default=None, init=False, repr=False)
+    _previous_sigterm: Any = field(default=None, init=False, repr=False)
+    _terminated: bool = field(default=False, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.backend not in ("auto", "ray", "inprocess"):
@@ -148,18 +156,44 @@ class GridRunner:
             import ray
         except ImportError:
             raise RuntimeError("backend 'ray' needs Ray: pip install 'closedloop[scale]'") from None
+        self._own_sigterm()
         if not ray.is_initialized():
             kwargs: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False,
                                       "configure_logging": False}
-            if self.address:
-                ray.init(address=self.address, **kwargs)
-            else:
-                # "local": a fresh instance, never a cluster that `ray start` left on this machine
-                ray.init(address="local", num_cpus=self.workers or os.cpu_count() or 1, **kwargs)
+            try:
+                if self.address:
+                    ray.init(address=self.address, **kwargs)
+                else:
+                    # "local": a fresh instance, never a cluster that `ray start` left on this machine
+                    ray.init(address="local", num_cpus=self.workers or os.cpu_count() or 1, **kwargs)
+            except BaseException as exc:  # a signal or an error mid-start: what it started goes with it
+                ray.shutdown()
+                self._restore_sigterm()
+                if isinstance(exc, SystemExit) and exc.code == signal.SIGTERM:  # Ray's handler: sys.exit(15)
+                    raise SystemExit(128 + signal.SIGTERM) from None
+                raise
             self._started_ray = True
+            self._own_sigterm()  # ray.init puts its own handler (sys.exit(15), skipping close()) in place
         # SPREAD: on a cluster, cells go to every node rather than filling the driver's first
         self._remote = ray.remote(_call).options(num_cpus=1, max_retries=self.retries, retry_exceptions=False,
                                                  scheduling_strategy="SPREAD")
+
+    def _own_sigterm(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+
+        def stop(signum: int, frame: object) -> None:
+            self._terminated = True
+            raise SystemExit(128 + signum)
+
+        previous = signal.signal(signal.SIGTERM, stop)
+        if self._previous_sigterm is None:
+            self._previous_sigterm = previous
+
+    def _restore_sigterm(self) -> None:
+        if self._previous_sigterm is not None and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self._previous_sigterm)
+            self._previous_sigterm = None
 
     @property
     def nodes(self) -> int:
@@ -198,8 +232,13 @@ class GridRunner:
         import ray
 
         ready: list = []
-        while not ready:  # a timeout, so that Ctrl-C and SIGTERM reach the driver promptly
-            ready, _ = ray.wait(list(self._pending), num_returns=1, timeout=1.0)
+        try:
+            while not ready:  # a timeout, so that Ctrl-C and SIGTERM reach the driver promptly
+                ready, _ = ray.wait(list(self._pending), num_returns=1, timeout=1.0)
+        except SystemExit:
+            if self._terminated:  # Ray's wait turns the handler's SystemExit(143) into SystemExit(1)
+                raise SystemExit(128 + signal.SIGTERM) from None
+            raise
         ref = ready[0]
         tag = self._pending.pop(ref)
         try:
@@ -217,9 +256,12 @@ class GridRunner:
             for ref in self._pending:
                 ray.cancel(ref, force=True)
             self._pending.clear()
-            if self._started_ray:
-                ray.shutdown()
-                self._started_ray = False
+            try:
+                if self._started_ray:
+                    ray.shutdown()
+                    self._started_ray = False
+            finally:
+                self._restore_sigterm()
         self._queue.clear()
 
     def __enter__(self) -> GridRunner:
