@@ -35,7 +35,7 @@ from closedloop.common.config import JsonConfig
 
 from .progress import Progress, format_seconds
 
-__all__ = ["Recipe", "RecipeResult", "scaled_train_config", "split_validation", "train_recipe",
+__all__ = ["Recipe", "RecipeFit", "RecipeResult", "fit_recipe", "scaled_train_config", "split_validation", "train_recipe",
            "validation_examples", "write_curve"]
 
 
@@ -50,6 +50,9 @@ class Recipe(JsonConfig):
     unlearned_cer: float = 0.4
     scale: bool = True  # model size and step ceiling from the data (scaled_train_config)
     seed: int = 0
+    # multiplies the step ceiling, the time budget and the patience: 4 is bench_bci_robust.py's "4x budget",
+    # the run against which the default one is judged (did it stop before it had learned?)
+    budget: float = 1.0
 
     def __post_init__(self) -> None:
         if not 0.0 < self.validation_fraction < 1.0:
@@ -59,6 +62,8 @@ class Recipe(JsonConfig):
             raise ValueError(f"patience {self.patience}: at least 1 evaluation")
         if self.time_budget_s < 0:
             raise ValueError(f"time budget {self.time_budget_s} s: use a positive number of seconds, or 0 for none")
+        if not self.budget > 0:
+            raise ValueError(f"budget {self.budget}: a positive multiple of the default budget (1 is the default)")
 
 
 def split_validation(sessions: Sequence[Any], fraction: float, seed: int = 0) -> tuple[list, dict[str, list[int]]]:
@@ -230,26 +235,63 @@ def write_curve(log: Any, meta_log: Any, path: str | Path) -> Path:
     return path
 
 
-def train_recipe(sessions: Sequence[Any], harness: Any, out: str | Path, *, recipe: Recipe | None = None,
-                 keep: frozenset[str] = frozenset(), progress: Progress | None = None,
-                 provenance: dict | None = None, end_completion: str | None = None,
-                 overwrite: bool = False) -> RecipeResult:
-    """Train the two-stage decoder with the recipe (validation, early stopping, scaling, the not-learned check) and
-    write the calibratable bundle ``out`` and its curve ``<out>.curve.png``.
+@dataclass
+class RecipeFit:
+    """What :func:`fit_recipe` trained: the models, the sessions without their validation trials, the
+    validation trials per session, the stage logs, stage 2's validation scores and the settings used."""
 
-    ``harness`` is a seeded :class:`~closedloop.sdk.bci.evaluate.HarnessConfig`; ``keep`` names the training
-    settings the user set, which scaling leaves alone (:func:`scaled_train_config`). A decoder that has not
-    learned is still written; the result's ``problems`` say why it is not usable.
-    """
+    models: Any
+    train_sessions: list
+    validation: dict[str, list[int]]
+    validation_examples: list
+    harness: Any
+    size: dict
+    best: dict
+    two_stage: dict
+    problems: list[str]
+    meta_s: float
+    wall_s: float
+    deadline: float | None
+
+    def summary(self, recipe: Recipe) -> dict:
+        """The JSON summary ``bci-train --json`` prints (less the bundle's and the curve's paths)."""
+        tc, log, meta_log = self.harness.train, self.models.logs["backbone"], self.models.logs["meta"]
+        out = {
+            "learned": not self.problems, "problems": self.problems, "threshold_CER": recipe.unlearned_cer,
+            "data": self.size,
+            "model": {"n_hidden": tc.backbone.n_hidden, "n_layers": tc.backbone.n_layers, "scaled": recipe.scale},
+            "validation": {"fraction": recipe.validation_fraction, "seed": recipe.seed,
+                           "trials": len(self.validation_examples),
+                           "per_session": {k: len(v) for k, v in self.validation.items()}},
+            "stage1": {"steps_run": log.steps_run, "ceiling": tc.steps, "stop_reason": log.stop_reason,
+                       "best_step": log.best_step, "best_val_CER": self.best["CER"], "best_val_WER": self.best["WER"],
+                       "eval_every": tc.eval_every, "patience": tc.patience, "restarts": len(log.restarts),
+                       "wall_s": log.wall_s, "final_loss": float(np.mean(log.loss[-25:])) if log.loss else None,
+                       "validation": log.validation},
+            "stage2": {"steps": len(meta_log.loss), "val_CER": self.two_stage["CER"], "val_WER": self.two_stage["WER"],
+                       "val_chars": self.two_stage["chars"], "wall_s": self.meta_s},
+            "time_budget_s": recipe.time_budget_s * recipe.budget, "budget": recipe.budget, "wall_s": self.wall_s,
+        }
+        if (w := log.warning()) is not None:
+            out["warning"] = w
+        return out
+
+
+def fit_recipe(sessions: Sequence[Any], harness: Any, *, recipe: Recipe | None = None,
+               keep: frozenset[str] = frozenset(), progress: Progress | None = None) -> RecipeFit:
+    """Both stages of the two-stage decoder with the recipe (validation, early stopping, scaling, the not-learned
+    check), nothing written. ``harness`` is a seeded :class:`~closedloop.sdk.bci.evaluate.HarnessConfig`; ``keep``
+    names the training settings the user set, which scaling leaves alone (:func:`scaled_train_config`)."""
     from .baselines import TrainedModels
     from .meta import meta_train_alignment
     from .train import train_backbone
-    from .workflow import export_pooled_bundle
 
     recipe = recipe or Recipe()
     progress = progress or Progress()
     t0 = time.perf_counter()
-    deadline = t0 + recipe.time_budget_s if recipe.time_budget_s else None
+    budget_s = recipe.time_budget_s * recipe.budget
+    deadline = t0 + budget_s if budget_s else None
+    patience = max(1, round(recipe.patience * recipe.budget))
     held_in = [s for s in sessions if s.split == "held_in"]
     if not held_in:
         raise ValueError(f"none of the {len(sessions)} sessions is held-in: training needs held-in sessions "
@@ -257,8 +299,12 @@ def train_recipe(sessions: Sequence[Any], harness: Any, out: str | Path, *, reci
     train_sessions, val = split_validation(sessions, recipe.validation_fraction, recipe.seed)
     size = data_size(train_sessions)
     tc = scaled_train_config(harness.train, size, keep) if recipe.scale else harness.train
+    if recipe.budget != 1:
+        tc = dataclasses.replace(tc, steps=max(1, round(tc.steps * recipe.budget)))
     every = recipe.eval_every or max(10, tc.steps // 40)
-    tc = dataclasses.replace(tc, eval_every=every, patience=recipe.patience, progress=False)
+    if recipe.budget != 1 and not recipe.eval_every:  # the same evaluation spacing as the default budget's
+        every = max(10, round(tc.steps / recipe.budget) // 40)
+    tc = dataclasses.replace(tc, eval_every=every, patience=patience, progress=False)
     harness = dataclasses.replace(harness, train=tc)
     val_ex = validation_examples(train_sessions, val, tc.std_floor)
     if not val_ex:
@@ -267,8 +313,7 @@ def train_recipe(sessions: Sequence[Any], harness: Any, out: str | Path, *, reci
                   f"session's, seed {recipe.seed}); data: {size['channels']} channels, {size['sessions']} sessions, "
                   f"{size['trials']} training trials, {size['characters']} characters; model "
                   f"{tc.backbone.n_hidden}x{tc.backbone.n_layers}, at most {tc.steps} steps, validation every "
-                  f"{every}, patience {recipe.patience}" + (f", time budget {format_seconds(recipe.time_budget_s)}"
-                                                            if deadline else ""))
+                  f"{every}, patience {patience}" + (f", time budget {format_seconds(budget_s)}" if deadline else ""))
     bar = progress.stage("stage 1: pooled backbone", tc.steps, deadline)
     backbone, log = train_backbone(train_sessions, tc, val_ex, bar, deadline)
     best = log.best() or {"CER": float("nan"), "WER": float("nan"), "chars": 0}
@@ -299,25 +344,28 @@ def train_recipe(sessions: Sequence[Any], harness: Any, out: str | Path, *, reci
         problems[-1] += f"; {hint}"
     models = TrainedModels(held_in_days={s.name: float(s.day) for s in held_in}, backbone=backbone, meta=meta)
     models.logs.update(backbone=log, meta=meta_log)
-    path = export_pooled_bundle(models, train_sessions, harness, out, provenance={
+    return RecipeFit(models, train_sessions, val, val_ex, harness, size, best, two_stage, problems, meta_s,
+                     time.perf_counter() - t0, deadline)
+
+
+def train_recipe(sessions: Sequence[Any], harness: Any, out: str | Path, *, recipe: Recipe | None = None,
+                 keep: frozenset[str] = frozenset(), progress: Progress | None = None,
+                 provenance: dict | None = None, end_completion: str | None = None,
+                 overwrite: bool = False) -> RecipeResult:
+    """Train the two-stage decoder with the recipe (:func:`fit_recipe`) and write the calibratable bundle ``out``
+    and its curve ``<out>.curve.png``.
+
+    A decoder that has not learned is still written; the result's ``problems`` say why it is not usable.
+    """
+    from .workflow import export_pooled_bundle
+
+    recipe = recipe or Recipe()
+    fit = fit_recipe(sessions, harness, recipe=recipe, keep=keep, progress=progress)
+    log, meta_log = fit.models.logs["backbone"], fit.models.logs["meta"]
+    path = export_pooled_bundle(fit.models, fit.train_sessions, fit.harness, out, provenance={
         **(provenance or {}), "validation": {"fraction": recipe.validation_fraction, "seed": recipe.seed,
-                                             "trials": val}}, end_completion=end_completion, overwrite=overwrite)
+                                             "trials": fit.validation}}, end_completion=end_completion,
+        overwrite=overwrite)
     curve = write_curve(log, meta_log, Path(str(path).removesuffix(".zip") + ".curve.png"))
-    summary = {
-        "bundle": str(path), "curve": str(curve), "learned": not problems, "problems": problems,
-        "threshold_CER": threshold, "data": size,
-        "model": {"n_hidden": tc.backbone.n_hidden, "n_layers": tc.backbone.n_layers, "scaled": recipe.scale},
-        "validation": {"fraction": recipe.validation_fraction, "seed": recipe.seed, "trials": len(val_ex),
-                       "per_session": {k: len(v) for k, v in val.items()}},
-        "stage1": {"steps_run": log.steps_run, "ceiling": tc.steps, "stop_reason": log.stop_reason,
-                   "best_step": log.best_step, "best_val_CER": best["CER"], "best_val_WER": best["WER"],
-                   "eval_every": every, "patience": recipe.patience, "restarts": len(log.restarts),
-                   "wall_s": log.wall_s, "final_loss": float(np.mean(log.loss[-25:])) if log.loss else None,
-                   "validation": log.validation},
-        "stage2": {"steps": len(meta_log.loss), "val_CER": two_stage["CER"], "val_WER": two_stage["WER"],
-                   "val_chars": two_stage["chars"], "wall_s": meta_s},
-        "time_budget_s": recipe.time_budget_s, "wall_s": time.perf_counter() - t0,
-    }
-    if (w := log.warning()) is not None:
-        summary["warning"] = w
-    return RecipeResult(str(path), str(curve), summary, problems)
+    summary = {"bundle": str(path), "curve": str(curve), **fit.summary(recipe)}
+    return RecipeResult(str(path), str(curve), summary, fit.problems)

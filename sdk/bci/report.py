@@ -60,9 +60,15 @@ def _word_distances(predictions: Sequence[str], ref_words: Sequence[list[str]]) 
     return np.asarray([edit_distance(to_words(p), r) for p, r in zip(predictions, ref_words, strict=True)], float)
 
 
+def _char_distances(predictions: Sequence[str], references: Sequence[str]) -> np.ndarray:
+    """Per-trial character edit distances."""
+    return np.asarray([edit_distance(p, r) for p, r in zip(predictions, references, strict=True)], float)
+
+
 def paired_bootstrap(runs: Sequence[dict], method: str, against: str, decoder: str = "beam", n_boot: int = 2000,
-                     seed: int = 0) -> dict:
-    """``method``'s mean held-out WER against ``against``'s: difference and ratio with 95% bootstrap intervals.
+                     seed: int = 0, metric: str = "WER") -> dict:
+    """``method``'s mean held-out WER (or CER: ``metric="CER"``) against ``against``'s: difference and ratio with
+    95% bootstrap intervals.
 
     The figure is the benchmark's (WER per session, mean over sessions, mean over seeds).
     In each replicate the evaluation trials of every seed and session are resampled with
@@ -71,6 +77,8 @@ def paired_bootstrap(runs: Sequence[dict], method: str, against: str, decoder: s
     spread over model seeds is the separate ``± std`` of the tables. ``p_better`` is the
     fraction of replicates in which ``method`` has the lower WER.
     """
+    if metric not in ("WER", "CER"):
+        raise ValueError(f"metric {metric!r}: expected 'WER' or 'CER'")
     rng = np.random.default_rng(seed)
     wa, wb = np.zeros(n_boot), np.zeros(n_boot)
     point_a = point_b = 0.0
@@ -78,10 +86,15 @@ def paired_bootstrap(runs: Sequence[dict], method: str, against: str, decoder: s
     for r in runs:
         sess_a, sess_b = r["methods"][method]["sessions"], r["methods"][against]["sessions"]
         for name in sess_a:
-            ref_words = [to_words(t) for t in sess_a[name]["texts"]["reference"]]
-            n = np.asarray([len(w) for w in ref_words], float)
-            da = _word_distances(sess_a[name]["texts"][decoder], ref_words)
-            db = _word_distances(sess_b[name]["texts"][decoder], ref_words)
+            refs = sess_a[name]["texts"]["reference"]
+            if metric == "WER":
+                ref_units: Sequence = [to_words(t) for t in refs]
+                distances = _word_distances
+            else:
+                ref_units, distances = refs, _char_distances
+            n = np.asarray([len(w) for w in ref_units], float)
+            da = distances(sess_a[name]["texts"][decoder], ref_units)
+            db = distances(sess_b[name]["texts"][decoder], ref_units)
             idx = rng.integers(0, len(n), (n_boot, len(n)))
             words = n[idx].sum(1)
             wa += da[idx].sum(1) / words
@@ -91,8 +104,9 @@ def paired_bootstrap(runs: Sequence[dict], method: str, against: str, decoder: s
             k += 1
     wa, wb, point_a, point_b = wa / k, wb / k, point_a / k, point_b / k
     ratio = np.divide(wa, wb, out=np.full(n_boot, np.inf), where=wb > 0)
-    return {"method": method, "against": against, "decoder": decoder, "n_boot": n_boot,
-            "wer": point_a, "wer_against": point_b, "difference": point_a - point_b,
+    key = metric.lower()
+    return {"method": method, "against": against, "decoder": decoder, "metric": metric, "n_boot": n_boot,
+            key: point_a, f"{key}_against": point_b, "difference": point_a - point_b,
             "difference_95": [float(v) for v in np.percentile(wa - wb, [2.5, 97.5])],
             "ratio": point_a / point_b if point_b > 0 else float("inf"),
             "ratio_95": [float(v) for v in np.percentile(ratio, [2.5, 97.5])],

@@ -261,3 +261,21 @@ def test_calibration_that_makes_it_worse_is_warned_about(trained_bundle, held_ou
     assert r.warning and "made the greedy CER worse" in r.warning
     assert any(line.startswith("warning: calibration made the greedy CER worse") for line in lines)
     assert "warning: calibration made" in r.format()
+
+
+def test_a_larger_budget_multiplies_the_ceiling_the_time_budget_and_the_patience(sessions):
+    from closedloop.sdk.bci.recipe import fit_recipe
+
+    harness = HarnessConfig(train=replace(TINY, steps=5, patience=2), calibration=CALIB, progress=False,
+                            meta=MetaConfig(inner_steps=1, n_query=1, tasks_per_step=1, meta_steps=1, progress=False))
+    one = fit_recipe(sessions, harness, recipe=Recipe(scale=False, patience=2, time_budget_s=60, eval_every=0),
+                     progress=Progress(quiet=True))
+    four = fit_recipe(sessions, harness, recipe=Recipe(scale=False, patience=2, time_budget_s=60, budget=4),
+                      progress=Progress(quiet=True))
+    assert (one.harness.train.steps, four.harness.train.steps) == (5, 20)
+    assert (one.harness.train.patience, four.harness.train.patience) == (2, 8)
+    assert one.harness.train.eval_every == four.harness.train.eval_every == 10  # the same validation spacing
+    assert four.summary(Recipe(budget=4, time_budget_s=60))["time_budget_s"] == 240
+    assert four.models.logs["backbone"].steps_run == 20 and one.models.logs["backbone"].steps_run == 5
+    with pytest.raises(ValueError, match="budget 0"):
+        Recipe(budget=0)

@@ -1,0 +1,325 @@
+"""Robustness of ``bci-train``'s recipe on generator settings it was not tuned on, as a grid of cells.
+
+    python bench/bench_bci_robust.py               # the one-at-a-time grid around the default data (9 cells)
+    python bench/bench_bci_robust.py --full        # every combination of the axes (72 cells)
+    python bench/bench_bci_robust.py --tiny        # a smoke run: tiny data and models, 3 cells (*_tiny, not committed)
+    python bench/bench_bci_robust.py --report      # the tables and the plot from the cells stored so far
+    python bench/bench_bci_robust.py --address HOST:PORT   # the cells on a Ray cluster (docs/grid.md)
+
+The axes (each a multiple of, or a change to, the generator's calibrated default,
+``closedloop.sim.handwriting.HandwritingConfig``):
+
+- ``signal``: the population's velocity and acceleration tuning depths, x0.5, x1, x2;
+- ``drift``: ``DriftConfig.scale``, x0.5, x1, x2;
+- ``held_in``: 8 or 21 held-in sessions (8: evenly spaced among FALCON H2's 21 dates, the last kept);
+- ``trials``: 10, 40 (the default) or 50 trials per session;
+- ``jumps``: off, or each session's own abrupt rotation, gain and baseline change
+  (``HandwritingConfig.with_session_jumps()``).
+
+The default grid varies one axis at a time around the default cell; ``--full`` crosses them all.
+Each cell (:func:`run_cell`) generates its recording, then twice, with the recipe's default budget and
+with 4x it (``Recipe(budget=4)``: the step ceiling, the time budget and the patience each x4), trains
+the two-stage decoder with the recipe (:func:`closedloop.sdk.bci.recipe.fit_recipe`: validation split,
+early stopping, scaling) and the session-layers baseline with the same settings, validation and
+budget, calibrates both on each held-out day's first 3 sentences and scores greedy CER/WER on the
+day's evaluation trials (:func:`closedloop.sdk.bci.evaluate.run_harness`, beam search off). A cell's
+record (one JSON line in ``bench/results/bci_robust/cells.jsonl``, :mod:`closedloop.sdk.grid`) holds
+both budgets' scores and texts, the recipe's summaries and a paired bootstrap (greedy CER, two-stage
+against session layers, the held-out trials resampled); a rerun skips the cells already there.
+
+Targets (issue: "a decoder recipe that fits the user's recordings"): in every cell the default budget's
+two-stage greedy CER within 1.25x of the 4x run's, and two-stage below session layers (the bootstrap
+ratio's 95% interval below 1) in most cells. ``--report`` writes ``bci_robust.json``, ``bci_robust.md``
+and ``bci_robust.png`` and says which cells meet them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+RESULTS = "bench/results/bci_robust"
+AXES: dict[str, tuple] = {"signal": (0.5, 1.0, 2.0), "drift": (0.5, 1.0, 2.0), "held_in": (8, 21),
+                          "trials": (10, 40, 50), "jumps": (False, True)}
+DEFAULT_CELL = {"signal": 1.0, "drift": 1.0, "held_in": 21, "trials": 40, "jumps": False}
+BUDGETS = (1.0, 4.0)
+CER_RATIO_TARGET = 1.25
+METHODS = ("two_stage", "session_layers")
+
+
+def one_at_a_time() -> list[dict]:
+    """The default cell, then each axis's other values with the rest at their default."""
+    cells = [dict(DEFAULT_CELL)]
+    for axis, values in AXES.items():
+        cells += [{**DEFAULT_CELL, axis: v} for v in values if v != DEFAULT_CELL[axis]]
+    return cells
+
+
+def every_combination() -> list[dict]:
+    import itertools
+
+    return [dict(zip(AXES, values, strict=True)) for values in itertools.product(*AXES.values())]
+
+
+def tiny_cells() -> list[dict]:
+    """The smoke grid: the tiny recording's defaults, weak signal, and session jumps."""
+    base = {"signal": 1.0, "drift": 1.0, "held_in": 3, "trials": 8, "jumps": False}
+    return [base, {**base, "signal": 0.5}, {**base, "jumps": True}]
+
+
+def recording_config(cell: dict, data_seed: int, tiny: bool = False):
+    """The generator's configuration for ``cell`` (see the module docstring for the axes)."""
+    from closedloop.sim.handwriting import HandwritingConfig
+    from closedloop.sim.handwriting.config import FALCON_H2_HELD_IN_DATES
+
+    hw = HandwritingConfig.tiny(data_seed) if tiny else HandwritingConfig(seed=data_seed)
+    dates = hw.held_in_dates if tiny else FALCON_H2_HELD_IN_DATES
+    n = int(cell["held_in"])
+    if not 1 <= n <= len(dates):
+        raise ValueError(f"held_in {n}: between 1 and {len(dates)} sessions")
+    picks = sorted({int(round(i)) for i in np.linspace(0, len(dates) - 1, n)})
+    pop = dataclasses.replace(hw.population, velocity_depth=hw.population.velocity_depth * cell["signal"],
+                              accel_depth=hw.population.accel_depth * cell["signal"])
+    drift = dataclasses.replace(hw.drift, scale=hw.drift.scale * cell["drift"])
+    hw = dataclasses.replace(hw, held_in_dates=tuple(dates[i] for i in picks), trials_per_session=int(cell["trials"]),
+                             population=pop, drift=drift)
+    return hw.with_session_jumps() if cell["jumps"] else hw
+
+
+def _trim_log(summary: dict) -> dict:
+    out = json.loads(json.dumps(summary, default=float))
+    out.get("stage1", {}).pop("validation", None)  # the curve: kept as its best point and length only
+    return out
+
+
+def train_and_score(sessions: list, harness, budget: float, seed: int, scale: bool = True) -> dict:
+    """One budget of a cell: the recipe's two-stage decoder and the session-layers baseline, scored on held-out days."""
+    from closedloop.sdk.bci.evaluate import run_harness
+    from closedloop.sdk.bci.recipe import Recipe, fit_recipe
+    from closedloop.sdk.bci.train import train_session_layers
+
+    recipe = Recipe(budget=budget, seed=seed, scale=scale)
+    t0 = time.perf_counter()
+    fit = fit_recipe(sessions, harness, recipe=recipe)
+    budget_s = recipe.time_budget_s * recipe.budget
+    deadline = time.perf_counter() + budget_s if budget_s else None
+    # the baseline: the same (scaled) training settings, validation trials, patience and a budget of its own
+    fit.models.session_model, sl_log = train_session_layers(fit.train_sessions, fit.harness.session_recipe(),
+                                                            fit.validation_examples, None, deadline)
+    fit.models.logs["session_layers"] = sl_log
+    h = dataclasses.replace(fit.harness, methods=METHODS, reference=False, beam_width=0, progress=False)
+    run = run_harness(fit.train_sessions, h, models=fit.models)
+    scores = {}
+    for m in METHODS:
+        block = run["methods"][m]
+        scores[m] = {"greedy_CER": block["mean"]["greedy"]["CER"], "greedy_WER": block["mean"]["greedy"]["WER"],
+                     "sessions": {name: {"greedy_CER": v["greedy"]["CER"], "texts": {
+                         "reference": v["texts"]["reference"], "greedy": v["texts"]["greedy"]}}
+                         for name, v in block["sessions"].items()}}
+    best = sl_log.best() or {}
+    return {"budget": budget, "scores": scores, "recipe": _trim_log(fit.summary(recipe)),
+            "session_layers_training": {"steps_run": sl_log.steps_run, "stop_reason": sl_log.stop_reason,
+                                        "best_step": sl_log.best_step, "best_val_CER": best.get("CER"),
+                                        "wall_s": sl_log.wall_s},
+            "wall_s": time.perf_counter() - t0}
+
+
+def _tiny_harness(seed: int):
+    from closedloop.sdk.bci.workflow import train_harness
+
+    return train_harness(None, tiny=True, seed=seed, device="cpu")
+
+
+def run_cell(config: dict, seed: int) -> dict:
+    """A cell of the grid (module level, for Ray's workers): both budgets on the cell's recording."""
+    import torch
+
+    from closedloop.sdk.bci.report import paired_bootstrap
+    from closedloop.sdk.bci.workflow import train_harness
+    from closedloop.sim.handwriting import generate_recording
+
+    torch.set_num_threads(1)
+    tiny = bool(config.get("tiny"))
+    cell = {k: config[k] for k in AXES}
+    hw = recording_config(cell, int(config.get("data_seed", 0)), tiny)
+    sessions = generate_recording(hw)
+    harness = _tiny_harness(seed) if tiny else train_harness(None, seed=seed, device="cpu")
+    out: dict = {"cell": cell, "seed": seed, "data": {"held_in": len(hw.held_in_dates),
+                                                      "held_out": len(hw.held_out_dates),
+                                                      "trials": hw.trials_per_session, "channels": hw.n_channels}}
+    runs = []
+    for budget in BUDGETS:
+        r = train_and_score(sessions, harness, budget, seed, scale=not tiny)  # tiny: bci-train --tiny's sizes
+        out[f"x{budget:g}"] = r
+        runs.append(r)
+    one = {"methods": {m: {"sessions": runs[0]["scores"][m]["sessions"]} for m in METHODS}}
+    out["paired_greedy_CER"] = paired_bootstrap([one], "two_stage", "session_layers", decoder="greedy",
+                                                n_boot=2000, seed=seed, metric="CER")
+    return out
+
+
+def cell_name(cell: dict, seed: int, tiny: bool) -> str:
+    parts = [f"signal{cell['signal']:g}", f"drift{cell['drift']:g}", f"in{cell['held_in']}",
+             f"trials{cell['trials']}", "jumps" if cell["jumps"] else "nojumps", f"seed{seed}"]
+    return ("tiny:" if tiny else "") + "_".join(parts)
+
+
+def summarize(records: list[dict]) -> dict:
+    """Per cell: both budgets' two-stage and session-layers greedy CER, the ratio to the 4x run, the paired
+    bootstrap, and whether each target is met; and how many cells meet each."""
+    rows = []
+    for rec in records:
+        if rec.get("status") != "ok":
+            rows.append({"key": rec["key"], "failed": rec.get("error", "")})
+            continue
+        r = rec["result"]
+        d, big = r["x1"], r["x4"]
+        ts, ts4 = d["scores"]["two_stage"]["greedy_CER"], big["scores"]["two_stage"]["greedy_CER"]
+        ratio = ts / ts4 if ts4 > 0 else (1.0 if ts == 0 else float("inf"))
+        p = r["paired_greedy_CER"]
+        rows.append({
+            "key": rec["key"], "cell": r["cell"], "seed": r["seed"],
+            "two_stage_CER": ts, "two_stage_CER_x4": ts4, "ratio_to_x4": ratio,
+            "session_layers_CER": d["scores"]["session_layers"]["greedy_CER"],
+            "session_layers_CER_x4": big["scores"]["session_layers"]["greedy_CER"],
+            "two_stage_vs_session_layers": p["ratio"], "two_stage_vs_session_layers_95": p["ratio_95"],
+            "stage1_steps": d["recipe"]["stage1"]["steps_run"], "stage1_stop": d["recipe"]["stage1"]["stop_reason"],
+            "stage1_steps_x4": big["recipe"]["stage1"]["steps_run"],
+            "learned": d["recipe"]["learned"], "wall_s": d["wall_s"] + big["wall_s"],
+            "within_ratio": bool(ratio <= CER_RATIO_TARGET), "two_stage_better": bool(p["ratio_95"][1] < 1),
+        })
+    ok = [r for r in rows if "failed" not in r]
+    return {"cells": rows, "n_cells": len(rows), "n_ok": len(ok),
+            "within_ratio": sum(r["within_ratio"] for r in ok), "two_stage_better": sum(r["two_stage_better"] for r in ok),
+            "targets": {"ratio_to_x4_at_most": CER_RATIO_TARGET, "within_ratio_in": "every cell",
+                        "two_stage_better_in": "most cells"}}
+
+
+def _pct(x: float) -> str:
+    return "-" if x != x else f"{100 * x:.1f}"
+
+
+def markdown(summary: dict, machine: str) -> str:
+    lines = [f"# Robustness of the bci-train recipe ({summary['n_ok']} of {summary['n_cells']} cells)", "",
+             f"Measured by `python bench/bench_bci_robust.py` on {machine}.", "",
+             "| signal | drift | held-in | trials | jumps | seed | two-stage CER % (x1) | (x4) | ratio | "
+             "session layers % (x1) | (x4) | two-stage / session layers [95%] | stage-1 steps x1 / x4 (stop) | learned |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in summary["cells"]:
+        if "failed" in r:
+            lines.append(f"| {r['key']} | failed: {r['failed'][:80]} |" + " |" * 12)
+            continue
+        c = r["cell"]
+        lo, hi = r["two_stage_vs_session_layers_95"]
+        lines.append(
+            f"| {c['signal']:g}x | {c['drift']:g}x | {c['held_in']} | {c['trials']} | {'yes' if c['jumps'] else 'no'} "
+            f"| {r['seed']} | {_pct(r['two_stage_CER'])} | {_pct(r['two_stage_CER_x4'])} | {r['ratio_to_x4']:.2f}"
+            f"{'' if r['within_ratio'] else ' (over)'} | {_pct(r['session_layers_CER'])} | "
+            f"{_pct(r['session_layers_CER_x4'])} | {r['two_stage_vs_session_layers']:.2f} [{lo:.2f}, {hi:.2f}] | "
+            f"{r['stage1_steps']} / {r['stage1_steps_x4']} ({r['stage1_stop']}) | {'yes' if r['learned'] else 'NO'} |")
+    n = summary["n_ok"]
+    lines += ["", f"- Default budget within {CER_RATIO_TARGET}x of the 4x run (two-stage greedy CER): "
+              f"{summary['within_ratio']} of {n} cells (target: every cell).",
+              f"- Two-stage below session layers (paired bootstrap 95% interval of the greedy-CER ratio below 1): "
+              f"{summary['two_stage_better']} of {n} cells (target: most cells)."]
+    return "\n".join(lines) + "\n"
+
+
+def plot(summary: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in summary["cells"] if "failed" not in r]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    x4 = np.array([r["two_stage_CER_x4"] for r in rows])
+    x1 = np.array([r["two_stage_CER"] for r in rows])
+    ax = axes[0]
+    ax.scatter(100 * x4, 100 * x1, c=["C0" if r["within_ratio"] else "C3" for r in rows])
+    top = 100 * max([*x1, *x4, 0.01]) * 1.1
+    ax.plot([0, top], [0, top], "k:", lw=1, label="equal")
+    ax.plot([0, top], [0, CER_RATIO_TARGET * top], "C3--", lw=1, label=f"{CER_RATIO_TARGET}x")
+    ax.set_xlabel("two-stage greedy CER %, 4x budget")
+    ax.set_ylabel("two-stage greedy CER %, default budget")
+    ax.legend(fontsize=8)
+    ax = axes[1]
+    ratios = [r["two_stage_vs_session_layers"] for r in rows]
+    lo = [r["two_stage_vs_session_layers"] - r["two_stage_vs_session_layers_95"][0] for r in rows]
+    hi = [r["two_stage_vs_session_layers_95"][1] - r["two_stage_vs_session_layers"] for r in rows]
+    ax.errorbar(np.arange(len(rows)), ratios, yerr=[lo, hi], fmt="o", capsize=3)
+    ax.axhline(1.0, color="k", ls=":", lw=1)
+    ax.set_xticks(np.arange(len(rows)))
+    ax.set_xticklabels([cell_name(r["cell"], r["seed"], False).rsplit("_seed", 1)[0].replace("_", "\n")
+                        for r in rows], fontsize=5)
+    ax.set_ylabel("greedy CER ratio, two-stage / session layers")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _machine() -> str:
+    import platform
+
+    return f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}"
+
+
+def report(cells_path: Path, out_dir: Path, stem: str) -> dict:
+    from closedloop.sdk.grid import read_results
+
+    records = list(read_results(cells_path).values())
+    if not records:
+        raise SystemExit(f"bench_bci_robust.py: error: no cells in {cells_path}; run the grid first")
+    summary = summarize(records)
+    summary["machine"] = _machine()
+    tmp = out_dir / f".{stem}.json.tmp"
+    tmp.write_text(json.dumps(summary, indent=2, default=float))
+    os.replace(tmp, out_dir / f"{stem}.json")
+    (out_dir / f"{stem}.md").write_text(markdown(summary, summary["machine"]))
+    plot(summary, out_dir / f"{stem}.png")
+    print(markdown(summary, summary["machine"]))
+    print(f"wrote {out_dir / stem}.json, .md, .png")
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=__doc__.split("\n\n", 1)[1])
+    p.add_argument("--full", action="store_true", help="every combination of the axes (72 cells)")
+    p.add_argument("--tiny", action="store_true", help="the smoke grid: tiny data and models (3 cells, about a minute)")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0], help="model seeds (default 0)")
+    p.add_argument("--data-seed", type=int, default=0)
+    p.add_argument("--report", action="store_true", help="only the tables and the plot from the stored cells")
+    p.add_argument("--address", default=None, help="a Ray cluster's address (default: a local Ray instance)")
+    p.add_argument("--workers", type=int, default=None, help="cells at once on the local instance (default: cores)")
+    p.add_argument("--out", default=RESULTS, help=f"results folder (default {RESULTS})")
+    a = p.parse_args(argv)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = "bci_robust_tiny" if a.tiny else "bci_robust"
+    cells_path = out / f"{stem}_cells.jsonl"
+    if not a.report:
+        from closedloop.sdk.grid import Cell, run_grid
+
+        designs = tiny_cells() if a.tiny else every_combination() if a.full else one_at_a_time()
+        cells = [Cell({**c, "tiny": a.tiny, "data_seed": a.data_seed}, seed, name=cell_name(c, seed, a.tiny))
+                 for c in designs for seed in a.seeds]
+        print(f"{len(cells)} cells x {len(BUDGETS)} budgets -> {cells_path}", flush=True)
+        records = run_grid(run_cell, cells, results=cells_path, address=a.address, workers=a.workers,
+                           desc="bci_robust")
+        failed = [r for r in records if r["status"] != "ok"]
+        for r in failed:
+            print(f"cell {r['key']} failed: {r['error'].splitlines()[0]}", file=sys.stderr)
+    report(cells_path, out, stem)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,76 @@
+"""bench/bench_bci_robust.py's parts that decide what a cell is and what the report says: the generator settings
+each axis changes, and the targets' bookkeeping (the grid run itself is the benchmark, not a test)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_bci_robust", ROOT / "bench" / "bench_bci_robust.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_each_axis_changes_its_part_of_the_generator_and_nothing_else(bench):
+    from closedloop.sim.handwriting import HandwritingConfig
+    from closedloop.sim.handwriting.config import FALCON_H2_HELD_IN_DATES
+
+    base = HandwritingConfig(seed=3)
+    same = bench.recording_config(bench.DEFAULT_CELL, 3)
+    assert same.to_dict() == base.to_dict()  # the default cell is the generator's calibrated default
+    hw = bench.recording_config({**bench.DEFAULT_CELL, "signal": 2.0, "drift": 0.5, "held_in": 8, "trials": 10,
+                                 "jumps": True}, 3)
+    assert hw.population.velocity_depth == 2 * base.population.velocity_depth
+    assert hw.population.accel_depth == 2 * base.population.accel_depth
+    assert hw.drift.scale == 0.5 * base.drift.scale and hw.drift.session_rotation > 0 and hw.drift.session_gain > 0
+    assert len(hw.held_in_dates) == 8 and hw.held_in_dates[-1] == FALCON_H2_HELD_IN_DATES[-1]
+    assert hw.held_in_dates[0] == FALCON_H2_HELD_IN_DATES[0] and hw.held_out_dates == base.held_out_dates
+    assert hw.trials_per_session == 10 and hw.n_channels == base.n_channels
+    with pytest.raises(ValueError, match="held_in 30"):
+        bench.recording_config({**bench.DEFAULT_CELL, "held_in": 30}, 0)
+
+
+def test_the_designs_vary_one_axis_at_a_time_or_all_of_them(bench):
+    one = bench.one_at_a_time()
+    assert one[0] == bench.DEFAULT_CELL and len(one) == 1 + sum(len(v) - 1 for v in bench.AXES.values())
+    assert all(sum(c[k] != bench.DEFAULT_CELL[k] for k in bench.AXES) == 1 for c in one[1:])
+    assert len(bench.every_combination()) == int(np.prod([len(v) for v in bench.AXES.values()]))
+
+
+def _record(key, ts1, ts4, sl1, ratio_95):
+    def scores(ts, sl):
+        return {"two_stage": {"greedy_CER": ts}, "session_layers": {"greedy_CER": sl}}
+
+    def budget(ts, sl):
+        return {"scores": scores(ts, sl), "recipe": {"stage1": {"steps_run": 100, "stop_reason": "patience"},
+                                                     "learned": True}, "wall_s": 1.0}
+
+    return {"key": key, "status": "ok", "result": {
+        "cell": dict.fromkeys(("signal", "drift"), 1.0) | {"held_in": 21, "trials": 40, "jumps": False}, "seed": 0,
+        "x1": budget(ts1, sl1), "x4": budget(ts4, sl1),
+        "paired_greedy_CER": {"ratio": ts1 / sl1, "ratio_95": ratio_95}}}
+
+
+def test_the_report_counts_the_cells_that_meet_each_target(bench, tmp_path):
+    records = [_record("a", 0.10, 0.09, 0.20, [0.4, 0.7]),   # within 1.25x, two-stage clearly better
+               _record("b", 0.30, 0.10, 0.20, [1.2, 1.8]),   # stopped too early: 3x the 4x run's CER
+               _record("c", 0.12, 0.11, 0.12, [0.8, 1.2]),   # a tie: the interval spans 1
+               {"key": "d", "status": "failed", "error": "MemoryError: out"}]
+    s = bench.summarize(records)
+    assert (s["n_cells"], s["n_ok"], s["within_ratio"], s["two_stage_better"]) == (4, 3, 2, 1)
+    rows = {r["key"]: r for r in s["cells"]}
+    assert rows["b"]["ratio_to_x4"] == pytest.approx(3.0) and not rows["b"]["within_ratio"]
+    md = bench.markdown(s, "test machine")
+    assert "2 of 3 cells (target: every cell)" in md and "1 of 3 cells (target: most cells)" in md
+    assert "3.00 (over)" in md and "failed: MemoryError" in md
+    bench.plot(s, tmp_path / "p.png")
+    assert (tmp_path / "p.png").stat().st_size > 1000
