@@ -29,6 +29,8 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	@tools/ensure_chromium.sh
+	@# the Numba plan runner once, before the tests (a fresh checkout compiles it: about a minute on 2 cores)
+	$(PY) -m closedloop.sdk.package.warm
 	$(PY) -m pytest -q
 
 bench: $(STAMP)

@@ -51,6 +51,22 @@ def load_kernels():
     return kernels
 
 
+def compile_plan_runner() -> float:
+    """Compile ``kernels.run_plan`` (every kernel a plan may call) or load it from Numba's disk cache; the seconds.
+
+    An empty program with the argument types the backend passes: one signature serves every model,
+    so afterwards no model's first step compiles (about a minute on a 2-core machine the first time,
+    under a second from the cache).
+    """
+    import time
+
+    kernels = load_kernels()
+    t0 = time.perf_counter()
+    kernels.run_plan(np.zeros((0, kernels.PROGRAM_WIDTH), np.int64), np.zeros((1, 3), np.int64),
+                     np.zeros(1, np.float32))
+    return time.perf_counter() - t0
+
+
 @dataclasses.dataclass
 class Plan:
     program: np.ndarray  # (steps, PROGRAM_WIDTH) int64

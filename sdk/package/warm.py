@@ -1,8 +1,10 @@
 """Fill the Numba cache for bundles, so a session's first start compiles nothing.
 
-``python -m closedloop.sdk.package.warm BUNDLE...`` (install.sh runs it with the service's
-``NUMBA_CACHE_DIR``): every graph of every bundle, and each of its variants, is loaded on the
-Numba backend and run once; the compiled kernels land in the cache that the service reads.
+``python -m closedloop.sdk.package.warm [BUNDLE...]`` (install.sh runs it with the service's
+``NUMBA_CACHE_DIR``; ``make test`` runs it without bundles before the tests): the plan runner,
+which every model's steps go through, is compiled first; then every graph of every bundle, and
+each of its variants, is loaded on the Numba backend and run once. The compiled kernels land in
+the cache that the service reads.
 Numba keys its cache on the installed source files, so warm in the venv the service runs.
 """
 
@@ -43,15 +45,19 @@ def warm(paths: list[str], report=print) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if not argv:
-        print("usage: python -m closedloop.sdk.package.warm BUNDLE...", file=sys.stderr)
+    if any(a.startswith("-") for a in argv):
+        print("usage: python -m closedloop.sdk.package.warm [BUNDLE...]", file=sys.stderr)
         return 2
     try:
         import numba  # noqa: F401
     except ImportError:
         print("Numba is not installed (an --ort-only install): nothing to warm", file=sys.stderr)
         return 0
+    from closedloop.runtime.backends._numba_plan import compile_plan_runner
+
     print(f"Numba cache: {os.environ.get('NUMBA_CACHE_DIR') or '(NUMBA_CACHE_DIR unset: beside the sources)'}")
+    seconds = compile_plan_runner()
+    print(f"plan runner ready in {seconds:.1f} s (compiled, or loaded from the cache)")
     warm(argv)
     return 0
 
