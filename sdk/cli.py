@@ -634,9 +634,26 @@ def _needs(name: str, help_: str, missing: str) -> None:
     _PASSTHROUGH[name] = (f"{help_} [needs {missing}]", run)
 
 
-def _family_commands(module: str, commands: tuple[tuple[str, str], ...]) -> None:
+def _can_import(module: str) -> bool:
+    """Whether ``module`` is installed, without importing it (torch alone takes seconds to import)."""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _family_commands(module: str, commands: tuple[tuple[str, str], ...], requires: tuple[str, ...] = ()) -> None:
+    """Register a family's commands by importing ``module``; where a package in ``requires`` (or one the module
+    imports) is missing, each command instead says which one it needs."""
     import importlib
 
+    missing = next((m for m in requires if not _can_import(m)), None)
+    if missing is not None:
+        for name, help_ in commands:
+            _needs(name, help_, missing)
+        return
     try:
         importlib.import_module(module)  # registers its commands
     except ImportError as exc:
@@ -646,8 +663,9 @@ def _family_commands(module: str, commands: tuple[tuple[str, str], ...]) -> None
 
 _family_commands("closedloop.sdk.bci.cli", (("calibrate", "fit a bundle's alignment layer to a new session"),
                                  ("bci-train", "train the pooled handwriting decoder"),
-                                 ("evaluate", "score a decoder bundle on NWB data")))
-_family_commands("closedloop.sdk.rl.cli", (("rl-train", "behaviour-clone and fine-tune a Panda policy"),))
+                                 ("evaluate", "score a decoder bundle on NWB data")), requires=("torch",))
+_family_commands("closedloop.sdk.rl.cli", (("rl-train", "behaviour-clone and fine-tune a Panda policy"),),
+                 requires=("torch", "gymnasium"))
 _family_commands("closedloop.sdk.robust.cli", (("inject-faults", "flip weight bits in a copy of a bundle"),
                                     ("scrub", "check and repair a protected bundle's weights")))
 _family_commands("closedloop.sdk.grid.validate", (("validate", "run a batch of simulator-in-the-loop sessions"),))

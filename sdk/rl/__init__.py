@@ -14,15 +14,15 @@ The method, formulas and workflow are in ``docs/rl.md``.
 from closedloop.common.lazy import lazy_exports
 
 from .config import SHAPING_KINDS, FineTuneConfig, ShapingConfig
-from .reward import Discriminator, LabelledReplay, VisitationReward, clipped_logit
-from .wrapper import FixedNormalization, SuccessVisitationWrapper
 
-# stable-baselines3 and PyBullet load only when these are first used
-_LAZY = {"fine_tune": ".finetune", "export_policy": ".deploy", "compare_deployment": ".deploy",
+# torch, gymnasium, stable-baselines3 and PyBullet load only when these are first used (the CLI imports this
+# package to register rl-train: `closedloop --version` must not wait for torch)
+_LAZY = {"Discriminator": ".reward", "LabelledReplay": ".reward", "VisitationReward": ".reward",
+         "clipped_logit": ".reward", "FixedNormalization": ".wrapper", "SuccessVisitationWrapper": ".wrapper",
+         "fine_tune": ".finetune", "export_policy": ".deploy", "compare_deployment": ".deploy",
          "run_deployed": ".deploy", "rl_train": ".workflow", "rl_train_config": ".workflow",
          "ShapedReplayBuffer": ".sb3", "ShapedDictReplayBuffer": ".sb3", "ShapedHerReplayBuffer": ".sb3"}
 
-__all__ = ["SHAPING_KINDS", "FineTuneConfig", "ShapingConfig", "Discriminator", "LabelledReplay",
-           "VisitationReward", "clipped_logit", "FixedNormalization", "SuccessVisitationWrapper", *_LAZY]
+__all__ = ["SHAPING_KINDS", "FineTuneConfig", "ShapingConfig", *_LAZY]
 
 __getattr__, __dir__ = lazy_exports(__name__, _LAZY)

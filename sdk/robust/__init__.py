@@ -7,29 +7,19 @@ the deployed weights. ``inject_faults`` and ``bit_flip_attack`` corrupt bundles 
 evaluation. See docs/robustness.md.
 """
 
-from .attack import AttackConfig, AttackResult, bit_flip_attack
-from .bundle import protect_bundle
-from .faults import BitFlip, apply_flips, inject_faults, random_flips, write_corrupted_copy
-from .projection import BlockZeroSum, project_numpy
-from .protect import ProtectionPlan, finalize, probe_onnx_layout, protect
-from .quantize import int8_weight_only, quantize_blocks
+from closedloop.common.lazy import lazy_exports
 
-__all__ = [
-    "AttackConfig",
-    "AttackResult",
-    "BitFlip",
-    "BlockZeroSum",
-    "ProtectionPlan",
-    "apply_flips",
-    "bit_flip_attack",
-    "finalize",
-    "inject_faults",
-    "int8_weight_only",
-    "probe_onnx_layout",
-    "project_numpy",
-    "protect",
-    "protect_bundle",
-    "quantize_blocks",
-    "random_flips",
-    "write_corrupted_copy",
-]
+# torch and Numba load only when these are first used (the CLI imports this package to register its commands)
+_EXPORTS = {
+    "AttackConfig": ".attack", "AttackResult": ".attack", "bit_flip_attack": ".attack",
+    "protect_bundle": ".bundle",
+    "BitFlip": ".faults", "apply_flips": ".faults", "inject_faults": ".faults", "random_flips": ".faults",
+    "write_corrupted_copy": ".faults",
+    "BlockZeroSum": ".projection", "project_numpy": ".projection",
+    "ProtectionPlan": ".protect", "finalize": ".protect", "probe_onnx_layout": ".protect", "protect": ".protect",
+    "int8_weight_only": ".quantize", "quantize_blocks": ".quantize",
+}
+
+__all__ = sorted(_EXPORTS)
+
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

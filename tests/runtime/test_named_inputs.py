@@ -178,7 +178,14 @@ def test_a_second_message_type_sets_the_held_goal(tmp_path):
     import threading
     import time
 
-    from closedloop.firmware_bridge import Hello, Link, NeuralFrame, PlantMeasurement, open_pty_pair
+    from closedloop.firmware_bridge import (
+        ActuatorCommand,
+        Hello,
+        Link,
+        NeuralFrame,
+        PlantMeasurement,
+        open_pty_pair,
+    )
     from closedloop.runtime import replay_recording
 
     torch.manual_seed(2)
@@ -195,12 +202,14 @@ def test_a_second_message_type_sets_the_held_goal(tmp_path):
     def board():
         link = Link(board_end, role="device")
         hello = Hello(kind="acme-arm", n_channels=1, rate_hz=200.0)
-        k = 0
+        k, first_goal = 0, None
         while not stop.is_set():
             for f in link.poll():
                 if isinstance(f.message, Hello):
                     link.send(hello)
-            if k % 20 == 5:  # the goal, as a one-channel count: 3
+                elif isinstance(f.message, ActuatorCommand) and first_goal is None:
+                    first_goal = k  # the session has acted before any goal: the goal comes only now
+            if first_goal is not None and (k - first_goal) % 20 == 0:  # the goal, as a one-channel count: 3
                 link.send(NeuralFrame(bin_index=k, counts=np.array([3], dtype=np.uint16)))
             link.send(PlantMeasurement(y=np.array([0.25], np.float32), u=np.zeros(1, np.float32)))
             k += 1
@@ -216,9 +225,10 @@ def test_a_second_message_type_sets_the_held_goal(tmp_path):
         t.join(2)
         board_end.close()
         port_end.close()
-    # until the first goal message (the 6th frame) the session sends the safe command: nothing to act on yet
-    assert s.commands_sent > 50 and 1 <= s.safe_commands_sent <= 8
-    from closedloop.firmware_bridge import ActuatorCommand, FrameParser
+    # until the first goal message (sent once the board has seen a command) the session sends the safe command:
+    # nothing to act on yet; from then on it follows the goal
+    assert s.commands_sent > 50 and 1 <= s.safe_commands_sent < s.commands_sent // 2
+    from closedloop.firmware_bridge import FrameParser
     from closedloop.runtime import RecordingReader, RecordType
 
     parser = FrameParser()
