@@ -122,3 +122,21 @@ def bytes_allocated():
         return sum(s.size_diff for s in after.compare_to(before, "filename") if s.size_diff > 0)
 
     return measure
+
+
+
+@pytest.fixture(scope="session")
+def bench_script():
+    """``bench_script("NAME")``: ``bench/NAME.py`` as a module (the bench scripts are not a package), for tests
+    of their parts."""
+    import importlib.util
+    from pathlib import Path
+
+    def load(name: str):
+        path = Path(__file__).resolve().parent.parent / "bench" / f"{name}.py"
+        spec = importlib.util.spec_from_file_location(name, path)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        return mod
+
+    return load

@@ -3,21 +3,15 @@ each axis changes, and the targets' bookkeeping (the grid run itself is the benc
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
-def bench():
-    spec = importlib.util.spec_from_file_location("bench_bci_robust", ROOT / "bench" / "bench_bci_robust.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+def bench(bench_script):
+    return bench_script("bench_bci_robust")
 
 
 def test_each_axis_changes_its_part_of_the_generator_and_nothing_else(bench):
