@@ -3,10 +3,8 @@ each axis changes, and the targets' bookkeeping (the grid run itself is the benc
 
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
-
 
 
 @pytest.fixture(scope="module")
