@@ -18,6 +18,7 @@ AttributeError: module 'pkg' has no attribute 'nope'
 from __future__ import annotations
 
 import importlib
+import pkgutil
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -28,7 +29,18 @@ def lazy_exports(package: str, exports: dict[str, str]) -> tuple[Callable[[str],
 
     A relative module name (``".workflow"``) is resolved against ``package``. The value is cached
     in the package's namespace after the first read.
+
+    A public name may not also be a submodule's name: importing that submodule (which any
+    sibling's ``from .name import ...`` does) binds the module object to the package attribute,
+    and ``from package import name`` would then hand out the module instead of the function.
+    Such a collision raises ``ValueError`` when the package is imported.
     """
+    pkg = sys.modules.get(package)
+    paths = getattr(pkg, "__path__", None) or ()
+    clashes = sorted(set(exports) & {info.name for info in pkgutil.iter_modules(paths)})
+    if clashes:
+        raise ValueError(f"{package}: public name(s) {', '.join(clashes)} are also submodules of the package; "
+                         "rename the module so the attribute is never shadowed by the import system")
 
     def __getattr__(name: str) -> Any:
         module = exports.get(name)

@@ -16,7 +16,7 @@ _EXPORTS = {
     "BitFlip": ".faults", "apply_flips": ".faults", "inject_faults": ".faults", "random_flips": ".faults",
     "write_corrupted_copy": ".faults",
     "BlockZeroSum": ".projection", "project_numpy": ".projection",
-    "ProtectionPlan": ".protect", "finalize": ".protect", "probe_onnx_layout": ".protect", "protect": ".protect",
+    "ProtectionPlan": ".protection", "finalize": ".protection", "probe_onnx_layout": ".protection", "protect": ".protection",
     "int8_weight_only": ".quantize", "quantize_blocks": ".quantize",
 }
 

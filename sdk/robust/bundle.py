@@ -36,7 +36,7 @@ from closedloop.runtime.protect.scrubber import (
     tolerances,
 )
 
-from .protect import ProtectionPlan
+from .protection import ProtectionPlan
 from .quantize import int8_weight_only, quantize_blocks
 
 INT8_TOLERANCE = Tolerance(abs=5e-2, rel=5e-2)

@@ -47,7 +47,7 @@ def make_protected_decoder(out: str | Path, key: bytes | None, n_channels: int =
     from closedloop.sdk.models import GRUDecoder
 
     from .bundle import protect_bundle
-    from .protect import finalize, protect
+    from .protection import finalize, protect
 
     torch.manual_seed(seed)
     model = GRUDecoder(n_channels, 32, 1, 5).eval()

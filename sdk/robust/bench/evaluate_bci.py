@@ -55,7 +55,7 @@ def plain_int8(path: Path, module, example_input, kind: str) -> None:
     """The unprotected baseline's int8 variant: the same weight-only int8 graph, plain per-tensor rounding."""
     from closedloop.export.writer import write_bundle
     from closedloop.runtime import load_bundle
-    from closedloop.sdk.robust.protect import probe_onnx_layout
+    from closedloop.sdk.robust.protection import probe_onnx_layout
     from closedloop.sdk.robust.quantize import int8_weight_only
 
     b = load_bundle(path)
