@@ -22,7 +22,8 @@ RESULTS = "bench/results/spine"
 def markdown(results: dict) -> str:
     """The benchmark's printed table as Markdown, with the machine it ran on."""
     m = results.get("machine", {})
-    machine = ", ".join(f"{k} {v:.0f}" if isinstance(v, float) else f"{k} {v}" for k, v in m.items())
+    keys = ("cpu", "host_kind", "python", "torch", "single_core_peak_gflops")
+    machine = ", ".join(f"{k} {m[k]:.0f}" if isinstance(m[k], float) else f"{k} {m[k]}" for k in keys if k in m)
     return ("# Spine: per-step latency and loop lateness\n\nWritten by `python bench/bench_spine.py`"
             + (f" on: {machine}" if machine else "") + ".\n\n```\n" + format_table(results) + "\n```\n")
 

@@ -24,7 +24,7 @@ import torch
 
 from closedloop.export import export_bundle
 from closedloop.runtime import LoopConfig, Model, RealTimeLoop, load_bundle
-from closedloop.runtime.timing import time_back_to_back
+from closedloop.runtime.timing import _cpu_name, time_back_to_back
 
 from .models import GRUDecoder, MLPPolicy
 from .roofline import (
@@ -34,6 +34,7 @@ from .roofline import (
     read_bandwidth_gbs,
     single_core_peak_gflops,
 )
+from .zoo.report import host_kind
 
 GRU_SHAPE = dict(n_inputs=192, n_hidden=256, n_layers=2, n_outputs=32)
 MLP_SHAPE = dict(n_obs=40, n_actions=8, hidden=(256, 256))
@@ -133,10 +134,11 @@ def run_spine_benchmark(cfg: SpineBenchConfig | None = None, report: Callable[[s
         "config": asdict(cfg),
         "machine": {
             "processor": platform.processor() or platform.machine(),
+            "cpu": _cpu_name(),
             "python": platform.python_version(),
             "torch": torch.__version__,
             "single_core_peak_gflops": peak,
-        },
+        } | host_kind(),
         "models": {},
     }
     work = Path(cfg.bundle_dir) if cfg.bundle_dir else Path(tempfile.mkdtemp(prefix="closedloop-bench-"))
