@@ -110,12 +110,14 @@ def _install_sh(target: Target, opts: PackageOptions, bundles: list[str], spec: 
 # Offline install of closedloop for target {target.name}: {target.description}.
 # A venv in $CLOSEDLOOP_PREFIX (default {opts.prefix}) from ./wheelhouse only (no network), the
 # bundles copied beside it, then the Numba cache ($NUMBA_CACHE_DIR, default /var/cache/closedloop)
-# filled for them, so the service's first session compiles nothing.
+# filled for them and the wire protocol's C scanner library built into $CLOSEDLOOP_CACHE_DIR (the
+# same folder by default), so the service's first session compiles nothing.
 set -eu
 HERE=$(cd "$(dirname "$0")" && pwd)
 PREFIX=${{CLOSEDLOOP_PREFIX:-{opts.prefix}}}
 PYTHON=${{PYTHON:-python3}}
 export NUMBA_CACHE_DIR=${{NUMBA_CACHE_DIR:-/var/cache/closedloop}}
+export CLOSEDLOOP_CACHE_DIR=${{CLOSEDLOOP_CACHE_DIR:-$NUMBA_CACHE_DIR}}
 have=$("$PYTHON" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
 if [ "$have" != "{target.python_version}" ]; then
     echo "install.sh: this package is for Python {target.python_version} (target {target.name}); $PYTHON is $have." >&2
@@ -123,11 +125,11 @@ if [ "$have" != "{target.python_version}" ]; then
     exit 2
 fi
 "$PYTHON" -m venv "$PREFIX/venv"
-{pip}mkdir -p "$PREFIX/bundles" "$NUMBA_CACHE_DIR"
+{pip}mkdir -p "$PREFIX/bundles" "$NUMBA_CACHE_DIR" "$CLOSEDLOOP_CACHE_DIR"
 cp -R "$HERE/bundles/." "$PREFIX/bundles/"
 "$PREFIX/venv/bin/python" -m closedloop.sdk.package.warm {' '.join(f'"$PREFIX/bundles/{b}"' for b in bundles)}
-if id {q(opts.user)} >/dev/null 2>&1; then chown -R {q(opts.user)} "$NUMBA_CACHE_DIR" 2>/dev/null || true; fi
-echo "installed closedloop in $PREFIX/venv; bundles in $PREFIX/bundles; Numba cache in $NUMBA_CACHE_DIR"
+if id {q(opts.user)} >/dev/null 2>&1; then chown -R {q(opts.user)} "$NUMBA_CACHE_DIR" "$CLOSEDLOOP_CACHE_DIR" 2>/dev/null || true; fi
+echo "installed closedloop in $PREFIX/venv; bundles in $PREFIX/bundles; Numba cache in $NUMBA_CACHE_DIR; C library cache in $CLOSEDLOOP_CACHE_DIR"
 """
 
 
@@ -153,9 +155,10 @@ CPUSchedulingPriority={opts.priority}
 LimitMEMLOCK=infinity
 LimitRTPRIO={opts.priority}
 AmbientCapabilities=CAP_SYS_NICE CAP_IPC_LOCK
-# the Numba kernels install.sh compiled; systemd keeps the folder writable by the service's user
+# the Numba kernels and the C frame scanner install.sh built; systemd keeps the folder writable by the service's user
 CacheDirectory=closedloop
 Environment=NUMBA_CACHE_DIR=/var/cache/closedloop
+Environment=CLOSEDLOOP_CACHE_DIR=/var/cache/closedloop
 
 [Install]
 WantedBy=multi-user.target

@@ -6,6 +6,11 @@ which every model's steps go through, is compiled first; then every graph of eve
 each of its variants, is loaded on the Numba backend and run once. The compiled kernels land in
 the cache that the service reads.
 Numba keys its cache on the installed source files, so warm in the venv the service runs.
+
+The wire protocol's C scanner library (``closedloop.firmware_bridge.c_library``) is built here
+too, into ``$CLOSEDLOOP_CACHE_DIR``: a session against a device parses and encodes frames with
+it, and one that finds it missing compiles it (about a second) or, with no compiler on the
+board, falls back to the slower Python parser.
 """
 
 from __future__ import annotations
@@ -43,11 +48,25 @@ def warm(paths: list[str], report=print) -> int:
     return done
 
 
+def build_scanner(report=print) -> bool:
+    """Build (or find) the C scanner library in the cache a session reads; say where, or why not."""
+    from closedloop.firmware_bridge.c_library import CParserUnavailableError, _cache_dir, load_scanner
+
+    try:
+        found = load_scanner()
+    except CParserUnavailableError as exc:
+        report(f"C scanner library: not available ({exc}); sessions use the Python frame parser")
+        return False
+    report(f"C scanner library: {'built' if found.built_now else 'found'} {found.path} (cache {_cache_dir()})")
+    return True
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if any(a.startswith("-") for a in argv):
         print("usage: python -m closedloop.sdk.package.warm [BUNDLE...]", file=sys.stderr)
         return 2
+    build_scanner()
     try:
         import numba  # noqa: F401
     except ImportError:

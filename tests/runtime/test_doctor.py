@@ -12,7 +12,8 @@ import pytest
 from closedloop.runtime.doctor import CHECKS, FAIL, PASS, WARN, DoctorConfig, run_doctor
 
 EXPECTED = {"cpu_governor", "isolated_cpus", "preempt_rt", "sched_fifo", "mlockall", "timer_slack", "swap",
-            "serial_ports", "usb_latency_timer", "onnxruntime", "tensorrt", "numba_cache", "loop_jitter"}
+            "serial_ports", "usb_latency_timer", "onnxruntime", "tensorrt", "numba_cache", "c_scanner",
+            "loop_jitter"}
 
 
 @pytest.fixture(scope="module")
@@ -107,3 +108,17 @@ def test_cli_json_is_one_document_and_the_exit_code_follows_failures():
                            "--check", "preempt_rt"], capture_output=True, text=True, timeout=60)
     assert text.returncode in (0, 1) and "swap:" in text.stdout and "PREEMPT_RT kernel:" in text.stdout
     assert text.stdout.rstrip().splitlines()[-1].endswith("fail")
+
+
+def test_the_c_scanner_check_finds_a_built_library_and_names_a_missing_one(tmp_path, monkeypatch):
+    from closedloop.firmware_bridge.c_library import _build, _compiler, _library_name
+
+    monkeypatch.setenv("CLOSEDLOOP_CACHE_DIR", str(tmp_path / "empty"))
+    missing = run_doctor(DoctorConfig(only=["c_scanner"])).checks[0]
+    assert missing.status == WARN and str(tmp_path / "empty") in missing.message and "CLOSEDLOOP_CACHE_DIR" in missing.fix
+    if _compiler() is None:
+        pytest.skip("no C compiler here: the built case is not checked")
+    _build(_compiler(), tmp_path / "built", _library_name())
+    monkeypatch.setenv("CLOSEDLOOP_CACHE_DIR", str(tmp_path / "built"))
+    found = run_doctor(DoctorConfig(only=["c_scanner"])).checks[0]
+    assert found.status == PASS and found.data["library"].startswith(str(tmp_path / "built"))

@@ -77,10 +77,18 @@ def test_the_package_folder_holds_what_a_board_needs(installed):
     assert manifest["footprint"]["installed_bytes"] >= manifest["footprint"]["wheelhouse_bytes"] > 0
     unit = (out / "closedloop.service").read_text()
     for line in ("CPUSchedulingPolicy=fifo", "CPUSchedulingPriority=80", "LimitMEMLOCK=infinity", "CPUAffinity=0",
-                 "Environment=NUMBA_CACHE_DIR=/var/cache/closedloop", "Restart=on-failure",
+                 "Environment=NUMBA_CACHE_DIR=/var/cache/closedloop",
+                 "Environment=CLOSEDLOOP_CACHE_DIR=/var/cache/closedloop", "Restart=on-failure",
                  "SupplementaryGroups=dialout"):
         assert line in unit, line
     assert f"ExecStart={prefix}/venv/bin/closedloop run {prefix}/bundles/decoder --device {DEVICE} --rt" in unit
+
+
+def test_the_install_builds_the_c_frame_scanner_where_the_service_looks(installed):
+    # the service's first session against a device must neither compile it nor fall back to the Python parser
+    out, prefix, log = installed
+    assert "C scanner library: built" in log, log[-2000:]
+    assert list((prefix.parent / "cache").glob("libclosedloop_scan-*.so")), log[-2000:]
 
 
 def test_the_offline_install_inspects_and_runs_a_session(installed):
