@@ -7,7 +7,10 @@
     python bench/bench_bci.py --reference   # also the drift reference (its own frozen recipe; ~11 min more)
     python bench/bench_bci.py --data FOLDER # every method on your FALCON H2-layout NWB files: bci_data.*
 
-It prints the estimated run time before it starts. A new run of the default benchmark
+It prints the estimated run time before it starts. Each finished training or scoring task is kept
+in ``OUT/cells/STEM/`` (models as ``.pt``, an index in ``cells.jsonl``) as it ends, so a run that
+was killed continues where it stopped when started again with the same options; ``--fresh`` runs
+everything again. A new run of the default benchmark
 joins the pooled comparison over runs with ``python bench/pool_bci_runs.py --add RESULT.json``.
 Methods, metrics and the harness: ``closedloop.sdk.bci.benchmark`` and docs/bci.md.
 """
@@ -36,6 +39,9 @@ if __name__ == "__main__":
                          "instead of the generator; results go to bci_data.* (bci_tiny_data.* with --tiny)")
     ap.add_argument("--reference", action="store_true",
                     help="also train and score the drift reference (bench/calibrate_bci_drift.py; ~11 more minutes)")
+    ap.add_argument("--fresh", action="store_true",
+                    help="run every task again, ignoring the finished ones an earlier run of the same configuration "
+                         "kept in OUT/cells/STEM/ (by default a rerun continues from them)")
     a = ap.parse_args()
     cfg = BciBenchConfig.load(a.config) if a.config else (BciBenchConfig.tiny() if a.tiny else BciBenchConfig())
     cfg.out_dir = a.out
@@ -73,5 +79,7 @@ if __name__ == "__main__":
         cfg.data_dir = a.data
         if not a.stem:
             cfg.stem = f"{cfg.stem}_data"
+    if a.fresh:
+        cfg.resume = False
     run_bci_benchmark(cfg)
     sys.exit(0)

@@ -12,6 +12,8 @@ measures this machine's GRU throughput and prints the estimated run time.
 from __future__ import annotations
 
 import functools
+import hashlib
+import io
 import json
 import os
 import pickle
@@ -20,11 +22,14 @@ import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 import numpy as np
 import torch
 
+from closedloop.common.atomic import atomic_write_bytes
 from closedloop.common.config import JsonConfig
+from closedloop.sdk.grid import append_record, read_results
 
 from . import fastctc
 from .augment import DriftAugmentation
@@ -75,6 +80,9 @@ class BciBenchConfig(JsonConfig):
     stem: str = "bci"
     ablate: str = ""  # a drift component switched off in the data (docs/handwriting_data.md), or "all"
     data_dir: str = ""  # a folder of FALCON H2-layout NWB files to run on instead of the generator (bench_bci.py --data)
+    # each finished task (trained models, a scoring result) is kept under out_dir/cells/<stem>/ as it ends, so a rerun
+    # of the same configuration on the same data continues where a killed run stopped; False starts afresh
+    resume: bool = True
 
     @classmethod
     def tiny(cls) -> BciBenchConfig:
@@ -300,11 +308,58 @@ def merge_seed(config: HarnessConfig, trained: Sequence[dict], scored: Sequence[
     return run
 
 
+class TaskStore:
+    """Finished tasks of :func:`run_seeds` kept on disk, so a rerun skips them (``bench_bci.py`` resumes).
+
+    Each task's result (a training task's models, a scoring task's run) is written atomically to
+    ``<folder>/<key>.pt`` (``torch.save``), then one line is appended to ``<folder>/cells.jsonl``
+    (``{"key", "kind", "seed", "task", "file", "wall_s", "status": "ok"}``, the grid runner's
+    results format). A task's key hashes its kind, seed and what it trains or scores, the harness
+    configuration and the data's SHA-256, so a changed configuration or recording never reuses
+    a stored result. A task counts as done when its line is there and its file loads.
+    """
+
+    def __init__(self, folder: str | os.PathLike, harness: dict, data_sha256: str):
+        self.folder = Path(folder)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.index = self.folder / "cells.jsonl"
+        self._base = {"harness": harness, "data": data_sha256}
+        self._records = read_results(self.index)
+
+    def key(self, kind: str, args: tuple) -> str:
+        seed = args[0]
+        what = {"train": args[1]} if kind == "train" else {"methods": list(args[1]), "reference": bool(args[2])}
+        text = json.dumps({**self._base, "kind": kind, "seed": seed, **what}, sort_keys=True, default=str)
+        return hashlib.sha256(text.encode()).hexdigest()[:20]
+
+    def load(self, kind: str, args: tuple) -> dict | None:
+        """The stored result of this task, or None where it has not finished in an earlier run."""
+        key = self.key(kind, args)
+        rec = self._records.get(key)
+        if rec is None or rec.get("status") != "ok" or not (self.folder / rec["file"]).is_file():
+            return None
+        try:
+            return torch.load(self.folder / rec["file"], map_location="cpu", weights_only=False)
+        except Exception:  # noqa: BLE001  (a damaged file: run the task again)
+            return None
+
+    def save(self, kind: str, args: tuple, result: dict, task: str) -> None:
+        key = self.key(kind, args)
+        buf = io.BytesIO()
+        torch.save(result, buf)
+        atomic_write_bytes(self.folder / f"{key}.pt", buf.getvalue())
+        rec = {"key": key, "kind": kind, "seed": args[0], "task": task, "file": f"{key}.pt",
+               "wall_s": round(float(result.get("wall_s", 0.0)), 3), "status": "ok"}
+        append_record(self.index, rec)
+        self._records[key] = rec
+
+
 def run_seeds(data_path: str, harness: HarnessConfig, seeds: Sequence[int], workers: int,
-              report: Callable[[str], None] | None = None) -> list[dict]:
+              report: Callable[[str], None] | None = None, store: TaskStore | None = None) -> list[dict]:
     """Every seed's result, its training and scoring tasks shared out over ``workers`` processes (one thread each).
 
-    ``report`` gets a line as each task ends (what it did and how long it took).
+    ``report`` gets a line as each task ends (what it did and how long it took). With ``store``
+    each task's result is kept as it ends, and tasks stored by an earlier run are not run again.
 
     A task starts as soon as a worker is free and what it needs is trained, longest chain first:
     every seed's stage-1 backbone (then meta-learning), then the session-layer decoders, then
@@ -330,34 +385,50 @@ def run_seeds(data_path: str, harness: HarnessConfig, seeds: Sequence[int], work
 
     n_tasks = len(seeds) * (len(plan.train) + len(plan.score))
 
-    def finish(kind: str, args: tuple, result: dict) -> None:
+    resumed = 0
+
+    def finish(kind: str, args: tuple, result: dict, stored: bool = False) -> None:
         seed = args[0]
         if kind == "train":
             trained[seed][result["key"]] = result
-            release(seed)
             what = "trained " + " + ".join(sorted(result["models"].logs))
         else:
             scored[seed].append(result)
             what = "scored " + " + ".join([*args[1], *(["drift reference"] if args[2] else [])])
+        if store is not None and not stored:
+            store.save(kind, args, result, what)
+        if kind == "train":
+            release(seed)  # may queue scoring tasks: after the store holds this one
         if report is not None:
             done_tasks = sum(map(len, trained.values())) + sum(map(len, scored.values()))
-            report(f"[{done_tasks}/{n_tasks}] seed {seed}: {what} in {result['wall_s']:.0f} s")
+            how = f"stored by an earlier run ({result['wall_s']:.0f} s then)" if stored else f"in {result['wall_s']:.0f} s"
+            report(f"[{done_tasks}/{n_tasks}] seed {seed}: {what} {how}")
 
     def task(kind: str, args: tuple) -> tuple:
         return (_train_task if kind == "train" else _score_task), (data_path, hd, *args)
 
-    def next_ready() -> tuple[str, tuple]:
-        ready.sort(key=lambda r: r[0])
-        _, kind, args = ready.pop(0)
-        return kind, args
+    def next_ready() -> tuple[str, tuple] | None:
+        """The next task to run; tasks an earlier run stored are finished from the store on the way."""
+        nonlocal resumed
+        while ready:
+            ready.sort(key=lambda r: r[0])
+            _, kind, args = ready.pop(0)
+            result = store.load(kind, args) if store is not None else None
+            if result is None:
+                return kind, args
+            resumed += 1
+            finish(kind, args, result, stored=True)  # may queue the scoring tasks it unblocks
+        return None
 
     if workers <= 1:
-        while ready:
-            kind, args = next_ready()
+        while (nxt := next_ready()) is not None:
+            kind, args = nxt
             fn, task_args = task(kind, args)
             finish(kind, args, fn(*task_args))
     else:
         _run_on_pool(workers, ready, next_ready, task, finish)
+    if report is not None and resumed:
+        report(f"{resumed} of {n_tasks} tasks were stored by an earlier run and not run again ({store.folder})")
     return [merge_seed(replace(harness, seed=s), list(trained[s].values()), scored[s]) for s in seeds]
 
 
@@ -369,9 +440,14 @@ def _run_on_pool(workers: int, ready: list, next_ready: Callable, task: Callable
     with GridRunner(workers=workers) as runner:  # SIGTERM leaves through its close(): no worker outlives us
         while ready or len(runner):
             while ready and len(runner) < workers:
-                kind, args = next_ready()
+                nxt = next_ready()
+                if nxt is None:  # the rest came from the store
+                    break
+                kind, args = nxt
                 fn, task_args = task(kind, args)
                 runner.submit(fn, *task_args, tag=(kind, args))
+            if not len(runner):
+                continue
             done = runner.next_done()
             if done.error is not None:
                 raise done.exception if done.exception is not None else RuntimeError(done.error)
@@ -401,9 +477,15 @@ def run_bci_benchmark(config: BciBenchConfig, report: Callable[[str], None] = _p
            + ", ".join(f"{k} {v:.0f} s" for k, v in est["per_seed_s"].items()) + ")")
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "data.pkl")
+        data = pickle.dumps((sessions, words))
         with open(path, "wb") as f:
-            pickle.dump((sessions, words), f)
-        runs = run_seeds(path, config.harness, list(config.seeds), est["jobs"], report)
+            f.write(data)
+        store = None
+        if config.resume:
+            store = TaskStore(Path(config.out_dir) / "cells" / config.stem, config.harness.to_dict(),
+                              hashlib.sha256(data).hexdigest())
+            report(f"finished tasks are kept in {store.folder} (a rerun continues from them; --fresh ignores them)")
+        runs = run_seeds(path, config.harness, list(config.seeds), est["jobs"], report, store)
     for run in runs:
         for warning in run.get("training_warnings", []):
             report(f"warning (seed {run['seed']}): {warning}")

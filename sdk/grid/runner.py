@@ -287,7 +287,7 @@ def read_results(path: str | os.PathLike) -> dict[str, dict]:
     return records
 
 
-def _append(path: Path, record: dict) -> None:
+def append_record(path: str | os.PathLike, record: dict) -> None:
     """One line, one ``write`` on an ``O_APPEND`` descriptor, flushed to disk: a kill leaves whole lines."""
     try:
         line = json.dumps(record, allow_nan=True) + "\n"
@@ -349,7 +349,7 @@ def run_grid(fn: Callable[[dict, int], Any], cells: Sequence[Cell], results: str
                     rec |= {"node": d.node, "host": d.host, "pid": d.pid, "started": d.started,
                             "wall_s": round(d.wall_s, 4)}
                     if path is not None:
-                        _append(path, rec)
+                        append_record(path, rec)
                     out[cell.key] = rec
                     if bar is not None:
                         bar.update(1)

@@ -259,3 +259,59 @@ def test_an_error_in_a_benchmark_worker_ends_the_run_with_that_error(sessions, t
     path.write_bytes(pickle.dumps((no_held_in, [])))
     with pytest.raises(ValueError, match="held-in"):
         run_seeds(str(path), tiny_harness(methods=("zero_shot",), reference=False), [0, 1], workers=2)
+
+
+def test_a_rerun_continues_from_the_tasks_an_interrupted_run_stored(runs, sessions, tmp_path, monkeypatch):
+    """bench_bci.py keeps each finished task; a rerun after a kill runs only what was not finished, and its
+    results are those of an uninterrupted run. A changed configuration never reuses a stored task."""
+    import dataclasses
+    import hashlib
+    import pickle
+
+    from closedloop.sdk.bci import benchmark
+    from closedloop.sdk.bci.benchmark import TaskStore, run_seeds
+    from closedloop.sdk.grid import read_results
+
+    data = pickle.dumps((sessions, []))
+    path = tmp_path / "data.pkl"
+    path.write_bytes(data)
+    sha = hashlib.sha256(data).hexdigest()
+    cfg = tiny_harness()
+    folder = tmp_path / "cells"
+    first = run_seeds(str(path), cfg, [0, 1], workers=1, store=TaskStore(folder, cfg.to_dict(), sha))
+    records = read_results(folder / "cells.jsonl")
+    assert sorted(r["kind"] for r in records.values()) == ["score"] * 4 + ["train"] * 4
+    assert all((folder / r["file"]).is_file() for r in records.values())
+
+    # a kill after seed 1's scoring started: its scoring results were never stored
+    lines = (folder / "cells.jsonl").read_text().splitlines()
+    kept = [ln for ln in lines if not (ln and '"kind": "score"' in ln and '"seed": 1' in ln)]
+    assert len(kept) == len(lines) - 2
+    (folder / "cells.jsonl").write_text("\n".join(kept) + "\n")
+    ran: list[str] = []
+    real_score = benchmark._score_task
+
+    def score(*args):
+        ran.append(f"score seed {args[2]}")
+        return real_score(*args)
+
+    def train(*args):
+        raise AssertionError(f"training task {args[3]} of seed {args[2]} ran again")
+
+    monkeypatch.setattr(benchmark, "_score_task", score)
+    monkeypatch.setattr(benchmark, "_train_task", train)
+    lines_out: list[str] = []
+    again = run_seeds(str(path), cfg, [0, 1], workers=1, report=lines_out.append,
+                      store=TaskStore(folder, cfg.to_dict(), sha))
+    assert ran == ["score seed 1", "score seed 1"]
+    assert any("6 of 8 tasks were stored by an earlier run" in ln for ln in lines_out), lines_out
+    for a, b, one in zip(first, again, runs, strict=True):
+        for m in one["methods"]:
+            assert a["methods"][m]["mean"] == b["methods"][m]["mean"] == one["methods"][m]["mean"], m
+        assert b["config"] == one["config"]
+
+    # another configuration (or another recording) shares nothing with the stored tasks
+    other = dataclasses.replace(cfg, beam_width=2)
+    assert TaskStore(folder, other.to_dict(), sha).load("train", (0, "backbone", frozenset())) is None
+    assert TaskStore(folder, cfg.to_dict(), "0" * 64).load("train", (0, "backbone", frozenset())) is None
+    assert TaskStore(folder, cfg.to_dict(), sha).load("train", (0, "backbone", frozenset())) is not None
