@@ -1,13 +1,14 @@
 """Benchmark of the grid runner (closedloop.sdk.grid, docs/grid.md): three measurements, one run.
 
-    python bench/bench_grid.py                 # all three (~10 min on 2 cores); writes bench/results/grid/
-    python bench/bench_grid.py --only ibci     # one of: ibci, cluster, validate
+    python bench/bench_grid.py                   # all three (~10 min on 2 cores); writes bench/results/grid/
+    python bench/bench_grid.py --only ibci       # one of: ibci, cluster, validate
+    python bench/bench_grid.py --only ibci_full  # the full iBCI benchmark on both schedulers (~2x bench_bci.py)
 
 (a) ibci: the iBCI benchmark's task scheduler (sdk.bci.benchmark.run_seeds: per seed, training tasks
-then scoring tasks) at a SMALL setting (a toy recording, 3 seeds, a few hundred training steps; the
-full benchmark takes 23-43 min and is not run here), on the grid runner (a local Ray instance) and
-on the spawn ``multiprocessing.Pool`` it replaced, re-created here as the baseline; same workers,
-same tasks, wall time of each, the runner's including Ray's start-up. (b) cluster: a Ray head and a
+then scoring tasks) at a SMALL setting (a toy recording, 3 seeds, a few hundred training steps), or
+with ``ibci_full`` on bench_bci.py's own recording and harness, on the grid runner (a local Ray
+instance) and on the spawn ``multiprocessing.Pool`` it replaced, re-created here as the baseline;
+same workers, same tasks, wall time of each, the runner's including Ray's start-up. (b) cluster: a Ray head and a
 worker node on 127.0.0.1 (one CPU each), a grid of CPU-bound cells, which node each cell ran on.
 (c) validate: a batch of emulator sessions with every fault (drops, corruption, silences, resets),
 every session's summary present and every recording accounted for (kept, or deleted because the
@@ -64,8 +65,35 @@ def _spawn_pool(workers: int, ready: list, next_ready, task, finish) -> None:
         pool.join()
 
 
-def bench_ibci(workers: int, seeds: int, steps: int) -> dict:
+def _compare_schedulers(sessions: list, words: list, harness, seeds: int, workers: int, out: dict) -> dict:
+    """run_seeds on the spawn Pool and on the grid runner, same data, harness, seeds and workers."""
     from closedloop.sdk.bci import benchmark
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "data.pkl"
+        path.write_bytes(pickle.dumps((sessions, words)))
+        runs = {}
+        for name, pool in (("spawn_pool", _spawn_pool), ("grid_runner", benchmark._run_on_pool)):
+            original = benchmark._run_on_pool
+            benchmark._run_on_pool = pool
+            try:
+                t0 = time.perf_counter()
+                runs[name] = benchmark.run_seeds(str(path), harness, list(range(seeds)), workers=workers,
+                                                 report=lambda line, n=name: print(f"ibci {n}: {line}", flush=True))
+                out[f"{name}_wall_s"] = round(time.perf_counter() - t0, 2)
+            finally:
+                benchmark._run_on_pool = original
+            print(f"ibci: {name} {out[f'{name}_wall_s']} s", flush=True)
+    same = all(a["methods"][m]["mean"] == b["methods"][m]["mean"]
+               for a, b in zip(runs["spawn_pool"], runs["grid_runner"], strict=True) for m in a["methods"])
+    out["same_results"] = bool(same)
+    out["ratio"] = round(out["grid_runner_wall_s"] / out["spawn_pool_wall_s"], 3)
+    out["target_met"] = out["ratio"] <= 1.1
+    out["load_average_1min_after"] = round(os.getloadavg()[0], 2)
+    return out
+
+
+def bench_ibci(workers: int, seeds: int, steps: int) -> dict:
     from closedloop.sdk.bci.calibrate import CalibrationConfig
     from closedloop.sdk.bci.evaluate import HarnessConfig
     from closedloop.sdk.bci.meta import MetaConfig
@@ -80,26 +108,19 @@ def bench_ibci(workers: int, seeds: int, steps: int) -> dict:
     out: dict = {"setting": f"toy recording 16 ch, 4 held-in + 2 held-out sessions x 12 trials; {seeds} seeds; "
                             f"backbone 32 units, {steps} training steps; {workers} workers",
                  "workers": workers, "seeds": seeds}
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "data.pkl"
-        path.write_bytes(pickle.dumps((sessions, [])))
-        runs = {}
-        for name, pool in (("spawn_pool", _spawn_pool), ("grid_runner", benchmark._run_on_pool)):
-            original = benchmark._run_on_pool
-            benchmark._run_on_pool = pool
-            try:
-                t0 = time.perf_counter()
-                runs[name] = benchmark.run_seeds(str(path), harness, list(range(seeds)), workers=workers)
-                out[f"{name}_wall_s"] = round(time.perf_counter() - t0, 2)
-            finally:
-                benchmark._run_on_pool = original
-            print(f"ibci: {name} {out[f'{name}_wall_s']} s", flush=True)
-    same = all(a["methods"][m]["mean"] == b["methods"][m]["mean"]
-               for a, b in zip(runs["spawn_pool"], runs["grid_runner"], strict=True) for m in a["methods"])
-    out["same_results"] = bool(same)
-    out["ratio"] = round(out["grid_runner_wall_s"] / out["spawn_pool_wall_s"], 3)
-    out["target_met"] = out["ratio"] <= 1.1
-    return out
+    return _compare_schedulers(sessions, [], harness, seeds, workers, out)
+
+
+def bench_ibci_full(workers: int, seeds: int) -> dict:
+    """The iBCI benchmark's own data and harness (bench_bci.py's defaults), its seeds 0..seeds-1."""
+    from closedloop.sdk.bci.benchmark import BciBenchConfig, generate_data
+    from closedloop.sim.handwriting import VOCABULARY
+
+    cfg = BciBenchConfig()
+    sessions, _hw = generate_data(cfg)
+    out: dict = {"setting": f"bench_bci.py's default recording and harness (every method, {seeds} seeds, "
+                            f"{workers} workers)", "workers": workers, "seeds": seeds}
+    return _compare_schedulers(sessions, list(VOCABULARY), cfg.harness, seeds, workers, out)
 
 
 # ------------------------------------------------------------------ (b) two-node loopback cluster
@@ -220,10 +241,11 @@ def _reasons(bad: list[dict]) -> dict[str, int]:
 
 def markdown(rec: dict) -> str:
     lines = [f"# Grid runner benchmark\n\n`{rec['command']}` on {rec['machine']}, {rec['date']}.\n"]
-    if "ibci" in rec:
-        b = rec["ibci"]
-        lines += ["## iBCI benchmark scheduler: grid runner vs spawn Pool (small setting)\n",
-                  f"{b['setting']}. The full benchmark (23-43 min) was not run.\n",
+    for key, title in (("ibci", "small setting"), ("ibci_full", "the full benchmark")):
+        if key not in rec:
+            continue
+        b = rec[key]
+        lines += [f"## iBCI benchmark scheduler: grid runner vs spawn Pool ({title})\n", f"{b['setting']}.\n",
                   "| pool | wall s |", "| --- | --- |",
                   f"| spawn multiprocessing.Pool (before) | {b['spawn_pool_wall_s']} |",
                   f"| grid runner, local Ray (now) | {b['grid_runner_wall_s']} |",
@@ -250,7 +272,9 @@ def markdown(rec: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--only", choices=("ibci", "cluster", "validate"), action="append")
+    ap.add_argument("--only", choices=("ibci", "ibci_full", "cluster", "validate"), action="append",
+                    help="run these only (default: ibci, cluster and validate; ibci_full, the full iBCI benchmark "
+                         "on both schedulers, takes about twice bench_bci.py's time and runs only when named)")
     ap.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1))
     ap.add_argument("--ibci-seeds", type=int, default=3)
     ap.add_argument("--ibci-steps", type=int, default=300)
@@ -261,10 +285,13 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     which = args.only or ["ibci", "cluster", "validate"]
     rec: dict = {"command": "python bench/bench_grid.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-                 "machine": f"{_cpu()}, {os.cpu_count()} cores, {platform.system()} (shared with other jobs)",
+                 "machine": f"{_cpu()}, {os.cpu_count()} cores, {platform.system()}",
+                 "load_average_1min_before": round(os.getloadavg()[0], 2),
                  "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     if "ibci" in which:
         rec["ibci"] = bench_ibci(args.workers, args.ibci_seeds, args.ibci_steps)
+    if "ibci_full" in which:
+        rec["ibci_full"] = bench_ibci_full(args.workers, args.ibci_seeds)
     if "cluster" in which:
         rec["cluster"] = bench_cluster(cells=8, seconds=1.0)
         print(f"cluster: {rec['cluster']}", flush=True)
@@ -272,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
         rec["validate"] = bench_validate(args.sessions, args.duration, args.workers)
         print(f"validate: {rec['validate']}", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = "grid" if len(which) == 3 else "grid_" + "_".join(which)
+    stem = "grid" if sorted(which) == ["cluster", "ibci", "validate"] else "grid_" + "_".join(which)
     (args.out / f"{stem}.json").write_text(json.dumps(rec, indent=1) + "\n")
     (args.out / f"{stem}.md").write_text(markdown(rec))
     print(markdown(rec))
