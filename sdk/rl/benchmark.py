@@ -69,8 +69,9 @@ def estimate_minutes(cfg: dict) -> float:
 
 
 def _rl_cell(config: dict, seed: int) -> dict:
-    """A grid cell of the RL benchmark: one (reward, seed) run."""
-    return _one_run((config["kind"], seed, config["cfg"], config["save_dir"]))
+    """A grid cell of the RL benchmark: one (reward, seed) run, as JSON values (its record is stored as a line)."""
+    rec = _one_run((config["kind"], seed, config["cfg"], config["save_dir"]))
+    return json.loads(json.dumps(rec, default=float))
 
 
 def _one_run(args: tuple[str, int, dict, str]) -> dict:
@@ -220,7 +221,9 @@ def write_markdown(report: dict, path: Path) -> None:
 def run_rl_benchmark(cfg: dict, out: Path, stem: str = "rl", tiny: bool = False, report=_say) -> dict:
     """Every (reward, seed) run in ``cfg["workers"]`` processes, then the deployment check of the best policy.
 
-    Writes ``STEM.json``, ``STEM.md`` and ``STEM_success.png`` to ``out``; returns the report.
+    Writes ``STEM.json``, ``STEM.md`` and ``STEM_success.png`` to ``out``; returns the report. Each run's
+    record is appended to ``out/cells/STEM/cells.jsonl`` and its actor saved beside it as the run ends, so
+    the same command after a kill runs only the runs not finished (delete the folder to start afresh).
     """
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -228,22 +231,37 @@ def run_rl_benchmark(cfg: dict, out: Path, stem: str = "rl", tiny: bool = False,
            f"{cfg['run']['total_steps']:,} steps each, {cfg['workers']} processes of one thread; estimated "
            f"{estimate_minutes(cfg):.0f} min")
     t0 = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="bench-rl-") as tmp:
-        from closedloop.sdk.grid import Cell, run_grid
+    from closedloop.sdk.grid import Cell, append_record, read_results, run_grid
 
-        # one cell per (reward, seed) on the grid runner (Ray where installed, else one by one, docs/grid.md)
-        cells = [Cell({"kind": kind, "cfg": cfg, "save_dir": tmp}, seed, name=f"{kind}:{seed}")
-                 for seed in cfg["seeds"] for kind in cfg["kinds"]]
-        records = run_grid(_rl_cell, cells, workers=cfg["workers"], desc="bench_rl")
-        failed = [r for r in records if r["status"] != "ok"]
-        if failed:
-            raise RuntimeError(f"bench_rl: {len(failed)} runs failed; first, {failed[0]['key']}: {failed[0]['error']}")
-        runs = []
-        for r in records:
-            rec = r["result"]
-            report(f"{rec['kind']:>9} seed {rec['seed']}: start {rec['curve'][0][1]:.2f} -> final "
-                   f"{rec['final_success']:.2f} in {rec['wall_s']:.0f} s")
-            runs.append(rec)
+    # each (reward, seed) run is a cell on the grid runner (Ray where installed, else one by one, docs/grid.md);
+    # its record goes to cells.jsonl and its actor beside it as it finishes, so a rerun continues a killed one
+    store = out / "cells" / stem
+    store.mkdir(parents=True, exist_ok=True)
+    results = store / "cells.jsonl"
+    run_cfg = {k: v for k, v in cfg.items() if k != "workers"}  # how many run at once changes no result
+    cells = [Cell({"kind": kind, "cfg": run_cfg, "save_dir": str(store)}, seed)
+             for seed in cfg["seeds"] for kind in cfg["kinds"]]
+    stored = read_results(results)
+    for cell in cells:  # a stored run whose actor file is gone runs again (the deployment check loads it)
+        rec = stored.get(cell.key)
+        if rec is not None and rec.get("status") == "ok" and not Path(rec["result"]["actor"]).is_file():
+            append_record(results, {"key": cell.key, "status": "failed", "error": "its actor file is missing"})
+    reused = sum(1 for c in cells if stored.get(c.key, {}).get("status") == "ok"
+                 and Path(stored[c.key]["result"]["actor"]).is_file())
+    if reused:
+        report(f"bench_rl: {reused} of {len(cells)} runs were finished by an earlier run ({results}) and are not "
+               "run again")
+    records = run_grid(_rl_cell, cells, results=results, workers=cfg["workers"], desc="bench_rl")
+    failed = [r for r in records if r["status"] != "ok"]
+    if failed:
+        raise RuntimeError(f"bench_rl: {len(failed)} runs failed; first, {failed[0]['key']}: {failed[0]['error']}")
+    runs = []
+    for r in records:
+        rec = r["result"]
+        report(f"{rec['kind']:>9} seed {rec['seed']}: start {rec['curve'][0][1]:.2f} -> final "
+               f"{rec['final_success']:.2f} in {rec['wall_s']:.0f} s")
+        runs.append(rec)
+    with tempfile.TemporaryDirectory(prefix="bench-rl-") as tmp:
         deployment = deploy_best(runs, cfg, Path(tmp))
     for r in runs:
         r.pop("actor", None)

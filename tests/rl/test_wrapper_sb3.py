@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -74,3 +76,14 @@ def test_bench_tiny_writes_its_reports(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     for name in ("rl_tiny.json", "rl_tiny.md", "rl_tiny_success.png"):
         assert (tmp_path / name).stat().st_size > 0
+    # every run was stored as it ended: the same command again runs none of them and writes the same table
+    cells = tmp_path / "cells" / "rl_tiny" / "cells.jsonl"
+    lines = cells.read_text().splitlines()
+    assert lines and all('"status": "ok"' in ln for ln in lines)
+    table = json.loads((tmp_path / "rl_tiny.json").read_text())["table"]
+    again = subprocess.run([sys.executable, str(root / "bench" / "bench_rl.py"), "--tiny", "--out", str(tmp_path)],
+                           capture_output=True, text=True, timeout=280, cwd=root)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert f"{len(lines)} of {len(lines)} runs were finished by an earlier run" in again.stdout + again.stderr
+    assert cells.read_text().splitlines() == lines
+    assert json.loads((tmp_path / "rl_tiny.json").read_text())["table"] == table
