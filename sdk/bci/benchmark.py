@@ -355,11 +355,13 @@ class TaskStore:
 
 
 def run_seeds(data_path: str, harness: HarnessConfig, seeds: Sequence[int], workers: int,
-              report: Callable[[str], None] | None = None, store: TaskStore | None = None) -> list[dict]:
+              report: Callable[[str], None] | None = None, store: TaskStore | None = None,
+              progress: bool = False) -> list[dict]:
     """Every seed's result, its training and scoring tasks shared out over ``workers`` processes (one thread each).
 
     ``report`` gets a line as each task ends (what it did and how long it took). With ``store``
     each task's result is kept as it ends, and tasks stored by an earlier run are not run again.
+    ``progress`` draws a tqdm bar of the tasks on stderr, as the grid runner's grids do.
 
     A task starts as soon as a worker is free and what it needs is trained, longest chain first:
     every seed's stage-1 backbone (then meta-learning), then the session-layer decoders, then
@@ -384,6 +386,11 @@ def run_seeds(data_path: str, harness: HarnessConfig, seeds: Sequence[int], work
                 ready.append(((1, g, seeds.index(s)), "score", (s, methods, reference, models)))
 
     n_tasks = len(seeds) * (len(plan.train) + len(plan.score))
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=n_tasks, desc="iBCI tasks", unit="task", leave=True)
 
     resumed = 0
 
@@ -399,6 +406,8 @@ def run_seeds(data_path: str, harness: HarnessConfig, seeds: Sequence[int], work
             store.save(kind, args, result, what)
         if kind == "train":
             release(seed)  # may queue scoring tasks: after the store holds this one
+        if bar is not None:
+            bar.update(1)
         if report is not None:
             done_tasks = sum(map(len, trained.values())) + sum(map(len, scored.values()))
             how = f"stored by an earlier run ({result['wall_s']:.0f} s then)" if stored else f"in {result['wall_s']:.0f} s"
@@ -420,13 +429,17 @@ def run_seeds(data_path: str, harness: HarnessConfig, seeds: Sequence[int], work
             finish(kind, args, result, stored=True)  # may queue the scoring tasks it unblocks
         return None
 
-    if workers <= 1:
-        while (nxt := next_ready()) is not None:
-            kind, args = nxt
-            fn, task_args = task(kind, args)
-            finish(kind, args, fn(*task_args))
-    else:
-        _run_on_pool(workers, ready, next_ready, task, finish)
+    try:
+        if workers <= 1:
+            while (nxt := next_ready()) is not None:
+                kind, args = nxt
+                fn, task_args = task(kind, args)
+                finish(kind, args, fn(*task_args))
+        else:
+            _run_on_pool(workers, ready, next_ready, task, finish)
+    finally:
+        if bar is not None:
+            bar.close()
     if report is not None and resumed:
         report(f"{resumed} of {n_tasks} tasks were stored by an earlier run and not run again ({store.folder})")
     return [merge_seed(replace(harness, seed=s), list(trained[s].values()), scored[s]) for s in seeds]
@@ -485,7 +498,7 @@ def run_bci_benchmark(config: BciBenchConfig, report: Callable[[str], None] = _p
             store = TaskStore(Path(config.out_dir) / "cells" / config.stem, config.harness.to_dict(),
                               hashlib.sha256(data).hexdigest())
             report(f"finished tasks are kept in {store.folder} (a rerun continues from them; --fresh ignores them)")
-        runs = run_seeds(path, config.harness, list(config.seeds), est["jobs"], report, store)
+        runs = run_seeds(path, config.harness, list(config.seeds), est["jobs"], report, store, progress=True)
     for run in runs:
         for warning in run.get("training_warnings", []):
             report(f"warning (seed {run['seed']}): {warning}")

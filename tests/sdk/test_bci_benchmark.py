@@ -28,6 +28,7 @@ def test_the_benchmark_script_writes_every_result_of_an_ablated_two_seed_run(tmp
     run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "estimated time:" in run.stdout and "wall time" in run.stdout
+    assert re.search(r"iBCI tasks: 100%.*8/8", run.stderr), run.stderr[-2000:]  # the progress bar, on stderr
     # a line as each of the seeds' tasks ends: train the backbone (and meta-learn), train the session-layer
     # decoder (the drift reference's), score the two methods, score the reference; numbered in order
     progress = re.findall(r"^\[(\d+)/(\d+)\] seed (\d+): (.*) in \d+ s$", run.stdout, re.M)
