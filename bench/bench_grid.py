@@ -7,7 +7,7 @@
 (a) ibci: the iBCI benchmark's task scheduler (sdk.bci.benchmark.run_seeds: per seed, training tasks
 then scoring tasks) at a SMALL setting (a toy recording, 3 seeds, a few hundred training steps), or
 with ``ibci_full`` on bench_bci.py's own recording and harness, on the grid runner (a local Ray
-instance) and on the spawn ``multiprocessing.Pool`` it replaced, re-created here as the baseline;
+instance) and on a spawn ``multiprocessing.Pool`` scheduler, the baseline;
 same workers, same tasks, wall time of each, the runner's including Ray's start-up. (b) cluster: a Ray head and a
 worker node on 127.0.0.1 (one CPU each), a grid of CPU-bound cells, which node each cell ran on.
 (c) validate: a batch of emulator sessions with every fault (drops, corruption, silences, resets),
@@ -45,7 +45,7 @@ def _cpu() -> str:
 # ------------------------------------------------------------------ (a) iBCI scheduler, runner vs spawn pool
 
 def _spawn_pool(workers: int, ready: list, next_ready, task, finish) -> None:
-    """The baseline: the spawn Pool scheduler sdk.bci.benchmark used before the grid runner."""
+    """The baseline: a spawn multiprocessing.Pool keeping ``workers`` tasks running."""
     done: queue.Queue = queue.Queue()
     running = 0
     with mp.get_context("spawn").Pool(workers) as pool:
@@ -247,8 +247,8 @@ def markdown(rec: dict) -> str:
         b = rec[key]
         lines += [f"## iBCI benchmark scheduler: grid runner vs spawn Pool ({title})\n", f"{b['setting']}.\n",
                   "| pool | wall s |", "| --- | --- |",
-                  f"| spawn multiprocessing.Pool (before) | {b['spawn_pool_wall_s']} |",
-                  f"| grid runner, local Ray (now) | {b['grid_runner_wall_s']} |",
+                  f"| spawn multiprocessing.Pool (baseline) | {b['spawn_pool_wall_s']} |",
+                  f"| grid runner, local Ray | {b['grid_runner_wall_s']} |",
                   f"\nratio {b['ratio']} (target <= 1.1: {'met' if b['target_met'] else 'NOT met'}); "
                   f"same results: {b['same_results']}.\n"]
     if "cluster" in rec:
