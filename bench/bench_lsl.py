@@ -21,7 +21,8 @@ after the output, written right after the transport's write), all on the LSL clo
   loop step, up to one period: the stream and the loop run at 1 kHz on unrelated phases);
 - step: read -> command sent (parse, model, encode, write).
 
-``--realtime`` runs the session and the source under SCHED_FIFO. Prints a table and writes
+``--realtime`` runs the session and the source under SCHED_FIFO; ``--wake-on-input`` has the
+session step as each sample arrives instead of on its 1 kHz clock (``lsl_wake*``). Prints a table and writes
 ``lsl.json`` and ``lsl.png`` (``lsl_rt*`` with ``--realtime``, ``lsl_quick*`` with ``--quick``) to
 ``--out`` (default ``bench/results/lsl``).
 """
@@ -212,6 +213,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--realtime", action="store_true",
                     help="run the session and the source under SCHED_FIFO (a board's real-time set-up), so other "
                          "work on the machine does not preempt them")
+    ap.add_argument("--wake-on-input", action="store_true",
+                    help="the session steps as each sample arrives (SessionConfig.wake_on_input) instead of on its "
+                         "1 kHz clock; results go to lsl_wake*")
     ap.add_argument("--quick", action="store_true", help="3 s session, 1 s probe")
     ap.add_argument("--out", type=Path, default=RESULTS)
     ap.add_argument("--outlet", help=argparse.SUPPRESS)
@@ -242,7 +246,8 @@ def main(argv: list[str] | None = None) -> int:
             rec = Path(tmp) / "lsl.clrec"
             print(f"session on lsl://{name} at 1 kHz for {args.seconds:g} s...", flush=True)
             summary = run_session(bundle, SessionConfig(device=f"lsl://{name}?timeout=10", duration_s=args.seconds,
-                                                        record=str(rec), status=False, backend=args.backend))
+                                                        record=str(rec), status=False, backend=args.backend,
+                                                        wake_on_input=args.wake_on_input))
             legs = latencies(rec, offset)
     finally:
         source.terminate()
@@ -274,7 +279,8 @@ def main(argv: list[str] | None = None) -> int:
     for k, met in targets.items():
         print(f"target {k}: {'MET' if met else 'NOT MET'}")
 
-    stem = ("lsl_quick" if args.quick else "lsl") + ("_rt" if args.realtime else "")
+    stem = (("lsl_quick" if args.quick else "lsl") + ("_wake" if args.wake_on_input else "")
+            + ("_rt" if args.realtime else ""))
     args.out.mkdir(parents=True, exist_ok=True)
     plot(legs, transit, args.out / f"{stem}.png")
     record = {
@@ -284,6 +290,7 @@ def main(argv: list[str] | None = None) -> int:
                    "load_average_before": load_before, "load_average_after": list(os.getloadavg())},
         "stream": {"channels": CHANNELS, "rate_hz": RATE_HZ, "format": "int32", "source_ppm": args.source_ppm},
         "session_s": args.seconds, "probe_s": args.probe_s, "realtime": args.realtime,
+        "wake_on_input": args.wake_on_input,
         "clock_offset_lsl_minus_monotonic_s": offset, "clock_offset_read_width_s": width,
         "time_correction_s": float(legs["time_correction_s"][0]),
         "legs": stats, "added_p99_us": round(added_p99, 1),

@@ -134,11 +134,33 @@ class Link:
                 break
         return self._inbox.popleft() if self._inbox else None
 
-    def _pump(self, timeout: float | None) -> None:
+    def wait(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for a whole frame; True once one is parsed and waiting for :meth:`poll`.
+
+        Raises what the transport raises (a device that is gone), like :meth:`poll`.
+        """
+        if self._inbox:
+            return True
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return bool(self._inbox)
+            if not self._pump(left) and not self._inbox:
+                # a transport that returned at once with nothing (a stream it is still looking for): do not spin
+                time.sleep(min(left, 0.0005))
+            if self._inbox:
+                return True
+
+    def _pump(self, timeout: float | None) -> int:
+        """Read what the transport has (waiting up to ``timeout`` for the first bytes) into the inbox; bytes read."""
         data = self.transport.read(65536, timeout)
+        n = 0
         while data:
+            n += len(data)
             self._inbox.extend(self.parser.feed(data))
             data = self.transport.read(65536, 0.0)
+        return n
 
     def close(self) -> None:
         self.transport.close()

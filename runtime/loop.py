@@ -16,6 +16,13 @@ Ctrl-C ends the loop cleanly with a summary. Spare time after a step can be give
 to ``on_idle(k, budget_ns)`` (status lines, weight scrubbing) with a stated budget, and
 ``on_step_end(k, latency_ns, lateness_ns)`` hands each step's timing to per-step hooks.
 
+With ``wake_on_input`` and a ``wait_input(timeout_s) -> bool`` callable, the loop waits for the
+device instead of sleeping: a step starts as soon as ``wait_input`` reports input, or at its
+deadline when none came (the watchdog's tick), and the deadlines restart one period after
+each step that input woke. A sample is then answered in a step's time rather than after up to
+one period of waiting for the next tick; the device's clock sets the rate. Such a step's
+lateness is the time from the wake-up to the step's start; it has no prewarm.
+
 Two measures against tail latency, both on by default and both measured in
 ``bench/``: Python's cyclic garbage collector is frozen and disabled for the loop's
 duration (a collection can pause for milliseconds; it runs once before the loop, or
@@ -61,6 +68,8 @@ class LoopConfig:
     # a session collects before its handshake instead (the device streams from then on) and turns this off
     collect_gc: bool = True
     prewarm_lead_us: int = 300  # with a prewarm hook, wake this much earlier to run it before the spin
+    # step when input arrives (run's wait_input), the deadline only the latest start; the grid restarts at each
+    wake_on_input: bool = False
 
     def __post_init__(self) -> None:
         if not self.rate_hz > 0:
@@ -106,6 +115,7 @@ class RealTimeLoop:
         on_idle: Callable[[int, int], object] | None = None,
         prewarm: Callable[[], object] | None = None,
         on_step_end: Callable[[int, int, int], object] | None = None,
+        wait_input: Callable[[float], bool] | None = None,
     ) -> LoopSummary:
         cfg = self.config
         period = cfg.period_ns
@@ -130,6 +140,7 @@ class RealTimeLoop:
             gc.freeze()  # existing objects leave the collector's generations: nothing to scan
             gc.disable()
         t0 = clock() + period  # first deadline one period out: time to settle
+        woken_by_input = wait_input if cfg.wake_on_input else None
         if cfg.duration_s is not None:
             end_ns = t0 + int(cfg.duration_s * 1e9)
         try:
@@ -143,13 +154,21 @@ class RealTimeLoop:
                                   else getattr(self._stop, "reason", "stop"))
                     break
                 now = clock()
-                wait = deadline - now - wake_early
-                if wait > 0:
-                    sleep(wait / 1e9)
-                if prewarm is not None and clock() < deadline:
-                    prewarm()
-                while clock() < deadline:
-                    pass
+                if woken_by_input is not None:
+                    # wait for the device up to the deadline; input starts the step now and restarts the grid
+                    if deadline > now and woken_by_input((deadline - now) / 1e9):
+                        deadline = clock()
+                        t0 = deadline - k * period
+                    while clock() < deadline:  # a wait that returned a little early, without input
+                        pass
+                else:
+                    wait = deadline - now - wake_early
+                    if wait > 0:
+                        sleep(wait / 1e9)
+                    if prewarm is not None and clock() < deadline:
+                        prewarm()
+                    while clock() < deadline:
+                        pass
                 start = clock()
                 step(k)
                 end = clock()

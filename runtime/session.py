@@ -117,6 +117,9 @@ class SessionConfig:
     rt: bool = False
     rt_cpu: int | None = None
     rt_priority: int = DEFAULT_PRIORITY
+    # Step as soon as a frame arrives rather than on the next tick of the rate's clock (runtime/loop.py): the
+    # device's clock sets the rate, the bundle's rate is the watchdog's tick when none comes (docs/runtime.md).
+    wake_on_input: bool = False
 
     def record_dict(self) -> dict[str, Any]:
         """The settings as a recording's META keeps them: no secret, observers by class name."""
@@ -420,6 +423,18 @@ class Session:
             self._on_reconnect()
         return frames
 
+    def _wait_input(self, timeout_s: float) -> bool:
+        """The loop's wait with ``wake_on_input``: True once a frame is waiting. A link that is down or fails
+        is the next step's to handle (reconnect, watchdog), so that time is slept instead."""
+        link = self.link
+        if link is not None and not self._disconnected:
+            try:
+                return link.wait(timeout_s)
+            except (DeviceNotConnectedError, OSError):
+                pass
+        time.sleep(timeout_s)
+        return False
+
     def _on_reconnect(self) -> None:
         self._disconnected = False
         self.summary_counts["reconnects"] += 1
@@ -633,7 +648,8 @@ class Session:
         cfg = self.config
         self._loop = RealTimeLoop(
             LoopConfig(rate_hz=self.rate_hz, duration_s=cfg.duration_s, max_steps=cfg.max_steps, overrun=OverrunPolicy(cfg.overrun),
-                       collect_gc=False)  # collected in start(), before the handshake
+                       collect_gc=False,  # collected in start(), before the handshake
+                       wake_on_input=cfg.wake_on_input)
         )
         grant: RealtimeGrant | None = None
         error: Exception | None = None
@@ -649,6 +665,7 @@ class Session:
                         self.step, on_hold=self.hold, on_idle=self.idle,
                         prewarm=self.model.prewarm if cfg.prewarm else None,
                         on_step_end=self._tap.publish if self._tap is not None else None,
+                        wait_input=self._wait_input if cfg.wake_on_input else None,
                     )
                 except Exception as exc:  # a safety stop (a device that came back as another) or a fault:
                     if self._loop.last_summary is None:  # the loop never started

@@ -114,6 +114,9 @@ def _run_args(p: argparse.ArgumentParser) -> None:
                         "NAME-text ([lsl] extra)")
     p.add_argument("--watchdog-limit", type=float, default=None, metavar="S",
                    help="end the session (exit 1) after S seconds without input; default: wait for the device")
+    p.add_argument("--wake-on-input", action="store_true",
+                   help="with --device: step as soon as a frame arrives instead of on the next tick of the rate's "
+                        "clock (the rate is then the watchdog's tick); for a stream paced by its own clock, such as LSL")
     p.add_argument("--rt", action="store_true",
                    help="real-time settings for the loop: SCHED_FIFO, memory locked (mlockall), pinned with --cpu; "
                         "refused with the reason where not permitted (docs/realtime.md; check with closedloop doctor)")
@@ -165,7 +168,7 @@ def _run(a: argparse.Namespace) -> int:
             record=a.record, watchdog_s=a.watchdog, overrun=a.overrun, key=a.key, status=not a.quiet,
             weights_key_file=a.weights_key_file, scrub=a.scrub, inputs=_held_inputs(a.input), trust=a.trust,
             monitor=a.monitor, monitor_public=a.monitor_public, lsl_out=a.lsl_out, watchdog_limit_s=a.watchdog_limit,
-            **_rt_settings(a),
+            wake_on_input=a.wake_on_input, **_rt_settings(a),
         )
         from closedloop.runtime.session import DeviceChangedError
 

@@ -165,3 +165,35 @@ def test_model_prewarm_leaves_state_and_outputs_alone(gru_bundle):
             b.inputs["x"][...] = x  # prewarm on the next input, as a loop would
             b.prewarm()
         np.testing.assert_array_equal(a.step(x), b.step(x))
+
+
+def test_wake_on_input_steps_when_input_arrives_and_ticks_without_it():
+    # input every 4 ms against a 20 ms clock: each arrival starts a step at once; after the last one the clock's
+    # deadline, one period after the last step, still ticks (the watchdog's step)
+    arrivals: list[float] = []
+    starts: list[float] = []
+
+    def wait_input(timeout_s: float) -> bool:
+        now = time.perf_counter()
+        if not arrivals:  # the device starts streaming once the loop waits for it
+            arrivals.extend(now + 0.01 + 0.004 * i for i in range(10))
+        nxt = next((t for t in arrivals if t > (starts[-1] if starts else 0.0)), None)
+        if nxt is None or nxt > now + timeout_s:
+            time.sleep(timeout_s)
+            return False
+        time.sleep(max(0.0, nxt - now))
+        return True
+
+    loop = RealTimeLoop(LoopConfig(rate_hz=50.0, duration_s=0.3, wake_on_input=True))
+    summary = loop.run(lambda k: starts.append(time.perf_counter()), wait_input=wait_input)
+    woken = [s for s in starts if any(0 <= s - a < 0.002 for a in arrivals)]
+    assert len(woken) >= 8, (starts, arrivals)  # on a loaded machine a wake-up may come late; most are prompt
+    ticks = [b - a for a, b in zip(starts, starts[1:], strict=False) if a > arrivals[-1] + 0.001]
+    assert ticks and all(abs(t - 0.02) < 0.01 for t in ticks), ticks  # then the 50 Hz clock alone
+    assert summary.stopped_by == "duration"
+
+
+def test_without_wake_on_input_the_wait_is_never_called():
+    called = []
+    RealTimeLoop(LoopConfig(rate_hz=200.0, max_steps=5)).run(lambda k: None, wait_input=lambda t: called.append(t))
+    assert called == []

@@ -71,13 +71,17 @@ class _Source(threading.Thread):
             time.sleep(max(0.0, t0 + k / 50 - time.monotonic()))
 
 
-def test_an_lsl_stream_drives_a_session_is_recorded_with_its_clocks_and_replays(neural_bundle, tmp_path):
+@pytest.mark.parametrize("wake_on_input", [False, True], ids=["clocked", "wake-on-input"])
+def test_an_lsl_stream_drives_a_session_is_recorded_with_its_clocks_and_replays(neural_bundle, tmp_path,
+                                                                                 wake_on_input):
+    # clocked: the session's 50 Hz clock; wake-on-input: a step as each sample arrives, the clock only the
+    # watchdog's tick while the source is gone
     name = f"cltest-{uuid.uuid4().hex[:10]}"
     src = _Source(name, gone_at_s=2.0, gone_s=0.5, run_s=8.0)
     src.start()
     rec = tmp_path / "lsl.clrec"
     cfg = SessionConfig(device=f"lsl://{name}?timeout=3&lost_s=0.3", duration_s=6.0, status=False,
-                        record=str(rec), backend="onnxruntime")
+                        record=str(rec), backend="onnxruntime", wake_on_input=wake_on_input)
     s = run_session(neural_bundle, cfg)
     src.join()
     assert s.device["kind"] == "headstage" and s.device["n_channels"] == 12 and s.device["rate_hz"] == 50

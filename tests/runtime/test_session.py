@@ -332,3 +332,16 @@ def test_sigkill_of_host_keeps_the_recording(neural_bundle, tmp_path):
     rep = replay_recording(rec, neural_bundle, backend="onnxruntime")
     assert rep.outputs_compared >= len(outputs) - 1 and rep.max_abs_diff <= 1e-6
     assert os.path.getsize(rec) == r.valid_bytes + r.dropped_bytes
+
+
+def test_wake_on_input_steps_at_the_devices_pace_and_replays(neural_bundle, tmp_path):
+    # the headstage streams 50 bins a second; the bundle's clock is set to 5 Hz, the watchdog's tick. Stepping on
+    # arrival answers every bin at the device's pace; on the clock alone each tick would find several bins
+    cfg = _cfg("sim://headstage?channels=12&seed=5", tmp_path, rate_hz=5.0, wake_on_input=True, watchdog_s=1.0,
+               duration_s=1.5)
+    s = run_session(neural_bundle, cfg)
+    assert s.loop.steps >= 3 * 5.0 * 1.5, s.loop  # far more steps than the 5 Hz clock alone gives
+    assert s.commands_sent == s.inputs_used and s.inputs_used >= 40 and s.inputs_skipped <= s.inputs_used // 4
+    assert RecordingReader(cfg.record).meta["config"]["wake_on_input"] is True
+    rep = replay_recording(cfg.record, neural_bundle, backend="onnxruntime")
+    assert rep.outputs_compared == s.inputs_used and rep.missing_inputs == 0 and rep.max_abs_diff <= 1e-6
