@@ -140,6 +140,7 @@ class RealTimeLoop:
             gc.freeze()  # existing objects leave the collector's generations: nothing to scan
             gc.disable()
         t0 = clock() + period  # first deadline one period out: time to settle
+        t_first = t0  # t0 moves when input restarts the grid; the loop's span counts from here
         woken_by_input = wait_input if cfg.wake_on_input else None
         if cfg.duration_s is not None:
             end_ns = t0 + int(cfg.duration_s * 1e9)
@@ -210,8 +211,8 @@ class RealTimeLoop:
                 gc.unfreeze()
                 if gc_was_enabled:
                     gc.enable()
-            self.last_summary = self._summary(steps, stopped_by, wall_s=(t_end - t0) / 1e9,
-                                              setup_s=(t0 - t_setup) / 1e9)
+            self.last_summary = self._summary(steps, stopped_by, wall_s=(t_end - t_first) / 1e9,
+                                              setup_s=(t_first - t_setup) / 1e9)
         return self.last_summary
 
     def _summary(self, steps: int, stopped_by: str, wall_s: float, setup_s: float) -> LoopSummary:
@@ -219,7 +220,8 @@ class RealTimeLoop:
         lat = self.latency.samples()
         late = self.lateness.samples()
         periods = steps + self.skipped
-        duration = periods / cfg.rate_hz
+        # stepping on input, the device sets the pace: the loop's own span is its duration, not its periods
+        duration = wall_s if cfg.wake_on_input else periods / cfg.rate_hz
 
         def pct(a: np.ndarray, q: float) -> float:
             return float(np.percentile(a, q)) / 1e3 if a.size else float("nan")

@@ -191,6 +191,8 @@ def test_wake_on_input_steps_when_input_arrives_and_ticks_without_it():
     ticks = [b - a for a, b in zip(starts, starts[1:], strict=False) if a > arrivals[-1] + 0.001]
     assert ticks and all(abs(t - 0.02) < 0.01 for t in ticks), ticks  # then the 50 Hz clock alone
     assert summary.stopped_by == "duration"
+    assert 0.3 - 0.02 <= summary.wall_s < 0.3 + 0.25 and summary.setup_s > 0  # measured from the first deadline
+    assert summary.achieved_rate_hz == pytest.approx(summary.steps / summary.wall_s)
 
 
 def test_without_wake_on_input_the_wait_is_never_called():

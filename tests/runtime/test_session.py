@@ -341,6 +341,7 @@ def test_wake_on_input_steps_at_the_devices_pace_and_replays(neural_bundle, tmp_
                duration_s=1.5)
     s = run_session(neural_bundle, cfg)
     assert s.loop.steps >= 3 * 5.0 * 1.5, s.loop  # far more steps than the 5 Hz clock alone gives
+    assert s.loop.achieved_rate_hz > 3 * 5.0, s.loop  # the device's pace, not the clock's
     assert s.commands_sent == s.inputs_used and s.inputs_used >= 40 and s.inputs_skipped <= s.inputs_used // 4
     assert RecordingReader(cfg.record).meta["config"]["wake_on_input"] is True
     rep = replay_recording(cfg.record, neural_bundle, backend="onnxruntime")
