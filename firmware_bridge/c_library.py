@@ -29,7 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["CParserUnavailableError", "ScannerLibrary", "load_scanner", "SCAN_ABI", "RECORD_SIZE"]
+__all__ = ["CParserUnavailableError", "ScannerLibrary", "library_path", "load_scanner", "SCAN_ABI", "RECORD_SIZE"]
 
 C_DIR = Path(__file__).parent / "c"
 SOURCES = ("closedloop_proto.c", "closedloop_scan.c")
@@ -71,6 +71,11 @@ def _library_name() -> str:
         h.update(name.encode() + b"\0" + (C_DIR / name).read_bytes() + b"\0")
     h.update(" ".join(CFLAGS).encode() + f"|{SCAN_ABI}|{sys.platform}|{platform.machine()}".encode())
     return f"libclosedloop_scan-{h.hexdigest()[:16]}.so"
+
+
+def library_path() -> Path:
+    """Where this machine's scanner library is, or will be once built (the cache folder and the sources' hash)."""
+    return _cache_dir() / _library_name()
 
 
 def _compiler() -> list[str] | None:

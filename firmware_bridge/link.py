@@ -145,7 +145,7 @@ class Link:
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
-                return bool(self._inbox)
+                return False
             if not self._pump(left) and not self._inbox:
                 # a transport that returned at once with nothing (a stream it is still looking for): do not spin
                 time.sleep(min(left, 0.0005))

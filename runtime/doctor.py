@@ -380,11 +380,12 @@ def _numba_cache(cfg: DoctorConfig) -> CheckResult:
 def _c_scanner(cfg: DoctorConfig) -> CheckResult:
     from closedloop.firmware_bridge import c_library as cl
 
-    folder, name = cl._cache_dir(), cl._library_name()
+    path = cl.library_path()
+    folder = path.parent
     fix = ("build it where the service looks: CLOSEDLOOP_CACHE_DIR=/var/cache/closedloop python -m "
            "closedloop.firmware_bridge.c_library (install.sh does; Environment=CLOSEDLOOP_CACHE_DIR= in the unit)")
-    if (folder / name).is_file():
-        return _r(PASS, f"{folder / name} is built: sessions parse and encode frames in C", library=str(folder / name))
+    if path.is_file():
+        return _r(PASS, f"{path} is built: sessions parse and encode frames in C", library=str(path))
     if cl._compiler() is not None:
         return _r(WARN, f"not built in {folder}: the first session against a device compiles it (about a second "
                         "before its handshake)", fix, cache_dir=str(folder))

@@ -50,14 +50,14 @@ def warm(paths: list[str], report=print) -> int:
 
 def build_scanner(report=print) -> bool:
     """Build (or find) the C scanner library in the cache a session reads; say where, or why not."""
-    from closedloop.firmware_bridge.c_library import CParserUnavailableError, _cache_dir, load_scanner
+    from closedloop.firmware_bridge.c_library import CParserUnavailableError, library_path, load_scanner
 
     try:
         found = load_scanner()
     except CParserUnavailableError as exc:
         report(f"C scanner library: not available ({exc}); sessions use the Python frame parser")
         return False
-    report(f"C scanner library: {'built' if found.built_now else 'found'} {found.path} (cache {_cache_dir()})")
+    report(f"C scanner library: {'built' if found.built_now else 'found'} {found.path} (cache {library_path().parent})")
     return True
 
 

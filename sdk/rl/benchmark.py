@@ -242,12 +242,15 @@ def run_rl_benchmark(cfg: dict, out: Path, stem: str = "rl", tiny: bool = False,
     cells = [Cell({"kind": kind, "cfg": run_cfg, "save_dir": str(store)}, seed)
              for seed in cfg["seeds"] for kind in cfg["kinds"]]
     stored = read_results(results)
+    reused = 0
     for cell in cells:  # a stored run whose actor file is gone runs again (the deployment check loads it)
         rec = stored.get(cell.key)
-        if rec is not None and rec.get("status") == "ok" and not Path(rec["result"]["actor"]).is_file():
+        if rec is None or rec.get("status") != "ok":
+            continue
+        if Path(rec["result"]["actor"]).is_file():
+            reused += 1
+        else:
             append_record(results, {"key": cell.key, "status": "failed", "error": "its actor file is missing"})
-    reused = sum(1 for c in cells if stored.get(c.key, {}).get("status") == "ok"
-                 and Path(stored[c.key]["result"]["actor"]).is_file())
     if reused:
         report(f"bench_rl: {reused} of {len(cells)} runs were finished by an earlier run ({results}) and are not "
                "run again")
