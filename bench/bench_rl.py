@@ -63,16 +63,24 @@ def parse_cell(text: str) -> dict:
         raise ValueError(f"--cell {text!r}: HER needs a goal-conditioned (panda-gym) task, not {task!r}")
     if prior not in ("scratch", "bc"):
         raise ValueError(f"--cell prior {prior!r}: expected scratch or bc")
-    if prior == "bc" and task not in PROJECT:
-        raise ValueError(f"--cell {text!r}: a cloned prior needs the project's scripted demonstrations "
-                         f"(tasks {PROJECT}); panda-gym tasks run from scratch")
+    if prior == "bc" and task == "PandaReach-v3":
+        raise ValueError(f"--cell {text!r}: PandaReach-v3 is learned from scratch in a few thousand steps; a weak "
+                         "cloned prior is for PandaPush-v3 and PandaPickAndPlace-v3 (and the project's tasks)")
     if not seed.isdigit():
         raise ValueError(f"--cell seed {seed!r}: expected a non-negative integer")
     return {"task": task, "reward": reward, "seed": int(seed), "prior": prior}
 
 
+#: settings that make another experiment of the same task, reward, seed and prior (the lambda*beta sweep):
+#: named in the cell's id when they differ from :data:`CELL_DEFAULTS`
+SWEPT = ("lam", "beta", "steps")
+
+
 def cell_id(cell: dict) -> str:
-    return f"{cell['task']}:{cell['reward']}:{cell['seed']}:{cell.get('prior', 'scratch')}"
+    """``TASK:REWARD:SEED:PRIOR``, then ``@key=value,...`` for each of :data:`SWEPT` set away from its default."""
+    base = f"{cell['task']}:{cell['reward']}:{cell['seed']}:{cell.get('prior', 'scratch')}"
+    extra = [f"{k}={cell[k]:g}" for k in SWEPT if k in cell and cell[k] != CELL_DEFAULTS[k]]
+    return base + ("@" + ",".join(extra) if extra else "")
 
 
 def _evaluate(model, env, episodes: int, seed: int) -> float:
@@ -81,47 +89,13 @@ def _evaluate(model, env, episodes: int, seed: int) -> float:
     return evaluate_success(lambda o: model.predict(o, deterministic=True)[0], env, episodes, seed)
 
 
-def _panda_gym_cell(cell: dict, s: dict) -> list[tuple[int, float]]:
-    import gymnasium as gym
-    import panda_gym  # noqa: F401  (registers the environments)
-    from stable_baselines3 import SAC
-    from stable_baselines3.common.callbacks import BaseCallback
-    from stable_baselines3.her import HerReplayBuffer
+def _panda_gym_cell(cell: dict, s: dict) -> dict:
+    from closedloop.sdk.rl.panda_gym import fine_tune_gym
 
-    from closedloop.sdk.rl import ShapingConfig, SuccessVisitationWrapper
-    from closedloop.sdk.rl.sb3 import OutcomeLogger, ShapedDictReplayBuffer, ShapedHerReplayBuffer
-
-    kind, her = cell["reward"].removesuffix("_her"), cell["reward"].endswith("_her")
-    env = gym.make(cell["task"])
-    callbacks: list = []
-    kwargs: dict = {}
-    if kind == "sparse" and her:
-        kwargs = {"replay_buffer_class": HerReplayBuffer,
-                  "replay_buffer_kwargs": {"n_sampled_goal": 4, "goal_selection_strategy": "future"}}
-    else:
-        env = SuccessVisitationWrapper(env, ShapingConfig(kind=kind, lam=s["lam"], beta=s["beta"]), seed=cell["seed"])
-        vr = env.reward_model
-        callbacks.append(OutcomeLogger(reward_model=vr))  # binds the reward's gamma to SAC's
-        kwargs = ({"replay_buffer_class": ShapedHerReplayBuffer,
-                   "replay_buffer_kwargs": {"reward_model": vr, "n_sampled_goal": 4, "goal_selection_strategy": "future"}}
-                  if her else {"replay_buffer_class": ShapedDictReplayBuffer, "replay_buffer_kwargs": {"reward_model": vr}})
-    eval_env = gym.make(cell["task"])
-    model = SAC("MultiInputPolicy", env, buffer_size=max(s["steps"], 1_000), learning_starts=s["learning_starts"],
-                batch_size=s["batch_size"], gamma=s["gamma"], policy_kwargs={"net_arch": list(s["net"])},
-                seed=cell["seed"], device="cpu", **kwargs)
-    curve: list[tuple[int, float]] = []
-
-    class Evaluate(BaseCallback):
-        def _on_step(self) -> bool:
-            if self.num_timesteps % s["eval_every"] == 0:
-                curve.append((int(self.num_timesteps), _evaluate(self.model, eval_env, s["eval_episodes"], 10_000)))
-            return True
-
-    curve.append((0, _evaluate(model, eval_env, s["eval_episodes"], 10_000)))
-    model.learn(s["steps"], callback=[*callbacks, Evaluate()])
-    env.close()
-    eval_env.close()
-    return curve
+    return fine_tune_gym(cell["task"], cell["reward"].removesuffix("_her"), cell["seed"], prior=cell["prior"],
+                         her=cell["reward"].endswith("_her"), steps=s["steps"], eval_every=s["eval_every"],
+                         eval_episodes=s["eval_episodes"], lam=s["lam"], beta=s["beta"], gamma=s["gamma"],
+                         net=tuple(s["net"]), batch_size=s["batch_size"], learning_starts=s["learning_starts"])
 
 
 def run_cell(cell: dict) -> dict:
@@ -135,15 +109,20 @@ def run_cell(cell: dict) -> dict:
     import torch
 
     torch.set_num_threads(1)
-    cell = parse_cell(cell_id(cell)) | {k: v for k, v in cell.items() if k not in ("task", "reward", "seed", "prior")}
+    cell = parse_cell(cell_id(cell).split("@")[0]) | {k: v for k, v in cell.items()
+                                                      if k not in ("task", "reward", "seed", "prior")}
     s = CELL_DEFAULTS | {k: cell[k] for k in CELL_DEFAULTS if k in cell}
     if s["eval_episodes"] < 1 or s["eval_every"] < 1 or s["steps"] < 1:
         raise ValueError(f"cell {cell_id(cell)}: steps, eval_every and eval_episodes must be >= 1")
     t0 = time.perf_counter()
     torch.manual_seed(cell["seed"])
     np.random.seed(cell["seed"])
+    extra: dict = {}
     if cell["task"] in PANDA_GYM:
-        curve = _panda_gym_cell(cell, s)
+        out = _panda_gym_cell(cell, s)
+        curve = out["curve"]
+        if "prior" in out:
+            extra["prior"] = out["prior"]
     else:
         from closedloop.sdk.rl import FineTuneConfig, ShapingConfig
         from closedloop.sdk.rl.finetune import fine_tune
@@ -155,7 +134,7 @@ def run_cell(cell: dict) -> dict:
             ft.demos, ft.bc_epochs, ft.critic_pretrain_steps, ft.actor_warmup_steps, ft.prior_weight = 1, 0, 0, 0, 0.0
         curve = fine_tune(ft).curve
     return {"id": cell_id(cell), "cell": {k: cell[k] for k in ("task", "reward", "seed", "prior")}, "settings": s,
-            "curve": [[int(a), float(b)] for a, b in curve], "wall_s": time.perf_counter() - t0,
+            "curve": [[int(a), float(b)] for a, b in curve], **extra, "wall_s": time.perf_counter() - t0,
             "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
 
@@ -196,6 +175,15 @@ def bootstrap_mean(values: np.ndarray, n: int = 10_000, seed: int = 0) -> tuple[
     return float(values.mean()), float(np.percentile(boots, 2.5)), float(np.percentile(boots, 97.5))
 
 
+def bootstrap_ratio(a: np.ndarray, b: np.ndarray, n: int = 10_000, seed: int = 0) -> tuple[float, float, float]:
+    """mean(a) / mean(b) and its percentile-bootstrap 95% interval, the seeds of each side resampled apart."""
+    rng = np.random.default_rng(seed)
+    ra = a[rng.integers(0, len(a), size=(n, len(a)))].mean(1)
+    rb = b[rng.integers(0, len(b), size=(n, len(b)))].mean(1)
+    boots = ra / np.maximum(rb, 1e-9)
+    return float(a.mean() / b.mean()), float(np.percentile(boots, 2.5)), float(np.percentile(boots, 97.5))
+
+
 def report(path: Path, out: Path) -> dict:
     """Steps to 80%/90% per (task, reward, prior) with bootstrap 95% intervals over seeds, and learning curves.
 
@@ -206,12 +194,16 @@ def report(path: Path, out: Path) -> dict:
         raise SystemExit(f"--report: no cells in {path}; run some with --cell first")
     groups: dict[tuple, list[dict]] = {}
     for r in recs:
-        c = r["cell"]
-        groups.setdefault((c["task"], c["reward"], c["prior"]), []).append(r)
+        c, st = r["cell"], r["settings"]
+        reward = c["reward"] if c["reward"].startswith("sparse") else \
+            f"{c['reward']} (lam {st['lam']:g}, beta {st['beta']:g})"
+        groups.setdefault((c["task"], reward, c["prior"]), []).append(r)
     table = []
+    reached: dict[tuple, np.ndarray] = {}
     for (task, reward, prior), rs in sorted(groups.items()):
         row = {"task": task, "reward": reward, "prior": prior, "seeds": sorted(r["cell"]["seed"] for r in rs),
-               "eval_episodes": min(r["settings"]["eval_episodes"] for r in rs)}
+               "eval_episodes": min(r["settings"]["eval_episodes"] for r in rs),
+               "prior_success": [r["curve"][0][1] for r in rs]}
         for level in (0.8, 0.9):
             hits = [steps_to(r["curve"], level) for r in rs]
             budget = [r["settings"]["steps"] for r in rs]
@@ -219,20 +211,43 @@ def report(path: Path, out: Path) -> dict:
             mean, lo, hi = bootstrap_mean(vals)
             row[f"to_{int(level * 100)}"] = {"per_seed": hits, "mean": mean, "ci95": [lo, hi],
                                             "all_reached": all(h is not None for h in hits)}
+            reached[(task, reward, prior, level)] = vals
         table.append(row)
+    for row in table:  # the target's ratio: steps to 80% against sparse + HER's, same task and prior
+        base = reached.get((row["task"], "sparse_her", row["prior"], 0.8))
+        if base is None or row["reward"] == "sparse_her":
+            continue
+        ratio, lo, hi = bootstrap_ratio(reached[(row["task"], row["reward"], row["prior"], 0.8)], base)
+        sparse_row = next(r for r in table if (r["task"], r["reward"], r["prior"]) == (row["task"], "sparse_her",
+                                                                                        row["prior"]))
+        # a sparse seed that never reached 80% counts at its budget, which can only shrink the ratio's true value:
+        # with every seed of this reward there, the ratio is an upper bound; otherwise it says nothing sure
+        bound = "exact" if sparse_row["to_80"]["all_reached"] else "upper bound"
+        if not row["to_80"]["all_reached"]:
+            bound = "unknown"
+        row["ratio_to_sparse_her_80"] = {"ratio": ratio, "ci95": [lo, hi], "bound": bound,
+                                         "target_met": bool(bound != "unknown" and ratio <= 0.5 and hi < 1)}
     out.mkdir(parents=True, exist_ok=True)
     lines = ["# RL cells: steps to 80% / 90% success", "",
              f"From `{path}` ({len(recs)} cells; `python bench/bench_rl.py --report`). Mean over seeds with a "
              "percentile-bootstrap 95% interval (10,000 resamples of the seeds); `>=`: some seed never reached the "
              "level and counts at its budget.", "",
-             "| task | reward | prior | seeds | eval episodes | steps to 80% | steps to 90% |", "| --- | --- | --- | --- | --- | --- | --- |"]
+             "| task | reward | prior | seeds | eval episodes | success at step 0 | steps to 80% | steps to 90% | "
+             "80% steps / sparse + HER's [95%] |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for row in table:
         cells = []
         for k in ("to_80", "to_90"):
             v = row[k]
             cells.append(f"{'' if v['all_reached'] else '>= '}{v['mean']:,.0f} [{v['ci95'][0]:,.0f}, {v['ci95'][1]:,.0f}]")
+        r80 = row.get("ratio_to_sparse_her_80")
+        mark = {"exact": "", "upper bound": "<= ", "unknown": "~"}
+        ratio = "-" if r80 is None else (f"{mark[r80['bound']]}{r80['ratio']:.2f} [{r80['ci95'][0]:.2f}, "
+                                         f"{r80['ci95'][1]:.2f}]{' (target met)' if r80['target_met'] else ''}")
         lines.append(f"| {row['task']} | {row['reward']} | {row['prior']} | {len(row['seeds'])} | {row['eval_episodes']} | "
-                     f"{cells[0]} | {cells[1]} |")
+                     f"{np.mean(row['prior_success']):.2f} | {cells[0]} | {cells[1]} | {ratio} |")
+    lines += ["", "Target: steps to 80% <= 0.5x sparse + HER's with the 95% interval of the ratio below 1. `<=`: some "
+              "sparse + HER seed never reached 80% and counts at its budget, so the ratio is an upper bound; `~`: some "
+              "seed of this reward never reached it, so the ratio is not known and cannot meet the target."]
     (out / "cells.md").write_text("\n".join(lines) + "\n")
     _plot_cells(groups, out / "cells_success.png")
     result = {"cells": len(recs), "table": table}

@@ -23,6 +23,7 @@ deviation; :func:`fine_tune` then
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -79,32 +80,41 @@ def observation_stats(episodes: list[dict[str, Any]], floor: float = 0.01) -> tu
     return x.mean(0).astype(np.float32), np.maximum(x.std(0), floor).astype(np.float32)
 
 
-def fit_actions(forward, params: list, obs: np.ndarray, actions: np.ndarray, *, epochs: int, lr: float,
+def fit_actions(forward, params: list, obs, actions: np.ndarray, *, epochs: int, lr: float,
                 batch_size: int, seed: int, lr_final_fraction: float | None = None,
-                device: str | torch.device = "cpu") -> float:
+                device: str | torch.device = "cpu", on_epoch: Callable[[int], bool] | None = None) -> float:
     """Minibatch Adam on the mean squared error of ``forward(obs)`` to ``actions`` (clipped to +-0.95).
 
     The one behaviour-cloning loop of the package (SAC actors, the demo's MLP, the bit-flip
-    benchmark's policy). ``lr_final_fraction``: cosine decay per batch to ``lr`` times it
-    (None: constant rate). Returns the last batch's loss.
+    benchmark's policy). ``obs`` is an array, or a dict of arrays (dict observations: each
+    batch is a dict of the same keys). ``lr_final_fraction``: cosine decay per batch to ``lr``
+    times it (None: constant rate). ``on_epoch(epoch)``, called after each epoch (from 1),
+    stops the loop when it returns True. Returns the last batch's loss.
     """
     gen = torch.Generator().manual_seed(seed)
-    x = torch.as_tensor(obs, dtype=torch.float32, device=device)
+
+    def tensor(a):
+        return torch.as_tensor(np.asarray(a), dtype=torch.float32, device=device)
+
+    x = {k: tensor(v) for k, v in obs.items()} if isinstance(obs, dict) else tensor(obs)
     y = torch.as_tensor(np.clip(actions, -0.95, 0.95), dtype=torch.float32, device=device)
     opt = torch.optim.Adam(params, lr=lr)
     sched = None
     if lr_final_fraction is not None:
-        n_batches = -(-len(x) // batch_size)
+        n_batches = -(-len(y) // batch_size)
         sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, epochs * n_batches, eta_min=lr * lr_final_fraction)
     loss = torch.tensor(float("nan"))
-    for _ in range(epochs):
-        for idx in torch.randperm(len(x), generator=gen).split(batch_size):
-            loss = ((forward(x[idx]) - y[idx]) ** 2).mean()
+    for epoch in range(1, epochs + 1):
+        for idx in torch.randperm(len(y), generator=gen).split(batch_size):
+            batch = {k: v[idx] for k, v in x.items()} if isinstance(x, dict) else x[idx]
+            loss = ((forward(batch) - y[idx]) ** 2).mean()
             opt.zero_grad()
             loss.backward()
             opt.step()
             if sched is not None:
                 sched.step()
+        if on_epoch is not None and on_epoch(epoch):
+            break
     return float(loss.detach())
 
 

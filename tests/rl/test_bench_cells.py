@@ -20,8 +20,14 @@ def test_parse_cell_and_its_errors(bench):
     assert bench.parse_cell("PandaPush-v3:sparse_her:3") == {"task": "PandaPush-v3", "reward": "sparse_her",
                                                                "seed": 3, "prior": "scratch"}
     assert bench.parse_cell("push:svm:1:bc")["prior"] == "bc"
+    assert bench.parse_cell("PandaPickAndPlace-v3:svm_her:1:bc")["prior"] == "bc"
+    # a lambda*beta sweep's cells are other experiments: their ids differ, the default's id stays short
+    cell = bench.parse_cell("PandaPush-v3:svm_her:0:bc")
+    assert bench.cell_id(cell) == "PandaPush-v3:svm_her:0:bc"
+    assert bench.cell_id(cell | {"lam": 0.2}) == "PandaPush-v3:svm_her:0:bc@lam=0.2"
+    assert bench.cell_id(cell | {"lam": 0.05, "beta": 2.0}) == "PandaPush-v3:svm_her:0:bc@beta=2"
     for bad, what in (("PandaPush-v3:svm", "TASK:REWARD:SEED"), ("Pong:svm:0", "task"), ("push:dense:0", "reward"),
-                      ("push:svm_her:0", "HER needs"), ("PandaPush-v3:svm:0:bc", "cloned prior"),
+                      ("push:svm_her:0", "HER needs"), ("PandaReach-v3:svm:0:bc", "from scratch"),
                       ("push:svm:x", "seed")):
         with pytest.raises(ValueError, match=what):
             bench.parse_cell(bad)
@@ -41,11 +47,15 @@ def test_report_gives_bootstrap_intervals_and_counts_unreached_at_the_budget(ben
     path.write_text("".join(json.dumps(r) + "\n" for r in recs))
     out = bench.report(path, tmp_path)
     rows = {r["reward"]: r for r in out["table"]}
-    svm, sparse = rows["svm_her"], rows["sparse_her"]
+    svm, sparse = rows["svm_her (lam 0.05, beta 5)"], rows["sparse_her"]
     assert svm["to_80"]["mean"] == 500 and svm["to_80"]["ci95"] == [500, 500] and svm["to_80"]["all_reached"]
     assert sparse["to_80"]["per_seed"] == [1000, None] and not sparse["to_80"]["all_reached"]
     assert sparse["to_80"]["mean"] == 1000  # the unreached seed counts at its budget
     assert ">= 1,000" in (tmp_path / "cells.md").read_text()
+    # 500 steps against sparse's 1000 (one seed counted at its budget): an upper bound of 0.5, the target met
+    r = svm["ratio_to_sparse_her_80"]
+    assert r["ratio"] == 0.5 and r["bound"] == "upper bound" and r["target_met"]
+    assert "<= 0.50" in (tmp_path / "cells.md").read_text()
     assert (tmp_path / "cells_success.png").stat().st_size > 0
     mean, lo, hi = bench.bootstrap_mean(np.array([1.0, 2.0, 3.0, 10.0]))
     assert lo < mean < hi and lo >= 1.0 and hi <= 10.0
