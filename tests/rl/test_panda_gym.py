@@ -84,9 +84,8 @@ def test_a_band_the_cloning_never_enters_is_reported_not_hidden():
 
 def test_seeded_episodes_are_whole_her_episodes_and_labelled_for_the_discriminator():
     from closedloop.sdk.rl import ShapingConfig, SuccessVisitationWrapper
-    from closedloop.sdk.rl.sb3 import ShapedHerReplayBuffer
-
     from closedloop.sdk.rl.regularised_sac import PriorRegularisedSAC
+    from closedloop.sdk.rl.sb3 import ShapedHerReplayBuffer
 
     env = SuccessVisitationWrapper(gym.make("PandaPush-v3"), ShapingConfig(kind="svm", hidden=(16, 16)))
     vr = env.reward_model
