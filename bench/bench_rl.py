@@ -95,7 +95,8 @@ def _panda_gym_cell(cell: dict, s: dict) -> dict:
     return fine_tune_gym(cell["task"], cell["reward"].removesuffix("_her"), cell["seed"], prior=cell["prior"],
                          her=cell["reward"].endswith("_her"), steps=s["steps"], eval_every=s["eval_every"],
                          eval_episodes=s["eval_episodes"], lam=s["lam"], beta=s["beta"], gamma=s["gamma"],
-                         net=tuple(s["net"]), batch_size=s["batch_size"], learning_starts=s["learning_starts"])
+                         net=tuple(s["net"]), batch_size=s["batch_size"], learning_starts=s["learning_starts"],
+                         log=lambda line: print(line, file=sys.stderr, flush=True))
 
 
 def run_cell(cell: dict) -> dict:

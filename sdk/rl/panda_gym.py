@@ -235,7 +235,8 @@ def fine_tune_gym(env_id: str, reward: str, seed: int, *, prior: str = "bc", her
                   band: tuple[float, float] = (0.1, 0.3), prior_episodes: int = 20, critic_pretrain_steps: int = 2_000,
                   actor_warmup_steps: int = 500, actor_lr_scale: float = 0.3, prior_weight: float = 1.0,
                   ent_coef: str = "0.002", buffer_size: int | None = None,
-                  prior_options: dict[str, Any] | None = None) -> dict[str, Any]:
+                  prior_options: dict[str, Any] | None = None,
+                  log: Callable[[str], None] | None = None) -> dict[str, Any]:
     """SAC (+ HER) on a panda-gym task with ``reward`` (``sparse``, ``svm``, ``potential``, ``gail``).
 
     ``prior="scratch"``: SB3's SAC from random weights (``learning_starts`` random steps, SAC's
@@ -243,7 +244,8 @@ def fine_tune_gym(env_id: str, reward: str, seed: int, *, prior: str = "bc", her
     prior (``band``); the prior's own success is the curve's first point.  The deterministic
     policy is evaluated on ``eval_episodes`` episodes (seeds from ``eval_seed``) every
     ``eval_every`` steps.  Returns ``curve`` ([step, success] pairs), ``prior`` (the cloning record,
-    for ``bc``) and ``wall_s``.  ``prior_options``: more keyword arguments of :func:`clone_weak_prior`.
+    for ``bc``) and ``wall_s``.  ``prior_options``: more keyword arguments of :func:`clone_weak_prior`;
+    ``log``: called with a line for the prior and each evaluation (progress).
     """
     import gymnasium as gym
     import panda_gym  # noqa: F401
@@ -288,6 +290,11 @@ def fine_tune_gym(env_id: str, reward: str, seed: int, *, prior: str = "bc", her
         demo_eps = collect_gym_demonstrations(env_id, demos, demo_noise, seed=seed)
         record["prior"] = clone_weak_prior(model, demo_eps, eval_env, band=band, seed=seed, **(prior_options or {}))
         record["prior"]["demo_success"] = float(np.mean([d["success"] for d in demo_eps]))
+        if log:
+            p = record["prior"]
+            log(f"{env_id}: prior cloned for {p['epochs']} epochs, check success {p['check_success']:.2f} "
+                f"({'inside' if p['in_band'] else 'NOT inside'} the band {p['band_floor']:.2f}-{band[1]:.2f}; "
+                f"untrained {p['untrained_success']:.2f}), {time.perf_counter() - t0:.0f} s")
         act = lambda o: model.predict(o, deterministic=False)[0]  # noqa: E731  (the stochastic prior explores)
         prior_eps = [run_episode(eval_env, act, seed * 1000 + 500 + e) for e in range(prior_episodes)]
         seed_replay(model, demo_eps + prior_eps, vr)
@@ -302,6 +309,9 @@ def fine_tune_gym(env_id: str, reward: str, seed: int, *, prior: str = "bc", her
         curve.append((int(model.num_timesteps),
                       gym_success(lambda o: model.predict(o, deterministic=True)[0], eval_env, eval_episodes,
                                   eval_seed)))
+        if log:
+            log(f"{env_id} {reward}{'+HER' if her else ''} from {prior}, seed {seed}: step {curve[-1][0]:,}/{steps:,} "
+                f"success {curve[-1][1]:.2f} ({eval_episodes} episodes), {time.perf_counter() - t0:.0f} s")
 
     class Evaluate(BaseCallback):
         def _on_step(self) -> bool:
