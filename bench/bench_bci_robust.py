@@ -5,6 +5,7 @@
     python bench/bench_bci_robust.py --tiny        # a smoke run: tiny data and models, 3 cells (*_tiny, not committed)
     python bench/bench_bci_robust.py --report      # the tables and the plot from the cells stored so far
     python bench/bench_bci_robust.py --address HOST:PORT   # the cells on a Ray cluster (docs/grid.md)
+    python bench/bench_bci_robust.py --cell 0 --budget 1   # only some pieces: the default cell at the default budget
 
 The axes (each a multiple of, or a change to, the generator's calibrated default,
 ``closedloop.sim.handwriting.HandwritingConfig``):
@@ -17,15 +18,19 @@ The axes (each a multiple of, or a change to, the generator's calibrated default
   (``HandwritingConfig.with_session_jumps()``).
 
 The default grid varies one axis at a time around the default cell; ``--full`` crosses them all.
-Each cell (:func:`run_cell`) generates its recording, then twice, with the recipe's default budget and
-with 4x it (``Recipe(budget=4)``: the step ceiling, the time budget and the patience each x4), trains
-the two-stage decoder with the recipe (:func:`closedloop.sdk.bci.recipe.fit_recipe`: validation split,
-early stopping, scaling) and the session-layers baseline with the same settings, validation and
-budget, calibrates both on each held-out day's first 3 sentences and scores greedy CER/WER on the
-day's evaluation trials (:func:`closedloop.sdk.bci.evaluate.run_harness`, beam search off). A cell's
-record (one JSON line in ``bench/results/bci_robust/cells.jsonl``, :mod:`closedloop.sdk.grid`) holds
-both budgets' scores and texts, the recipe's summaries and a paired bootstrap (greedy CER, two-stage
-against session layers, the held-out trials resampled); a rerun skips the cells already there.
+A cell is four independent pieces (:func:`run_cell`), each of which generates the cell's recording and
+trains one method at one budget: the recipe's default budget and 4x it (``Recipe(budget=4)``: the step
+ceiling, the time budget and the patience each x4); the two-stage decoder with the recipe
+(:func:`closedloop.sdk.bci.recipe.fit_recipe`: validation split, early stopping, scaling) or the
+session-layers baseline under the same rules (:func:`closedloop.sdk.bci.recipe.plan_recipe`: the same
+validation trials, settings and budget). Each piece calibrates on each held-out day's first 3 sentences
+and scores greedy CER/WER on the day's evaluation trials (:func:`closedloop.sdk.bci.evaluate.run_harness`,
+beam search off). A piece's record (one JSON line in ``bench/results/bci_robust/bci_robust_cells.jsonl``,
+:mod:`closedloop.sdk.grid`) holds its scores, texts and training summary; a rerun skips the pieces
+already there, and ``--cell``/``--budget``/``--method`` choose pieces, so a grid too long for one
+machine's sitting is run a piece at a time. The report (:func:`assemble`) joins a cell's four pieces and
+adds the paired bootstrap (greedy CER, two-stage against session layers at the default budget, the
+held-out trials resampled); a cell with pieces missing is listed as pending.
 
 Targets (issue: "a decoder recipe that fits the user's recordings"): in every cell the default budget's
 two-stage greedy CER within 1.25x of the 4x run's, and two-stage below session layers (the bootstrap
@@ -99,35 +104,42 @@ def _trim_log(summary: dict) -> dict:
     return out
 
 
-def train_and_score(sessions: list, harness, budget: float, seed: int, scale: bool = True) -> dict:
-    """One budget of a cell: the recipe's two-stage decoder and the session-layers baseline, scored on held-out days."""
+def train_and_score(sessions: list, harness, budget: float, seed: int, method: str, scale: bool = True) -> dict:
+    """One piece of a cell: ``method`` trained with the recipe at ``budget`` and scored on the held-out days.
+
+    ``two_stage``: :func:`~closedloop.sdk.bci.recipe.fit_recipe` (both stages, as ``bci-train``).
+    ``session_layers``: the baseline under the same rules (:func:`~closedloop.sdk.bci.recipe.plan_recipe`: the
+    same validation trials, scaled settings, patience and time budget)."""
+    from closedloop.sdk.bci.baselines import TrainedModels
     from closedloop.sdk.bci.evaluate import run_harness
-    from closedloop.sdk.bci.recipe import Recipe, fit_recipe
+    from closedloop.sdk.bci.recipe import Recipe, fit_recipe, plan_recipe
     from closedloop.sdk.bci.train import train_session_layers
 
+    if method not in METHODS:
+        raise ValueError(f"method {method!r}: expected one of {METHODS}")
     recipe = Recipe(budget=budget, seed=seed, scale=scale)
     t0 = time.perf_counter()
-    fit = fit_recipe(sessions, harness, recipe=recipe)
-    budget_s = recipe.time_budget_s * recipe.budget
-    deadline = time.perf_counter() + budget_s if budget_s else None
-    # the baseline: the same (scaled) training settings, validation trials, patience and a budget of its own
-    fit.models.session_model, sl_log = train_session_layers(fit.train_sessions, fit.harness.session_recipe(),
-                                                            fit.validation_examples, None, deadline)
-    fit.models.logs["session_layers"] = sl_log
-    h = dataclasses.replace(fit.harness, methods=METHODS, reference=False, beam_width=0, progress=False)
-    run = run_harness(fit.train_sessions, h, models=fit.models)
-    scores = {}
-    for m in METHODS:
-        block = run["methods"][m]
-        scores[m] = {"greedy_CER": block["mean"]["greedy"]["CER"], "greedy_WER": block["mean"]["greedy"]["WER"],
-                     "sessions": {name: {"greedy_CER": v["greedy"]["CER"], "texts": {
-                         "reference": v["texts"]["reference"], "greedy": v["texts"]["greedy"]}}
-                         for name, v in block["sessions"].items()}}
-    best = sl_log.best() or {}
-    return {"budget": budget, "scores": scores, "recipe": _trim_log(fit.summary(recipe)),
-            "session_layers_training": {"steps_run": sl_log.steps_run, "stop_reason": sl_log.stop_reason,
-                                        "best_step": sl_log.best_step, "best_val_CER": best.get("CER"),
-                                        "wall_s": sl_log.wall_s},
+    if method == "two_stage":
+        fit = fit_recipe(sessions, harness, recipe=recipe)
+        models, train_sessions, used = fit.models, fit.train_sessions, fit.harness
+        training = _trim_log(fit.summary(recipe))
+    else:
+        plan = plan_recipe(sessions, harness, recipe)
+        model, log = train_session_layers(plan.train_sessions, plan.harness.session_recipe(),
+                                          plan.validation_examples, None, plan.deadline)
+        models = TrainedModels(session_model=model, logs={"session_layers": log},
+                               held_in_days={s.name: float(s.day) for s in sessions if s.split == "held_in"})
+        train_sessions, used = plan.train_sessions, plan.harness
+        best = log.best() or {}
+        training = {"steps_run": log.steps_run, "stop_reason": log.stop_reason, "best_step": log.best_step,
+                    "best_val_CER": best.get("CER"), "wall_s": log.wall_s}
+    h = dataclasses.replace(used, methods=(method,), reference=False, beam_width=0, progress=False)
+    block = run_harness(train_sessions, h, models=models)["methods"][method]
+    scores = {"greedy_CER": block["mean"]["greedy"]["CER"], "greedy_WER": block["mean"]["greedy"]["WER"],
+              "sessions": {name: {"greedy_CER": v["greedy"]["CER"], "texts": {
+                  "reference": v["texts"]["reference"], "greedy": v["texts"]["greedy"]}}
+                  for name, v in block["sessions"].items()}}
+    return {"budget": budget, "method": method, "scores": scores, "training": training,
             "wall_s": time.perf_counter() - t0}
 
 
@@ -138,10 +150,14 @@ def _tiny_harness(seed: int):
 
 
 def run_cell(config: dict, seed: int) -> dict:
-    """A cell of the grid (module level, for Ray's workers): both budgets on the cell's recording."""
+    """A piece of the grid (module level, for Ray's workers): one method at one budget on the cell's recording.
+
+    ``config`` holds the cell's axes, ``budget`` (1 or 4), ``method`` (``two_stage`` or ``session_layers``),
+    ``tiny`` and ``data_seed``. The four pieces of a cell run apart (the longest, a 4x budget, is about 2 h of
+    one core at full size), and :func:`assemble` joins them for the report.
+    """
     import torch
 
-    from closedloop.sdk.bci.report import paired_bootstrap
     from closedloop.sdk.bci.workflow import train_harness
     from closedloop.sim.handwriting import generate_recording
 
@@ -154,14 +170,47 @@ def run_cell(config: dict, seed: int) -> dict:
     out: dict = {"cell": cell, "seed": seed, "data": {"held_in": len(hw.held_in_dates),
                                                       "held_out": len(hw.held_out_dates),
                                                       "trials": hw.trials_per_session, "channels": hw.n_channels}}
-    runs = []
-    for budget in BUDGETS:
-        r = train_and_score(sessions, harness, budget, seed, scale=not tiny)  # tiny: bci-train --tiny's sizes
-        out[f"x{budget:g}"] = r
-        runs.append(r)
-    one = {"methods": {m: {"sessions": runs[0]["scores"][m]["sessions"]} for m in METHODS}}
-    out["paired_greedy_CER"] = paired_bootstrap([one], "two_stage", "session_layers", decoder="greedy",
-                                                n_boot=2000, seed=seed, metric="CER")
+    # tiny: bci-train --tiny's sizes, not scaled
+    return out | train_and_score(sessions, harness, float(config["budget"]), seed, config["method"], scale=not tiny)
+
+
+def assemble(records: list[dict]) -> list[dict]:
+    """The pieces joined into cells: per (cell, seed), both budgets' scores of both methods, the two-stage
+    recipe's summary per budget and the paired bootstrap (greedy CER, two-stage against session layers, at
+    the default budget). A cell with a piece missing is ``pending``; one with a failed piece is ``failed``."""
+    from closedloop.sdk.bci.report import paired_bootstrap
+
+    groups: dict[str, dict] = {}
+    for rec in records:
+        base = rec["key"].rsplit("_x", 1)[0]
+        g = groups.setdefault(base, {"key": base, "pieces": {}, "errors": []})
+        if rec.get("status") != "ok":
+            g["errors"].append(rec.get("error", "failed"))
+            continue
+        r = rec["result"]
+        g["pieces"][(f"x{r['budget']:g}", r["method"])] = r
+    out = []
+    for key, g in groups.items():
+        want = [(f"x{b:g}", m) for b in BUDGETS for m in METHODS]
+        if g["errors"]:
+            out.append({"key": key, "status": "failed", "error": g["errors"][0]})
+            continue
+        missing = [p for p in want if p not in g["pieces"]]
+        if missing:
+            out.append({"key": key, "status": "pending", "missing": [f"{b} {m}" for b, m in missing]})
+            continue
+        first = g["pieces"][want[0]]
+        result: dict = {"cell": first["cell"], "seed": first["seed"], "data": first["data"]}
+        for b in BUDGETS:
+            pieces = {m: g["pieces"][(f"x{b:g}", m)] for m in METHODS}
+            result[f"x{b:g}"] = {"scores": {m: p["scores"] for m, p in pieces.items()},
+                                 "recipe": pieces["two_stage"]["training"],
+                                 "session_layers_training": pieces["session_layers"]["training"],
+                                 "wall_s": sum(p["wall_s"] for p in pieces.values())}
+        one = {"methods": {m: {"sessions": result["x1"]["scores"][m]["sessions"]} for m in METHODS}}
+        result["paired_greedy_CER"] = paired_bootstrap([one], "two_stage", "session_layers", decoder="greedy",
+                                                       n_boot=2000, seed=first["seed"], metric="CER")
+        out.append({"key": key, "status": "ok", "result": result})
     return out
 
 
@@ -176,6 +225,9 @@ def summarize(records: list[dict]) -> dict:
     bootstrap, and whether each target is met; and how many cells meet each."""
     rows = []
     for rec in records:
+        if rec.get("status") == "pending":
+            rows.append({"key": rec["key"], "pending": rec["missing"]})
+            continue
         if rec.get("status") != "ok":
             rows.append({"key": rec["key"], "failed": rec.get("error", "")})
             continue
@@ -195,8 +247,8 @@ def summarize(records: list[dict]) -> dict:
             "learned": d["recipe"]["learned"], "wall_s": d["wall_s"] + big["wall_s"],
             "within_ratio": bool(ratio <= CER_RATIO_TARGET), "two_stage_better": bool(p["ratio_95"][1] < 1),
         })
-    ok = [r for r in rows if "failed" not in r]
-    return {"cells": rows, "n_cells": len(rows), "n_ok": len(ok),
+    ok = [r for r in rows if "failed" not in r and "pending" not in r]
+    return {"cells": rows, "n_cells": len(rows), "n_ok": len(ok), "n_pending": sum("pending" in r for r in rows),
             "within_ratio": sum(r["within_ratio"] for r in ok), "two_stage_better": sum(r["two_stage_better"] for r in ok),
             "targets": {"ratio_to_x4_at_most": CER_RATIO_TARGET, "within_ratio_in": "every cell",
                         "two_stage_better_in": "most cells"}}
@@ -207,7 +259,7 @@ def _pct(x: float) -> str:
 
 
 def markdown(summary: dict, machine: str) -> str:
-    lines = [f"# Robustness of the bci-train recipe ({summary['n_ok']} of {summary['n_cells']} cells)", "",
+    lines = [f"# Robustness of the bci-train recipe ({summary['n_ok']} of {summary['n_cells']} cells complete)", "",
              f"Measured by `python bench/bench_bci_robust.py` on {machine}.", "",
              "| signal | drift | held-in | trials | jumps | seed | two-stage CER % (x1) | (x4) | ratio | "
              "session layers % (x1) | (x4) | two-stage / session layers [95%] | stage-1 steps x1 / x4 (stop) | learned |",
@@ -215,6 +267,9 @@ def markdown(summary: dict, machine: str) -> str:
     for r in summary["cells"]:
         if "failed" in r:
             lines.append(f"| {r['key']} | failed: {r['failed'][:80]} |" + " |" * 12)
+            continue
+        if "pending" in r:
+            lines.append(f"| {r['key']} | pending: {', '.join(r['pending'])} not run yet |" + " |" * 12)
             continue
         c = r["cell"]
         lo, hi = r["two_stage_vs_session_layers_95"]
@@ -225,6 +280,9 @@ def markdown(summary: dict, machine: str) -> str:
             f"{_pct(r['session_layers_CER_x4'])} | {r['two_stage_vs_session_layers']:.2f} [{lo:.2f}, {hi:.2f}] | "
             f"{r['stage1_steps']} / {r['stage1_steps_x4']} ({r['stage1_stop']}) | {'yes' if r['learned'] else 'NO'} |")
     n = summary["n_ok"]
+    if summary.get("n_pending"):
+        lines += ["", f"- {summary['n_pending']} cell(s) pending (pieces not run yet); the counts below are over the "
+                  f"{n} complete cells."]
     lines += ["", f"- Default budget within {CER_RATIO_TARGET}x of the 4x run (two-stage greedy CER): "
               f"{summary['within_ratio']} of {n} cells (target: every cell).",
               f"- Two-stage below session layers (paired bootstrap 95% interval of the greedy-CER ratio below 1): "
@@ -238,7 +296,9 @@ def plot(summary: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [r for r in summary["cells"] if "failed" not in r]
+    rows = [r for r in summary["cells"] if "failed" not in r and "pending" not in r]
+    if not rows:
+        return
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     x4 = np.array([r["two_stage_CER_x4"] for r in rows])
     x1 = np.array([r["two_stage_CER"] for r in rows])
@@ -277,7 +337,7 @@ def report(cells_path: Path, out_dir: Path, stem: str) -> dict:
     records = list(read_results(cells_path).values())
     if not records:
         raise SystemExit(f"bench_bci_robust.py: error: no cells in {cells_path}; run the grid first")
-    summary = summarize(records)
+    summary = summarize(assemble(records))
     summary["machine"] = _machine()
     tmp = out_dir / f".{stem}.json.tmp"
     tmp.write_text(json.dumps(summary, indent=2, default=float))
@@ -300,6 +360,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--address", default=None, help="a Ray cluster's address (default: a local Ray instance)")
     p.add_argument("--workers", type=int, default=None, help="cells at once on the local instance (default: cores)")
     p.add_argument("--out", default=RESULTS, help=f"results folder (default {RESULTS})")
+    p.add_argument("--cell", type=int, default=None, help="only the design's cell of this index (0: the default cell)")
+    p.add_argument("--budget", type=float, choices=BUDGETS, default=None, help="only the pieces of this budget")
+    p.add_argument("--method", choices=METHODS, default=None, help="only the pieces of this method")
     a = p.parse_args(argv)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -309,9 +372,15 @@ def main(argv: list[str] | None = None) -> int:
         from closedloop.sdk.grid import Cell, run_grid
 
         designs = tiny_cells() if a.tiny else every_combination() if a.full else one_at_a_time()
-        cells = [Cell({**c, "tiny": a.tiny, "data_seed": a.data_seed}, seed, name=cell_name(c, seed, a.tiny))
-                 for c in designs for seed in a.seeds]
-        print(f"{len(cells)} cells x {len(BUDGETS)} budgets -> {cells_path}", flush=True)
+        if a.cell is not None:
+            designs = designs[a.cell:a.cell + 1]
+        budgets = [b for b in BUDGETS if a.budget is None or b == a.budget]
+        methods = [m for m in METHODS if a.method is None or m == a.method]
+        cells = [Cell({**c, "tiny": a.tiny, "data_seed": a.data_seed, "budget": b, "method": m}, seed,
+                      name=f"{cell_name(c, seed, a.tiny)}_x{b:g}_{m}")
+                 for c in designs for seed in a.seeds for b in budgets for m in methods]
+        print(f"{len(cells)} pieces ({len(designs)} cells x {len(a.seeds)} seeds x {len(budgets)} budgets x "
+              f"{len(methods)} methods) -> {cells_path}", flush=True)
         records = run_grid(run_cell, cells, results=cells_path, address=a.address, workers=a.workers,
                            desc="bci_robust")
         failed = [r for r in records if r["status"] != "ok"]

@@ -35,8 +35,8 @@ from closedloop.common.config import JsonConfig
 
 from .progress import Progress, format_seconds
 
-__all__ = ["Recipe", "RecipeFit", "RecipeResult", "fit_recipe", "scaled_train_config", "split_validation", "train_recipe",
-           "validation_examples", "write_curve"]
+__all__ = ["Recipe", "RecipeFit", "RecipePlan", "RecipeResult", "fit_recipe", "plan_recipe", "scaled_train_config",
+           "split_validation", "train_recipe", "validation_examples", "write_curve"]
 
 
 @dataclass
@@ -277,20 +277,31 @@ class RecipeFit:
         return out
 
 
-def fit_recipe(sessions: Sequence[Any], harness: Any, *, recipe: Recipe | None = None,
-               keep: frozenset[str] = frozenset(), progress: Progress | None = None) -> RecipeFit:
-    """Both stages of the two-stage decoder with the recipe (validation, early stopping, scaling, the not-learned
-    check), nothing written. ``harness`` is a seeded :class:`~closedloop.sdk.bci.evaluate.HarnessConfig`; ``keep``
-    names the training settings the user set, which scaling leaves alone (:func:`scaled_train_config`)."""
-    from .baselines import TrainedModels
-    from .meta import meta_train_alignment
-    from .train import train_backbone
+@dataclass
+class RecipePlan:
+    """What the recipe decides before training: the validation split, the (scaled) settings and the budget."""
 
-    recipe = recipe or Recipe()
-    progress = progress or Progress()
-    t0 = time.perf_counter()
+    train_sessions: list
+    validation: dict[str, list[int]]
+    validation_examples: list
+    harness: Any
+    size: dict
+    every: int
+    patience: int
+    budget_s: float
+    t0: float
+
+    @property
+    def deadline(self) -> float | None:
+        return self.t0 + self.budget_s if self.budget_s else None
+
+
+def plan_recipe(sessions: Sequence[Any], harness: Any, recipe: Recipe, keep: frozenset[str] = frozenset(),
+                t0: float | None = None) -> RecipePlan:
+    """The recipe's validation split, scaled training settings, evaluation spacing, patience and time budget
+    (from ``t0``, default now), nothing trained: :func:`fit_recipe`'s first step, and what a baseline trained
+    under the same rules starts from."""
     budget_s = recipe.time_budget_s * recipe.budget
-    deadline = t0 + budget_s if budget_s else None
     patience = max(1, round(recipe.patience * recipe.budget))
     held_in = [s for s in sessions if s.split == "held_in"]
     if not held_in:
@@ -309,6 +320,27 @@ def fit_recipe(sessions: Sequence[Any], harness: Any, *, recipe: Recipe | None =
     val_ex = validation_examples(train_sessions, val, tc.std_floor)
     if not val_ex:
         raise ValueError("no held-in session has the 2 or more training trials a validation split needs")
+    return RecipePlan(train_sessions, val, val_ex, harness, size, every, patience, budget_s,
+                      time.perf_counter() if t0 is None else t0)
+
+
+def fit_recipe(sessions: Sequence[Any], harness: Any, *, recipe: Recipe | None = None,
+               keep: frozenset[str] = frozenset(), progress: Progress | None = None) -> RecipeFit:
+    """Both stages of the two-stage decoder with the recipe (validation, early stopping, scaling, the not-learned
+    check), nothing written. ``harness`` is a seeded :class:`~closedloop.sdk.bci.evaluate.HarnessConfig`; ``keep``
+    names the training settings the user set, which scaling leaves alone (:func:`scaled_train_config`)."""
+    from .baselines import TrainedModels
+    from .meta import meta_train_alignment
+    from .train import train_backbone
+
+    recipe = recipe or Recipe()
+    progress = progress or Progress()
+    t0 = time.perf_counter()
+    plan = plan_recipe(sessions, harness, recipe, keep, t0)
+    train_sessions, val, val_ex, harness, size = (plan.train_sessions, plan.validation, plan.validation_examples,
+                                                  plan.harness, plan.size)
+    tc, every, patience, budget_s, deadline = harness.train, plan.every, plan.patience, plan.budget_s, plan.deadline
+    held_in = [s for s in sessions if s.split == "held_in"]
     progress.note(f"validation: {len(val_ex)} trials withheld ({recipe.validation_fraction:.0%} of each held-in "
                   f"session's, seed {recipe.seed}); data: {size['channels']} channels, {size['sessions']} sessions, "
                   f"{size['trials']} training trials, {size['characters']} characters; model "

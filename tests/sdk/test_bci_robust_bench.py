@@ -38,31 +38,45 @@ def test_the_designs_vary_one_axis_at_a_time_or_all_of_them(bench):
     assert len(bench.every_combination()) == int(np.prod([len(v) for v in bench.AXES.values()]))
 
 
-def _record(key, ts1, ts4, sl1, ratio_95):
-    def scores(ts, sl):
-        return {"two_stage": {"greedy_CER": ts}, "session_layers": {"greedy_CER": sl}}
+def _pieces(key, ts1, ts4, sl1, ts_errors=(0, 0), sl_errors=(0, 0)):
+    """The four stored pieces of a cell; the texts carry ``*_errors`` wrong characters of 10 (trial 1, trial 2)."""
+    refs = ["abcdefghij", "klmnopqrst"]
 
-    def budget(ts, sl):
-        return {"scores": scores(ts, sl), "recipe": {"stage1": {"steps_run": 100, "stop_reason": "patience"},
-                                                     "learned": True}, "wall_s": 1.0}
+    def texts(errors):
+        return [r[:len(r) - e] + "z" * e for r, e in zip(refs, errors, strict=True)]
 
-    return {"key": key, "status": "ok", "result": {
-        "cell": dict.fromkeys(("signal", "drift"), 1.0) | {"held_in": 21, "trials": 40, "jumps": False}, "seed": 0,
-        "x1": budget(ts1, sl1), "x4": budget(ts4, sl1),
-        "paired_greedy_CER": {"ratio": ts1 / sl1, "ratio_95": ratio_95}}}
+    def piece(budget, method, cer, errors):
+        training = ({"stage1": {"steps_run": 100, "stop_reason": "patience"}, "learned": True}
+                    if method == "two_stage" else {"steps_run": 90, "stop_reason": "patience"})
+        return {"key": f"{key}_x{budget:g}_{method}", "status": "ok", "result": {
+            "cell": dict.fromkeys(("signal", "drift"), 1.0) | {"held_in": 21, "trials": 40, "jumps": False},
+            "seed": 0, "data": {}, "budget": budget, "method": method, "training": training, "wall_s": 1.0,
+            "scores": {"greedy_CER": cer, "sessions": {"day": {"greedy_CER": cer, "texts": {
+                "reference": refs, "greedy": texts(errors)}}}}}}
+
+    return [piece(1.0, "two_stage", ts1, ts_errors), piece(4.0, "two_stage", ts4, ts_errors),
+            piece(1.0, "session_layers", sl1, sl_errors), piece(4.0, "session_layers", sl1, sl_errors)]
 
 
-def test_the_report_counts_the_cells_that_meet_each_target(bench, tmp_path):
-    records = [_record("a", 0.10, 0.09, 0.20, [0.4, 0.7]),   # within 1.25x, two-stage clearly better
-               _record("b", 0.30, 0.10, 0.20, [1.2, 1.8]),   # stopped too early: 3x the 4x run's CER
-               _record("c", 0.12, 0.11, 0.12, [0.8, 1.2]),   # a tie: the interval spans 1
-               {"key": "d", "status": "failed", "error": "MemoryError: out"}]
-    s = bench.summarize(records)
-    assert (s["n_cells"], s["n_ok"], s["within_ratio"], s["two_stage_better"]) == (4, 3, 2, 1)
+def test_the_report_joins_the_pieces_and_counts_the_cells_that_meet_each_target(bench, tmp_path):
+    pieces = (_pieces("a", 0.10, 0.09, 0.20, (0, 0), (4, 4))     # within 1.25x, two-stage clearly better
+              + _pieces("b", 0.30, 0.10, 0.20, (3, 3), (2, 2))   # stopped too early: 3x the 4x run's CER
+              + _pieces("c", 0.12, 0.11, 0.12, (1, 1), (1, 1))   # a tie
+              + _pieces("d", 0.1, 0.1, 0.1)[:3]                  # a piece not run yet
+              + [{"key": "e_x1_two_stage", "status": "failed", "error": "MemoryError: out"}])
+    cells = bench.assemble(pieces)
+    status = {c["key"]: c["status"] for c in cells}
+    assert status == {"a": "ok", "b": "ok", "c": "ok", "d": "pending", "e": "failed"}
+    joined = next(c for c in cells if c["key"] == "a")["result"]
+    assert joined["x4"]["scores"]["two_stage"]["greedy_CER"] == 0.09
+    assert joined["paired_greedy_CER"]["ratio_95"][1] < 1  # 0 errors against 8: the bootstrap says better
+    s = bench.summarize(cells)
+    assert (s["n_cells"], s["n_ok"], s["n_pending"], s["within_ratio"], s["two_stage_better"]) == (5, 3, 1, 2, 1)
     rows = {r["key"]: r for r in s["cells"]}
     assert rows["b"]["ratio_to_x4"] == pytest.approx(3.0) and not rows["b"]["within_ratio"]
+    assert rows["d"]["pending"] == ["x4 session_layers"]
     md = bench.markdown(s, "test machine")
     assert "2 of 3 cells (target: every cell)" in md and "1 of 3 cells (target: most cells)" in md
-    assert "3.00 (over)" in md and "failed: MemoryError" in md
+    assert "3.00 (over)" in md and "failed: MemoryError" in md and "pending: x4 session_layers" in md
     bench.plot(s, tmp_path / "p.png")
     assert (tmp_path / "p.png").stat().st_size > 1000
