@@ -34,6 +34,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -272,9 +273,12 @@ def meta_summary(meta: MetaAlignment) -> dict:
 
 
 def meta_train_alignment(
-    backbone: GRUBackbone, sessions: Sequence[Session], config: MetaConfig | None = None
+    backbone: GRUBackbone, sessions: Sequence[Session], config: MetaConfig | None = None, progress: Any = None,
 ) -> tuple[MetaAlignment, TrainingLog]:
     """Stage 2: freeze ``backbone`` and meta-learn the alignment layer's initialisation and step sizes.
+
+    ``progress`` (a :class:`~closedloop.sdk.bci.progress.StageProgress`) is told every meta-step, in place
+    of the module's own tqdm bar.
 
     Returns
     -------
@@ -298,7 +302,8 @@ def meta_train_alignment(
     sampler = _TaskSampler(sessions, config, device)
     log = TrainingLog(device=str(device), n_trials=sum(len(p) for p in sampler.pools), what="stage 2: meta-learning")
     t0 = time.perf_counter()
-    bar = tqdm(range(config.meta_steps), desc=log.what, disable=not config.progress, leave=False)
+    bar = tqdm(range(config.meta_steps), desc=log.what, disable=not config.progress or progress is not None,
+               leave=False)
     try:
         # cuDNN's GRU cannot backpropagate in eval mode nor twice; the native kernels can
         with torch.backends.cudnn.flags(enabled=False):
@@ -313,6 +318,8 @@ def meta_train_alignment(
                 log.loss.append(float(loss.detach()))
                 if step % 10 == 0:
                     bar.set_postfix(query_loss=f"{np.mean(log.loss[-10:]):.3f}")
+                if progress is not None:
+                    progress.step(step + 1, float(np.mean(log.loss[-10:])))
     finally:
         for p, r in zip(backbone.parameters(), frozen, strict=True):
             p.requires_grad_(r)

@@ -356,7 +356,12 @@ def fit_recipe(sessions: Sequence[Any], harness: Any, *, recipe: Recipe | None =
     spent = deadline is not None and time.perf_counter() >= deadline
     progress.note(f"stage 2: meta-learning, {meta_cfg.meta_steps} meta-steps"
                   + (" (the time budget is spent; stage 2 is short and still runs)" if spent else ""))
-    meta, meta_log = meta_train_alignment(backbone, train_sessions, dataclasses.replace(meta_cfg, progress=False))
+    bar2 = progress.stage("stage 2: meta-learning", meta_cfg.meta_steps)
+    try:
+        meta, meta_log = meta_train_alignment(backbone, train_sessions, dataclasses.replace(meta_cfg, progress=False),
+                                              progress=bar2)
+    finally:
+        bar2.close()
     two_stage = _stage2_validation(backbone, meta, train_sessions, val, harness)
     meta_s = time.perf_counter() - t_meta
     progress.note(f"stage 2: two-stage validation greedy CER {_pct(two_stage['CER'])} ({format_seconds(meta_s)})")

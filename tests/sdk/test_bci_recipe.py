@@ -279,3 +279,22 @@ def test_a_larger_budget_multiplies_the_ceiling_the_time_budget_and_the_patience
     assert four.models.logs["backbone"].steps_run == 20 and one.models.logs["backbone"].steps_run == 5
     with pytest.raises(ValueError, match="budget 0"):
         Recipe(budget=0)
+
+
+def test_both_stages_report_progress_and_the_baseline_plan_matches_the_recipes(sessions):
+    from closedloop.sdk.bci.recipe import fit_recipe, plan_recipe
+
+    harness = HarnessConfig(train=replace(TINY, steps=4, patience=2), calibration=CALIB, progress=False,
+                            meta=MetaConfig(inner_steps=1, n_query=1, tasks_per_step=1, meta_steps=3, progress=False))
+    log = io.StringIO()
+    recipe = Recipe(scale=False, patience=2, time_budget_s=60)
+    fit = fit_recipe(sessions, harness, recipe=recipe, progress=Progress(stream=log, interval_s=0.0))
+    lines = log.getvalue().splitlines()
+    # stage 2 takes minutes at full size: it reports its meta-steps too, not only its start and end
+    assert any(line.startswith("stage 1: pooled backbone: step 1/4") for line in lines)
+    assert [line.split(",")[0] for line in lines if line.startswith("stage 2: meta-learning: step")] == [
+        "stage 2: meta-learning: step 1/3", "stage 2: meta-learning: step 2/3", "stage 2: meta-learning: step 3/3"]
+    plan = plan_recipe(sessions, harness, recipe)
+    assert plan.validation == fit.validation and plan.harness.train == fit.harness.train
+    assert [s.name for s in plan.train_sessions] == [s.name for s in fit.train_sessions]
+    assert plan.deadline == pytest.approx(plan.t0 + 60)
