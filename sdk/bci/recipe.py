@@ -214,7 +214,9 @@ def write_curve(log: Any, meta_log: Any, path: str | Path) -> Path:
     if len(log.loss) >= 25:
         ax.plot(np.arange(25, len(log.loss) + 1), log.smoothed(25), color="C0", label="mean of 25 steps")
     ax.set_xlabel("step")
-    ax.set_ylabel("CTC loss per character")
+    ax.set_ylabel("CTC loss per character (log scale)")
+    if log.loss and min(log.loss) > 0:
+        ax.set_yscale("log")  # the first steps' loss is 100x the trained one: a linear axis hides the learning
     ax.set_title("stage 1: pooled backbone")
     if log.validation:
         ax2 = ax.twinx()
@@ -222,7 +224,7 @@ def write_curve(log: Any, meta_log: Any, path: str | Path) -> Path:
         ax2.plot(steps, [v["CER"] for v in log.validation], "o-", ms=3, color="C3", label="validation greedy CER")
         ax2.axvline(log.best_step, color="C3", ls=":", lw=1)
         ax2.set_ylabel("validation greedy CER", color="C3")
-        ax2.set_ylim(0, max(1.0, max(v["CER"] for v in log.validation)))
+        ax2.set_ylim(0, 1.05 * max(max(v["CER"] for v in log.validation), 0.01))
     ax.legend(loc="upper right", fontsize=8)
     axes[1].plot(np.arange(1, len(meta_log.loss) + 1), meta_log.loss, color="C2")
     axes[1].set_xlabel("meta-step")
