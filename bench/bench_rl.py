@@ -18,8 +18,13 @@ A cell (``--cell TASK:REWARD:SEED[:PRIOR]``) is one independent run, :func:`run_
 - REWARD: ``sparse``, ``svm``, ``potential``, ``gail``, each optionally ``_her`` (SB3's HER relabelling,
   ``future`` goals; ``sparse_her`` is SB3's own ``HerReplayBuffer``, the shaped ones
   :class:`~closedloop.sdk.rl.sb3.ShapedHerReplayBuffer`; panda-gym tasks only);
-- PRIOR: ``scratch`` (default: SAC from random weights) or ``bc`` (the project's tasks: behaviour cloning
-  from scripted demonstrations, then :func:`closedloop.sdk.rl.finetune.fine_tune`).
+- PRIOR: ``scratch`` (default: SAC from random weights) or ``bc``: a weak cloned prior on the panda-gym
+  Push and PickAndPlace tasks (:func:`closedloop.sdk.rl.panda_gym.fine_tune_gym`: cloning stops inside a
+  10-30% success band), behaviour cloning from scripted demonstrations then
+  :func:`closedloop.sdk.rl.finetune.fine_tune` on the project's tasks.
+
+``--lam``, ``--beta`` and ``--steps`` away from their defaults are part of a cell's id
+(``PandaReach-v3:svm_her:0:scratch@lam=0.2``): a lambda*beta sweep stores its cells beside the default's.
 
 The deterministic policy is evaluated on ``--eval-episodes`` (default 100) fresh episodes every
 ``--eval-every`` steps; the record (one JSON line: the cell, its settings, the curve, wall time) is
