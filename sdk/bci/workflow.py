@@ -206,9 +206,12 @@ def calibrate_bundle(
     after_s = validation_scores(adapted.model, lambda x, b: adapted.model(x)[0], scored, torch_device)
     warning = None
     if after_s["CER"] > given_s["CER"]:
+        chars = sum(len(e.sentence) for e in scored)
         warning = (f"calibration made the greedy CER worse ({given_s['CER']:.1%} -> {after_s['CER']:.1%} on "
-                   f"{'held-out calibration' if scored_idx else 'the fitted'} trials): try more --sentences, or "
-                   "keep the given bundle for this session")
+                   f"{len(scored)} {'held-out calibration' if scored_idx else 'fitted'} trials: "
+                   f"{round(given_s['CER'] * chars)} -> {round(after_s['CER'] * chars)} character errors of {chars}"
+                   + ("; a check this small is noisy" if len(scored) < 10 else "")
+                   + "): try more --sentences, or keep the given bundle for this session")
         report(f"warning: {warning}")
     model = adapted.model.cpu().eval()
     if model.backbone is not decoder.backbone or _backbone_bits(

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import re
 import time
 from dataclasses import replace
 
@@ -259,6 +260,7 @@ def test_calibration_that_makes_it_worse_is_warned_about(trained_bundle, held_ou
     r = calibrate_bundle(trained_bundle[3], held_out_file, n_sentences=3, out=tmp_path / "w", report=lines.append)
     assert r.cer_after == pytest.approx(r.cer_given + 0.5)
     assert r.warning and "made the greedy CER worse" in r.warning
+    assert re.search(r"on \d+ (held-out calibration|fitted) trials: \d+ -> \d+ character errors of \d+", r.warning)
     assert any(line.startswith("warning: calibration made the greedy CER worse") for line in lines)
     assert "warning: calibration made" in r.format()
 
