@@ -379,7 +379,8 @@ class Session:
         try:
             self._tap = SessionTap(info, n_in=self.family.frame_vector.size, n_out=self.model.output.size,
                                    n_cmd=safe.size, observers=observers, monitor=cfg.monitor,
-                                   monitor_public=cfg.monitor_public, out=self.out)
+                                   monitor_public=cfg.monitor_public, out=self.out,
+                                   monitor_avoid_cpu=cfg.rt_cpu if cfg.rt else None)
         except (RuntimeError, ValueError, OSError) as exc:
             raise SessionError(f"monitor: {exc}") from None
         self.monitor_url = self._tap.monitor_url

@@ -224,8 +224,12 @@ def _asset(name: str) -> str:
     return resources.files("closedloop.runtime.monitor").joinpath("assets").joinpath(name).read_text(encoding="utf-8")
 
 
-def serve(ring_name: str, host: str, port: int, token: str | None, info: dict[str, Any], ready: Any) -> None:
-    """Serve until terminated; report ``("ok", bound_port)`` or ``("error", message)`` through ``ready(...)``."""
+def serve(ring_name: str, host: str, port: int, token: str | None, info: dict[str, Any], ready: Any,
+          avoid_cpu: int | None = None) -> None:
+    """Serve until terminated; report ``("ok", bound_port)`` or ``("error", message)`` through ``ready(...)``.
+
+    ``avoid_cpu``: the CPU a real-time loop is pinned to; this process leaves it to the loop (when another
+    CPU is allowed)."""
     try:
         from aiohttp import web
     except ImportError:
@@ -235,6 +239,10 @@ def serve(ring_name: str, host: str, port: int, token: str | None, info: dict[st
         os.nice(10)
     except OSError:
         pass
+    if avoid_cpu is not None and hasattr(os, "sched_setaffinity"):
+        others = os.sched_getaffinity(0) - {avoid_cpu}
+        if others:  # a pinned loop's cache and core stay its own
+            os.sched_setaffinity(0, others)
     ring = StepRing.attach(ring_name)
     app = MonitorApp(ring, info, token)
 
@@ -271,7 +279,7 @@ def main() -> None:
         sys.stdout.write(json.dumps(list(msg)) + "\n")
         sys.stdout.flush()
 
-    serve(ring_name, host, port, request.get("token"), request["info"], ready)
+    serve(ring_name, host, port, request.get("token"), request["info"], ready, request.get("avoid_cpu"))
 
 
 class MonitorProcess:
@@ -282,13 +290,13 @@ class MonitorProcess:
     """
 
     def __init__(self, ring: StepRing, host: str, port: int, token: str | None, info: dict[str, Any],
-                 start_timeout_s: float = 60.0):
+                 start_timeout_s: float = 60.0, avoid_cpu: int | None = None):
         self._proc = subprocess.Popen(
             [sys.executable, "-m", "closedloop.runtime.monitor", ring.name, host, str(port)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
         )
         assert self._proc.stdin is not None and self._proc.stdout is not None
-        self._proc.stdin.write(json.dumps({"token": token, "info": info}, default=str) + "\n")
+        self._proc.stdin.write(json.dumps({"token": token, "info": info, "avoid_cpu": avoid_cpu}, default=str) + "\n")
         self._proc.stdin.close()
         ready, _, _ = select.select([self._proc.stdout], [], [], start_timeout_s)
         line = self._proc.stdout.readline() if ready else ""
@@ -300,6 +308,7 @@ class MonitorProcess:
             self.stop()
             raise RuntimeError(value)
         self.host, self.port, self.token = host, int(value), token
+        self.pid = self._proc.pid
         shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
         shown = f"[{shown}]" if ":" in shown else shown
         self.url = f"http://{shown}:{self.port}/" + (f"?token={token}" if token else "")

@@ -29,7 +29,7 @@ class SessionTap:
     def __init__(self, info: dict[str, Any], n_in: int, n_out: int, n_cmd: int,
                  observers: list[SessionObserver] | None = None, monitor: str | None = None,
                  monitor_public: bool = False, status_interval_s: float = 0.25, out: TextIO | None = None,
-                 capacity: int = 8192):
+                 capacity: int = 8192, monitor_avoid_cpu: int | None = None):
         self.out = out if out is not None else sys.stderr
         self.info = dict(info, t0_ns=time.monotonic_ns())
         self.ring = StepRing.create(n_in, n_out, n_cmd, capacity=capacity)
@@ -40,7 +40,8 @@ class SessionTap:
         self._closed = False
         try:
             if monitor is not None:
-                self.monitor = _start_monitor(self.ring, monitor, monitor_public, self.info, self.out)
+                self.monitor = _start_monitor(self.ring, monitor, monitor_public, self.info, self.out,
+                                              monitor_avoid_cpu)
         except BaseException:
             self.ring.close()
             raise
@@ -106,7 +107,8 @@ class SessionTap:
         return report
 
 
-def _start_monitor(ring: StepRing, address: str, public: bool, info: dict[str, Any], out: TextIO) -> Any:
+def _start_monitor(ring: StepRing, address: str, public: bool, info: dict[str, Any], out: TextIO,
+                   avoid_cpu: int | None = None) -> Any:
     from closedloop.runtime.monitor.server import MonitorProcess, is_loopback, parse_address
 
     host, port = parse_address(address)
@@ -117,7 +119,7 @@ def _start_monitor(ring: StepRing, address: str, public: bool, info: dict[str, A
                 f"--monitor {address}: {host} is reachable from other machines, and the monitor shows the live "
                 "session; bind 127.0.0.1 (--monitor PORT), or pass --monitor-public to serve it there with a token")
         token = secrets.token_urlsafe(16)
-    mon = MonitorProcess(ring, host, port, token, info)
+    mon = MonitorProcess(ring, host, port, token, info, avoid_cpu=avoid_cpu)
     if token is not None:
         out.write(f"warning: the monitor listens on {host}:{mon.port}, reachable from other machines; it asks for "
                   "the token in this URL\n")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 import urllib.error
@@ -169,3 +170,20 @@ def test_monitor_addresses_parse_and_bad_ones_say_what_is_expected():
         parse_address("localhost:http")
     with pytest.raises(ValueError, match="outside 0..65535"):
         parse_address("70000")
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs Linux CPU affinity and at least 2 CPUs")
+def test_the_monitor_process_keeps_off_a_pinned_loops_cpu():
+    cpus = os.sched_getaffinity(0)
+    loop_cpu = max(cpus)
+    ring = StepRing.create(n_in=1, n_out=1, n_cmd=1, capacity=8)
+    mon = MonitorProcess(ring, "127.0.0.1", 0, None, INFO, avoid_cpu=loop_cpu)
+    plain = MonitorProcess(ring, "127.0.0.1", 0, None, INFO)
+    try:
+        assert os.sched_getaffinity(mon.pid) == cpus - {loop_cpu}
+        assert os.sched_getaffinity(plain.pid) == cpus  # no pinned loop: no restriction
+    finally:
+        mon.stop()
+        plain.stop()
+        ring.close()
