@@ -195,21 +195,25 @@ def assemble(records: list[dict]) -> list[dict]:
         if g["errors"]:
             out.append({"key": key, "status": "failed", "error": g["errors"][0]})
             continue
-        missing = [p for p in want if p not in g["pieces"]]
-        if missing:
-            out.append({"key": key, "status": "pending", "missing": [f"{b} {m}" for b, m in missing]})
-            continue
-        first = g["pieces"][want[0]]
+        first = next(iter(g["pieces"].values()))
         result: dict = {"cell": first["cell"], "seed": first["seed"], "data": first["data"]}
         for b in BUDGETS:
-            pieces = {m: g["pieces"][(f"x{b:g}", m)] for m in METHODS}
+            pieces = {m: g["pieces"][(f"x{b:g}", m)] for m in METHODS if (f"x{b:g}", m) in g["pieces"]}
+            if len(pieces) < len(METHODS):
+                continue
             result[f"x{b:g}"] = {"scores": {m: p["scores"] for m, p in pieces.items()},
                                  "recipe": pieces["two_stage"]["training"],
                                  "session_layers_training": pieces["session_layers"]["training"],
                                  "wall_s": sum(p["wall_s"] for p in pieces.values())}
-        one = {"methods": {m: {"sessions": result["x1"]["scores"][m]["sessions"]} for m in METHODS}}
-        result["paired_greedy_CER"] = paired_bootstrap([one], "two_stage", "session_layers", decoder="greedy",
-                                                       n_boot=2000, seed=first["seed"], metric="CER")
+        if "x1" in result:  # the comparison of the methods needs only the default budget's pieces
+            one = {"methods": {m: {"sessions": result["x1"]["scores"][m]["sessions"]} for m in METHODS}}
+            result["paired_greedy_CER"] = paired_bootstrap([one], "two_stage", "session_layers", decoder="greedy",
+                                                           n_boot=2000, seed=first["seed"], metric="CER")
+        missing = [p for p in want if p not in g["pieces"]]
+        if missing:
+            out.append({"key": key, "status": "pending", "missing": [f"{b} {m}" for b, m in missing],
+                        "result": result})
+            continue
         out.append({"key": key, "status": "ok", "result": result})
     return out
 
@@ -226,7 +230,16 @@ def summarize(records: list[dict]) -> dict:
     rows = []
     for rec in records:
         if rec.get("status") == "pending":
-            rows.append({"key": rec["key"], "pending": rec["missing"]})
+            row = {"key": rec["key"], "pending": rec["missing"]}
+            r = rec.get("result", {})
+            if "paired_greedy_CER" in r:  # the default budget's pieces are in: the methods compare already
+                p = r["paired_greedy_CER"]
+                row.update(cell=r["cell"], seed=r["seed"],
+                           two_stage_CER=r["x1"]["scores"]["two_stage"]["greedy_CER"],
+                           session_layers_CER=r["x1"]["scores"]["session_layers"]["greedy_CER"],
+                           two_stage_vs_session_layers=p["ratio"], two_stage_vs_session_layers_95=p["ratio_95"],
+                           two_stage_better=bool(p["ratio_95"][1] < 1))
+            rows.append(row)
             continue
         if rec.get("status") != "ok":
             rows.append({"key": rec["key"], "failed": rec.get("error", "")})
@@ -269,7 +282,14 @@ def markdown(summary: dict, machine: str) -> str:
             lines.append(f"| {r['key']} | failed: {r['failed'][:80]} |" + " |" * 12)
             continue
         if "pending" in r:
-            lines.append(f"| {r['key']} | pending: {', '.join(r['pending'])} not run yet |" + " |" * 12)
+            if "two_stage_CER" not in r:
+                lines.append(f"| {r['key']} | pending: {', '.join(r['pending'])} not run yet |" + " |" * 12)
+                continue
+            c, (lo, hi) = r["cell"], r["two_stage_vs_session_layers_95"]
+            lines.append(
+                f"| {c['signal']:g}x | {c['drift']:g}x | {c['held_in']} | {c['trials']} | {'yes' if c['jumps'] else 'no'} "
+                f"| {r['seed']} | {_pct(r['two_stage_CER'])} | pending | - | {_pct(r['session_layers_CER'])} | pending | "
+                f"{r['two_stage_vs_session_layers']:.2f} [{lo:.2f}, {hi:.2f}] | pending: {', '.join(r['pending'])} | - |")
             continue
         c = r["cell"]
         lo, hi = r["two_stage_vs_session_layers_95"]
@@ -281,8 +301,13 @@ def markdown(summary: dict, machine: str) -> str:
             f"{r['stage1_steps']} / {r['stage1_steps_x4']} ({r['stage1_stop']}) | {'yes' if r['learned'] else 'NO'} |")
     n = summary["n_ok"]
     if summary.get("n_pending"):
+        partial = [r for r in summary["cells"] if "pending" in r and "two_stage_CER" in r]
         lines += ["", f"- {summary['n_pending']} cell(s) pending (pieces not run yet); the counts below are over the "
                   f"{n} complete cells."]
+        if partial:
+            lines.append(f"- Of the pending cells, {len(partial)} have the default budget's pieces: two-stage below "
+                         f"session layers (95% interval below 1) in {sum(r['two_stage_better'] for r in partial)} of "
+                         "them.")
     lines += ["", f"- Default budget within {CER_RATIO_TARGET}x of the 4x run (two-stage greedy CER): "
               f"{summary['within_ratio']} of {n} cells (target: every cell).",
               f"- Two-stage below session layers (paired bootstrap 95% interval of the greedy-CER ratio below 1): "
@@ -296,21 +321,22 @@ def plot(summary: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [r for r in summary["cells"] if "failed" not in r and "pending" not in r]
-    if not rows:
-        return
+    full = [r for r in summary["cells"] if "failed" not in r and "pending" not in r]
+    rows = [r for r in summary["cells"] if "two_stage_vs_session_layers" in r]  # complete, or x1 pieces in
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    x4 = np.array([r["two_stage_CER_x4"] for r in rows])
-    x1 = np.array([r["two_stage_CER"] for r in rows])
+    x4 = np.array([r["two_stage_CER_x4"] for r in full])
+    x1 = np.array([r["two_stage_CER"] for r in full])
     ax = axes[0]
-    ax.scatter(100 * x4, 100 * x1, c=["C0" if r["within_ratio"] else "C3" for r in rows])
+    ax.scatter(100 * x4, 100 * x1, c=["C0" if r["within_ratio"] else "C3" for r in full])
     top = 100 * max([*x1, *x4, 0.01]) * 1.1
     ax.plot([0, top], [0, top], "k:", lw=1, label="equal")
     ax.plot([0, top], [0, CER_RATIO_TARGET * top], "C3--", lw=1, label=f"{CER_RATIO_TARGET}x")
     ax.set_xlabel("two-stage greedy CER %, 4x budget")
     ax.set_ylabel("two-stage greedy CER %, default budget")
+    ax.set_title(f"default vs 4x budget ({len(full)} complete cells)", fontsize=9)
     ax.legend(fontsize=8)
     ax = axes[1]
+    ax.set_title(f"two-stage vs session layers, default budget ({len(rows)} cells)", fontsize=9)
     ratios = [r["two_stage_vs_session_layers"] for r in rows]
     lo = [r["two_stage_vs_session_layers"] - r["two_stage_vs_session_layers_95"][0] for r in rows]
     hi = [r["two_stage_vs_session_layers_95"][1] - r["two_stage_vs_session_layers"] for r in rows]

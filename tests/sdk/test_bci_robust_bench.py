@@ -75,8 +75,11 @@ def test_the_report_joins_the_pieces_and_counts_the_cells_that_meet_each_target(
     rows = {r["key"]: r for r in s["cells"]}
     assert rows["b"]["ratio_to_x4"] == pytest.approx(3.0) and not rows["b"]["within_ratio"]
     assert rows["d"]["pending"] == ["x4 session_layers"]
+    # a pending cell with its default-budget pieces in already compares the methods
+    assert rows["d"]["two_stage_CER"] == 0.1 and "two_stage_vs_session_layers_95" in rows["d"]
     md = bench.markdown(s, "test machine")
     assert "2 of 3 cells (target: every cell)" in md and "1 of 3 cells (target: most cells)" in md
     assert "3.00 (over)" in md and "failed: MemoryError" in md and "pending: x4 session_layers" in md
+    assert "Of the pending cells, 1 have the default budget's pieces" in md
     bench.plot(s, tmp_path / "p.png")
     assert (tmp_path / "p.png").stat().st_size > 1000
