@@ -159,6 +159,7 @@ def main() -> int:
 
 
 MODES = ("off", "client", "browser")
+MIN_REPEATS = 5
 _LABELS = {"off": "no monitor", "client": "monitor + remote client", "browser": "monitor + local Chromium"}
 
 
@@ -171,6 +172,8 @@ def paired_ratio(runs: list[dict], mode: str, n_boot: int = 10_000, seed: int = 
     boots = np.median(ratios[rng.integers(0, len(ratios), size=(n_boot, len(ratios)))], axis=1)
     lo, hi = (float(np.percentile(boots, 2.5)), float(np.percentile(boots, 97.5)))
     verdict = "met" if hi <= 1.1 else "NOT MET" if lo > 1.1 else "undecided"
+    if len(ratios) < MIN_REPEATS:  # a bootstrap of one or two pairs is no interval
+        verdict = f"undecided: {len(ratios)} repeats, a verdict needs {MIN_REPEATS}"
     return {"ratios": ratios.tolist(), "median": float(np.median(ratios)), "ci95": [lo, hi], "verdict": verdict}
 
 

@@ -30,3 +30,5 @@ def test_the_verdict_says_when_the_repeats_cannot_tell(bench):
     noisy = [90, 130, 95, 125, 100, 120, 92, 128]  # ratios straddle 1.1
     pr = bench.paired_ratio(_runs(off, noisy), "client")
     assert pr["ci95"][0] <= 1.1 < pr["ci95"][1] and pr["verdict"] == "undecided"
+    # too few repeats for an interval: no verdict either way
+    assert bench.paired_ratio(_runs([100.0] * 2, [150.0] * 2), "client")["verdict"].startswith("undecided: 2 repeats")
