@@ -88,12 +88,6 @@ def cell_id(cell: dict) -> str:
     return base + ("@" + ",".join(extra) if extra else "")
 
 
-def _evaluate(model, env, episodes: int, seed: int) -> float:
-    from closedloop.sdk.rl.sb3 import evaluate_success
-
-    return evaluate_success(lambda o: model.predict(o, deterministic=True)[0], env, episodes, seed)
-
-
 def _panda_gym_cell(cell: dict, s: dict) -> dict:
     from closedloop.sdk.rl.panda_gym import fine_tune_gym
 

@@ -33,8 +33,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from .sb3 import evaluate_success
+
 __all__ = ["GYM_TASKS", "GymScriptedController", "collect_gym_demonstrations", "clone_weak_prior", "seed_replay",
-           "gym_success", "fine_tune_gym"]
+           "fine_tune_gym"]
 
 #: panda-gym task -> (the project's scripted controller, index of the object's position, index of the goal) in
 #: the project's observation layout (:mod:`closedloop.sim.manipulation.tasks`); ``None``: no object.
@@ -124,13 +126,6 @@ def collect_gym_demonstrations(env_id: str, episodes: int, noise: float = 0.1, s
     return out
 
 
-def gym_success(act: Callable[[dict], np.ndarray], env, episodes: int, seed: int) -> float:
-    """Success rate of ``act`` over ``episodes`` episodes on seeds ``seed, seed + 1, ...``."""
-    from .sb3 import evaluate_success
-
-    return evaluate_success(act, env, episodes, seed)
-
-
 def _actor_forward(actor) -> Callable[[dict[str, torch.Tensor]], torch.Tensor]:
     """SB3 SAC actor's deterministic (tanh-squashed) action for a batch of dict observations."""
     return lambda obs: torch.tanh(actor.mu(actor.latent_pi(actor.extract_features(obs, actor.features_extractor))))
@@ -170,7 +165,7 @@ def clone_weak_prior(model, demos: list[dict[str, Any]], check_env, band: tuple[
     middle = (lo + hi) / 2
 
     def check(epoch: int) -> bool:
-        rate = gym_success(lambda o: model.predict(o, deterministic=True)[0], check_env, check_episodes, check_seed)
+        rate = evaluate_success(lambda o: model.predict(o, deterministic=True)[0], check_env, check_episodes, check_seed)
         history.append((epoch, rate))
         if abs(rate - middle) < best["distance"]:
             best.update(distance=abs(rate - middle), epoch=epoch, rate=rate, state=copy.deepcopy(actor.state_dict()))
@@ -211,6 +206,9 @@ def seed_replay(model, episodes: list[dict[str, Any]], reward_model=None) -> Non
     from .wrapper import flatten_batch
 
     buf = model.replay_buffer
+    space = model.observation_space
+    if reward_model is not None and not isinstance(space, spaces.Dict):
+        raise TypeError("seed_replay: dict-observation episodes need a Dict observation space")
     for ep in episodes:
         n = len(ep["actions"])
         for t in range(n):
@@ -221,9 +219,6 @@ def seed_replay(model, episodes: list[dict[str, Any]], reward_model=None) -> Non
             nx = {k: v[t][None] for k, v in ep["next_obs"].items()}
             buf.add(o, nx, ep["actions"][t][None], np.array([ep["rewards"][t]], np.float32), np.array([last]), [info])
         if reward_model is not None:
-            space = model.observation_space
-            if not isinstance(space, spaces.Dict):
-                raise TypeError("seed_replay: dict-observation episodes need a Dict observation space")
             reward_model.add_episode(flatten_batch(space, ep["obs"]), ep["actions"], flatten_batch(space, ep["next_obs"]),
                                      ep["success"])
 
@@ -307,7 +302,7 @@ def fine_tune_gym(env_id: str, reward: str, seed: int, *, prior: str = "bc", her
 
     def evaluate() -> None:
         curve.append((int(model.num_timesteps),
-                      gym_success(lambda o: model.predict(o, deterministic=True)[0], eval_env, eval_episodes,
+                      evaluate_success(lambda o: model.predict(o, deterministic=True)[0], eval_env, eval_episodes,
                                   eval_seed)))
         if log:
             log(f"{env_id} {reward}{'+HER' if her else ''} from {prior}, seed {seed}: step {curve[-1][0]:,}/{steps:,} "

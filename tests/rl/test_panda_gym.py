@@ -15,9 +15,9 @@ from closedloop.sdk.rl.panda_gym import (  # noqa: E402
     clone_weak_prior,
     collect_gym_demonstrations,
     fine_tune_gym,
-    gym_success,
     seed_replay,
 )
+from closedloop.sdk.rl.sb3 import evaluate_success  # noqa: E402
 
 
 @pytest.mark.parametrize("task", ["PandaReach-v3", "PandaPush-v3", "PandaPickAndPlace-v3"])
@@ -63,7 +63,7 @@ def test_a_weak_prior_stops_at_the_first_check_inside_its_band_and_keeps_those_w
     assert rec["in_band"] and 0.5 <= rec["check_success"] <= 1.0
     assert rec["untrained_success"] < 0.5 and rec["history"][-1] == [rec["epochs"], rec["check_success"]]
     assert all(r < 0.5 for _, r in rec["history"][1:-1])  # it stopped at the first check in the band
-    again = gym_success(lambda o: model.predict(o, deterministic=True)[0], env, 10, 50_000)
+    again = evaluate_success(lambda o: model.predict(o, deterministic=True)[0], env, 10, 50_000)
     assert again == rec["check_success"]  # the weights checked are the weights kept
     env.close()
 
@@ -75,7 +75,7 @@ def test_a_band_the_cloning_never_enters_is_reported_not_hidden():
     rec = clone_weak_prior(model, demos, env, band=(0.0, 0.0), max_epochs=20, check_episodes=5, check_gradient_steps=5,
                            batch_size=32)
     assert not rec["in_band"] and rec["band_floor"] > 0
-    again = gym_success(lambda o: model.predict(o, deterministic=True)[0], env, 5, 50_000)
+    again = evaluate_success(lambda o: model.predict(o, deterministic=True)[0], env, 5, 50_000)
     assert again == rec["check_success"]  # the kept checkpoint is the one the record names
     with pytest.raises(ValueError, match="band"):
         clone_weak_prior(model, demos, env, band=(0.5, 0.2))
