@@ -23,8 +23,10 @@ A cell (``--cell TASK:REWARD:SEED[:PRIOR]``) is one independent run, :func:`run_
   10-30% success band), behaviour cloning from scripted demonstrations then
   :func:`closedloop.sdk.rl.finetune.fine_tune` on the project's tasks.
 
-``--lam``, ``--beta`` and ``--steps`` away from their defaults are part of a cell's id
-(``PandaReach-v3:svm_her:0:scratch@lam=0.2``): a lambda*beta sweep stores its cells beside the default's.
+``--lam``, ``--beta``, ``--steps``, ``--prior-weight`` (the pull towards a cloned prior, ``bc`` cells) and
+``--refit`` (the discriminator's gradient steps after each episode, ``ShapingConfig.updates_per_episode``)
+away from their defaults are part of a cell's id (``PandaReach-v3:svm_her:0:scratch@lam=0.2``): a sweep
+stores its cells beside the default's.
 
 The deterministic policy is evaluated on ``--eval-episodes`` (default 100) fresh episodes every
 ``--eval-every`` steps; the record (one JSON line: the cell, its settings, the curve, wall time) is
@@ -49,7 +51,8 @@ REWARDS = ("sparse", "svm", "potential", "gail")
 PANDA_GYM = ("PandaReach-v3", "PandaPush-v3", "PandaPickAndPlace-v3")
 PROJECT = ("reach", "push", "pick_and_place")
 CELL_DEFAULTS = {"steps": 20_000, "eval_every": 2_000, "eval_episodes": 100, "lam": 0.05, "beta": 5.0,
-                 "learning_starts": 1_000, "batch_size": 256, "net": [256, 256], "gamma": 0.95}
+                 "learning_starts": 1_000, "batch_size": 256, "net": [256, 256], "gamma": 0.95,
+                 "prior_weight": 1.0, "refit": 10}
 
 
 def parse_cell(text: str) -> dict:
@@ -78,7 +81,7 @@ def parse_cell(text: str) -> dict:
 
 #: settings that make another experiment of the same task, reward, seed and prior (the lambda*beta sweep):
 #: named in the cell's id when they differ from :data:`CELL_DEFAULTS`
-SWEPT = ("lam", "beta", "steps")
+SWEPT = ("lam", "beta", "steps", "prior_weight", "refit")
 
 
 def cell_id(cell: dict) -> str:
@@ -95,6 +98,7 @@ def _panda_gym_cell(cell: dict, s: dict) -> dict:
                          her=cell["reward"].endswith("_her"), steps=s["steps"], eval_every=s["eval_every"],
                          eval_episodes=s["eval_episodes"], lam=s["lam"], beta=s["beta"], gamma=s["gamma"],
                          net=tuple(s["net"]), batch_size=s["batch_size"], learning_starts=s["learning_starts"],
+                         prior_weight=s["prior_weight"], refit=s["refit"],
                          log=lambda line: print(line, file=sys.stderr, flush=True))
 
 
@@ -112,8 +116,15 @@ def run_cell(cell: dict) -> dict:
     cell = parse_cell(cell_id(cell).split("@")[0]) | {k: v for k, v in cell.items()
                                                       if k not in ("task", "reward", "seed", "prior")}
     s = CELL_DEFAULTS | {k: cell[k] for k in CELL_DEFAULTS if k in cell}
-    if s["eval_episodes"] < 1 or s["eval_every"] < 1 or s["steps"] < 1:
-        raise ValueError(f"cell {cell_id(cell)}: steps, eval_every and eval_episodes must be >= 1")
+    if s["eval_episodes"] < 1 or s["eval_every"] < 1 or s["steps"] < 1 or s["refit"] < 1:
+        raise ValueError(f"cell {cell_id(cell)}: steps, eval_every, eval_episodes and refit must be >= 1")
+    if s["prior_weight"] < 0:
+        raise ValueError(f"cell {cell_id(cell)}: prior_weight {s['prior_weight']} must be >= 0")
+    if cell["prior"] == "scratch" and s["prior_weight"] != CELL_DEFAULTS["prior_weight"]:
+        raise ValueError(f"cell {cell_id(cell)}: --prior-weight is the pull towards a cloned prior; "
+                         "give the cell the PRIOR 'bc' or drop it")
+    if cell["reward"].startswith("sparse") and s["refit"] != CELL_DEFAULTS["refit"]:
+        raise ValueError(f"cell {cell_id(cell)}: --refit sets the discriminator's schedule; the sparse reward has none")
     t0 = time.perf_counter()
     torch.manual_seed(cell["seed"])
     np.random.seed(cell["seed"])
@@ -129,7 +140,9 @@ def run_cell(cell: dict) -> dict:
 
         ft = FineTuneConfig(task=cell["task"], seed=cell["seed"], total_steps=s["steps"], eval_every=s["eval_every"],
                             eval_episodes=s["eval_episodes"], gamma=s["gamma"], net=tuple(s["net"]),
-                            shaping=ShapingConfig(kind=cell["reward"], lam=s["lam"], beta=s["beta"]))
+                            shaping=ShapingConfig(kind=cell["reward"], lam=s["lam"], beta=s["beta"],
+                                                  updates_per_episode=s["refit"]),
+                            prior_weight=s["prior_weight"])
         if cell["prior"] == "scratch":
             ft.demos, ft.bc_epochs, ft.critic_pretrain_steps, ft.actor_warmup_steps, ft.prior_weight = 1, 0, 0, 0, 0.0
         curve = fine_tune(ft).curve
@@ -184,6 +197,21 @@ def bootstrap_ratio(a: np.ndarray, b: np.ndarray, n: int = 10_000, seed: int = 0
     return float(a.mean() / b.mean()), float(np.percentile(boots, 2.5)), float(np.percentile(boots, 97.5))
 
 
+def group_key(rec: dict) -> tuple[str, str, str]:
+    """(task, reward, prior) labels a record's seeds are pooled under: the shaped reward's settings in its
+    label, a non-default pull towards the cloned prior in the prior's (it applies to every reward, so
+    sparse + HER under the same pull stays the comparison)."""
+    c, st = rec["cell"], CELL_DEFAULTS | rec["settings"]
+    reward = c["reward"]
+    if not reward.startswith("sparse"):
+        refit = f", refit {st['refit']}" if st["refit"] != CELL_DEFAULTS["refit"] else ""
+        reward = f"{reward} (lam {st['lam']:g}, beta {st['beta']:g}{refit})"
+    prior = c["prior"]
+    if prior == "bc" and st["prior_weight"] != CELL_DEFAULTS["prior_weight"]:
+        prior = f"bc, pull {st['prior_weight']:g}"
+    return c["task"], reward, prior
+
+
 def report(path: Path, out: Path) -> dict:
     """Steps to 80%/90% per (task, reward, prior) with bootstrap 95% intervals over seeds, and learning curves.
 
@@ -194,10 +222,7 @@ def report(path: Path, out: Path) -> dict:
         raise SystemExit(f"--report: no cells in {path}; run some with --cell first")
     groups: dict[tuple, list[dict]] = {}
     for r in recs:
-        c, st = r["cell"], r["settings"]
-        reward = c["reward"] if c["reward"].startswith("sparse") else \
-            f"{c['reward']} (lam {st['lam']:g}, beta {st['beta']:g})"
-        groups.setdefault((c["task"], reward, c["prior"]), []).append(r)
+        groups.setdefault(group_key(r), []).append(r)
     table = []
     reached: dict[tuple, np.ndarray] = {}
     for (task, reward, prior), rs in sorted(groups.items()):
@@ -294,11 +319,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="run one independent cell (repeatable) and append it to --cells")
     ap.add_argument("--cells", default=CELLS, help=f"the cells' JSON-lines file (default {CELLS})")
     ap.add_argument("--report", action="store_true", help="tables and curves from the cells in --cells")
-    for key in ("steps", "eval_every", "eval_episodes", "learning_starts", "batch_size"):
+    for key in ("steps", "eval_every", "eval_episodes", "learning_starts", "batch_size", "refit"):
         ap.add_argument(f"--{key.replace('_', '-')}", type=int, default=None,
                         help=f"cell setting (default {CELL_DEFAULTS[key]})")
-    for key in ("lam", "beta"):
-        ap.add_argument(f"--{key}", type=float, default=None, help=f"cell setting (default {CELL_DEFAULTS[key]})")
+    for key in ("lam", "beta", "prior_weight"):
+        ap.add_argument(f"--{key.replace('_', '-')}", type=float, default=None, help=f"cell setting (default {CELL_DEFAULTS[key]})")
     a = ap.parse_args(argv)
     if a.cell or a.report:
         for text in a.cell or []:

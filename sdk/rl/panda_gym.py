@@ -229,7 +229,7 @@ def fine_tune_gym(env_id: str, reward: str, seed: int, *, prior: str = "bc", her
                   learning_starts: int = 1_000, demos: int = 30, demo_noise: float = 0.1,
                   band: tuple[float, float] = (0.1, 0.3), prior_episodes: int = 20, critic_pretrain_steps: int = 2_000,
                   actor_warmup_steps: int = 500, actor_lr_scale: float = 0.3, prior_weight: float = 1.0,
-                  ent_coef: str = "0.002", buffer_size: int | None = None,
+                  refit: int = 10, ent_coef: str = "0.002", buffer_size: int | None = None,
                   prior_options: dict[str, Any] | None = None,
                   log: Callable[[str], None] | None = None) -> dict[str, Any]:
     """SAC (+ HER) on a panda-gym task with ``reward`` (``sparse``, ``svm``, ``potential``, ``gail``).
@@ -240,6 +240,8 @@ def fine_tune_gym(env_id: str, reward: str, seed: int, *, prior: str = "bc", her
     policy is evaluated on ``eval_episodes`` episodes (seeds from ``eval_seed``) every
     ``eval_every`` steps.  Returns ``curve`` ([step, success] pairs), ``prior`` (the cloning record,
     for ``bc``) and ``wall_s``.  ``prior_options``: more keyword arguments of :func:`clone_weak_prior`;
+    ``prior_weight``: the pull towards the frozen cloned prior (0: none after the warm-up); ``refit``: the
+    discriminator's gradient steps after each finished episode (``ShapingConfig.updates_per_episode``).
     ``log``: called with a line for the prior and each evaluation (progress).
     """
     import gymnasium as gym
@@ -266,7 +268,8 @@ def fine_tune_gym(env_id: str, reward: str, seed: int, *, prior: str = "bc", her
                          "replay_buffer_kwargs": {"n_sampled_goal": 4, "goal_selection_strategy": "future"}}
                         if her else {})
     else:
-        env = SuccessVisitationWrapper(env, ShapingConfig(kind=reward, lam=lam, beta=beta), seed=seed)
+        env = SuccessVisitationWrapper(env, ShapingConfig(kind=reward, lam=lam, beta=beta, updates_per_episode=refit),
+                                        seed=seed)
         vr = env.reward_model
         vr.bind_gamma(gamma)
         callbacks.append(OutcomeLogger(reward_model=vr))

@@ -70,3 +70,36 @@ def test_a_finished_cell_is_skipped(bench, tmp_path, monkeypatch):
     monkeypatch.setattr(bench, "run_cell", lambda cell: _rec(bench, cell["reward"], cell["seed"], [[0, 1.0]]))
     assert bench.run_and_append({**rec["cell"], "seed": 1}, path)["id"].endswith(":1:scratch")
     assert len(path.read_text().splitlines()) == 2
+
+
+def test_prior_pull_and_refit_cells_are_their_own_experiments(bench, tmp_path):
+    """A weaker pull towards a cloned prior is compared with sparse + HER under the same pull; a slower refit
+    schedule is its own row of the shaped reward; settings that cannot apply are refused, not ignored."""
+    bc = bench.parse_cell("PandaPush-v3:svm_her:0:bc")
+    assert bench.cell_id(bc | {"prior_weight": 0.0}) == "PandaPush-v3:svm_her:0:bc@prior_weight=0"
+    assert bench.cell_id(bc | {"refit": 2}) == "PandaPush-v3:svm_her:0:bc@refit=2"
+
+    def rec(reward, seed, curve, **settings):
+        cell = {"task": "PandaPush-v3", "reward": reward, "seed": seed, "prior": "bc"}
+        settings = {"steps": 1000, **settings}
+        return {"id": bench.cell_id(cell | settings), "cell": cell, "settings": bench.CELL_DEFAULTS | settings,
+                "curve": curve, "wall_s": 1.0}
+
+    recs = [rec("sparse_her", 0, [[0, 0.2], [1000, 0.3]]),  # pull 1: never reaches 80%
+            rec("sparse_her", 0, [[0, 0.2], [500, 0.9]], prior_weight=0.0),
+            rec("svm_her", 0, [[0, 0.2], [250, 0.9]], prior_weight=0.0),
+            rec("svm_her", 0, [[0, 0.2], [750, 0.9]], refit=2)]
+    path = tmp_path / "cells.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    rows = {(r["reward"], r["prior"]): r for r in bench.report(path, tmp_path)["table"]}
+    # the pull-0 svm row is compared with the pull-0 sparse row (250 / 500), not with the pull-1 one
+    assert rows[("svm_her (lam 0.05, beta 5)", "bc, pull 0")]["ratio_to_sparse_her_80"]["ratio"] == 0.5
+    # the slower refit is its own row, compared with the default pull's sparse + HER (an upper bound: 750 / 1000)
+    r = rows[("svm_her (lam 0.05, beta 5, refit 2)", "bc")]["ratio_to_sparse_her_80"]
+    assert r["ratio"] == 0.75 and r["bound"] == "upper bound"
+    for bad, what in (({"prior_weight": 0.0}, "cloned prior"), ({"refit": 2}, "sparse reward has none"),
+                      ({"refit": 0}, "refit must be >= 1")):
+        reward = "sparse_her" if "refit" in bad and bad["refit"] else "svm_her"
+        cell = {"task": "PandaReach-v3", "reward": reward, "seed": 0, "prior": "scratch", **bad}
+        with pytest.raises(ValueError, match=what):
+            bench.run_cell(cell)
