@@ -53,7 +53,8 @@ def _train_args(p: argparse.ArgumentParser) -> None:
                    help="stage 1's step ceiling (default: scaled with the data, docs/bci.md); training stops earlier "
                         "when validation stops improving")
     p.add_argument("--time-budget", type=float, default=1800.0,
-                   help="wall-time budget in seconds for both stages (default 1800; 0: none)")
+                   help="wall-time budget in seconds for both stages (default 1800; 0: none): stage 1 stops at 90%% of it, "
+                        "stage 2 at its end")
     p.add_argument("--patience", type=int, default=6,
                    help="validation evaluations without a lower CER before stage 1 stops (default 6)")
     p.add_argument("--eval-every", type=int, default=0,

@@ -274,11 +274,13 @@ def meta_summary(meta: MetaAlignment) -> dict:
 
 def meta_train_alignment(
     backbone: GRUBackbone, sessions: Sequence[Session], config: MetaConfig | None = None, progress: Any = None,
+    deadline: float | None = None,
 ) -> tuple[MetaAlignment, TrainingLog]:
     """Stage 2: freeze ``backbone`` and meta-learn the alignment layer's initialisation and step sizes.
 
     ``progress`` (a :class:`~closedloop.sdk.bci.progress.StageProgress`) is told every meta-step, in place
-    of the module's own tqdm bar.
+    of the module's own tqdm bar. ``deadline`` (a ``time.perf_counter()`` value): stop after the meta-step
+    that passes it (at least one runs); the log's ``stop_reason`` is then ``time_budget``.
 
     Returns
     -------
@@ -320,6 +322,9 @@ def meta_train_alignment(
                     bar.set_postfix(query_loss=f"{np.mean(log.loss[-10:]):.3f}")
                 if progress is not None:
                     progress.step(step + 1, float(np.mean(log.loss[-10:])))
+                if deadline is not None and time.perf_counter() >= deadline and step + 1 < config.meta_steps:
+                    log.stop_reason = "time_budget"
+                    break
     finally:
         for p, r in zip(backbone.parameters(), frozen, strict=True):
             p.requires_grad_(r)

@@ -47,6 +47,8 @@ class Recipe(JsonConfig):
     eval_every: int = 0  # 0: a fortieth of the step ceiling, at least 10 steps
     patience: int = 6
     time_budget_s: float = 1800.0  # stage 1 and stage 2 together; 0: none
+    # the time budget's share kept for stage 2: stage 1 stops at (1 - share) of it, stage 2 at its end
+    stage2_share: float = 0.1
     unlearned_cer: float = 0.4
     scale: bool = True  # model size and step ceiling from the data (scaled_train_config)
     seed: int = 0
@@ -62,6 +64,9 @@ class Recipe(JsonConfig):
             raise ValueError(f"patience {self.patience}: at least 1 evaluation")
         if self.time_budget_s < 0:
             raise ValueError(f"time budget {self.time_budget_s} s: use a positive number of seconds, or 0 for none")
+        if not 0.0 <= self.stage2_share < 1.0:
+            raise ValueError(f"stage2_share {self.stage2_share}: the fraction of the time budget kept for stage 2, "
+                             "from 0 up to (not including) 1")
         if not self.budget > 0:
             raise ValueError(f"budget {self.budget}: a positive multiple of the default budget (1 is the default)")
 
@@ -270,9 +275,10 @@ class RecipeFit:
                        "eval_every": tc.eval_every, "patience": tc.patience, "restarts": len(log.restarts),
                        "wall_s": log.wall_s, "final_loss": float(np.mean(log.loss[-25:])) if log.loss else None,
                        "validation": log.validation},
-            "stage2": {"steps": len(meta_log.loss), "val_CER": self.two_stage["CER"], "val_WER": self.two_stage["WER"],
+            "stage2": {"steps": len(meta_log.loss), "stop_reason": meta_log.stop_reason, "val_CER": self.two_stage["CER"], "val_WER": self.two_stage["WER"],
                        "val_chars": self.two_stage["chars"], "wall_s": self.meta_s},
-            "time_budget_s": recipe.time_budget_s * recipe.budget, "budget": recipe.budget, "wall_s": self.wall_s,
+            "time_budget_s": recipe.time_budget_s * recipe.budget, "stage2_share": recipe.stage2_share,
+            "budget": recipe.budget, "wall_s": self.wall_s,
         }
         if (w := log.warning()) is not None:
             out["warning"] = w
@@ -292,10 +298,17 @@ class RecipePlan:
     patience: int
     budget_s: float
     t0: float
+    stage2_share: float = 0.0
 
     @property
     def deadline(self) -> float | None:
+        """The end of the whole time budget (None: no budget)."""
         return self.t0 + self.budget_s if self.budget_s else None
+
+    @property
+    def stage1_deadline(self) -> float | None:
+        """Stage 1's end: the budget less the share kept for stage 2."""
+        return self.t0 + self.budget_s * (1.0 - self.stage2_share) if self.budget_s else None
 
 
 def plan_recipe(sessions: Sequence[Any], harness: Any, recipe: Recipe, keep: frozenset[str] = frozenset(),
@@ -323,7 +336,7 @@ def plan_recipe(sessions: Sequence[Any], harness: Any, recipe: Recipe, keep: fro
     if not val_ex:
         raise ValueError("no held-in session has the 2 or more training trials a validation split needs")
     return RecipePlan(train_sessions, val, val_ex, harness, size, every, patience, budget_s,
-                      time.perf_counter() if t0 is None else t0)
+                      time.perf_counter() if t0 is None else t0, recipe.stage2_share)
 
 
 def fit_recipe(sessions: Sequence[Any], harness: Any, *, recipe: Recipe | None = None,
@@ -348,25 +361,26 @@ def fit_recipe(sessions: Sequence[Any], harness: Any, *, recipe: Recipe | None =
                   f"{size['trials']} training trials, {size['characters']} characters; model "
                   f"{tc.backbone.n_hidden}x{tc.backbone.n_layers}, at most {tc.steps} steps, validation every "
                   f"{every}, patience {patience}" + (f", time budget {format_seconds(budget_s)}" if deadline else ""))
-    bar = progress.stage("stage 1: pooled backbone", tc.steps, deadline)
-    backbone, log = train_backbone(train_sessions, tc, val_ex, bar, deadline)
+    bar = progress.stage("stage 1: pooled backbone", tc.steps, plan.stage1_deadline)
+    backbone, log = train_backbone(train_sessions, tc, val_ex, bar, plan.stage1_deadline)
     best = log.best() or {"CER": float("nan"), "WER": float("nan"), "chars": 0}
     bar.close(f"{log.steps_run} steps, stopped by {log.stop_reason}, best validation CER {_pct(best['CER'])} at "
               f"step {log.best_step} (restored)")
     meta_cfg = harness.meta
     t_meta = time.perf_counter()
-    spent = deadline is not None and time.perf_counter() >= deadline
-    progress.note(f"stage 2: meta-learning, {meta_cfg.meta_steps} meta-steps"
-                  + (" (the time budget is spent; stage 2 is short and still runs)" if spent else ""))
-    bar2 = progress.stage("stage 2: meta-learning", meta_cfg.meta_steps)
+    progress.note(f"stage 2: meta-learning, at most {meta_cfg.meta_steps} meta-steps"
+                  + (f", until the time budget's end ({format_seconds(max(0.0, deadline - t_meta))} left)"
+                     if deadline else ""))
+    bar2 = progress.stage("stage 2: meta-learning", meta_cfg.meta_steps, deadline)
     try:
         meta, meta_log = meta_train_alignment(backbone, train_sessions, dataclasses.replace(meta_cfg, progress=False),
-                                              progress=bar2)
+                                              progress=bar2, deadline=deadline)
     finally:
         bar2.close()
     two_stage = _stage2_validation(backbone, meta, train_sessions, val, harness)
     meta_s = time.perf_counter() - t_meta
-    progress.note(f"stage 2: two-stage validation greedy CER {_pct(two_stage['CER'])} ({format_seconds(meta_s)})")
+    progress.note(f"stage 2: {len(meta_log.loss)} meta-steps, stopped by {meta_log.stop_reason}; two-stage validation "
+                  f"greedy CER {_pct(two_stage['CER'])} ({format_seconds(meta_s)})")
 
     problems = []
     threshold = recipe.unlearned_cer

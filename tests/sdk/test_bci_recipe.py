@@ -300,3 +300,25 @@ def test_both_stages_report_progress_and_the_baseline_plan_matches_the_recipes(s
     assert plan.validation == fit.validation and plan.harness.train == fit.harness.train
     assert [s.name for s in plan.train_sessions] == [s.name for s in fit.train_sessions]
     assert plan.deadline == pytest.approx(plan.t0 + 60)
+
+
+def test_the_time_budget_covers_both_stages(sessions):
+    """Stage 1 stops at its share of the budget and stage 2 at the budget's end: a user's --time-budget is the
+    training's length, not stage 1's alone."""
+    from closedloop.sdk.bci.recipe import fit_recipe
+
+    harness = HarnessConfig(train=replace(TINY, steps=100_000, patience=1000), calibration=CALIB, progress=False,
+                            meta=MetaConfig(inner_steps=1, n_query=1, tasks_per_step=1, meta_steps=100_000,
+                                            progress=False))
+    budget = 4.0
+    fit = fit_recipe(sessions, harness, recipe=Recipe(scale=False, patience=1000, time_budget_s=budget),
+                     progress=Progress(quiet=True))
+    log, meta_log = fit.models.logs["backbone"], fit.models.logs["meta"]
+    assert log.stop_reason == "time_budget" and meta_log.stop_reason == "time_budget"
+    assert 1 <= len(meta_log.loss) < 100_000
+    # stage 1 ended near 90% of the budget (its last step and validation pass late), stage 2 used the rest
+    assert log.wall_s < 0.9 * budget + 1.5
+    assert fit.wall_s < budget + 3.0  # the budget, plus the last step and stage 2's validation pass
+    assert fit.summary(Recipe(time_budget_s=budget))["stage2"]["stop_reason"] == "time_budget"
+    with pytest.raises(ValueError, match="stage2_share"):
+        Recipe(stage2_share=1.0)
