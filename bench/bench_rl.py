@@ -142,10 +142,14 @@ def run_cell(cell: dict) -> dict:
                             eval_episodes=s["eval_episodes"], gamma=s["gamma"], net=tuple(s["net"]),
                             shaping=ShapingConfig(kind=cell["reward"], lam=s["lam"], beta=s["beta"],
                                                   updates_per_episode=s["refit"]),
-                            prior_weight=s["prior_weight"])
+                            prior_weight=s["prior_weight"], prior_band=(0.1, 0.3))
         if cell["prior"] == "scratch":
             ft.demos, ft.bc_epochs, ft.critic_pretrain_steps, ft.actor_warmup_steps, ft.prior_weight = 1, 0, 0, 0, 0.0
-        curve = fine_tune(ft).curve
+            ft.prior_band = None
+        result = fine_tune(ft)
+        curve = result.curve
+        if "prior" in result.record:
+            extra["prior"] = result.record["prior"]
     return {"id": cell_id(cell), "cell": {k: cell[k] for k in ("task", "reward", "seed", "prior")}, "settings": s,
             "curve": [[int(a), float(b)] for a, b in curve], **extra, "wall_s": time.perf_counter() - t0,
             "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}

@@ -118,6 +118,10 @@ class FineTuneConfig(JsonConfig):
         the batch's mean |Q|).  0: plain SAC, which collapses the cloned push policy.
     init_log_std : float
         Log standard deviation of the pre-trained actor's (pre-tanh) Gaussian.
+    prior_band : (low, high), optional
+        A weak prior: clone until the deterministic success, checked on 50 episodes, is inside this band
+        (:func:`closedloop.sdk.rl.panda_gym.clone_weak_prior`, at most 1000 epochs) instead of ``bc_epochs``
+        epochs.  None (default): ``bc_epochs``.
     ent_coef : str
         SAC's entropy coefficient: a number, or ``"auto_0.01"`` (tuned from 0.01; its target entropy
         drags a pre-trained policy whose actions saturate the tanh towards noise, so the default is fixed).
@@ -144,6 +148,7 @@ class FineTuneConfig(JsonConfig):
     actor_lr_scale: float = 0.3
     prior_weight: float = 1.0
     init_log_std: float = -1.5
+    prior_band: tuple[float, float] | None = None
     ent_coef: str = "0.002"
     eval_every: int = 2_000
     eval_episodes: int = 30

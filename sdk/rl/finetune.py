@@ -178,8 +178,20 @@ def fine_tune(config: FineTuneConfig, verbose: int = 0, env_factory=None) -> Fin
     # Behaviour cloning on the successful demonstrations.
     good = [d for d in demos if d["success"]] or demos
     x = (np.concatenate([d["obs"] for d in good]) - mean) / std
-    bc_mse = behaviour_clone(model.actor, x, np.concatenate([d["actions"] for d in good]), epochs=cfg.bc_epochs,
-                             init_log_std=cfg.init_log_std, seed=cfg.seed)
+    prior_record = None
+    if cfg.prior_band is None:
+        bc_mse = behaviour_clone(model.actor, x, np.concatenate([d["actions"] for d in good]), epochs=cfg.bc_epochs,
+                                 init_log_std=cfg.init_log_std, seed=cfg.seed)
+    else:  # a weak prior: stop cloning inside the band (checks on seeds apart from the evaluation's)
+        from .panda_gym import clone_weak_prior
+
+        normalised = [{**d, "obs": (d["obs"] - mean) / std} for d in demos]
+        # every epoch checked (the push demonstrations are about 4 batches), and 5 checks in a row above the band
+        # end it: a scripted task's prior is learned in a few epochs, so the band is passed early or not at all
+        prior_record = clone_weak_prior(model, normalised, eval_env, band=tuple(cfg.prior_band),
+                                        check_gradient_steps=1, above_limit=5, init_log_std=cfg.init_log_std,
+                                        seed=cfg.seed)
+        bc_mse = float("nan")
     # Seed both replays: demonstrations, then episodes of the pre-trained (stochastic) policy.
     for d in demos:
         o, n = (d["obs"] - mean) / std, (d["next_obs"] - mean) / std
@@ -209,6 +221,7 @@ def fine_tune(config: FineTuneConfig, verbose: int = 0, env_factory=None) -> Fin
         "demo_success_rate": float(np.mean([d["success"] for d in demos])),
         "bc_mse": bc_mse,
         "prior_success_rate": prior_success / max(cfg.prior_episodes, 1),
+        **({"prior": prior_record} if prior_record is not None else {}),
         "curve": logger.curve,
         "train_episodes": logger.episodes,
         "discriminator": vr.stats(),

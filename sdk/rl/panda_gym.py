@@ -127,14 +127,15 @@ def collect_gym_demonstrations(env_id: str, episodes: int, noise: float = 0.1, s
 
 
 def _actor_forward(actor) -> Callable[[dict[str, torch.Tensor]], torch.Tensor]:
-    """SB3 SAC actor's deterministic (tanh-squashed) action for a batch of dict observations."""
+    """SB3 SAC actor's deterministic (tanh-squashed) action for a batch of (dict or array) observations."""
     return lambda obs: torch.tanh(actor.mu(actor.latent_pi(actor.extract_features(obs, actor.features_extractor))))
 
 
 def clone_weak_prior(model, demos: list[dict[str, Any]], check_env, band: tuple[float, float] = (0.1, 0.3),
                      max_epochs: int = 1000, check_episodes: int = 50, check_gradient_steps: int = 25, check_seed: int = 50_000, lr: float = 1e-3,
-                     batch_size: int = 256, init_log_std: float = -1.5, seed: int = 0) -> dict[str, Any]:
-    """Behaviour-clone ``model``'s actor (SB3 SAC, dict observations) until its success is inside ``band``.
+                     batch_size: int = 256, init_log_std: float = -1.5, seed: int = 0,
+                     above_limit: int | None = None) -> dict[str, Any]:
+    """Behaviour-clone ``model``'s actor (SB3 SAC, dict or array observations) until its success is inside ``band``.
 
     The actor's mean action is fitted to the successful demonstrations' actions (mean squared
     error, :func:`closedloop.sdk.rl.finetune.fit_actions`); after every epoch its deterministic
@@ -143,7 +144,9 @@ def clone_weak_prior(model, demos: list[dict[str, Any]], check_env, band: tuple[
     evaluation's).  The first check inside ``band`` stops it, the band's low end raised to the
     untrained actor's own rate plus two standard errors of a check (an idle hand "succeeds" when
     the object starts on the goal: about 7% on ``PandaPush-v3``); otherwise, after ``max_epochs``,
-    the check nearest the band's middle is restored.  The log-std head is then set
+    the check nearest the band's middle is restored (``above_limit``: after that many checks in a row
+    above the band, the cloning stops there too: a task whose demonstrations are learned within a few
+    epochs overshoots the band at once).  The log-std head is then set
     to ``init_log_std``.  Returns the record: ``epochs``, ``check_success``, ``in_band``, ``history``.
     """
     from .finetune import fit_actions
@@ -155,7 +158,8 @@ def clone_weak_prior(model, demos: list[dict[str, Any]], check_env, band: tuple[
     if not good:
         raise ValueError("clone_weak_prior: none of the demonstrations succeeded; a prior cannot be cloned from them")
     actor = model.actor
-    obs = {k: np.concatenate([d["obs"][k] for d in good]) for k in good[0]["obs"]}
+    obs = ({k: np.concatenate([d["obs"][k] for d in good]) for k in good[0]["obs"]} if isinstance(good[0]["obs"], dict)
+           else np.concatenate([d["obs"] for d in good]))
     actions = np.concatenate([d["actions"] for d in good])
     params = list(actor.features_extractor.parameters()) + list(actor.latent_pi.parameters()) + \
         list(actor.mu.parameters())
@@ -179,7 +183,12 @@ def clone_weak_prior(model, demos: list[dict[str, Any]], check_env, band: tuple[
     every = max(1, -(-check_gradient_steps * batch_size // len(actions)))  # epochs between checks
 
     def on_epoch(epoch: int) -> bool:
-        return (epoch % every == 0 or epoch == max_epochs) and check(epoch) and history[-1][1] >= floor
+        if not (epoch % every == 0 or epoch == max_epochs):
+            return False
+        if check(epoch):
+            return history[-1][1] >= floor
+        recent = [r for _, r in history[1:]][-(above_limit or 0):]
+        return above_limit is not None and len(recent) >= above_limit and all(r > hi for r in recent)
 
     fit_actions(forward, params, obs, actions, epochs=max_epochs, lr=lr, batch_size=batch_size, seed=seed,
                 device=actor.device, on_epoch=on_epoch)

@@ -124,3 +124,18 @@ def test_a_cloned_prior_cell_starts_from_its_prior_and_records_it():
     assert out["curve"][0][1] >= 0.4  # the first point is the cloned prior, well above an untrained reach policy
     with pytest.raises(ValueError, match="prior"):
         fine_tune_gym("PandaReach-v3", "svm", seed=0, prior="dagger")
+
+
+def test_cloning_that_overshoots_the_band_stops_after_the_checks_above_it():
+    """A prior learned within a few epochs passes the band at once: with ``above_limit`` the cloning ends after
+    that many checks in a row above it (keeping the check nearest the band) instead of running every epoch."""
+    model, env = _sac("PandaReach-v3")
+    demos = collect_gym_demonstrations("PandaReach-v3", 10, noise=0.1, seed=0)
+    rec = clone_weak_prior(model, demos, env, band=(0.0, 0.05), max_epochs=400, check_episodes=10,
+                           check_gradient_steps=20, batch_size=32, above_limit=3)
+    rates = [r for _, r in rec["history"]]
+    assert all(r > 0.05 for r in rates[-3:]) and rec["history"][-1][0] < 400  # stopped by the rule, not the ceiling
+    assert not rec["in_band"]
+    again = evaluate_success(lambda o: model.predict(o, deterministic=True)[0], env, 10, 50_000)
+    assert again == rec["check_success"] and rec["check_success"] == min(rates[1:], key=lambda r: abs(r - 0.025))
+    env.close()
