@@ -89,8 +89,9 @@ def from_dict(cls: type[T], data: dict[str, Any], where: str | None = None) -> T
     kwargs = {}
     for k, v in data.items():
         t = hints.get(k)
-        if typing.get_origin(t) in (typing.Union, types.UnionType):  # X | None: the dataclass X when given one
-            t = next((a for a in typing.get_args(t) if dataclasses.is_dataclass(a)), t)
+        if typing.get_origin(t) in (typing.Union, types.UnionType):  # X | None: X (a dataclass, a tuple) when given one
+            given = [a for a in typing.get_args(t) if a is not type(None)]
+            t = next((a for a in given if dataclasses.is_dataclass(a)), given[0] if len(given) == 1 else t)
         if isinstance(t, type) and dataclasses.is_dataclass(t) and isinstance(v, dict):
             v = from_dict(t, v, f"{where}.{k}")
         elif isinstance(v, list) and typing.get_origin(t) is tuple:

@@ -107,7 +107,8 @@ def test_config_round_trips_through_json():
 
     from closedloop.sdk.rl import FineTuneConfig
 
-    cfg = FineTuneConfig(task="reach", shaping=ShapingConfig(kind="potential", lam=0.2, hidden=(8,)))
+    cfg = FineTuneConfig(task="reach", shaping=ShapingConfig(kind="potential", lam=0.2, hidden=(8,)),
+                         prior_band=(0.1, 0.3))
     again = FineTuneConfig.from_dict(json.loads(json.dumps(cfg.to_dict())))
     assert again == cfg
     with pytest.raises(ValueError, match="kind"):
