@@ -55,6 +55,9 @@ def _train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--time-budget", type=float, default=1800.0,
                    help="wall-time budget in seconds for both stages (default 1800; 0: none): stage 1 stops at 90%% of it, "
                         "stage 2 at its end")
+    p.add_argument("--budget", type=float, default=1.0,
+                   help="multiplies the step ceiling, the time budget and the patience (default 1; 4 is the "
+                        "robustness benchmark's longer run, for a recording the default stops too early on)")
     p.add_argument("--patience", type=int, default=6,
                    help="validation evaluations without a lower CER before stage 1 stops (default 6)")
     p.add_argument("--eval-every", type=int, default=0,
@@ -95,7 +98,8 @@ def _train(a: argparse.Namespace) -> int:
     if a.steps is not None and a.steps < 1:
         raise ValueError(f"--steps {a.steps}: the step ceiling must be at least 1")
     recipe = Recipe(validation_fraction=a.validation_fraction, eval_every=a.eval_every, patience=a.patience,
-                    time_budget_s=a.time_budget, unlearned_cer=a.unlearned_cer, scale=not a.tiny, seed=a.seed)
+                    time_budget_s=a.time_budget, unlearned_cer=a.unlearned_cer, scale=not a.tiny, seed=a.seed,
+                    budget=a.budget)
     retain_freed_memory()  # this process only trains: keep freed tensors' memory for the next step (sdk.bci.malloc)
     harness = train_harness(a.config, tiny=a.tiny, seed=a.seed, device=a.device)
     if a.steps is not None:

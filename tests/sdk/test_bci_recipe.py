@@ -225,6 +225,17 @@ def test_bci_train_that_has_not_learned_exits_1_and_quiet_shows_only_the_error(d
     assert "NOT LEARNED" in err and "--allow-unlearned" in err  # errors still show, with what to do
     assert main(["bci-train", str(data), "--config", str(cfg), "--out", str(tmp_path / "b"), "--steps", "0"]) == 2
     assert "--steps 0" in capsys.readouterr().err
+    assert main(["bci-train", str(data), "--config", str(cfg), "--out", str(tmp_path / "c"), "--budget", "0"]) == 2
+    assert "budget 0" in capsys.readouterr().err
+
+
+def test_bci_train_budget_multiplies_the_ceiling_and_the_patience(data, tmp_path, capsys):
+    cfg = _tiny_harness(tmp_path / "h.json", steps=2)
+    assert main(["bci-train", str(data), "--config", str(cfg), "--device", "cpu", "--out", str(tmp_path / "a"),
+                 "--json", "--allow-unlearned", "--budget", "2"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["budget"] == 2 and summary["stage1"]["ceiling"] == 4 and summary["stage1"]["patience"] == 12
+    assert summary["time_budget_s"] == 3600
 
 
 @pytest.fixture(scope="module")
