@@ -137,15 +137,16 @@ def run_cell(cell: dict) -> dict:
     else:
         from closedloop.sdk.rl import FineTuneConfig, ShapingConfig
         from closedloop.sdk.rl.finetune import fine_tune
+        from closedloop.sdk.rl.panda_gym import WEAK_PRIOR_BAND
 
         ft = FineTuneConfig(task=cell["task"], seed=cell["seed"], total_steps=s["steps"], eval_every=s["eval_every"],
                             eval_episodes=s["eval_episodes"], gamma=s["gamma"], net=tuple(s["net"]),
                             shaping=ShapingConfig(kind=cell["reward"], lam=s["lam"], beta=s["beta"],
                                                   updates_per_episode=s["refit"]),
-                            prior_weight=s["prior_weight"], prior_band=(0.1, 0.3))
+                            prior_weight=s["prior_weight"],
+                            prior_band=None if cell["prior"] == "scratch" else WEAK_PRIOR_BAND)
         if cell["prior"] == "scratch":
             ft.demos, ft.bc_epochs, ft.critic_pretrain_steps, ft.actor_warmup_steps, ft.prior_weight = 1, 0, 0, 0, 0.0
-            ft.prior_band = None
         result = fine_tune(ft)
         curve = result.curve
         if "prior" in result.record:
@@ -327,7 +328,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.add_argument(f"--{key.replace('_', '-')}", type=int, default=None,
                         help=f"cell setting (default {CELL_DEFAULTS[key]})")
     for key in ("lam", "beta", "prior_weight"):
-        ap.add_argument(f"--{key.replace('_', '-')}", type=float, default=None, help=f"cell setting (default {CELL_DEFAULTS[key]})")
+        ap.add_argument(f"--{key.replace('_', '-')}", type=float, default=None,
+                        help=f"cell setting (default {CELL_DEFAULTS[key]})")
     a = ap.parse_args(argv)
     if a.cell or a.report:
         for text in a.cell or []:

@@ -53,8 +53,8 @@ def _train_args(p: argparse.ArgumentParser) -> None:
                    help="stage 1's step ceiling (default: scaled with the data, docs/bci.md); training stops earlier "
                         "when validation stops improving")
     p.add_argument("--time-budget", type=float, default=1800.0,
-                   help="wall-time budget in seconds for both stages (default 1800; 0: none): stage 1 stops at 90%% of it, "
-                        "stage 2 at its end")
+                   help="wall-time budget in seconds for both stages (default 1800; 0: none): stage 1 stops at "
+                        "90%% of it, stage 2 at its end")
     p.add_argument("--budget", type=float, default=1.0,
                    help="multiplies the step ceiling, the time budget and the patience (default 1; 4 is the "
                         "robustness benchmark's longer run, for a recording the default stops too early on)")

@@ -176,10 +176,10 @@ def fine_tune(config: FineTuneConfig, verbose: int = 0, env_factory=None) -> Fin
                 seed=cfg.seed, device=cfg.device, verbose=0)
     model.actor_lr_scale = cfg.actor_lr_scale
     # Behaviour cloning on the successful demonstrations.
-    good = [d for d in demos if d["success"]] or demos
-    x = (np.concatenate([d["obs"] for d in good]) - mean) / std
     prior_record = None
     if cfg.prior_band is None:
+        good = [d for d in demos if d["success"]] or demos
+        x = (np.concatenate([d["obs"] for d in good]) - mean) / std
         bc_mse = behaviour_clone(model.actor, x, np.concatenate([d["actions"] for d in good]), epochs=cfg.bc_epochs,
                                  init_log_std=cfg.init_log_std, seed=cfg.seed)
     else:  # a weak prior: stop cloning inside the band (checks on seeds apart from the evaluation's)

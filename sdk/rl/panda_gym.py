@@ -36,7 +36,7 @@ import torch
 from .sb3 import evaluate_success
 
 __all__ = ["GYM_TASKS", "GymScriptedController", "collect_gym_demonstrations", "clone_weak_prior", "seed_replay",
-           "fine_tune_gym"]
+           "fine_tune_gym", "WEAK_PRIOR_BAND"]
 
 #: panda-gym task -> (the project's scripted controller, index of the object's position, index of the goal) in
 #: the project's observation layout (:mod:`closedloop.sim.manipulation.tasks`); ``None``: no object.
@@ -131,11 +131,18 @@ def _actor_forward(actor) -> Callable[[dict[str, torch.Tensor]], torch.Tensor]:
     return lambda obs: torch.tanh(actor.mu(actor.latent_pi(actor.extract_features(obs, actor.features_extractor))))
 
 
-def clone_weak_prior(model, demos: list[dict[str, Any]], check_env, band: tuple[float, float] = (0.1, 0.3),
-                     max_epochs: int = 1000, check_episodes: int = 50, check_gradient_steps: int = 25, check_seed: int = 50_000, lr: float = 1e-3,
+#: the success band of a weak prior (the benchmark's cloned priors, panda-gym's and the project's tasks alike)
+WEAK_PRIOR_BAND = (0.1, 0.3)
+
+
+def clone_weak_prior(model, demos: list[dict[str, Any]], check_env,
+                     band: tuple[float, float] = WEAK_PRIOR_BAND,
+                     max_epochs: int = 1000, check_episodes: int = 50, check_gradient_steps: int = 25,
+                     check_seed: int = 50_000, lr: float = 1e-3,
                      batch_size: int = 256, init_log_std: float = -1.5, seed: int = 0,
                      above_limit: int | None = None) -> dict[str, Any]:
-    """Behaviour-clone ``model``'s actor (SB3 SAC, dict or array observations) until its success is inside ``band``.
+    """Behaviour-clone ``model``'s actor (SB3 SAC, dict or array observations) until its success is inside
+    ``band``.
 
     The actor's mean action is fitted to the successful demonstrations' actions (mean squared
     error, :func:`closedloop.sdk.rl.finetune.fit_actions`); after every epoch its deterministic
@@ -158,8 +165,10 @@ def clone_weak_prior(model, demos: list[dict[str, Any]], check_env, band: tuple[
     if not good:
         raise ValueError("clone_weak_prior: none of the demonstrations succeeded; a prior cannot be cloned from them")
     actor = model.actor
-    obs = ({k: np.concatenate([d["obs"][k] for d in good]) for k in good[0]["obs"]} if isinstance(good[0]["obs"], dict)
-           else np.concatenate([d["obs"] for d in good]))
+    if isinstance(good[0]["obs"], dict):
+        obs = {k: np.concatenate([d["obs"][k] for d in good]) for k in good[0]["obs"]}
+    else:
+        obs = np.concatenate([d["obs"] for d in good])
     actions = np.concatenate([d["actions"] for d in good])
     params = list(actor.features_extractor.parameters()) + list(actor.latent_pi.parameters()) + \
         list(actor.mu.parameters())
@@ -187,8 +196,10 @@ def clone_weak_prior(model, demos: list[dict[str, Any]], check_env, band: tuple[
             return False
         if check(epoch):
             return history[-1][1] >= floor
-        recent = [r for _, r in history[1:]][-(above_limit or 0):]
-        return above_limit is not None and len(recent) >= above_limit and all(r > hi for r in recent)
+        if above_limit is None:
+            return False
+        recent = [r for _, r in history[1:]][-above_limit:]
+        return len(recent) == above_limit and all(r > hi for r in recent)
 
     fit_actions(forward, params, obs, actions, epochs=max_epochs, lr=lr, batch_size=batch_size, seed=seed,
                 device=actor.device, on_epoch=on_epoch)
@@ -236,7 +247,8 @@ def fine_tune_gym(env_id: str, reward: str, seed: int, *, prior: str = "bc", her
                   eval_every: int = 2_000, eval_episodes: int = 100, eval_seed: int = 10_000, lam: float = 0.05,
                   beta: float = 5.0, gamma: float = 0.95, net: tuple[int, ...] = (256, 256), batch_size: int = 256,
                   learning_starts: int = 1_000, demos: int = 30, demo_noise: float = 0.1,
-                  band: tuple[float, float] = (0.1, 0.3), prior_episodes: int = 20, critic_pretrain_steps: int = 2_000,
+                  band: tuple[float, float] = WEAK_PRIOR_BAND, prior_episodes: int = 20,
+                  critic_pretrain_steps: int = 2_000,
                   actor_warmup_steps: int = 500, actor_lr_scale: float = 0.3, prior_weight: float = 1.0,
                   refit: int = 10, ent_coef: str = "0.002", buffer_size: int | None = None,
                   prior_options: dict[str, Any] | None = None,
