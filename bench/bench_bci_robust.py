@@ -375,6 +375,22 @@ def report(cells_path: Path, out_dir: Path, stem: str) -> dict:
     return summary
 
 
+def _commit() -> str | None:
+    """The checkout's commit (with ``+dirty`` for uncommitted changes), recorded with each piece: a piece's result
+    belongs to the recipe it ran."""
+    import subprocess
+
+    try:
+        here = Path(__file__).resolve().parent
+        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True,
+                             check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
+                               capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return sha + ("+dirty" if dirty else "")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog=__doc__.split("\n\n", 1)[1])
@@ -386,7 +402,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--address", default=None, help="a Ray cluster's address (default: a local Ray instance)")
     p.add_argument("--workers", type=int, default=None, help="cells at once on the local instance (default: cores)")
     p.add_argument("--out", default=RESULTS, help=f"results folder (default {RESULTS})")
-    p.add_argument("--cell", type=int, default=None, help="only the design's cell of this index (0: the default cell)")
+    p.add_argument("--cell", type=int, nargs="+", default=None,
+                   help="only the design's cells of these indices (0: the default cell)")
     p.add_argument("--budget", type=float, choices=BUDGETS, default=None, help="only the pieces of this budget")
     p.add_argument("--method", choices=METHODS, default=None, help="only the pieces of this method")
     a = p.parse_args(argv)
@@ -399,10 +416,13 @@ def main(argv: list[str] | None = None) -> int:
 
         designs = tiny_cells() if a.tiny else every_combination() if a.full else one_at_a_time()
         if a.cell is not None:
-            designs = designs[a.cell:a.cell + 1]
+            if bad := [i for i in a.cell if not 0 <= i < len(designs)]:
+                p.error(f"--cell {bad[0]}: the design has cells 0 to {len(designs) - 1}")
+            designs = [designs[i] for i in a.cell]
         budgets = [b for b in BUDGETS if a.budget is None or b == a.budget]
         methods = [m for m in METHODS if a.method is None or m == a.method]
-        cells = [Cell({**c, "tiny": a.tiny, "data_seed": a.data_seed, "budget": b, "method": m}, seed,
+        commit = _commit()
+        cells = [Cell({**c, "tiny": a.tiny, "data_seed": a.data_seed, "budget": b, "method": m, "commit": commit}, seed,
                       name=f"{cell_name(c, seed, a.tiny)}_x{b:g}_{m}")
                  for c in designs for seed in a.seeds for b in budgets for m in methods]
         print(f"{len(cells)} pieces ({len(designs)} cells x {len(a.seeds)} seeds x {len(budgets)} budgets x "

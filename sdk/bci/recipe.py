@@ -6,8 +6,10 @@
   normalisation.
 * **Stopping** (:func:`closedloop.sdk.bci.train.fit_ctc`): stage 1 is scored on the
   validation trials (greedy CER) every ``eval_every`` steps; it stops after ``patience``
-  evaluations without a lower CER (counted once validation emits a character), when the
-  time budget runs out, or at the step ceiling, and keeps the best evaluation's weights.
+  evaluations without a lower CER (counted once validation emits a character) and once the
+  steps since the best are half the steps up to it, when the time budget runs out, or at
+  the step ceiling, and keeps the best evaluation's weights. The learning rate's cosine
+  decay follows whichever of the ceiling and the time budget runs out first.
 * **Scaling** (:func:`scaled_train_config`): unless set explicitly, the GRU's width
   follows the channel count, its depth the characters of training text, and the step
   ceiling the training trials (which grow with sessions).
@@ -44,7 +46,7 @@ class Recipe(JsonConfig):
     """What ``bci-train`` adds to a harness configuration's training settings."""
 
     validation_fraction: float = 0.1
-    eval_every: int = 0  # 0: a fortieth of the step ceiling, at least 10 steps
+    eval_every: int = 0  # 0: an eightieth of the step ceiling (5 epochs when scaled), at least 10 steps
     patience: int = 6
     time_budget_s: float = 1800.0  # stage 1 and stage 2 together; 0: none
     # the time budget's share kept for stage 2: stage 1 stops at (1 - share) of it, stage 2 at its end
@@ -124,8 +126,8 @@ def scaled_train_config(base: Any, size: dict, keep: frozenset[str] = frozenset(
     * width: ``n_hidden`` = the channel count rounded up to a multiple of 32, within [64, 512]
       (the first layer does not squeeze the channels);
     * depth: 2 GRU layers from 20,000 characters of training text, else 1;
-    * ceiling: ``steps`` = 200 epochs of the training trials in batches of ``batch_size``,
-      within [1000, 20000].
+    * ceiling: ``steps`` = 400 epochs of the training trials in batches of ``batch_size``,
+      within [2000, 20000] (a bound, not the plan: patience and the time budget end most runs).
 
     ``keep`` names what a user set and stays: ``"backbone"`` and/or ``"steps"``.
     """
@@ -133,7 +135,7 @@ def scaled_train_config(base: Any, size: dict, keep: frozenset[str] = frozenset(
 
     width = min(512, max(64, 32 * math.ceil(size["channels"] / 32)))
     depth = 2 if size["characters"] >= 20_000 else 1
-    steps = min(20_000, max(1000, math.ceil(200 * size["trials"] / base.batch_size)))
+    steps = min(20_000, max(2000, math.ceil(400 * size["trials"] / base.batch_size)))
     out = base
     if "backbone" not in keep:
         out = dataclasses.replace(out, backbone=BackboneConfig(width, depth, base.backbone.dropout))
@@ -272,7 +274,8 @@ class RecipeFit:
                            "per_session": {k: len(v) for k, v in self.validation.items()}},
             "stage1": {"steps_run": log.steps_run, "ceiling": tc.steps, "stop_reason": log.stop_reason,
                        "best_step": log.best_step, "best_val_CER": self.best["CER"], "best_val_WER": self.best["WER"],
-                       "eval_every": tc.eval_every, "patience": tc.patience, "restarts": len(log.restarts),
+                       "eval_every": tc.eval_every, "patience": tc.patience, "patience_growth": tc.patience_growth,
+                       "final_lr": log.final_lr, "restarts": len(log.restarts),
                        "wall_s": log.wall_s, "final_loss": float(np.mean(log.loss[-25:])) if log.loss else None,
                        "validation": log.validation},
             "stage2": {"steps": len(meta_log.loss), "stop_reason": meta_log.stop_reason,
@@ -328,9 +331,9 @@ def plan_recipe(sessions: Sequence[Any], harness: Any, recipe: Recipe, keep: fro
     tc = scaled_train_config(harness.train, size, keep) if recipe.scale else harness.train
     if recipe.budget != 1:
         tc = dataclasses.replace(tc, steps=max(1, round(tc.steps * recipe.budget)))
-    every = recipe.eval_every or max(10, tc.steps // 40)
+    every = recipe.eval_every or max(10, tc.steps // 80)
     if recipe.budget != 1 and not recipe.eval_every:  # the same evaluation spacing as the default budget's
-        every = max(10, round(tc.steps / recipe.budget) // 40)
+        every = max(10, round(tc.steps / recipe.budget) // 80)
     tc = dataclasses.replace(tc, eval_every=every, patience=patience, progress=False)
     harness = dataclasses.replace(harness, train=tc)
     val_ex = validation_examples(train_sessions, val, tc.std_floor)

@@ -88,6 +88,9 @@ class TrainConfig(JsonConfig):
     eval_every: int = 50
     patience: int = 6
     patience_from_cer: float = 0.75  # STARTED_CER: patience counts from the first validation CER below this
+    # ... and the run stops only once the steps since its best evaluation are also at least this fraction of the
+    # steps up to it: a run that is still finding better checkpoints late gets proportionally longer to beat them
+    patience_growth: float = 0.5
     time_budget_s: float = 0.0
     seed: int = 0
     device: str = "auto"
@@ -133,6 +136,7 @@ class TrainingLog:
     validation: list[dict] = field(default_factory=list)
     best_step: int = 0
     stop_reason: str = "ceiling"  # "ceiling" (ran every step), "patience", "time_budget"
+    final_lr: float = 0.0  # the learning rate of the last step (the cosine decay's progress when the run ended)
 
     @property
     def steps_run(self) -> int:
@@ -146,7 +150,7 @@ class TrainingLog:
         return {"what": self.what, "loss": self.loss, "wall_s": self.wall_s, "device": self.device,
                 "n_trials": self.n_trials, "seed": self.seed, "restarts": self.restarts, "on_plateau": self.on_plateau,
                 "validation": self.validation, "best_step": self.best_step, "stop_reason": self.stop_reason,
-                "steps_run": self.steps_run}
+                "steps_run": self.steps_run, "final_lr": self.final_lr}
 
     def warning(self) -> str | None:
         """A sentence for the user when training had to restart or never left the CTC plateau, else None."""
@@ -182,11 +186,15 @@ def held_in_examples(sessions: Sequence[Session], std_floor: float = DEFAULT_STD
     return out
 
 
-def cosine_lr(step: int, steps: int, lr: float, final_fraction: float, warmup: int = 0) -> float:
-    """Linear warm-up over ``warmup`` steps, then cosine decay from ``lr`` to ``lr * final_fraction``."""
+def cosine_lr(step: int, steps: int, lr: float, final_fraction: float, warmup: int = 0,
+              elapsed: float = 0.0) -> float:
+    """Linear warm-up over ``warmup`` steps, then cosine decay from ``lr`` to ``lr * final_fraction``.
+
+    The decay's progress is the larger of the steps' share of ``steps`` and ``elapsed``, the share of a wall-time
+    budget used, so a run stopped by its budget has decayed by then as one stopped by its ceiling has."""
     if step < warmup:
         return lr * (step + 1) / warmup
-    done = (step - warmup) / max(steps - warmup, 1)
+    done = min(1.0, max((step - warmup) / max(steps - warmup, 1), elapsed))
     return lr * (final_fraction + (1 - final_fraction) * 0.5 * (1 + math.cos(math.pi * done)))
 
 
@@ -251,10 +259,13 @@ def fit_ctc(
 
     With ``validation`` trials the run is scored on them every ``config.eval_every`` steps
     (:func:`validation_scores`), stops after ``config.patience`` evaluations without a lower
-    CER (counted from the first below ``config.patience_from_cer``, :data:`STARTED_CER`) or at ``deadline``
+    CER (counted from the first below ``config.patience_from_cer``, :data:`STARTED_CER`) once the steps since the
+    best evaluation are also ``config.patience_growth`` of the steps up to it, or at ``deadline``
     (``time.perf_counter()`` seconds) or after ``config.time_budget_s``, and the best
     evaluation's weights are restored; the plateau check then asks whether a validation CER
-    has come below :data:`STARTED_CER` instead of reading the loss. ``progress`` (a
+    has come below :data:`STARTED_CER` instead of reading the loss. With a deadline the
+    learning rate's decay follows whichever of the steps and the time runs out first
+    (:func:`cosine_lr`). ``progress`` (a
     :class:`~closedloop.sdk.bci.progress.StageProgress`) is told every step.
     """
     seed = config.seed if seed is None else seed
@@ -277,6 +288,7 @@ def fit_ctc(
     t0 = time.perf_counter()
     if config.time_budget_s:
         deadline = min(deadline or math.inf, t0 + config.time_budget_s)
+    horizon = deadline - t0 if deadline is not None and deadline > t0 else None
     best_cer, best_state, stale = math.inf, None, 0
     bar = tqdm(range(config.steps), desc=what, disable=not config.progress or progress is not None, leave=False)
 
@@ -292,8 +304,11 @@ def fit_ctc(
             progress.validated(step, row, log.best())
 
     for step in bar:
+        elapsed = (time.perf_counter() - t0) / horizon if horizon else 0.0
+        lr = cosine_lr(step, config.steps, config.lr, config.lr_final_fraction, config.warmup_steps, elapsed)
         for g in opt.param_groups:
-            g["lr"] = g["scale"] * cosine_lr(step, config.steps, config.lr, config.lr_final_fraction, config.warmup_steps)
+            g["lr"] = g["scale"] * lr
+        log.final_lr = lr
         batch = collate(next(batches), device)
         x = config.augmentation(batch.x, gen, per="trial")
         x = time_mask(x, config.time_mask_bins, gen)
@@ -307,7 +322,9 @@ def fit_ctc(
             bar.set_postfix(loss=f"{np.mean(log.loss[-10:]):.3f}")
         done = step + 1
         out_of_time = deadline is not None and time.perf_counter() >= deadline
-        if validated and (done % config.eval_every == 0 or done == config.steps or done == check or out_of_time):
+        evaluated = validated and (done % config.eval_every == 0 or done == config.steps or done == check
+                                   or out_of_time)
+        if evaluated:
             evaluate(done)
         if progress is not None:
             progress.step(done, float(np.mean(log.loss[-10:])))
@@ -318,7 +335,7 @@ def fit_ctc(
                 log.on_plateau = True
                 if stop_on_plateau:
                     break
-        if validated and stale >= config.patience:
+        if evaluated and stale >= config.patience and done - log.best_step >= config.patience_growth * log.best_step:
             log.stop_reason = "patience"
             break
         if out_of_time:

@@ -33,6 +33,7 @@ from closedloop.sdk.bci.toy import toy_recording
 from closedloop.sdk.bci.train import (
     BackboneConfig,
     TrainConfig,
+    cosine_lr,
     plateau_check_step,
     train_backbone,
     validation_scores,
@@ -77,9 +78,9 @@ def test_validation_trials_are_withheld_from_training_per_session_and_seeded(ses
 def test_model_size_and_step_ceiling_scale_with_the_data_unless_set():
     base = TrainConfig(batch_size=16)
     small = scaled_train_config(base, {"channels": 8, "sessions": 3, "trials": 18, "characters": 138})
-    assert (small.backbone.n_hidden, small.backbone.n_layers, small.steps) == (64, 1, 1000)  # floors
+    assert (small.backbone.n_hidden, small.backbone.n_layers, small.steps) == (64, 1, 2000)  # floors
     falcon = scaled_train_config(base, {"channels": 192, "sessions": 8, "trials": 160, "characters": 6000})
-    assert (falcon.backbone.n_hidden, falcon.backbone.n_layers, falcon.steps) == (192, 1, 2000)
+    assert (falcon.backbone.n_hidden, falcon.backbone.n_layers, falcon.steps) == (192, 1, 4000)  # 400 epochs
     big = scaled_train_config(base, {"channels": 1000, "sessions": 40, "trials": 4000, "characters": 90_000})
     assert (big.backbone.n_hidden, big.backbone.n_layers, big.steps) == (512, 2, 20_000)  # ceilings
     kept = scaled_train_config(replace(base, steps=77), {"channels": 192, "sessions": 8, "trials": 160,
@@ -96,10 +97,24 @@ def test_early_stopping_ends_before_the_ceiling_and_restores_the_best_checkpoint
     cers = [v["CER"] for v in log.validation]
     best = log.best()
     assert best["CER"] == min(cers) and log.best_step == log.validation[cers.index(min(cers))]["step"]
-    assert len(log.validation) - 1 - cers.index(min(cers)) == TINY.patience  # stopped patience evaluations later
+    # it stopped at the first evaluation with `patience` evaluations since the best and half its steps again
+    stops = [i for i, v in enumerate(log.validation) if i - cers.index(min(cers)) >= TINY.patience
+             and v["step"] - log.best_step >= TINY.patience_growth * log.best_step]
+    assert stops and stops[0] == len(log.validation) - 1
+    # patience waits for half the steps to the best again: with a large growth the same run uses its ceiling
+    _, longer = train_backbone(train, replace(TINY, patience_from_cer=10.0, patience_growth=1000.0), val)
+    assert longer.stop_reason == "ceiling" and longer.steps_run == TINY.steps
     restored = validation_scores(model, lambda x, b: model(x)[0], val)
     assert restored["CER"] == pytest.approx(best["CER"]) and restored["chars"] == best["chars"]
     assert log.to_dict()["stop_reason"] == "patience" and log.to_dict()["steps_run"] == log.steps_run
+
+
+def test_the_learning_rate_decays_with_the_steps_or_the_time_whichever_runs_out_first():
+    assert cosine_lr(0, 100, 1.0, 0.05) == pytest.approx(1.0)
+    assert cosine_lr(50, 100, 1.0, 0.05) == pytest.approx(0.525)  # half-way by steps
+    assert cosine_lr(10, 100, 1.0, 0.05, elapsed=0.5) == pytest.approx(0.525)  # half-way by time
+    assert cosine_lr(90, 100, 1.0, 0.05, elapsed=0.5) == pytest.approx(cosine_lr(90, 100, 1.0, 0.05))
+    assert cosine_lr(10, 100, 1.0, 0.05, elapsed=2.0) == pytest.approx(0.05)  # past the budget: the floor
 
 
 def test_the_time_budget_stops_training_and_without_validation_nothing_changes(split, sessions):
@@ -330,6 +345,10 @@ def test_the_time_budget_covers_both_stages(sessions):
     # stage 1 ended near 90% of the budget (its last step and validation pass late), stage 2 used the rest
     assert log.wall_s < 0.9 * budget + 1.5
     assert fit.wall_s < budget + 3.0  # the budget, plus the last step and stage 2's validation pass
-    assert fit.summary(Recipe(time_budget_s=budget))["stage2"]["stop_reason"] == "time_budget"
+    summary = fit.summary(Recipe(time_budget_s=budget))
+    assert summary["stage2"]["stop_reason"] == "time_budget"
+    # the learning rate decayed with the time used, not with the far ceiling's steps: a run stopped by its budget
+    # ends annealed (lr * lr_final_fraction at the end of stage 1's share)
+    assert log.final_lr == summary["stage1"]["final_lr"] < 0.15 * TINY.lr
     with pytest.raises(ValueError, match="stage2_share"):
         Recipe(stage2_share=1.0)
