@@ -117,6 +117,8 @@ def _train(a: argparse.Namespace) -> int:
         print(result.format())
         print(f"wrote {result.bundle}: calibrate it per session with `closedloop calibrate {result.bundle} "
               "--data SESSION.nwb --sentences 3`")
+    for w in result.summary.get("warnings", []):
+        print(f"warning: {w}", file=sys.stderr)
     if not result.learned:
         for p in result.problems:
             print(f"error: NOT LEARNED: {p}", file=sys.stderr)

@@ -284,9 +284,27 @@ class RecipeFit:
             "time_budget_s": recipe.time_budget_s * recipe.budget, "stage2_share": recipe.stage2_share,
             "budget": recipe.budget, "wall_s": self.wall_s,
         }
-        if (w := log.warning()) is not None:
-            out["warning"] = w
+        out["stage1"]["still_improving"] = still_improving(log)
+        out["warnings"] = self.warnings()
         return out
+
+    def warnings(self) -> list[str]:
+        """Sentences for the user about a decoder that trained but may be worse than it could be: stage 1 ended by
+        its time budget or ceiling while it was still improving, or had to restart off the CTC plateau."""
+        log = self.models.logs["backbone"]
+        out = [w] if (w := log.warning()) is not None else []
+        if still_improving(log):
+            limit = "time budget" if log.stop_reason == "time_budget" else "step ceiling"
+            out.append(f"stage 1 was still improving when its {limit} ended it (best validation CER at step "
+                       f"{log.best_step} of {log.steps_run}): a longer run (--budget 2, or a larger "
+                       f"{'--time-budget' if limit == 'time budget' else '--steps'}) may give a better decoder")
+        return out
+
+
+def still_improving(log: Any) -> bool:
+    """Stage 1 stopped by its time budget or ceiling while its patience rule had not yet been met: the run had
+    not converged (:attr:`~closedloop.sdk.bci.train.TrainingLog.converged`)."""
+    return log.converged is False
 
 
 @dataclass

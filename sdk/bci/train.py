@@ -137,6 +137,9 @@ class TrainingLog:
     best_step: int = 0
     stop_reason: str = "ceiling"  # "ceiling" (ran every step), "patience", "time_budget"
     final_lr: float = 0.0  # the learning rate of the last step (the cosine decay's progress when the run ended)
+    # with validation: whether the run ended with its stopping rule met (patience and its growth), None without;
+    # False for a run that its time budget or ceiling ended while it was still improving
+    converged: bool | None = None
 
     @property
     def steps_run(self) -> int:
@@ -150,7 +153,7 @@ class TrainingLog:
         return {"what": self.what, "loss": self.loss, "wall_s": self.wall_s, "device": self.device,
                 "n_trials": self.n_trials, "seed": self.seed, "restarts": self.restarts, "on_plateau": self.on_plateau,
                 "validation": self.validation, "best_step": self.best_step, "stop_reason": self.stop_reason,
-                "steps_run": self.steps_run, "final_lr": self.final_lr}
+                "steps_run": self.steps_run, "final_lr": self.final_lr, "converged": self.converged}
 
     def warning(self) -> str | None:
         """A sentence for the user when training had to restart or never left the CTC plateau, else None."""
@@ -289,7 +292,7 @@ def fit_ctc(
     if config.time_budget_s:
         deadline = min(deadline or math.inf, t0 + config.time_budget_s)
     horizon = deadline - t0 if deadline is not None and deadline > t0 else None
-    best_cer, best_state, stale = math.inf, None, 0
+    best_cer, best_state, stale, patient = math.inf, None, 0, False
     bar = tqdm(range(config.steps), desc=what, disable=not config.progress or progress is not None, leave=False)
 
     def evaluate(step: int) -> None:
@@ -335,12 +338,15 @@ def fit_ctc(
                 log.on_plateau = True
                 if stop_on_plateau:
                     break
-        if evaluated and stale >= config.patience and done - log.best_step >= config.patience_growth * log.best_step:
+        patient = stale >= config.patience and done - log.best_step >= config.patience_growth * log.best_step
+        if evaluated and patient:
             log.stop_reason = "patience"
             break
         if out_of_time:
             log.stop_reason = "time_budget"
             break
+    if validated:
+        log.converged = log.stop_reason == "patience" or bool(log.loss and patient)
     if log.on_plateau and len(log.loss) == config.steps:  # ran to the end anyway: did it leave the plateau later?
         log.on_plateau = (not _started(log.validation, config.patience_from_cer) if validated
                           else on_plateau(log.loss, check, config.plateau_fraction, at=config.steps))

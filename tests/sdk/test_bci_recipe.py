@@ -104,6 +104,7 @@ def test_early_stopping_ends_before_the_ceiling_and_restores_the_best_checkpoint
     # patience waits for half the steps to the best again: with a large growth the same run uses its ceiling
     _, longer = train_backbone(train, replace(TINY, patience_from_cer=10.0, patience_growth=1000.0), val)
     assert longer.stop_reason == "ceiling" and longer.steps_run == TINY.steps
+    assert log.converged is True and longer.converged is False  # the ceiling ended it before its rule was met
     restored = validation_scores(model, lambda x, b: model(x)[0], val)
     assert restored["CER"] == pytest.approx(best["CER"]) and restored["chars"] == best["chars"]
     assert log.to_dict()["stop_reason"] == "patience" and log.to_dict()["steps_run"] == log.steps_run
@@ -350,5 +351,9 @@ def test_the_time_budget_covers_both_stages(sessions):
     # the learning rate decayed with the time used, not with the far ceiling's steps: a run stopped by its budget
     # ends annealed (lr * lr_final_fraction at the end of stage 1's share)
     assert log.final_lr == summary["stage1"]["final_lr"] < 0.15 * TINY.lr
+    # stopped by its budget with patience far from met: the user is told a longer run may be better
+    assert log.converged is False and summary["stage1"]["still_improving"] is True
+    assert any("still improving when its time budget ended it" in w and "--budget 2" in w
+               for w in summary["warnings"])
     with pytest.raises(ValueError, match="stage2_share"):
         Recipe(stage2_share=1.0)
