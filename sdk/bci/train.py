@@ -91,6 +91,11 @@ class TrainConfig(JsonConfig):
     # ... and the run stops only once the steps since its best evaluation are also at least this fraction of the
     # steps up to it: a run that is still finding better checkpoints late gets proportionally longer to beat them
     patience_growth: float = 0.5
+    # with validation the learning rate is ``lr`` (after the warm-up) until the end is in sight, then decays
+    # (cosine, to lr * lr_final_fraction) and the run ends with the decay: it begins when the patience rule is met
+    # (from the best checkpoint, for this fraction of the steps run in all), or when the steps or the time reach
+    # 1 - this fraction of the ceiling or of the time budget (to their end). DecaySchedule; docs/bci.md
+    decay_fraction: float = 0.2
     time_budget_s: float = 0.0
     seed: int = 0
     device: str = "auto"
@@ -140,6 +145,7 @@ class TrainingLog:
     # with validation: whether the run ended with its stopping rule met (patience and its growth), None without;
     # False for a run that its time budget or ceiling ended while it was still improving
     converged: bool | None = None
+    decay_step: int | None = None  # with validation: the step the learning rate's final decay began at
 
     @property
     def steps_run(self) -> int:
@@ -153,7 +159,8 @@ class TrainingLog:
         return {"what": self.what, "loss": self.loss, "wall_s": self.wall_s, "device": self.device,
                 "n_trials": self.n_trials, "seed": self.seed, "restarts": self.restarts, "on_plateau": self.on_plateau,
                 "validation": self.validation, "best_step": self.best_step, "stop_reason": self.stop_reason,
-                "steps_run": self.steps_run, "final_lr": self.final_lr, "converged": self.converged}
+                "steps_run": self.steps_run, "final_lr": self.final_lr, "converged": self.converged,
+                "decay_step": self.decay_step}
 
     def warning(self) -> str | None:
         """A sentence for the user when training had to restart or never left the CTC plateau, else None."""
@@ -199,6 +206,47 @@ def cosine_lr(step: int, steps: int, lr: float, final_fraction: float, warmup: i
         return lr * (step + 1) / warmup
     done = min(1.0, max((step - warmup) / max(steps - warmup, 1), elapsed))
     return lr * (final_fraction + (1 - final_fraction) * 0.5 * (1 + math.cos(math.pi * done)))
+
+
+@dataclass
+class DecaySchedule:
+    """A validated run's learning rate: warm-up, then ``lr`` until :meth:`begin` starts the final decay, a cosine
+    from ``lr`` to ``lr * final_fraction`` whose progress is the larger of its steps' share of ``length`` and its
+    time's share of what is left to ``deadline``; the run ends when the decay is done (:meth:`finished`).
+
+    A run that stops on a plateau thus ends annealed, as one that its ceiling or its time budget stops does, and
+    a longer budget only lengthens the constant phase (warmup-stable-decay: Hu et al. 2024, MiniCPM, section 4).
+    """
+
+    lr: float
+    final_fraction: float
+    warmup: int
+    deadline: float | None = None
+    start: int | None = None
+    length: float = math.inf
+    t_start: float = 0.0
+    reason: str = ""
+
+    def begin(self, step: int, now: float, reason: str, length: float = math.inf) -> None:
+        self.start, self.t_start, self.reason, self.length = step, now, reason, max(1.0, length)
+
+    def progress(self, step: int, now: float) -> float:
+        if self.start is None:
+            return 0.0
+        p = (step - self.start) / self.length
+        if self.deadline is not None and self.deadline > self.t_start:
+            p = max(p, (now - self.t_start) / (self.deadline - self.t_start))
+        return min(1.0, p)
+
+    def finished(self, step: int, now: float) -> bool:
+        return self.start is not None and self.progress(step, now) >= 1.0
+
+    def at(self, step: int, now: float) -> float:
+        """The rate for the step of index ``step`` (0-based): the decay's last step runs at the floor."""
+        if step < self.warmup:
+            return self.lr * (step + 1) / self.warmup
+        p = self.progress(step + 1, now)
+        return self.lr * (self.final_fraction + (1 - self.final_fraction) * 0.5 * (1 + math.cos(math.pi * p)))
 
 
 # validation greedy CER below which a run has started to learn (an untrained network's random characters score
@@ -306,9 +354,14 @@ def fit_ctc(
         if progress is not None:
             progress.validated(step, row, log.best())
 
+    schedule = DecaySchedule(config.lr, config.lr_final_fraction, config.warmup_steps, deadline)
     for step in bar:
-        elapsed = (time.perf_counter() - t0) / horizon if horizon else 0.0
-        lr = cosine_lr(step, config.steps, config.lr, config.lr_final_fraction, config.warmup_steps, elapsed)
+        now = time.perf_counter()
+        if validated:
+            lr = schedule.at(step, now)
+        else:
+            lr = cosine_lr(step, config.steps, config.lr, config.lr_final_fraction, config.warmup_steps,
+                           (now - t0) / horizon if horizon else 0.0)
         for g in opt.param_groups:
             g["lr"] = g["scale"] * lr
         log.final_lr = lr
@@ -324,9 +377,11 @@ def fit_ctc(
         if step % 10 == 0:
             bar.set_postfix(loss=f"{np.mean(log.loss[-10:]):.3f}")
         done = step + 1
-        out_of_time = deadline is not None and time.perf_counter() >= deadline
+        now = time.perf_counter()
+        out_of_time = deadline is not None and now >= deadline
+        decayed = validated and schedule.finished(done, now)
         evaluated = validated and (done % config.eval_every == 0 or done == config.steps or done == check
-                                   or out_of_time)
+                                   or out_of_time or decayed)
         if evaluated:
             evaluate(done)
         if progress is not None:
@@ -339,14 +394,29 @@ def fit_ctc(
                 if stop_on_plateau:
                     break
         patient = stale >= config.patience and done - log.best_step >= config.patience_growth * log.best_step
-        if evaluated and patient:
-            log.stop_reason = "patience"
+        if not validated:
+            if out_of_time:
+                log.stop_reason = "time_budget"
+                break
+            continue
+        if decayed:
+            log.stop_reason = schedule.reason
             break
+        if schedule.start is None:  # the end in sight: begin the final decay
+            share = 1.0 - config.decay_fraction
+            if evaluated and patient:  # from the best checkpoint, for decay_fraction of the whole run
+                module.load_state_dict(best_state)
+                schedule.begin(done, now, "patience", done * config.decay_fraction / share)
+            elif done >= share * config.steps:
+                schedule.begin(done, now, "ceiling", config.steps - done)
+            elif horizon and now - t0 >= share * horizon:
+                schedule.begin(done, now, "time_budget")
+            log.decay_step = schedule.start
         if out_of_time:
             log.stop_reason = "time_budget"
             break
     if validated:
-        log.converged = log.stop_reason == "patience" or bool(log.loss and patient)
+        log.converged = schedule.reason == "patience" or bool(log.loss and patient)
     if log.on_plateau and len(log.loss) == config.steps:  # ran to the end anyway: did it leave the plateau later?
         log.on_plateau = (not _started(log.validation, config.patience_from_cer) if validated
                           else on_plateau(log.loss, check, config.plateau_fraction, at=config.steps))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import math
 import re
 import time
 from dataclasses import replace
@@ -97,14 +98,21 @@ def test_early_stopping_ends_before_the_ceiling_and_restores_the_best_checkpoint
     cers = [v["CER"] for v in log.validation]
     best = log.best()
     assert best["CER"] == min(cers) and log.best_step == log.validation[cers.index(min(cers))]["step"]
-    # it stopped at the first evaluation with `patience` evaluations since the best and half its steps again
-    stops = [i for i, v in enumerate(log.validation) if i - cers.index(min(cers)) >= TINY.patience
-             and v["step"] - log.best_step >= TINY.patience_growth * log.best_step]
-    assert stops and stops[0] == len(log.validation) - 1
+    # the final decay began at the first evaluation with `patience` evaluations since the best and half its steps
+    # again, and the run ended when the decay did, a quarter of those steps later (decay_fraction 0.2 of the run)
+    before = [v for v in log.validation if v["step"] <= log.decay_step]
+    cer_before = [v["CER"] for v in before]
+    first_best = cer_before.index(min(cer_before))
+    patient = [v["step"] for i, v in enumerate(before) if i - first_best >= TINY.patience
+               and v["step"] - before[first_best]["step"] >= TINY.patience_growth * before[first_best]["step"]]
+    assert patient and patient[0] == log.decay_step
+    assert log.steps_run == log.decay_step + math.ceil(log.decay_step * 0.25) and log.converged is True
+    assert log.final_lr < 0.1 * TINY.lr  # it ended annealed
     # patience waits for half the steps to the best again: with a large growth the same run uses its ceiling
     _, longer = train_backbone(train, replace(TINY, patience_from_cer=10.0, patience_growth=1000.0), val)
     assert longer.stop_reason == "ceiling" and longer.steps_run == TINY.steps
-    assert log.converged is True and longer.converged is False  # the ceiling ended it before its rule was met
+    assert longer.converged is False  # the ceiling ended it before its rule was met
+    assert longer.decay_step == 0.8 * TINY.steps  # its decay took the ceiling's last fifth
     restored = validation_scores(model, lambda x, b: model(x)[0], val)
     assert restored["CER"] == pytest.approx(best["CER"]) and restored["chars"] == best["chars"]
     assert log.to_dict()["stop_reason"] == "patience" and log.to_dict()["steps_run"] == log.steps_run
