@@ -7,9 +7,10 @@
 * **Stopping** (:func:`closedloop.sdk.bci.train.fit_ctc`): stage 1 is scored on the
   validation trials (greedy CER) every ``eval_every`` steps; it stops after ``patience``
   evaluations without a lower CER (counted once validation emits a character) and once the
-  steps since the best are half the steps up to it, when the time budget runs out, or at
-  the step ceiling, and keeps the best evaluation's weights. The learning rate's cosine
-  decay follows whichever of the ceiling and the time budget runs out first.
+  steps since the best are half the steps up to it, or when 80% of the step ceiling or of
+  the time budget is used, it begins the learning rate's final decay (from the best
+  checkpoint after a plateau) and ends with it, keeping the best evaluation's weights
+  (:class:`closedloop.sdk.bci.train.DecaySchedule`).
 * **Scaling** (:func:`scaled_train_config`): unless set explicitly, the GRU's width
   follows the channel count, its depth the characters of training text, and the step
   ceiling the training trials (which grow with sessions).
