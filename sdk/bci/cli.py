@@ -59,8 +59,8 @@ def _train_args(p: argparse.ArgumentParser) -> None:
                    help="multiplies the step ceiling, the time budget and the patience (default 1; 4 is the "
                         "robustness benchmark's longer run, for a recording the default stops too early on)")
     p.add_argument("--patience", type=int, default=6,
-                   help="validation evaluations without a lower CER before stage 1's final learning-rate decay "
-                        "(default 6), once the steps since the best are also half the steps up to it")
+                   help="validation evaluations without a lower CER before stage 1 halves its learning rate, or "
+                        "stops once the rate is at its floor (default 6)")
     p.add_argument("--eval-every", type=int, default=0,
                    help="steps between validation evaluations (default: an eightieth of the ceiling, at least 10)")
     p.add_argument("--validation-fraction", type=float, default=0.1,

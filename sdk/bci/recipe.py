@@ -6,11 +6,10 @@
   normalisation.
 * **Stopping** (:func:`closedloop.sdk.bci.train.fit_ctc`): stage 1 is scored on the
   validation trials (greedy CER) every ``eval_every`` steps; it stops after ``patience``
-  evaluations without a lower CER (counted once validation emits a character) and once the
-  steps since the best are half the steps up to it, or when 80% of the step ceiling or of
-  the time budget is used, it begins the learning rate's final decay (from the best
-  checkpoint after a plateau) and ends with it, keeping the best evaluation's weights
-  (:class:`closedloop.sdk.bci.train.DecaySchedule`).
+  evaluations without a lower CER (counted once validation emits a character) its learning
+  rate halves, and at such a plateau at the rate's floor it stops; when 80% of the step
+  ceiling or of the time budget is used a final decay to the floor ends it there. It keeps
+  the best evaluation's weights (:class:`closedloop.sdk.bci.train.PlateauSchedule`).
 * **Scaling** (:func:`scaled_train_config`): unless set explicitly, the GRU's width
   follows the channel count, its depth the characters of training text, and the step
   ceiling the training trials (which grow with sessions).
@@ -275,8 +274,8 @@ class RecipeFit:
                            "per_session": {k: len(v) for k, v in self.validation.items()}},
             "stage1": {"steps_run": log.steps_run, "ceiling": tc.steps, "stop_reason": log.stop_reason,
                        "best_step": log.best_step, "best_val_CER": self.best["CER"], "best_val_WER": self.best["WER"],
-                       "eval_every": tc.eval_every, "patience": tc.patience, "patience_growth": tc.patience_growth,
-                       "final_lr": log.final_lr, "restarts": len(log.restarts),
+                       "eval_every": tc.eval_every, "patience": tc.patience, "lr_reductions": log.lr_reductions,
+                       "decay_step": log.decay_step, "final_lr": log.final_lr, "restarts": len(log.restarts),
                        "wall_s": log.wall_s, "final_loss": float(np.mean(log.loss[-25:])) if log.loss else None,
                        "validation": log.validation},
             "stage2": {"steps": len(meta_log.loss), "stop_reason": meta_log.stop_reason,
@@ -303,8 +302,8 @@ class RecipeFit:
 
 
 def still_improving(log: Any) -> bool:
-    """Stage 1 stopped by its time budget or ceiling while its patience rule had not yet been met: the run had
-    not converged (:attr:`~closedloop.sdk.bci.train.TrainingLog.converged`)."""
+    """Stage 1 stopped by its time budget or ceiling with its best evaluation among the last ``patience``: the
+    run had not converged (:attr:`~closedloop.sdk.bci.train.TrainingLog.converged`)."""
     return log.converged is False
 
 

@@ -88,13 +88,12 @@ class TrainConfig(JsonConfig):
     eval_every: int = 50
     patience: int = 6
     patience_from_cer: float = 0.75  # STARTED_CER: patience counts from the first validation CER below this
-    # ... and the run stops only once the steps since its best evaluation are also at least this fraction of the
-    # steps up to it: a run that is still finding better checkpoints late gets proportionally longer to beat them
-    patience_growth: float = 0.5
-    # with validation the learning rate is ``lr`` (after the warm-up) until the end is in sight, then decays
-    # (cosine, to lr * lr_final_fraction) and the run ends with the decay: it begins when the patience rule is met
-    # (from the best checkpoint, for this fraction of the steps run in all), or when the steps or the time reach
-    # 1 - this fraction of the ceiling or of the time budget (to their end). DecaySchedule; docs/bci.md
+    # with validation the learning rate follows the validation CER (ReduceLROnPlateau): after ``patience``
+    # evaluations without a lower CER it is multiplied by ``lr_reduce_factor`` and patience counts afresh; at a
+    # plateau where one more reduction would take it below lr * lr_final_fraction the run stops. When the steps or
+    # the time reach 1 - ``decay_fraction`` of the ceiling or of the time budget, a final cosine decay from the
+    # current rate to that floor ends the run at the ceiling or the budget. PlateauSchedule; docs/bci.md
+    lr_reduce_factor: float = 0.5
     decay_fraction: float = 0.2
     time_budget_s: float = 0.0
     seed: int = 0
@@ -145,7 +144,8 @@ class TrainingLog:
     # with validation: whether the run ended with its stopping rule met (patience and its growth), None without;
     # False for a run that its time budget or ceiling ended while it was still improving
     converged: bool | None = None
-    decay_step: int | None = None  # with validation: the step the learning rate's final decay began at
+    decay_step: int | None = None  # with validation: the step a final decay began at (ceiling or time budget)
+    lr_reductions: list[int] = field(default_factory=list)  # with validation: the steps the rate was reduced at
 
     @property
     def steps_run(self) -> int:
@@ -160,7 +160,7 @@ class TrainingLog:
                 "n_trials": self.n_trials, "seed": self.seed, "restarts": self.restarts, "on_plateau": self.on_plateau,
                 "validation": self.validation, "best_step": self.best_step, "stop_reason": self.stop_reason,
                 "steps_run": self.steps_run, "final_lr": self.final_lr, "converged": self.converged,
-                "decay_step": self.decay_step}
+                "decay_step": self.decay_step, "lr_reductions": self.lr_reductions}
 
     def warning(self) -> str | None:
         """A sentence for the user when training had to restart or never left the CTC plateau, else None."""
@@ -209,26 +209,40 @@ def cosine_lr(step: int, steps: int, lr: float, final_fraction: float, warmup: i
 
 
 @dataclass
-class DecaySchedule:
-    """A validated run's learning rate: warm-up, then ``lr`` until :meth:`begin` starts the final decay, a cosine
-    from ``lr`` to ``lr * final_fraction`` whose progress is the larger of its steps' share of ``length`` and its
-    time's share of what is left to ``deadline``; the run ends when the decay is done (:meth:`finished`).
+class PlateauSchedule:
+    """A validated run's learning rate: warm-up, then ``lr`` times ``scale``, which :meth:`reduce` multiplies by
+    ``factor`` at each plateau of the validation CER (down to ``lr * final_fraction``), until :meth:`begin` starts
+    the final decay: a cosine from the current rate to ``lr * final_fraction`` whose progress is the larger of its
+    steps' share of ``length`` and its time's share of what is left to ``deadline``; the run ends when that decay
+    is done (:meth:`finished`).
 
-    A run that stops on a plateau thus ends annealed, as one that its ceiling or its time budget stops does, and
-    a longer budget only lengthens the constant phase (warmup-stable-decay: Hu et al. 2024, MiniCPM, section 4).
+    The rate comes down as fast as the validation CER stops improving (ReduceLROnPlateau, the "newbob" rule of
+    speech recognition recipes), not on a calendar set by the ceiling: a larger budget (ceiling, time, patience)
+    waits longer at each rate but walks down the same rates.
     """
 
     lr: float
     final_fraction: float
+    factor: float
     warmup: int
     deadline: float | None = None
+    scale: float = 1.0
     start: int | None = None
     length: float = math.inf
     t_start: float = 0.0
+    from_scale: float = 1.0
     reason: str = ""
+
+    def reduce(self) -> bool:
+        """One reduction at a plateau; False (nothing changed) when it would go below the floor."""
+        if self.scale * self.factor < self.final_fraction * (1 - 1e-9):
+            return False
+        self.scale *= self.factor
+        return True
 
     def begin(self, step: int, now: float, reason: str, length: float = math.inf) -> None:
         self.start, self.t_start, self.reason, self.length = step, now, reason, max(1.0, length)
+        self.from_scale = self.scale
 
     def progress(self, step: int, now: float) -> float:
         if self.start is None:
@@ -242,11 +256,14 @@ class DecaySchedule:
         return self.start is not None and self.progress(step, now) >= 1.0
 
     def at(self, step: int, now: float) -> float:
-        """The rate for the step of index ``step`` (0-based): the decay's last step runs at the floor."""
+        """The rate for the step of index ``step`` (0-based): the final decay's last step runs at the floor."""
         if step < self.warmup:
-            return self.lr * (step + 1) / self.warmup
+            return self.lr * self.scale * (step + 1) / self.warmup
+        if self.start is None:
+            return self.lr * self.scale
         p = self.progress(step + 1, now)
-        return self.lr * (self.final_fraction + (1 - self.final_fraction) * 0.5 * (1 + math.cos(math.pi * p)))
+        lo = min(self.final_fraction, self.from_scale)
+        return self.lr * (lo + (self.from_scale - lo) * 0.5 * (1 + math.cos(math.pi * p)))
 
 
 # validation greedy CER below which a run has started to learn (an untrained network's random characters score
@@ -310,13 +327,12 @@ def fit_ctc(
 
     With ``validation`` trials the run is scored on them every ``config.eval_every`` steps
     (:func:`validation_scores`), stops after ``config.patience`` evaluations without a lower
-    CER (counted from the first below ``config.patience_from_cer``, :data:`STARTED_CER`) once the steps since the
-    best evaluation are also ``config.patience_growth`` of the steps up to it, or at ``deadline``
+    CER (counted from the first below ``config.patience_from_cer``, :data:`STARTED_CER`) at the learning rate's
+    floor (each earlier plateau reduces the rate: :class:`PlateauSchedule`), or at ``deadline``
     (``time.perf_counter()`` seconds) or after ``config.time_budget_s``, and the best
     evaluation's weights are restored; the plateau check then asks whether a validation CER
-    has come below :data:`STARTED_CER` instead of reading the loss. With a deadline the
-    learning rate's decay follows whichever of the steps and the time runs out first
-    (:func:`cosine_lr`). ``progress`` (a
+    has come below :data:`STARTED_CER` instead of reading the loss. Without validation the rate
+    follows :func:`cosine_lr` over the ceiling (or the deadline, whichever comes first). ``progress`` (a
     :class:`~closedloop.sdk.bci.progress.StageProgress`) is told every step.
     """
     seed = config.seed if seed is None else seed
@@ -340,7 +356,7 @@ def fit_ctc(
     if config.time_budget_s:
         deadline = min(deadline or math.inf, t0 + config.time_budget_s)
     horizon = deadline - t0 if deadline is not None and deadline > t0 else None
-    best_cer, best_state, stale, patient = math.inf, None, 0, False
+    best_cer, best_state, stale = math.inf, None, 0
     bar = tqdm(range(config.steps), desc=what, disable=not config.progress or progress is not None, leave=False)
 
     def evaluate(step: int) -> None:
@@ -354,7 +370,8 @@ def fit_ctc(
         if progress is not None:
             progress.validated(step, row, log.best())
 
-    schedule = DecaySchedule(config.lr, config.lr_final_fraction, config.warmup_steps, deadline)
+    schedule = PlateauSchedule(config.lr, config.lr_final_fraction, config.lr_reduce_factor, config.warmup_steps,
+                               deadline)
     for step in bar:
         now = time.perf_counter()
         if validated:
@@ -393,7 +410,6 @@ def fit_ctc(
                 log.on_plateau = True
                 if stop_on_plateau:
                     break
-        patient = stale >= config.patience and done - log.best_step >= config.patience_growth * log.best_step
         if not validated:
             if out_of_time:
                 log.stop_reason = "time_budget"
@@ -402,12 +418,15 @@ def fit_ctc(
         if decayed:
             log.stop_reason = schedule.reason
             break
-        if schedule.start is None:  # the end in sight: begin the final decay
+        if schedule.start is None:
+            if evaluated and stale >= config.patience:  # a plateau: a lower rate, or the end at the floor
+                if not schedule.reduce():
+                    log.stop_reason = "patience"
+                    break
+                log.lr_reductions.append(done)
+                stale = 0
             share = 1.0 - config.decay_fraction
-            if evaluated and patient:  # from the best checkpoint, for decay_fraction of the whole run
-                module.load_state_dict(best_state)
-                schedule.begin(done, now, "patience", done * config.decay_fraction / share)
-            elif done >= share * config.steps:
+            if done >= share * config.steps:  # the end in sight: the final decay
                 schedule.begin(done, now, "ceiling", config.steps - done)
             elif horizon and now - t0 >= share * horizon:
                 schedule.begin(done, now, "time_budget")
@@ -416,7 +435,7 @@ def fit_ctc(
             log.stop_reason = "time_budget"
             break
     if validated:
-        log.converged = schedule.reason == "patience" or bool(log.loss and patient)
+        log.converged = log.stop_reason == "patience" or stale >= config.patience
     if log.on_plateau and len(log.loss) == config.steps:  # ran to the end anyway: did it leave the plateau later?
         log.on_plateau = (not _started(log.validation, config.patience_from_cer) if validated
                           else on_plateau(log.loss, check, config.plateau_fraction, at=config.steps))

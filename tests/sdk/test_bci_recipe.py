@@ -98,19 +98,21 @@ def test_early_stopping_ends_before_the_ceiling_and_restores_the_best_checkpoint
     cers = [v["CER"] for v in log.validation]
     best = log.best()
     assert best["CER"] == min(cers) and log.best_step == log.validation[cers.index(min(cers))]["step"]
-    # the final decay began at the first evaluation with `patience` evaluations since the best and half its steps
-    # again, and the run ended when the decay did, a quarter of those steps later (decay_fraction 0.2 of the run)
-    before = [v for v in log.validation if v["step"] <= log.decay_step]
-    cer_before = [v["CER"] for v in before]
-    first_best = cer_before.index(min(cer_before))
-    patient = [v["step"] for i, v in enumerate(before) if i - first_best >= TINY.patience
-               and v["step"] - before[first_best]["step"] >= TINY.patience_growth * before[first_best]["step"]]
-    assert patient and patient[0] == log.decay_step
-    assert log.steps_run == log.decay_step + math.ceil(log.decay_step * 0.25) and log.converged is True
-    assert log.final_lr < 0.1 * TINY.lr  # it ended annealed
-    # patience waits for half the steps to the best again: with a large growth the same run uses its ceiling
-    _, longer = train_backbone(train, replace(TINY, patience_from_cer=10.0, patience_growth=1000.0), val)
-    assert longer.stop_reason == "ceiling" and longer.steps_run == TINY.steps
+    # each plateau (`patience` evaluations without a lower CER, counted afresh after each reduction) halved the
+    # learning rate, down to its floor (lr_final_fraction 0.05: 4 halvings), and the plateau after that ended the run
+    assert len(log.lr_reductions) == 4 and log.final_lr == pytest.approx(TINY.lr / 16)
+    marks = [0, *log.lr_reductions, log.steps_run]
+    for a, b in zip(marks, marks[1:], strict=False):
+        rows = [v["CER"] for v in log.validation if a < v["step"] <= b]
+        best_before = min([v["CER"] for v in log.validation if v["step"] <= a], default=math.inf)
+        stale_run = len(rows) - 1 - max((i for i, c in enumerate(rows) if c < min([best_before, *rows[:i]])),
+                                        default=-1)
+        assert stale_run >= TINY.patience  # every reduction, and the end, came after a plateau
+    assert log.converged is True and log.decay_step is None
+    # with patience that never runs out the same run uses its ceiling, the last fifth a decay to the floor
+    _, longer = train_backbone(train, replace(TINY, patience_from_cer=10.0, patience=1000), val)
+    assert longer.stop_reason == "ceiling" and longer.steps_run == TINY.steps and not longer.lr_reductions
+    assert longer.final_lr == pytest.approx(TINY.lr * TINY.lr_final_fraction)
     assert longer.converged is False  # the ceiling ended it before its rule was met
     assert longer.decay_step == 0.8 * TINY.steps  # its decay took the ceiling's last fifth
     restored = validation_scores(model, lambda x, b: model(x)[0], val)
