@@ -224,6 +224,37 @@ def cell_name(cell: dict, seed: int, tiny: bool) -> str:
     return ("tiny:" if tiny else "") + "_".join(parts)
 
 
+def end_marks(scores: dict) -> dict:
+    """How much of a piece's greedy CER is the sentence-final mark: the held-out prompts ending in ``~`` / ``?``
+    whose greedy text lacks that mark, and the CER (mean over days, as ``greedy_CER``) with those marks restored
+    (a counterfactual: nothing else changes; :func:`closedloop.sdk.bci.greedy_errors.with_end_restored`)."""
+    from closedloop.sdk.bci.greedy_errors import END_MARKS, with_end_restored
+    from closedloop.sdk.bci.metrics import score_session
+
+    missed = total = 0
+    restored = []
+    for day in scores["sessions"].values():
+        refs, hyps = day["texts"]["reference"], day["texts"]["greedy"]
+        ends = [(h, r) for h, r in zip(hyps, refs, strict=True) if r[-1:] and r[-1] in END_MARKS]
+        total += len(ends)
+        missed += sum(not h.endswith(r[-1]) for h, r in ends)
+        restored.append(score_session([with_end_restored(h, r) for h, r in zip(hyps, refs, strict=True)], refs).cer)
+    return {"missed": missed, "of": total, "CER_end_restored": float(np.mean(restored))}
+
+
+def piece_rows(records: list[dict]) -> list[dict]:
+    """Every finished piece (the grid's records, before :func:`assemble`): greedy CER and :func:`end_marks`."""
+    rows = []
+    for rec in records:
+        if rec.get("status") != "ok":
+            continue
+        r = rec["result"]
+        rows.append({"key": rec["key"].rsplit("_x", 1)[0], "budget": r["budget"], "method": r["method"],
+                     "commit": (rec.get("config") or {}).get("commit"), "greedy_CER": r["scores"]["greedy_CER"],
+                     "end_marks": end_marks(r["scores"])})
+    return rows
+
+
 def summarize(records: list[dict]) -> dict:
     """Per cell: both budgets' two-stage and session-layers greedy CER, the ratio to the 4x run, the paired
     bootstrap, and whether each target is met; and how many cells meet each."""
@@ -312,6 +343,15 @@ def markdown(summary: dict, machine: str) -> str:
               f"{summary['within_ratio']} of {n} cells (target: every cell).",
               f"- Two-stage below session layers (paired bootstrap 95% interval of the greedy-CER ratio below 1): "
               f"{summary['two_stage_better']} of {n} cells (target: most cells)."]
+    if summary.get("pieces"):
+        lines += ["", "Sentence-end marks per piece: held-out prompts ending in `~` / `?` whose greedy text lacks "
+                  "the mark, and the greedy CER with those marks restored (nothing else changed).", "",
+                  "| cell | budget | method | greedy CER % | end marks missed | CER % with the marks restored |",
+                  "| --- | --- | --- | --- | --- | --- |"]
+        for p in summary["pieces"]:
+            e = p["end_marks"]
+            lines.append(f"| {p['key']} | x{p['budget']:g} | {p['method']} | {_pct(p['greedy_CER'])} | "
+                         f"{e['missed']} of {e['of']} | {_pct(e['CER_end_restored'])} |")
     return "\n".join(lines) + "\n"
 
 
@@ -364,6 +404,7 @@ def report(cells_path: Path, out_dir: Path, stem: str) -> dict:
     if not records:
         raise SystemExit(f"bench_bci_robust.py: error: no cells in {cells_path}; run the grid first")
     summary = summarize(assemble(records))
+    summary["pieces"] = piece_rows(records)
     summary["machine"] = _machine()
     tmp = out_dir / f".{stem}.json.tmp"
     tmp.write_text(json.dumps(summary, indent=2, default=float))

@@ -83,3 +83,20 @@ def test_the_report_joins_the_pieces_and_counts_the_cells_that_meet_each_target(
     assert "Of the pending cells, 1 have the default budget's pieces" in md
     bench.plot(s, tmp_path / "p.png")
     assert (tmp_path / "p.png").stat().st_size > 1000
+
+
+def test_the_report_says_how_much_of_a_pieces_cer_is_the_sentence_end_mark(bench):
+    def piece(greedy):
+        refs = ["ab>cd~", "ef>gh?"]
+        return {"key": "a_x1_two_stage", "status": "ok", "config": {"commit": "abc1234"}, "result": {
+            "budget": 1.0, "method": "two_stage", "scores": {"greedy_CER": 0.0, "sessions": {"day": {"texts": {
+                "reference": refs, "greedy": greedy}}}}}}
+
+    # one mark missing (1 error in 12 characters), one wrong letter elsewhere; the other mark written
+    (row,) = bench.piece_rows([piece(["ab>cd", "ef>gx?"]), {"key": "b_x1_two_stage", "status": "failed"}])
+    assert row["key"] == "a" and row["commit"] == "abc1234"
+    assert row["end_marks"]["missed"] == 1 and row["end_marks"]["of"] == 2
+    assert row["end_marks"]["CER_end_restored"] == pytest.approx(1 / 12)  # only the wrong letter is left
+    md = bench.markdown({"cells": [], "n_cells": 0, "n_ok": 0, "within_ratio": 0, "two_stage_better": 0,
+                         "pieces": [row]}, "test machine")
+    assert "| a | x1 | two_stage | 0.0 | 1 of 2 | 8.3 |" in md
