@@ -100,7 +100,10 @@ def recording_config(cell: dict, data_seed: int, tiny: bool = False):
 
 def _trim_log(summary: dict) -> dict:
     out = json.loads(json.dumps(summary, default=float))
-    out.get("stage1", {}).pop("validation", None)  # the curve: kept as its best point and length only
+    stage1 = out.get("stage1", {})
+    rows = stage1.pop("validation", None) or []
+    # the validation curve as [step, CER] pairs: enough to see where a stopping rule acted, a few kB a piece
+    stage1["val_curve"] = [[int(r["step"]), round(float(r["CER"]), 5)] for r in rows]
     return out
 
 
