@@ -30,7 +30,10 @@ beam search off). A piece's record (one JSON line in ``bench/results/bci_robust/
 already there, and ``--cell``/``--budget``/``--method`` choose pieces, so a grid too long for one
 machine's sitting is run a piece at a time. The report (:func:`assemble`) joins a cell's four pieces and
 adds the paired bootstrap (greedy CER, two-stage against session layers at the default budget, the
-held-out trials resampled); a cell with pieces missing is listed as pending.
+held-out trials resampled). A cell with pieces missing is listed as pending with what it has, and each
+target is counted over the cells whose pieces for it are in (the ratio: both two-stage pieces; the methods:
+both default-budget pieces). Per piece, the report also counts the held-out sentence-end marks (``~``/``?``)
+the greedy text lacks and gives the CER with them restored (:func:`end_marks`).
 
 Targets (issue: "a decoder recipe that fits the user's recordings"): in every cell the default budget's
 two-stage greedy CER within 1.25x of the 4x run's, and two-stage below session layers (the bootstrap
@@ -178,9 +181,10 @@ def run_cell(config: dict, seed: int) -> dict:
 
 
 def assemble(records: list[dict]) -> list[dict]:
-    """The pieces joined into cells: per (cell, seed), both budgets' scores of both methods, the two-stage
-    recipe's summary per budget and the paired bootstrap (greedy CER, two-stage against session layers, at
-    the default budget). A cell with a piece missing is ``pending``; one with a failed piece is ``failed``."""
+    """The pieces joined into cells: per (cell, seed) and budget, the scores of the methods whose pieces are in,
+    the two-stage recipe's summary and the session layers' training, and, once both default-budget pieces are
+    in, the paired bootstrap (greedy CER, two-stage against session layers). A cell with a piece missing is
+    ``pending`` (with what it has); one with a failed piece is ``failed``."""
     from closedloop.sdk.bci.report import paired_bootstrap
 
     groups: dict[str, dict] = {}
@@ -194,7 +198,6 @@ def assemble(records: list[dict]) -> list[dict]:
         g["pieces"][(f"x{r['budget']:g}", r["method"])] = r
     out = []
     for key, g in groups.items():
-        want = [(f"x{b:g}", m) for b in BUDGETS for m in METHODS]
         if g["errors"]:
             out.append({"key": key, "status": "failed", "error": g["errors"][0]})
             continue
@@ -202,17 +205,19 @@ def assemble(records: list[dict]) -> list[dict]:
         result: dict = {"cell": first["cell"], "seed": first["seed"], "data": first["data"]}
         for b in BUDGETS:
             pieces = {m: g["pieces"][(f"x{b:g}", m)] for m in METHODS if (f"x{b:g}", m) in g["pieces"]}
-            if len(pieces) < len(METHODS):
+            if not pieces:
                 continue
             result[f"x{b:g}"] = {"scores": {m: p["scores"] for m, p in pieces.items()},
-                                 "recipe": pieces["two_stage"]["training"],
-                                 "session_layers_training": pieces["session_layers"]["training"],
                                  "wall_s": sum(p["wall_s"] for p in pieces.values())}
-        if "x1" in result:  # the comparison of the methods needs only the default budget's pieces
+            if "two_stage" in pieces:
+                result[f"x{b:g}"]["recipe"] = pieces["two_stage"]["training"]
+            if "session_layers" in pieces:
+                result[f"x{b:g}"]["session_layers_training"] = pieces["session_layers"]["training"]
+        if len(result.get("x1", {}).get("scores", {})) == len(METHODS):  # the methods compare at the default budget
             one = {"methods": {m: {"sessions": result["x1"]["scores"][m]["sessions"]} for m in METHODS}}
             result["paired_greedy_CER"] = paired_bootstrap([one], "two_stage", "session_layers", decoder="greedy",
                                                            n_boot=2000, seed=first["seed"], metric="CER")
-        missing = [p for p in want if p not in g["pieces"]]
+        missing = [(f"x{b:g}", m) for b in BUDGETS for m in METHODS if (f"x{b:g}", m) not in g["pieces"]]
         if missing:
             out.append({"key": key, "status": "pending", "missing": [f"{b} {m}" for b, m in missing],
                         "result": result})
@@ -259,44 +264,43 @@ def piece_rows(records: list[dict]) -> list[dict]:
 
 
 def summarize(records: list[dict]) -> dict:
-    """Per cell: both budgets' two-stage and session-layers greedy CER, the ratio to the 4x run, the paired
-    bootstrap, and whether each target is met; and how many cells meet each."""
+    """Per cell, what its pieces so far allow: both budgets' two-stage and session-layers greedy CER, the default
+    budget's ratio to the 4x run (both two-stage pieces in), the paired bootstrap (both default-budget pieces in);
+    and for each target, how many of the cells that can be judged on it meet it."""
     rows = []
     for rec in records:
-        if rec.get("status") == "pending":
-            row = {"key": rec["key"], "pending": rec["missing"]}
-            r = rec.get("result", {})
-            if "paired_greedy_CER" in r:  # the default budget's pieces are in: the methods compare already
-                p = r["paired_greedy_CER"]
-                row.update(cell=r["cell"], seed=r["seed"],
-                           two_stage_CER=r["x1"]["scores"]["two_stage"]["greedy_CER"],
-                           session_layers_CER=r["x1"]["scores"]["session_layers"]["greedy_CER"],
-                           two_stage_vs_session_layers=p["ratio"], two_stage_vs_session_layers_95=p["ratio_95"],
-                           two_stage_better=bool(p["ratio_95"][1] < 1))
-            rows.append(row)
-            continue
-        if rec.get("status") != "ok":
+        if rec.get("status") == "failed":
             rows.append({"key": rec["key"], "failed": rec.get("error", "")})
             continue
         r = rec["result"]
-        d, big = r["x1"], r["x4"]
-        ts, ts4 = d["scores"]["two_stage"]["greedy_CER"], big["scores"]["two_stage"]["greedy_CER"]
-        ratio = ts / ts4 if ts4 > 0 else (1.0 if ts == 0 else float("inf"))
-        p = r["paired_greedy_CER"]
-        rows.append({
-            "key": rec["key"], "cell": r["cell"], "seed": r["seed"],
-            "two_stage_CER": ts, "two_stage_CER_x4": ts4, "ratio_to_x4": ratio,
-            "session_layers_CER": d["scores"]["session_layers"]["greedy_CER"],
-            "session_layers_CER_x4": big["scores"]["session_layers"]["greedy_CER"],
-            "two_stage_vs_session_layers": p["ratio"], "two_stage_vs_session_layers_95": p["ratio_95"],
-            "stage1_steps": d["recipe"]["stage1"]["steps_run"], "stage1_stop": d["recipe"]["stage1"]["stop_reason"],
-            "stage1_steps_x4": big["recipe"]["stage1"]["steps_run"],
-            "learned": d["recipe"]["learned"], "wall_s": d["wall_s"] + big["wall_s"],
-            "within_ratio": bool(ratio <= CER_RATIO_TARGET), "two_stage_better": bool(p["ratio_95"][1] < 1),
-        })
-    ok = [r for r in rows if "failed" not in r and "pending" not in r]
-    return {"cells": rows, "n_cells": len(rows), "n_ok": len(ok), "n_pending": sum("pending" in r for r in rows),
-            "within_ratio": sum(r["within_ratio"] for r in ok), "two_stage_better": sum(r["two_stage_better"] for r in ok),
+        row: dict = {"key": rec["key"], "cell": r["cell"], "seed": r["seed"]}
+        if rec.get("status") == "pending":
+            row["pending"] = rec["missing"]
+        for b, suffix in ((1.0, ""), (4.0, "_x4")):
+            part = r.get(f"x{b:g}", {})
+            for m in METHODS:
+                if m in part.get("scores", {}):
+                    row[f"{m}_CER{suffix}"] = part["scores"][m]["greedy_CER"]
+            if "recipe" in part:
+                row[f"stage1_steps{suffix}"] = part["recipe"]["stage1"]["steps_run"]
+                row[f"stage1_stop{suffix}"] = part["recipe"]["stage1"]["stop_reason"]
+                row[f"learned{suffix}"] = part["recipe"]["learned"]
+        if "two_stage_CER" in row and "two_stage_CER_x4" in row:
+            ts, ts4 = row["two_stage_CER"], row["two_stage_CER_x4"]
+            ratio = ts / ts4 if ts4 > 0 else (1.0 if ts == 0 else float("inf"))
+            row.update(ratio_to_x4=ratio, within_ratio=bool(ratio <= CER_RATIO_TARGET))
+        if "paired_greedy_CER" in r:
+            p = r["paired_greedy_CER"]
+            row.update(two_stage_vs_session_layers=p["ratio"], two_stage_vs_session_layers_95=p["ratio_95"],
+                       two_stage_better=bool(p["ratio_95"][1] < 1))
+        row["wall_s"] = sum(r.get(f"x{b:g}", {}).get("wall_s", 0.0) for b in BUDGETS)
+        rows.append(row)
+    ratio_rows = [r for r in rows if "within_ratio" in r]
+    method_rows = [r for r in rows if "two_stage_better" in r]
+    return {"cells": rows, "n_cells": len(rows), "n_ok": sum("failed" not in r and "pending" not in r for r in rows),
+            "n_pending": sum("pending" in r for r in rows),
+            "n_ratio": len(ratio_rows), "within_ratio": sum(r["within_ratio"] for r in ratio_rows),
+            "n_methods": len(method_rows), "two_stage_better": sum(r["two_stage_better"] for r in method_rows),
             "targets": {"ratio_to_x4_at_most": CER_RATIO_TARGET, "within_ratio_in": "every cell",
                         "two_stage_better_in": "most cells"}}
 
@@ -309,43 +313,40 @@ def markdown(summary: dict, machine: str) -> str:
     lines = [f"# Robustness of the bci-train recipe ({summary['n_ok']} of {summary['n_cells']} cells complete)", "",
              f"Measured by `python bench/bench_bci_robust.py` on {machine}.", "",
              "| signal | drift | held-in | trials | jumps | seed | two-stage CER % (x1) | (x4) | ratio | "
-             "session layers % (x1) | (x4) | two-stage / session layers [95%] | stage-1 steps x1 / x4 (stop) | learned |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "session layers % (x1) | (x4) | two-stage / session layers [95%] | stage-1 steps x1 / x4 (stop) | "
+             "learned | pieces missing |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+
+    def pct(row: dict, field: str) -> str:
+        return _pct(row[field]) if field in row else "-"
+
     for r in summary["cells"]:
         if "failed" in r:
-            lines.append(f"| {r['key']} | failed: {r['failed'][:80]} |" + " |" * 12)
-            continue
-        if "pending" in r:
-            if "two_stage_CER" not in r:
-                lines.append(f"| {r['key']} | pending: {', '.join(r['pending'])} not run yet |" + " |" * 12)
-                continue
-            c, (lo, hi) = r["cell"], r["two_stage_vs_session_layers_95"]
-            lines.append(
-                f"| {c['signal']:g}x | {c['drift']:g}x | {c['held_in']} | {c['trials']} | {'yes' if c['jumps'] else 'no'} "
-                f"| {r['seed']} | {_pct(r['two_stage_CER'])} | pending | - | {_pct(r['session_layers_CER'])} | pending | "
-                f"{r['two_stage_vs_session_layers']:.2f} [{lo:.2f}, {hi:.2f}] | pending: {', '.join(r['pending'])} | - |")
+            lines.append(f"| {r['key']} | failed: {r['failed'][:80]} |" + " |" * 13)
             continue
         c = r["cell"]
-        lo, hi = r["two_stage_vs_session_layers_95"]
+        ratio = (f"{r['ratio_to_x4']:.2f}{'' if r['within_ratio'] else ' (over)'}" if "ratio_to_x4" in r else "-")
+        methods = "-"
+        if "two_stage_vs_session_layers" in r:
+            lo, hi = r["two_stage_vs_session_layers_95"]
+            methods = f"{r['two_stage_vs_session_layers']:.2f} [{lo:.2f}, {hi:.2f}]"
+        steps = (f"{r.get('stage1_steps', '-')} / {r.get('stage1_steps_x4', '-')} "
+                 f"({r.get('stage1_stop', '-')} / {r.get('stage1_stop_x4', '-')})")
+        learned = {True: "yes", False: "NO"}.get(r.get("learned"), "-")
         lines.append(
             f"| {c['signal']:g}x | {c['drift']:g}x | {c['held_in']} | {c['trials']} | {'yes' if c['jumps'] else 'no'} "
-            f"| {r['seed']} | {_pct(r['two_stage_CER'])} | {_pct(r['two_stage_CER_x4'])} | {r['ratio_to_x4']:.2f}"
-            f"{'' if r['within_ratio'] else ' (over)'} | {_pct(r['session_layers_CER'])} | "
-            f"{_pct(r['session_layers_CER_x4'])} | {r['two_stage_vs_session_layers']:.2f} [{lo:.2f}, {hi:.2f}] | "
-            f"{r['stage1_steps']} / {r['stage1_steps_x4']} ({r['stage1_stop']}) | {'yes' if r['learned'] else 'NO'} |")
-    n = summary["n_ok"]
+            f"| {r['seed']} | {pct(r, 'two_stage_CER')} | {pct(r, 'two_stage_CER_x4')} | {ratio} | "
+            f"{pct(r, 'session_layers_CER')} | {pct(r, 'session_layers_CER_x4')} | {methods} | {steps} | {learned} | "
+            f"{', '.join(r.get('pending', [])) or '-'} |")
     if summary.get("n_pending"):
-        partial = [r for r in summary["cells"] if "pending" in r and "two_stage_CER" in r]
-        lines += ["", f"- {summary['n_pending']} cell(s) pending (pieces not run yet); the counts below are over the "
-                  f"{n} complete cells."]
-        if partial:
-            lines.append(f"- Of the pending cells, {len(partial)} have the default budget's pieces: two-stage below "
-                         f"session layers (95% interval below 1) in {sum(r['two_stage_better'] for r in partial)} of "
-                         "them.")
+        lines += ["", f"- {summary['n_pending']} of {summary['n_cells']} cell(s) have pieces not run yet; each target "
+                  "below is counted over the cells whose pieces for it are in."]
     lines += ["", f"- Default budget within {CER_RATIO_TARGET}x of the 4x run (two-stage greedy CER): "
-              f"{summary['within_ratio']} of {n} cells (target: every cell).",
+              f"{summary['within_ratio']} of {summary['n_ratio']} cells with both two-stage pieces "
+              "(target: every cell).",
               f"- Two-stage below session layers (paired bootstrap 95% interval of the greedy-CER ratio below 1): "
-              f"{summary['two_stage_better']} of {n} cells (target: most cells)."]
+              f"{summary['two_stage_better']} of {summary['n_methods']} cells with both default-budget pieces "
+              "(target: most cells)."]
     if summary.get("pieces"):
         lines += ["", "Sentence-end marks per piece: held-out prompts ending in `~` / `?` whose greedy text lacks "
                   "the mark, and the greedy CER with those marks restored (nothing else changed).", "",
@@ -364,8 +365,8 @@ def plot(summary: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    full = [r for r in summary["cells"] if "failed" not in r and "pending" not in r]
-    rows = [r for r in summary["cells"] if "two_stage_vs_session_layers" in r]  # complete, or x1 pieces in
+    full = [r for r in summary["cells"] if "ratio_to_x4" in r]  # both two-stage pieces in
+    rows = [r for r in summary["cells"] if "two_stage_vs_session_layers" in r]  # both default-budget pieces in
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     x4 = np.array([r["two_stage_CER_x4"] for r in full])
     x1 = np.array([r["two_stage_CER"] for r in full])
@@ -376,7 +377,7 @@ def plot(summary: dict, path: Path) -> None:
     ax.plot([0, top], [0, CER_RATIO_TARGET * top], "C3--", lw=1, label=f"{CER_RATIO_TARGET}x")
     ax.set_xlabel("two-stage greedy CER %, 4x budget")
     ax.set_ylabel("two-stage greedy CER %, default budget")
-    ax.set_title(f"default vs 4x budget ({len(full)} complete cells)", fontsize=9)
+    ax.set_title(f"default vs 4x budget ({len(full)} cells with both pieces)", fontsize=9)
     ax.legend(fontsize=8)
     ax = axes[1]
     ax.set_title(f"two-stage vs session layers, default budget ({len(rows)} cells)", fontsize=9)

@@ -63,24 +63,30 @@ def test_the_report_joins_the_pieces_and_counts_the_cells_that_meet_each_target(
               + _pieces("b", 0.30, 0.10, 0.20, (3, 3), (2, 2))   # stopped too early: 3x the 4x run's CER
               + _pieces("c", 0.12, 0.11, 0.12, (1, 1), (1, 1))   # a tie
               + _pieces("d", 0.1, 0.1, 0.1)[:3]                  # a piece not run yet
-              + [{"key": "e_x1_two_stage", "status": "failed", "error": "MemoryError: out"}])
+              + [{"key": "e_x1_two_stage", "status": "failed", "error": "MemoryError: out"}]
+              + _pieces("f", 0.2, 0.2, 0.2)[:1])                 # only the default two-stage piece
     cells = bench.assemble(pieces)
     status = {c["key"]: c["status"] for c in cells}
-    assert status == {"a": "ok", "b": "ok", "c": "ok", "d": "pending", "e": "failed"}
+    assert status == {"a": "ok", "b": "ok", "c": "ok", "d": "pending", "e": "failed", "f": "pending"}
     joined = next(c for c in cells if c["key"] == "a")["result"]
     assert joined["x4"]["scores"]["two_stage"]["greedy_CER"] == 0.09
     assert joined["paired_greedy_CER"]["ratio_95"][1] < 1  # 0 errors against 8: the bootstrap says better
     s = bench.summarize(cells)
-    assert (s["n_cells"], s["n_ok"], s["n_pending"], s["within_ratio"], s["two_stage_better"]) == (5, 3, 1, 2, 1)
+    # each target is judged on the cells whose pieces for it are in: d lacks only its 4x session-layers piece, so
+    # it counts for both (ratio 1.0, a tie); f has only its default-budget two-stage piece and counts for neither
+    assert (s["n_cells"], s["n_ok"], s["n_pending"]) == (6, 3, 2)
+    assert (s["within_ratio"], s["n_ratio"], s["two_stage_better"], s["n_methods"]) == (3, 4, 1, 4)
     rows = {r["key"]: r for r in s["cells"]}
     assert rows["b"]["ratio_to_x4"] == pytest.approx(3.0) and not rows["b"]["within_ratio"]
     assert rows["d"]["pending"] == ["x4 session_layers"]
-    # a pending cell with its default-budget pieces in already compares the methods
-    assert rows["d"]["two_stage_CER"] == 0.1 and "two_stage_vs_session_layers_95" in rows["d"]
+    assert rows["d"]["two_stage_CER"] == 0.1 and rows["d"]["ratio_to_x4"] == 1.0
+    assert "two_stage_vs_session_layers_95" in rows["d"]
+    assert rows["f"]["two_stage_CER"] == 0.2 and "ratio_to_x4" not in rows["f"] and "two_stage_better" not in rows["f"]
     md = bench.markdown(s, "test machine")
-    assert "2 of 3 cells (target: every cell)" in md and "1 of 3 cells (target: most cells)" in md
-    assert "3.00 (over)" in md and "failed: MemoryError" in md and "pending: x4 session_layers" in md
-    assert "Of the pending cells, 1 have the default budget's pieces" in md
+    assert "3 of 4 cells with both two-stage pieces (target: every cell)" in md
+    assert "1 of 4 cells with both default-budget pieces (target: most cells)" in md
+    assert "3.00 (over)" in md and "failed: MemoryError" in md and "| x4 session_layers |" in md
+    assert "| 20.0 | - | - | - | - | - |" in md  # f: its one piece, the rest not run yet
     bench.plot(s, tmp_path / "p.png")
     assert (tmp_path / "p.png").stat().st_size > 1000
 
@@ -97,6 +103,6 @@ def test_the_report_says_how_much_of_a_pieces_cer_is_the_sentence_end_mark(bench
     assert row["key"] == "a" and row["commit"] == "abc1234"
     assert row["end_marks"]["missed"] == 1 and row["end_marks"]["of"] == 2
     assert row["end_marks"]["CER_end_restored"] == pytest.approx(1 / 12)  # only the wrong letter is left
-    md = bench.markdown({"cells": [], "n_cells": 0, "n_ok": 0, "within_ratio": 0, "two_stage_better": 0,
-                         "pieces": [row]}, "test machine")
+    md = bench.markdown({"cells": [], "n_cells": 0, "n_ok": 0, "n_ratio": 0, "within_ratio": 0, "n_methods": 0,
+                         "two_stage_better": 0, "pieces": [row]}, "test machine")
     assert "| a | x1 | two_stage | 0.0 | 1 of 2 | 8.3 |" in md
