@@ -110,7 +110,8 @@ def _trim_log(summary: dict) -> dict:
     return out
 
 
-def train_and_score(sessions: list, harness, budget: float, seed: int, method: str, scale: bool = True) -> dict:
+def train_and_score(sessions: list, harness, budget: float, seed: int, method: str, scale: bool = True,
+                    recipe_settings: dict | None = None) -> dict:
     """One piece of a cell: ``method`` trained with the recipe at ``budget`` and scored on the held-out days.
 
     ``two_stage``: :func:`~closedloop.sdk.bci.recipe.fit_recipe` (both stages, as ``bci-train``).
@@ -123,7 +124,7 @@ def train_and_score(sessions: list, harness, budget: float, seed: int, method: s
 
     if method not in METHODS:
         raise ValueError(f"method {method!r}: expected one of {METHODS}")
-    recipe = Recipe(budget=budget, seed=seed, scale=scale)
+    recipe = Recipe(budget=budget, seed=seed, scale=scale, **(recipe_settings or {}))
     t0 = time.perf_counter()
     if method == "two_stage":
         fit = fit_recipe(sessions, harness, recipe=recipe)
@@ -177,7 +178,8 @@ def run_cell(config: dict, seed: int) -> dict:
                                                       "held_out": len(hw.held_out_dates),
                                                       "trials": hw.trials_per_session, "channels": hw.n_channels}}
     # tiny: bci-train --tiny's sizes, not scaled
-    return out | train_and_score(sessions, harness, float(config["budget"]), seed, config["method"], scale=not tiny)
+    return out | train_and_score(sessions, harness, float(config["budget"]), seed, config["method"], scale=not tiny,
+                                 recipe_settings=config.get("recipe"))
 
 
 def assemble(records: list[dict]) -> list[dict]:
@@ -451,7 +453,12 @@ def main(argv: list[str] | None = None) -> int:
                    help="only the design's cells of these indices (0: the default cell)")
     p.add_argument("--budget", type=float, choices=BUDGETS, default=None, help="only the pieces of this budget")
     p.add_argument("--method", choices=METHODS, default=None, help="only the pieces of this method")
+    p.add_argument("--min-steps", type=int, default=None,
+                   help="a Recipe.min_steps other than the default (the scaled ceiling's floor), to try a rule "
+                        "change; with --out elsewhere, so its pieces stay apart from the default recipe's")
     a = p.parse_args(argv)
+    if a.min_steps is not None and Path(a.out) == Path(RESULTS):
+        p.error("--min-steps changes the recipe: give it its own --out folder")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = "bci_robust_tiny" if a.tiny else "bci_robust"
@@ -467,7 +474,9 @@ def main(argv: list[str] | None = None) -> int:
         budgets = [b for b in BUDGETS if a.budget is None or b == a.budget]
         methods = [m for m in METHODS if a.method is None or m == a.method]
         commit = _commit()
-        cells = [Cell({**c, "tiny": a.tiny, "data_seed": a.data_seed, "budget": b, "method": m, "commit": commit}, seed,
+        settings = {} if a.min_steps is None else {"min_steps": a.min_steps}
+        cells = [Cell({**c, "tiny": a.tiny, "data_seed": a.data_seed, "budget": b, "method": m, "commit": commit,
+                       "recipe": settings}, seed,
                       name=f"{cell_name(c, seed, a.tiny)}_x{b:g}_{m}")
                  for c in designs for seed in a.seeds for b in budgets for m in methods]
         print(f"{len(cells)} pieces ({len(designs)} cells x {len(a.seeds)} seeds x {len(budgets)} budgets x "

@@ -57,6 +57,8 @@ class Recipe(JsonConfig):
     # multiplies the step ceiling, the time budget and the patience: 4 is bench_bci_robust.py's "4x budget",
     # the run against which the default one is judged (did it stop before it had learned?)
     budget: float = 1.0
+    # the scaled step ceiling's floor (scaled_train_config): the ceiling is 400 epochs, at least this many steps
+    min_steps: int = 2000
 
     def __post_init__(self) -> None:
         if not 0.0 < self.validation_fraction < 1.0:
@@ -69,6 +71,8 @@ class Recipe(JsonConfig):
         if not 0.0 <= self.stage2_share < 1.0:
             raise ValueError(f"stage2_share {self.stage2_share}: the fraction of the time budget kept for stage 2, "
                              "from 0 up to (not including) 1")
+        if not 1 <= self.min_steps <= MAX_STEPS:
+            raise ValueError(f"min_steps {self.min_steps}: the scaled ceiling's floor, from 1 to {MAX_STEPS} steps")
         if not self.budget > 0:
             raise ValueError(f"budget {self.budget}: a positive multiple of the default budget (1 is the default)")
 
@@ -120,14 +124,18 @@ def data_size(train_sessions: Sequence[Any]) -> dict:
             "characters": int(sum(len(t.sentence) for t in trials))}
 
 
-def scaled_train_config(base: Any, size: dict, keep: frozenset[str] = frozenset()) -> Any:
+# the scaled step ceiling's bound from above
+MAX_STEPS = 20_000
+
+
+def scaled_train_config(base: Any, size: dict, keep: frozenset[str] = frozenset(), min_steps: int = 2000) -> Any:
     """``base`` (a TrainConfig) with the model size and step ceiling the data call for.
 
     * width: ``n_hidden`` = the channel count rounded up to a multiple of 32, within [64, 512]
       (the first layer does not squeeze the channels);
     * depth: 2 GRU layers from 20,000 characters of training text, else 1;
     * ceiling: ``steps`` = 400 epochs of the training trials in batches of ``batch_size``,
-      within [2000, 20000] (a bound, not the plan: patience and the time budget end most runs).
+      within [``min_steps``, 20000] (a bound, not the plan: patience and the time budget end most runs).
 
     ``keep`` names what a user set and stays: ``"backbone"`` and/or ``"steps"``.
     """
@@ -135,7 +143,7 @@ def scaled_train_config(base: Any, size: dict, keep: frozenset[str] = frozenset(
 
     width = min(512, max(64, 32 * math.ceil(size["channels"] / 32)))
     depth = 2 if size["characters"] >= 20_000 else 1
-    steps = min(20_000, max(2000, math.ceil(400 * size["trials"] / base.batch_size)))
+    steps = min(MAX_STEPS, max(min_steps, math.ceil(400 * size["trials"] / base.batch_size)))
     out = base
     if "backbone" not in keep:
         out = dataclasses.replace(out, backbone=BackboneConfig(width, depth, base.backbone.dropout))
@@ -346,7 +354,7 @@ def plan_recipe(sessions: Sequence[Any], harness: Any, recipe: Recipe, keep: fro
                          "(FALCON H2's held-in files, or `closedloop generate-data`)")
     train_sessions, val = split_validation(sessions, recipe.validation_fraction, recipe.seed)
     size = data_size(train_sessions)
-    tc = scaled_train_config(harness.train, size, keep) if recipe.scale else harness.train
+    tc = scaled_train_config(harness.train, size, keep, recipe.min_steps) if recipe.scale else harness.train
     if recipe.budget != 1:
         tc = dataclasses.replace(tc, steps=max(1, round(tc.steps * recipe.budget)))
     every = recipe.eval_every or max(10, tc.steps // 80)
