@@ -431,8 +431,10 @@ def _commit() -> str | None:
         here = Path(__file__).resolve().parent
         sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True,
                              check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
-                               capture_output=True, text=True, check=True).stdout.strip()
+        # code only: a report rebuilt into bench/results, or a docs edit, does not change what a piece runs
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ":/",
+                                ":(exclude,top)bench/results", ":(exclude,top)docs", ":(exclude,top,glob)**/*.md"],
+                               cwd=here, capture_output=True, text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return None
     return sha + ("+dirty" if dirty else "")
