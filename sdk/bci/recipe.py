@@ -41,6 +41,11 @@ __all__ = ["Recipe", "RecipeFit", "RecipePlan", "RecipeResult", "fit_recipe", "p
            "split_validation", "train_recipe", "validation_examples", "write_curve"]
 
 
+# the scaled step ceiling's bounds (scaled_train_config): the floor's default (Recipe.min_steps) and the top
+MIN_STEPS = 2000
+MAX_STEPS = 20_000
+
+
 @dataclass
 class Recipe(JsonConfig):
     """What ``bci-train`` adds to a harness configuration's training settings."""
@@ -58,7 +63,7 @@ class Recipe(JsonConfig):
     # the run against which the default one is judged (did it stop before it had learned?)
     budget: float = 1.0
     # the scaled step ceiling's floor (scaled_train_config): the ceiling is 400 epochs, at least this many steps
-    min_steps: int = 2000
+    min_steps: int = MIN_STEPS
 
     def __post_init__(self) -> None:
         if not 0.0 < self.validation_fraction < 1.0:
@@ -124,11 +129,7 @@ def data_size(train_sessions: Sequence[Any]) -> dict:
             "characters": int(sum(len(t.sentence) for t in trials))}
 
 
-# the scaled step ceiling's bound from above
-MAX_STEPS = 20_000
-
-
-def scaled_train_config(base: Any, size: dict, keep: frozenset[str] = frozenset(), min_steps: int = 2000) -> Any:
+def scaled_train_config(base: Any, size: dict, keep: frozenset[str] = frozenset(), min_steps: int = MIN_STEPS) -> Any:
     """``base`` (a TrainConfig) with the model size and step ceiling the data call for.
 
     * width: ``n_hidden`` = the channel count rounded up to a multiple of 32, within [64, 512]

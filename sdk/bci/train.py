@@ -141,7 +141,7 @@ class TrainingLog:
     best_step: int = 0
     stop_reason: str = "ceiling"  # "ceiling" (ran every step), "patience", "time_budget"
     final_lr: float = 0.0  # the learning rate of the last step (the cosine decay's progress when the run ended)
-    # with validation: whether the run ended with its stopping rule met (patience and its growth), None without;
+    # with validation: whether the run ended with its stopping rule met (a plateau at the rate's floor), None without;
     # False for a run that its time budget or ceiling ended while it was still improving
     converged: bool | None = None
     decay_step: int | None = None  # with validation: the step a final decay began at (ceiling or time budget)

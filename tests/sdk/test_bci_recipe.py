@@ -80,9 +80,9 @@ def test_model_size_and_step_ceiling_scale_with_the_data_unless_set():
     base = TrainConfig(batch_size=16)
     small = scaled_train_config(base, {"channels": 8, "sessions": 3, "trials": 18, "characters": 138})
     assert (small.backbone.n_hidden, small.backbone.n_layers, small.steps) == (64, 1, 2000)  # floors
-    falcon = scaled_train_config(base, {"channels": 192, "sessions": 8, "trials": 160, "characters": 6000})
-    assert (falcon.backbone.n_hidden, falcon.backbone.n_layers, falcon.steps) == (192, 1, 4000)  # 400 epochs
     falcon_size = {"channels": 192, "sessions": 8, "trials": 160, "characters": 6000}
+    falcon = scaled_train_config(base, falcon_size)
+    assert (falcon.backbone.n_hidden, falcon.backbone.n_layers, falcon.steps) == (192, 1, 4000)  # 400 epochs
     assert scaled_train_config(base, falcon_size, min_steps=6000).steps == 6000  # a higher floor (Recipe.min_steps)
     big = scaled_train_config(base, {"channels": 1000, "sessions": 40, "trials": 4000, "characters": 90_000})
     assert (big.backbone.n_hidden, big.backbone.n_layers, big.steps) == (512, 2, 20_000)  # ceilings
