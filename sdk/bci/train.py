@@ -81,15 +81,21 @@ class TrainConfig(JsonConfig):
     plateau_fraction: float = 0.8
     max_restarts: int = 2
     # validation (on when the trainer is given validation trials, as ``bci-train`` does; docs/bci.md, "The training
-    # recipe"): greedy CER of the validation trials every ``eval_every`` steps; the run stops when it has not improved
-    # for ``patience`` evaluations (counted from the first CER below STARTED_CER, 75%), and the best checkpoint
+    # recipe"): greedy CER and CTC loss of the validation trials every ``eval_every`` steps; the run stops when
+    # neither has improved for ``patience`` evaluations at the rate's floor (counted from the first CER below STARTED_CER, 75%), and the best checkpoint
     # is restored. ``steps`` is then a ceiling. ``time_budget_s`` (0: none) stops the run when it has used that much
     # wall time.
     eval_every: int = 50
     patience: int = 6
     patience_from_cer: float = 0.75  # STARTED_CER: patience counts from the first validation CER below this
-    # with validation the learning rate follows the validation CER (ReduceLROnPlateau): after ``patience``
-    # evaluations without a lower CER it is multiplied by ``lr_reduce_factor`` and patience counts afresh; at a
+    # an evaluation is progress when its validation CER is the lowest yet or its validation CTC loss is below
+    # (1 - ``loss_progress``) times the lowest yet: greedy CER on a few dozen trials moves in coarse, noisy steps
+    # and can sit still for many evaluations while the loss shows the network still learning (a rare character
+    # such as the sentence-end mark is learned late). None judges on the CER alone. The checkpoint kept is always
+    # the lowest CER's.
+    loss_progress: float | None = 0.01
+    # with validation the learning rate follows the validation scores (ReduceLROnPlateau): after ``patience``
+    # evaluations without progress (``loss_progress``) it is multiplied by ``lr_reduce_factor`` and patience counts afresh; at a
     # plateau where one more reduction would take it below lr * lr_final_fraction the run stops. When the steps or
     # the time reach 1 - ``decay_fraction`` of the ceiling or of the time budget, a final cosine decay from the
     # current rate to that floor ends the run at the ceiling or the budget. PlateauSchedule; docs/bci.md
@@ -211,12 +217,12 @@ def cosine_lr(step: int, steps: int, lr: float, final_fraction: float, warmup: i
 @dataclass
 class PlateauSchedule:
     """A validated run's learning rate: warm-up, then ``lr`` times ``scale``, which :meth:`reduce` multiplies by
-    ``factor`` at each plateau of the validation CER (down to ``lr * final_fraction``), until :meth:`begin` starts
+    ``factor`` at each plateau of the validation scores (down to ``lr * final_fraction``), until :meth:`begin` starts
     the final decay: a cosine from the current rate to ``lr * final_fraction`` whose progress is the larger of its
     steps' share of ``length`` and its time's share of what is left to ``deadline``; the run ends when that decay
     is done (:meth:`finished`).
 
-    The rate comes down as fast as the validation CER stops improving (ReduceLROnPlateau, the "newbob" rule of
+    The rate comes down as fast as the validation scores stop improving (ReduceLROnPlateau, the "newbob" rule of
     speech recognition recipes), not on a calendar set by the ceiling: a larger budget (ceiling, time, patience)
     waits longer at each rate but walks down the same rates.
     """
@@ -278,22 +284,27 @@ def _started(rows: Sequence[dict], below: float = STARTED_CER) -> bool:
 def validation_scores(module: nn.Module, forward: Callable[[torch.Tensor, Batch], torch.Tensor],
                       examples: Sequence[Example], device: torch.device | str = "cpu") -> dict:
     """Greedy decoding of ``examples`` (no augmentation, eval mode): CER and WER pooled over the trials (FALCON's
-    edit distances summed over trials, divided by the references' characters and words), and characters emitted."""
+    edit distances summed over trials, divided by the references' characters and words), characters emitted, and
+    the CTC loss (mean over the trials of each trial's negative log-likelihood)."""
     from .decoding import greedy_decode
     from .metrics import score_session
 
     was_training = module.training
     module.eval()
     texts: list[str] = []
+    loss_sum = 0.0
     with torch.no_grad():
         for i in range(0, len(examples), 32):
             chunk = examples[i: i + 32]
             batch = collate(chunk, device)
-            logp = forward(batch.x, batch).cpu().numpy()
+            out = forward(batch.x, batch)
+            loss_sum += float(ctc_loss(out, batch, reduction="sum"))
+            logp = out.cpu().numpy()
             texts += [greedy_decode(logp[k, : e.x.shape[0]]) for k, e in enumerate(chunk)]
     module.train(was_training)
     score = score_session(texts, [e.sentence for e in examples])
-    return {"CER": score.cer, "WER": score.wer, "chars": sum(len(t) for t in texts)}
+    return {"CER": score.cer, "WER": score.wer, "chars": sum(len(t) for t in texts),
+            "loss": loss_sum / max(1, len(examples))}
 
 
 def plateau_check_step(config: TrainConfig, validated: bool) -> int:
@@ -326,8 +337,8 @@ def fit_ctc(
     run at the plateau check when it fails it (``log.on_plateau``).
 
     With ``validation`` trials the run is scored on them every ``config.eval_every`` steps
-    (:func:`validation_scores`), stops after ``config.patience`` evaluations without a lower
-    CER (counted from the first below ``config.patience_from_cer``, :data:`STARTED_CER`) at the learning rate's
+    (:func:`validation_scores`), stops after ``config.patience`` evaluations without progress (a lower
+    CER, or a validation loss lower by ``config.loss_progress``; counted from the first below ``config.patience_from_cer``, :data:`STARTED_CER`) at the learning rate's
     floor (each earlier plateau reduces the rate: :class:`PlateauSchedule`), or at ``deadline``
     (``time.perf_counter()`` seconds) or after ``config.time_budget_s``, and the best
     evaluation's weights are restored; the plateau check then asks whether a validation CER
@@ -356,15 +367,19 @@ def fit_ctc(
     if config.time_budget_s:
         deadline = min(deadline or math.inf, t0 + config.time_budget_s)
     horizon = deadline - t0 if deadline is not None and deadline > t0 else None
-    best_cer, best_state, stale = math.inf, None, 0
+    best_cer, best_loss, best_state, stale = math.inf, math.inf, None, 0
     bar = tqdm(range(config.steps), desc=what, disable=not config.progress or progress is not None, leave=False)
 
     def evaluate(step: int) -> None:
-        nonlocal best_cer, best_state, stale
+        nonlocal best_cer, best_loss, best_state, stale
         row = {"step": step, **validation_scores(module, forward, validation, device)}
         log.validation.append(row)
+        lower_loss = config.loss_progress is not None and row["loss"] < (1 - config.loss_progress) * best_loss
+        best_loss = min(best_loss, row["loss"])
         if row["CER"] < best_cer:
             best_cer, best_state, stale, log.best_step = row["CER"], copy.deepcopy(module.state_dict()), 0, step
+        elif lower_loss:
+            stale = 0
         elif _started(log.validation, config.patience_from_cer):
             stale += 1
         if progress is not None:
