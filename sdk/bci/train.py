@@ -281,6 +281,34 @@ def _started(rows: Sequence[dict], below: float = STARTED_CER) -> bool:
     return any(r["CER"] < below for r in rows)
 
 
+@dataclass
+class PlateauCounter:
+    """Evaluations without progress since the last one with it (``stale``). Progress is a validation CER below
+    every earlier one, or a validation loss below ``1 - loss_progress`` times every earlier one (None: the CER
+    alone). Evaluations count only once some CER has come below ``started_cer``."""
+
+    started_cer: float = STARTED_CER
+    loss_progress: float | None = None
+    best_cer: float = math.inf
+    best_loss: float = math.inf
+    stale: int = 0
+    started: bool = False
+
+    def update(self, cer: float, loss: float) -> bool:
+        """Count one evaluation; True when its CER is the lowest yet (its weights are the ones to keep)."""
+        lower_loss = self.loss_progress is not None and loss < (1 - self.loss_progress) * self.best_loss
+        self.best_loss = min(self.best_loss, loss)
+        self.started = self.started or cer < self.started_cer
+        if cer < self.best_cer:
+            self.best_cer, self.stale = cer, 0
+            return True
+        if lower_loss:
+            self.stale = 0
+        elif self.started:
+            self.stale += 1
+        return False
+
+
 def validation_scores(module: nn.Module, forward: Callable[[torch.Tensor, Batch], torch.Tensor],
                       examples: Sequence[Example], device: torch.device | str = "cpu") -> dict:
     """Greedy decoding of ``examples`` (no augmentation, eval mode): CER and WER pooled over the trials (FALCON's
@@ -367,21 +395,16 @@ def fit_ctc(
     if config.time_budget_s:
         deadline = min(deadline or math.inf, t0 + config.time_budget_s)
     horizon = deadline - t0 if deadline is not None and deadline > t0 else None
-    best_cer, best_loss, best_state, stale = math.inf, math.inf, None, 0
+    best_state = None
+    plateau = PlateauCounter(config.patience_from_cer, config.loss_progress)
     bar = tqdm(range(config.steps), desc=what, disable=not config.progress or progress is not None, leave=False)
 
     def evaluate(step: int) -> None:
-        nonlocal best_cer, best_loss, best_state, stale
+        nonlocal best_state
         row = {"step": step, **validation_scores(module, forward, validation, device)}
         log.validation.append(row)
-        lower_loss = config.loss_progress is not None and row["loss"] < (1 - config.loss_progress) * best_loss
-        best_loss = min(best_loss, row["loss"])
-        if row["CER"] < best_cer:
-            best_cer, best_state, stale, log.best_step = row["CER"], copy.deepcopy(module.state_dict()), 0, step
-        elif lower_loss:
-            stale = 0
-        elif _started(log.validation, config.patience_from_cer):
-            stale += 1
+        if plateau.update(row["CER"], row["loss"]):
+            best_state, log.best_step = copy.deepcopy(module.state_dict()), step
         if progress is not None:
             progress.validated(step, row, log.best())
 
@@ -434,12 +457,12 @@ def fit_ctc(
             log.stop_reason = schedule.reason
             break
         if schedule.start is None:
-            if evaluated and stale >= config.patience:  # a plateau: a lower rate, or the end at the floor
+            if evaluated and plateau.stale >= config.patience:  # a plateau: a lower rate, or the end at the floor
                 if not schedule.reduce():
                     log.stop_reason = "patience"
                     break
                 log.lr_reductions.append(done)
-                stale = 0
+                plateau.stale = 0
             share = 1.0 - config.decay_fraction
             if done >= share * config.steps:  # the end in sight: the final decay
                 schedule.begin(done, now, "ceiling", config.steps - done)
@@ -450,7 +473,7 @@ def fit_ctc(
             log.stop_reason = "time_budget"
             break
     if validated:
-        log.converged = log.stop_reason == "patience" or stale >= config.patience
+        log.converged = log.stop_reason == "patience" or plateau.stale >= config.patience
     if log.on_plateau and len(log.loss) == config.steps:  # ran to the end anyway: did it leave the plateau later?
         log.on_plateau = (not _started(log.validation, config.patience_from_cer) if validated
                           else on_plateau(log.loss, check, config.plateau_fraction, at=config.steps))

@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import math
 import re
 import time
 from dataclasses import replace
@@ -32,7 +31,9 @@ from closedloop.sdk.bci.recipe import (
 )
 from closedloop.sdk.bci.toy import toy_recording
 from closedloop.sdk.bci.train import (
+    STARTED_CER,
     BackboneConfig,
+    PlateauCounter,
     TrainConfig,
     cosine_lr,
     plateau_check_step,
@@ -100,15 +101,21 @@ def test_early_stopping_ends_before_the_ceiling_and_restores_the_best_checkpoint
     cers = [v["CER"] for v in log.validation]
     best = log.best()
     assert best["CER"] == min(cers) and log.best_step == log.validation[cers.index(min(cers))]["step"]
-    # each plateau (`patience` evaluations without a lower CER, counted afresh after each reduction) halved the
-    # learning rate, down to its floor (lr_final_fraction 0.05: 4 halvings), and the plateau after that ended the run
+    # each plateau (`patience` evaluations with neither a lower CER nor a validation loss 1% below its best,
+    # counted afresh after each reduction) halved the learning rate, down to its floor (lr_final_fraction 0.05:
+    # 4 halvings), and the plateau after that ended the run
     assert len(log.lr_reductions) == 4 and log.final_lr == pytest.approx(TINY.lr / 16)
     marks = [0, *log.lr_reductions, log.steps_run]
     for a, b in zip(marks, marks[1:], strict=False):
-        rows = [v["CER"] for v in log.validation if a < v["step"] <= b]
-        best_before = min([v["CER"] for v in log.validation if v["step"] <= a], default=math.inf)
-        stale_run = len(rows) - 1 - max((i for i, c in enumerate(rows) if c < min([best_before, *rows[:i]])),
-                                        default=-1)
+        rows = [v for v in log.validation if a < v["step"] <= b]
+        seen = [v for v in log.validation if v["step"] <= a]
+        last_progress = -1
+        for k, v in enumerate(rows):
+            if (not seen or v["CER"] < min(r["CER"] for r in seen)
+                    or v["loss"] < (1 - TINY.loss_progress) * min(r["loss"] for r in seen)):
+                last_progress = k
+            seen.append(v)
+        stale_run = len(rows) - 1 - last_progress
         assert stale_run >= TINY.patience  # every reduction, and the end, came after a plateau
     assert log.converged is True and log.decay_step is None
     # with patience that never runs out the same run uses its ceiling, the last fifth a decay to the floor
@@ -120,6 +127,27 @@ def test_early_stopping_ends_before_the_ceiling_and_restores_the_best_checkpoint
     restored = validation_scores(model, lambda x, b: model(x)[0], val)
     assert restored["CER"] == pytest.approx(best["CER"]) and restored["chars"] == best["chars"]
     assert log.to_dict()["stop_reason"] == "patience" and log.to_dict()["steps_run"] == log.steps_run
+
+
+def test_a_falling_validation_loss_is_progress_while_the_cer_sits_still():
+    # greedy CER on a small validation set can stay put for many evaluations while the network still learns
+    counter = PlateauCounter(STARTED_CER, loss_progress=0.01)
+    assert counter.update(0.30, 2.0)  # the first evaluation is the best so far: its weights are kept
+    for k in range(1, 10):  # the CER sits still, the loss falls 2% an evaluation: no plateau, nothing new to keep
+        assert not counter.update(0.30, 2.0 * 0.98 ** k) and counter.stale == 0
+    for k in range(1, 4):  # a loss that falls by less than 1% is not progress
+        counter.update(0.30, 2.0 * 0.98 ** 9 * 0.995 ** k)
+    assert counter.stale == 3
+    assert counter.update(0.29, 5.0) and counter.stale == 0  # a lower CER always is, whatever the loss
+    cer_only = PlateauCounter(STARTED_CER, loss_progress=None)
+    cer_only.update(0.30, 2.0)
+    for k in range(1, 10):
+        cer_only.update(0.30, 2.0 * 0.98 ** k)
+    assert cer_only.stale == 9
+    unstarted = PlateauCounter(STARTED_CER, loss_progress=None)  # patience waits for a CER below STARTED_CER
+    for _ in range(5):
+        unstarted.update(0.95, 3.0)
+    assert unstarted.stale == 0 and not unstarted.started
 
 
 def test_the_learning_rate_decays_with_the_steps_or_the_time_whichever_runs_out_first():
