@@ -67,6 +67,8 @@ class StageProgress:
         out = {"loss": f"{self.loss:.3f}"}
         if self.last_val is not None:
             out["val CER"] = f"{self.last_val['CER']:.1%}"
+            if "loss" in self.last_val:
+                out["val loss"] = f"{self.last_val['loss']:.3f}"
         if self.best_val is not None:
             out["best"] = f"{self.best_val['CER']:.1%}@{self.best_val['step']}"
         out["left"] = format_seconds(self.time_left())

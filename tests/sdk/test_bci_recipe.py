@@ -171,7 +171,7 @@ def test_the_time_budget_stops_training_and_without_validation_nothing_changes(s
 
 
 def test_progress_is_lines_in_a_log_a_bar_on_a_terminal_and_nothing_when_quiet():
-    row = {"step": 10, "CER": 0.5, "WER": 0.8, "chars": 12}
+    row = {"step": 10, "CER": 0.5, "WER": 0.8, "chars": 12, "loss": 1.25}
     log = io.StringIO()
     stage = Progress(stream=log, interval_s=0.0).stage("stage 1", 100)
     stage.step(1, 3.0)  # interval 0: a line every step
@@ -179,7 +179,7 @@ def test_progress_is_lines_in_a_log_a_bar_on_a_terminal_and_nothing_when_quiet()
     stage.close()
     lines = log.getvalue().splitlines()
     assert lines[0].startswith("stage 1: step 1/100, loss 3.000") and "left" in lines[0]
-    assert "val CER 50.0%" in lines[1] and "best 50.0%@10" in lines[1]
+    assert "val CER 50.0%" in lines[1] and "val loss 1.250" in lines[1] and "best 50.0%@10" in lines[1]
     slow = io.StringIO()
     stage = Progress(stream=slow).stage("s", 100)  # 10 s between lines, but every evaluation gets one
     for k in range(1, 5):
