@@ -313,7 +313,7 @@ def validation_scores(module: nn.Module, forward: Callable[[torch.Tensor, Batch]
                       examples: Sequence[Example], device: torch.device | str = "cpu") -> dict:
     """Greedy decoding of ``examples`` (no augmentation, eval mode): CER and WER pooled over the trials (FALCON's
     edit distances summed over trials, divided by the references' characters and words), characters emitted, and
-    the CTC loss (mean over the trials of each trial's negative log-likelihood)."""
+    the CTC loss per character (the trials' negative log-likelihoods summed, divided by their characters)."""
     from .decoding import greedy_decode
     from .metrics import score_session
 
@@ -332,7 +332,7 @@ def validation_scores(module: nn.Module, forward: Callable[[torch.Tensor, Batch]
     module.train(was_training)
     score = score_session(texts, [e.sentence for e in examples])
     return {"CER": score.cer, "WER": score.wer, "chars": sum(len(t) for t in texts),
-            "loss": loss_sum / max(1, len(examples))}
+            "loss": loss_sum / max(1, sum(len(e.labels) for e in examples))}
 
 
 def plateau_check_step(config: TrainConfig, validated: bool) -> int:

@@ -17,7 +17,7 @@ import torch
 from closedloop.runtime import load_bundle
 from closedloop.sdk.bci import calibrate_bundle
 from closedloop.sdk.bci.calibrate import CalibrationConfig
-from closedloop.sdk.bci.data import fit_indices
+from closedloop.sdk.bci.data import collate, ctc_loss, fit_indices
 from closedloop.sdk.bci.evaluate import HarnessConfig
 from closedloop.sdk.bci.meta import MetaConfig
 from closedloop.sdk.bci.nwb import load_falcon_h2, write_falcon_h2_dir
@@ -126,6 +126,10 @@ def test_early_stopping_ends_before_the_ceiling_and_restores_the_best_checkpoint
     assert longer.decay_step == 0.8 * TINY.steps  # its decay took the ceiling's last fifth
     restored = validation_scores(model, lambda x, b: model(x)[0], val)
     assert restored["CER"] == pytest.approx(best["CER"]) and restored["chars"] == best["chars"]
+    # the validation loss is per character: the trials' CTC negative log-likelihoods over their characters
+    with torch.no_grad():
+        nll = sum(float(ctc_loss(model(b.x)[0], b, reduction="sum")) for b in (collate([e]) for e in val))
+    assert restored["loss"] == pytest.approx(nll / sum(len(e.labels) for e in val), rel=1e-4)
     assert log.to_dict()["stop_reason"] == "patience" and log.to_dict()["steps_run"] == log.steps_run
 
 
