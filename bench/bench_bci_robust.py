@@ -105,8 +105,11 @@ def _trim_log(summary: dict) -> dict:
     out = json.loads(json.dumps(summary, default=float))
     stage1 = out.get("stage1", {})
     rows = stage1.pop("validation", None) or []
-    # the validation curve as [step, CER] pairs: enough to see where a stopping rule acted, a few kB a piece
-    stage1["val_curve"] = [[int(r["step"]), round(float(r["CER"]), 5)] for r in rows]
+    # the validation curve as [step, CER, loss per character] rows: enough to see where a stopping rule acted,
+    # a few kB a piece
+    stage1["val_curve"] = [[int(r["step"]), round(float(r["CER"]), 5),
+                            None if r.get("loss") is None else round(float(r["loss"]), 5)]
+                           for r in rows]
     return out
 
 
