@@ -89,13 +89,12 @@ class TrainConfig(JsonConfig):
     eval_every: int = 50
     patience: int = 6
     patience_from_cer: float = 0.75  # STARTED_CER: patience counts from the first validation CER below this
-    # an evaluation is progress when its validation CER is the lowest yet, or (with ``loss_progress`` set, e.g.
-    # 0.01) when its validation CTC loss per character is below (1 - ``loss_progress``) times the lowest yet.
-    # None (the default) judges on the CER alone. The checkpoint kept is always the lowest CER's. With 0.01 the
-    # 10-trial robustness cell still halved its rate four times by step 1,856 (docs/bci.md)
+    # an evaluation is progress when its validation CER is the lowest yet, or (with ``loss_progress`` set, in
+    # (0, 1), e.g. 0.01) when its validation CTC loss per character is below (1 - ``loss_progress``) times the
+    # lowest yet. None (the default) judges on the CER alone. The checkpoint kept is always the lowest CER's.
     loss_progress: float | None = None
     # with validation the learning rate follows the validation scores (ReduceLROnPlateau): after ``patience``
-    # evaluations without progress (``loss_progress``) it is multiplied by ``lr_reduce_factor`` and patience counts afresh; at a
+    # evaluations without progress it is multiplied by ``lr_reduce_factor`` and patience counts afresh; at a
     # plateau where one more reduction would take it below lr * lr_final_fraction the run stops. When the steps or
     # the time reach 1 - ``decay_fraction`` of the ceiling or of the time budget, a final cosine decay from the
     # current rate to that floor ends the run at the ceiling or the budget. PlateauSchedule; docs/bci.md
@@ -107,6 +106,10 @@ class TrainConfig(JsonConfig):
     progress: bool = True
 
     def __post_init__(self) -> None:
+        if self.loss_progress is not None and not 0.0 < self.loss_progress < 1.0:
+            raise ValueError(f"train.loss_progress={self.loss_progress}: the fraction a validation loss must fall "
+                             "below its lowest to count as progress, between 0 and 1 (e.g. 0.01), or null for the "
+                             "CER alone")
         if self.plateau_steps and self.plateau_steps < 100:
             raise ValueError(f"train.plateau_steps={self.plateau_steps}: the plateau check compares two 25-step "
                              "windows half a check apart; use at least 100, or 0 to turn it off")
@@ -365,10 +368,10 @@ def fit_ctc(
     run at the plateau check when it fails it (``log.on_plateau``).
 
     With ``validation`` trials the run is scored on them every ``config.eval_every`` steps
-    (:func:`validation_scores`), stops after ``config.patience`` evaluations without progress (a lower
-    CER, or a validation loss lower by ``config.loss_progress``; counted from the first below ``config.patience_from_cer``, :data:`STARTED_CER`) at the learning rate's
-    floor (each earlier plateau reduces the rate: :class:`PlateauSchedule`), or at ``deadline``
-    (``time.perf_counter()`` seconds) or after ``config.time_budget_s``, and the best
+    (:func:`validation_scores`), stops after ``config.patience`` evaluations without progress
+    (:class:`PlateauCounter`: a lower CER, or with ``config.loss_progress`` a lower loss; counted from the first
+    CER below ``config.patience_from_cer``, :data:`STARTED_CER`) at the learning rate's floor (each earlier
+    plateau reduces the rate: :class:`PlateauSchedule`), or at ``deadline`` (``time.perf_counter()`` seconds) or after ``config.time_budget_s``, and the best
     evaluation's weights are restored; the plateau check then asks whether a validation CER
     has come below :data:`STARTED_CER` instead of reading the loss. Without validation the rate
     follows :func:`cosine_lr` over the ceiling (or the deadline, whichever comes first). ``progress`` (a

@@ -146,6 +146,8 @@ def test_a_falling_validation_loss_is_progress_while_the_cer_sits_still():
     for k in range(1, 10):
         cer_only.update(0.30, 2.0 * 0.98 ** k)
     assert cer_only.stale == 9
+    with pytest.raises(ValueError, match="loss_progress=1.5"):
+        TrainConfig(loss_progress=1.5)
     unstarted = PlateauCounter(STARTED_CER, loss_progress=None)  # patience waits for a CER below STARTED_CER
     for _ in range(5):
         unstarted.update(0.95, 3.0)
