@@ -107,9 +107,7 @@ def _trim_log(summary: dict) -> dict:
     rows = stage1.pop("validation", None) or []
     # the validation curve as [step, CER, loss per character] rows: enough to see where a stopping rule acted,
     # a few kB a piece
-    stage1["val_curve"] = [[int(r["step"]), round(float(r["CER"]), 5),
-                            None if r.get("loss") is None else round(float(r["loss"]), 5)]
-                           for r in rows]
+    stage1["val_curve"] = [[int(r["step"]), round(float(r["CER"]), 5), round(float(r["loss"]), 5)] for r in rows]
     return out
 
 

@@ -229,7 +229,7 @@ def write_curve(log: Any, meta_log: Any, path: str | Path) -> Path:
     ax.plot(np.arange(1, len(log.loss) + 1), log.loss, lw=0.6, color="0.6", label="training loss")
     if len(log.loss) >= 25:
         ax.plot(np.arange(25, len(log.loss) + 1), log.smoothed(25), color="C0", label="mean of 25 steps")
-    if log.validation and all("loss" in v for v in log.validation):
+    if log.validation:
         ax.plot([v["step"] for v in log.validation], [v["loss"] for v in log.validation], "s-", ms=3,
                 color="C1", label="validation loss")
     ax.set_xlabel("step")

@@ -280,10 +280,6 @@ class PlateauSchedule:
 STARTED_CER = 0.75
 
 
-def _started(rows: Sequence[dict], below: float = STARTED_CER) -> bool:
-    return any(r["CER"] < below for r in rows)
-
-
 @dataclass
 class PlateauCounter:
     """Evaluations without progress since the last one with it (``stale``). Progress is a validation CER below
@@ -371,9 +367,9 @@ def fit_ctc(
     (:func:`validation_scores`), stops after ``config.patience`` evaluations without progress
     (:class:`PlateauCounter`: a lower CER, or with ``config.loss_progress`` a lower loss; counted from the first
     CER below ``config.patience_from_cer``, :data:`STARTED_CER`) at the learning rate's floor (each earlier
-    plateau reduces the rate: :class:`PlateauSchedule`), or at ``deadline`` (``time.perf_counter()`` seconds) or after ``config.time_budget_s``, and the best
-    evaluation's weights are restored; the plateau check then asks whether a validation CER
-    has come below :data:`STARTED_CER` instead of reading the loss. Without validation the rate
+    plateau reduces the rate: :class:`PlateauSchedule`), or at ``deadline`` (``time.perf_counter()`` seconds)
+    or after ``config.time_budget_s``, and the best evaluation's weights are restored; the plateau check then
+    asks whether a validation CER has come below :data:`STARTED_CER` instead of reading the loss. Without validation the rate
     follows :func:`cosine_lr` over the ceiling (or the deadline, whichever comes first). ``progress`` (a
     :class:`~closedloop.sdk.bci.progress.StageProgress`) is told every step.
     """
@@ -445,7 +441,7 @@ def fit_ctc(
         if progress is not None:
             progress.step(done, float(np.mean(log.loss[-10:])))
         if done == check:
-            stuck = (not _started(log.validation, config.patience_from_cer) if validated
+            stuck = (not plateau.started if validated
                      else on_plateau(log.loss, check, config.plateau_fraction))
             if stuck:
                 log.on_plateau = True
@@ -478,7 +474,7 @@ def fit_ctc(
     if validated:
         log.converged = log.stop_reason == "patience" or plateau.stale >= config.patience
     if log.on_plateau and len(log.loss) == config.steps:  # ran to the end anyway: did it leave the plateau later?
-        log.on_plateau = (not _started(log.validation, config.patience_from_cer) if validated
+        log.on_plateau = (not plateau.started if validated
                           else on_plateau(log.loss, check, config.plateau_fraction, at=config.steps))
     if best_state is not None:
         module.load_state_dict(best_state)

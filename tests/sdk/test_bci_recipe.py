@@ -101,8 +101,8 @@ def test_early_stopping_ends_before_the_ceiling_and_restores_the_best_checkpoint
     cers = [v["CER"] for v in log.validation]
     best = log.best()
     assert best["CER"] == min(cers) and log.best_step == log.validation[cers.index(min(cers))]["step"]
-    # each plateau (`patience` evaluations without a lower CER, counted afresh after each reduction) halved the learning rate, down to its floor (lr_final_fraction 0.05:
-    # 4 halvings), and the plateau after that ended the run
+    # each plateau (`patience` evaluations without a lower CER, counted afresh after each reduction) halved the
+    # learning rate, down to its floor (lr_final_fraction 0.05: 4 halvings), and the plateau after that ended the run
     assert len(log.lr_reductions) == 4 and log.final_lr == pytest.approx(TINY.lr / 16)
     marks = [0, *log.lr_reductions, log.steps_run]
     for a, b in zip(marks, marks[1:], strict=False):
