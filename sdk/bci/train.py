@@ -291,13 +291,16 @@ class PlateauCounter:
     best_cer: float = math.inf
     best_loss: float = math.inf
     stale: int = 0
-    started: bool = False
+
+    @property
+    def started(self) -> bool:
+        """Some validation CER so far is below ``started_cer``."""
+        return self.best_cer < self.started_cer
 
     def update(self, cer: float, loss: float) -> bool:
         """Count one evaluation; True when its CER is the lowest yet (its weights are the ones to keep)."""
         lower_loss = self.loss_progress is not None and loss < (1 - self.loss_progress) * self.best_loss
         self.best_loss = min(self.best_loss, loss)
-        self.started = self.started or cer < self.started_cer
         if cer < self.best_cer:
             self.best_cer, self.stale = cer, 0
             return True
@@ -369,9 +372,9 @@ def fit_ctc(
     CER below ``config.patience_from_cer``, :data:`STARTED_CER`) at the learning rate's floor (each earlier
     plateau reduces the rate: :class:`PlateauSchedule`), or at ``deadline`` (``time.perf_counter()`` seconds)
     or after ``config.time_budget_s``, and the best evaluation's weights are restored; the plateau check then
-    asks whether a validation CER has come below :data:`STARTED_CER` instead of reading the loss. Without validation the rate
-    follows :func:`cosine_lr` over the ceiling (or the deadline, whichever comes first). ``progress`` (a
-    :class:`~closedloop.sdk.bci.progress.StageProgress`) is told every step.
+    asks whether a validation CER has come below ``config.patience_from_cer`` instead of reading the loss.
+    Without validation the rate follows :func:`cosine_lr` over the ceiling (or the deadline, whichever comes
+    first). ``progress`` (a :class:`~closedloop.sdk.bci.progress.StageProgress`) is told every step.
     """
     seed = config.seed if seed is None else seed
     device = resolve_device(config.device)
