@@ -285,13 +285,18 @@ def summarize(records: list[dict]) -> dict:
                 if m in part.get("scores", {}):
                     row[f"{m}_CER{suffix}"] = part["scores"][m]["greedy_CER"]
             if "recipe" in part:
-                row[f"stage1_steps{suffix}"] = part["recipe"]["stage1"]["steps_run"]
-                row[f"stage1_stop{suffix}"] = part["recipe"]["stage1"]["stop_reason"]
+                stage1 = part["recipe"]["stage1"]
+                row[f"stage1_steps{suffix}"] = stage1["steps_run"]
+                row[f"stage1_stop{suffix}"] = stage1["stop_reason"]
                 row[f"learned{suffix}"] = part["recipe"]["learned"]
+                if stage1.get("val_curve"):
+                    row[f"val_curve{suffix}"] = stage1["val_curve"]
         if "two_stage_CER" in row and "two_stage_CER_x4" in row:
             ts, ts4 = row["two_stage_CER"], row["two_stage_CER_x4"]
             ratio = ts / ts4 if ts4 > 0 else (1.0 if ts == 0 else float("inf"))
             row.update(ratio_to_x4=ratio, within_ratio=bool(ratio <= CER_RATIO_TARGET))
+        if "val_curve" in row and "val_curve_x4" in row:
+            row["same_steps"] = same_steps(row["val_curve"], row["val_curve_x4"], row["stage1_steps"])
         if "paired_greedy_CER" in r:
             p = r["paired_greedy_CER"]
             row.update(two_stage_vs_session_layers=p["ratio"], two_stage_vs_session_layers_95=p["ratio_95"],
@@ -306,6 +311,18 @@ def summarize(records: list[dict]) -> dict:
             "n_methods": len(method_rows), "two_stage_better": sum(r["two_stage_better"] for r in method_rows),
             "targets": {"ratio_to_x4_at_most": CER_RATIO_TARGET, "within_ratio_in": "every cell",
                         "two_stage_better_in": "most cells"}}
+
+
+def same_steps(curve: list, curve_x4: list, steps: int) -> dict:
+    """Where the 4x run's lead comes from: the best validation CER of the default-budget run (its whole stage 1,
+    ``steps`` steps) against the 4x run's best among its evaluations up to the same step, and over its whole run.
+    If the 4x run is no better by the same step, its lead is the steps the default budget did not reach; if it is
+    already better there, the schedule (the 4x patience and the later end-of-budget decay) is part of it."""
+    best = min(c for _, c, _ in curve)
+    by_then = [c for s, c, _ in curve_x4 if s <= steps]
+    return {"steps": int(steps), "best_val_CER": best,
+            "best_val_CER_x4_by_then": min(by_then) if by_then else float("nan"),
+            "best_val_CER_x4": min(c for _, c, _ in curve_x4)}
 
 
 def _pct(x: float) -> str:
@@ -350,6 +367,17 @@ def markdown(summary: dict, machine: str) -> str:
               f"- Two-stage below session layers (paired bootstrap 95% interval of the greedy-CER ratio below 1): "
               f"{summary['two_stage_better']} of {summary['n_methods']} cells with both default-budget pieces "
               "(target: most cells)."]
+    paired = [r for r in summary["cells"] if "same_steps" in r]
+    if paired:
+        lines += ["", "Where the 4x run's lead comes from (two-stage, stage 1's validation greedy CER on the "
+                  "held-in sessions' withheld trials): the default budget's best, the 4x run's best by the same "
+                  "step, and the 4x run's best over its whole run.", "",
+                  "| cell | default budget's steps | its best validation CER % | 4x run's best by then % | "
+                  "4x run's best % |", "| --- | --- | --- | --- | --- |"]
+        for r in paired:
+            q = r["same_steps"]
+            lines.append(f"| {r['key']} | {q['steps']} | {_pct(q['best_val_CER'])} | "
+                         f"{_pct(q['best_val_CER_x4_by_then'])} | {_pct(q['best_val_CER_x4'])} |")
     if summary.get("pieces"):
         lines += ["", "Sentence-end marks per piece: held-out prompts ending in `~` / `?` whose greedy text lacks "
                   "the mark, and the greedy CER with those marks restored (nothing else changed).", "",
@@ -370,7 +398,8 @@ def plot(summary: dict, path: Path) -> None:
 
     full = [r for r in summary["cells"] if "ratio_to_x4" in r]  # both two-stage pieces in
     rows = [r for r in summary["cells"] if "two_stage_vs_session_layers" in r]  # both default-budget pieces in
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    curves = [r for r in summary["cells"] if "same_steps" in r]  # both two-stage pieces' validation curves
+    fig, axes = plt.subplots(1, 3 if curves else 2, figsize=(16.5 if curves else 11, 4))
     x4 = np.array([r["two_stage_CER_x4"] for r in full])
     x1 = np.array([r["two_stage_CER"] for r in full])
     ax = axes[0]
@@ -393,6 +422,19 @@ def plot(summary: dict, path: Path) -> None:
     ax.set_xticklabels([cell_name(r["cell"], r["seed"], False).rsplit("_seed", 1)[0].replace("_", "\n")
                         for r in rows], fontsize=5)
     ax.set_ylabel("greedy CER ratio, two-stage / session layers")
+    if curves:
+        ax = axes[2]
+        for i, r in enumerate(curves):
+            label = cell_name(r["cell"], r["seed"], False).rsplit("_seed", 1)[0]
+            for field, style, suffix in (("val_curve", "-", " (default)"), ("val_curve_x4", "--", " (4x)")):
+                steps, cer = zip(*[(s, c) for s, c, _ in r[field]], strict=True)
+                ax.plot(steps, 100 * np.asarray(cer), style, color=f"C{i}", lw=1, label=label + suffix)
+            ax.axvline(r["stage1_steps"], color=f"C{i}", ls=":", lw=0.8)
+        ax.set_yscale("log")
+        ax.set_xlabel("stage-1 step")
+        ax.set_ylabel("validation greedy CER % (held-in, withheld trials)")
+        ax.set_title("two-stage stage 1: default budget (solid, ends at the dotted line) and 4x (dashed)", fontsize=9)
+        ax.legend(fontsize=6)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -106,3 +106,25 @@ def test_the_report_says_how_much_of_a_pieces_cer_is_the_sentence_end_mark(bench
     md = bench.markdown({"cells": [], "n_cells": 0, "n_ok": 0, "n_ratio": 0, "within_ratio": 0, "n_methods": 0,
                          "two_stage_better": 0, "pieces": [row]}, "test machine")
     assert "| a | x1 | two_stage | 0.0 | 1 of 2 | 8.3 |" in md
+
+
+def test_the_report_compares_the_budgets_validation_curves_at_the_same_step(bench, tmp_path):
+    # the default run anneals to 2% by its last step (300); the 4x run is at 5% by then and reaches 1% later:
+    # its lead is the steps the default budget did not reach, which the report shows as 2% against 5%
+    pieces = _pieces("a", 0.04, 0.02, 0.05)
+    pieces[0]["result"]["training"]["stage1"] |= {"steps_run": 300, "val_curve": [[100, 0.5, 1.0], [200, 0.1, 0.4],
+                                                                                   [300, 0.02, 0.1]]}
+    pieces[1]["result"]["training"]["stage1"] |= {"steps_run": 900, "val_curve": [[100, 0.5, 1.0], [200, 0.1, 0.4],
+                                                                                   [300, 0.05, 0.2], [600, 0.01, 0.05],
+                                                                                   [900, 0.03, 0.1]]}
+    s = bench.summarize(bench.assemble(pieces + _pieces("b", 0.1, 0.1, 0.1)))
+    rows = {r["key"]: r for r in s["cells"]}
+    assert rows["a"]["same_steps"] == {"steps": 300, "best_val_CER": 0.02, "best_val_CER_x4_by_then": 0.05,
+                                       "best_val_CER_x4": 0.01}
+    assert "same_steps" not in rows["b"]  # records without curves are not compared
+    md = bench.markdown(s, "test machine")
+    assert "| a | 300 | 2.0 | 5.0 | 1.0 |" in md
+    bench.plot(s, tmp_path / "p.png")
+    import matplotlib.image
+
+    assert matplotlib.image.imread(tmp_path / "p.png").shape[1] > 1500  # the third panel, the curves, is drawn
