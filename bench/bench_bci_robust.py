@@ -289,14 +289,16 @@ def summarize(records: list[dict]) -> dict:
                 row[f"stage1_steps{suffix}"] = stage1["steps_run"]
                 row[f"stage1_stop{suffix}"] = stage1["stop_reason"]
                 row[f"learned{suffix}"] = part["recipe"]["learned"]
+                if stage1.get("best_val_CER") is not None:
+                    row[f"best_val_CER{suffix}"] = stage1["best_val_CER"]
                 if stage1.get("val_curve"):
                     row[f"val_curve{suffix}"] = stage1["val_curve"]
         if "two_stage_CER" in row and "two_stage_CER_x4" in row:
             ts, ts4 = row["two_stage_CER"], row["two_stage_CER_x4"]
             ratio = ts / ts4 if ts4 > 0 else (1.0 if ts == 0 else float("inf"))
             row.update(ratio_to_x4=ratio, within_ratio=bool(ratio <= CER_RATIO_TARGET))
-        if "val_curve" in row and "val_curve_x4" in row:
-            row["same_steps"] = same_steps(row["val_curve"], row["val_curve_x4"], row["stage1_steps"])
+        if "best_val_CER" in row and "val_curve_x4" in row:
+            row["same_steps"] = same_steps(row["best_val_CER"], row["stage1_steps"], row["val_curve_x4"])
         if "paired_greedy_CER" in r:
             p = r["paired_greedy_CER"]
             row.update(two_stage_vs_session_layers=p["ratio"], two_stage_vs_session_layers_95=p["ratio_95"],
@@ -313,12 +315,12 @@ def summarize(records: list[dict]) -> dict:
                         "two_stage_better_in": "most cells"}}
 
 
-def same_steps(curve: list, curve_x4: list, steps: int) -> dict:
-    """Where the 4x run's lead comes from: the best validation CER of the default-budget run (its whole stage 1,
-    ``steps`` steps) against the 4x run's best among its evaluations up to the same step, and over its whole run.
-    If the 4x run is no better by the same step, its lead is the steps the default budget did not reach; if it is
-    already better there, the schedule (the 4x patience and the later end-of-budget decay) is part of it."""
-    best = min(c for _, c, _ in curve)
+def same_steps(best: float, steps: int, curve_x4: list) -> dict:
+    """Where the 4x run's lead comes from: the best validation CER of the default-budget run (``best``, over its
+    ``steps`` stage-1 steps) against the 4x run's best among its evaluations up to the same step, and over its
+    whole run (``curve_x4``: ``[step, CER, loss]`` rows). If the 4x run is no better by the same step, its lead
+    is the steps the default budget did not reach; if it is already better there, the schedule (the 4x patience
+    and the later end-of-budget decay) is part of it."""
     by_then = [c for s, c, _ in curve_x4 if s <= steps]
     return {"steps": int(steps), "best_val_CER": best,
             "best_val_CER_x4_by_then": min(by_then) if by_then else float("nan"),
@@ -398,7 +400,7 @@ def plot(summary: dict, path: Path) -> None:
 
     full = [r for r in summary["cells"] if "ratio_to_x4" in r]  # both two-stage pieces in
     rows = [r for r in summary["cells"] if "two_stage_vs_session_layers" in r]  # both default-budget pieces in
-    curves = [r for r in summary["cells"] if "same_steps" in r]  # both two-stage pieces' validation curves
+    curves = [r for r in summary["cells"] if "val_curve" in r and "val_curve_x4" in r]  # both pieces' curves
     fig, axes = plt.subplots(1, 3 if curves else 2, figsize=(16.5 if curves else 11, 4))
     x4 = np.array([r["two_stage_CER_x4"] for r in full])
     x1 = np.array([r["two_stage_CER"] for r in full])
