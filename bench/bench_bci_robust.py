@@ -316,7 +316,7 @@ def summarize(records: list[dict]) -> dict:
 
 
 def same_steps(best: float, steps: int, curve_x4: list) -> dict:
-    """Where the 4x run's lead comes from: the best validation CER of the default-budget run (``best``, over its
+    """Where a 4x run's lead comes from: the best validation CER of the default-budget run (``best``, over its
     ``steps`` stage-1 steps) against the 4x run's best among its evaluations up to the same step, and over its
     whole run (``curve_x4``: ``[step, CER, loss]`` rows). If the 4x run is no better by the same step, its lead
     is the steps the default budget did not reach; if it is already better there, the schedule (the 4x patience
@@ -371,9 +371,11 @@ def markdown(summary: dict, machine: str) -> str:
               "(target: most cells)."]
     paired = [r for r in summary["cells"] if "same_steps" in r]
     if paired:
-        lines += ["", "Where the 4x run's lead comes from (two-stage, stage 1's validation greedy CER on the "
-                  "held-in sessions' withheld trials): the default budget's best, the 4x run's best by the same "
-                  "step, and the 4x run's best over its whole run.", "",
+        lines += ["", "The two budgets at the same step (two-stage, stage 1's validation greedy CER on the held-in "
+                  "sessions' withheld trials): the default budget's best, the 4x run's best by the same step, and "
+                  "the 4x run's best over its whole run. A 4x run that is better only after that step owes its lead "
+                  "to the steps the default budget did not reach; the held-out CER above can still move otherwise "
+                  "(a closer fit to the held-in days need not carry over to later ones).", "",
                   "| cell | default budget's steps | its best validation CER % | 4x run's best by then % | "
                   "4x run's best % |", "| --- | --- | --- | --- | --- |"]
         for r in paired:
@@ -433,6 +435,12 @@ def plot(summary: dict, path: Path) -> None:
                 ax.plot(steps, 100 * np.asarray(cer), style, color=f"C{i}", lw=1, label=label + suffix)
             ax.axvline(r["stage1_steps"], color=f"C{i}", ls=":", lw=0.8)
         ax.set_yscale("log")
+        from matplotlib.ticker import FixedLocator, NullFormatter, NullLocator, ScalarFormatter
+
+        ax.yaxis.set_major_locator(FixedLocator([0.2, 0.5, 1, 2, 5, 10, 20, 50, 100]))
+        ax.yaxis.set_major_formatter(ScalarFormatter())
+        ax.yaxis.set_minor_locator(NullLocator())
+        ax.yaxis.set_minor_formatter(NullFormatter())
         ax.set_xlabel("stage-1 step")
         ax.set_ylabel("validation greedy CER % (held-in, withheld trials)")
         ax.set_title("two-stage stage 1: default budget (solid, ends at the dotted line) and 4x (dashed)", fontsize=9)
