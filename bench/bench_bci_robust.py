@@ -220,6 +220,11 @@ def assemble(records: list[dict]) -> list[dict]:
             one = {"methods": {m: {"sessions": result["x1"]["scores"][m]["sessions"]} for m in METHODS}}
             result["paired_greedy_CER"] = paired_bootstrap([one], "two_stage", "session_layers", decoder="greedy",
                                                            n_boot=2000, seed=first["seed"], metric="CER")
+        if ("x1", "two_stage") in g["pieces"] and ("x4", "two_stage") in g["pieces"]:  # the budgets, paired
+            both = {"methods": {b: {"sessions": g["pieces"][(b, "two_stage")]["scores"]["sessions"]}
+                                for b in ("x1", "x4")}}
+            result["paired_budgets_CER"] = paired_bootstrap([both], "x1", "x4", decoder="greedy", n_boot=2000,
+                                                            seed=first["seed"], metric="CER")
         missing = [(f"x{b:g}", m) for b in BUDGETS for m in METHODS if (f"x{b:g}", m) not in g["pieces"]]
         if missing:
             out.append({"key": key, "status": "pending", "missing": [f"{b} {m}" for b, m in missing],
@@ -297,6 +302,8 @@ def summarize(records: list[dict]) -> dict:
             ts, ts4 = row["two_stage_CER"], row["two_stage_CER_x4"]
             ratio = ts / ts4 if ts4 > 0 else (1.0 if ts == 0 else float("inf"))
             row.update(ratio_to_x4=ratio, within_ratio=bool(ratio <= CER_RATIO_TARGET))
+            if "paired_budgets_CER" in r:  # the ratio's paired bootstrap interval (held-out trials resampled)
+                row["ratio_to_x4_95"] = r["paired_budgets_CER"]["ratio_95"]
         if "best_val_CER" in row and "val_curve_x4" in row:
             row["same_steps"] = same_steps(row["best_val_CER"], row["stage1_steps"], row["val_curve_x4"])
         if "paired_greedy_CER" in r:
@@ -334,7 +341,7 @@ def _pct(x: float) -> str:
 def markdown(summary: dict, machine: str) -> str:
     lines = [f"# Robustness of the bci-train recipe ({summary['n_ok']} of {summary['n_cells']} cells complete)", "",
              f"Measured by `python bench/bench_bci_robust.py` on {machine}.", "",
-             "| signal | drift | held-in | trials | jumps | seed | two-stage CER % (x1) | (x4) | ratio | "
+             "| signal | drift | held-in | trials | jumps | seed | two-stage CER % (x1) | (x4) | ratio x1 / x4 [95%] | "
              "session layers % (x1) | (x4) | two-stage / session layers [95%] | stage-1 steps x1 / x4 (stop) | "
              "learned | pieces missing |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
@@ -347,7 +354,12 @@ def markdown(summary: dict, machine: str) -> str:
             lines.append(f"| {r['key']} | failed: {r['failed'][:80]} |" + " |" * 13)
             continue
         c = r["cell"]
-        ratio = (f"{r['ratio_to_x4']:.2f}{'' if r['within_ratio'] else ' (over)'}" if "ratio_to_x4" in r else "-")
+        ratio = "-"
+        if "ratio_to_x4" in r:
+            ratio = f"{r['ratio_to_x4']:.2f}"
+            if "ratio_to_x4_95" in r:
+                ratio += " [{:.2f}, {:.2f}]".format(*r["ratio_to_x4_95"])
+            ratio += "" if r["within_ratio"] else " (over)"
         methods = "-"
         if "two_stage_vs_session_layers" in r:
             lo, hi = r["two_stage_vs_session_layers_95"]

@@ -78,6 +78,7 @@ def test_the_report_joins_the_pieces_and_counts_the_cells_that_meet_each_target(
     assert (s["within_ratio"], s["n_ratio"], s["two_stage_better"], s["n_methods"]) == (3, 4, 1, 4)
     rows = {r["key"]: r for r in s["cells"]}
     assert rows["b"]["ratio_to_x4"] == pytest.approx(3.0) and not rows["b"]["within_ratio"]
+    assert rows["b"]["ratio_to_x4_95"] == [1.0, 1.0]  # the interval is the held-out texts', paired by trial
     assert rows["d"]["pending"] == ["x4 session_layers"]
     assert rows["d"]["two_stage_CER"] == 0.1 and rows["d"]["ratio_to_x4"] == 1.0
     assert "two_stage_vs_session_layers_95" in rows["d"]
@@ -85,7 +86,8 @@ def test_the_report_joins_the_pieces_and_counts_the_cells_that_meet_each_target(
     md = bench.markdown(s, "test machine")
     assert "3 of 4 cells with both two-stage pieces (target: every cell)" in md
     assert "1 of 4 cells with both default-budget pieces (target: most cells)" in md
-    assert "3.00 (over)" in md and "failed: MemoryError" in md and "| x4 session_layers |" in md
+    assert "3.00 [1.00, 1.00] (over)" in md  # b's texts: the same 6 errors in both budgets' pieces
+    assert "failed: MemoryError" in md and "| x4 session_layers |" in md
     assert "| 20.0 | - | - | - | - | - |" in md  # f: its one piece, the rest not run yet
     bench.plot(s, tmp_path / "p.png")
     assert (tmp_path / "p.png").stat().st_size > 1000
