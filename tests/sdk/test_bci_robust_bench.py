@@ -114,16 +114,15 @@ def test_the_report_compares_the_budgets_validation_curves_at_the_same_step(benc
     # the default run anneals to 2% by its last step (300); the 4x run is at 5% by then and reaches 1% later:
     # its lead is the steps the default budget did not reach, which the report shows as 2% against 5%
     pieces = _pieces("a", 0.04, 0.02, 0.05)
-    pieces[0]["result"]["training"]["stage1"] |= {"steps_run": 300, "best_val_CER": 0.02, "val_curve": [[100, 0.5, 1.0], [200, 0.1, 0.4],
-                                                                                   [300, 0.02, 0.1]]}
-    pieces[1]["result"]["training"]["stage1"] |= {"steps_run": 900, "best_val_CER": 0.01, "val_curve": [[100, 0.5, 1.0], [200, 0.1, 0.4],
-                                                                                   [300, 0.05, 0.2], [600, 0.01, 0.05],
-                                                                                   [900, 0.03, 0.1]]}
+    curve = [[100, 0.5, 1.0], [200, 0.1, 0.4], [300, 0.02, 0.1]]  # [step, validation CER, loss] rows
+    curve_x4 = [[100, 0.5, 1.0], [200, 0.1, 0.4], [300, 0.05, 0.2], [600, 0.01, 0.05], [900, 0.03, 0.1]]
+    pieces[0]["result"]["training"]["stage1"] |= {"steps_run": 300, "best_val_CER": 0.02, "val_curve": curve}
+    pieces[1]["result"]["training"]["stage1"] |= {"steps_run": 900, "best_val_CER": 0.01, "val_curve": curve_x4}
     s = bench.summarize(bench.assemble(pieces + _pieces("b", 0.1, 0.1, 0.1)))
     rows = {r["key"]: r for r in s["cells"]}
     assert rows["a"]["same_steps"] == {"steps": 300, "best_val_CER": 0.02, "best_val_CER_x4_by_then": 0.05,
                                        "best_val_CER_x4": 0.01}
-    assert "same_steps" not in rows["b"]  # records without curves are not compared
+    assert "same_steps" not in rows["b"]  # a cell without the 4x run's curve is not compared
     # a default-budget record with its best but no curve is compared too; only the 4x curve is needed
     del pieces[0]["result"]["training"]["stage1"]["val_curve"]
     (row,) = bench.summarize(bench.assemble(pieces))["cells"]
