@@ -183,13 +183,21 @@ def run_cell(config: dict, seed: int) -> dict:
                                  recipe_settings=config.get("recipe"))
 
 
+def _paired(pieces: dict, a: tuple[str, str], b: tuple[str, str], seed: int) -> dict:
+    """Greedy CER of piece ``a`` over piece ``b`` (keys of ``pieces``: ``(budget, method)``), the held-out trials
+    resampled in pairs (:func:`closedloop.sdk.bci.report.paired_bootstrap`)."""
+    from closedloop.sdk.bci.report import paired_bootstrap
+
+    both = {"methods": {" ".join(k): {"sessions": pieces[k]["scores"]["sessions"]} for k in (a, b)}}
+    return paired_bootstrap([both], " ".join(a), " ".join(b), decoder="greedy", n_boot=2000, seed=seed, metric="CER")
+
+
 def assemble(records: list[dict]) -> list[dict]:
     """The pieces joined into cells: per (cell, seed) and budget, the scores of the methods whose pieces are in,
     the two-stage recipe's summary and the session layers' training, and, once both default-budget pieces are
     in, the paired bootstrap (greedy CER, two-stage against session layers). A cell with a piece missing is
-    ``pending`` (with what it has); one with a failed piece is ``failed``."""
-    from closedloop.sdk.bci.report import paired_bootstrap
-
+    ``pending`` (with what it has); one with a failed piece is ``failed``. Once both two-stage pieces are in,
+    the same bootstrap pairs the default budget against the 4x run."""
     groups: dict[str, dict] = {}
     for rec in records:
         base = rec["key"].rsplit("_x", 1)[0]
@@ -216,15 +224,11 @@ def assemble(records: list[dict]) -> list[dict]:
                 result[f"x{b:g}"]["recipe"] = pieces["two_stage"]["training"]
             if "session_layers" in pieces:
                 result[f"x{b:g}"]["session_layers_training"] = pieces["session_layers"]["training"]
-        if len(result.get("x1", {}).get("scores", {})) == len(METHODS):  # the methods compare at the default budget
-            one = {"methods": {m: {"sessions": result["x1"]["scores"][m]["sessions"]} for m in METHODS}}
-            result["paired_greedy_CER"] = paired_bootstrap([one], "two_stage", "session_layers", decoder="greedy",
-                                                           n_boot=2000, seed=first["seed"], metric="CER")
+
+        if all(("x1", m) in g["pieces"] for m in METHODS):  # the methods compare at the default budget
+            result["paired_greedy_CER"] = _paired(g["pieces"], ("x1", "two_stage"), ("x1", "session_layers"), first["seed"])
         if ("x1", "two_stage") in g["pieces"] and ("x4", "two_stage") in g["pieces"]:  # the budgets, paired
-            both = {"methods": {b: {"sessions": g["pieces"][(b, "two_stage")]["scores"]["sessions"]}
-                                for b in ("x1", "x4")}}
-            result["paired_budgets_CER"] = paired_bootstrap([both], "x1", "x4", decoder="greedy", n_boot=2000,
-                                                            seed=first["seed"], metric="CER")
+            result["paired_budgets_CER"] = _paired(g["pieces"], ("x1", "two_stage"), ("x4", "two_stage"), first["seed"])
         missing = [(f"x{b:g}", m) for b in BUDGETS for m in METHODS if (f"x{b:g}", m) not in g["pieces"]]
         if missing:
             out.append({"key": key, "status": "pending", "missing": [f"{b} {m}" for b, m in missing],
@@ -411,6 +415,7 @@ def plot(summary: dict, path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FixedLocator, NullFormatter, NullLocator, ScalarFormatter
 
     full = [r for r in summary["cells"] if "ratio_to_x4" in r]  # both two-stage pieces in
     rows = [r for r in summary["cells"] if "two_stage_vs_session_layers" in r]  # both default-budget pieces in
@@ -447,8 +452,6 @@ def plot(summary: dict, path: Path) -> None:
                 ax.plot(steps, 100 * np.asarray(cer), style, color=f"C{i}", lw=1, label=label + suffix)
             ax.axvline(r["stage1_steps"], color=f"C{i}", ls=":", lw=0.8)
         ax.set_yscale("log")
-        from matplotlib.ticker import FixedLocator, NullFormatter, NullLocator, ScalarFormatter
-
         ax.yaxis.set_major_locator(FixedLocator([0.2, 0.5, 1, 2, 5, 10, 20, 50, 100]))
         ax.yaxis.set_major_formatter(ScalarFormatter())
         ax.yaxis.set_minor_locator(NullLocator())
