@@ -384,14 +384,18 @@ def _recording(a: argparse.Namespace) -> int:
 
 def _monitor_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("recording", help="a session recording (.clrec) to show in the monitor's page")
-    p.add_argument("--port", type=int, default=8765, help="port on 127.0.0.1 (0 picks a free one; default 8765)")
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1, this machine only)")
+    p.add_argument("--port", type=int, default=8765, help="port to listen on (0 picks a free one; default 8765)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to bind (default 127.0.0.1, this machine only; another needs --public)")
+    p.add_argument("--public", action="store_true",
+                   help="allow a --host other machines reach (a token is then required and printed in the URL)")
 
 
 @command("monitor", "show a recording in the browser monitor's page, with a time slider ([monitor] extra)",
          _monitor_args)
 def _monitor(a: argparse.Namespace) -> int:
     import asyncio
+    import secrets
 
     from closedloop.runtime.monitor.server import is_loopback
 
@@ -402,10 +406,18 @@ def _monitor(a: argparse.Namespace) -> int:
         return 2
     from closedloop.runtime.monitor.recording_server import serve_recording
 
+    token = None
     if not is_loopback(a.host):
-        print(f"warning: serving {a.recording} on {a.host}, reachable from other machines", file=sys.stderr)
+        if not a.public:
+            print(f"closedloop monitor: error: --host {a.host} is reachable from other machines, and the page shows "
+                  "the recording's neural data; bind 127.0.0.1 (the default), or pass --public to serve it there "
+                  "with a token", file=sys.stderr)
+            return 2
+        token = secrets.token_urlsafe(16)
+        print(f"warning: serving {a.recording} on {a.host}, reachable from other machines; the page asks for the "
+              "token in the URL below", file=sys.stderr)
     try:
-        asyncio.run(serve_recording(a.recording, a.host, a.port,
+        asyncio.run(serve_recording(a.recording, a.host, a.port, token=token,
                                     ready=lambda url: print(f"monitor: {url} (Ctrl-C stops)", flush=True)))
     except KeyboardInterrupt:
         return 0

@@ -9,6 +9,7 @@ text and the events, each with host seconds. The page's slider picks the moment 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import math
 from pathlib import Path
@@ -63,8 +64,13 @@ def recording_info(v: RecordingView) -> dict[str, Any]:
             "described": v.described, "has_steps": bool(v.steps["step"].size)}
 
 
-async def serve_recording(path: str | Path, host: str, port: int, ready: Any = print) -> None:
-    """Serve the page for one recording until cancelled; ``ready(url)`` once listening."""
+async def serve_recording(path: str | Path, host: str, port: int, ready: Any = print,
+                          token: str | None = None) -> None:
+    """Serve the page for one recording until cancelled; ``ready(url)`` once listening.
+
+    With ``token`` the page and its WebSocket answer only a request carrying ``?token=...``
+    (the URL given to ``ready`` carries it), as the live monitor does on a public address.
+    """
     from aiohttp import WSMsgType, web
 
     from .server import _asset
@@ -73,7 +79,12 @@ async def serve_recording(path: str | Path, host: str, port: int, ready: Any = p
     info = recording_info(view)
     payload = json.dumps(recording_message(view), default=str)
 
+    def authorised(request: Any) -> bool:
+        return token is None or hmac.compare_digest(request.query.get("token", "").encode(), token.encode())
+
     async def index(request: Any) -> Any:
+        if not authorised(request):
+            return web.Response(status=403, text="this page needs ?token=... (printed by closedloop monitor)\n")
         return web.Response(text=_asset("index.html"), content_type="text/html")
 
     async def asset(request: Any) -> Any:
@@ -85,6 +96,8 @@ async def serve_recording(path: str | Path, host: str, port: int, ready: Any = p
         return web.Response(text=_asset(name), content_type=types[ext])
 
     async def websocket(request: Any) -> Any:
+        if not authorised(request):
+            return web.Response(status=403, text="token required\n")
         ws = web.WebSocketResponse(max_msg_size=4096)
         await ws.prepare(request)
         await ws.send_str(json.dumps({"type": "hello", "info": info, "events": []}, default=str))
@@ -108,7 +121,8 @@ async def serve_recording(path: str | Path, host: str, port: int, ready: Any = p
         raise OSError(f"cannot listen on {host}:{port}: {exc.strerror or exc}; choose another with --port "
                       "(0 picks a free one)") from None
     bound = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    ready(f"http://{host}:{bound}/")
+    shown = f"[{host}]" if ":" in host else host
+    ready(f"http://{shown}:{bound}/" + (f"?token={token}" if token else ""))
     try:
         while True:
             await asyncio.sleep(3600)

@@ -78,3 +78,40 @@ def test_monitor_shows_a_recording_with_a_time_slider(plant_recording, page, scr
     finally:
         p.terminate()
         p.communicate(timeout=10)
+
+
+def _serve(rec, *args):
+    return subprocess.Popen([sys.executable, "-m", "closedloop.sdk.cli", "monitor", str(rec), "--port", "0", *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_a_recording_is_served_beyond_this_machine_only_with_public_and_its_token(plant_recording):
+    pytest.importorskip("aiohttp", reason="the monitor needs the [monitor] extra (aiohttp)")
+    import urllib.error
+    import urllib.request
+
+    rec, _ = plant_recording
+    refused = _serve(rec, "--host", "0.0.0.0")
+    out, err = refused.communicate(timeout=60)
+    assert refused.returncode == 2 and out == ""
+    assert "reachable from other machines" in err and "--public" in err
+
+    p = _serve(rec, "--host", "0.0.0.0", "--public")
+    try:
+        line = p.stdout.readline()
+        assert line.startswith("monitor: http://0.0.0.0:") and "?token=" in line, line + p.stderr.read()
+        url = line.split()[1]
+        port, token = url.split(":")[2].split("/")[0], url.split("?token=")[1]
+        base = f"http://127.0.0.1:{port}/"
+        with pytest.raises(urllib.error.HTTPError) as no_token:
+            urllib.request.urlopen(base, timeout=10)
+        assert no_token.value.code == 403
+        with pytest.raises(urllib.error.HTTPError) as wrong:
+            urllib.request.urlopen(base + "ws?token=wrong", timeout=10)
+        assert wrong.value.code == 403
+        page = urllib.request.urlopen(base + "?token=" + token, timeout=10)
+        assert page.status == 200 and b"<html" in page.read().lower()
+    finally:
+        p.terminate()
+        _, err = p.communicate(timeout=10)
+    assert "warning: serving" in err
