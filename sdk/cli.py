@@ -90,7 +90,10 @@ def _run_args(p: argparse.ArgumentParser) -> None:
                         "with --backend auto a variant recorded as auto_choice when within tolerance and faster)")
     p.add_argument("--duration", type=float, default=None, help="seconds to run (default: until Ctrl-C; 5 s without a device)")
     p.add_argument("--rate", type=float, default=None, help="loop rate in Hz (default: the bundle's)")
-    p.add_argument("--overrun", choices=["skip", "hold", "stop"], default="hold")
+    p.add_argument("--overrun", choices=["skip", "hold", "stop"], default="hold",
+                   help="a step that ends past the next deadline: hold (default) resumes at the next deadline ahead "
+                        "and re-sends the last command once per skipped period; skip resumes without re-sending; "
+                        "stop ends the session (exit 1). docs/runtime.md, 'The loop'")
     p.add_argument("--record", default=None, help="write a crash-safe recording of the session here")
     p.add_argument("--watchdog", type=float, default=0.25, help="seconds without input before the safe command")
     p.add_argument("--key", default=None, help="hex shared secret for a signed link")
