@@ -54,11 +54,16 @@ def test_recording_plot_writes_a_png(plant_recording, tmp_path):
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 20_000
 
 
+def _serve(rec, *args):
+    """``closedloop monitor REC --port 0 ARGS...`` in a child process; its first stdout line is the URL."""
+    return subprocess.Popen([sys.executable, "-m", "closedloop.sdk.cli", "monitor", str(rec), "--port", "0", *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
 def test_monitor_shows_a_recording_with_a_time_slider(plant_recording, page, screenshot_dir):
     pytest.importorskip("aiohttp", reason="the monitor needs the [monitor] extra (aiohttp)")
     rec, s = plant_recording
-    p = subprocess.Popen([sys.executable, "-m", "closedloop.sdk.cli", "monitor", str(rec), "--port", "0"],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p = _serve(rec)
     try:
         line = p.stdout.readline()
         assert line.startswith("monitor: http://127.0.0.1:"), line + p.stderr.read()
@@ -78,11 +83,6 @@ def test_monitor_shows_a_recording_with_a_time_slider(plant_recording, page, scr
     finally:
         p.terminate()
         p.communicate(timeout=10)
-
-
-def _serve(rec, *args):
-    return subprocess.Popen([sys.executable, "-m", "closedloop.sdk.cli", "monitor", str(rec), "--port", "0", *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def test_a_recording_is_served_beyond_this_machine_only_with_public_and_its_token(plant_recording):
