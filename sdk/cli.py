@@ -413,7 +413,7 @@ def _monitor(a: argparse.Namespace) -> int:
     if not is_loopback(a.host):
         if not a.public:
             print(f"closedloop monitor: error: --host {a.host} is reachable from other machines, and the page shows "
-                  "the recording's neural data; bind 127.0.0.1 (the default), or pass --public to serve it there "
+                  "the recording's data; bind 127.0.0.1 (the default), or pass --public to serve it there "
                   "with a token", file=sys.stderr)
             return 2
         token = secrets.token_urlsafe(16)
