@@ -9,7 +9,6 @@ text and the events, each with host seconds. The page's slider picks the moment 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import math
 from pathlib import Path
@@ -73,17 +72,14 @@ async def serve_recording(path: str | Path, host: str, port: int, ready: Any = p
     """
     from aiohttp import WSMsgType, web
 
-    from .server import _asset
+    from .server import _asset, authorised
 
     view = view_recording(path)
     info = recording_info(view)
     payload = json.dumps(recording_message(view), default=str)
 
-    def authorised(request: Any) -> bool:
-        return token is None or hmac.compare_digest(request.query.get("token", "").encode(), token.encode())
-
     async def index(request: Any) -> Any:
-        if not authorised(request):
+        if not authorised(request, token):
             return web.Response(status=403, text="this page needs ?token=... (printed by closedloop monitor)\n")
         return web.Response(text=_asset("index.html"), content_type="text/html")
 
@@ -96,7 +92,7 @@ async def serve_recording(path: str | Path, host: str, port: int, ready: Any = p
         return web.Response(text=_asset(name), content_type=types[ext])
 
     async def websocket(request: Any) -> Any:
-        if not authorised(request):
+        if not authorised(request, token):
             return web.Response(status=403, text="token required\n")
         ws = web.WebSocketResponse(max_msg_size=4096)
         await ws.prepare(request)

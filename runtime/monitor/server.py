@@ -45,6 +45,13 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def authorised(request: Any, token: str | None) -> bool:
+    """Whether a request may see the page: no token set, or its ``?token=`` equals it (constant-time compare)."""
+    if token is None:
+        return True
+    return hmac.compare_digest(request.query.get("token", "").encode(), token.encode())
+
+
 def steps_message(batch: StepBatch, period_s: float, t0_ns: int) -> dict[str, Any]:
     """A ``steps`` message from a batch, decimated to ``MAX_ROWS_PER_PUSH`` rows (missed deadlines always kept)."""
     n = len(batch)
@@ -109,10 +116,7 @@ class MonitorApp:
         self.pushes = 0
 
     def _authorised(self, request: Any) -> bool:
-        if self.token is None:
-            return True
-        given = request.query.get("token", "")
-        return hmac.compare_digest(given.encode(), self.token.encode())
+        return authorised(request, self.token)
 
     async def index(self, request: Any) -> Any:
         from aiohttp import web
