@@ -526,9 +526,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--min-steps", type=int, default=None,
                    help="a Recipe.min_steps other than the default (the scaled ceiling's floor), to try a rule "
                         "change; with --out elsewhere, so its pieces stay apart from the default recipe's")
+    p.add_argument("--min-patience-steps", type=int, default=None,
+                   help="a Recipe.min_patience_steps other than the default (the patience's floor in steps), to try a "
+                        "rule change; with --out elsewhere")
     a = p.parse_args(argv)
-    if a.min_steps is not None and Path(a.out) == Path(RESULTS):
-        p.error("--min-steps changes the recipe: give it its own --out folder")
+    settings = {k: v for k, v in (("min_steps", a.min_steps), ("min_patience_steps", a.min_patience_steps))
+                if v is not None}
+    if settings and Path(a.out) == Path(RESULTS):
+        p.error(f"--{next(iter(settings)).replace('_', '-')} changes the recipe: give it its own --out folder")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = "bci_robust_tiny" if a.tiny else "bci_robust"
@@ -544,7 +549,6 @@ def main(argv: list[str] | None = None) -> int:
         budgets = [b for b in BUDGETS if a.budget is None or b == a.budget]
         methods = [m for m in METHODS if a.method is None or m == a.method]
         commit = _commit()
-        settings = {} if a.min_steps is None else {"min_steps": a.min_steps}
         cells = [Cell({**c, "tiny": a.tiny, "data_seed": a.data_seed, "budget": b, "method": m, "commit": commit,
                        "recipe": settings}, seed,
                       name=f"{cell_name(c, seed, a.tiny)}_x{b:g}_{m}")

@@ -64,6 +64,10 @@ class Recipe(JsonConfig):
     budget: float = 1.0
     # the scaled step ceiling's floor (scaled_train_config): the ceiling is 400 epochs, at least this many steps
     min_steps: int = MIN_STEPS
+    # the patience's floor in steps: at least this many steps without progress before the rate halves, however
+    # close together the evaluations (an eightieth of a small recording's ceiling is a few dozen steps). Not
+    # multiplied by ``budget``, which multiplies the patience counted in evaluations. 0: no floor
+    min_patience_steps: int = 0
 
     def __post_init__(self) -> None:
         if not 0.0 < self.validation_fraction < 1.0:
@@ -76,6 +80,8 @@ class Recipe(JsonConfig):
         if not 0.0 <= self.stage2_share < 1.0:
             raise ValueError(f"stage2_share {self.stage2_share}: the fraction of the time budget kept for stage 2, "
                              "from 0 up to (not including) 1")
+        if self.min_patience_steps < 0:
+            raise ValueError(f"min_patience_steps {self.min_patience_steps}: a number of steps, 0 for no floor")
         if not 1 <= self.min_steps <= MAX_STEPS:
             raise ValueError(f"min_steps {self.min_steps}: the scaled ceiling's floor, from 1 to {MAX_STEPS} steps")
         if not self.budget > 0:
@@ -364,6 +370,7 @@ def plan_recipe(sessions: Sequence[Any], harness: Any, recipe: Recipe, keep: fro
     every = recipe.eval_every or max(10, tc.steps // 80)
     if recipe.budget != 1 and not recipe.eval_every:  # the same evaluation spacing as the default budget's
         every = max(10, round(tc.steps / recipe.budget) // 80)
+    patience = max(patience, math.ceil(recipe.min_patience_steps / every))
     tc = dataclasses.replace(tc, eval_every=every, patience=patience, progress=False)
     harness = dataclasses.replace(harness, train=tc)
     val_ex = validation_examples(train_sessions, val, tc.std_floor)
