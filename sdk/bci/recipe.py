@@ -6,7 +6,8 @@
   normalisation.
 * **Stopping** (:func:`closedloop.sdk.bci.train.fit_ctc`): stage 1 is scored on the
   validation trials (greedy CER) every ``eval_every`` steps; after ``patience`` evaluations
-  without a lower CER (counted once validation emits a character) its learning rate
+  (and at least ``min_patience_steps`` steps) without a lower CER (counted once validation
+  emits a character) its learning rate
   halves, and at such a plateau at the rate's floor it stops; when 80% of the step
   ceiling or of the time budget is used a final decay to the floor ends it there. It keeps
   the best evaluation's weights (:class:`closedloop.sdk.bci.train.PlateauSchedule`).

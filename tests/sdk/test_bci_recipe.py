@@ -296,6 +296,11 @@ def test_bci_train_budget_multiplies_the_ceiling_and_the_patience(data, tmp_path
     summary = json.loads(capsys.readouterr().out)
     assert summary["budget"] == 2 and summary["stage1"]["ceiling"] == 4 and summary["stage1"]["patience"] == 12
     assert summary["time_budget_s"] == 3600
+    # the patience's floor in steps (evaluations every 10 steps here): 200 steps are 20 evaluations, not doubled
+    assert main(["bci-train", str(data), "--config", str(cfg), "--device", "cpu", "--out", str(tmp_path / "b"),
+                 "--json", "--allow-unlearned", "--budget", "2", "--min-patience-steps", "200"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert (summary["stage1"]["eval_every"], summary["stage1"]["patience"]) == (10, 20)
 
 
 @pytest.fixture(scope="module")
@@ -352,6 +357,25 @@ def test_a_larger_budget_multiplies_the_ceiling_the_time_budget_and_the_patience
     assert four.models.logs["backbone"].steps_run == 20 and one.models.logs["backbone"].steps_run == 5
     with pytest.raises(ValueError, match="budget 0"):
         Recipe(budget=0)
+
+
+def test_the_patience_has_a_floor_in_steps_that_the_budget_does_not_multiply(sessions):
+    from closedloop.sdk.bci.recipe import plan_recipe
+
+    harness = HarnessConfig(train=replace(TINY, steps=400), calibration=CALIB, progress=False)
+
+    def patience(**settings) -> int:
+        plan = plan_recipe(sessions, harness, Recipe(scale=False, patience=2, eval_every=10, **settings))
+        assert plan.harness.train.patience == plan.patience  # what stage 1 (and a baseline) counts
+        return plan.patience
+
+    assert patience() == 2  # no floor: 2 evaluations, 20 steps
+    assert patience(min_patience_steps=55) == 6  # evaluations 10 steps apart: 6 cover the 55-step floor
+    assert patience(min_patience_steps=15) == 2  # a floor below the patience changes nothing
+    assert patience(min_patience_steps=55, budget=4) == 8  # 4x the evaluations; the floor is not multiplied
+    assert patience(min_patience_steps=200, budget=4) == 20
+    with pytest.raises(ValueError, match="min_patience_steps -1"):
+        Recipe(min_patience_steps=-1)
 
 
 def test_both_stages_report_progress_and_the_baseline_plan_matches_the_recipes(sessions):
