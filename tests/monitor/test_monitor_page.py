@@ -86,6 +86,8 @@ def test_the_page_shows_counters_rising_text_growing_and_safe_with_its_watchdog_
     mon, sess, ring = monitored
     page.goto(mon.url)
     page.wait_for_function("() => monitorState.step > 20", timeout=20_000)
+    # the status line is redrawn every 100 ms: on a loaded machine the first steps can arrive before that redraw
+    page.wait_for_function("() => document.getElementById('state').textContent === 'running'", timeout=5_000)
     first = _state(page)
     assert first["state"] == "running"
     assert page.text_content("#family") == "bci" and page.text_content("#bundle") == "tiny-decoder"
