@@ -115,13 +115,10 @@ class MonitorApp:
         self.history: list[str] = []  # the last few steps messages, for late joiners
         self.pushes = 0
 
-    def _authorised(self, request: Any) -> bool:
-        return authorised(request, self.token)
-
     async def index(self, request: Any) -> Any:
         from aiohttp import web
 
-        if not self._authorised(request):
+        if not authorised(request, self.token):
             return web.Response(status=403, text="this monitor needs ?token=... (printed by closedloop run)\n")
         return web.Response(text=_asset("index.html"), content_type="text/html")
 
@@ -141,7 +138,7 @@ class MonitorApp:
     async def state(self, request: Any) -> Any:
         from aiohttp import web
 
-        if not self._authorised(request):
+        if not authorised(request, self.token):
             return web.json_response({"error": "token required"}, status=403)
         status = next((e for e in reversed(self.events) if e.get("event") == "status"), None)
         return web.json_response({"info": self.info, "published": self.ring.published, "pushes": self.pushes,
@@ -151,7 +148,7 @@ class MonitorApp:
     async def websocket(self, request: Any) -> Any:
         from aiohttp import WSMsgType, web
 
-        if not self._authorised(request):
+        if not authorised(request, self.token):
             return web.Response(status=403, text="token required\n")
         ws = web.WebSocketResponse(heartbeat=10.0, max_msg_size=4096)
         await ws.prepare(request)

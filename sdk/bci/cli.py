@@ -61,9 +61,9 @@ def _train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--patience", type=int, default=6,
                    help="validation evaluations without a lower CER before stage 1 halves its learning rate, or "
                         "stops once the rate is at its floor (default 6)")
-    p.add_argument("--min-patience-steps", type=int, default=None,
-                   help="the patience's floor in steps, however close together the evaluations are (default: "
-                        "Recipe.min_patience_steps, docs/bci.md)")
+    p.add_argument("--min-patience-steps", type=int, default=0,
+                   help="the patience's floor in steps, however close together the evaluations are (default 0: "
+                        "none; 500 for a recording with few trials per session, docs/bci.md)")
     p.add_argument("--eval-every", type=int, default=0,
                    help="steps between validation evaluations (default: an eightieth of the ceiling, at least 10)")
     p.add_argument("--validation-fraction", type=float, default=0.1,
@@ -103,8 +103,7 @@ def _train(a: argparse.Namespace) -> int:
         raise ValueError(f"--steps {a.steps}: the step ceiling must be at least 1")
     recipe = Recipe(validation_fraction=a.validation_fraction, eval_every=a.eval_every, patience=a.patience,
                     time_budget_s=a.time_budget, unlearned_cer=a.unlearned_cer, scale=not a.tiny, seed=a.seed,
-                    budget=a.budget, **({} if a.min_patience_steps is None else
-                                        {"min_patience_steps": a.min_patience_steps}))
+                    budget=a.budget, min_patience_steps=a.min_patience_steps)
     retain_freed_memory()  # this process only trains: keep freed tensors' memory for the next step (sdk.bci.malloc)
     harness = train_harness(a.config, tiny=a.tiny, seed=a.seed, device=a.device)
     if a.steps is not None:
