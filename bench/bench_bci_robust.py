@@ -6,6 +6,7 @@
     python bench/bench_bci_robust.py --report      # the tables and the plot from the cells stored so far
     python bench/bench_bci_robust.py --address HOST:PORT   # the cells on a Ray cluster (docs/grid.md)
     python bench/bench_bci_robust.py --cell 0 --budget 1   # only some pieces: the default cell at the default budget
+    python bench/bench_bci_robust.py --compare FOLDER_A FOLDER_B:x4   # pieces of two folders paired, greedy CER a / b
 
 The axes (each a multiple of, or a change to, the generator's calibrated default,
 ``closedloop.sim.handwriting.HandwritingConfig``):
@@ -465,6 +466,64 @@ def plot(summary: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def _side(spec: str) -> tuple[Path, float | None]:
+    """``FOLDER`` or ``FOLDER:xB`` (a budget, 1 or 4) -> the folder's cells file and the budget, if one."""
+    folder, _, budget = spec.rpartition(":x") if ":x" in spec else (spec, "", "")
+    b = float(budget) if budget else None
+    if b is not None and b not in BUDGETS:
+        raise SystemExit(f"bench_bci_robust.py: error: --compare {spec}: budget x{budget} is not one of "
+                         f"{', '.join(f'x{x:g}' for x in BUDGETS)}")
+    path = Path(folder) / "bci_robust_cells.jsonl"
+    if not path.exists():
+        raise SystemExit(f"bench_bci_robust.py: error: --compare {spec}: no {path}; give a results folder "
+                         "that holds pieces (a --out of an earlier run)")
+    return path, b
+
+
+def compare(spec_a: str, spec_b: str) -> list[dict]:
+    """Pieces of two results folders paired by cell, seed and method (and budget, unless a side names one with
+    ``FOLDER:xB``; a side without one then takes the other's): greedy CER of each and the ratio a / b with the paired bootstrap over the held-out trials
+    (:func:`_paired`, the report's own). For a recipe change measured in its own ``--out`` folder against the
+    grid's pieces, or a piece against another seed's folder."""
+    from closedloop.sdk.grid import read_results
+
+    (path_a, budget_a), (path_b, budget_b) = _side(spec_a), _side(spec_b)
+    if (budget_a is None) != (budget_b is None):  # a side without a budget takes the other side's
+        budget_a, budget_b = budget_a or budget_b, budget_b or budget_a
+    sides = []
+    for path, budget in ((path_a, budget_a), (path_b, budget_b)):
+        pieces = {}
+        for key, rec in read_results(path).items():
+            if rec.get("status") != "ok" or (budget is not None and rec["result"]["budget"] != budget):
+                continue
+            r = rec["result"]
+            pieces[(key.rsplit("_x", 1)[0], r["method"], None if budget is not None else r["budget"])] = rec
+        sides.append(pieces)
+    rows = []
+    for k in sorted(sides[0].keys() & sides[1].keys(), key=str):
+        a, b = sides[0][k]["result"], sides[1][k]["result"]
+        paired = _paired({("a", ""): a, ("b", ""): b}, ("a", ""), ("b", ""), a["seed"])
+        rows.append({"cell": k[0], "method": k[1], "budget_a": a["budget"], "budget_b": b["budget"],
+                     "greedy_CER_a": a["scores"]["greedy_CER"], "greedy_CER_b": b["scores"]["greedy_CER"],
+                     "recipe_a": (sides[0][k].get("config") or {}).get("recipe") or {},
+                     "recipe_b": (sides[1][k].get("config") or {}).get("recipe") or {},
+                     "ratio": paired["ratio"], "ratio_95": paired["ratio_95"]})
+    return rows
+
+
+def compare_markdown(rows: list[dict], spec_a: str, spec_b: str) -> str:
+    lines = [f"a = {spec_a}, b = {spec_b}: held-out greedy CER (mean of the held-out days), ratio a / b with its 95% "
+             "interval (paired bootstrap over held-out trials, 2000 resamples)", "",
+             "| cell | method | budgets a, b | CER a % | CER b % | a / b [95%] |", "| --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        lo, hi = r["ratio_95"]
+        lines.append(f"| {r['cell']} | {r['method']} | x{r['budget_a']:g}, x{r['budget_b']:g} | "
+                     f"{_pct(r['greedy_CER_a'])} | {_pct(r['greedy_CER_b'])} | {r['ratio']:.2f} [{lo:.2f}, {hi:.2f}] |")
+    if not rows:
+        lines.append("| (no piece of the same cell, seed and method in both) | | | | | |")
+    return "\n".join(lines) + "\n"
+
+
 def _machine() -> str:
     import platform
 
@@ -529,7 +588,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--min-patience-steps", type=int, default=None,
                    help="a Recipe.min_patience_steps other than the default (the patience's floor in steps), to try a "
                         "rule change; with --out elsewhere")
+    p.add_argument("--compare", nargs=2, metavar=("A", "B"), default=None,
+                   help="pair the pieces of two results folders (FOLDER or FOLDER:x1 / FOLDER:x4 for one budget) by "
+                        "cell, seed and method, and print greedy CER a / b with its paired bootstrap interval; "
+                        "with --json, the rows as JSON")
+    p.add_argument("--json", action="store_true", help="with --compare: the rows as JSON on stdout")
     a = p.parse_args(argv)
+    if a.compare:
+        rows = compare(*a.compare)
+        print(json.dumps(rows, indent=2, default=float) if a.json else compare_markdown(rows, *a.compare), end="")
+        return 0
+    if a.json:
+        p.error("--json goes with --compare")
     settings = {k: v for k, v in (("min_steps", a.min_steps), ("min_patience_steps", a.min_patience_steps))
                 if v is not None}
     if settings and Path(a.out) == Path(RESULTS):

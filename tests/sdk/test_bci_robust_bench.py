@@ -3,6 +3,8 @@ each axis changes, and the targets' bookkeeping (the grid run itself is the benc
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -133,3 +135,29 @@ def test_the_report_compares_the_budgets_validation_curves_at_the_same_step(benc
     import matplotlib.image
 
     assert matplotlib.image.imread(tmp_path / "p.png").shape[1] > 1500  # the third panel, the curves, is drawn
+
+
+def test_compare_pairs_two_folders_pieces_by_cell_seed_and_method(bench, tmp_path, capsys):
+    # a recipe change measured in its own folder (a: 2 of 20 characters wrong) against the grid's pieces (b: 4)
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir(), b.mkdir()
+    (a / "bci_robust_cells.jsonl").write_text("".join(json.dumps(p) + "\n" for p in _pieces("c", 0.1, 0.1, 0.1, (1, 1))[:1]))
+    (b / "bci_robust_cells.jsonl").write_text("".join(json.dumps(p) + "\n" for p in _pieces("c", 0.2, 0.05, 0.3, (2, 2), (1, 0))
+                                                      + _pieces("d", 0.2, 0.1, 0.3)))
+    (row,) = bench.compare(str(a), str(b))  # only cell c's default-budget two-stage piece is in both
+    assert (row["cell"], row["method"], row["budget_a"], row["budget_b"]) == ("c", "two_stage", 1.0, 1.0)
+    assert row["ratio"] == pytest.approx(0.5) and row["ratio_95"] == pytest.approx([0.5, 0.5])
+    # one side's budget named: the default-budget piece against the 4x run of the same cell
+    (row,) = bench.compare(f"{a}:x1", f"{b}:x4")
+    assert (row["budget_a"], row["budget_b"]) == (1.0, 4.0)
+    assert bench.main(["--compare", str(a), f"{b}:x1", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)[0]["ratio"] == pytest.approx(0.5)
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "bci_robust_cells.jsonl").write_text(json.dumps(_pieces("d", 0.2, 0.1, 0.3)[0]) + "\n")
+    assert bench.main(["--compare", str(a), str(other)]) == 0  # nothing in common: said, not an error
+    assert "no piece of the same cell" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="no .*bci_robust_cells.jsonl; give a results folder"):
+        bench.compare(str(a), str(tmp_path / "missing"))
+    with pytest.raises(SystemExit, match="budget x2 is not one of x1, x4"):
+        bench.compare(f"{a}:x2", str(b))
