@@ -216,12 +216,12 @@ def _stage2_validation(backbone: Any, meta: Any, train_sessions: Sequence[Any], 
         texts_rows.append((validation_scores(fitted, lambda x, b, m=fitted: m(x)[0], ex, next(backbone.parameters()).device),
                            sum(len(e.sentence) for e in ex), sum(len(to_words(e.sentence)) for e in ex)))
     if not texts_rows:
-        return {"CER": float("nan"), "WER": float("nan"), "chars": 0}
+        return {"CER": float("nan"), "WER": float("nan"), "chars": 0, "ends_missed": 0, "ends_of": 0}
     n_c = sum(r[1] for r in texts_rows)
     n_w = sum(r[2] for r in texts_rows)
     return {"CER": sum(r[0]["CER"] * r[1] for r in texts_rows) / n_c,
             "WER": sum(r[0]["WER"] * r[2] for r in texts_rows) / max(n_w, 1),
-            "chars": sum(r[0]["chars"] for r in texts_rows)}
+            **{k: sum(r[0][k] for r in texts_rows) for k in ("chars", "ends_missed", "ends_of")}}
 
 
 def write_curve(log: Any, meta_log: Any, path: str | Path) -> Path:
@@ -299,7 +299,9 @@ class RecipeFit:
                        "validation": log.validation},
             "stage2": {"steps": len(meta_log.loss), "stop_reason": meta_log.stop_reason,
                        "val_CER": self.two_stage["CER"], "val_WER": self.two_stage["WER"],
-                       "val_chars": self.two_stage["chars"], "wall_s": self.meta_s},
+                       "val_chars": self.two_stage["chars"],
+                       "val_end_marks": {"missed": self.two_stage["ends_missed"], "of": self.two_stage["ends_of"]},
+                       "wall_s": self.meta_s},
             "time_budget_s": recipe.time_budget_s * recipe.budget, "stage2_share": recipe.stage2_share,
             "budget": recipe.budget, "wall_s": self.wall_s,
         }
@@ -309,7 +311,9 @@ class RecipeFit:
 
     def warnings(self) -> list[str]:
         """Sentences for the user about a decoder that trained but may be worse than it could be: stage 1 ended by
-        its time budget or ceiling while it was still improving, or had to restart off the CTC plateau."""
+        its time budget or ceiling while it was still improving, or had to restart off the CTC plateau; or the
+        two-stage decoder, learned, leaves the sentence-end mark off most validation sentences that end with one
+        (:func:`end_mark_warning`)."""
         log = self.models.logs["backbone"]
         out = [w] if (w := log.warning()) is not None else []
         if still_improving(log):
@@ -317,7 +321,24 @@ class RecipeFit:
             out.append(f"stage 1 was still improving when its {limit} ended it (best validation CER at step "
                        f"{log.best_step} of {log.steps_run}): a longer run (--budget 2, or a larger "
                        f"{'--time-budget' if limit == 'time budget' else '--steps'}) may give a better decoder")
+        if not self.problems and (w := end_mark_warning(self.two_stage)) is not None:  # not learned says more
+            out.append(w)
         return out
+
+
+def end_mark_warning(scores: dict, share: float = 0.5) -> str | None:
+    """A sentence for the user when the decoder's greedy text lacks the sentence-end mark (``~`` / ``?``) on more
+    than ``share`` of the validation sentences that end with one (``scores``: :func:`validation_scores`' counts).
+    The mark is the last thing a CTC decoder learns (a few labels per batch), and a run stopped before it learned
+    it scores about one character per sentence worse on greedy text; ``greedy_end`` and a bundle with end
+    completion write it anyway, plain greedy does not."""
+    missed, of = scores.get("ends_missed", 0), scores.get("ends_of", 0)
+    if not of or missed <= share * of:
+        return None
+    return (f"the decoder leaves the sentence-end mark off {missed} of {of} validation sentences that end with one: "
+            "greedy text will not end sentences (evaluate's greedy_end, and a bundle written with --end-completion "
+            "sentence-end, complete them); a longer run usually learns the mark (--budget 2, or --min-patience-steps "
+            "500 with few trials per session)")
 
 
 def still_improving(log: Any) -> bool:

@@ -315,8 +315,11 @@ def validation_scores(module: nn.Module, forward: Callable[[torch.Tensor, Batch]
                       examples: Sequence[Example], device: torch.device | str = "cpu") -> dict:
     """Greedy decoding of ``examples`` (no augmentation, eval mode): CER and WER pooled over the trials (FALCON's
     edit distances summed over trials, divided by the references' characters and words), characters emitted, and
-    the CTC loss per character (the trials' negative log-likelihoods summed, divided by their characters)."""
+    the CTC loss per character (the trials' negative log-likelihoods summed, divided by their characters), and
+    the sentence-end marks (``~`` / ``?``): of the trials whose sentence ends with one (``ends_of``), those whose
+    greedy text lacks it (``ends_missed``)."""
     from .decoding import greedy_decode
+    from .greedy_errors import END_MARKS
     from .metrics import score_session
 
     was_training = module.training
@@ -332,9 +335,12 @@ def validation_scores(module: nn.Module, forward: Callable[[torch.Tensor, Batch]
             logp = out.cpu().numpy()
             texts += [greedy_decode(logp[k, : e.x.shape[0]]) for k, e in enumerate(chunk)]
     module.train(was_training)
-    score = score_session(texts, [e.sentence for e in examples])
+    refs = [e.sentence for e in examples]
+    score = score_session(texts, refs)
+    ends = [(t, r[-1]) for t, r in zip(texts, refs, strict=True) if r[-1:] and r[-1] in END_MARKS]
     return {"CER": score.cer, "WER": score.wer, "chars": sum(len(t) for t in texts),
-            "loss": loss_sum / max(1, sum(len(e.labels) for e in examples))}
+            "loss": loss_sum / max(1, sum(len(e.labels) for e in examples)),
+            "ends_missed": sum(not t.endswith(m) for t, m in ends), "ends_of": len(ends)}
 
 
 def plateau_check_step(config: TrainConfig, validated: bool) -> int:

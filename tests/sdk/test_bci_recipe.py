@@ -25,6 +25,7 @@ from closedloop.sdk.bci.progress import Progress, format_seconds
 from closedloop.sdk.bci.recipe import (
     Recipe,
     data_size,
+    end_mark_warning,
     scaled_train_config,
     split_validation,
     validation_examples,
@@ -129,6 +130,52 @@ def test_early_stopping_ends_before_the_ceiling_and_restores_the_best_checkpoint
         nll = sum(float(ctc_loss(model(b.x)[0], b, reduction="sum")) for b in (collate([e]) for e in val))
     assert restored["loss"] == pytest.approx(nll / sum(len(e.labels) for e in val), rel=1e-4)
     assert log.to_dict()["stop_reason"] == "patience" and log.to_dict()["steps_run"] == log.steps_run
+
+
+def _writer(examples, drop_end: bool):
+    """A forward pass whose greedy text is each example's sentence (less its last character with ``drop_end``)."""
+    from closedloop.sdk.bci.charset import N_CLASSES, encode
+
+    texts = iter([e.sentence[:-1] if drop_end else e.sentence for e in examples])
+
+    def forward(x, batch):
+        logits = torch.zeros(x.shape[0], x.shape[1], N_CLASSES)
+        for k in range(x.shape[0]):
+            labels = encode(next(texts))
+            assert 2 * len(labels) <= x.shape[1]
+            logits[k, 2 * np.arange(len(labels)), labels] = 20.0  # one frame per character, blanks between
+            logits[k, 2 * np.arange(len(labels)) + 1, 0] = 20.0
+            logits[k, 2 * len(labels):, 0] = 20.0
+        return torch.log_softmax(logits, -1)
+
+    return forward
+
+
+def test_validation_counts_the_sentence_end_marks_and_a_decoder_that_leaves_them_off_is_warned_about(split):
+    _, _, val_ex = split
+    marked = sum(e.sentence[-1] in "~?" for e in val_ex)
+    assert marked >= 3  # the toy sentences end with ~ or ?
+    right = validation_scores(torch.nn.Identity(), _writer(val_ex, drop_end=False), val_ex)
+    assert right["CER"] == 0 and (right["ends_missed"], right["ends_of"]) == (0, marked)
+    assert end_mark_warning(right) is None
+    no_end = validation_scores(torch.nn.Identity(), _writer(val_ex, drop_end=True), val_ex)
+    assert (no_end["ends_missed"], no_end["ends_of"]) == (marked, marked) and no_end["CER"] > 0
+    w = end_mark_warning(no_end)
+    assert f"off {marked} of {marked} validation sentences" in w and "--budget 2" in w
+    # half or fewer missed is a decoder that has learned the mark; a recording without marks is never warned about
+    assert end_mark_warning({"ends_missed": 5, "ends_of": 10}) is None
+    assert end_mark_warning({"ends_missed": 6, "ends_of": 10}) is not None
+    assert end_mark_warning({"ends_missed": 0, "ends_of": 0}) is None
+    # bci-train's warnings: a learned decoder without the mark is warned about; one that has not learned is not
+    # (its NOT LEARNED error says more)
+    from types import SimpleNamespace
+
+    from closedloop.sdk.bci.recipe import RecipeFit
+
+    log = SimpleNamespace(warning=lambda: None, converged=True)
+    fit = RecipeFit(SimpleNamespace(logs={"backbone": log}), [], {}, [], None, {}, {}, no_end, [], 0.0, 0.0, None)
+    assert fit.warnings() == [w]
+    assert replace(fit, problems=["stage 1 emits no characters"]).warnings() == []
 
 
 def test_a_falling_validation_loss_is_progress_while_the_cer_sits_still():
@@ -271,6 +318,9 @@ def test_bci_train_json_summary_progress_lines_and_curve(trained_bundle):
     assert summary["model"] == {"n_hidden": 16, "n_layers": 1, "scaled": True}  # --config's backbone is kept
     assert summary["validation"]["trials"] == sum(summary["validation"]["per_session"].values()) >= 3
     assert summary["stage2"]["steps"] == 2 and 0 <= summary["stage2"]["val_CER"]
+    ends = summary["stage2"]["val_end_marks"]  # 6 steps write no end mark; NOT LEARNED says it, not a warning too
+    assert ends["of"] >= 3 and ends["missed"] == ends["of"]
+    assert "sentence-end mark" not in err and not any("sentence-end mark" in w for w in summary["warnings"])
     curve = bundle.parent / "pooled.curve.png"
     assert summary["curve"] == str(curve) and curve.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert load_bundle(bundle).manifest.provenance["validation"]["fraction"] == 0.1
