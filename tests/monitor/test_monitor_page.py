@@ -109,12 +109,15 @@ def test_the_page_shows_counters_rising_text_growing_and_safe_with_its_watchdog_
     page.screenshot(path=str(screenshot_dir / "monitor_fake_safe.png"))
 
 
-def test_a_browser_that_reloads_gets_the_history_and_continues(monitored, page):
+def test_a_browser_that_reloads_gets_the_history_and_continues_and_a_lost_server_shows_reconnecting(monitored, page):
     mon, _, _ = monitored
     page.goto(mon.url)
     page.wait_for_function("() => monitorState.step > 5", timeout=20_000)
     page.reload()
     page.wait_for_function("() => monitorState.updates > 2 && monitorState.step > 5", timeout=20_000)
+    # the server gone (not a session's end): the page says it lost its server and keeps retrying
+    mon.stop()
+    page.wait_for_function("() => document.getElementById('state').textContent === 'reconnecting'", timeout=10_000)
 
 
 def test_state_api_and_a_malformed_websocket_message_change_nothing(monitored, page):

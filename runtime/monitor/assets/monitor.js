@@ -6,7 +6,7 @@
   const RASTER_ROWS = 200;     // input rows kept for the heat map
   const $ = (id) => document.getElementById(id);
   const S = window.monitorState = {
-    info: null, connected: false, ended: false, updates: 0, step: -1, state: "connecting", text: "",
+    info: null, connected: false, everConnected: false, ended: false, updates: 0, step: -1, state: "connecting", text: "",
     prompt: "", events: [], counts: { watchdog: 0, reconnects: 0, missed: 0, lost: 0, dropped: 0 },
     t: [], lat: [], late: [], missed: [], flags: [], cmd: [], inp: [], out: [], stepsSeen: 0, status: null,
   };
@@ -256,7 +256,8 @@
     $("watchdog").textContent = S.counts.watchdog;
     $("reconnects").textContent = S.counts.reconnects;
     $("dropped").textContent = S.counts.dropped;
-    const st = S.ended ? "ended" : S.connected ? S.state : "reconnecting";
+    // before the first WebSocket opens the page is "connecting"; after a drop, "reconnecting" (it retries every second)
+    const st = S.ended ? "ended" : S.connected ? S.state : S.everConnected ? "reconnecting" : "connecting";
     $("state").textContent = st; $("state").dataset.state = st;
     $("typed").textContent = S.text; $("prompt").textContent = S.prompt ? "prompt: " + S.prompt : "";
     const version = S.updates + (S.recordingT || 0);
@@ -272,7 +273,7 @@
     const token = new URLSearchParams(location.search).get("token");
     const proto = location.protocol === "https:" ? "wss:" : "ws:";
     const ws = new WebSocket(`${proto}//${location.host}/ws` + (token ? `?token=${encodeURIComponent(token)}` : ""));
-    ws.onopen = () => { S.connected = true; };
+    ws.onopen = () => { S.connected = true; S.everConnected = true; };
     ws.onmessage = (ev) => {
       let m; try { m = JSON.parse(ev.data); } catch { return; }
       if (m.type === "hello") onHello(m); else if (m.type === "steps") onSteps(m); else if (m.type === "event") onEvent(m);
