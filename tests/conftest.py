@@ -5,6 +5,16 @@ from __future__ import annotations
 import pytest
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _sb3_logs_in_pytests_own_temp(tmp_path_factory):
+    """SB3's ``learn()`` with ``verbose=0`` makes an empty ``$TMPDIR/SB3-<date>`` folder per call unless
+    ``SB3_LOGDIR`` says where; tests that drive SB3 directly put it in pytest's own (pruned) temp folder."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("SB3_LOGDIR", str(tmp_path_factory.mktemp("sb3_logs")))
+    yield
+    mp.undo()
+
+
 @pytest.fixture(scope="session")
 def autograd_nodes():
     """``names(out)``: the class names of the autograd nodes behind tensor ``out`` (which code a pass ran)."""

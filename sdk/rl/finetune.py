@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from .config import FineTuneConfig
-from .regularised_sac import PriorRegularisedSAC
+from .regularised_sac import PriorRegularisedSAC, silent_logger
 from .sb3 import ActorWarmup, OutcomeLogger, ShapedReplayBuffer, evaluate_success
 from .wrapper import FixedNormalization, SuccessVisitationWrapper
 
@@ -174,6 +174,7 @@ def fine_tune(config: FineTuneConfig, verbose: int = 0, env_factory=None) -> Fin
                 gradient_steps=cfg.gradient_steps, ent_coef=cfg.ent_coef, policy_kwargs={"net_arch": list(cfg.net)},
                 replay_buffer_class=ShapedReplayBuffer, replay_buffer_kwargs={"reward_model": vr},
                 seed=cfg.seed, device=cfg.device, verbose=0)
+    model.set_logger(silent_logger())  # progress is OutcomeLogger's; SB3's own would leave an empty temp folder
     model.actor_lr_scale = cfg.actor_lr_scale
     # Behaviour cloning on the successful demonstrations.
     prior_record = None

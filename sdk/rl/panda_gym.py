@@ -272,7 +272,7 @@ def fine_tune_gym(env_id: str, reward: str, seed: int, *, prior: str = "bc", her
     from stable_baselines3.her import HerReplayBuffer
 
     from .config import ShapingConfig
-    from .regularised_sac import PriorRegularisedSAC
+    from .regularised_sac import PriorRegularisedSAC, silent_logger
     from .sb3 import ActorWarmup, OutcomeLogger, ShapedDictReplayBuffer, ShapedHerReplayBuffer
     from .wrapper import SuccessVisitationWrapper
 
@@ -322,6 +322,8 @@ def fine_tune_gym(env_id: str, reward: str, seed: int, *, prior: str = "bc", her
         model.set_prior(prior_weight)
         model.pretrain_critic(critic_pretrain_steps)
         callbacks.append(ActorWarmup(actor_warmup_steps))
+    if model.verbose == 0:  # progress is ``log``'s; SB3's silent default would leave an empty temp folder
+        model.set_logger(silent_logger())
     curve: list[tuple[int, float]] = []
 
     def evaluate() -> None:

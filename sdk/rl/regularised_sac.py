@@ -24,12 +24,18 @@ import copy
 import numpy as np
 import torch as th
 from stable_baselines3 import SAC
-from stable_baselines3.common.logger import configure
+from stable_baselines3.common.logger import Logger
 from stable_baselines3.common.utils import polyak_update
 from torch import nn
 from torch.nn import functional as F
 
 __all__ = ["PriorRegularisedSAC"]
+
+
+def silent_logger() -> Logger:
+    """An SB3 logger that writes nothing and makes no folder. ``learn()`` with ``verbose=0`` and no TensorBoard
+    log otherwise configures one that creates an empty ``$TMPDIR/SB3-<date>`` folder on every call."""
+    return Logger(folder=None, output_formats=[])
 
 
 class PriorRegularisedSAC(SAC):
@@ -62,7 +68,7 @@ class PriorRegularisedSAC(SAC):
     def pretrain_critic(self, gradient_steps: int, batch_size: int | None = None) -> None:
         """Fit the critic (TD, actor frozen) on what the replay holds before any environment step."""
         if not hasattr(self, "_logger"):  # before learn(): a silent logger (learn() keeps it)
-            self.set_logger(configure(None, []))
+            self.set_logger(silent_logger())
         params = list(self.actor.parameters())
         was = [p.requires_grad for p in params]
         for p in params:

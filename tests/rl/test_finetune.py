@@ -66,7 +66,9 @@ def test_prior_regularised_actor_stays_near_its_prior_and_critic_pretraining_lea
     assert float(np.abs(model.predict(x, deterministic=True)[0] - prior).max()) < 0.1
 
 
-def test_rl_train_command_writes_a_record_and_a_bundle(tmp_path):
+def test_rl_train_command_writes_a_record_and_a_bundle_and_nothing_in_the_temp_folder(tmp_path, monkeypatch):
+    import tempfile
+
     from closedloop.sdk.cli import build_parser
     from closedloop.sdk.rl import cli  # noqa: F401  (registers rl-train)
 
@@ -77,7 +79,12 @@ def test_rl_train_command_writes_a_record_and_a_bundle(tmp_path):
     path.write_text(json.dumps(cfg.to_dict()))
     args = build_parser().parse_args(["rl-train", "--config", str(path), "--reward", "potential", "--quiet",
                                       "--out", str(tmp_path / "run")])
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
+    monkeypatch.delenv("SB3_LOGDIR", raising=False)
     assert args.func(args) == 0
+    assert not list(temp.glob("SB3-*"))  # SB3's default logger would leave an empty SB3-<date> folder per run
     rec = json.loads((tmp_path / "run" / "run.json").read_text())
     assert rec["config"]["task"] == "reach" and rec["config"]["shaping"]["kind"] == "potential"
     assert [s for s, _ in rec["curve"]] == [0, 60]
