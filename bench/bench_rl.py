@@ -4,7 +4,9 @@
     python bench/bench_rl.py --tiny     # a smoke run of about a minute (outputs rl_tiny.*, not committed)
     python bench/bench_rl.py --cell PandaPush-v3:svm_her:0          # one cell, appended to bench/results/rl/cells/
     python bench/bench_rl.py --cell push:svm:1:bc --steps 10000     # the project's push, from a cloned prior
-    python bench/bench_rl.py --report   # steps to 80/90% (bootstrap 95% intervals) and curves from the cells in
+    python bench/bench_rl.py --cell PandaPush-v3,PandaPickAndPlace-v3:sparse_her,svm_her:0-4:bc --address HOST:PORT
+                                        # 20 cells on a Ray cluster (or --workers N: a local Ray instance)
+    python bench/bench_rl.py --report   # steps to 80/90% (bootstrap 95% intervals) and curves from cells/cells.jsonl
 
 The comparison (no ``--cell``): four rewards (sparse, svm, potential, gail) x 3 seeds of behaviour
 cloning then SAC on Panda push, two processes of one thread at a time; then the best policy deployed
@@ -77,6 +79,69 @@ def parse_cell(text: str) -> dict:
     if not seed.isdigit():
         raise ValueError(f"--cell seed {seed!r}: expected a non-negative integer")
     return {"task": task, "reward": reward, "seed": int(seed), "prior": prior}
+
+
+def _seeds(text: str) -> list[str]:
+    """``3``, ``0-4`` (inclusive) or a mix with commas (``0-2,7``) as seed strings."""
+    out = []
+    for part in text.split(","):
+        lo, dash, hi = part.partition("-")
+        if dash and lo.isdigit() and hi.isdigit():
+            if int(hi) < int(lo):
+                raise ValueError(f"--cell seeds {part!r}: the range ends before it starts")
+            out += [str(k) for k in range(int(lo), int(hi) + 1)]
+        else:
+            out.append(part)
+    return out
+
+
+def expand_cells(text: str) -> list[dict]:
+    """``TASK:REWARD:SEED[:PRIOR]`` where each field may be a comma list and SEED also a range (``0-4``): every
+    combination, each checked by :func:`parse_cell` (a combination that is not a cell is an error that names it,
+    never skipped), in order, duplicates dropped. ``PandaPush-v3,PandaPickAndPlace-v3:sparse_her,svm_her:0-4:bc``
+    is 20 cells."""
+    import itertools
+
+    parts = text.split(":")
+    if len(parts) not in (3, 4):
+        raise ValueError(f"--cell {text!r}: expected TASK:REWARD:SEED[:PRIOR], e.g. PandaPush-v3:svm_her:0")
+    fields = [p.split(",") for p in parts]
+    fields[2] = _seeds(parts[2])
+    cells, seen = [], set()
+    for combo in itertools.product(*fields):
+        cell = parse_cell(":".join(combo))
+        if (key := cell_id(cell)) not in seen:
+            seen.add(key)
+            cells.append(cell)
+    return cells
+
+
+def _grid_cell(config: dict, seed: int) -> dict:
+    """:func:`run_cell` in :func:`closedloop.sdk.grid.run_grid`'s shape (the seed is in ``config``)."""
+    return run_cell(config)
+
+
+def run_cells(cells: list[dict], path: Path, address: str | None = None, workers: int | None = None,
+              backend: str = "auto") -> list[dict]:
+    """``cells`` on a Ray cluster (``address``) or a local Ray instance of ``workers`` processes
+    (:func:`closedloop.sdk.grid.run_grid`), each record appended to ``path`` as it finishes; cells already in
+    ``path`` (either record form, :func:`finished_cells`) are skipped. Returns the grid's records of the cells run."""
+    from closedloop.sdk.grid import Cell, run_grid
+
+    done = finished_cells(path)
+    todo = [c for c in cells if cell_id(c) not in done]
+    for c in cells:
+        if cell_id(c) in done:
+            print(f"{cell_id(c)}: already in {path}, skipped", flush=True)
+    if not todo:
+        return []
+    path.parent.mkdir(parents=True, exist_ok=True)
+    records = run_grid(_grid_cell, [Cell(c, c["seed"], name=cell_id(c)) for c in todo], results=path,
+                       address=address, workers=workers, backend=backend, desc="bench_rl")
+    for r in records:
+        if r["status"] != "ok":
+            print(f"cell {r['key']} failed: {r['error'].splitlines()[0]}", file=sys.stderr)
+    return records
 
 
 #: settings that make another experiment of the same task, reward, seed and prior (the lambda*beta sweep):
@@ -157,12 +222,23 @@ def run_cell(cell: dict) -> dict:
 
 
 def finished_cells(path: Path) -> dict[str, dict]:
+    """The finished cells' records by id. A line is a record of :func:`run_cell` (a cell run here) or a
+    :func:`closedloop.sdk.grid.run_grid` record holding one (a cell run on Ray: ``--address`` / ``--workers``);
+    a failed grid record is not a finished cell, and a torn last line is ignored."""
     out = {}
     if path.exists():
         for line in path.read_text().splitlines():
-            if line.strip():
+            if not line.strip():
+                continue
+            try:
                 rec = json.loads(line)
-                out[rec["id"]] = rec
+            except json.JSONDecodeError:  # a run killed mid-write
+                continue
+            if "key" in rec and "id" not in rec:  # a grid record
+                if rec.get("status") != "ok":
+                    continue
+                rec = rec["result"]
+            out[rec["id"]] = rec
     return out
 
 
@@ -319,9 +395,14 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tiny", action="store_true", help="a smoke run of about a minute (outputs rl_tiny.*)")
     ap.add_argument("--out", default=RESULTS, help=f"results folder (default {RESULTS})")
-    ap.add_argument("--workers", type=int, default=None, help="parallel runs (default 2)")
+    ap.add_argument("--workers", type=int, default=None,
+                    help="parallel runs (default 2); with --cell, that many at once on a local Ray instance "
+                         "(without it and --address, one after another in this process)")
     ap.add_argument("--cell", action="append", metavar="TASK:REWARD:SEED[:PRIOR]",
-                    help="run one independent cell (repeatable) and append it to --cells")
+                    help="run independent cells (repeatable) and append them to --cells; each field may be a comma "
+                         "list and SEED a range, e.g. PandaPush-v3,PandaPickAndPlace-v3:sparse_her,svm_her:0-4:bc")
+    ap.add_argument("--address", default=None,
+                    help="with --cell: run the cells on this Ray cluster (HOST:PORT of `ray start --head`)")
     ap.add_argument("--cells", default=CELLS, help=f"the cells' JSON-lines file (default {CELLS})")
     ap.add_argument("--report", action="store_true", help="tables and curves from the cells in --cells")
     for key in ("steps", "eval_every", "eval_episodes", "learning_starts", "batch_size", "refit"):
@@ -331,14 +412,25 @@ def main(argv: list[str] | None = None) -> int:
         ap.add_argument(f"--{key.replace('_', '-')}", type=float, default=None,
                         help=f"cell setting (default {CELL_DEFAULTS[key]})")
     a = ap.parse_args(argv)
+    if a.workers is not None and a.workers < 1:
+        ap.error(f"--workers {a.workers}: expected 1 or more")
+    if a.address and not a.cell:
+        ap.error("--address runs --cell cells on a Ray cluster: give the cells with --cell")
     if a.cell or a.report:
+        settings = {k: getattr(a, k) for k in CELL_DEFAULTS if getattr(a, k, None) is not None}
+        cells: list[dict] = []
         for text in a.cell or []:
             try:
-                cell = parse_cell(text)
+                cells += [c | settings for c in expand_cells(text)]
             except ValueError as e:
                 ap.error(str(e))
-            cell |= {k: getattr(a, k) for k in CELL_DEFAULTS if getattr(a, k, None) is not None}
-            run_and_append(cell, Path(a.cells))
+        if len(cells) > 1 or a.address or a.workers:
+            print(f"{len(cells)} cells -> {a.cells}", flush=True)
+        if cells and (a.address or a.workers):
+            run_cells(cells, Path(a.cells), address=a.address, workers=a.workers)
+        else:
+            for cell in cells:
+                run_and_append(cell, Path(a.cells))
         if a.report:
             report(Path(a.cells), Path(a.cells).parent)
         return 0

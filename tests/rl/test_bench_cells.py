@@ -72,6 +72,45 @@ def test_a_finished_cell_is_skipped(bench, tmp_path, monkeypatch):
     assert len(path.read_text().splitlines()) == 2
 
 
+def test_a_cell_pattern_expands_to_every_combination_and_an_impossible_one_is_an_error(bench):
+    cells = bench.expand_cells("PandaPush-v3,PandaPickAndPlace-v3:sparse_her,svm_her:0-4:bc")
+    assert len(cells) == 20 and len({bench.cell_id(c) for c in cells}) == 20
+    assert bench.cell_id(cells[0]) == "PandaPush-v3:sparse_her:0:bc"
+    assert {c["seed"] for c in cells} == set(range(5)) and {c["prior"] for c in cells} == {"bc"}
+    assert [c["seed"] for c in bench.expand_cells("push:svm:0-2,7,1")] == [0, 1, 2, 7]  # duplicates dropped
+    assert bench.expand_cells("push:svm:3") == [bench.parse_cell("push:svm:3")]
+    with pytest.raises(ValueError, match="HER needs"):  # push has no goals: named, not skipped
+        bench.expand_cells("PandaPush-v3,push:svm_her:0")
+    with pytest.raises(ValueError, match="ends before it starts"):
+        bench.expand_cells("push:svm:4-1")
+    with pytest.raises(ValueError, match="seed 'x'"):
+        bench.expand_cells("push:svm:0,x")
+
+
+def test_cells_run_through_the_grid_runner_append_records_the_report_and_a_rerun_read(bench, tmp_path, monkeypatch):
+    path = tmp_path / "cells.jsonl"
+    path.write_text(json.dumps(_rec(bench, "svm_her", 0, [[0, 0.0], [1000, 0.9]])) + "\n")  # run here before
+    ran = []
+
+    def fake(cell):
+        ran.append(bench.cell_id(cell))
+        if cell["seed"] == 2:
+            raise RuntimeError("worker lost")
+        return _rec(bench, cell["reward"], cell["seed"], [[0, 0.0], [1000, 0.85]])
+
+    monkeypatch.setattr(bench, "run_cell", fake)
+    cells = bench.expand_cells("PandaPush-v3:svm_her:0-2")
+    records = bench.run_cells(cells, path, workers=1, backend="inprocess")
+    assert ran == ["PandaPush-v3:svm_her:1:scratch", "PandaPush-v3:svm_her:2:scratch"]  # seed 0 was in the file
+    assert [r["status"] for r in records] == ["ok", "failed"]
+    done = bench.finished_cells(path)  # both record forms; the failed cell is not finished
+    assert sorted(done) == ["PandaPush-v3:svm_her:0:scratch", "PandaPush-v3:svm_her:1:scratch"]
+    assert bench.report(path, tmp_path)["table"][0]["to_80"]["per_seed"] == [1000, 1000]
+    ran.clear()
+    bench.run_cells(cells, path, workers=1, backend="inprocess")
+    assert ran == ["PandaPush-v3:svm_her:2:scratch"]  # a rerun runs only the failed cell again
+
+
 def test_prior_pull_and_refit_cells_are_their_own_experiments(bench, tmp_path):
     """A weaker pull towards a cloned prior is compared with sparse + HER under the same pull; a slower refit
     schedule is its own row of the shaped reward; settings that cannot apply are refused, not ignored."""
