@@ -482,7 +482,8 @@ def _side(spec: str) -> tuple[Path, float | None]:
 
 def compare(spec_a: str, spec_b: str) -> list[dict]:
     """Pieces of two results folders paired by cell, seed and method (and budget, unless a side names one with
-    ``FOLDER:xB``; a side without one then takes the other's): greedy CER of each and the ratio a / b with the paired bootstrap over the held-out trials
+    ``FOLDER:xB``; a side without one then takes the other's): greedy CER of each, the sentence-end marks each
+    misses (:func:`end_marks`), and the ratio a / b with the paired bootstrap over the held-out trials
     (:func:`_paired`, the report's own). For a recipe change measured in its own ``--out`` folder against the
     grid's pieces, or a piece against another seed's folder."""
     from closedloop.sdk.grid import read_results
@@ -507,6 +508,7 @@ def compare(spec_a: str, spec_b: str) -> list[dict]:
                      "greedy_CER_a": a["scores"]["greedy_CER"], "greedy_CER_b": b["scores"]["greedy_CER"],
                      "recipe_a": (sides[0][k].get("config") or {}).get("recipe") or {},
                      "recipe_b": (sides[1][k].get("config") or {}).get("recipe") or {},
+                     "end_marks_a": end_marks(a["scores"]), "end_marks_b": end_marks(b["scores"]),
                      "ratio": paired["ratio"], "ratio_95": paired["ratio_95"]})
     return rows
 
@@ -514,13 +516,16 @@ def compare(spec_a: str, spec_b: str) -> list[dict]:
 def compare_markdown(rows: list[dict], spec_a: str, spec_b: str) -> str:
     lines = [f"a = {spec_a}, b = {spec_b}: held-out greedy CER (mean of the held-out days), ratio a / b with its 95% "
              "interval (paired bootstrap over held-out trials, 2000 resamples)", "",
-             "| cell | method | budgets a, b | CER a % | CER b % | a / b [95%] |", "| --- | --- | --- | --- | --- | --- |"]
+             "| cell | method | budgets a, b | CER a % | CER b % | end marks missed a, b | a / b [95%] |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         lo, hi = r["ratio_95"]
+        ea, eb = r["end_marks_a"], r["end_marks_b"]
         lines.append(f"| {r['cell']} | {r['method']} | x{r['budget_a']:g}, x{r['budget_b']:g} | "
-                     f"{_pct(r['greedy_CER_a'])} | {_pct(r['greedy_CER_b'])} | {r['ratio']:.2f} [{lo:.2f}, {hi:.2f}] |")
+                     f"{_pct(r['greedy_CER_a'])} | {_pct(r['greedy_CER_b'])} | {ea['missed']} / {ea['of']}, "
+                     f"{eb['missed']} / {eb['of']} | {r['ratio']:.2f} [{lo:.2f}, {hi:.2f}] |")
     if not rows:
-        lines.append("| (no piece of the same cell, seed and method in both) | | | | | |")
+        lines.append("| (no piece of the same cell, seed and method in both) | | | | | | |")
     return "\n".join(lines) + "\n"
 
 

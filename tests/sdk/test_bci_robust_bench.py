@@ -157,6 +157,8 @@ def test_compare_pairs_two_folders_pieces_by_cell_seed_and_method(bench, tmp_pat
     (other / "bci_robust_cells.jsonl").write_text(json.dumps(_pieces("d", 0.2, 0.1, 0.3)[0]) + "\n")
     assert bench.main(["--compare", str(a), str(other)]) == 0  # nothing in common: said, not an error
     assert "no piece of the same cell" in capsys.readouterr().out
+    assert bench.main(["--compare", str(a), str(b)]) == 0
+    assert "| c | two_stage | x1, x1 | 10.0 | 20.0 | 0 / 0, 0 / 0 | 0.50 [0.50, 0.50] |" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="no .*bci_robust_cells.jsonl; give a results folder"):
         bench.compare(str(a), str(tmp_path / "missing"))
     with pytest.raises(SystemExit, match="budget x2 is not one of x1, x4"):
