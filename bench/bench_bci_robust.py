@@ -581,7 +581,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--data-seed", type=int, default=0)
     p.add_argument("--report", action="store_true", help="only the tables and the plot from the stored cells")
     p.add_argument("--address", default=None, help="a Ray cluster's address (default: a local Ray instance)")
-    p.add_argument("--workers", type=int, default=None, help="cells at once on the local instance (default: cores)")
+    p.add_argument("--workers", type=int, default=None,
+                   help="pieces at once on a local Ray instance (default: cores); 1: one after another in this "
+                        "process, with the training's progress on this terminal")
     p.add_argument("--out", default=RESULTS, help=f"results folder (default {RESULTS})")
     p.add_argument("--cell", type=int, nargs="+", default=None,
                    help="only the design's cells of these indices (0: the default cell)")
@@ -630,8 +632,11 @@ def main(argv: list[str] | None = None) -> int:
                  for c in designs for seed in a.seeds for b in budgets for m in methods]
         print(f"{len(cells)} pieces ({len(designs)} cells x {len(a.seeds)} seeds x {len(budgets)} budgets x "
               f"{len(methods)} methods) -> {cells_path}", flush=True)
+        # one piece at a time here: in this process (its training progress on this terminal, no Ray instance to
+        # start or to lose); more, or a cluster: Ray
+        backend = "inprocess" if a.workers == 1 and a.address is None else "auto"
         records = run_grid(run_cell, cells, results=cells_path, address=a.address, workers=a.workers,
-                           desc="bci_robust")
+                           desc="bci_robust", backend=backend)
         failed = [r for r in records if r["status"] != "ok"]
         for r in failed:
             print(f"cell {r['key']} failed: {r['error'].splitlines()[0]}", file=sys.stderr)

@@ -100,14 +100,14 @@ def test_cells_run_through_the_grid_runner_append_records_the_report_and_a_rerun
 
     monkeypatch.setattr(bench, "run_cell", fake)
     cells = bench.expand_cells("PandaPush-v3:svm_her:0-2")
-    records = bench.run_cells(cells, path, workers=1, backend="inprocess")
+    records = bench.run_cells(cells, path, workers=1)  # one worker: in this process (no Ray)
     assert ran == ["PandaPush-v3:svm_her:1:scratch", "PandaPush-v3:svm_her:2:scratch"]  # seed 0 was in the file
     assert [r["status"] for r in records] == ["ok", "failed"]
     done = bench.finished_cells(path)  # both record forms; the failed cell is not finished
     assert sorted(done) == ["PandaPush-v3:svm_her:0:scratch", "PandaPush-v3:svm_her:1:scratch"]
     assert bench.report(path, tmp_path)["table"][0]["to_80"]["per_seed"] == [1000, 1000]
     ran.clear()
-    bench.run_cells(cells, path, workers=1, backend="inprocess")
+    bench.run_cells(cells, path, workers=1)
     assert ran == ["PandaPush-v3:svm_her:2:scratch"]  # a rerun runs only the failed cell again
 
 

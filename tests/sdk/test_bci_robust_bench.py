@@ -163,3 +163,16 @@ def test_compare_pairs_two_folders_pieces_by_cell_seed_and_method(bench, tmp_pat
         bench.compare(str(a), str(tmp_path / "missing"))
     with pytest.raises(SystemExit, match="budget x2 is not one of x1, x4"):
         bench.compare(f"{a}:x2", str(b))
+
+
+def test_one_worker_runs_the_pieces_in_this_process_and_more_or_a_cluster_use_ray(bench, tmp_path, monkeypatch):
+    import closedloop.sdk.grid as grid
+
+    calls = []
+    monkeypatch.setattr(grid, "run_grid", lambda fn, cells, **kw: calls.append((len(cells), kw)) or [])
+    monkeypatch.setattr(bench, "report", lambda *a: None)
+    base = ["--cell", "0", "--budget", "1", "--method", "two_stage", "--out", str(tmp_path)]
+    assert bench.main(base + ["--workers", "1"]) == 0  # no Ray instance to start, or for a `ray stop` to end
+    assert bench.main(base + ["--workers", "2"]) == 0
+    assert bench.main(base + ["--workers", "1", "--address", "10.0.0.1:6379"]) == 0
+    assert [(n, kw["backend"]) for n, kw in calls] == [(1, "inprocess"), (1, "auto"), (1, "auto")]
