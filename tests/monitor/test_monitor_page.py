@@ -120,6 +120,15 @@ def test_a_browser_that_reloads_gets_the_history_and_continues_and_a_lost_server
     page.wait_for_function("() => document.getElementById('state').textContent === 'reconnecting'", timeout=10_000)
 
 
+def test_a_page_whose_socket_never_opened_says_connecting_not_reconnecting(monitored, page):
+    mon, _, _ = monitored
+    page.route_web_socket("**/ws", lambda ws: ws.close())  # every attempt refused before it opens
+    page.goto(mon.url)
+    page.wait_for_function("() => document.getElementById('state').textContent === 'connecting'", timeout=5_000)
+    time.sleep(2.2)  # two retries later, still never connected
+    assert page.text_content("#state") == "connecting" and page.evaluate("() => monitorState.updates") == 0
+
+
 def test_state_api_and_a_malformed_websocket_message_change_nothing(monitored, page):
     mon, _, _ = monitored
     page.goto(mon.url)
