@@ -249,16 +249,15 @@ def end_marks(scores: dict) -> dict:
     """How much of a piece's greedy CER is the sentence-final mark: the held-out prompts ending in ``~`` / ``?``
     whose greedy text lacks that mark, and the CER (mean over days, as ``greedy_CER``) with those marks restored
     (a counterfactual: nothing else changes; :func:`closedloop.sdk.bci.greedy_errors.with_end_restored`)."""
-    from closedloop.sdk.bci.greedy_errors import END_MARKS, with_end_restored
+    from closedloop.sdk.bci.greedy_errors import end_marks_missed, with_end_restored
     from closedloop.sdk.bci.metrics import score_session
 
     missed = total = 0
     restored = []
     for day in scores["sessions"].values():
         refs, hyps = day["texts"]["reference"], day["texts"]["greedy"]
-        ends = [(h, r) for h, r in zip(hyps, refs, strict=True) if r[-1:] and r[-1] in END_MARKS]
-        total += len(ends)
-        missed += sum(not h.endswith(r[-1]) for h, r in ends)
+        day_missed, day_of = end_marks_missed(hyps, refs)
+        missed, total = missed + day_missed, total + day_of
         restored.append(score_session([with_end_restored(h, r) for h, r in zip(hyps, refs, strict=True)], refs).cer)
     return {"missed": missed, "of": total, "CER_end_restored": float(np.mean(restored))}
 

@@ -128,11 +128,12 @@ def run_cells(cells: list[dict], path: Path, address: str | None = None, workers
     ``path`` (either record form, :func:`finished_cells`) are skipped. Returns the grid's records of the cells run."""
     from closedloop.sdk.grid import Cell, run_grid
 
-    done = finished_cells(path)
-    todo = [c for c in cells if cell_id(c) not in done]
+    done, todo = finished_cells(path), []
     for c in cells:
         if cell_id(c) in done:
             print(f"{cell_id(c)}: already in {path}, skipped", flush=True)
+        else:
+            todo.append(c)
     if not todo:
         return []
     path.parent.mkdir(parents=True, exist_ok=True)

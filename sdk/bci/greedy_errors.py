@@ -51,6 +51,13 @@ def matched_characters(hyp: str, ref: str) -> list[bool]:
     return hit
 
 
+def end_marks_missed(hyps: list[str], refs: list[str]) -> tuple[int, int]:
+    """Of the prompts ending with a sentence-final mark (``~`` / ``?``), how many decoded texts lack it, and of how
+    many: ``(missed, of)``."""
+    ends = [(h, r[-1]) for h, r in zip(hyps, refs, strict=True) if r[-1:] and r[-1] in END_MARKS]
+    return sum(not h.endswith(m) for h, m in ends), len(ends)
+
+
 def with_end_restored(hyp: str, ref: str) -> str:
     """``hyp`` with the prompt's sentence-final mark appended when the decoded text does not end with it."""
     if ref and ref[-1] in END_MARKS and not hyp.endswith(ref[-1]):

@@ -319,7 +319,7 @@ def validation_scores(module: nn.Module, forward: Callable[[torch.Tensor, Batch]
     the sentence-end marks (``~`` / ``?``): of the trials whose sentence ends with one (``ends_of``), those whose
     greedy text lacks it (``ends_missed``)."""
     from .decoding import greedy_decode
-    from .greedy_errors import END_MARKS
+    from .greedy_errors import end_marks_missed
     from .metrics import score_session
 
     was_training = module.training
@@ -337,10 +337,9 @@ def validation_scores(module: nn.Module, forward: Callable[[torch.Tensor, Batch]
     module.train(was_training)
     refs = [e.sentence for e in examples]
     score = score_session(texts, refs)
-    ends = [(t, r[-1]) for t, r in zip(texts, refs, strict=True) if r[-1:] and r[-1] in END_MARKS]
+    missed, of = end_marks_missed(texts, refs)
     return {"CER": score.cer, "WER": score.wer, "chars": sum(len(t) for t in texts),
-            "loss": loss_sum / max(1, sum(len(e.labels) for e in examples)),
-            "ends_missed": sum(not t.endswith(m) for t, m in ends), "ends_of": len(ends)}
+            "loss": loss_sum / max(1, sum(len(e.labels) for e in examples)), "ends_missed": missed, "ends_of": of}
 
 
 def plateau_check_step(config: TrainConfig, validated: bool) -> int:
