@@ -318,9 +318,12 @@ class RecipeFit:
         out = [w] if (w := log.warning()) is not None else []
         if still_improving(log):
             limit = "time budget" if log.stop_reason == "time_budget" else "step ceiling"
+            flag = "--time-budget" if limit == "time budget" else "--steps"
             out.append(f"stage 1 was still improving when its {limit} ended it (best validation CER at step "
-                       f"{log.best_step} of {log.steps_run}): a longer run (--budget 2, or a larger "
-                       f"{'--time-budget' if limit == 'time budget' else '--steps'}) may give a better decoder")
+                       f"{log.best_step} of {log.steps_run}): a longer run (--budget 2, or a larger {flag}) may fit "
+                       "the held-in days better; the validation trials come from those days, so judge a longer run "
+                       "on a later day of your own (closedloop evaluate): where days drift apart it can score "
+                       "worse there")
         if not self.problems and (w := end_mark_warning(self.two_stage)) is not None:  # not learned says more
             out.append(w)
         return out
