@@ -11,7 +11,9 @@ import json
 from ..cli import command
 from .workflow import (
     calibrate_bundle,
+    compare_evaluations,
     evaluate_bundle,
+    format_comparison,
     format_evaluation,
     load_sessions,
     train_harness,
@@ -148,14 +150,26 @@ def _evaluate_args(p: argparse.ArgumentParser) -> None:
                    help="weight of the beam's unigram word prior (default 0.5 for open, 0 for closed or a file)")
     p.add_argument("--open-words", type=int, default=None, help="size of the open vocabulary (default 50000)")
     p.add_argument("--backend", default="auto", help="runtime backend or 'auto'")
+    p.add_argument("--against", default=None, metavar="BUNDLE",
+                   help="also score BUNDLE on the same data with the same options and compare the two trial for "
+                        "trial: each decoder's CER and WER ratio (bundle / BUNDLE) with a paired bootstrap 95%% "
+                        "interval (e.g. a longer bci-train run against the default one, on a later day of your own)")
     p.add_argument("--json", action="store_true", help="print scores, predictions and references as JSON")
 
 
 @command("evaluate", "score a decoder bundle on NWB data (FALCON CER/WER per session, through the runtime)",
          _evaluate_args)
 def _evaluate(a: argparse.Namespace) -> int:
-    r = evaluate_bundle(a.bundle, a.data, beam=a.beam, beam_width=a.beam_width, lexicon=a.lexicon,
-                        sentence_end=a.sentence_end, word_weight=a.word_weight, open_words=a.open_words,
-                        backend=a.backend)
-    print(json.dumps(r, indent=2) if a.json else format_evaluation(r))
+    options = dict(beam=a.beam, beam_width=a.beam_width, lexicon=a.lexicon, sentence_end=a.sentence_end,
+                   word_weight=a.word_weight, open_words=a.open_words, backend=a.backend)
+    r = evaluate_bundle(a.bundle, a.data, **options)
+    if a.against is None:
+        print(json.dumps(r, indent=2) if a.json else format_evaluation(r))
+        return 0
+    other = evaluate_bundle(a.against, a.data, **options)
+    comparison = compare_evaluations(r, other)
+    if a.json:
+        print(json.dumps({**r, "against": other, "comparison": comparison}, indent=2))
+    else:
+        print("\n\n".join([format_evaluation(r), format_evaluation(other), format_comparison(comparison)]))
     return 0

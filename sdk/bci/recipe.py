@@ -322,8 +322,8 @@ class RecipeFit:
             out.append(f"stage 1 was still improving when its {limit} ended it (best validation CER at step "
                        f"{log.best_step} of {log.steps_run}): a longer run (--budget 2, or a larger {flag}) may fit "
                        "the held-in days better; the validation trials come from those days, so judge a longer run "
-                       "on a later day of your own (closedloop evaluate): where days drift apart it can score "
-                       "worse there")
+                       "on a later day of your own (closedloop evaluate LONGER --against THIS): where days drift apart "
+                       "it can score worse there")
         if not self.problems and (w := end_mark_warning(self.two_stage)) is not None:  # not learned says more
             out.append(w)
         return out

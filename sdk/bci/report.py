@@ -109,8 +109,15 @@ def paired_bootstrap(runs: Sequence[dict], method: str, against: str, decoder: s
             key: point_a, f"{key}_against": point_b, "difference": point_a - point_b,
             "difference_95": [float(v) for v in np.percentile(wa - wb, [2.5, 97.5])],
             "ratio": point_a / point_b if point_b > 0 else float("inf"),
-            "ratio_95": [float(v) for v in np.percentile(ratio, [2.5, 97.5])],
+            "ratio_95": [float(v) for v in _percentiles(ratio)],
             "p_better": float(np.mean(wa < wb))}
+
+
+def _percentiles(x: np.ndarray) -> np.ndarray:
+    """2.5th and 97.5th percentiles of ratios that may be inf (a replicate over a zero error rate): inf where
+    the percentile falls among them, NaN between a finite value and inf, without numpy's warning."""
+    with np.errstate(invalid="ignore"):
+        return np.percentile(x, [2.5, 97.5])
 
 
 def _pct(block: dict | None, key: str) -> str:

@@ -27,8 +27,8 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["CalibrationReport", "calibrate_bundle", "evaluate_bundle", "export_pooled_bundle", "format_evaluation",
-           "load_sessions", "train_harness", "train_pooled_bundle"]
+__all__ = ["CalibrationReport", "calibrate_bundle", "compare_evaluations", "evaluate_bundle", "export_pooled_bundle",
+           "format_comparison", "format_evaluation", "load_sessions", "train_harness", "train_pooled_bundle"]
 
 # --- calibrate ------------------------------------------------------------------------------
 
@@ -452,6 +452,69 @@ def evaluate_bundle(
                    for d in decoders}
     out["wall_s"] = time.perf_counter() - t0
     return out
+
+
+def compare_evaluations(result: dict, against: dict, n_boot: int = 2000, seed: int = 0) -> dict:
+    """Two :func:`evaluate_bundle` results on the same data, compared trial for trial.
+
+    For every decoder both scored, CER and WER of ``result``'s bundle over ``against``'s: the figures are
+    ``evaluate``'s (per session, then the mean over sessions), the 95% intervals a paired bootstrap that resamples
+    each session's evaluation trials with replacement, the same trials for both bundles
+    (:func:`closedloop.sdk.bci.report.paired_bootstrap`, ``n_boot`` replicates); ``p_better`` is the share of
+    replicates in which ``result``'s bundle has the lower figure. The interval says how far the comparison could
+    move with other sentences of the same sessions, not with another training run.
+
+    Raises ``ValueError`` when the two did not score the same sessions and sentences.
+    """
+    from .report import paired_bootstrap
+
+    mine, theirs = result["sessions"], against["sessions"]
+    if list(mine) != list(theirs) or any(mine[k]["references"] != theirs[k]["references"] for k in mine):
+        raise ValueError(f"{result['bundle']} and {against['bundle']} were not scored on the same sessions and "
+                         f"sentences ({list(mine)} against {list(theirs)}): compare evaluations of the same --data")
+    decoders = [d for d in result["decoders"] if d in against["decoders"]]
+
+    def texts(sessions: dict) -> dict:
+        return {k: {"texts": {"reference": r["references"], **r["predictions"]}} for k, r in sessions.items()}
+
+    runs = [{"methods": {"bundle": {"sessions": texts(mine)}, "against": {"sessions": texts(theirs)}}}]
+    rows = {}
+    for d in decoders:
+        rows[d] = {}
+        for metric in ("CER", "WER"):
+            b = paired_bootstrap(runs, "bundle", "against", decoder=d, n_boot=n_boot, seed=seed, metric=metric)
+            key = metric.lower()
+            rows[d][metric] = {"bundle": b[key], "against": b[f"{key}_against"], "ratio": _finite(b["ratio"]),
+                               "ratio_95": [_finite(v) for v in b["ratio_95"]], "difference": b["difference"],
+                               "difference_95": b["difference_95"], "p_better": b["p_better"]}
+    return {"bundle": result["bundle"], "against": against["bundle"], "data": result["data"],
+            "sessions": list(mine), "trials": sum(len(r["references"]) for r in mine.values()),
+            "n_boot": n_boot, "decoders": rows}
+
+
+def _finite(x: float) -> float | None:
+    """A ratio over a zero error rate is no number: None (JSON null), not inf."""
+    return float(x) if np.isfinite(x) else None
+
+
+def _ratio_text(c: dict) -> str:
+    if c["ratio"] is None:
+        return "- (B is 0)"
+    lo, hi = ("-" if v is None else f"{v:.2f}" for v in c["ratio_95"])  # "-": replicates where B is 0
+    return f"{c['ratio']:.2f} [{lo}, {hi}]"
+
+
+def format_comparison(comparison: dict) -> str:
+    """The comparison table ``closedloop evaluate --against`` prints after both evaluations."""
+    lines = [f"{comparison['bundle']} (A) against {comparison['against']} (B): {comparison['trials']} evaluation "
+             f"trials in {len(comparison['sessions'])} session(s); ratio A / B with a paired bootstrap 95% interval "
+             f"({comparison['n_boot']} replicates of the trials); P(A lower): the share of replicates A is lower",
+             f"{'decoder':<12}{'metric':<8}{'A':>9}{'B':>9}{'A / B [95%]':>24}{'P(A lower)':>12}"]
+    for d, row in comparison["decoders"].items():
+        for metric, c in row.items():
+            lines.append(f"{d:<12}{metric:<8}{c['bundle']:>9.2%}{c['against']:>9.2%}{_ratio_text(c):>24}"
+                         f"{c['p_better']:>12.2f}")
+    return "\n".join(lines)
 
 
 def _other_sessions(calibrated_for: str | None, names: list[str]) -> list[str]:

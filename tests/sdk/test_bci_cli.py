@@ -19,7 +19,13 @@ import torch
 from closedloop.runtime import BundleError, load_bundle
 from closedloop.runtime.families.bci import read_calibration_state
 from closedloop.runtime.integrity import seal_manifest
-from closedloop.sdk.bci import calibrate_bundle, evaluate_bundle, format_evaluation
+from closedloop.sdk.bci import (
+    calibrate_bundle,
+    compare_evaluations,
+    evaluate_bundle,
+    format_comparison,
+    format_evaluation,
+)
 from closedloop.sdk.bci.calibrate import CalibrationConfig
 from closedloop.sdk.bci.data import Normalization, make_examples, session_normalization
 from closedloop.sdk.bci.deploy import CALIBRATION_STATE_FILE, decoder_from_state, export_bci_bundle
@@ -376,6 +382,52 @@ def test_evaluate_options_choose_the_lexicon_and_sentence_end(calibrated, held_o
     assert "--sentence-end 'x'" in capsys.readouterr().err
     assert main(["evaluate", str(out), "--data", str(held_out_file), "--beam", "--lexicon", str(tmp_path / "no")]) == 2
     assert "not 'closed', 'open' or a word file" in capsys.readouterr().err
+
+
+def test_evaluate_against_another_bundle_compares_them_trial_for_trial(calibrated, bundle, held_out_file, capsys):
+    out, _ = calibrated
+    assert main(["evaluate", str(out), "--data", str(held_out_file), "--against", str(bundle), "--backend", "numba",
+                 "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)  # stdout is one JSON document: both evaluations and the comparison
+    c = r["comparison"]
+    assert (c["bundle"], c["against"], c["trials"]) == (str(out), str(bundle), 3)
+    assert set(c["decoders"]) == {"greedy", "greedy_end"} == set(r["against"]["decoders"])
+    for d, row in c["decoders"].items():
+        for metric, v in row.items():  # the compared figures are each evaluation's own
+            assert v["bundle"] == pytest.approx(r["mean"][d][metric])
+            assert v["against"] == pytest.approx(r["against"]["mean"][d][metric])
+            assert v["difference"] == pytest.approx(v["bundle"] - v["against"])
+            if v["against"] > 0:
+                assert v["ratio"] == pytest.approx(v["bundle"] / v["against"])
+    # a bundle against itself: every replicate ties
+    same = compare_evaluations(evaluate_bundle(out, held_out_file, backend="numba"),
+                               evaluate_bundle(out, held_out_file, backend="numba"))
+    assert same["decoders"]["greedy"]["CER"]["difference_95"] == [0.0, 0.0]
+    assert same["decoders"]["greedy"]["CER"]["p_better"] == 0.0
+    assert main(["evaluate", str(out), "--data", str(held_out_file), "--against", str(bundle), "--backend",
+                 "numba"]) == 0
+    text = capsys.readouterr().out
+    assert f"{out} (A) against {bundle} (B): 3 evaluation trials in 1 session(s)" in text and "A / B [95%]" in text
+    assert main(["evaluate", str(out), "--data", str(held_out_file), "--against", str(held_out_file)]) == 2
+
+
+def _scored(name, predictions, references):
+    return {"bundle": name, "data": "day.nwb", "decoders": ["greedy"],
+            "sessions": {"2023.04.17": {"predictions": {"greedy": predictions}, "references": references}}}
+
+
+def test_a_comparison_says_which_bundle_is_better_and_refuses_different_data():
+    refs = [f"word{i}>and>more~" for i in range(30)]
+    perfect = _scored("a", refs, refs)
+    worse = _scored("b", [r[:-3] for r in refs], refs)  # three characters lost in every sentence
+    c = compare_evaluations(perfect, worse)["decoders"]["greedy"]["CER"]
+    assert c["bundle"] == 0.0 and c["against"] > 0.1 and c["ratio"] == 0.0 and c["ratio_95"] == [0.0, 0.0]
+    assert c["p_better"] == 1.0 and c["difference_95"][1] < 0
+    back = compare_evaluations(worse, perfect)
+    assert back["decoders"]["greedy"]["CER"]["ratio"] is None  # over a zero error rate: no number, and JSON null
+    assert "- (B is 0)" in format_comparison(back) and json.loads(json.dumps(back)) == back
+    with pytest.raises(ValueError, match="not scored on the same sessions and sentences"):
+        compare_evaluations(perfect, _scored("c", refs[:-1], refs[:-1]))
 
 
 def test_evaluate_open_lexicon_uses_english_word_frequencies(calibrated, held_out_file):
