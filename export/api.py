@@ -108,7 +108,9 @@ def _example_inputs(example: Any, input_name: str | Sequence[str]) -> tuple[list
         if not isinstance(v, torch.Tensor | np.ndarray):
             raise ExportError(f"example input {name!r} is a {type(v).__name__}; give a torch tensor or a numpy array "
                               "shaped (batch, features...)")
-        tensors.append(torch.as_tensor(v))
+        # an example only fixes shapes: numpy's default float64 is taken as the float32 the bundle computes in
+        tensors.append(torch.as_tensor(v, dtype=torch.float32) if isinstance(v, np.ndarray) and v.dtype == np.float64
+                       else torch.as_tensor(v))
     if len(set(names)) != len(names):
         raise ExportError(f"input names must be distinct, got {names}")
     return names, tensors
@@ -180,7 +182,10 @@ def export_bundle(
     example_input
         One input batch ``(batch, features...)`` (a single step for recurrent modules). A module
         with several inputs takes a tuple (in the order ``forward``/``step`` takes them, named by
-        ``input_name``) or a dict ``{name: tensor}`` (its keys name the inputs).
+        ``input_name``) or a dict ``{name: tensor}`` (its keys name the inputs). Examples fix shapes
+        only: a bundle computes in float32, so a float64 numpy array is taken as float32, and a float64
+        tensor or module is refused (export ``module.float()``). A TorchScript module
+        (``torch.jit.script``, ``trace`` or ``load``) exports with ``kind="feedforward"``.
     rate_hz
         The loop rate the model was trained for (e.g. 50 for 20 ms bins).
     family, name, preprocess, postprocess, extra

@@ -71,6 +71,21 @@ class _Step(nn.Module):
         return as_outputs(self.module.step(*inputs_and_states), f"{type(self.module).__name__}.step")
 
 
+def check_float32(module: nn.Module, examples: dict[str, torch.Tensor]) -> None:
+    """Bundles compute in float32 (device frames are float32; fp16 is a variant made from the float32 graph):
+    refuse float64 example inputs or parameters by name, with the conversion to make, rather than fail later."""
+    wide = [f"example input {n!r}" for n, ex in examples.items() if ex.dtype == torch.float64]
+    wide += [f"parameter {n!r}" for n, p in module.named_parameters() if p.dtype == torch.float64][:3]
+    wide += [f"buffer {n!r}" for n, b in module.named_buffers() if b.dtype == torch.float64][:3]
+    if wide:
+        raise ExportError(
+            f"{', '.join(wide)} {'is' if len(wide) == 1 else 'are'} float64; a bundle computes in float32 (the "
+            "device's frames are float32, and the fp16 variants are made from the float32 graph): export "
+            "module.float() with float32 example inputs (check the float32 model's accuracy first if it was "
+            "trained in float64)"
+        )
+
+
 def initial_states(module: nn.Module, batch: int) -> tuple[torch.Tensor, ...]:
     """``module.init_state(batch)`` as a tuple of tensors."""
     return as_outputs(module.init_state(batch), f"{type(module).__name__}.init_state({batch})")
@@ -216,15 +231,26 @@ def export_onnx(
                 f"example input {name!r} must be a floating-point tensor shaped (batch, features...), got "
                 f"{getattr(ex, 'dtype', type(ex).__name__)} {tuple(getattr(ex, 'shape', ()))}"
             )
+    check_float32(module, dict(zip(data_names, examples, strict=True)))
     device = module_device(module)
     examples = [ex.to(device) for ex in examples]
     n_data = len(examples)
+    scripted = isinstance(module, torch.jit.ScriptModule)
     if kind == "recurrent":
+        if scripted:
+            raise ExportError(
+                f"{type(module).__name__} is a TorchScript module (torch.jit.script, trace or load): its step() "
+                "cannot be traced into a one-step graph. Export the Python module it was made from, or script a "
+                "module whose forward(x, *states) is the step and export that with kind='recurrent' from Python"
+            )
         check_recurrent_protocol(module)
         fn: nn.Module = _Step(module)
     else:
         fn = _FeedForward(module)
     fn.eval()
+    # torch's tracer cannot enter a TorchScript module from inside a Python wrapper: export it directly (its
+    # forward is the graph); the wrapper still runs it for the shapes and the parity checks
+    traced: nn.Module = module if scripted else fn
 
     def run(batch: int) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
         xs = tuple(example_batch(ex, batch) for ex in examples)
@@ -265,7 +291,7 @@ def export_onnx(
     with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         torch_onnx_export(
-            fn,
+            traced,
             ins2,
             buf,
             root=module,
