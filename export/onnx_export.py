@@ -71,6 +71,69 @@ class _Step(nn.Module):
         return as_outputs(self.module.step(*inputs_and_states), f"{type(self.module).__name__}.step")
 
 
+def _run_batches(run: Callable[[int], Any], probe: Callable[[], None], module: nn.Module, kind: str) -> tuple[Any, Any]:
+    """``run(2)`` and ``run(3)`` (which axis changes is the batch); a module that fails there is explained: one that
+    works at batch 1 only is told how to take any batch, one that fails at batch 1 too is shown its error. A module
+    whose buffers change when it runs (``probe``: random inputs) keeps state the graph cannot carry, and is refused;
+    the buffers are put back either way."""
+    what = f"{type(module).__name__}.{'step' if kind == 'recurrent' else 'forward'}"
+    before = {n: b.detach().clone() for n, b in module.named_buffers()}
+    try:
+        out = run(2), run(3)
+        # compared after those runs, so a cache a module fills on its first call (rotary tables) is not state
+        settled = {n: b.detach().clone() for n, b in module.named_buffers()}
+        try:
+            probe()
+        except Exception:  # noqa: BLE001 - random inputs outside what the module accepts: the examples decide
+            pass
+        changed = [n for n, b in module.named_buffers() if n in settled and not _same_tensor(b, settled[n])]
+        if changed:
+            raise ExportError(
+                f"{what} changes its buffer(s) {changed[:4]} when it runs: state kept inside the module is frozen "
+                "at trace time, so the bundle would not carry it. Make the state explicit: kind='recurrent' with "
+                "init_state(batch) and step(x, *states) -> (y, *new_states), which the runtime carries from step "
+                "to step (docs/workflow.md)"
+            )
+        return out
+    except ExportError:
+        raise
+    except Exception as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        try:
+            run(1)
+        except Exception:
+            raise ExportError(f"{what} fails on the example input(s): {type(exc).__name__}: {first}") from exc
+        raise ExportError(
+            f"{what} runs at batch 1 but fails at batch 2 ({type(exc).__name__}: {first}). The exporter runs it at "
+            "batch sizes 2 and 3 to find which axis is the batch (the bundle's graph takes any batch; parity is "
+            "checked at 1 and 3): make it batch-agnostic, e.g. x.reshape(x.shape[0], -1) instead of "
+            "x.reshape(1, -1), and no buffer or constant shaped with a batch of 1"
+        ) from exc
+    finally:
+        _restore_buffers(module, before)  # the runs above leave the caller's module as it was
+
+
+def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and bool(torch.equal(a, b))
+
+
+def _restore_buffers(module: nn.Module, saved: dict[str, torch.Tensor]) -> None:
+    """Put ``saved`` back: in place where the buffer kept its shape, else the tensor itself (Python modules; a
+    TorchScript module's buffers can only change in place)."""
+    owners = dict(module.named_modules())
+    current = dict(module.named_buffers())
+    for name, value in saved.items():
+        now = current.get(name)
+        if now is None or _same_tensor(now, value):
+            continue
+        with torch.no_grad():
+            if now.shape == value.shape and now.dtype == value.dtype:
+                now.copy_(value)
+            elif not isinstance(module, torch.jit.ScriptModule):
+                owner, _, leaf = name.rpartition(".")
+                owners[owner]._buffers[leaf] = value
+
+
 def check_float32(module: nn.Module, examples: dict[str, torch.Tensor]) -> None:
     """Bundles compute in float32 (device frames are float32; fp16 is a variant made from the float32 graph):
     refuse float64 example inputs or parameters by name, with the conversion to make, rather than fail later."""
@@ -258,7 +321,14 @@ def export_onnx(
         with torch.no_grad():
             return (*xs, *states), fn(*xs, *states)
 
-    (ins2, outs2), (ins3, outs3) = run(2), run(3)
+    def probe() -> None:  # random inputs: a buffer that follows the data changes even where the examples are zeros
+        g = torch.Generator().manual_seed(0)
+        xs = tuple(torch.randn(tuple(example_batch(ex, 2).shape), generator=g).to(ex) for ex in examples)
+        states = tuple(s.to(device) for s in initial_states(module, 2)) if kind == "recurrent" else ()
+        with torch.no_grad():
+            fn(*xs, *states)
+
+    (ins2, outs2), (ins3, outs3) = _run_batches(run, probe, module, kind)
     n_states = len(ins2) - n_data
     n_data_out = len(outs2) - n_states
     if n_data_out < 1:

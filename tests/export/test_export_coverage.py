@@ -244,6 +244,43 @@ def test_a_float64_model_is_refused_with_the_conversion_and_a_numpy_example_is_t
     assert _graph_record(bundle)[0]["graphs"]["main"]["inputs"][0]["dtype"] == "float32"
 
 
+class BatchOfOne(nn.Module):
+    """Streaming code written for one window at a time: flattens with a hard-coded batch of 1."""
+
+    def __init__(self):
+        super().__init__()
+        self.head = nn.Linear(T * FEATURES, 2)
+
+    def forward(self, x):
+        return self.head(x.reshape(1, -1))
+
+
+class SmoothsInside(nn.Module):
+    """Keeps a running mean in a buffer that forward updates: state the traced graph would freeze."""
+
+    def __init__(self):
+        super().__init__()
+        self.head = nn.Linear(FEATURES, 2)
+        self.register_buffer("mean", torch.zeros(FEATURES))
+        self.register_buffer("cache", torch.zeros(0))  # filled on the first call only, as rotary tables are
+
+    def forward(self, x):
+        if self.cache.numel() == 0:
+            self.cache = torch.ones(FEATURES)
+        self.mean.mul_(0.9).add_(0.1 * x.mean(0))
+        return self.head(x * self.cache - self.mean)
+
+
+def test_a_batch_of_one_or_state_in_buffers_is_explained_and_the_module_left_as_it_was(tmp_path):
+    with pytest.raises(ExportError, match=r"BatchOfOne.forward runs at batch 1 but fails at batch 2 .*"
+                                          r"x.reshape\(x.shape\[0\], -1\)"):
+        _export(BatchOfOne().eval(), tmp_path / "b1", "feedforward", torch.zeros(WINDOW))
+    module = SmoothsInside().eval()
+    with pytest.raises(ExportError, match=r"changes its buffer\(s\) \['mean'\] .* kind='recurrent'"):
+        _export(module, tmp_path / "ema", "feedforward", torch.zeros(1, FEATURES))  # zeros leave the mean at 0
+    assert torch.equal(module.mean, torch.zeros(FEATURES)) and module.cache.numel() == 0  # as before the export
+
+
 def test_batchnorm_after_conv_is_folded_and_alone_is_inference_mode(tmp_path):
     conv = _export(_trained_looking(ConvOverWindow()), tmp_path / "conv", "feedforward", torch.randn(CHANNEL_WINDOW))
     checks = json.loads((conv / "manifest.json").read_text())["provenance"]["export"]["settings"]["graph_checks"]
