@@ -13,6 +13,7 @@ from .api import ExportOptions, export_bundle
 from .errors import ExportError, GraphCheckError, ParityError, UnsupportedOpError
 from .onnx_export import ExportedGraph, export_onnx
 from .parity import FP32_TOLERANCE, Tolerance
+from .sequence_step import SequenceStep
 from .tensorrt import build_tensorrt_engines, tensorrt_compatibility
 from .variants import VARIANT_TOLERANCES, VARIANTS
 from .writer import write_bundle
@@ -26,6 +27,7 @@ __all__ = [
     "ExportedGraph",
     "GraphCheckError",
     "ParityError",
+    "SequenceStep",
     "Tolerance",
     "build_tensorrt_engines",
     "export_bundle",

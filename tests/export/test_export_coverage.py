@@ -326,6 +326,41 @@ def test_lstm_step_with_two_states_streams_like_torch(tmp_path):
     assert _close(got, want[0].numpy()), f"max abs error {np.max(np.abs(got - want[0].numpy())):.2e}"
 
 
+class SequenceModel(nn.Module):
+    """A recurrent model as users write it: ``forward(seq, state) -> (out, new_state)``, batch first."""
+
+    def __init__(self, cell: type[nn.Module]):
+        super().__init__()
+        self.rnn = cell(FEATURES, 8, 2, batch_first=True)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, seq, state):
+        y, state = self.rnn(seq, state)
+        return self.head(y).log_softmax(-1), state
+
+
+@pytest.mark.parametrize("cell", [nn.GRU, nn.LSTM])
+def test_a_sequence_model_streams_through_the_step_adapter_like_one_call_over_the_sequence(cell, tmp_path):
+    from closedloop.export import SequenceStep
+
+    torch.manual_seed(0)
+    module = SequenceModel(cell).eval()
+    zeros = (lambda b: torch.zeros(2, b, 8)) if cell is nn.GRU else (lambda b: (torch.zeros(2, b, 8),) * 2)
+    bundle = _export(SequenceStep(module, zeros), tmp_path / cell.__name__, "recurrent", torch.zeros(1, FEATURES))
+    graph = _graph_record(bundle)[0]["graphs"]["main"]
+    assert [t["name"] for t in graph["inputs"]] == (["x", "h"] if cell is nn.GRU else ["x", "h0", "h1"])
+    assert graph["parity"]["checks"]["sequence_vs_torch_full_forward"]["within_tolerance"]
+    seq = np.random.default_rng(5).standard_normal((30, FEATURES)).astype(np.float32)
+    model = Model(bundle, backend="onnxruntime")
+    got = np.stack([model.step(row[None]).copy()[0] for row in seq])
+    with torch.no_grad():
+        want, _ = module(torch.from_numpy(seq)[None], zeros(1))
+    assert _close(got, want[0].numpy()), f"max abs error {np.max(np.abs(got - want[0].numpy())):.2e}"
+    # without the adapter the error names it
+    with pytest.raises(ExportError, match=r"has no step or init_state\(\).*closedloop.export.SequenceStep"):
+        _export(module, tmp_path / "bare", "recurrent", torch.zeros(1, FEATURES))
+
+
 def test_fast_path_is_off_inside_and_restored_after_even_on_error():
     for before in (True, False):
         torch.backends.mha.set_fastpath_enabled(before)
