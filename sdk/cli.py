@@ -126,7 +126,7 @@ def _run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cpu", type=int, default=None, metavar="N", help="with --rt: pin the loop's thread to CPU N")
     p.add_argument("--priority", type=int, default=None, metavar="P",
                    help="with --rt: the SCHED_FIFO priority, 1-99 (default 80)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the synthetic frames when there is no --device")
     p.add_argument("--quiet", action="store_true", help="no live status line")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     _trust_arg(p)
@@ -335,7 +335,7 @@ def _replay(a: argparse.Namespace) -> int:
 def _nwb_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("recording")
     p.add_argument("out", help="NWB file to write")
-    p.add_argument("--overwrite", action="store_true")
+    p.add_argument("--overwrite", action="store_true", help="replace OUT if it exists (atomically)")
     p.add_argument("--json", action="store_true", help="print the file written as JSON")
 
 
@@ -509,7 +509,7 @@ def _importable(module: str) -> bool:
 def _generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("out", help="folder for the NWB files (FALCON H2 layout, DANDI-style names)")
     p.add_argument("--preset", choices=["default", "tiny"], default="default")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the generated recording (default 0)")
     p.add_argument("--config", default=None, help="a HandwritingConfig JSON (overrides --preset)")
     p.add_argument("--ablate", default=None, help="switch one drift component off (see docs/handwriting_data.md)")
 

@@ -46,7 +46,8 @@ def _train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="a HarnessConfig JSON (train/meta/calibration sections): its settings replace "
                                     "those of the benchmark's configuration (or --tiny's); the rest stay")
     p.add_argument("--tiny", action="store_true", help="the tests' tiny training configuration (a minute; not scaled)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0,
+                   help="seeds the model's initial weights, the batches and the validation split (default 0)")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda")
     p.add_argument("--end-completion", choices=("off", "sentence-end", "plain"), default="off",
                    help="end-of-trial completion in the bundle's runtime text (docs/bci_deployment.md): 'sentence-end' "
@@ -75,7 +76,7 @@ def _train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--allow-unlearned", action="store_true",
                    help="exit 0 even when the decoder has not learned (it is written either way)")
     p.add_argument("--json", action="store_true", help="print the training summary as JSON on stdout")
-    p.add_argument("--overwrite", action="store_true")
+    p.add_argument("--overwrite", action="store_true", help="replace --out if it exists (atomically)")
 
 
 def _explicit_train_settings(config: str | None, steps: int | None) -> frozenset[str]:
