@@ -80,7 +80,7 @@ def _backends(a: argparse.Namespace) -> int:
 
 
 def _run_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("bundle")
+    p.add_argument("bundle", help="bundle folder or zip")
     p.add_argument("--device", default=None,
                    help="device URL: a port path, serial:///dev/ttyACM0?baud=921600, sim://NAME?..., replay://FILE, "
                         "loop://, socket://HOST:PORT (spy+URL hexdumps traffic). Without it, synthetic frames drive the loop")
@@ -301,9 +301,9 @@ def _doctor(a: argparse.Namespace) -> int:
 
 
 def _replay_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("recording")
+    p.add_argument("recording", help="a session recording (.clrec)")
     p.add_argument("--bundle", required=True, help="bundle to re-run over the recorded input frames")
-    p.add_argument("--backend", default="auto")
+    p.add_argument("--backend", default="auto", help="backend name or 'auto' (fastest measured here)")
     p.add_argument("--tolerance", type=float, default=None,
                    help="fail (exit 1) if any output differs from the recorded one by more than this")
     p.add_argument("--key", default=None,
@@ -333,7 +333,7 @@ def _replay(a: argparse.Namespace) -> int:
 
 
 def _nwb_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("recording")
+    p.add_argument("recording", help="a session recording (.clrec)")
     p.add_argument("out", help="NWB file to write")
     p.add_argument("--overwrite", action="store_true", help="replace OUT if it exists (atomically)")
     p.add_argument("--json", action="store_true", help="print the file written as JSON")
@@ -349,7 +349,7 @@ def _export_nwb(a: argparse.Namespace) -> int:
 
 
 def _recording_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("recording")
+    p.add_argument("recording", help="a session recording (.clrec)")
     p.add_argument("--json", action="store_true", help="print what it holds, its META and SUMMARY as JSON")
     p.add_argument("--plot", default=None, metavar="OUT.png",
                    help="draw latency over time, its histogram, the input stream, the commands and the events")
@@ -508,7 +508,9 @@ def _importable(module: str) -> bool:
 
 def _generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("out", help="folder for the NWB files (FALCON H2 layout, DANDI-style names)")
-    p.add_argument("--preset", choices=["default", "tiny"], default="default")
+    p.add_argument("--preset", choices=["default", "tiny"], default="default",
+                   help="default: FALCON H2's 21 held-in and 5 held-out days, 192 channels; tiny: 3 + 2 days of 16 "
+                        "channels and 8 short trials, for a quick try")
     p.add_argument("--seed", type=int, default=0, help="seed of the generated recording (default 0)")
     p.add_argument("--config", default=None, help="a HandwritingConfig JSON (overrides --preset)")
     p.add_argument("--ablate", default=None, help="switch one drift component off (see docs/handwriting_data.md)")

@@ -138,7 +138,7 @@ def _evaluate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("bundle", help="a bci_handwriting bundle")
     p.add_argument("--data", required=True, help="an NWB file or a folder of them (FALCON H2 layout)")
     p.add_argument("--beam", action="store_true", help="also score the lexicon-constrained beam search")
-    p.add_argument("--beam-width", type=int, default=16)
+    p.add_argument("--beam-width", type=int, default=16, help="prefixes the beam search keeps (default 16)")
     p.add_argument("--lexicon", default=None, metavar="closed|open|FILE",
                    help="the beam's vocabulary: 'closed' (default; the words of the sentences the bundle was trained "
                         "and calibrated on, stored in it: optimistic WER), 'open' (English, the most frequent words "

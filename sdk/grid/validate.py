@@ -198,7 +198,7 @@ def format_report(r: dict) -> str:
 
 
 def _validate_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("bundle")
+    p.add_argument("bundle", help="the bundle each session runs (folder or zip)")
     p.add_argument("--device", required=True, help="emulator URL, sim://NAME?... (docs/devices.md)")
     p.add_argument("--sessions", type=int, required=True, help="how many sessions (each its own seed)")
     p.add_argument("--duration", type=float, required=True, help="seconds per session")

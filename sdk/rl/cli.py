@@ -20,7 +20,8 @@ def _rl_train_args(p: argparse.ArgumentParser) -> None:
                    help="sparse outcome reward, success visitation matching (svm), its potential-based variant, or "
                         "the success-only discriminator (gail)")
     p.add_argument("--steps", type=int, default=None, help="fine-tuning environment steps (default: the config's)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0,
+                   help="seeds the demonstrations, the cloning, SAC and the evaluation episodes (default 0)")
     p.add_argument("--lam", type=float, default=None, help="lambda, the weight of the discriminator term")
     p.add_argument("--beta", type=float, default=None, help="logit clip")
     p.add_argument("--config", default=None, help="a FineTuneConfig as JSON (a run.json's 'config' also works); "

@@ -16,11 +16,11 @@ def _inject_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--adaptive", action="store_true",
                    help="targeted, int8 variant only: flip only sets that keep the block constraints of the unkeyed "
                         "layout")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the random flips or the targeted search (default 0)")
     p.add_argument("--variant", choices=("fp32", "fp16", "int8"), default="fp32", help="which stored precision to hit")
     p.add_argument("--data", help="targeted only: .npy of model inputs (recurrent: batch x steps x features)")
     p.add_argument("--out", help="where to write the corrupted copy (default BUNDLE.faulty)")
-    p.add_argument("--overwrite", action="store_true")
+    p.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
 
 
 @command("inject-faults", "write a copy of a bundle with flipped weight bits (refused by its checksum unless skipped)",
@@ -39,7 +39,8 @@ def _inject(a: argparse.Namespace) -> int:
 
 def _scrub_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("bundle", help="bundle folder or zip (protected with sdk.robust)")
-    p.add_argument("--variant", choices=("fp32", "fp16", "int8"), default="fp32")
+    p.add_argument("--variant", choices=("fp32", "fp16", "int8"), default="fp32",
+                   help="which stored precision to check and repair (default fp32)")
     p.add_argument("--backend", default="onnxruntime", help="backend whose weights are checked (numba, onnxruntime)")
     p.add_argument("--skip-checksum", action="store_true",
                    help="load a bundle whose checksums fail (fault-injection studies only)")

@@ -30,6 +30,17 @@ def test_a_subcommands_bad_flag_shows_that_subcommands_usage(mlp_bundle):
     assert "usage: closedloop inspect" in r.stderr and "--no-such-flag" in r.stderr
 
 
+def test_every_argument_of_every_command_says_what_it_is_in_help():
+    import argparse
+
+    from closedloop.sdk.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    silent = [f"{name} {act.option_strings or act.dest}" for name, p in sub.choices.items() for act in p._actions
+              if not act.help and act.dest != "help"]
+    assert len(sub.choices) >= 20 and silent == []
+
+
 @pytest.mark.parametrize("args", [("inspect", "{b}", "--json"), ("backends", "{b}", "--json")])
 def test_json_commands_print_only_json_on_stdout(mlp_bundle, args):
     r = _run(*(a.format(b=mlp_bundle) for a in args))
