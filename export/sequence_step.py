@@ -32,6 +32,9 @@ class SequenceStep(nn.Module):
     init_state
         ``init_state(batch)``: the zero state for a batch, a tensor or a tuple of tensors shaped as ``forward``
         takes it (``lambda b: torch.zeros(layers, b, hidden)`` for a GRU, a pair of those for an LSTM).
+    batch_first
+        Whether ``forward`` takes and returns sequences as (B, T, ...) (default) or time first, (T, B, ...), as
+        ``nn.GRU`` and ``nn.LSTM`` do without ``batch_first=True``.
 
     Example
     -------
@@ -50,13 +53,15 @@ class SequenceStep(nn.Module):
     ((3, 2), (1, 3, 8))
     """
 
-    def __init__(self, module: nn.Module, init_state: Callable[[int], StateLike]):
+    def __init__(self, module: nn.Module, init_state: Callable[[int], StateLike], batch_first: bool = True):
         super().__init__()
         if isinstance(module, torch.jit.ScriptModule):
             raise ExportError(f"{type(module).__name__} is a TorchScript module: the tracer cannot enter it from the "
                               "step adapter; wrap the Python module it was made from")
         self.module = module
         self._init_state = init_state
+        self.batch_first = bool(batch_first)
+        self.time_axis = 1 if self.batch_first else 0
         first = init_state(1)
         self.nested = isinstance(first, tuple | list)
         states = tuple(first) if self.nested else (first,)
@@ -87,10 +92,15 @@ class SequenceStep(nn.Module):
 
     def step(self, x: torch.Tensor, *states: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """One step: ``x`` (B, ...) is a sequence of length 1 to ``forward``; returns ``(y, *new_states)``."""
-        y, new = self._call(x.unsqueeze(1), states)
-        return (y.squeeze(1), *self._flat(new, "after one step"))
+        y, new = self._call(x.unsqueeze(self.time_axis), states)
+        return (y.squeeze(self.time_axis), *self._flat(new, "after one step"))
 
     def forward(self, seq: torch.Tensor, *states: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """The whole sequence at once: ``(outputs over it, *final states)``."""
-        y, new = self._call(seq, states)
+        """The whole sequence at once, batch first whatever the module's layout: ``(outputs over it, *final
+        states)``."""
+        if self.batch_first:
+            y, new = self._call(seq, states)
+        else:
+            y, new = self._call(seq.transpose(0, 1), states)
+            y = y.transpose(0, 1)
         return (y, *self._flat(new, "after the sequence"))

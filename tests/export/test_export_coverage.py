@@ -329,9 +329,9 @@ def test_lstm_step_with_two_states_streams_like_torch(tmp_path):
 class SequenceModel(nn.Module):
     """A recurrent model as users write it: ``forward(seq, state) -> (out, new_state)``, batch first."""
 
-    def __init__(self, cell: type[nn.Module]):
+    def __init__(self, cell: type[nn.Module], batch_first: bool = True):
         super().__init__()
-        self.rnn = cell(FEATURES, 8, 2, batch_first=True)
+        self.rnn = cell(FEATURES, 8, 2, batch_first=batch_first)
         self.head = nn.Linear(8, 3)
 
     def forward(self, seq, state):
@@ -339,14 +339,15 @@ class SequenceModel(nn.Module):
         return self.head(y).log_softmax(-1), state
 
 
-@pytest.mark.parametrize("cell", [nn.GRU, nn.LSTM])
-def test_a_sequence_model_streams_through_the_step_adapter_like_one_call_over_the_sequence(cell, tmp_path):
+@pytest.mark.parametrize(("cell", "batch_first"), [(nn.GRU, True), (nn.LSTM, True), (nn.GRU, False)])
+def test_a_sequence_model_streams_through_the_step_adapter_like_one_call_over_the_sequence(cell, batch_first, tmp_path):
     from closedloop.export import SequenceStep
 
     torch.manual_seed(0)
-    module = SequenceModel(cell).eval()
+    module = SequenceModel(cell, batch_first).eval()
     zeros = (lambda b: torch.zeros(2, b, 8)) if cell is nn.GRU else (lambda b: (torch.zeros(2, b, 8),) * 2)
-    bundle = _export(SequenceStep(module, zeros), tmp_path / cell.__name__, "recurrent", torch.zeros(1, FEATURES))
+    bundle = _export(SequenceStep(module, zeros, batch_first=batch_first), tmp_path / f"{cell.__name__}{batch_first}",
+                     "recurrent", torch.zeros(1, FEATURES))
     graph = _graph_record(bundle)[0]["graphs"]["main"]
     assert [t["name"] for t in graph["inputs"]] == (["x", "h"] if cell is nn.GRU else ["x", "h0", "h1"])
     assert graph["parity"]["checks"]["sequence_vs_torch_full_forward"]["within_tolerance"]
@@ -354,8 +355,9 @@ def test_a_sequence_model_streams_through_the_step_adapter_like_one_call_over_th
     model = Model(bundle, backend="onnxruntime")
     got = np.stack([model.step(row[None]).copy()[0] for row in seq])
     with torch.no_grad():
-        want, _ = module(torch.from_numpy(seq)[None], zeros(1))
-    assert _close(got, want[0].numpy()), f"max abs error {np.max(np.abs(got - want[0].numpy())):.2e}"
+        want, _ = module(torch.from_numpy(seq)[None] if batch_first else torch.from_numpy(seq)[:, None], zeros(1))
+    want = want[0] if batch_first else want[:, 0]
+    assert _close(got, want.numpy()), f"max abs error {np.max(np.abs(got - want.numpy())):.2e}"
     # without the adapter the error names it
     with pytest.raises(ExportError, match=r"has no step or init_state\(\).*closedloop.export.SequenceStep"):
         _export(module, tmp_path / "bare", "recurrent", torch.zeros(1, FEATURES))
