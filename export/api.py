@@ -208,7 +208,8 @@ def export_bundle(
         Replace an existing bundle; write one zip file instead of a folder.
     input_name, output_name
         Graph tensor names (state tensors are named by ``options.state_names``); a string names
-        several inputs ``x0``, ``x1``, ... .
+        several inputs ``x0``, ``x1``, ... . A ``forward`` that returns a dict of tensors names its
+        outputs by the keys, in order, unless ``output_name`` lists names.
     input_roles, output_roles
         ``{name: role}``: what each tensor is to a session (inputs: ``measurement`` from the device's
         stream, ``goal``/``mode``/``context`` held by the session; outputs: ``command``, ``estimate``,

@@ -25,7 +25,7 @@ from __future__ import annotations
 import io
 import os
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,21 +45,29 @@ BATCH = "batch"  # the one dynamic axis name we export (TensorSpec.concrete_shap
 
 
 def as_outputs(value: Any, what: str) -> tuple[torch.Tensor, ...]:
-    """A tensor or a tuple/list of tensors, as a tuple; anything else is refused by name."""
+    """A tensor, a tuple/list of tensors or a dict of them (its values in order), as a tuple; anything else is
+    refused by name."""
     if isinstance(value, torch.Tensor):
         return (value,)
+    if isinstance(value, Mapping):
+        value = list(value.values())
     if isinstance(value, tuple | list) and value and all(isinstance(v, torch.Tensor) for v in value):
         return tuple(value)
-    raise ExportError(f"{what} returned {type(value).__name__}; expected a Tensor or a tuple of Tensors")
+    raise ExportError(f"{what} returned {type(value).__name__}; expected a Tensor, a tuple of Tensors or a dict "
+                      "of them")
 
 
 class _FeedForward(nn.Module):
     def __init__(self, module: nn.Module):
         super().__init__()
         self.module = module
+        self.output_keys: list[str] | None = None  # a forward that returns a dict: its keys, in order
 
     def forward(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return as_outputs(self.module(*inputs), f"{type(self.module).__name__}.forward")
+        value = self.module(*inputs)
+        if isinstance(value, Mapping):
+            self.output_keys = [str(k) for k in value]
+        return as_outputs(value, f"{type(self.module).__name__}.forward")
 
 
 class _Step(nn.Module):
@@ -350,6 +358,9 @@ def export_onnx(
             )
     s_names = _names(state_names, n_states, "h", "state") if n_states else []
     in_names = [*data_names, *s_names]
+    keys = getattr(fn, "output_keys", None)
+    if keys and output_name in (None, "y"):  # a dict's keys name the outputs unless names were given
+        output_name = keys
     out_names = [*_names(output_name, n_data_out, "y", "output"), *[f"{s}_out" for s in s_names]]
     if len(set(in_names + out_names)) != len(in_names) + len(out_names):
         raise ExportError(f"input/output names must be distinct, got inputs {in_names} and outputs {out_names}")

@@ -244,6 +244,37 @@ def test_a_float64_model_is_refused_with_the_conversion_and_a_numpy_example_is_t
     assert _graph_record(bundle)[0]["graphs"]["main"]["inputs"][0]["dtype"] == "float32"
 
 
+class TwoHeads(nn.Module):
+    """A cursor decoder's two heads, returned as a dict: velocity and click logits."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Linear(FEATURES, 8)
+        self.velocity, self.click = nn.Linear(8, 2), nn.Linear(8, 1)
+
+    def forward(self, x):
+        h = torch.tanh(self.body(x))
+        return {"velocity": self.velocity(h), "click": self.click(h)}
+
+
+def test_a_dict_of_outputs_names_the_graphs_outputs_by_its_keys(tmp_path):
+    torch.manual_seed(0)
+    module = TwoHeads().eval()
+    bundle = _export(module, tmp_path / "heads", "feedforward", torch.zeros(1, FEATURES))
+    graph = _graph_record(bundle)[0]["graphs"]["main"]
+    assert [t["name"] for t in graph["outputs"]] == ["velocity", "click"] and graph["parity"]["within_tolerance"]
+    model = Model(bundle, backend="onnxruntime")
+    x = np.random.default_rng(2).standard_normal((1, FEATURES)).astype(np.float32)
+    model.step(x)
+    with torch.no_grad():
+        want = module(torch.from_numpy(x))
+    for name in ("velocity", "click"):
+        assert _close(model.outputs[name].copy(), want[name].numpy())
+    named = export_bundle(module, tmp_path / "named", kind="feedforward", example_input=torch.zeros(1, FEATURES),
+                          rate_hz=50.0, variants=(), tensorrt=False, report=lambda s: None, output_name=["v", "c"])
+    assert [t["name"] for t in _graph_record(named)[0]["graphs"]["main"]["outputs"]] == ["v", "c"]
+
+
 class BatchOfOne(nn.Module):
     """Streaming code written for one window at a time: flattens with a hard-coded batch of 1."""
 
