@@ -64,24 +64,26 @@ def test_the_report_joins_the_pieces_and_counts_the_cells_that_meet_each_target(
     pieces = (_pieces("a", 0.10, 0.09, 0.20, (0, 0), (4, 4))     # within 1.25x, two-stage clearly better
               + _pieces("b", 0.30, 0.10, 0.20, (3, 3), (2, 2))   # stopped too early: 3x the 4x run's CER
               + _pieces("c", 0.12, 0.11, 0.12, (1, 1), (1, 1))   # a tie
-              + _pieces("d", 0.1, 0.1, 0.1)[:3]                  # a piece not run yet
+              + _pieces("d", 0.1, 0.1, 0.1)[:3]                  # only the optional 4x session-layers piece missing
+              + _pieces("g", 0.1, 0.1, 0.1)[1:]                  # the default two-stage piece not run yet
               + [{"key": "e_x1_two_stage", "status": "failed", "error": "MemoryError: out"}]
               + _pieces("f", 0.2, 0.2, 0.2)[:1])                 # only the default two-stage piece
     cells = bench.assemble(pieces)
     status = {c["key"]: c["status"] for c in cells}
-    assert status == {"a": "ok", "b": "ok", "c": "ok", "d": "pending", "e": "failed", "f": "pending"}
+    assert status == {"a": "ok", "b": "ok", "c": "ok", "d": "ok", "e": "failed", "f": "pending", "g": "pending"}
     joined = next(c for c in cells if c["key"] == "a")["result"]
     assert joined["x4"]["scores"]["two_stage"]["greedy_CER"] == 0.09
     assert joined["paired_greedy_CER"]["ratio_95"][1] < 1  # 0 errors against 8: the bootstrap says better
     s = bench.summarize(cells)
     # each target is judged on the cells whose pieces for it are in: d lacks only its 4x session-layers piece, so
     # it counts for both (ratio 1.0, a tie); f has only its default-budget two-stage piece and counts for neither
-    assert (s["n_cells"], s["n_ok"], s["n_pending"]) == (6, 3, 2)
+    assert (s["n_cells"], s["n_ok"], s["n_pending"], s["n_all_pieces"]) == (7, 4, 2, 3)
     assert (s["within_ratio"], s["n_ratio"], s["two_stage_better"], s["n_methods"]) == (3, 4, 1, 4)
     rows = {r["key"]: r for r in s["cells"]}
     assert rows["b"]["ratio_to_x4"] == pytest.approx(3.0) and not rows["b"]["within_ratio"]
     assert rows["b"]["ratio_to_x4_95"] == [1.0, 1.0]  # the interval is the held-out texts', paired by trial
-    assert rows["d"]["pending"] == ["x4 session_layers"]
+    assert rows["d"]["missing"] == ["x4 session_layers"] and "pending" not in rows["d"]
+    assert rows["g"]["pending"] and rows["g"]["missing"] == ["x1 two_stage"]
     assert rows["d"]["two_stage_CER"] == 0.1 and rows["d"]["ratio_to_x4"] == 1.0
     assert "two_stage_vs_session_layers_95" in rows["d"]
     assert rows["f"]["two_stage_CER"] == 0.2 and "ratio_to_x4" not in rows["f"] and "two_stage_better" not in rows["f"]
@@ -89,7 +91,10 @@ def test_the_report_joins_the_pieces_and_counts_the_cells_that_meet_each_target(
     assert "3 of 4 cells with both two-stage pieces (target: every cell)" in md
     assert "1 of 4 cells with both default-budget pieces (target: most cells)" in md
     assert "3.00 [1.00, 1.00] (over)" in md  # b's texts: the same 6 errors in both budgets' pieces
-    assert "failed: MemoryError" in md and "| x4 session_layers |" in md
+    assert "failed: MemoryError" in md and "| x4 session_layers |" in md and "| x1 two_stage |" in md
+    assert md.startswith("# Robustness of the bci-train recipe (4 of 7 cells measured for both targets, 3 with all "
+                         "four pieces)")
+    assert "2 of 7 cell(s) lack a piece a target needs" in md and "is optional: no target needs it" in md
     assert "| 20.0 | - | - | - | - | - |" in md  # f: its one piece, the rest not run yet
     bench.plot(s, tmp_path / "p.png")
     assert (tmp_path / "p.png").stat().st_size > 1000
