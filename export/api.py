@@ -24,7 +24,7 @@ from torch import nn
 from closedloop.runtime.manifest import GraphSpec, Manifest, Window
 
 from .errors import ExportError
-from .onnx_export import KINDS, export_onnx, initial_states, module_device, to_numpy
+from .onnx_export import KINDS, eval_mode, export_onnx, initial_states, module_device, to_numpy
 from .parity import (
     FP32_TOLERANCE,
     Tolerance,
@@ -240,8 +240,7 @@ def export_bundle(
         # Export a CPU copy; the caller's module stays on its device, untouched.
         report(f"module is on {source_device}: exporting a CPU copy (parity is checked against fp32 torch on the CPU)")
         module = copy.deepcopy(module).cpu()
-    was_training = module.training
-    module.eval()
+    restore_mode = eval_mode(module)
     try:
         exported = export_onnx(
             module, examples, kind=kind, input_name=names, output_name=output_name,
@@ -270,7 +269,7 @@ def export_bundle(
         report(f"parity fp32 vs torch: max abs {fmt_error(parity['max_abs'])}, max rel {fmt_error(parity['max_rel'])} "
                f"over {len(parity['checks'])} checks ({parity['sequence_steps']}-step sequence): OK")
     finally:
-        module.train(was_training)
+        restore_mode()
 
     files: dict[str, bytes] = {spec.file: exported.onnx_bytes}
     for vname in variant_names:

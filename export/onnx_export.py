@@ -142,6 +142,22 @@ def _restore_buffers(module: nn.Module, saved: dict[str, torch.Tensor]) -> None:
                 owners[owner]._buffers[leaf] = value
 
 
+def eval_mode(module: nn.Module) -> Callable[[], None]:
+    """Put ``module`` in inference mode and return what puts its mode back. A module from ``torch.export``
+    (``ExportedProgram.module()``) refuses mode switches, and its shapes do not survive the TorchScript tracer
+    (its batch is fixed at the traced size): it is refused with what to export instead."""
+    was = module.training
+    try:
+        module.eval()
+    except NotImplementedError as exc:  # torch.export's GraphModule: "Calling eval() is not supported yet"
+        raise ExportError(
+            f"{type(module).__name__} cannot be put in eval mode ({exc}): it looks like a torch.export program's "
+            "module (ExportedProgram.module()), which export_bundle cannot trace with a free batch axis. Export "
+            "the nn.Module the program was made from (model.eval()), or a TorchScript module of it"
+        ) from exc
+    return lambda: module.train(was)
+
+
 def check_float32(module: nn.Module, examples: dict[str, torch.Tensor]) -> None:
     """Bundles compute in float32 (device frames are float32; fp16 is a variant made from the float32 graph):
     refuse float64 example inputs or parameters by name, with the conversion to make, rather than fail later."""
@@ -320,7 +336,8 @@ def export_onnx(
         fn: nn.Module = _Step(module)
     else:
         fn = _FeedForward(module)
-    fn.eval()
+    eval_mode(module)  # the caller's mode is the caller's to restore (export_bundle does)
+    fn.training = False
     # torch's tracer cannot enter a TorchScript module from inside a Python wrapper: export it directly (its
     # forward is the graph); the wrapper still runs it for the shapes and the parity checks
     traced: nn.Module = module if scripted else fn

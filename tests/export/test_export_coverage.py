@@ -231,6 +231,14 @@ def test_a_torchscript_module_exports_and_runs_like_torch(how, tmp_path):
         _export(module, tmp_path / "rec", "recurrent", example)
 
 
+def test_a_torch_export_program_is_refused_with_what_to_export_instead(tmp_path):
+    module = nn.Sequential(nn.Linear(FEATURES, 4), nn.Tanh()).eval()
+    program = torch.export.export(module, (torch.zeros(2, FEATURES),), dynamic_shapes=({0: torch.export.Dim.AUTO},))
+    with pytest.raises(ExportError, match=r"torch.export program's module .* Export the nn.Module"):
+        _export(program.module(), tmp_path / "ep", "feedforward", torch.zeros(1, FEATURES))
+    assert not (tmp_path / "ep").exists()
+
+
 def test_a_float64_model_is_refused_with_the_conversion_and_a_numpy_example_is_taken_as_float32(tmp_path):
     torch.manual_seed(0)
     module = nn.Sequential(nn.Linear(FEATURES, 8), nn.Tanh(), nn.Linear(8, 2)).eval()
