@@ -9,7 +9,9 @@ things a user should not have to know about:
   ``aten::_native_multi_head_attention`` / ``aten::_transformer_encoder_layer_fwd``, which no ONNX
   opset has. The slow path computes the same function from ops ONNX has. torch's own ONNX log is
   kept quiet too (torch 2.x turns it on during every export and then prints the whole TorchScript
-  IR to stdout when a pass fails). Both settings are restored afterwards, also on error.
+  IR to stdout when a pass fails). ``aten::rms_norm`` (``nn.RMSNorm``), which this exporter has no
+  symbolic for, is written with ONNX ops (:func:`rms_norm_symbolic`) unless one is registered already.
+  Everything is restored afterwards, also on error.
 * **Failures.** Any error from the exporter becomes an :class:`UnsupportedOpError` (an
   ``ExportError``): "cannot export MODULE_PATH (TYPE): op OP is not supported by ONNX opset N;
   WHAT TO DO". The op is read from torch's message; the submodule that calls it is found by
@@ -73,7 +75,8 @@ _OP_PATTERNS = (  # torch's phrasings of "this op cannot be exported", most spec
 
 @contextlib.contextmanager
 def export_settings() -> Iterator[None]:
-    """Attention fast path off and torch's ONNX log quiet while exporting; both restored after, also on error."""
+    """Attention fast path off, torch's ONNX log quiet and :func:`rms_norm_symbolic` registered while exporting;
+    all restored after, also on error."""
     mha = getattr(torch.backends, "mha", None)
     get_fast, set_fast = getattr(mha, "get_fastpath_enabled", None), getattr(mha, "set_fastpath_enabled", None)
     fast = get_fast() if get_fast and set_fast else None
@@ -84,7 +87,55 @@ def export_settings() -> Iterator[None]:
             stack.callback(set_fast, fast)
         stack.callback(torch._C._jit_set_onnx_log_enabled, log_was)
         stack.enter_context(_quiet_onnx_log())
+        stack.enter_context(_symbolics())
         yield
+
+
+# ops the TorchScript exporter has no symbolic for, written with ops ONNX has (and the numba backend runs), and the
+# lowest opset each is registered from; one the user (or torch) already registered is left alone
+_FIRST_OPSET = 9
+
+
+def rms_norm_symbolic(g: Any, x: Any, normalized_shape: Any, weight: Any, eps: Any) -> Any:
+    """``aten::rms_norm`` (``nn.RMSNorm``, ``F.rms_norm``) as ONNX ops: ``x / sqrt(mean(x^2 over the normalised
+    axes) + eps) * weight``, with torch's default ``eps`` (the float32 machine epsilon) where none is given."""
+    from torch.onnx import symbolic_helper as sh
+
+    dims = sh._get_const(normalized_shape, "is", "normalized_shape")
+    axes = list(range(-len(dims), 0))
+    eps_value = sh._maybe_get_const(eps, "f")
+    if eps_value is None or sh._is_none(eps) or not isinstance(eps_value, float):
+        eps_value = float(torch.finfo(torch.float32).eps)
+    square = g.op("Mul", x, x)
+    if g.opset >= 18:  # ReduceMean's axes became an input
+        mean = g.op("ReduceMean", square, g.op("Constant", value_t=torch.tensor(axes, dtype=torch.int64)), keepdims_i=1)
+    else:
+        mean = g.op("ReduceMean", square, axes_i=axes, keepdims_i=1)
+    rms = g.op("Sqrt", g.op("Add", mean, g.op("Constant", value_t=torch.tensor(eps_value, dtype=torch.float32))))
+    y = g.op("Div", x, rms)
+    return y if sh._is_none(weight) else g.op("Mul", y, weight)
+
+
+_SYMBOLICS = {"aten::rms_norm": rms_norm_symbolic}
+
+
+@contextlib.contextmanager
+def _symbolics() -> Iterator[None]:
+    try:
+        from torch.onnx._internal.torchscript_exporter.registration import registry
+    except ImportError:  # a torch that keeps its registry elsewhere: the exporter's own errors stand
+        yield
+        return
+    added = []
+    try:
+        for name, fn in _SYMBOLICS.items():
+            if not registry.is_registered_op(name, _FIRST_OPSET) and not registry.is_registered_op(name, 17):
+                torch.onnx.register_custom_op_symbolic(name, fn, _FIRST_OPSET)
+                added.append(name)
+        yield
+    finally:
+        for name in added:
+            torch.onnx.unregister_custom_op_symbolic(name, _FIRST_OPSET)
 
 
 @contextlib.contextmanager

@@ -114,6 +114,25 @@ class AttentionOverWindow(nn.Module):
         return self.head(y[:, -1])
 
 
+class PreNormBlockOverWindow(nn.Module):
+    """A pre-norm block as recent models write it: RMSNorm, F.scaled_dot_product_attention (causal), a SiLU MLP."""
+
+    def __init__(self, eps: float | None = None):
+        super().__init__()
+        self.embed, self.heads = nn.Linear(FEATURES, 8), 2
+        self.norm1, self.norm2 = nn.RMSNorm(8, eps=eps), nn.RMSNorm(8, eps=eps)
+        self.qkv, self.proj, self.head = nn.Linear(8, 24), nn.Linear(8, 8), nn.Linear(8, 3)
+        self.mlp = nn.Sequential(nn.Linear(8, 16), nn.SiLU(), nn.Linear(16, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        z = self.embed(x)
+        b, t, d = z.shape
+        q, k, v = (u.reshape(b, t, self.heads, d // self.heads).transpose(1, 2)
+                   for u in self.qkv(self.norm1(z)).chunk(3, -1))
+        z = z + self.proj(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, d))
+        return self.head(z + self.mlp(self.norm2(z)))[:, -1]
+
+
 class TransformerOverWindow(nn.Module):
     """One ``nn.TransformerEncoderLayer``, or an ``nn.TransformerEncoder`` of ``layers`` (nested tensors on, the default).
 
@@ -148,6 +167,8 @@ FEEDFORWARD: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...], set[str]]
     "multihead_attention": (AttentionOverWindow, WINDOW, {"Softmax", "MatMul"}),
     "transformer_encoder_layer": (TransformerOverWindow, WINDOW, {"Softmax", "LayerNormalization"}),
     "transformer_encoder_2_layers": (lambda: TransformerOverWindow(layers=2), WINDOW, {"Softmax"}),
+    "rmsnorm_sdpa_silu": (PreNormBlockOverWindow, WINDOW, {"ReduceMean", "Sqrt", "Softmax", "Sigmoid"}),
+    "rmsnorm_eps": (lambda: PreNormBlockOverWindow(eps=1e-3), WINDOW, {"ReduceMean"}),
     "transformer_norm_first": (lambda: TransformerOverWindow(layers=1, norm_first=True), WINDOW, {"Softmax"}),
     "transformer_causal_gelu": (lambda: TransformerOverWindow(layers=2, causal=True), WINDOW, {"Softmax"}),
 }
@@ -318,6 +339,26 @@ def test_a_batch_of_one_or_state_in_buffers_is_explained_and_the_module_left_as_
     with pytest.raises(ExportError, match=r"changes its buffer\(s\) \['mean'\] .* kind='recurrent'"):
         _export(module, tmp_path / "ema", "feedforward", torch.zeros(1, FEATURES))  # zeros leave the mean at 0
     assert torch.equal(module.mean, torch.zeros(FEATURES)) and module.cache.numel() == 0  # as before the export
+
+
+@pytest.mark.parametrize("opset", [17, 18])
+def test_rmsnorm_is_written_with_onnx_ops_that_every_backend_runs(opset, tmp_path):
+    from closedloop.export import ExportOptions
+
+    torch.manual_seed(0)
+    module = PreNormBlockOverWindow().eval()
+    bundle = export_bundle(module, tmp_path / "block", kind="feedforward", example_input=torch.zeros(WINDOW),
+                           rate_hz=50.0, variants=(), tensorrt=False, report=lambda s: None,
+                           options=ExportOptions(opset=opset))
+    assert _graph_record(bundle)[0]["graphs"]["main"]["parity"]["within_tolerance"]
+    x = np.random.default_rng(4).standard_normal(WINDOW).astype(np.float32)
+    with torch.no_grad():
+        want = module(torch.from_numpy(x)).numpy()
+    for backend in ("onnxruntime", "numba"):
+        assert _close(Model(bundle, backend=backend).step(x).copy(), want), backend
+    from torch.onnx._internal.torchscript_exporter.registration import registry
+
+    assert not registry.is_registered_op("aten::rms_norm", opset)  # registered for the export only
 
 
 def test_batchnorm_after_conv_is_folded_and_alone_is_inference_mode(tmp_path):
