@@ -253,6 +253,17 @@ def _activation(p: Planner, node) -> None:
     p.define(node, unary(p, node, p.act(node), code, alpha, beta))
 
 
+@handles("PRelu")
+def _prelu(p: Planner, node) -> None:
+    """``max(x, 0) + slope * min(x, 0)``: two clips, a product by the (broadcast) slope and a sum, as four steps
+    (no fusion into the step before: both halves read ``x``)."""
+    x = p.act(node)
+    slope = p.const(node, 1).astype(np.float32)
+    pos = unary(p, node, x, p.k.ACT_CLIP, 0.0, np.inf)
+    neg = unary(p, node, x, p.k.ACT_CLIP, -np.inf, 0.0)
+    p.define(node, binary(p, node, pos, binary(p, node, neg, p.materialize(slope), "Mul"), "Add"))
+
+
 @handles("Softmax", "LogSoftmax")
 def _softmax(p: Planner, node) -> None:
     x = p.act(node)

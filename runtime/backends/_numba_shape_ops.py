@@ -7,7 +7,8 @@ Unsqueeze rename an activation; Transpose, Slice (any axes and steps), Gather,
 Split and Expand describe their result as a strided view of the input
 (``Planner.rearrange``), which costs nothing when it is one contiguous run and one
 strided copy otherwise; Concat places each part where it lands in the result when
-it can, and copies it there otherwise.
+it can, and copies it there otherwise; Pad copies the input into the middle of its result
+and fills the borders (a constant block, or reversed or repeated views of the input).
 """
 
 from __future__ import annotations
@@ -340,6 +341,83 @@ def _concat(p: Planner, node) -> None:
         else:
             p.copy(node, q, 0, q.shape, contiguous_strides(q.shape), out.buf, base, out_strides)
         offset += q.shape[a]
+    p.define(node, out)
+
+
+@folds("Pad")
+def _fold_pad(node, x, pads=None, value=None, axes=None):
+    mode = node.attributes.get("mode", "constant")
+    mode = mode.decode() if isinstance(mode, bytes) else mode
+    widths = _pad_widths(node, x.ndim, _ints(pads) if pads is not None else node.attributes.get("pads"),
+                         _ints(axes) if axes is not None else None)
+    fill = float(np.asarray(value).ravel()[0]) if value is not None and np.asarray(value).size else 0.0
+    if mode == "constant":
+        return np.pad(x, widths, mode="constant", constant_values=fill)
+    if mode == "reflect":
+        return np.pad(x, widths, mode="reflect")
+    if mode == "edge":
+        return np.pad(x, widths, mode="edge")
+    raise unsupported(node, f"pad mode {mode!r}")
+
+
+def _pad_widths(node, rank: int, pads, axes) -> list[tuple[int, int]]:
+    """ONNX ``pads`` (all begins, then all ends, over ``axes`` or every axis) as (begin, end) per axis."""
+    if pads is None:
+        raise unsupported(node, "a pad without pads")
+    axes = [axis_of(node, a, rank) for a in axes] if axes is not None else list(range(rank))
+    if len(pads) != 2 * len(axes):
+        raise unsupported(node, f"{len(pads)} pads for {len(axes)} axes")
+    widths = [(0, 0)] * rank
+    for k, a in enumerate(axes):
+        widths[a] = (int(pads[k]), int(pads[k + len(axes)]))
+    if any(b < 0 or e < 0 for b, e in widths):
+        raise unsupported(node, f"negative pads {pads} (a crop)")
+    return widths
+
+
+@handles("Pad")
+def _pad(p: Planner, node) -> None:
+    """Constant, reflect and edge padding as strided copies: the input into the middle of the result, then each
+    padded border (constant: from a constant block; reflect and edge: views of the input walking backwards or
+    standing still along the padded axis; those two modes pad one axis)."""
+    x = p.act(node)
+    mode = node.attributes.get("mode", "constant")
+    mode = mode.decode() if isinstance(mode, bytes) else mode
+    widths = _pad_widths(node, len(x.shape), p.ints(node, 1, "pads"), p.ints(node, 3, "axes"))
+    padded = [a for a, (b, e) in enumerate(widths) if b or e]
+    if not padded:
+        p.define(node, x)
+        return
+    shape = tuple(n + b + e for n, (b, e) in zip(x.shape, widths, strict=True))
+    out = p.new_act(shape)
+    dst = contiguous_strides(shape)
+    src = contiguous_strides(x.shape)
+    if mode == "constant":
+        value = p.const(node, 2, required=False)
+        fill = float(np.asarray(value).ravel()[0]) if value is not None and np.asarray(value).size else 0.0
+        block = p.materialize(np.full(shape, fill, np.float32))
+        p.copy(node, block, 0, shape, dst, out.buf, 0, dst)
+    elif mode not in ("reflect", "edge"):
+        raise unsupported(node, f"pad mode {mode!r} (constant, reflect and edge are supported)")
+    elif len(padded) > 1:
+        raise unsupported(node, f"{mode} padding of {len(padded)} axes (one axis is supported)")
+    middle = sum(b * st for (b, _), st in zip(widths, dst, strict=True))
+    p.copy(node, x, 0, x.shape, src, out.buf, middle, dst)
+    if mode != "constant":
+        a = padded[0]
+        (b, e), n = widths[a], x.shape[a]
+        if mode == "reflect" and max(b, e) > n - 1:
+            raise unsupported(node, f"reflect padding of {max(b, e)} on an axis of {n} (at most {n - 1})")
+        for count, first_out, first_in, step in ((b, 0, b if mode == "reflect" else 0, -1 if mode == "reflect" else 0),
+                                                 (e, b + n, n - 2 if mode == "reflect" else n - 1,
+                                                  -1 if mode == "reflect" else 0)):
+            if not count:
+                continue
+            part = list(x.shape)
+            part[a] = count
+            walk = list(src)
+            walk[a] = src[a] * step
+            p.copy(node, x, first_in * src[a], part, walk, out.buf, first_out * dst[a], dst)
     p.define(node, out)
 
 

@@ -64,6 +64,13 @@ def _trained_bn(channels: int) -> nn.BatchNorm1d:
     return bn
 
 
+def _prelu(channels: int) -> nn.PReLU:
+    act = nn.PReLU(channels)
+    with torch.no_grad():  # a different slope per channel, so a wrong broadcast axis shows
+        act.weight.uniform_(0.05, 0.6)
+    return act
+
+
 def _slices(x, m):
     """Slice with steps and negative steps, gathers at an index, by a progression and by a list, flips."""
     a = x[:, 1:5, ::2]  # (B, 4, 5)
@@ -124,6 +131,14 @@ CONV = {
     "depthwise_and_pointwise": ((8, 40), lambda: seq(
         nn.Conv1d(8, 8, 5, groups=8, padding=2), nn.GELU(approximate="tanh"), nn.Conv1d(8, 16, 1),
         nn.Conv1d(16, 16, 3, groups=4), nn.Flatten())),
+    "conv_prelu_per_channel_and_shared": ((8, 20), lambda: seq(
+        nn.Conv1d(8, 6, 3), _prelu(6), nn.Conv1d(6, 6, 3), nn.PReLU(init=0.3), nn.Flatten())),
+    "causal_and_reflect_padding": ((8, 20), lambda: Fn(lambda x, m: torch.cat([
+        m["causal"](torch.nn.functional.pad(x, (4, 0)))[..., 2:],                   # a causal conv's left zeros
+        m["same"](torch.nn.functional.pad(x, (2, 3), mode="reflect"))[..., :18],
+        m["same"](torch.nn.functional.pad(x, (1, 2), mode="replicate"))[..., :18],
+        torch.nn.functional.pad(x, (1, 0, 2, 1), value=0.5)[:, :6, 3:21]], dim=1),  # two axes, another value
+        causal=nn.Conv1d(8, 6, 5, dilation=1), same=nn.Conv1d(8, 6, 3, padding=0))),
     "conv2d_pools": ((3, 12, 14), lambda: seq(
         nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(8, 12, (3, 2), stride=(1, 2),
                                                                               dilation=(2, 1), padding=(2, 0)),
