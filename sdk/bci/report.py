@@ -114,8 +114,8 @@ def paired_bootstrap(runs: Sequence[dict], method: str, against: str, decoder: s
 
 
 def _percentiles(x: np.ndarray) -> np.ndarray:
-    """2.5th and 97.5th percentiles of ratios that may be inf (a replicate over a zero error rate): inf where
-    the percentile falls among them, NaN between a finite value and inf, without numpy's warning."""
+    """2.5th and 97.5th percentiles of ratios that may be inf (a replicate over a zero error rate): where a
+    percentile reaches the inf replicates it is inf or NaN (no finite bound), without numpy's warning."""
     with np.errstate(invalid="ignore"):
         return np.percentile(x, [2.5, 97.5])
 
