@@ -51,6 +51,7 @@ _EXPORTS: dict[str, str] = {
     "open_transport": "closedloop.firmware_bridge",
     "export_bundle": "closedloop.export",
     "ExportOptions": "closedloop.export",
+    "SequenceStep": "closedloop.export",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]
