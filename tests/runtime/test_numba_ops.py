@@ -158,7 +158,20 @@ SHAPES = {
     "elementwise": ((6, 10), lambda: Fn(_elementwise, lin=nn.Linear(10, 10))),
     "reductions_group_norm": ((6, 10), lambda: Fn(_reductions, group=nn.GroupNorm(2, 10), lin=nn.Linear(10, 7))),
 }
-MODELS = {**CONV, **ATTENTION, **SHAPES}
+def _bidirectional(cell):
+    """A two-layer bidirectional GRU/LSTM over a (T, F) window: every step's output, and the final states."""
+    def fn(x, m):
+        y, state = m["rnn"](x)
+        h = state[0] if isinstance(state, tuple) else state
+        extra = [state[1].transpose(0, 1).flatten(1)] if isinstance(state, tuple) else []
+        return torch.cat([y.flatten(1), h.transpose(0, 1).flatten(1), *extra], dim=1)
+
+    return lambda: Fn(fn, rnn=cell(10, 7, 2, batch_first=True, bidirectional=True))
+
+
+BIDIRECTIONAL = {"bidirectional_gru": ((6, 10), _bidirectional(nn.GRU)),
+                 "bidirectional_lstm": ((6, 10), _bidirectional(nn.LSTM))}
+MODELS = {**CONV, **ATTENTION, **SHAPES, **BIDIRECTIONAL}
 
 
 @contextlib.contextmanager
@@ -230,6 +243,12 @@ def test_normalisation_softmax_and_attention_match_onnxruntime(graphs, name, bat
 @pytest.mark.parametrize("batch", [1, 3])
 @pytest.mark.parametrize("name", sorted(SHAPES))
 def test_shape_ops_and_elementwise_match_onnxruntime(graphs, name, batch):
+    assert_matches_onnxruntime(*graphs(name), batch)
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("name", sorted(BIDIRECTIONAL))
+def test_bidirectional_recurrent_layers_over_a_window_match_onnxruntime(graphs, name, batch):
     assert_matches_onnxruntime(*graphs(name), batch)
 
 
