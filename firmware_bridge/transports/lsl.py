@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -65,7 +66,32 @@ def import_pylsl() -> Any:
         raise ImportError(f"pylsl is installed but cannot load liblsl ({exc}); reinstall it with "
                           "pip install --force-reinstall 'closedloop[lsl]' (the wheel carries liblsl), or set "
                           "PYLSL_LIB to a liblsl.so") from None
+    _quiet_liblsl(pylsl)
     return pylsl
+
+
+# liblsl's own configuration files, in the order it reads them (LSLAPICFG first): where one exists, it decides
+_LSL_CONFIGS = ("lsl_api.cfg", "~/lsl_api/lsl_api.cfg", "/etc/lsl_api/lsl_api.cfg")
+_liblsl_configured = False
+
+
+def _quiet_liblsl(pylsl: Any) -> None:
+    """Keep liblsl's INFO lines ("Loaded default config", ...) off stderr: warnings and errors only, unless the
+    user has a liblsl configuration (``LSLAPICFG`` or an ``lsl_api.cfg``: it is left to decide, multicast settings
+    and all) or asked closedloop for debug logging (``-vv``). liblsl reads its configuration once, before its first
+    use, so this runs once, before anything else touches LSL."""
+    global _liblsl_configured
+    if _liblsl_configured:
+        return
+    _liblsl_configured = True
+    if os.environ.get("LSLAPICFG") or any(os.path.exists(os.path.expanduser(p)) for p in _LSL_CONFIGS):
+        return
+    if logging.getLogger("closedloop").isEnabledFor(logging.DEBUG):
+        return
+    try:
+        pylsl.set_config_content("[log]\nlevel = -1\n")  # loguru verbosity: -1 warnings, -2 errors, 0 info
+    except (AttributeError, NotImplementedError):  # a liblsl before 1.17.7 has no way to set it from here
+        pass
 
 
 @dataclass(frozen=True)

@@ -170,3 +170,25 @@ def test_a_stream_that_disappears_is_reported_and_frames_resume_when_it_returns(
     assert again and list(again[-1]) == [3, 4]
     assert t.stats.losses == 1
     link.close()
+
+
+def test_liblsl_says_only_warnings_unless_the_user_configured_it_or_asked_for_debug(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    code = ("from closedloop.firmware_bridge.transports.lsl import import_pylsl\n"
+            "import logging, sys\n"
+            "if '-vv' in sys.argv: logging.getLogger('closedloop').setLevel(logging.DEBUG)\n"
+            "import_pylsl().resolve_byprop('name', 'no-such-stream', timeout=0.1)\n")
+    env = {k: v for k, v in os.environ.items() if k != "LSLAPICFG"} | {"HOME": str(tmp_path)}
+
+    def stderr(*args, **extra):
+        return subprocess.run([sys.executable, "-c", code, *args], cwd=tmp_path, env=env | extra,
+                              capture_output=True, text=True, timeout=60).stderr
+
+    assert "Loaded default config" not in stderr()
+    assert "Loaded default config" in stderr("-vv")  # closedloop's debug logging lets liblsl's INFO through
+    cfg = tmp_path / "mine.cfg"  # a user's own liblsl configuration decides
+    cfg.write_text("[log]\nlevel = 0\n")
+    assert "mine.cfg" in stderr(LSLAPICFG=str(cfg))
