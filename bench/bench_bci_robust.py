@@ -163,6 +163,16 @@ def _tiny_harness(seed: int):
     return train_harness(None, tiny=True, seed=seed, device="cpu")
 
 
+def piece_host() -> dict:
+    """Where a piece runs (its record keeps it): a time-budgeted piece's steps depend on the machine."""
+    import platform
+
+    from closedloop.runtime.timing import _cpu_name
+
+    return {"cpu": _cpu_name(), "cores": os.cpu_count(), "machine": platform.machine(),
+            "python": platform.python_version(), "torch_threads": 1}
+
+
 def run_cell(config: dict, seed: int) -> dict:
     """A piece of the grid (module level, for Ray's workers): one method at one budget on the cell's recording.
 
@@ -183,7 +193,8 @@ def run_cell(config: dict, seed: int) -> dict:
     harness = _tiny_harness(seed) if tiny else train_harness(None, seed=seed, device="cpu")
     out: dict = {"cell": cell, "seed": seed, "data": {"held_in": len(hw.held_in_dates),
                                                       "held_out": len(hw.held_out_dates),
-                                                      "trials": hw.trials_per_session, "channels": hw.n_channels}}
+                                                      "trials": hw.trials_per_session, "channels": hw.n_channels},
+                 "host": piece_host()}
     # tiny: bci-train --tiny's sizes, not scaled
     return out | train_and_score(sessions, harness, float(config["budget"]), seed, config["method"], scale=not tiny,
                                  recipe_settings=config.get("recipe"))
@@ -272,9 +283,11 @@ def piece_rows(records: list[dict]) -> list[dict]:
         if rec.get("status") != "ok":
             continue
         r = rec["result"]
+        host = r.get("host") or {}
         rows.append({"key": rec["key"].rsplit("_x", 1)[0], "budget": r["budget"], "method": r["method"],
                      "commit": (rec.get("config") or {}).get("commit"), "greedy_CER": r["scores"]["greedy_CER"],
-                     "end_marks": end_marks(r["scores"])})
+                     "end_marks": end_marks(r["scores"]),
+                     "host": f"{host['cpu']}, {host['cores']} cores" if host.get("cpu") else None})
     return rows
 
 
@@ -408,6 +421,12 @@ def markdown(summary: dict, machine: str) -> str:
             lines.append(f"| {r['key']} | {q['steps']} | {_pct(q['best_val_CER'])} | "
                          f"{_pct(q['best_val_CER_x4_by_then'])} | {_pct(q['best_val_CER_x4'])} |")
     if summary.get("pieces"):
+        hosts: dict[str, int] = {}
+        for piece in summary["pieces"]:
+            name = piece.get("host") or "not recorded"
+            hosts[name] = hosts.get(name, 0) + 1
+        lines += ["", "Where the pieces ran (their records' `host`; a time budget's steps depend on it): "
+                  + "; ".join(f"{h}: {n}" for h, n in sorted(hosts.items())) + "."]
         lines += ["", "Sentence-end marks per piece: held-out prompts ending in `~` / `?` whose greedy text lacks "
                   "the mark, and the greedy CER with those marks restored (nothing else changed).", "",
                   "| cell | budget | method | greedy CER % | end marks missed | CER % with the marks restored |",

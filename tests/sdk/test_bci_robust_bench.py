@@ -115,6 +115,16 @@ def test_the_report_says_how_much_of_a_pieces_cer_is_the_sentence_end_mark(bench
     md = bench.markdown({"cells": [], "n_cells": 0, "n_ok": 0, "n_ratio": 0, "within_ratio": 0, "n_methods": 0,
                          "two_stage_better": 0, "pieces": [row]}, "test machine")
     assert "| a | x1 | two_stage | 0.0 | 1 of 2 | 8.3 |" in md
+    assert "Where the pieces ran (their records' `host`; a time budget's steps depend on it): not recorded: 1." in md
+    # a piece records where it ran, and the report counts the pieces per machine
+    host = bench.piece_host()
+    assert host["cores"] >= 1 and host["cpu"] and host["torch_threads"] == 1
+    recorded = piece(["ab>cd~", "ef>gh?"])
+    recorded["result"]["host"] = host
+    rows = bench.piece_rows([piece(["ab>cd~", "ef>gh?"]), recorded, recorded])
+    md = bench.markdown({"cells": [], "n_cells": 0, "n_ok": 0, "n_ratio": 0, "within_ratio": 0, "n_methods": 0,
+                         "two_stage_better": 0, "pieces": rows}, "test machine")
+    assert f"{host['cpu']}, {host['cores']} cores: 2; not recorded: 1." in md
 
 
 def test_the_report_compares_the_budgets_validation_curves_at_the_same_step(bench, tmp_path):
