@@ -7,7 +7,8 @@ potential-based variant, and a success-only GAIL-like one); :class:`SuccessVisit
 applies it to any gymnasium environment that reports ``is_success``, and
 :mod:`closedloop.sdk.rl.sb3` plugs it into stable-baselines3.  :func:`fine_tune` runs the whole
 recipe on a Panda task (behaviour cloning from scripted demonstrations, then SAC), and
-:mod:`closedloop.sdk.rl.deploy` exports the policy to a bundle and runs it against the emulator.
+:mod:`closedloop.sdk.rl.deploy` exports the policy to a bundle and runs it against the emulator;
+:class:`SB3Policy` turns any SB3 policy with continuous actions into a module ``export_bundle`` takes.
 The method, formulas and workflow are in ``docs/rl.md``.
 """
 
@@ -21,7 +22,8 @@ _LAZY = {"Discriminator": ".reward", "LabelledReplay": ".reward", "VisitationRew
          "clipped_logit": ".reward", "FixedNormalization": ".wrapper", "SuccessVisitationWrapper": ".wrapper",
          "fine_tune": ".finetune", "export_policy": ".deploy", "compare_deployment": ".deploy",
          "run_deployed": ".deploy", "rl_train": ".workflow", "rl_train_config": ".workflow",
-         "ShapedReplayBuffer": ".sb3", "ShapedDictReplayBuffer": ".sb3", "ShapedHerReplayBuffer": ".sb3"}
+         "ShapedReplayBuffer": ".sb3", "ShapedDictReplayBuffer": ".sb3", "ShapedHerReplayBuffer": ".sb3",
+         "SB3Policy": ".sb3_policy"}
 
 __all__ = ["SHAPING_KINDS", "FineTuneConfig", "ShapingConfig", *_LAZY]
 

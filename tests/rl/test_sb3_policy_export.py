@@ -1,0 +1,82 @@
+"""A stable-baselines3 policy trained on the user's own environment, exported through ``SB3Policy``, acts as
+``model.predict(obs, deterministic=True)`` does: the runtime's action against SB3's own, within the fp32 export
+tolerance (abs 1e-4 or rel 1e-3; the policies here are untrained, whose weights are as good as any for the
+mapping)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+gym = pytest.importorskip("gymnasium")
+sb3 = pytest.importorskip("stable_baselines3")
+
+from closedloop import Model, export_bundle  # noqa: E402
+from closedloop.sdk.rl import SB3Policy  # noqa: E402
+
+
+def _observations(env, n: int = 40) -> np.ndarray:
+    env.observation_space.seed(0)
+    obs = np.stack([env.observation_space.sample() for _ in range(n)]).astype(np.float32)
+    return np.concatenate([obs, 4.0 * obs])  # far outside training's range too: the action bounds bind
+
+
+def _export(policy, env, tmp_path, name):
+    return export_bundle(policy, tmp_path / name, kind="feedforward", rate_hz=50.0, variants=(), tensorrt=False,
+                         example_input=torch.zeros(1, *env.observation_space.shape), report=lambda s: None,
+                         postprocess={"low": policy.low.tolist(), "high": policy.high.tolist()})
+
+
+@pytest.mark.parametrize("algo", ["SAC", "TD3", "DDPG", "PPO", "A2C"])
+def test_an_sb3_policy_exports_and_acts_as_its_predict(algo, tmp_path):
+    env = gym.make("Pendulum-v1")
+    model = getattr(sb3, algo)("MlpPolicy", env, seed=0, device="cpu")
+    if algo in ("PPO", "A2C"):  # an unsquashed mean far past the bounds, so SB3's clip decides some actions
+        with torch.no_grad():
+            model.policy.action_net.weight.mul_(2000.0)
+    bundle = _export(SB3Policy(model), env, tmp_path, algo)
+    runtime = Model(bundle, backend="numba")
+    obs = _observations(env)
+    got = np.stack([runtime.step(o[None]).copy()[0] for o in obs])
+    want, _ = model.predict(obs, deterministic=True)
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-3)
+    assert np.all(got >= -2.0) and np.all(got <= 2.0)
+    if algo in ("PPO", "A2C"):
+        assert np.any(np.abs(got) == 2.0) and np.any(np.abs(got) < 2.0)
+
+
+def test_vec_normalize_statistics_go_in_front_of_the_policy(tmp_path):
+    from stable_baselines3.common.vec_env import DummyVecEnv, VecNormalize
+
+    venv = VecNormalize(DummyVecEnv([lambda: gym.make("Pendulum-v1")]), clip_obs=2.0)
+    venv.obs_rms.mean = np.array([0.3, -0.2, 1.5])
+    venv.obs_rms.var = np.array([0.5, 2.0, 4.0])
+    model = sb3.SAC("MlpPolicy", venv, seed=1, device="cpu")
+    policy = SB3Policy(model, vec_normalize=venv)
+    bundle = _export(policy, venv, tmp_path, "normalised")
+    runtime = Model(bundle, backend="onnxruntime")
+    obs = _observations(venv)
+    got = np.stack([runtime.step(o[None]).copy()[0] for o in obs])
+    want, _ = model.predict(venv.normalize_obs(obs), deterministic=True)  # what a VecNormalize'd env feeds it
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-3)
+    assert not np.allclose(got, model.predict(obs, deterministic=True)[0], atol=1e-3)  # the statistics matter
+
+
+def test_a_discrete_or_dict_policy_is_refused_with_what_to_change():
+    with pytest.raises(ValueError, match=r"action space is Discrete: SB3Policy exports continuous \(Box\) actions"):
+        SB3Policy(sb3.PPO("MlpPolicy", gym.make("CartPole-v1"), device="cpu"))
+    from gymnasium import spaces
+
+    class DictEnv(gym.Env):
+        observation_space = spaces.Dict({"a": spaces.Box(-1, 1, (2,)), "b": spaces.Box(-1, 1, (1,))})
+        action_space = spaces.Box(-1, 1, (1,))
+
+        def reset(self, *, seed=None, options=None):
+            return self.observation_space.sample(), {}
+
+        def step(self, action):
+            return self.observation_space.sample(), 0.0, False, False, {}
+
+    with pytest.raises(ValueError, match="FlattenObservation"):
+        SB3Policy(sb3.SAC("MultiInputPolicy", DictEnv(), device="cpu"))
