@@ -284,10 +284,20 @@ def _read_manifest(root: Path, source: Path) -> Manifest:
     return Manifest.from_dict(_read_raw(root, source)[0], source=f"{source}/{MANIFEST_NAME}")
 
 
+# files people hand over as "the model" that are not bundles, and what each is
+_MODEL_FILES = {".onnx": "an ONNX model", ".pt": "a torch file", ".pth": "a torch file", ".pt2": "a torch.export program",
+                ".ckpt": "a training checkpoint", ".safetensors": "a weights file"}
+
+
 def _open(path: str | Path) -> tuple[Path, Path]:
     source = Path(path)
     if not source.exists():
         raise BundleError(f"bundle {source}: no such file or folder")
+    what = _MODEL_FILES.get(source.suffix.lower()) if source.is_file() else None
+    if what is not None:
+        raise BundleError(f"bundle {source}: this is {what}, not a bundle (a folder or zip with manifest.json); "
+                          "make one from the torch module with closedloop.export_bundle(module, out, ...) "
+                          "(docs/workflow.md)")
     root = _unpack_zip(source) if source.is_file() else source
     return root, source
 
