@@ -58,6 +58,9 @@ OP_ADVICE: tuple[tuple[str, str], ...] = (
      "keep the computation in torch ops"),
     ("prim::PythonOp", "a torch.autograd.Function that leaves torch (numpy, Python math on values) cannot be traced; "
      "rewrite its forward with torch ops or give it a symbolic() staticmethod"),
+    ("prim::DictConstruct", "a TorchScript forward that returns a dict has no ONNX form: return a tuple and name the "
+     "outputs with export_bundle(..., output_name=[...]), or export the Python module (its dict's keys then name "
+     "the outputs)"),
 )
 GENERIC_ADVICE = ("compute it with ops ONNX has, move it out of the model (into preprocess/postprocess), or register "
                   "a symbolic: torch.onnx.register_custom_op_symbolic('{op}', fn, {opset})")

@@ -250,6 +250,9 @@ def test_a_torchscript_module_exports_and_runs_like_torch(how, tmp_path):
     # its step() is out of the tracer's reach: said, not a torch traceback
     with pytest.raises(ExportError, match="TorchScript module .* Export the Python module"):
         _export(module, tmp_path / "rec", "recurrent", example)
+    if how == "script":  # a scripted dict has no ONNX form: the advice says what to return instead
+        with pytest.raises(ExportError, match="returns a dict has no ONNX form: return a tuple"):
+            _export(torch.jit.script(TwoHeads().eval()), tmp_path / "dict", "feedforward", torch.zeros(1, FEATURES))
 
 
 def test_a_torch_export_program_is_refused_with_what_to_export_instead(tmp_path):
