@@ -16,8 +16,10 @@ observation to the environment's action exactly as ``predict`` does::
                   example_input=torch.zeros(1, *env.observation_space.shape),
                   postprocess={"low": policy.low.tolist(), "high": policy.high.tolist()})
 
-Observation spaces: a flat ``Box`` (for a ``Dict`` space, train on ``gymnasium.wrappers.FlattenObservation``);
-action spaces: ``Box``. Anything else is refused, naming what to change.
+Observation spaces: a flat ``Box``, or a ``Dict`` of ``Box`` spaces (a goal-conditioned task's ``observation``,
+``achieved_goal`` and ``desired_goal`` with HER, ``MultiInputPolicy``): the module then takes the flat vector
+``gymnasium.spaces.flatten`` gives (the keys in the space's order, each flattened) and splits it for the policy,
+so a device streams one measurement. Action spaces: ``Box``. Anything else is refused, naming what to change.
 """
 
 from __future__ import annotations
@@ -55,28 +57,36 @@ class SB3Policy(nn.Module):
             raise ValueError(f"{name}'s action space is {type(policy.action_space).__name__}: SB3Policy exports "
                              "continuous (Box) actions; a discrete policy's argmax is not a command a session sends")
         obs_space = policy.observation_space
-        if not isinstance(obs_space, spaces.Box) or len(obs_space.shape) != 1:
-            raise ValueError(f"{name}'s observation space is {obs_space}: SB3Policy takes a flat Box; train on "
-                             "gymnasium.wrappers.FlattenObservation(env) for a Dict space")
+        parts = obs_space.spaces if isinstance(obs_space, spaces.Dict) else {"": obs_space}
+        if not all(isinstance(sp, spaces.Box) for sp in parts.values()) or (
+                not isinstance(obs_space, spaces.Dict) and len(obs_space.shape) != 1):
+            raise ValueError(f"{name}'s observation space is {obs_space}: SB3Policy takes a flat Box or a Dict of "
+                             "Box spaces (images and nested spaces are not supported)")
+        self.keys = list(parts) if isinstance(obs_space, spaces.Dict) else None
+        self.shapes = [tuple(sp.shape) for sp in parts.values()]
+        self.sizes = [int(np.prod(sh)) for sh in self.shapes]
         self.policy = copy.deepcopy(policy).cpu().eval()
         self.kind = self._kind(self.policy, name)
         self.squash = bool(getattr(self.policy, "squash_output", False))
         self.register_buffer("low", torch.as_tensor(np.asarray(policy.action_space.low), dtype=torch.float32))
         self.register_buffer("high", torch.as_tensor(np.asarray(policy.action_space.high), dtype=torch.float32))
         self.normalise = vec_normalize is not None and bool(getattr(vec_normalize, "norm_obs", True))
-        n = obs_space.shape[0]
-        mean, scale, clip = np.zeros(n), np.ones(n), np.inf
-        if self.normalise:
+        n = sum(self.sizes)
+        mean, scale, clip = np.zeros(n), np.ones(n), np.full(n, np.inf)
+        if self.normalise:  # VecNormalize's (obs - mean) / sqrt(var + eps), clipped, per key for a Dict space
             rms = vec_normalize.obs_rms
-            if isinstance(rms, dict):
-                raise ValueError("the VecNormalize holds per-key statistics of a Dict observation space; flatten the "
-                                 "observations before VecNormalize")
-            mean = np.asarray(rms.mean, np.float64)
-            scale = 1.0 / np.sqrt(np.asarray(rms.var, np.float64) + float(vec_normalize.epsilon))
-            clip = float(vec_normalize.clip_obs)
+            normed = getattr(vec_normalize, "norm_obs_keys", None) or list(parts)
+            start = 0
+            for key, size in zip(parts, self.sizes, strict=True):
+                stats = rms.get(key) if isinstance(rms, dict) else rms
+                if stats is not None and (not isinstance(rms, dict) or key in normed):
+                    mean[start:start + size] = np.ravel(stats.mean)
+                    scale[start:start + size] = 1.0 / np.sqrt(np.ravel(stats.var) + float(vec_normalize.epsilon))
+                    clip[start:start + size] = float(vec_normalize.clip_obs)
+                start += size
         self.register_buffer("obs_mean", torch.as_tensor(mean, dtype=torch.float32))
         self.register_buffer("obs_scale", torch.as_tensor(scale, dtype=torch.float32))
-        self.clip_obs = clip
+        self.register_buffer("obs_clip", torch.as_tensor(np.minimum(clip, np.finfo(np.float32).max), dtype=torch.float32))
 
     @staticmethod
     def _kind(policy: Any, name: str) -> str:
@@ -91,9 +101,14 @@ class SB3Policy(nn.Module):
                          "deterministic forward as a module and export that")
 
     def forward(self, obs: torch.Tensor) -> torch.Tensor:
+        """``obs``: (batch, n) raw observations, a Dict space's keys flattened in order; returns (batch, actions)."""
         if self.normalise:
             obs = (obs - self.obs_mean) * self.obs_scale
-            obs = torch.clamp(obs, -self.clip_obs, self.clip_obs)
+            obs = torch.minimum(torch.maximum(obs, -self.obs_clip), self.obs_clip)
+        if self.keys is not None:  # the policy's Dict observation, from the flat vector
+            parts = torch.split(obs, self.sizes, dim=1)
+            obs = {k: part.reshape(part.shape[0], *shape)  # type: ignore[assignment]
+                   for k, part, shape in zip(self.keys, parts, self.shapes, strict=True)}
         p = self.policy
         if self.kind == "sac":
             a = p.actor.mu(p.actor.latent_pi(p.actor.extract_features(obs, p.actor.features_extractor)))

@@ -63,13 +63,53 @@ def test_vec_normalize_statistics_go_in_front_of_the_policy(tmp_path):
     assert not np.allclose(got, model.predict(obs, deterministic=True)[0], atol=1e-3)  # the statistics matter
 
 
-def test_a_discrete_or_dict_policy_is_refused_with_what_to_change():
+class GoalEnv(gym.Env):
+    """A goal-conditioned environment's Dict observation (the keys panda-gym and HER use), continuous actions."""
+
+    from gymnasium import spaces as _s
+
+    observation_space = _s.Dict({"observation": _s.Box(-5, 5, (6,)), "achieved_goal": _s.Box(-1, 1, (3,)),
+                                 "desired_goal": _s.Box(-1, 1, (3,))})
+    action_space = _s.Box(-1.0, 1.0, (4,))
+
+    def reset(self, *, seed=None, options=None):
+        return self.observation_space.sample(), {}
+
+    def step(self, action):
+        return self.observation_space.sample(), 0.0, False, False, {}
+
+
+@pytest.mark.parametrize("normalised", [False, True])
+def test_a_goal_conditioned_policy_takes_the_flat_observation_a_device_streams(normalised, tmp_path):
+    from gymnasium import spaces
+    from stable_baselines3.common.vec_env import DummyVecEnv, VecNormalize
+
+    env = GoalEnv()
+    venv = VecNormalize(DummyVecEnv([GoalEnv]), norm_obs_keys=["observation", "desired_goal"], clip_obs=1.5)
+    rng = np.random.default_rng(3)
+    for key, stats in venv.obs_rms.items():  # statistics other than 0 / 1, so that the normalisation shows
+        stats.mean, stats.var = rng.normal(size=stats.mean.shape), rng.uniform(0.3, 3.0, stats.var.shape)
+    model = sb3.SAC("MultiInputPolicy", venv if normalised else env, seed=2, device="cpu")
+    policy = SB3Policy(model, vec_normalize=venv if normalised else None)
+    flat_env = gym.wrappers.FlattenObservation(env)  # what the device streams: one flat measurement
+    bundle = _export(policy, flat_env, tmp_path, f"goal{normalised}")
+    runtime = Model(bundle, backend="numba")
+    env.observation_space.seed(4)
+    samples = [env.observation_space.sample() for _ in range(30)]
+    flat = np.stack([spaces.flatten(env.observation_space, o) for o in samples]).astype(np.float32)
+    got = np.stack([runtime.step(f[None]).copy()[0] for f in flat])
+    batch = {k: np.stack([o[k] for o in samples]) for k in samples[0]}
+    want, _ = model.predict(venv.normalize_obs(batch) if normalised else batch, deterministic=True)
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-3)
+
+
+def test_a_discrete_policy_or_an_image_space_is_refused_with_what_to_change():
     with pytest.raises(ValueError, match=r"action space is Discrete: SB3Policy exports continuous \(Box\) actions"):
         SB3Policy(sb3.PPO("MlpPolicy", gym.make("CartPole-v1"), device="cpu"))
     from gymnasium import spaces
 
-    class DictEnv(gym.Env):
-        observation_space = spaces.Dict({"a": spaces.Box(-1, 1, (2,)), "b": spaces.Box(-1, 1, (1,))})
+    class ImageEnv(gym.Env):
+        observation_space = spaces.Dict({"image": spaces.MultiBinary(4), "b": spaces.Box(-1, 1, (1,))})
         action_space = spaces.Box(-1, 1, (1,))
 
         def reset(self, *, seed=None, options=None):
@@ -78,5 +118,5 @@ def test_a_discrete_or_dict_policy_is_refused_with_what_to_change():
         def step(self, action):
             return self.observation_space.sample(), 0.0, False, False, {}
 
-    with pytest.raises(ValueError, match="FlattenObservation"):
-        SB3Policy(sb3.SAC("MultiInputPolicy", DictEnv(), device="cpu"))
+    with pytest.raises(ValueError, match="a flat Box or a Dict of Box spaces"):
+        SB3Policy(sb3.SAC("MultiInputPolicy", ImageEnv(), device="cpu"))
