@@ -87,7 +87,7 @@ def test_a_goal_conditioned_policy_takes_the_flat_observation_a_device_streams(n
     env = GoalEnv()
     venv = VecNormalize(DummyVecEnv([GoalEnv]), norm_obs_keys=["observation", "desired_goal"], clip_obs=1.5)
     rng = np.random.default_rng(3)
-    for key, stats in venv.obs_rms.items():  # statistics other than 0 / 1, so that the normalisation shows
+    for stats in venv.obs_rms.values():  # statistics other than 0 / 1, so that the normalisation shows
         stats.mean, stats.var = rng.normal(size=stats.mean.shape), rng.uniform(0.3, 3.0, stats.var.shape)
     model = sb3.SAC("MultiInputPolicy", venv if normalised else env, seed=2, device="cpu")
     policy = SB3Policy(model, vec_normalize=venv if normalised else None)
