@@ -160,16 +160,20 @@ def eval_mode(module: nn.Module) -> Callable[[], None]:
 
 def check_float32(module: nn.Module, examples: dict[str, torch.Tensor]) -> None:
     """Bundles compute in float32 (device frames are float32; fp16 is a variant made from the float32 graph):
-    refuse float64 example inputs or parameters by name, with the conversion to make, rather than fail later."""
-    wide = [f"example input {n!r}" for n, ex in examples.items() if ex.dtype == torch.float64]
-    wide += [f"parameter {n!r}" for n, p in module.named_parameters() if p.dtype == torch.float64][:3]
-    wide += [f"buffer {n!r}" for n, b in module.named_buffers() if b.dtype == torch.float64][:3]
-    if wide:
+    refuse float64, float16 or bfloat16 example inputs, parameters or buffers by name, with the conversion to
+    make, rather than fail later."""
+    def other(t: torch.Tensor) -> bool:
+        return t.is_floating_point() and t.dtype != torch.float32
+
+    found = [f"example input {n!r} ({ex.dtype})" for n, ex in examples.items() if other(ex)]
+    found += [f"parameter {n!r} ({p.dtype})" for n, p in module.named_parameters() if other(p)][:3]
+    found += [f"buffer {n!r} ({b.dtype})" for n, b in module.named_buffers() if other(b)][:3]
+    if found:
         raise ExportError(
-            f"{', '.join(wide)} {'is' if len(wide) == 1 else 'are'} float64; a bundle computes in float32 (the "
-            "device's frames are float32, and the fp16 variants are made from the float32 graph): export "
-            "module.float() with float32 example inputs (check the float32 model's accuracy first if it was "
-            "trained in float64)"
+            f"{', '.join(found)} {'is' if len(found) == 1 else 'are'} not float32; a bundle computes in float32 (the "
+            "device's frames are float32, and export adds fp16 and int8 variants made from the float32 graph, each "
+            "checked against it): export module.float() with float32 example inputs (check the float32 model's "
+            "accuracy first if it was trained in another precision)"
         )
 
 

@@ -263,14 +263,15 @@ def test_a_torch_export_program_is_refused_with_what_to_export_instead(tmp_path)
     assert not (tmp_path / "ep").exists()
 
 
-def test_a_float64_model_is_refused_with_the_conversion_and_a_numpy_example_is_taken_as_float32(tmp_path):
+def test_a_float64_or_half_model_is_refused_with_the_conversion_and_a_numpy_example_is_taken_as_float32(tmp_path):
     torch.manual_seed(0)
     module = nn.Sequential(nn.Linear(FEATURES, 8), nn.Tanh(), nn.Linear(8, 2)).eval()
-    with pytest.raises(ExportError, match=r"parameter '0.weight'.* float64; a bundle computes in float32.*"
-                                          r"module.float\(\)"):
-        _export(module.double(), tmp_path / "f64", "feedforward", torch.zeros(1, FEATURES, dtype=torch.float64))
+    for dtype in (torch.float64, torch.float16, torch.bfloat16):
+        with pytest.raises(ExportError, match=rf"parameter '0.weight' \({dtype}\).* not float32; a bundle computes "
+                                              r"in float32.*module.float\(\)"):
+            _export(module.to(dtype), tmp_path / "wide", "feedforward", torch.zeros(1, FEATURES, dtype=dtype))
     module.float()
-    with pytest.raises(ExportError, match="example input 'x' is float64"):
+    with pytest.raises(ExportError, match=r"example input 'x' \(torch.float64\) is not float32"):
         _export(module, tmp_path / "x64", "feedforward", torch.zeros(1, FEATURES, dtype=torch.float64))
     bundle = _export(module, tmp_path / "np", "feedforward", np.zeros((1, FEATURES)))  # numpy's default float64
     assert _graph_record(bundle)[0]["graphs"]["main"]["inputs"][0]["dtype"] == "float32"
