@@ -257,7 +257,10 @@ def summarize(checks: dict[str, dict[str, Any]], tol: Tolerance, inputs: ParityI
 
 
 def offers_full_sequence(module: nn.Module, n_states: int) -> bool:
-    """Whether ``module.forward`` takes a sequence and the states (``forward(seq, *states)``)."""
+    """Whether ``module.forward`` takes a sequence and the states (``forward(seq, *states)``). A module that
+    defines no ``forward`` (torch's placeholder takes ``*input`` and raises) offers none."""
+    if getattr(type(module), "forward", None) is nn.Module.forward:
+        return False
     try:
         params = list(inspect.signature(module.forward).parameters.values())
     except (TypeError, ValueError):

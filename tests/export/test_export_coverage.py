@@ -447,6 +447,40 @@ def test_a_sequence_model_streams_through_the_step_adapter_like_one_call_over_th
         _export(module, tmp_path / "bare", "recurrent", torch.zeros(1, FEATURES))
 
 
+class ConvThenGRU(nn.Module):
+    """A convolution over each window of frames, then a GRU whose state crosses windows; ``step`` only (no
+    ``forward``), as a streaming-only model is often written."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.gru, self.head = nn.Conv1d(CHANNELS, 8, 4, stride=4), nn.GRU(8, 8, batch_first=True), nn.Linear(8, 3)
+
+    def init_state(self, batch):
+        return (torch.zeros(1, batch, 8),)
+
+    def step(self, x, h):  # x (B, CHANNELS, 4): the last 4 frames
+        y, h = self.gru(torch.relu(self.conv(x)).transpose(1, 2), h)
+        return self.head(y[:, -1]), h
+
+
+def test_a_recurrent_model_over_windows_carries_its_state_from_window_to_window(tmp_path):
+    torch.manual_seed(0)
+    module = ConvThenGRU().eval()
+    bundle = export_bundle(module, tmp_path / "convgru", kind="recurrent", example_input=torch.zeros(1, CHANNELS, 4),
+                           rate_hz=50.0, variants=(), tensorrt=False, report=lambda s: None,
+                           windows={"x": {"length": 4, "hop": 4, "layout": "channel_major"}})
+    frames = np.random.default_rng(0).standard_normal((40, CHANNELS)).astype(np.float32)
+    h, want = torch.zeros(1, 1, 8), []
+    with torch.no_grad():
+        for k in range(0, 40, 4):
+            y, h = module.step(torch.from_numpy(frames[k:k + 4].T[None].copy()), h)
+            want.append(y.numpy()[0])
+    for backend in ("onnxruntime", "numba"):
+        model = Model(bundle, backend=backend)
+        got = [out.copy()[0] for f in frames if (out := model.feed(f[None])) is not None]
+        assert len(got) == 10 and _close(np.stack(got), np.stack(want)), backend
+
+
 def test_fast_path_is_off_inside_and_restored_after_even_on_error():
     for before in (True, False):
         torch.backends.mha.set_fastpath_enabled(before)
