@@ -69,3 +69,21 @@ def test_unknown_family_is_refused(tmp_path, mlp_bundle):
     (bad / "manifest.json").write_text(json.dumps(seal_manifest(d)))
     with pytest.raises(BundleError, match="family 'teleporter' is not known"):
         load_bundle(bad)
+
+
+def test_an_output_without_a_feature_axis_is_refused_at_export_with_the_fix(tmp_path):
+    from closedloop.export import ExportError
+
+    class OneValue(torch.nn.Module):  # a single-actuator policy written with .squeeze(-1)
+        def __init__(self):
+            super().__init__()
+            self.a = torch.nn.Linear(1, 1)
+
+        def forward(self, x):
+            return self.a(x).squeeze(-1)
+
+    with pytest.raises(ExportError, match=r"output 'y' has shape \['batch'\].* return y.unsqueeze\(-1\)"):
+        export_bundle(OneValue().eval(), tmp_path / "b", kind="feedforward", example_input=torch.zeros(1, 1),
+                      rate_hz=200.0, variants=(), tensorrt=False, report=lambda s: None,
+                      postprocess={"low": [-1.0], "high": [1.0]})
+    assert not (tmp_path / "b").exists()

@@ -63,7 +63,11 @@ class GenericFamily(FamilyPlugin):
         except ValueError as exc:
             return [f"generic family: {exc}"]
         n_in = int(np.prod(measurement.frame_shape))
-        n_out = spec.data_outputs[0].shape[-1]
+        y = spec.data_outputs[0]
+        if len(y.shape) < 2:
+            return [f"generic family: output {y.name!r} has shape {y.shape}, one value per batch row and no feature "
+                    "axis; a command is (batch, n): return y.unsqueeze(-1) (or y.reshape(y.shape[0], -1)) from forward"]
+        n_out = y.shape[-1]
         for section, keys, n in (
             (bundle.manifest.preprocess, ("mean", "std"), n_in),
             (bundle.manifest.postprocess, ("scale", "offset", "low", "high", "safe_output"), n_out),
