@@ -144,7 +144,18 @@ CONV = {
                                                                               dilation=(2, 1), padding=(2, 0)),
         nn.AvgPool2d(2, ceil_mode=True), nn.Flatten(), nn.Linear(12 * 3 * 2, 4))),
 }
+def _masked(x, m):
+    """A causal mask built in forward (a constant after tracing) three ways: masked_fill(-inf) of attention
+    scores, where(mask, activation, activation), where(mask, activation, constant)."""
+    t = x.shape[1]
+    mask = torch.triu(torch.ones(t, t, dtype=torch.bool), 1)
+    scores = (m["q"](x) @ m["k"](x).transpose(1, 2)).masked_fill(mask, float("-inf")).softmax(-1)
+    keep = torch.where(mask, scores, 2.0 * torch.tanh(scores))
+    return torch.cat([(scores @ x).flatten(1), keep.flatten(1), torch.where(mask, scores, 0.25).flatten(1)], dim=1)
+
+
 ATTENTION = {
+    "masked_fill_and_where": ((16, 32), lambda: Fn(_masked, q=nn.Linear(32, 32), k=nn.Linear(32, 32))),
     "layer_norm": ((16, 32), lambda: seq(nn.LayerNorm(32), nn.Linear(32, 8), nn.LayerNorm([16, 8]))),
     "softmax_log_softmax": ((16, 32), lambda: Fn(lambda x, m: torch.softmax(x, -1) + torch.log_softmax(2 * x, 2))),
     "multihead_attention": ((16, 32), _attention(4, mask=False)),
