@@ -278,7 +278,8 @@ def test_fusion_leaves_one_step_per_layer(graphs):
 
 
 @pytest.mark.parametrize("name", ["conv_bn_maxpool_gelu_gap", "encoder_gelu_norm_first", "transpose_reshape_split_expand",
-                                  "causal_and_reflect_padding", "conv_prelu_per_channel_and_shared", "bidirectional_lstm"])
+                                  "causal_and_reflect_padding", "conv_prelu_per_channel_and_shared", "bidirectional_lstm",
+                                  "masked_fill_and_where"])
 def test_run_allocates_nothing(graphs, name, bytes_allocated):
     nb = NumbaBackend(*graphs(name))
     nb.inputs["x"][...] = 0.5
