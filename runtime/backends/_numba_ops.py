@@ -424,6 +424,53 @@ def _matmul(p: Planner, node) -> None:
     p.define(node, batched_matmul(p, node, p.act(node, 0, materialize=True), p.act(node, 1, materialize=True)))
 
 
+@handles("Einsum")
+def _einsum(p: Planner, node) -> None:
+    """A two-operand Einsum that is a batched matrix product (``bqd,bkd->bqk``, ``btc,cd->btd``,
+    ``bthd,hde->bthe``, ...): letters in both operands and the output are batch axes, letters in one operand and
+    the output are its rows or columns, letters in both operands only are contracted. Each operand is laid out
+    as (batch..., rows, inner) and (batch..., inner, columns) by strided views (a copy where not contiguous),
+    the letters of each group merged into one axis, then one batched product, and the result in the output's
+    order. Ellipses, repeated letters, sums over one operand and other operand counts are refused."""
+    eq = str(node.attributes.get("equation", "")).replace(" ", "")
+    if "..." in eq or "->" not in eq or len(node.inputs) != 2:
+        raise unsupported(node, f"equation {eq!r} (two operands, an explicit output, no ellipsis are supported)")
+    lhs, out = eq.split("->")
+    ins = lhs.split(",")
+    a, b = p.act(node, 0, materialize=True), p.act(node, 1, materialize=True)
+    if len(ins) != 2 or len(ins[0]) != len(a.shape) or len(ins[1]) != len(b.shape) or any(
+            len(set(t)) != len(t) for t in (*ins, out)):
+        raise unsupported(node, f"equation {eq!r} for operands of shapes {a.shape} and {b.shape}")
+    ia, ib = ins
+    batch = [c for c in out if c in ia and c in ib]
+    rows = [c for c in out if c in ia and c not in ib]
+    cols = [c for c in out if c in ib and c not in ia]
+    inner = [c for c in ia if c in ib and c not in out]
+    if set(ia + ib) - set(out) - set(inner) or set(out) - set(ia + ib):
+        raise unsupported(node, f"equation {eq!r} sums over a letter of one operand, or names one no operand has")
+    size: dict[str, int] = {}
+    for term, x in ((ia, a), (ib, b)):
+        for c, d in zip(term, x.shape, strict=True):
+            if size.setdefault(c, d) != d:
+                raise unsupported(node, f"equation {eq!r}: letter {c!r} has sizes {size[c]} and {d}")
+
+    def laid_out(x: Act, term: str, groups: list[list[str]]) -> Act:
+        """``x`` with its axes in the groups' order, each group merged into one axis (empty: an axis of 1)."""
+        strides = contiguous_strides(x.shape)
+        order = [c for g in groups for c in g]
+        v = p.rearrange(node, x, 0, [size[c] for c in order], [strides[term.index(c)] for c in order])
+        return Act(v.buf, tuple(math.prod(size[c] for c in g) for g in groups))
+
+    left = laid_out(a, ia, [[c] for c in batch] + [rows, inner])
+    right = laid_out(b, ib, [[c] for c in batch] + [inner, cols])
+    y = batched_matmul(p, node, left, right)  # (batch..., rows, columns), contiguous
+    mid = [*batch, *rows, *cols]
+    full = tuple(size[c] for c in mid)
+    strides = contiguous_strides(full)
+    p.define(node, p.rearrange(node, Act(y.buf, full), 0, [size[c] for c in out],
+                               [strides[mid.index(c)] for c in out]))
+
+
 # -- normalisation and reductions -------------------------------------------------------------
 def _layer_norm(p: Planner, x: Act, cols: int, scale: np.ndarray, shift: np.ndarray, eps: float) -> Act:
     y = p.new_act(x.shape)

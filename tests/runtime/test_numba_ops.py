@@ -154,7 +154,21 @@ def _masked(x, m):
     return torch.cat([(scores @ x).flatten(1), keep.flatten(1), torch.where(mask, scores, 0.25).flatten(1)], dim=1)
 
 
+def _einsums(x, m):
+    """Attention and projections written with torch.einsum (ONNX Einsum): scores, weighted sum, a weight, a
+    per-head projection with the heads as a batch letter, and an outer product."""
+    q, k = m["q"](x), m["k"](x)                                            # (B, T, 32)
+    att = torch.einsum("bqd,bkd->bqk", q, k).softmax(-1)
+    mixed = torch.einsum("bqk,bkd->bqd", att, x)
+    heads = torch.einsum("bthd,hde->bthe", q.reshape(*q.shape[:2], 4, 8), m["w"].weight.reshape(4, 8, 2))
+    outer = torch.einsum("bi,bj->bij", x[:, -1, :6], k[:, 0, :5])
+    proj = torch.einsum("btc,dc->btd", x, m["w"].weight[:, :32].reshape(-1, 32)[:3])
+    return torch.cat([mixed.flatten(1), heads.flatten(1), outer.flatten(1), proj.flatten(1)], dim=1)
+
+
 ATTENTION = {
+    "einsum_products": ((16, 32), lambda: Fn(_einsums, q=nn.Linear(32, 32), k=nn.Linear(32, 32),
+                                             w=nn.Linear(8, 8, bias=False))),
     "masked_fill_and_where": ((16, 32), lambda: Fn(_masked, q=nn.Linear(32, 32), k=nn.Linear(32, 32))),
     "layer_norm": ((16, 32), lambda: seq(nn.LayerNorm(32), nn.Linear(32, 8), nn.LayerNorm([16, 8]))),
     "softmax_log_softmax": ((16, 32), lambda: Fn(lambda x, m: torch.softmax(x, -1) + torch.log_softmax(2 * x, 2))),
@@ -279,7 +293,7 @@ def test_fusion_leaves_one_step_per_layer(graphs):
 
 @pytest.mark.parametrize("name", ["conv_bn_maxpool_gelu_gap", "encoder_gelu_norm_first", "transpose_reshape_split_expand",
                                   "causal_and_reflect_padding", "conv_prelu_per_channel_and_shared", "bidirectional_lstm",
-                                  "masked_fill_and_where"])
+                                  "masked_fill_and_where", "einsum_products"])
 def test_run_allocates_nothing(graphs, name, bytes_allocated):
     nb = NumbaBackend(*graphs(name))
     nb.inputs["x"][...] = 0.5
@@ -293,6 +307,7 @@ REFUSED = {
     # op with no kernel: the message names the ONNX op and the node, and says what to do
     "topk": ((6, 10), lambda: Fn(lambda x, m: torch.topk(x, 3, dim=-1).values.flatten(1)), "TopK", "/TopK"),
     "cumsum": ((6, 10), lambda: Fn(lambda x, m: torch.cumsum(x, 1)), "CumSum", "/CumSum"),
+    "einsum_trace": ((6, 6), lambda: Fn(lambda x, m: torch.einsum("bii->b", x)[:, None]), "Einsum", "/Einsum"),
     # supported op, unsupported use: the node and the reason
     "softmax_middle_axis": ((6, 10), lambda: Fn(lambda x, m: torch.softmax(x, 1)), "Softmax", "/Softmax"),
 }
