@@ -183,8 +183,9 @@ def export_bundle(
         One input batch ``(batch, features...)`` (a single step for recurrent modules). A module
         with several inputs takes a tuple (in the order ``forward``/``step`` takes them, named by
         ``input_name``) or a dict ``{name: tensor}`` (its keys name the inputs). Examples fix shapes
-        only: a bundle computes in float32, so a float64 numpy array is taken as float32, and a float64
-        tensor or module is refused (export ``module.float()``). A TorchScript module
+        only: a bundle computes in float32, so a float64 numpy array is taken as float32, and a tensor or
+        module in another precision (float64, float16, bfloat16) is refused (export ``module.float()``). A
+        TorchScript module
         (``torch.jit.script``, ``trace`` or ``load``) exports with ``kind="feedforward"``.
     rate_hz
         The loop rate the model was trained for (e.g. 50 for 20 ms bins).
