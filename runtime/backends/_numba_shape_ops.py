@@ -346,11 +346,10 @@ def _concat(p: Planner, node) -> None:
 
 @folds("Pad")
 def _fold_pad(node, x, pads=None, value=None, axes=None):
-    mode = node.attributes.get("mode", "constant")
-    mode = mode.decode() if isinstance(mode, bytes) else mode
+    mode = _pad_mode(node)
     widths = _pad_widths(node, x.ndim, _ints(pads) if pads is not None else node.attributes.get("pads"),
                          _ints(axes) if axes is not None else None)
-    fill = float(np.asarray(value).ravel()[0]) if value is not None and np.asarray(value).size else 0.0
+    fill = _pad_value(value)
     if mode == "constant":
         return np.pad(x, widths, mode="constant", constant_values=fill)
     if mode == "reflect":
@@ -358,6 +357,16 @@ def _fold_pad(node, x, pads=None, value=None, axes=None):
     if mode == "edge":
         return np.pad(x, widths, mode="edge")
     raise unsupported(node, f"pad mode {mode!r}")
+
+
+def _pad_mode(node) -> str:
+    mode = node.attributes.get("mode", "constant")
+    return mode.decode() if isinstance(mode, bytes) else str(mode)
+
+
+def _pad_value(value) -> float:
+    """The constant a Pad fills with: its optional third input, 0 when absent or empty."""
+    return float(np.asarray(value).ravel()[0]) if value is not None and np.asarray(value).size else 0.0
 
 
 def _pad_widths(node, rank: int, pads, axes) -> list[tuple[int, int]]:
@@ -381,8 +390,7 @@ def _pad(p: Planner, node) -> None:
     padded border (constant: from a constant block; reflect and edge: views of the input walking backwards or
     standing still along the padded axis; those two modes pad one axis)."""
     x = p.act(node)
-    mode = node.attributes.get("mode", "constant")
-    mode = mode.decode() if isinstance(mode, bytes) else mode
+    mode = _pad_mode(node)
     widths = _pad_widths(node, len(x.shape), p.ints(node, 1, "pads"), p.ints(node, 3, "axes"))
     padded = [a for a, (b, e) in enumerate(widths) if b or e]
     if not padded:
@@ -394,7 +402,7 @@ def _pad(p: Planner, node) -> None:
     src = contiguous_strides(x.shape)
     if mode == "constant":
         value = p.const(node, 2, required=False)
-        fill = float(np.asarray(value).ravel()[0]) if value is not None and np.asarray(value).size else 0.0
+        fill = _pad_value(value)
         block = p.materialize(np.full(shape, fill, np.float32))
         p.copy(node, block, 0, shape, dst, out.buf, 0, dst)
     elif mode not in ("reflect", "edge"):
