@@ -12,7 +12,9 @@ time is in the first META record). Record types: META (JSON), RX (bytes exactly 
 received from the device, so replay sees what the session saw, garbage included),
 TX (bytes exactly as sent: the command after clipping), OUTPUT (u32 step index, u32 input
 frame sequence number, float32 model output), EVENT (JSON: watchdog, reconnects, device status...),
-SUMMARY (JSON, last), STEPS (per-step timing, written off the hot path: ``runtime.observe.record_steps``).
+SUMMARY (JSON, last), STEPS (per-step timing, written off the hot path: ``runtime.observe.record_steps``),
+MORE_OUTPUT (u32 step index, u32 input frame sequence number, u32 index of the output in META ``outputs``,
+float32 values: the graph's other data outputs, written right after the step's OUTPUT).
 
 The hot path only appends to an in-memory buffer; a background thread writes it
 out at least every ``flush_interval_s`` (default 0.5 s), so a session killed with
@@ -50,6 +52,7 @@ class RecordType(enum.IntEnum):
     EVENT = 5
     SUMMARY = 6
     STEPS = 7
+    MORE_OUTPUT = 8
 
 
 class RecordingError(ValueError):
@@ -101,10 +104,17 @@ class RecordingWriter:
     def append_json(self, rtype: int, obj: Any, host_ns: int | None = None) -> None:
         self.append(rtype, json.dumps(obj, default=_json_default).encode(), host_ns)
 
-    def append_output(self, step: int, input_seq: int, values: np.ndarray, host_ns: int | None = None) -> None:
-        """A model output: loop step, sequence number of the input frame it answered, values."""
-        head = struct.pack("<II", step & 0xFFFFFFFF, input_seq & 0xFFFFFFFF)
-        self.append(RecordType.OUTPUT, head + values.astype(np.float32, copy=False).tobytes(), host_ns)
+    def append_output(self, step: int, input_seq: int, values: np.ndarray, host_ns: int | None = None,
+                      index: int = 0) -> None:
+        """A model output: loop step, sequence number of the input frame it answered, values. ``index`` is the
+        output's place among the graph's data outputs (META ``outputs``): 0, the first, is an OUTPUT record;
+        another is a MORE_OUTPUT record that carries its index."""
+        if index:
+            head = struct.pack("<III", step & 0xFFFFFFFF, input_seq & 0xFFFFFFFF, index)
+            rtype = RecordType.MORE_OUTPUT
+        else:
+            head, rtype = struct.pack("<II", step & 0xFFFFFFFF, input_seq & 0xFFFFFFFF), RecordType.OUTPUT
+        self.append(rtype, head + values.astype(np.float32, copy=False).tobytes(), host_ns)
 
     def flush(self) -> None:
         with self._lock:
@@ -159,9 +169,14 @@ class Record:
         return json.loads(self.payload)
 
     def output(self) -> tuple[int, int, np.ndarray]:
-        """(loop step, input frame sequence number, float32 values) of an OUTPUT record."""
+        """(loop step, input frame sequence number, float32 values) of an OUTPUT or MORE_OUTPUT record."""
         step, seq = struct.unpack_from("<II", self.payload)
-        return step, seq, np.frombuffer(self.payload, dtype=np.float32, offset=8)
+        return step, seq, np.frombuffer(self.payload, dtype=np.float32, offset=12 if self.output_index else 8)
+
+    @property
+    def output_index(self) -> int:
+        """The output's place among the graph's data outputs (META ``outputs``): 0 for an OUTPUT record."""
+        return struct.unpack_from("<I", self.payload, 8)[0] if self.type == RecordType.MORE_OUTPUT else 0
 
 
 class RecordingReader:

@@ -3,7 +3,7 @@
 ``view_recording`` reads a recording once and decodes its RX bytes into the device's
 input stream (neural counts, plant measurements, joint states), its TX bytes into the
 commands actually sent (and a decoder's typed text), its OUTPUT records into model
-outputs, its EVENTs, and its STEPS records into per-step timing. Host times are
+outputs (and MORE_OUTPUT records into the graph's other data outputs, by name), its EVENTs, and its STEPS records into per-step timing. Host times are
 seconds since the first record; device times are the device's own clock.
 """
 
@@ -66,6 +66,8 @@ class RecordingView:
     #: per-step timing (STEPS records): step, t_s (host seconds), latency_us, lateness_us, input_seq, flags
     steps: dict[str, np.ndarray]
     described: str = ""
+    #: the graph's other data outputs (MORE_OUTPUT records) by name, META ``outputs`` order
+    more_outputs: dict[str, Series] = field(default_factory=dict)
 
     @property
     def text(self) -> str:
@@ -78,6 +80,8 @@ def view_recording(recording: str | Path | RecordingReader) -> RecordingView:
     rx, tx = FrameParser(), FrameParser()
     inputs: dict[str, Series] = {}
     commands, outputs = Series(), Series()
+    more: dict[str, Series] = {}
+    out_names = [str(o.get("name", f"output_{i}")) for i, o in enumerate(reader.meta.get("outputs") or [])]
     typed: list[tuple[float, int, str]] = []
     events: list[tuple[float, dict[str, Any]]] = []
     steps_payloads: list[bytes] = []
@@ -109,6 +113,10 @@ def view_recording(recording: str | Path | RecordingReader) -> RecordingView:
                     typed.append((t_host, int(m.bin_index), m.text))
         elif rec.type == RecordType.OUTPUT:
             outputs.add(t_host, float("nan"), rec.output()[2])
+        elif rec.type == RecordType.MORE_OUTPUT:
+            i = rec.output_index
+            more.setdefault(out_names[i] if i < len(out_names) else f"output_{i}", Series()).add(
+                t_host, float("nan"), rec.output()[2])
         elif rec.type == RecordType.EVENT:
             events.append((t_host, rec.json()))
         elif rec.type == STEPS_RECORD_TYPE:
@@ -124,4 +132,4 @@ def view_recording(recording: str | Path | RecordingReader) -> RecordingView:
     }
     return RecordingView(path=Path(reader.path), meta=reader.meta, summary=reader.summary, t0_ns=t0, inputs=inputs,
                          commands=commands, outputs=outputs, typed=typed, events=events, steps=steps,
-                         described=reader.describe())
+                         described=reader.describe(), more_outputs=more)

@@ -110,15 +110,57 @@ class ReplayReport:
     backend: str
     recording_note: str
     signed_frames_refused: int = 0  # with a key: frames whose tag did not verify, left out as the session left them
-    per_output_max: list[float] = field(default_factory=list, repr=False)
+    per_output_max: list[float] = field(default_factory=list, repr=False)  # the first data output, per step
+    #: per data output of the bundle (graph order): ``compared`` (recorded values compared), ``max_abs_diff``,
+    #: ``mean_abs_diff``; the first from OUTPUT records, the others from MORE_OUTPUT records
+    outputs: dict[str, dict[str, float | int]] = field(default_factory=dict)
+    #: MORE_OUTPUT records that had nothing to compare with (an output this bundle lacks, or a step not re-run)
+    unmatched_outputs: int = 0
 
     def format(self) -> str:
-        return (
+        lines = [
             f"re-ran {self.outputs_compared} recorded steps on {self.backend}: "
             f"max |difference| {self.max_abs_diff:.3g}, mean {self.mean_abs_diff:.3g}"
             + (f"; {self.missing_inputs} outputs had no recorded input frame" if self.missing_inputs else "")
-            + f"\n{self.recording_note}"
-        )
+        ]
+        if len(self.outputs) > 1:
+            for name, d in self.outputs.items():
+                lines.append(f"  output {name}: " + (f"{d['compared']} compared, max |difference| "
+                                                     f"{d['max_abs_diff']:.3g}" if d["compared"] else
+                                                     "not in this recording"))
+        if self.unmatched_outputs:
+            lines.append(f"  {self.unmatched_outputs} recorded outputs of other heads had no output of this bundle "
+                         "to compare with")
+        return "\n".join(lines + [self.recording_note])
+
+
+class _OutputDiff:
+    """Differences of one data output between the re-run and the recording."""
+
+    def __init__(self) -> None:
+        self.count, self.max, self.total = 0, 0.0, 0.0
+
+    def add(self, y: np.ndarray, recorded: np.ndarray, name: str) -> float:
+        """Compare one recorded output with the re-run one; returns the step's max |difference|."""
+        y = y.reshape(-1)
+        if y.size != recorded.size:
+            raise ValueError(f"bundle output {name!r} has {y.size} values but the recording's has {recorded.size}; "
+                             "replay a bundle with the same output layout")
+        # NaN where the recording has NaN (a refused step) agrees; NaN on one side only is a difference
+        d = np.nan_to_num(np.where(np.isnan(y) & np.isnan(recorded), 0.0, np.abs(y - recorded)), nan=np.inf)
+        worst = float(d.max())
+        self.count += 1
+        self.max = max(self.max, worst)
+        self.total += float(d.mean())
+        return worst
+
+    @property
+    def mean(self) -> float:
+        return self.total / self.count if self.count else float("nan")
+
+    def report(self) -> dict[str, float | int]:
+        return {"compared": self.count, "max_abs_diff": self.max if self.count else float("nan"),
+                "mean_abs_diff": self.mean}
 
 
 class _UnverifiedTags(FrameVerifier):
@@ -169,12 +211,14 @@ def replay_recording(recording: str | Path, bundle: Bundle | str | Path, backend
     # A window over the stream saw every frame in order, outputs recorded only when it was due: replay feeds
     # every frame and compares the outputs of those steps.
     windowed = fam.measurement.window is not None
-    computed: dict[int, np.ndarray] = {}
-    y_out = model.outputs[model.spec.data_outputs[0].name]
+    ys = [model.outputs[t.name] for t in model.spec.data_outputs]  # the first, then those in MORE_OUTPUT records
+    names = [t.name for t in model.spec.data_outputs]
+    computed: dict[int, list[np.ndarray]] = {}
+    current: tuple[int, list[np.ndarray]] | None = None  # the last OUTPUT's input and every output it computed
     diffs: list[float] = []
-    total = 0.0
-    count = 0
+    per_name = {name: _OutputDiff() for name in names}
     missing = 0
+    unmatched = 0  # MORE_OUTPUT records with no output of this bundle (or no re-run OUTPUT) to compare with
     in_loop = False  # the RX before META is the handshake; a HELLO after it reset the family (re-handshake)
     for rec in reader:
         if rec.type == RecordType.META:
@@ -194,17 +238,18 @@ def replay_recording(recording: str | Path, bundle: Bundle | str | Path, backend
                     if bad is not None:
                         fam.recover_nonfinite()
                     if cmd is not None or bad is not None:
-                        computed[f.seq] = y_out.copy()
+                        computed[f.seq] = [y.copy() for y in ys]
                 elif type(f.message) in side:
                     fam.on_side_message(f.message)
         elif rec.type == RecordType.OUTPUT:
             _, seq, recorded = rec.output()
+            current = None
             if windowed:
                 found = computed.pop(seq, None)
                 if found is None:
                     missing += 1
                     continue
-                y = found.reshape(-1)
+                current = (seq, found)
             else:
                 msg = inputs.pop(seq, None)
                 if msg is None:
@@ -213,27 +258,29 @@ def replay_recording(recording: str | Path, bundle: Bundle | str | Path, backend
                 _, bad = fam.guarded_step(msg)  # as the session did: a non-finite step is refused, bad state reset
                 if bad is not None and bad != "held":
                     fam.recover_nonfinite()
-                y = y_out.reshape(-1)
-            if y.size != recorded.size:
-                raise ValueError(
-                    f"bundle output has {y.size} values but the recording's outputs have {recorded.size}; "
-                    "replay a bundle with the same output layout"
-                )
-            # NaN where the recording has NaN (a refused step) agrees; NaN on one side only is a difference
-            d = np.nan_to_num(np.where(np.isnan(y) & np.isnan(recorded), 0.0, np.abs(y - recorded)), nan=np.inf)
-            diffs.append(float(d.max()))
-            total += float(d.mean())
-            count += 1
+                current = (seq, ys)
+            diffs.append(per_name[names[0]].add(current[1][0], recorded, names[0]))
+        elif rec.type == RecordType.MORE_OUTPUT:
+            _, seq, recorded = rec.output()
+            i = rec.output_index
+            if current is None or current[0] != seq or i >= len(names):
+                unmatched += 1
+                continue
+            per_name[names[i]].add(current[1][i], recorded, names[i])
+    count = len(diffs)
     model.close()
+    compared = [d for d in per_name.values() if d.count]
     return ReplayReport(
         outputs_compared=count,
-        max_abs_diff=max(diffs) if diffs else float("nan"),
-        mean_abs_diff=total / count if count else float("nan"),
+        max_abs_diff=max(d.max for d in compared) if compared else float("nan"),
+        mean_abs_diff=per_name[names[0]].mean,
         missing_inputs=missing,
         backend=model.backend_name,
         recording_note=reader.describe() + _signing_note(verifier, parser),
         signed_frames_refused=parser.stats.bad_tag + parser.stats.replayed,
         per_output_max=diffs,
+        outputs={name: d.report() for name, d in per_name.items()},
+        unmatched_outputs=unmatched,
     )
 
 

@@ -46,6 +46,7 @@ from closedloop.runtime.protect.scrubber import session_scrubber
 from .bundle import Bundle, load_bundle
 from .families import FamilyPlugin, get_family
 from .loop import LoopConfig, OverrunPolicy, RealTimeLoop
+from .manifest import GraphSpec
 from .model import Model
 from .observe.record_steps import StepRecorder
 from .observe.ring import FLAG_DISCONNECTED, FLAG_SAFE, FLAG_WATCHDOG
@@ -223,6 +224,13 @@ class _Tap(Transport):
         return self.inner.fileno()
 
 
+def recorded_outputs(spec: GraphSpec) -> list[dict[str, Any]]:
+    """META ``outputs``: every data output of the graph in order, as OUTPUT (the first) and MORE_OUTPUT records
+    (the others, by this list's index) hold them: name, shape (batch 1) and role."""
+    return [{"name": t.name, "shape": [1 if d == "batch" else int(d) for d in t.shape], "role": spec.role_of(t)}
+            for t in spec.data_outputs]
+
+
 def _hello_dict(h: Hello) -> dict[str, Any]:
     return {
         "kind": h.kind,
@@ -251,6 +259,9 @@ class Session:
         self.scrubber = session_scrubber(self.model, config)  # None unless the bundle is protected
         self.rate_hz = config.rate_hz or self.bundle.manifest.rate_hz
         self.writer = RecordingWriter(config.record) if config.record else None
+        # the graph's other data outputs, recorded beside the first (MORE_OUTPUT records, docs/recording.md)
+        self._more_outputs = [(i, self.model.outputs[t.name])
+                              for i, t in enumerate(self.model.spec.data_outputs) if i > 0]
         self._key = bytes.fromhex(config.key) if config.key else None
         self.link: Link | None = None
         self.hello: Hello | None = None
@@ -347,6 +358,7 @@ class Session:
                     "rate_hz": self.rate_hz,
                     "backend": self.model.backend_name,
                     "output_shape": list(self.model.output.shape),
+                    "outputs": recorded_outputs(self.model.spec),
                     "config": self.config.record_dict(),
                 },
             )
@@ -477,7 +489,10 @@ class Session:
             self._send_safe(k)
             return
         if self.writer is not None:
-            self.writer.append_output(k, frame.seq, self.model.output)
+            t_ns = time.monotonic_ns()  # one time for the step's outputs: they answered the same frame
+            self.writer.append_output(k, frame.seq, self.model.output, t_ns)
+            for i, y in self._more_outputs:
+                self.writer.append_output(k, frame.seq, y, t_ns, index=i)
         if self._tap is not None:
             self._tap.acted(frame.seq, fam.frame_vector, self.model.output)
         if bad is not None:

@@ -7,7 +7,8 @@ What goes where in the NWB file:
   neural frames; ``plant_output_y`` and ``plant_input_u`` for plant measurements;
   ``joint_positions`` and ``joint_velocities`` for joint states.
 - ``processing["closedloop"]``: ``model_output`` (every recorded model output, host
-  clock), ``commands_sent`` (actuator and joint commands, decoded from the exact bytes
+  clock; a graph with several data outputs: the first, and ``model_output_NAME`` for each
+  other), ``commands_sent`` (actuator and joint commands, decoded from the exact bytes
   written, host clock), ``step_timing`` (each loop step's latency and lateness, host clock), ``decoder_outputs`` (a decoder's DECODER_OUTPUT frames: bin index
   and the text added, as a table) and ``session_events`` (watchdog, disconnects, device
   status) as a table.
@@ -27,6 +28,11 @@ import numpy as np
 
 from closedloop.common.atomic import atomic_write_bytes
 from closedloop.runtime.recording_view import view_recording
+
+
+def _nwb_name(name: str) -> str:
+    """An output's name as part of an NWB object's name (which cannot hold '/' or ':')."""
+    return "".join(c if c.isalnum() or c in "_-." else "_" for c in name)
 
 
 def recording_to_nwb(recording: str | Path, out: str | Path, overwrite: bool = False) -> Path:
@@ -63,7 +69,14 @@ def recording_to_nwb(recording: str | Path, out: str | Path, overwrite: bool = F
         nwb.add_acquisition(TimeSeries(name=name, data=np.stack(vals), timestamps=np.asarray(ts), unit=units.get(name, "a.u.")))
     mod = nwb.create_processing_module("closedloop", "model outputs, commands and events of the closed-loop session")
     if outputs:
-        mod.add(TimeSeries(name="model_output", data=np.stack(outputs), timestamps=np.asarray(out_t), unit="a.u."))
+        first = (meta.get("outputs") or [{}])[0].get("name")
+        mod.add(TimeSeries(name="model_output", data=np.stack(outputs), timestamps=np.asarray(out_t), unit="a.u.",
+                           description=f"the graph's first data output{f' ({first!r})' if first else ''}, each "
+                                       "step the model ran; host clock"))
+    for name, s in view.more_outputs.items():
+        mod.add(TimeSeries(name=f"model_output_{_nwb_name(name)}", data=s.array(), timestamps=np.asarray(s.t_host_s),
+                           unit="a.u.", description=f"the graph's data output {name!r}, each step the model ran "
+                                                    "(the same steps as model_output); host clock"))
     if cmds:
         mod.add(TimeSeries(name="commands_sent", data=np.stack(cmds), timestamps=np.asarray(cmd_t), unit="a.u."))
     steps = view.steps

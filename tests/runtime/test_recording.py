@@ -20,15 +20,19 @@ def test_round_trip_every_record_type(tmp_path):
         w.append_json(RecordType.META, {"rate_hz": 50, "arr": np.arange(3)})
         w.append(RecordType.RX, b"\x00\x01garbage\x00")
         w.append_output(7, 41, np.array([1.5, -2.0], dtype=np.float32))
+        w.append_output(7, 41, np.array([0.25], dtype=np.float32), index=2)  # the graph's third data output
         w.append(RecordType.TX, b"\x05\x06")
         w.append_json(RecordType.EVENT, {"event": "watchdog"})
         w.append_json(RecordType.SUMMARY, {"steps": 3})
     r = RecordingReader(p)
-    assert [rec.type for rec in r] == [RecordType.META, RecordType.RX, RecordType.OUTPUT, RecordType.TX,
-                                       RecordType.EVENT, RecordType.SUMMARY]
+    assert [rec.type for rec in r] == [RecordType.META, RecordType.RX, RecordType.OUTPUT, RecordType.MORE_OUTPUT,
+                                       RecordType.TX, RecordType.EVENT, RecordType.SUMMARY]
     assert r.meta == {"rate_hz": 50, "arr": [0, 1, 2]}
     step, seq, vals = r.of_type(RecordType.OUTPUT)[0].output()
     assert step == 7 and seq == 41 and vals.tolist() == [1.5, -2.0]
+    more = r.of_type(RecordType.MORE_OUTPUT)[0]
+    assert more.output_index == 2 and more.output()[0:2] == (7, 41) and more.output()[2].tolist() == [0.25]
+    assert len(more.payload) == 12 + 4  # u32 step, u32 input seq, u32 index, one float32
     assert r.of_type(RecordType.RX)[0].payload == b"\x00\x01garbage\x00"
     assert r.summary == {"steps": 3}
     assert r.dropped_bytes == 0
