@@ -225,10 +225,16 @@ class _Tap(Transport):
 
 
 def recorded_outputs(spec: GraphSpec) -> list[dict[str, Any]]:
-    """META ``outputs``: every data output of the graph in order, as OUTPUT (the first) and MORE_OUTPUT records
-    (the others, by this list's index) hold them: name, shape (batch 1) and role."""
-    return [{"name": t.name, "shape": [1 if d == "batch" else int(d) for d in t.shape], "role": spec.role_of(t)}
-            for t in spec.data_outputs]
+    """META ``outputs`` and observers' ``info["outputs"]``: every data output of the graph in order, as OUTPUT (the
+    first) and MORE_OUTPUT records (the others, by this list's index) hold them: name, shape (batch 1), role, and
+    ``size`` and ``offset``, its values' place in an observer's output row (the outputs one after another)."""
+    out, offset = [], 0
+    for t in spec.data_outputs:
+        shape = [1 if d == "batch" else int(d) for d in t.shape]
+        size = int(np.prod(shape))
+        out.append({"name": t.name, "shape": shape, "role": spec.role_of(t), "size": size, "offset": offset})
+        offset += size
+    return out
 
 
 def _hello_dict(h: Hello) -> dict[str, Any]:
@@ -259,9 +265,11 @@ class Session:
         self.scrubber = session_scrubber(self.model, config)  # None unless the bundle is protected
         self.rate_hz = config.rate_hz or self.bundle.manifest.rate_hz
         self.writer = RecordingWriter(config.record) if config.record else None
-        # the graph's other data outputs, recorded beside the first (MORE_OUTPUT records, docs/recording.md)
-        self._more_outputs = [(i, self.model.outputs[t.name])
-                              for i, t in enumerate(self.model.spec.data_outputs) if i > 0]
+        # the graph's other data outputs, recorded beside the first (MORE_OUTPUT records, docs/recording.md) and
+        # given to observers after it in each step's output row (at their offsets in info["outputs"])
+        self._outputs_info = recorded_outputs(self.model.spec)
+        self._more_outputs = [(i, self.model.outputs[o["name"]]) for i, o in enumerate(self._outputs_info) if i]
+        self._more_offsets = [(o["offset"], self.model.outputs[o["name"]]) for o in self._outputs_info[1:]]
         self._key = bytes.fromhex(config.key) if config.key else None
         self.link: Link | None = None
         self.hello: Hello | None = None
@@ -358,7 +366,7 @@ class Session:
                     "rate_hz": self.rate_hz,
                     "backend": self.model.backend_name,
                     "output_shape": list(self.model.output.shape),
-                    "outputs": recorded_outputs(self.model.spec),
+                    "outputs": self._outputs_info,
                     "config": self.config.record_dict(),
                 },
             )
@@ -384,12 +392,13 @@ class Session:
             "bundle": str(self.bundle.source), "bundle_name": self.bundle.manifest.name,
             "family": self.bundle.manifest.family, "device_url": cfg.device, "backend": self.model.backend_name,
             "rate_hz": self.rate_hz, "input": self.family.measurement.name,
-            "output_shape": list(self.model.output.shape),
+            "output_shape": list(self.model.output.shape), "outputs": self._outputs_info,
         }
         safe = np.asarray(self.family.safe_output())
-        info.update(n_in=int(self.family.frame_vector.size), n_out=int(self.model.output.size), n_cmd=int(safe.size))
+        n_out = sum(o["size"] for o in self._outputs_info)  # every data output, the first first
+        info.update(n_in=int(self.family.frame_vector.size), n_out=n_out, n_cmd=int(safe.size))
         try:
-            self._tap = SessionTap(info, n_in=self.family.frame_vector.size, n_out=self.model.output.size,
+            self._tap = SessionTap(info, n_in=self.family.frame_vector.size, n_out=n_out,
                                    n_cmd=safe.size, observers=observers, monitor=cfg.monitor,
                                    monitor_public=cfg.monitor_public, out=self.out,
                                    monitor_avoid_cpu=cfg.rt_cpu if cfg.rt else None)
@@ -494,7 +503,7 @@ class Session:
             for i, y in self._more_outputs:
                 self.writer.append_output(k, frame.seq, y, t_ns, index=i)
         if self._tap is not None:
-            self._tap.acted(frame.seq, fam.frame_vector, self.model.output)
+            self._tap.acted(frame.seq, fam.frame_vector, self.model.output, self._more_offsets)
         if bad is not None:
             self._refuse_nonfinite(bad, k)
             return

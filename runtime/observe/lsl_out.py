@@ -6,10 +6,14 @@ pipeline) can follow a live session next to the streams it already records:
 =================  ===========  ===========================  ====================================
 outlet             type         channels                     one sample per
 =================  ===========  ===========================  ====================================
-``NAME-outputs``   ModelOutput  the model's data output      step that ran the model on a frame
+``NAME-outputs``   ModelOutput  every data output, in order  step that ran the model on a frame
 ``NAME-commands``  Command      the command's values         step that sent a command (safe too)
 ``NAME-text``      Markers      one string (irregular rate)  change of the decoder's typed text
 =================  ===========  ===========================  ====================================
+
+A graph with several data outputs (a click head beside a velocity) puts them one after another in
+``NAME-outputs``; its description's ``channels`` name each channel (``velocity[0]``, ``click``), the
+XDF convention LabRecorder and pyxdf read.
 
 Each sample's LSL timestamp is the end of the step that produced it (``t_ns +
 latency_ns``, the loop's monotonic clock, at most the step's latency after the command
@@ -92,7 +96,8 @@ class LslOutlets(SessionObserver):
 
     # --- outlets ----------------------------------------------------------------------------
 
-    def _outlet(self, which: str, stream_type: str, n: int, rate_hz: float, fmt: str) -> Any:
+    def _outlet(self, which: str, stream_type: str, n: int, rate_hz: float, fmt: str,
+                labels: list[str] | None = None) -> Any:
         lsl = self._lsl
         info = lsl.StreamInfo(f"{self.name}-{which}", stream_type, n, rate_hz, fmt, f"{self.source_id}:{which}")
         desc = info.desc()
@@ -101,12 +106,24 @@ class LslOutlets(SessionObserver):
             if self.info.get(key) is not None:
                 desc.append_child_value(key, str(self.info[key]))
         desc.append_child_value("clock", "end of the session step, on local_clock()")
+        if labels is not None and len(labels) == n:
+            channels = desc.append_child("channels")
+            for label in labels:
+                channels.append_child("channel").append_child_value("label", label)
         return lsl.StreamOutlet(info)
+
+    def output_labels(self) -> list[str] | None:
+        """A channel label per output value: the output's name, with ``[j]`` where it has several values."""
+        outputs = self.info.get("outputs")
+        if not isinstance(outputs, list):
+            return None
+        return [o["name"] if o["size"] == 1 else f"{o['name']}[{j}]" for o in outputs for j in range(o["size"])]
 
     def _open(self, n_out: int, n_cmd: int) -> None:
         rate = float(self.info.get("rate_hz") or 0.0)
         if n_out and "outputs" not in self.outlets:
-            self.outlets["outputs"] = self._outlet("outputs", "ModelOutput", n_out, rate, "float32")
+            self.outlets["outputs"] = self._outlet("outputs", "ModelOutput", n_out, rate, "float32",
+                                                   self.output_labels())
         if n_cmd and "commands" not in self.outlets:
             self.outlets["commands"] = self._outlet("commands", "Command", n_cmd, rate, "float32")
         if "text" not in self.outlets:

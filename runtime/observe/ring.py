@@ -190,11 +190,13 @@ class StepRing:
     def set_input_seq(self, seq: int) -> None:
         self._ints["input_seq"][self._slot] = seq
 
-    def set_output(self, values: np.ndarray) -> None:
+    def set_output(self, values: np.ndarray, offset: int = 0) -> None:
+        """Write ``values`` into the current record's output row from ``offset`` (a graph's further data outputs
+        follow its first, in order: the session's ``info["outputs"]`` gives each one's ``offset``)."""
         row = self._out_rows[self._slot]
-        n = min(row.size, values.size)
-        if n:
-            np.copyto(row[:n], values.reshape(-1)[:n], casting="unsafe")
+        n = min(row.size - offset, values.size)
+        if n > 0:
+            np.copyto(row[offset:offset + n], values.reshape(-1)[:n], casting="unsafe")
 
     def set_command(self, values: np.ndarray) -> None:
         row = self._cmd_rows[self._slot]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import secrets
 import sys
 import time
+from collections.abc import Sequence
 from typing import Any, TextIO
 
 import numpy as np
@@ -61,13 +62,17 @@ class SessionTap:
     def begin(self, step: int) -> None:
         self.ring.begin(step, time.monotonic_ns())
 
-    def acted(self, seq: int, frame: np.ndarray, output: np.ndarray) -> None:
+    def acted(self, seq: int, frame: np.ndarray, output: np.ndarray,
+              more: Sequence[tuple[int, np.ndarray]] = ()) -> None:
+        """The model ran on input frame ``seq``: its first data output, and ``(offset, values)`` of the others."""
         r = self.ring
         r.set_input_seq(seq)
         row = r.input_row()
         if row.size == frame.size:
             np.copyto(row, frame.reshape(-1), casting="unsafe")
         r.set_output(output)
+        for offset, values in more:
+            r.set_output(values, offset)
         r.add_flags(FLAG_ACTED)
 
     def command(self, values: np.ndarray) -> None:

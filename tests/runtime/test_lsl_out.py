@@ -27,6 +27,15 @@ def _inlet(name: str):
     return inlet
 
 
+def _labels(info) -> list[str]:
+    channel = info.desc().child("channels").child("channel")
+    out = []
+    while not channel.empty():
+        out.append(channel.child_value("label"))
+        channel = channel.next_sibling()
+    return out
+
+
 def _pull_all(inlet, want: int, timeout_s: float = 5.0):
     samples, stamps = [], []
     end = time.monotonic() + timeout_s
@@ -56,13 +65,17 @@ def test_an_inlet_receives_outputs_commands_and_text_stamped_at_each_step():
     obs = LslOutlets(name)
     ring = StepRing.create(n_in=3, n_out=2, n_cmd=1, capacity=256, event_capacity=8, event_slot=256)
     hub = ObserverHub(ring, [obs], interval_s=0.005)
-    hub.start({"rate_hz": 100.0, "n_out": 2, "n_cmd": 1, "bundle_name": "tiny", "family": "generic"})
+    outputs = [{"name": "click", "shape": [1, 1], "role": "command", "size": 1, "offset": 0},  # two heads, one value
+               {"name": "speed", "shape": [1, 1], "role": "output", "size": 1, "offset": 1}]  # each (info["outputs"])
+    hub.start({"rate_hz": 100.0, "n_out": 2, "n_cmd": 1, "bundle_name": "tiny", "family": "generic",
+               "outputs": outputs})
     try:
         end = time.monotonic() + 5
         while len(obs.outlets) < 3 and time.monotonic() < end:
             time.sleep(0.01)
         outs, cmds, text = _inlet(f"{name}-outputs"), _inlet(f"{name}-commands"), _inlet(f"{name}-text")
         assert outs.info().type() == "ModelOutput" and outs.info().channel_count() == 2
+        assert _labels(outs.info(timeout=5.0)) == ["click", "speed"]  # the XDF channel labels LabRecorder keeps
         assert cmds.info().channel_count() == 1 and text.info().type() == "Markers"
         steps = []
         for k in range(40):

@@ -15,10 +15,16 @@ import torch
 from torch import nn
 
 from closedloop.export import export_bundle
-from closedloop.runtime import RecordingReader, RecordType, SessionConfig, replay_recording, run_session
+from closedloop.runtime import (
+    RecordingReader,
+    RecordType,
+    SessionConfig,
+    SessionObserver,
+    replay_recording,
+    run_session,
+)
 from closedloop.runtime.recording_view import view_recording
 from closedloop.sdk.cli import main
-
 
 SESSION = {"session": {"input": "plant_measurement", "command": "actuator_command"}}
 LIMITS = {"low": [-2.0], "high": [2.0]}
@@ -61,8 +67,8 @@ def test_every_data_output_is_recorded_and_replay_compares_each(tmp_path, window
     s = _session(bundle, record, seed=3)
     assert s.commands_sent > 20
     reader = RecordingReader(record)
-    assert reader.meta["outputs"] == [{"name": "u", "shape": [1, 1], "role": "command"},
-                                      {"name": "estimate", "shape": [1, 3], "role": "output"}]
+    assert reader.meta["outputs"] == [{"name": "u", "shape": [1, 1], "role": "command", "size": 1, "offset": 0},
+                                      {"name": "estimate", "shape": [1, 3], "role": "output", "size": 3, "offset": 1}]
     records = [r for r in reader if r.type in (RecordType.OUTPUT, RecordType.MORE_OUTPUT)]
     firsts = [r for r in records if r.type == RecordType.OUTPUT]
     assert len(firsts) == s.inputs_used if not window else len(firsts) == s.commands_sent
@@ -114,3 +120,34 @@ def test_nwb_and_the_recording_view_hold_every_output(tmp_path):
         np.testing.assert_array_equal(second.data[:], est.array())
         np.testing.assert_array_equal(second.timestamps[:], first.timestamps[:])
         assert "'estimate'" in second.description and "'u'" in first.description
+
+
+class _Rows(SessionObserver):
+    def __init__(self) -> None:
+        self.info: dict = {}
+        self.seq: list[np.ndarray] = []
+        self.rows: list[np.ndarray] = []
+
+    def on_start(self, info) -> None:
+        self.info = dict(info)
+
+    def on_steps(self, batch) -> None:
+        acted = batch.input_seq >= 0
+        self.seq.append(batch.input_seq[acted].copy())
+        self.rows.append(batch.outputs[acted].copy())
+
+
+def test_observers_get_every_output_in_each_steps_row_where_info_says(tmp_path):
+    _, bundle = _export(tmp_path / "b")
+    record, rows = tmp_path / "s.clrec", _Rows()
+    run_session(bundle, SessionConfig(device="sim://plant?model=msd&rate=200&seed=6", duration_s=1.0, status=False,
+                                      backend="onnxruntime", record=str(record), observers=[rows]))
+    assert rows.info["n_out"] == 4 and [(o["name"], o["offset"], o["size"]) for o in rows.info["outputs"]] == [
+        ("u", 0, 1), ("estimate", 1, 3)]
+    seq, got = np.concatenate(rows.seq), np.concatenate(rows.rows)
+    reader = RecordingReader(record)
+    recorded = {r.output()[1]: r.output()[2] for r in reader.of_type(RecordType.OUTPUT)}
+    more = {r.output()[1]: r.output()[2] for r in reader.of_type(RecordType.MORE_OUTPUT)}
+    assert len(seq) > 20
+    for k, row in zip(seq, got, strict=True):  # the observer's row is the recorded u, then the recorded estimate
+        np.testing.assert_array_equal(row, np.concatenate([recorded[int(k)], more[int(k)]]))
