@@ -50,6 +50,7 @@ _EXPORTS: dict[str, str] = {
     "Window": "closedloop.runtime",
     "open_transport": "closedloop.firmware_bridge",
     "export_bundle": "closedloop.export",
+    "import_onnx": "closedloop.export",
     "ExportOptions": "closedloop.export",
     "SequenceStep": "closedloop.export",
 }

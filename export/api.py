@@ -11,9 +11,7 @@ TensorRT compatibility and builds an engine where TensorRT and a GPU are present
 from __future__ import annotations
 
 import copy
-import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -21,10 +19,18 @@ import numpy as np
 import torch
 from torch import nn
 
-from closedloop.runtime.manifest import GraphSpec, Manifest, Window
+from closedloop.runtime.manifest import GraphSpec, Window
 
+from .assemble import (
+    GRAPH_NAME,
+    ExportOptions,
+    apply_roles_and_windows,
+    check_args,
+    finish_bundle,
+    manifest_meta,
+)
 from .errors import ExportError
-from .onnx_export import KINDS, eval_mode, export_onnx, initial_states, module_device, to_numpy
+from .onnx_export import eval_mode, export_onnx, initial_states, module_device, to_numpy
 from .parity import (
     FP32_TOLERANCE,
     Tolerance,
@@ -38,45 +44,9 @@ from .parity import (
     summarize,
     torch_runner,
 )
-from .provenance import export_provenance, jsonable
-from .tensorrt import build_tensorrt_engines, tensorrt_compatibility
-from .variants import VARIANT_TOLERANCES, build_variant, check_variant_names
-from .writer import write_bundle
+from .variants import check_variant_names
 
-GRAPH_NAME = "main"
-
-
-@dataclass
-class ExportOptions:
-    """Less common export settings (recorded in ``provenance.export.settings``)."""
-
-    state_names: tuple[str, ...] | None = None  # default "h" (one state) or "h0", "h1", ...
-    opset: int = 17
-    parity_batch_sizes: tuple[int, ...] = (1, 3)
-    sequence_steps: int = 64  # length of the generated random walk when no recorded_sequence is given
-    seed: int = 0
-    full_sequence_check: bool | None = None  # None: when module.forward takes (seq, *states)
-    variant_tolerances: dict[str, Tolerance] = field(default_factory=lambda: dict(VARIANT_TOLERANCES))
-    tensorrt_max_batch: int = 8
-
-    def __post_init__(self) -> None:
-        if not self.parity_batch_sizes or any(int(b) < 1 for b in self.parity_batch_sizes):
-            raise ExportError(f"parity_batch_sizes {self.parity_batch_sizes} must be positive integers")
-        if self.sequence_steps < 2:
-            raise ExportError(f"sequence_steps {self.sequence_steps} must be at least 2")
-        if self.tensorrt_max_batch < 1:
-            raise ExportError(f"tensorrt_max_batch {self.tensorrt_max_batch} must be at least 1")
-
-
-def _check_args(kind: str, family: str, rate_hz: float, provenance: dict | None) -> None:
-    if kind not in KINDS:
-        raise ExportError(f"kind {kind!r} is not one of {KINDS}")
-    if not family or not isinstance(family, str):
-        raise ExportError(f"family {family!r} must be a non-empty string naming a runtime family plug-in (e.g. 'generic')")
-    if not isinstance(rate_hz, int | float) or not math.isfinite(rate_hz) or rate_hz <= 0:
-        raise ExportError(f"rate_hz {rate_hz!r} must be a positive number of loop steps per second (e.g. 50 for 20 ms bins)")
-    if provenance and "export" in provenance:
-        raise ExportError("provenance key 'export' is reserved for what export_bundle records; rename your key")
+__all__ = ["ExportOptions", "export_bundle"]
 
 
 def _example_inputs(example: Any, input_name: str | Sequence[str]) -> tuple[list[str], list[torch.Tensor]]:
@@ -114,29 +84,6 @@ def _example_inputs(example: Any, input_name: str | Sequence[str]) -> tuple[list
     if len(set(names)) != len(names):
         raise ExportError(f"input names must be distinct, got {names}")
     return names, tensors
-
-
-def _apply_roles_and_windows(spec: GraphSpec, input_roles: Mapping[str, str] | None,
-                             output_roles: Mapping[str, str] | None,
-                             windows: Mapping[str, Window | Mapping[str, Any]] | None) -> None:
-    """Write the caller's roles and windows onto the exported graph's tensors, refusing what does not fit."""
-    by_name = {t.name: t for t in spec.inputs}
-    out_by_name = {t.name: t for t in spec.outputs}
-    for what, given, tensors in (("input_roles", input_roles, by_name), ("output_roles", output_roles, out_by_name)):
-        for name, role in (given or {}).items():
-            if name not in tensors:
-                raise ExportError(f"{what} names {name!r}, which is not a graph {what[:-6]}; they are {list(tensors)}")
-            tensors[name].role = role
-    for name, w in (windows or {}).items():
-        if name not in by_name:
-            raise ExportError(f"windows names {name!r}, which is not a graph input; inputs: {list(by_name)}")
-        try:
-            by_name[name].window = w if isinstance(w, Window) else Window.from_dict(dict(w))
-        except (ValueError, KeyError, TypeError) as exc:
-            raise ExportError(f"window of input {name!r}: {exc}") from None
-    problems = spec.problems("export")
-    if problems:
-        raise ExportError("; ".join(problems))
 
 
 def _initial_state_feeds(module: nn.Module, spec: GraphSpec) -> dict[str, np.ndarray]:
@@ -224,15 +171,10 @@ def export_bundle(
         or ``lambda s: None``).
     """
     options = options or ExportOptions()
-    _check_args(kind, family, rate_hz, provenance)
+    check_args(kind, family, rate_hz, provenance)
     variant_names = check_variant_names(list(variants))
     tolerance = tolerance or FP32_TOLERANCE
-    meta = {
-        "preprocess": jsonable(dict(preprocess or {}), "preprocess"),
-        "postprocess": jsonable(dict(postprocess or {}), "postprocess"),
-        "extra": jsonable(dict(extra or {}), "extra"),
-        "provenance": jsonable(dict(provenance or {}), "provenance"),
-    }
+    meta = manifest_meta(preprocess, postprocess, extra, provenance)
     names, examples = _example_inputs(example_input, input_name)
     source_device = module_device(module)
     if source_device.type != "cpu":
@@ -248,7 +190,7 @@ def export_bundle(
             state_names=options.state_names, opset=options.opset, file=f"{GRAPH_NAME}.onnx", report=report,
         )
         spec = exported.spec
-        _apply_roles_and_windows(spec, input_roles, output_roles, windows)
+        apply_roles_and_windows(spec, input_roles, output_roles, windows)
         report(f"exported {spec.file}: {exported.checks['nodes']} nodes, opset {exported.checks['opset']}, "
                f"{exported.checks['gru_nodes']} GRU node(s)")
         init = _initial_state_feeds(module, spec) if kind == "recurrent" else {}
@@ -274,47 +216,13 @@ def export_bundle(
     finally:
         restore_mode()
 
-    files: dict[str, bytes] = {spec.file: exported.onnx_bytes}
-    for vname in variant_names:
-        data, record = build_variant(
-            vname, exported.onnx_bytes, spec, onnx_run, inputs, options.variant_tolerances.get(vname)
-        )
-        rel = f"{GRAPH_NAME}.{vname}.onnx"
-        record = {"file": rel, **record, "tensorrt_compatibility": tensorrt_compatibility(data)}
-        spec.variants[vname] = record
-        files[rel] = data
-        p = record["parity_vs_fp32"]
-        flag = "OK" if record["within_tolerance"] else f"OUTSIDE its tolerance {record['tolerance']} (written, flagged)"
-        report(f"variant {vname}: max abs {fmt_error(p['max_abs'])}, max rel {fmt_error(p['max_rel'])} vs fp32: {flag}")
-
-    spec.tensorrt_compatibility = tensorrt_compatibility(exported.model)
-    trt = spec.tensorrt_compatibility
-    report(f"TensorRT compatibility (no TensorRT needed): {'compatible' if trt['compatible'] else 'NOT compatible'}"
-           + (f", unsupported {trt['unsupported_ops']}" if trt["unsupported_ops"] else ""))
-    if tensorrt:
-        fp16 = files.get(spec.variants.get("fp16", {}).get("file", ""))
-        files.update(build_tensorrt_engines(
-            GRAPH_NAME, spec, exported.onnx_bytes, fp16, max_batch=options.tensorrt_max_batch, report=report
-        ))
-
     settings = {
         "kind": kind, "input_name": input_name, "output_name": output_name, "variants": list(variant_names),
         "tolerance": tolerance.to_dict(), "tensorrt": tensorrt, "example_input_shape": {names[i]: list(examples[i].shape) for i in range(len(names))},
         "recorded_sequence": recorded_sequence is not None, "module_device": str(source_device),
-        "options": {**asdict(options), "variant_tolerances": {k: v.to_dict() for k, v in options.variant_tolerances.items()}},
+        "options": options.record(),
         "graph_checks": exported.checks, "export_warnings": exported.warnings,
     }
-    manifest = Manifest(
-        family=family,
-        name=name,
-        rate_hz=float(rate_hz),
-        graphs={GRAPH_NAME: spec},
-        files={},
-        preprocess=meta["preprocess"],
-        postprocess=meta["postprocess"],
-        provenance={**meta["provenance"], "export": jsonable(export_provenance(settings), "provenance.export")},
-        extra=meta["extra"],
-    )
-    path = write_bundle(out, manifest, files, overwrite=overwrite, zip=zip)
-    report(f"wrote bundle {path} ({len(files)} files + manifest)")
-    return path
+    return finish_bundle(out, spec, exported.onnx_bytes, onnx_run, inputs, variant_names=variant_names,
+                         options=options, tensorrt=tensorrt, family=family, name=name, rate_hz=rate_hz, meta=meta,
+                         settings=settings, overwrite=overwrite, zip=zip, report=report)

@@ -37,10 +37,10 @@ from torch import nn
 from closedloop.runtime.manifest import GraphSpec, TensorSpec
 from closedloop.runtime.onnx_reader import OnnxModel, parse_onnx
 
+from .assemble import KINDS
 from .errors import ExportError, GraphCheckError
 from .prepare import torch_onnx_export
 
-KINDS = ("feedforward", "recurrent")
 BATCH = "batch"  # the one dynamic axis name we export (TensorSpec.concrete_shape relies on it)
 
 
@@ -449,15 +449,6 @@ def export_onnx(
     checks["nodes"] = len(model.nodes)
     spec = GraphSpec(file=file, kind=kind, inputs=inputs, outputs=outputs)
     return ExportedGraph(onnx_bytes=data, spec=spec, torch_fn=fn, model=model, checks=checks, warnings=noted)
-
-
-def op_counts(model: OnnxModel) -> dict[str, int]:
-    """Op type -> node count (custom domains written as ``domain::Op``)."""
-    counts: dict[str, int] = {}
-    for n in model.nodes:
-        key = n.op_type if n.domain in ("", "ai.onnx") else f"{n.domain}::{n.op_type}"
-        counts[key] = counts.get(key, 0) + 1
-    return dict(sorted(counts.items()))
 
 
 def module_device(module: nn.Module) -> torch.device:

@@ -24,16 +24,16 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
-from torch import nn
 
 from closedloop.runtime.manifest import GraphSpec, TensorSpec
 
 from .errors import ExportError, ParityError
-from .onnx_export import as_outputs, module_device, to_numpy
+
+if TYPE_CHECKING:  # torch only where a torch module is compared: an imported ONNX file needs none
+    from torch import nn
 
 REL_EPS = 1e-12
 
@@ -84,6 +84,10 @@ def ort_runner(onnx_bytes: bytes, threads: int = 1) -> Runner:
 
 def torch_runner(fn: nn.Module, spec: GraphSpec) -> Runner:
     """Run the torch twin of a graph (inputs and outputs in the graph's order and names)."""
+    import torch
+
+    from .onnx_export import as_outputs, module_device, to_numpy
+
     in_names = [t.name for t in spec.inputs]
     out_names = [t.name for t in spec.outputs]
     device = module_device(fn)
@@ -109,6 +113,8 @@ class ParityInputs:
     #: the other data inputs (a goal, a mode) at batch 1, held fixed over the sequence
     held: Feeds = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    #: a graph whose batch is fixed at 1 (an imported file): a feed-forward sequence runs one row per call
+    row_by_row: bool = False
 
 
 def random_walk(steps: int, feature_shape: tuple[int, ...], seed: int) -> np.ndarray:
@@ -120,7 +126,7 @@ def random_walk(steps: int, feature_shape: tuple[int, ...], seed: int) -> np.nda
 
 
 def check_sequence(seq: Any, feature_shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-    arr = np.asarray(to_numpy(seq) if isinstance(seq, torch.Tensor) else seq)
+    arr = np.asarray(seq.detach().cpu().numpy() if hasattr(seq, "detach") else seq)  # a torch tensor or an array
     if arr.ndim != 1 + len(feature_shape) or tuple(arr.shape[1:]) != feature_shape or arr.shape[0] < 2:
         raise ExportError(
             f"recorded_sequence has shape {arr.shape}; expected (T, {', '.join(map(str, feature_shape))}) "
@@ -207,6 +213,20 @@ def rollout(run: Runner, spec: GraphSpec, seq: np.ndarray, initial_state: Feeds,
     return stacked, state
 
 
+def row_by_row(run: Runner, spec: GraphSpec) -> Runner:
+    """``run`` called once per batch row (a batch of one each), the outputs joined again along each tensor's batch
+    axis (its ``"batch"`` axis, else axis 0): what one batched call gives when rows are independent, and the way to
+    give a batch to a graph whose batch is fixed at 1 or to a backend that runs batch 1."""
+    axis = {t.name: t.shape.index("batch") if "batch" in t.shape else 0 for t in [*spec.inputs, *spec.outputs]}
+
+    def run_rows(feeds: Feeds) -> Feeds:
+        n = max(v.shape[axis.get(k, 0)] for k, v in feeds.items())
+        outs = [run({k: np.take(v, [i], axis=axis.get(k, 0)) for k, v in feeds.items()}) for i in range(n)]
+        return {k: np.concatenate([o[k] for o in outs], axis=axis.get(k, 0)) for k in outs[0]}
+
+    return run_rows
+
+
 def _final(spec: GraphSpec, state: Feeds) -> Feeds:
     """A rollout's final state keyed by the state *output* names (``h_out``)."""
     return {s.state_pair: state[s.name] for s in spec.state_inputs if s.state_pair}
@@ -226,6 +246,8 @@ def compare(reference: Runner, candidate: Runner, spec: GraphSpec, inputs: Parit
     else:
         feeds = {sequence_input(spec).name: seq,
                  **{k: np.repeat(v, seq.shape[0], axis=0) for k, v in inputs.held.items()}}
+        if inputs.row_by_row:
+            candidate, reference = row_by_row(candidate, spec), row_by_row(reference, spec)
         checks["sequence_as_batch"] = {"steps": int(seq.shape[0]), **_errors(candidate(feeds), reference(feeds), tol)}
     return summarize(checks, tol, inputs)
 
@@ -259,6 +281,8 @@ def summarize(checks: dict[str, dict[str, Any]], tol: Tolerance, inputs: ParityI
 def offers_full_sequence(module: nn.Module, n_states: int) -> bool:
     """Whether ``module.forward`` takes a sequence and the states (``forward(seq, *states)``). A module that
     defines no ``forward`` (torch's placeholder takes ``*input`` and raises) offers none."""
+    from torch import nn
+
     if getattr(type(module), "forward", None) is nn.Module.forward:
         return False
     try:
@@ -275,6 +299,10 @@ def full_sequence_check(
     module: nn.Module, onnx_run: Runner, spec: GraphSpec, inputs: ParityInputs, tol: Tolerance
 ) -> dict[str, Any]:
     """The ONNX step-by-step rollout vs one torch call ``module(seq[None], *init_state)``."""
+    import torch
+
+    from .onnx_export import as_outputs, module_device, to_numpy
+
     device = module_device(module)
     seq = torch.from_numpy(inputs.sequence[None]).to(device)
     states = [torch.from_numpy(inputs.initial_state[s.name]).to(device) for s in spec.state_inputs]

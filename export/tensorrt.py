@@ -27,9 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from closedloop.runtime.manifest import GraphSpec
-from closedloop.runtime.onnx_reader import OnnxModel, parse_onnx
-
-from .onnx_export import op_counts
+from closedloop.runtime.onnx_reader import OnnxModel, op_counts, parse_onnx
 
 OPS_FILE = Path(__file__).parent / "data" / "tensorrt_onnx_ops.json"
 JETPACK6_TENSORRT = "10.3"

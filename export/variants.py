@@ -41,10 +41,9 @@ from typing import Any
 import onnx
 
 from closedloop.runtime.manifest import GraphSpec
-from closedloop.runtime.onnx_reader import parse_onnx
+from closedloop.runtime.onnx_reader import op_counts, parse_onnx
 
 from .errors import ExportError
-from .onnx_export import op_counts
 from .parity import ParityInputs, Runner, Tolerance, compare, ort_runner
 from .weight_storage import store_weights
 

@@ -295,9 +295,11 @@ def _open(path: str | Path) -> tuple[Path, Path]:
         raise BundleError(f"bundle {source}: no such file or folder")
     what = _MODEL_FILES.get(source.suffix.lower()) if source.is_file() else None
     if what is not None:
+        make = ("import it with closedloop import-onnx FILE OUT --rate HZ (closedloop.import_onnx in Python)"
+                if source.suffix.lower() == ".onnx" else
+                "make one from the torch module with closedloop.export_bundle(module, out, ...)")
         raise BundleError(f"bundle {source}: this is {what}, not a bundle (a folder or zip with manifest.json); "
-                          "make one from the torch module with closedloop.export_bundle(module, out, ...) "
-                          "(docs/workflow.md)")
+                          f"{make} (docs/workflow.md)")
     root = _unpack_zip(source) if source.is_file() else source
     return root, source
 

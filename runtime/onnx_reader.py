@@ -323,3 +323,12 @@ def read_onnx(path: str | Path) -> OnnxModel:
         return parse_onnx(p.read_bytes())
     except OnnxFormatError as exc:
         raise OnnxFormatError(f"{p}: {exc}") from exc
+
+
+def op_counts(model: OnnxModel) -> dict[str, int]:
+    """Op type -> node count (custom domains written as ``domain::Op``)."""
+    counts: dict[str, int] = {}
+    for n in model.nodes:
+        key = n.op_type if n.domain in ("", "ai.onnx") else f"{n.domain}::{n.op_type}"
+        counts[key] = counts.get(key, 0) + 1
+    return dict(sorted(counts.items()))

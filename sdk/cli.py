@@ -595,6 +595,97 @@ def _sign(a: argparse.Namespace) -> int:
     return 0
 
 
+def _pairs(items: list[str], flag: str) -> dict[str, str]:
+    """``NAME=VALUE`` arguments as a dict."""
+    out = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not sep or not name or not value:
+            raise ValueError(f"{flag} {item!r}: give NAME=VALUE")
+        out[name] = value
+    return out
+
+
+def _json_arg(text: str | None, flag: str) -> dict | None:
+    """A JSON object given inline or as @FILE."""
+    if text is None:
+        return None
+    from pathlib import Path
+
+    source = Path(text[1:]).read_text() if text.startswith("@") else text
+    try:
+        value = json.loads(source)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{flag}: not JSON ({exc}); give an object such as '{{\"low\": [-1], \"high\": [1]}}' or "
+                         "@FILE") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{flag}: give a JSON object, not {type(value).__name__}")
+    return value
+
+
+def _import_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", help="the .onnx file (float32 inputs and outputs, weights inside the file)")
+    p.add_argument("out", help="the bundle folder to write (or a .zip with --zip)")
+    p.add_argument("--rate", type=float, required=True, help="the loop rate in Hz the model was trained for")
+    p.add_argument("--state", action="append", default=[], metavar="IN=OUT",
+                   help="a recurrent state: the input a step reads and the output that feeds it back (repeatable)")
+    p.add_argument("--name", default="", help="the bundle's name (default: the file's stem)")
+    p.add_argument("--family", default="generic", help="the runtime family that runs it (default generic)")
+    p.add_argument("--input-role", action="append", default=[], metavar="NAME=ROLE",
+                   help="an input's role: measurement, goal, mode or context (docs/bundle.md)")
+    p.add_argument("--output-role", action="append", default=[], metavar="NAME=ROLE",
+                   help="an output's role: command, estimate or output")
+    p.add_argument("--window", action="append", default=[], metavar="NAME=LENGTH[:HOP[:LAYOUT]]",
+                   help="an input that is a window over a stream: its length in frames, the hop (default 1) and "
+                        "time_major or channel_major (default time_major)")
+    p.add_argument("--preprocess", metavar="JSON", help="the manifest's preprocess object (JSON or @FILE), e.g. mean/std")
+    p.add_argument("--postprocess", metavar="JSON",
+                   help="the manifest's postprocess object (JSON or @FILE), e.g. command limits low/high")
+    p.add_argument("--extra", metavar="JSON", help="the manifest's extra object (JSON or @FILE), e.g. session I/O")
+    p.add_argument("--variants", default="fp16,int8",
+                   help="reduced-precision variants to add, comma-separated (fp16, int8, fp16w, int8w) or none")
+    p.add_argument("--no-tensorrt", action="store_true", help="do not build a TensorRT engine even where one could be")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing bundle at OUT")
+    p.add_argument("--zip", action="store_true", help="write one zip file instead of a folder")
+    p.add_argument("--json", action="store_true", help="print the bundle's path and its parity record as JSON")
+
+
+def _window(text: str) -> dict:
+    name_fields = text.split(":")
+    out: dict = {"length": int(name_fields[0])}
+    if len(name_fields) > 1:
+        out["hop"] = int(name_fields[1])
+    if len(name_fields) > 2:
+        out["layout"] = name_fields[2]
+    return out
+
+
+@command("import-onnx", "make a bundle from an ONNX file made elsewhere (another framework, torch.onnx.export): "
+                        "checked on ONNX Runtime and Numba, variants added", _import_args)
+def _import_onnx(a: argparse.Namespace) -> int:
+    from closedloop.export import import_onnx
+    from closedloop.runtime import load_bundle
+
+    try:
+        windows = {k: _window(v) for k, v in _pairs(a.window, "--window").items()}
+    except ValueError as exc:
+        raise ValueError(f"--window: {exc}; give NAME=LENGTH[:HOP[:LAYOUT]]") from None
+    variants = [] if a.variants.strip().lower() in ("", "none") else [v.strip() for v in a.variants.split(",")]
+    path = import_onnx(a.model, a.out, rate_hz=a.rate, state=_pairs(a.state, "--state"), family=a.family, name=a.name,
+                       preprocess=_json_arg(a.preprocess, "--preprocess"),
+                       postprocess=_json_arg(a.postprocess, "--postprocess"), extra=_json_arg(a.extra, "--extra"),
+                       input_roles=_pairs(a.input_role, "--input-role"),
+                       output_roles=_pairs(a.output_role, "--output-role"), windows=windows or None,
+                       variants=variants, tensorrt=not a.no_tensorrt, overwrite=a.overwrite, zip=a.zip,
+                       report=lambda s: print(s, file=sys.stderr if a.json else sys.stdout))
+    if a.json:
+        spec = load_bundle(path).graph()
+        print(json.dumps({"bundle": str(path), "kind": spec.kind, "parity": spec.parity,
+                          "variants": {k: {"within_tolerance": v["within_tolerance"]} for k, v in spec.variants.items()}},
+                         indent=2, default=str))
+    return 0
+
+
 def _package_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("bundles", nargs="+", metavar="BUNDLE", help="bundle folders or zips (each verified first)")
     p.add_argument("--target", required=True, help="the board: jetson-jp6, or host (this machine)")

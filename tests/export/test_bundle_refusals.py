@@ -140,10 +140,12 @@ def test_state_flags_must_agree_with_the_graph_kind(bundle):
     load_bundle(bundle)  # consistent again: a feed-forward reading of the graph, as the manifest says
 
 
-@pytest.mark.parametrize(("name", "what"), [("decoder.onnx", "an ONNX model"), ("model.pt", "a torch file"),
-                                            ("program.pt2", "a torch.export program")])
-def test_a_model_file_handed_over_as_a_bundle_is_named_with_how_to_make_one(bundle, tmp_path, name, what):
+@pytest.mark.parametrize(("name", "what", "how"), [
+    ("decoder.onnx", "an ONNX model", "closedloop import-onnx FILE OUT --rate HZ"),
+    ("model.pt", "a torch file", "closedloop.export_bundle"),
+    ("program.pt2", "a torch.export program", "closedloop.export_bundle")])
+def test_a_model_file_handed_over_as_a_bundle_is_named_with_how_to_make_one(bundle, tmp_path, name, what, how):
     model = tmp_path / name
     model.write_bytes((bundle / "main.onnx").read_bytes())  # a real model file, just not a bundle
-    with pytest.raises(BundleError, match=f"this is {what}, not a bundle .* closedloop.export_bundle"):
+    with pytest.raises(BundleError, match=f"this is {what}, not a bundle .* {how}"):
         load_bundle(model)

@@ -1,0 +1,220 @@
+"""import_onnx / `closedloop import-onnx`: an ONNX file made elsewhere becomes a bundle that runs like the model.
+
+The files here come from torch.onnx.export as a user runs it (their own names, a dynamic batch or none, a GRU cell
+with its state as an input and an output); the bundle's outputs are compared with the torch module that made the
+file, on both backends, and what cannot be a bundle is refused with what to do.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+import warnings
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from torch import nn
+
+from closedloop import Model, SessionConfig, import_onnx, load_bundle, run_session
+from closedloop.export import ExportError, ParityError
+from closedloop.sdk.cli import main
+
+ROOT = Path(__file__).resolve().parents[2]
+QUIET = {"report": lambda s: None, "tensorrt": False}
+
+
+def _export(module: nn.Module, args: tuple, path: Path, names_in: list[str], names_out: list[str],
+            dynamic: dict | None = None) -> Path:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(module.eval(), args, str(path), input_names=names_in, output_names=names_out,
+                          dynamic_axes=dynamic, dynamo=False)
+    return path
+
+
+class Policy(nn.Module):
+    def __init__(self, n_in: int = 4) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(n_in, 32), nn.Tanh(), nn.Linear(32, 1))
+
+    def forward(self, obs):
+        return self.net(obs)
+
+
+class CellDecoder(nn.Module):
+    """A step function written by hand (a GRU cell and a head), its state an input and an output of the graph."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cell, self.head = nn.GRUCell(12, 16), nn.Linear(16, 5)
+
+    def forward(self, x, h):
+        h = self.cell(x, h)
+        return self.head(h), h
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    torch.manual_seed(0)
+    d = tmp_path_factory.mktemp("onnx")
+    policy, decoder = Policy(), CellDecoder()
+    out = {
+        "policy": policy, "decoder": decoder,
+        "dynamic": _export(policy, (torch.zeros(1, 4),), d / "policy.onnx", ["obs"], ["u"],
+                           {"obs": {0: "N"}, "u": {0: "N"}}),
+        "fixed": _export(policy, (torch.zeros(1, 4),), d / "policy_b1.onnx", ["obs"], ["u"]),
+        "controller": _export(Policy(n_in=1), (torch.zeros(1, 1),), d / "controller.onnx", ["y"], ["u"],
+                              {"y": {0: "N"}, "u": {0: "N"}}),  # a plant's one measurement in, one command out
+        "recurrent": _export(decoder, (torch.zeros(1, 12), torch.zeros(1, 16)), d / "decoder.onnx", ["spikes", "h"],
+                             ["logits", "h_next"], {n: {0: "b"} for n in ("spikes", "h", "logits", "h_next")}),
+    }
+    return out
+
+
+@pytest.mark.parametrize("which", ["dynamic", "fixed"])
+def test_a_feedforward_file_becomes_a_bundle_that_computes_what_the_model_does(files, tmp_path, which):
+    src = files[which]
+    bundle = import_onnx(src, tmp_path / "b", rate_hz=100.0, **QUIET)
+    b = load_bundle(bundle)
+    assert (bundle / "main.onnx").read_bytes() == src.read_bytes()  # the file as given
+    spec = b.graph()
+    assert [t.name for t in spec.inputs] == ["obs"] and [t.name for t in spec.outputs] == ["u"]
+    assert spec.inputs[0].shape == (["batch", 4] if which == "dynamic" else [1, 4])
+    assert spec.parity["reference"] == "onnxruntime (the imported file)" and spec.parity["within_tolerance"]
+    assert spec.parity["candidates"]["numba"] == "checked"
+    assert any(k.startswith("numba/") for k in spec.parity["checks"])
+    assert any(k.startswith("onnxruntime_row_by_row/") for k in spec.parity["checks"]) == (which == "dynamic")
+    export = b.manifest.provenance["export"]["settings"]
+    assert export["source"] == "import_onnx" and export["batch"] == ("free" if which == "dynamic" else "fixed at 1")
+    assert export["sha256"] == __import__("hashlib").sha256(src.read_bytes()).hexdigest()
+    assert set(spec.variants) == {"fp16", "int8"}
+    obs = np.random.default_rng(1).standard_normal((20, 4)).astype(np.float32)
+    with torch.no_grad():
+        want = files["policy"](torch.from_numpy(obs)).numpy()
+    for backend in ("onnxruntime", "numba"):
+        m = Model(bundle, backend=backend)
+        got = np.stack([m.step(o[None]).copy()[0] for o in obs])
+        np.testing.assert_allclose(got, want, atol=1e-5, err_msg=backend)
+
+
+def test_a_recurrent_file_carries_its_named_state_step_to_step(files, tmp_path):
+    bundle = import_onnx(files["recurrent"], tmp_path / "b", rate_hz=50.0, state={"h": "h_next"}, **QUIET)
+    spec = load_bundle(bundle).graph()
+    assert spec.kind == "recurrent" and [t.name for t in spec.state_inputs] == ["h"]
+    assert "numba/sequence_step_by_step" in spec.parity["checks"]
+    xs = np.random.default_rng(2).poisson(2.0, (40, 12)).astype(np.float32)
+    h = torch.zeros(1, 16)
+    want = []
+    with torch.no_grad():
+        for x in xs:
+            y, h = files["decoder"](torch.from_numpy(x[None]), h)
+            want.append(y.numpy()[0])
+    for backend in ("onnxruntime", "numba"):
+        m = Model(bundle, backend=backend)
+        got = [m.step(x[None]).copy()[0] for x in xs]
+        np.testing.assert_allclose(got, want, atol=1e-5, err_msg=backend)
+        m.reset()  # the state starts from zeros again, as a session's reset
+        np.testing.assert_allclose(m.step(xs[:1]), [want[0]], atol=1e-5)
+
+
+def test_an_imported_bundle_runs_a_session_through_the_cli(files, tmp_path, capsys):
+    out = tmp_path / "policy_bundle"
+    assert main(["import-onnx", str(files["controller"]), str(out), "--rate", "200", "--no-tensorrt", "--variants", "none",
+                 "--postprocess", '{"low": [-2], "high": [2]}',
+                 "--extra", '{"session": {"input": "plant_measurement", "command": "actuator_command"}}',
+                 "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["bundle"] == str(out) and report["parity"]["within_tolerance"] and report["variants"] == {}
+    s = run_session(out, SessionConfig(device="sim://plant?model=msd&rate=200&seed=1", duration_s=0.5, status=False,
+                                       backend="numba"))
+    assert s.commands_sent > 20 and s.nonfinite_outputs == 0
+    assert main(["import-onnx", str(files["controller"]), str(out), "--rate", "200"]) == 2  # exists: no --overwrite
+    assert "exists" in capsys.readouterr().err
+
+
+class MixesRows(nn.Module):
+    def forward(self, x):
+        return x - x.mean(dim=0, keepdim=True)  # each row depends on the others: axis 0 is no batch
+
+
+class SumsOverTime(nn.Module):
+    def forward(self, x):
+        return x.sum(dim=1)
+
+
+def _bad_file(tmp_path: Path, kind: str) -> tuple[Path, dict]:
+    p = tmp_path / f"{kind}.onnx"
+    if kind == "mixes_rows":
+        _export(MixesRows(), (torch.zeros(2, 3),), p, ["x"], ["y"], {"x": {0: "b"}, "y": {0: "b"}})
+    elif kind == "two_free_axes":
+        _export(SumsOverTime(), (torch.zeros(1, 5, 3),), p, ["x"], ["y"], {"x": {0: "b", 1: "t"}, "y": {0: "b"}})
+    elif kind == "float64":
+        _export(nn.Linear(3, 2).double(), (torch.zeros(1, 3, dtype=torch.float64),), p, ["x"], ["y"])
+    elif kind == "batch_of_four":
+        _export(nn.Linear(3, 2), (torch.zeros(4, 3),), p, ["x"], ["y"])
+    elif kind == "not_onnx":
+        p.write_bytes(b"\x00\x01 this is not a protobuf \xff" * 10)
+    elif kind == "external_data":
+        _export(nn.Linear(64, 64), (torch.zeros(1, 64),), tmp_path / "whole.onnx", ["x"], ["y"])
+        onnx.save_model(onnx.load(str(tmp_path / "whole.onnx")), str(p), save_as_external_data=True,
+                        all_tensors_to_one_file=True, location="weights.bin", size_threshold=0)
+    elif kind == "unknown_state":
+        _export(CellDecoder(), (torch.zeros(1, 12), torch.zeros(1, 16)), p, ["x", "h"], ["y", "h_out"])
+        return p, {"state": {"h": "h_next"}}
+    return p, {}
+
+
+@pytest.mark.parametrize(("kind", "message"), [
+    ("mixes_rows", "the free first axis is not a batch axis: the rows of a batch change each other's outputs"),
+    ("two_free_axes", r"2 free axes \(\['b', 't'\]\); a bundle allows one, the batch: fix the others"),
+    ("float64", "input 'x' is float64: a bundle computes in float32"),
+    ("batch_of_four", r"fixed shape \[4, 3\].*a batch of 1 or free"),
+    ("not_onnx", "is not an ONNX model"),
+    ("external_data", "external data files.*save_as_external_data=False"),
+    ("unknown_state", r"state pairs 'h' with output 'h_next', which the graph does not have; its outputs are \['y', 'h_out'\]"),
+])
+def test_what_cannot_be_a_bundle_is_refused_with_what_to_do(tmp_path, kind, message):
+    path, kw = _bad_file(tmp_path, kind)
+    with pytest.raises(ExportError, match=message):
+        import_onnx(path, tmp_path / "b", rate_hz=50.0, **kw, **QUIET)
+    assert not (tmp_path / "b").exists()
+
+
+def test_a_numba_backend_that_disagrees_with_onnx_runtime_writes_nothing(files, tmp_path, monkeypatch):
+    import closedloop.export.onnx_import as imp
+
+    real = imp._numba_runner
+
+    def off_by_a_little(data, spec):
+        run, why = real(data, spec)
+        return (lambda feeds: {k: v + 1e-2 for k, v in run(feeds).items()}), why
+
+    monkeypatch.setattr(imp, "_numba_runner", off_by_a_little)
+    with pytest.raises(ParityError, match="the Numba backend computes this graph differently from ONNX Runtime"):
+        import_onnx(files["dynamic"], tmp_path / "b", rate_hz=50.0, **QUIET)
+    assert not (tmp_path / "b").exists()
+
+
+def test_importing_needs_no_torch(files, tmp_path):
+    # a TensorFlow or JAX user has onnx and ONNX Runtime, not torch: the import and the bundle's use never load it
+    code = textwrap.dedent(f"""
+        import sys
+        class _Block:
+            def find_spec(self, name, path=None, target=None):
+                if name.split(".")[0] == "torch":
+                    raise ImportError("blocked for this test: " + name)
+        sys.meta_path.insert(0, _Block())
+        import numpy as np
+        from closedloop import Model, import_onnx
+        b = import_onnx({str(files["recurrent"])!r}, {str(tmp_path / "b")!r}, rate_hz=50.0, state={{"h": "h_next"}},
+                        report=lambda s: None)
+        print(Model(b, backend="numba").step(np.ones((1, 12), np.float32)).shape, "torch" in sys.modules)
+    """)
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["(1,", "5)", "False"]
