@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from closedloop.runtime.recording_view import RecordingView, view_recording
+from closedloop.runtime.recording_view import RecordingView, Series, view_recording
 
 #: Rows per series sent to the page at most (longer series are decimated evenly).
 MAX_ROWS = 20000
@@ -28,6 +28,19 @@ def _decimate(n: int) -> np.ndarray:
 
 def _rows(a: np.ndarray) -> list[list[float | None]]:
     return [[None if not math.isfinite(v) else round(float(v), 5) for v in row] for row in a]
+
+
+def _all_outputs(v: RecordingView) -> Series:
+    """The model outputs of each step the model ran, every data output one after another (as a live session's
+    observers get them): the OUTPUT series with each MORE_OUTPUT series appended, row by row."""
+    if not v.more_outputs:
+        return v.outputs
+    n = min([len(v.outputs), *(len(s) for s in v.more_outputs.values())])  # a torn tail may cut one short
+    out = Series()
+    for i in range(n):
+        out.add(v.outputs.t_host_s[i], float("nan"),
+                np.concatenate([v.outputs.values[i], *(s.values[i] for s in v.more_outputs.values())]))
+    return out
 
 
 def recording_message(v: RecordingView) -> dict[str, Any]:
@@ -43,7 +56,7 @@ def recording_message(v: RecordingView) -> dict[str, Any]:
     }
     name = next((n for n in ("binned_spikes", "plant_output_y", "joint_positions") if n in v.inputs), None)
     for key, series in (("inputs", v.inputs.get(name) if name else None), ("commands", v.commands),
-                        ("outputs", v.outputs)):
+                        ("outputs", _all_outputs(v))):
         if series is None or not len(series):
             msg[key] = {"t_s": [], "rows": []}
             continue
@@ -60,7 +73,8 @@ def recording_info(v: RecordingView) -> dict[str, Any]:
     return {"family": m.get("family"), "bundle_name": m.get("bundle_name") or m.get("bundle"),
             "rate_hz": m.get("rate_hz"), "backend": m.get("backend"), "device": m.get("device"),
             "device_url": m.get("device_url"), "mode": "recording", "recording": str(v.path),
-            "described": v.described, "has_steps": bool(v.steps["step"].size)}
+            "described": v.described, "has_steps": bool(v.steps["step"].size),
+            "outputs": m.get("outputs") or []}
 
 
 async def serve_recording(path: str | Path, host: str, port: int, ready: Any = print,

@@ -192,3 +192,47 @@ def test_a_monitor_on_a_public_address_needs_the_flag(plant_bundle):
     with pytest.raises(SessionError, match="--monitor-public"):
         Session(plant_bundle, SessionConfig(device="sim://plant?model=msd&rate=200", status=False,
                                             backend="onnxruntime", monitor="0.0.0.0:0")).start()
+
+
+class CommandAndEstimate(torch.nn.Module):
+    """A controller that also reports a three-value estimate: two data outputs."""
+
+    def __init__(self):
+        super().__init__()
+        self.body, self.u, self.estimate = torch.nn.Linear(1, 8), torch.nn.Linear(8, 1), torch.nn.Linear(8, 3)
+
+    def forward(self, y):
+        h = torch.tanh(self.body(y))
+        return {"u": self.u(h), "estimate": self.estimate(h)}
+
+
+def test_every_data_output_has_a_band_of_its_own_live_and_in_the_recording(page, tmp_path, screenshot_dir):
+    import subprocess
+    import sys
+
+    torch.manual_seed(2)
+    bundle = export_bundle(CommandAndEstimate().eval(), tmp_path / "two", kind="feedforward",
+                           example_input=torch.zeros(1, 1), rate_hz=200.0, postprocess={"low": [-2.0], "high": [2.0]},
+                           extra={"session": {"input": "plant_measurement", "command": "actuator_command"}},
+                           variants=(), tensorrt=False, report=lambda s: None)
+    rec = tmp_path / "two.clrec"
+    bg = Background(bundle, device="sim://plant?model=msd&rate=200&seed=7", duration_s=4.0, monitor="0", record=str(rec))
+    page.goto(bg.session.monitor_url)
+    page.wait_for_function("() => monitorState.out.length > 100 && !document.getElementById('outputs-box').hidden",
+                           timeout=30_000)
+    legend = page.text_content("#outputs-legend")
+    assert "u (1 value), estimate (3 values)" in legend, legend
+    assert page.evaluate("() => monitorState.out[monitorState.out.length - 1].length") == 4  # u, then the estimate
+    page.screenshot(path=str(screenshot_dir / "monitor_outputs.png"))
+    bg.join()
+    p = subprocess.Popen([sys.executable, "-m", "closedloop.sdk.cli", "monitor", str(rec), "--port", "0"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        page.goto(p.stdout.readline().split()[1])
+        page.wait_for_function("() => monitorState.step > 0 && !document.getElementById('outputs-box').hidden",
+                               timeout=30_000)
+        assert "u (1 value), estimate (3 values)" in page.text_content("#outputs-legend")
+        assert page.evaluate("() => monitorState.out[monitorState.out.length - 1].length") == 4
+    finally:
+        p.terminate()
+        p.communicate(timeout=10)

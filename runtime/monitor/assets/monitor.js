@@ -237,6 +237,32 @@
     lines(g, w, h, cols, n, lo, hi);
   }
 
+  // A graph with several data outputs (a click head beside a velocity): each output in a band of its own, on its
+  // own scale, over the steps the model ran; the bands follow info.outputs (name, offset, size) top to bottom.
+  function drawOutputs() {
+    const outs = (S.info && S.info.outputs) || [];
+    const box = $("outputs-box");
+    if (outs.length < 2) { box.hidden = true; return; }
+    box.hidden = false;
+    const [g, w, h] = canvas("outputs");
+    const ran = S.out.filter((r) => r && r.some((v) => v !== null && isFinite(v)));
+    const shown = outs.slice(0, 4), band = h / shown.length, names = [];
+    shown.forEach((o, b) => {
+      const cols = []; for (let j = 0; j < Math.min(o.size, 4); j++) cols.push(column(ran, o.offset + j));
+      const [lo, hi] = range(cols);
+      g.save(); g.translate(0, b * band);
+      if (b) { g.strokeStyle = "#30363d"; g.beginPath(); g.moveTo(0, 0); g.lineTo(w, 0); g.stroke(); }
+      lines(g, w, band, cols, ran.length, lo, hi);
+      g.fillStyle = "#8a96a3"; g.font = `${11 * (window.devicePixelRatio || 1)}px sans-serif`;
+      g.fillText(`${o.name}  ${lo.toPrecision(3)} .. ${hi.toPrecision(3)}`, 4, 12 * (window.devicePixelRatio || 1));
+      g.restore();
+      names.push(`${o.name} (${o.size} value${o.size === 1 ? "" : "s"}${o.size > 4 ? ", first 4 shown" : ""})`);
+    });
+    $("outputs-legend").textContent = `model outputs, one band each, top to bottom: ${names.join(", ")}` +
+      (outs.length > shown.length ? `; ${outs.length - shown.length} more not shown` : "") +
+      `; last ${ran.length} steps the model ran`;
+  }
+
   function renderEvents() {
     const ol = $("events"); ol.innerHTML = "";
     for (const e of S.events.slice(-100).reverse()) {
@@ -263,7 +289,7 @@
     const version = S.updates + (S.recordingT || 0);
     if (version === drawn) return;  // nothing new: leave the canvases as they are
     drawn = version;
-    try { drawTiming(); drawInput(); drawCommand(); } catch (err) { console.error(err); }
+    try { drawTiming(); drawInput(); drawCommand(); drawOutputs(); } catch (err) { console.error(err); }
   }
 
   setInterval(() => { $("ups").textContent = updatesThisSecond; S.ups = updatesThisSecond; updatesThisSecond = 0; }, 1000);
