@@ -663,6 +663,10 @@ def _window(text: str) -> dict:
 @command("import-onnx", "make a bundle from an ONNX file made elsewhere (another framework, torch.onnx.export): "
                         "checked on ONNX Runtime and Numba, variants added", _import_args)
 def _import_onnx(a: argparse.Namespace) -> int:
+    if not _can_import("onnx"):
+        print("closedloop import-onnx: error: needs onnx, which is not installed: pip install 'closedloop[onnx]' "
+              "(torch is not needed)", file=sys.stderr)
+        return 2
     from closedloop.export import import_onnx
     from closedloop.runtime import load_bundle
 
