@@ -292,6 +292,30 @@ def _prelu(p: Planner, node) -> None:
     p.define(node, binary(p, node, pos, binary(p, node, neg, p.materialize(slope), "Mul"), "Add"))
 
 
+@handles("CumSum")
+def _cumsum(p: Planner, node) -> None:
+    """A running sum along one axis as a product with a triangular matrix of ones (``exclusive`` drops the diagonal,
+    ``reverse`` sums from the end), the axis moved last and back where it is not last. The axis of a window is tens
+    to hundreds of frames, so the n x n product costs little; the sums are float32, as ONNX Runtime's."""
+    x = p.act(node)
+    a = axis_of(node, int(np.asarray(p.const(node, 1)).ravel()[0]), len(x.shape))
+    n, last = x.shape[a], len(x.shape) - 1
+    w = np.tril(np.ones((n, n), np.float32), -1 if node.attributes.get("exclusive", 0) else 0)  # w[j, i]: i <= j
+    if node.attributes.get("reverse", 0):
+        w = np.ascontiguousarray(w[::-1, ::-1])  # i >= j
+    if a != last:
+        strides = contiguous_strides(x.shape)
+        order = [d for d in range(len(x.shape)) if d != a] + [a]
+        x = p.rearrange(node, x, 0, [x.shape[d] for d in order], [strides[d] for d in order])
+    y = dense(p, x, w, None)
+    if a != last:
+        strides = contiguous_strides(y.shape)
+        back = list(range(last))
+        back.insert(a, last)  # the result's axis d is the product's axis back[d]
+        y = p.rearrange(node, y, 0, [y.shape[b] for b in back], [strides[b] for b in back])
+    p.define(node, y)
+
+
 @handles("Softmax", "LogSoftmax")
 def _softmax(p: Planner, node) -> None:
     x = p.act(node)

@@ -177,7 +177,16 @@ ATTENTION = {
     "encoder_relu": ((16, 32), lambda: _encoder()),
     "encoder_gelu_norm_first": ((16, 32), lambda: _encoder(activation="gelu", norm_first=True)),
 }
+def _cumsums(x, m):
+    """Running sums over the window's time axis (not the last: a move there and back) and over its features, and a
+    causal moving average made of them."""
+    over_time, over_features = torch.cumsum(x, 1), torch.cumsum(x, -1)
+    causal_mean = over_time / torch.arange(1, x.shape[1] + 1, dtype=x.dtype)[:, None]
+    return torch.cat([over_time.flatten(1), over_features.flatten(1), causal_mean.flatten(1)], dim=1)
+
+
 SHAPES = {
+    "cumulative_sums": ((6, 10), lambda: Fn(_cumsums)),
     "slices_gathers_concat": ((6, 10), lambda: Fn(_slices)),
     "transpose_reshape_split_expand": ((6, 10), lambda: Fn(_moves)),
     "elementwise": ((6, 10), lambda: Fn(_elementwise, lin=nn.Linear(10, 10))),
@@ -293,7 +302,7 @@ def test_fusion_leaves_one_step_per_layer(graphs):
 
 @pytest.mark.parametrize("name", ["conv_bn_maxpool_gelu_gap", "encoder_gelu_norm_first", "transpose_reshape_split_expand",
                                   "causal_and_reflect_padding", "conv_prelu_per_channel_and_shared", "bidirectional_lstm",
-                                  "masked_fill_and_where", "einsum_products"])
+                                  "masked_fill_and_where", "einsum_products", "cumulative_sums"])
 def test_run_allocates_nothing(graphs, name, bytes_allocated):
     nb = NumbaBackend(*graphs(name))
     nb.inputs["x"][...] = 0.5
@@ -302,11 +311,31 @@ def test_run_allocates_nothing(graphs, name, bytes_allocated):
     assert grown < 1024, f"{name}: run() allocated {grown} bytes over 300 calls"
 
 
+@pytest.mark.parametrize(("exclusive", "reverse"), [(0, 0), (1, 0), (0, 1), (1, 1)])
+@pytest.mark.parametrize("axis", [1, 2, -1])
+def test_cumsum_with_every_attribute_and_axis_matches_onnxruntime(tmp_path, exclusive, reverse, axis):
+    # torch writes neither exclusive nor reverse sums (a flip around cumsum becomes Slices): a graph written directly
+    import onnx
+    from onnx import TensorProto, helper
+
+    node = helper.make_node("CumSum", ["x", "axis"], ["y"], exclusive=exclusive, reverse=reverse)
+    graph = helper.make_graph([node], "cumsum", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 5, 7])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 5, 7])],
+                              [helper.make_tensor("axis", TensorProto.INT64, [], [axis])])
+    path = tmp_path / "cumsum.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+    spec = GraphSpec(file=path.name, kind="feedforward", inputs=[TensorSpec("x", "float32", ["batch", 5, 7])],
+                     outputs=[TensorSpec("y", "float32", ["batch", 5, 7])])
+    for batch in (1, 3):
+        assert_matches_onnxruntime(path, spec, batch)
+
+
 # -- refusing what it cannot run ---------------------------------------------------------
 REFUSED = {
     # op with no kernel: the message names the ONNX op and the node, and says what to do
     "topk": ((6, 10), lambda: Fn(lambda x, m: torch.topk(x, 3, dim=-1).values.flatten(1)), "TopK", "/TopK"),
-    "cumsum": ((6, 10), lambda: Fn(lambda x, m: torch.cumsum(x, 1)), "CumSum", "/CumSum"),
+    "conv_transpose": ((6, 10), lambda: Fn(lambda x, m: m["up"](x).flatten(1), up=nn.ConvTranspose1d(6, 2, 4, stride=2)),
+                       "ConvTranspose", "/up/ConvTranspose"),
     "einsum_trace": ((6, 6), lambda: Fn(lambda x, m: torch.einsum("bii->b", x)[:, None]), "Einsum", "/Einsum"),
     # supported op, unsupported use: the node and the reason
     "softmax_middle_axis": ((6, 10), lambda: Fn(lambda x, m: torch.softmax(x, 1)), "Softmax", "/Softmax"),
