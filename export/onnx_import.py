@@ -17,8 +17,9 @@ proved here against ONNX Runtime running the file itself:
   fp32 tolerance on the same random inputs and rollout, or nothing is written;
 * the variants, TensorRT's report and the manifest are made as ``export_bundle`` makes them.
 
-The file's bytes are the bundle's ``main.onnx`` unchanged; ``provenance.export`` records its
-name, SHA-256, producer and opset.
+The file's bytes are the bundle's ``main.onnx`` unchanged, unless ``outputs`` keeps some of its
+outputs (the graph cut down to them); ``provenance.export`` records the file's name, SHA-256,
+producer, opset and the outputs kept.
 """
 
 from __future__ import annotations
@@ -83,12 +84,37 @@ def _read(path: Path) -> tuple[bytes, onnx.ModelProto]:
     return data, proto
 
 
+def _keep_outputs(proto: onnx.ModelProto, keep: Sequence[str], state: Mapping[str, str], path: Path) -> bytes:
+    """The graph cut down to the outputs ``keep`` (in that order) and the state outputs, the nodes no kept output
+    needs removed (``onnx.utils.Extractor``): a label output of another type dropped, the command put first."""
+    names = [o.name for o in proto.graph.output]
+    missing = [k for k in keep if k not in names]
+    if missing:
+        raise ExportError(f"outputs names {missing}, which the graph does not have; its outputs are {names}")
+    if len(set(keep)) != len(keep):
+        raise ExportError(f"outputs {list(keep)} names an output twice")
+    kept = [*keep, *(o for o in state.values() if o not in keep)]
+    initializers = {t.name for t in proto.graph.initializer}
+    inputs = [i.name for i in proto.graph.input if i.name not in initializers]
+    try:
+        cut = onnx.utils.Extractor(proto).extract_model(inputs, kept)
+    except Exception as exc:  # noqa: BLE001  (onnx's own errors)
+        raise ExportError(f"{path}: cannot keep only the outputs {kept}: {exc}") from None
+    for field in ("ir_version", "producer_name", "producer_version", "domain", "model_version", "doc_string"):
+        setattr(cut, field, getattr(proto, field))
+    del cut.opset_import[:]
+    cut.opset_import.extend(proto.opset_import)
+    return cut.SerializeToString()
+
+
 def _tensor(v: ValueInfo, where: str, state: bool, pair: str | None) -> TensorSpec:
     """The manifest's view of one graph input or output: float32, at most one free axis (named ``batch``)."""
     if v.dtype != "float32":
+        fix = ("keep only the float32 outputs: outputs=[...] (--output NAME, repeatable)"
+               if where == "output" and v.dtype not in ("float16", "float64", "bfloat16") else
+               "convert the model to float32 before importing it")
         raise ExportError(f"{where} {v.name!r} is {v.dtype or 'of no stated type'}: a bundle computes in float32 "
-                          "(its fp16 and int8 variants are made from the float32 graph); convert the model to float32 "
-                          "before importing it")
+                          f"(its fp16 and int8 variants are made from the float32 graph); {fix}")
     free = [i for i, d in enumerate(v.shape) if not (isinstance(d, int) and d > 0)]
     if len(free) > 1:
         names = [v.shape[i] if isinstance(v.shape[i], str) else "?" for i in free]
@@ -177,6 +203,7 @@ def import_onnx(
     *,
     rate_hz: float,
     state: Mapping[str, str] | None = None,
+    outputs: Sequence[str] | None = None,
     family: str = "generic",
     name: str = "",
     preprocess: dict[str, Any] | None = None,
@@ -207,6 +234,11 @@ def import_onnx(
     state
         ``{state input: state output}`` for a recurrent graph: each step's output feeds the next step's input,
         starting from zeros (the runtime's reset). Absent: a feed-forward graph.
+    outputs
+        The data outputs to keep, in this order (a session acts on the first): the graph is cut down to them and
+        the state outputs, so an output the runtime cannot hold (an int64 label beside the probabilities) can be
+        left out, and the command put first. Absent: every output, in the file's order, and the file's bytes
+        unchanged.
     family, name, preprocess, postprocess, extra, provenance, input_roles, output_roles, windows, variants,
     tolerance, tensorrt, overwrite, zip, report
         As :func:`~closedloop.export.export_bundle`. ``recorded_sequence`` ``(T, features...)`` replaces the random
@@ -226,6 +258,10 @@ def import_onnx(
     tolerance = tolerance or FP32_TOLERANCE
     state = dict(state or {})
     data, proto = _read(path)
+    source_sha256 = hashlib.sha256(data).hexdigest()
+    all_outputs = [o.name for o in proto.graph.output]
+    if outputs is not None:
+        data = _keep_outputs(proto, list(outputs), state, path)
     spec = _graph_spec(data, state, path)
     apply_roles_and_windows(spec, input_roles, output_roles, windows)
     opset = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), None)
@@ -282,7 +318,8 @@ def import_onnx(
 
     meta = manifest_meta(preprocess, postprocess, extra, provenance)
     settings = {
-        "source": "import_onnx", "file": path.name, "sha256": hashlib.sha256(data).hexdigest(),
+        "source": "import_onnx", "file": path.name, "sha256": source_sha256,
+        "outputs_kept": None if outputs is None else [t.name for t in spec.outputs], "file_outputs": all_outputs,
         "producer": f"{proto.producer_name} {proto.producer_version}".strip(), "opset": opset,
         "kind": spec.kind, "state": state, "batch": "free" if dynamic else "fixed at 1",
         "variants": list(variant_names), "tolerance": tolerance.to_dict(), "tensorrt": tensorrt,

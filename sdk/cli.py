@@ -629,6 +629,9 @@ def _import_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rate", type=float, required=True, help="the loop rate in Hz the model was trained for")
     p.add_argument("--state", action="append", default=[], metavar="IN=OUT",
                    help="a recurrent state: the input a step reads and the output that feeds it back (repeatable)")
+    p.add_argument("--output", action="append", default=None, metavar="NAME",
+                   help="keep this output (repeatable, in order: a session acts on the first); the others are cut "
+                        "from the graph. Default: every output, in the file's order")
     p.add_argument("--name", default="", help="the bundle's name (default: the file's stem)")
     p.add_argument("--family", default="generic", help="the runtime family that runs it (default generic)")
     p.add_argument("--input-role", action="append", default=[], metavar="NAME=ROLE",
@@ -675,7 +678,8 @@ def _import_onnx(a: argparse.Namespace) -> int:
     except ValueError as exc:
         raise ValueError(f"--window: {exc}; give NAME=LENGTH[:HOP[:LAYOUT]]") from None
     variants = [] if a.variants.strip().lower() in ("", "none") else [v.strip() for v in a.variants.split(",")]
-    path = import_onnx(a.model, a.out, rate_hz=a.rate, state=_pairs(a.state, "--state"), family=a.family, name=a.name,
+    path = import_onnx(a.model, a.out, rate_hz=a.rate, state=_pairs(a.state, "--state"), outputs=a.output,
+                       family=a.family, name=a.name,
                        preprocess=_json_arg(a.preprocess, "--preprocess"),
                        postprocess=_json_arg(a.postprocess, "--postprocess"), extra=_json_arg(a.extra, "--extra"),
                        input_roles=_pairs(a.input_role, "--input-role"),

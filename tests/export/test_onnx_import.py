@@ -218,3 +218,45 @@ def test_importing_needs_no_torch(files, tmp_path):
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["(1,", "5)", "False"]
+
+
+class LabelAndScores(nn.Module):
+    """A classifier as often exported: the predicted label (int64) first, then the class probabilities."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+
+    def forward(self, x):
+        p = torch.softmax(self.lin(x), -1)
+        return p.argmax(-1), p
+
+
+def test_outputs_keeps_the_float_outputs_in_the_order_given(tmp_path, capsys):
+    torch.manual_seed(4)
+    model = LabelAndScores().eval()
+    src = _export(model, (torch.zeros(1, 4),), tmp_path / "clf.onnx", ["x"], ["label", "probs"],
+                  {"x": {0: "b"}, "label": {0: "b"}, "probs": {0: "b"}})
+    with pytest.raises(ExportError, match=r"output 'label' is int64.*outputs=\[\.\.\.\] \(--output NAME"):
+        import_onnx(src, tmp_path / "refused", rate_hz=50.0, **QUIET)
+    out = tmp_path / "b"
+    assert main(["import-onnx", str(src), str(out), "--rate", "50", "--output", "probs", "--no-tensorrt"]) == 0
+    b = load_bundle(out)
+    assert [t.name for t in b.graph().outputs] == ["probs"]
+    assert b.manifest.provenance["export"]["settings"]["file_outputs"] == ["label", "probs"]
+    assert b.manifest.provenance["export"]["settings"]["outputs_kept"] == ["probs"]
+    x = np.random.default_rng(5).standard_normal((8, 4)).astype(np.float32)
+    with torch.no_grad():
+        want = model(torch.from_numpy(x))[1].numpy()
+    m = Model(out, backend="numba")  # the ArgMax is cut out with the label, so the Numba backend runs the rest
+    np.testing.assert_allclose(np.stack([m.step(r[None]).copy()[0] for r in x]), want, atol=1e-6)
+    with pytest.raises(ExportError, match=r"outputs names \['scores'\], which the graph does not have"):
+        import_onnx(src, tmp_path / "c", rate_hz=50.0, outputs=["scores"], **QUIET)
+
+
+def test_outputs_keeps_the_state_outputs_it_does_not_name(files, tmp_path):
+    bundle = import_onnx(files["recurrent"], tmp_path / "b", rate_hz=50.0, state={"h": "h_next"}, outputs=["logits"],
+                         **QUIET)
+    spec = load_bundle(bundle).graph()
+    assert [(t.name, t.state) for t in spec.outputs] == [("logits", False), ("h_next", True)]
+    assert spec.parity["within_tolerance"] and "numba/sequence_step_by_step" in spec.parity["checks"]
