@@ -113,7 +113,7 @@ class ReplayReport:
     per_output_max: list[float] = field(default_factory=list, repr=False)  # the first data output, per step
     #: per data output of the bundle (graph order): ``compared`` (recorded values compared), ``max_abs_diff``,
     #: ``mean_abs_diff``; the first from OUTPUT records, the others from MORE_OUTPUT records
-    outputs: dict[str, dict[str, float | int]] = field(default_factory=dict)
+    outputs: dict[str, dict[str, float | int | None]] = field(default_factory=dict)
     #: MORE_OUTPUT records that had nothing to compare with (an output this bundle lacks, or a step not re-run)
     unmatched_outputs: int = 0
 
@@ -129,8 +129,8 @@ class ReplayReport:
                                                      f"{d['max_abs_diff']:.3g}" if d["compared"] else
                                                      "not in this recording"))
         if self.unmatched_outputs:
-            lines.append(f"  {self.unmatched_outputs} recorded outputs of other heads had no output of this bundle "
-                         "to compare with")
+            lines.append(f"  {self.unmatched_outputs} recorded values of the other outputs had nothing to compare "
+                         "with (an output this bundle lacks, or a step whose input frame was not recorded)")
         return "\n".join(lines + [self.recording_note])
 
 
@@ -158,9 +158,10 @@ class _OutputDiff:
     def mean(self) -> float:
         return self.total / self.count if self.count else float("nan")
 
-    def report(self) -> dict[str, float | int]:
-        return {"compared": self.count, "max_abs_diff": self.max if self.count else float("nan"),
-                "mean_abs_diff": self.mean}
+    def report(self) -> dict[str, float | int | None]:
+        """``compared``, ``max_abs_diff`` and ``mean_abs_diff`` (None where nothing was compared: JSON has no NaN)."""
+        return {"compared": self.count, "max_abs_diff": self.max if self.count else None,
+                "mean_abs_diff": self.mean if self.count else None}
 
 
 class _UnverifiedTags(FrameVerifier):
