@@ -7,8 +7,9 @@ which a following element-wise activation (Relu, Tanh, Sigmoid, GELU) is fused; 
 dilation for max, ``ceil_mode``, ``count_include_pad``) become one pooling step.
 A 1-D op runs as 2-D with height 1. BatchNormalization after a convolution is
 folded into it by torch's eval-mode export; where it is not, it is an affine step
-(``_numba_ops``). 3-D convolution and pooling, ConvTranspose and LpPool are refused
-by name.
+(``_numba_ops``). ConvTranspose (1-D and 2-D, any stride, dilation, groups, pads and
+``output_padding``) becomes the convolution it equals over its input spread out by the stride.
+3-D convolution and pooling and LpPool are refused by name.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ._numba_values import Buffer, Mat, handles, unsupported
+from ._numba_values import Buffer, Mat, contiguous_strides, handles, unsupported
 
 if TYPE_CHECKING:
     from ._numba_plan import Planner
@@ -80,10 +81,20 @@ def _conv(p: Planner, node) -> None:
     cout, cin = w.shape[0], x.shape[1]
     if w.ndim != len(x.shape) or w.shape[1] * groups != cin or cout % groups:
         raise unsupported(node, f"weight {w.shape} with group={groups} does not fit input {x.shape}")
-    kernel = list(w.shape[2:])
-    strides, dil, begin, end, outs = _window(p, node, x.shape, kernel)
+    strides, dil, begin, end, outs = _window(p, node, x.shape, list(w.shape[2:]))
+    p.define(node, _emit_conv(p, node, x, w, _bias(p, node, cout), strides, dil, begin, end, outs, groups,
+                              p.storage(node, 1, 0)))
+
+
+def _bias(p: Planner, node, cout: int) -> np.ndarray:
     b = p.const(node, 2, required=False)
-    bias = np.zeros((1, cout), np.float32) if b is None else b.astype(np.float32).reshape(1, cout)
+    return np.zeros((1, cout), np.float32) if b is None else b.astype(np.float32).reshape(1, cout)
+
+
+def _emit_conv(p: Planner, node, x, w: np.ndarray, bias: np.ndarray, strides, dil, begin, end, outs, groups: int,
+               storage: tuple[int, np.ndarray | None]):
+    """One convolution step of weights ``w`` (cout, cin / groups, kernel...) over ``x``; returns its output."""
+    cout, cin, kernel = w.shape[0], x.shape[1], list(w.shape[2:])
     y = p.new_act((x.shape[0], cout, *outs))
     h, wd, ho, wo, kh, kw, sh, sw, dh, dw, ph, pw, ph_end, pw_end = _geometry_2d(x.shape, outs, kernel, strides, dil,
                                                                                  begin, end)
@@ -97,13 +108,59 @@ def _conv(p: Planner, node) -> None:
             segments = [w4[:, :, i, j] for i in range(kh) for j in range(kw)]
         panels = np.concatenate([p.k.panel_layout(s) for s in segments], axis=0)
         padded = Buffer((h + ph + ph_end) * (wd + pw + pw_end) * cin)
-        storage, scales = p.storage(node, 1, 0)
-        p.emit(p.k.OP_CONV, x.flat(), p.panels(panels, storage, scales), p.param(bias), y.flat(),
-               Mat(padded, 1, padded.size), storage, *geometry, out=[y.buf, padded])
+        code, scales = storage
+        p.emit(p.k.OP_CONV, x.flat(), p.panels(panels, code, scales), p.param(bias), y.flat(),
+               Mat(padded, 1, padded.size), code, *geometry, out=[y.buf, padded])
     else:
         p.emit(p.k.OP_CONV_GROUPED, x.flat(), p.param(w.reshape(cout, -1)), p.param(bias), y.flat(), *geometry,
                out=y.buf)
-    p.define(node, y)
+    return y
+
+
+@handles("ConvTranspose")
+def _conv_transpose(p: Planner, node) -> None:
+    """A transposed convolution as a convolution: the input spread out by the stride (zeros between its samples),
+    padded by dilation x (kernel - 1) less the op's pads (and ``output_padding`` more at the end), and convolved at
+    stride 1 with the kernel flipped and, per group, its input and output channels swapped."""
+    x, w = p.act(node), p.const(node, 1).astype(np.float32)
+    if len(x.shape) not in (3, 4):
+        raise unsupported(node, f"input of shape {x.shape}: 1-D and 2-D transposed convolutions only")
+    a = node.attributes
+    groups, cin, spatial = int(a.get("group", 1)), x.shape[1], len(x.shape) - 2
+    if w.ndim != len(x.shape) or w.shape[0] != cin or cin % groups:
+        raise unsupported(node, f"weight {w.shape} with group={groups} does not fit input {x.shape}")
+    if a.get("output_shape") is not None:
+        raise unsupported(node, "the output_shape attribute (give pads and output_padding)")
+    auto = a.get("auto_pad", "NOTSET")
+    auto = auto.decode() if isinstance(auto, bytes) else auto
+    if auto not in ("NOTSET", "VALID"):
+        raise unsupported(node, f"auto_pad={auto!r}")
+    kernel = list(w.shape[2:])
+    strides = list(a.get("strides") or [1] * spatial)
+    dil = list(a.get("dilations") or [1] * spatial)
+    pads = [0] * (2 * spatial) if auto == "VALID" else list(a.get("pads") or [0] * (2 * spatial))
+    extra = list(a.get("output_padding") or [0] * spatial)
+    reach = [dil[i] * (kernel[i] - 1) for i in range(spatial)]
+    begin = [reach[i] - pads[i] for i in range(spatial)]
+    end = [reach[i] - pads[spatial + i] + extra[i] for i in range(spatial)]
+    if min(begin + end) < 0:
+        raise unsupported(node, f"pads {pads} beyond dilation x (kernel - 1) = {reach} (a crop)")
+    spread = [(x.shape[2 + i] - 1) * strides[i] + 1 for i in range(spatial)]
+    if any(st != 1 for st in strides):
+        shape = (*x.shape[:2], *spread)
+        wide = p.new_act(shape)
+        dst = contiguous_strides(shape)
+        p.copy(node, p.materialize(np.zeros(shape, np.float32)), 0, shape, dst, wide.buf, 0, dst)  # each run
+        p.copy(node, x, 0, x.shape, contiguous_strides(x.shape), wide.buf, 0,
+               [dst[0], dst[1], *(dst[2 + i] * strides[i] for i in range(spatial))])
+        x = wide
+    cin_g, cout_g = cin // groups, w.shape[1]
+    conv_w = np.swapaxes(w.reshape(groups, cin_g, cout_g, *kernel), 1, 2).reshape(groups * cout_g, cin_g, *kernel)
+    conv_w = np.ascontiguousarray(np.flip(conv_w, axis=tuple(range(2, 2 + spatial))))
+    outs = [spread[i] + begin[i] + end[i] - reach[i] for i in range(spatial)]
+    # the weights are re-laid out here, so they run in float32 whatever the file stores them in
+    p.define(node, _emit_conv(p, node, x, conv_w, _bias(p, node, groups * cout_g), [1] * spatial, dil, begin, end,
+                              outs, groups, (p.k.W_F32, None)))
 
 
 @handles("MaxPool", "AveragePool")

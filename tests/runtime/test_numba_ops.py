@@ -139,6 +139,16 @@ CONV = {
         m["same"](torch.nn.functional.pad(x, (1, 2), mode="replicate"))[..., :18],
         torch.nn.functional.pad(x, (1, 0, 2, 1), value=0.5)[:, :6, 3:21]], dim=1),  # two axes, another value
         causal=nn.Conv1d(8, 6, 5, dilation=1), same=nn.Conv1d(8, 6, 3, padding=0))),
+    "conv_transpose_1d": ((8, 12), lambda: Fn(lambda x, m: torch.cat([
+        m["up"](x).flatten(1),                                       # stride 2, pads and output_padding
+        m["dilated"](x).flatten(1),                                  # dilation, stride 1
+        m["grouped"](x).flatten(1)], dim=1),                         # groups, stride 3
+        up=nn.ConvTranspose1d(8, 6, 4, stride=2, padding=1, output_padding=1),
+        dilated=nn.ConvTranspose1d(8, 3, 3, dilation=2),
+        grouped=nn.ConvTranspose1d(8, 4, 5, stride=3, padding=2, groups=2))),
+    "conv_transpose_2d_then_relu": ((4, 5, 6), lambda: seq(
+        nn.ConvTranspose2d(4, 6, (3, 2), stride=(2, 1), padding=(1, 0)), nn.ReLU(),
+        nn.ConvTranspose2d(6, 2, 2, stride=2, groups=2), nn.Flatten())),
     "conv2d_pools": ((3, 12, 14), lambda: seq(
         nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(8, 12, (3, 2), stride=(1, 2),
                                                                               dilation=(2, 1), padding=(2, 0)),
@@ -302,7 +312,8 @@ def test_fusion_leaves_one_step_per_layer(graphs):
 
 @pytest.mark.parametrize("name", ["conv_bn_maxpool_gelu_gap", "encoder_gelu_norm_first", "transpose_reshape_split_expand",
                                   "causal_and_reflect_padding", "conv_prelu_per_channel_and_shared", "bidirectional_lstm",
-                                  "masked_fill_and_where", "einsum_products", "cumulative_sums"])
+                                  "masked_fill_and_where", "einsum_products", "cumulative_sums",
+                                  "conv_transpose_1d"])
 def test_run_allocates_nothing(graphs, name, bytes_allocated):
     nb = NumbaBackend(*graphs(name))
     nb.inputs["x"][...] = 0.5
@@ -334,8 +345,8 @@ def test_cumsum_with_every_attribute_and_axis_matches_onnxruntime(tmp_path, excl
 REFUSED = {
     # op with no kernel: the message names the ONNX op and the node, and says what to do
     "topk": ((6, 10), lambda: Fn(lambda x, m: torch.topk(x, 3, dim=-1).values.flatten(1)), "TopK", "/TopK"),
-    "conv_transpose": ((6, 10), lambda: Fn(lambda x, m: m["up"](x).flatten(1), up=nn.ConvTranspose1d(6, 2, 4, stride=2)),
-                       "ConvTranspose", "/up/ConvTranspose"),
+    "resize": ((6, 10), lambda: Fn(lambda x, m: nn.functional.interpolate(x, scale_factor=2.0).flatten(1)),
+               "Resize", "/Resize"),
     "einsum_trace": ((6, 6), lambda: Fn(lambda x, m: torch.einsum("bii->b", x)[:, None]), "Einsum", "/Einsum"),
     # supported op, unsupported use: the node and the reason
     "softmax_middle_axis": ((6, 10), lambda: Fn(lambda x, m: torch.softmax(x, 1)), "Softmax", "/Softmax"),
