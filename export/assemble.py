@@ -102,7 +102,7 @@ def apply_roles_and_windows(spec: GraphSpec, input_roles: Mapping[str, str] | No
 def finish_bundle(out: str | Path, spec: GraphSpec, onnx_bytes: bytes, onnx_run: Any, inputs: Any, *,
                   variant_names: Sequence[str], options: ExportOptions, tensorrt: bool, family: str, name: str,
                   rate_hz: float, meta: dict[str, Any], settings: dict[str, Any], overwrite: bool, zip: bool,
-                  report: Callable[[str], None]) -> Path:
+                  report: Callable[[str], None], exporter: str = "torch.onnx.export(dynamo=False)") -> Path:
     """The steps after a checked fp32 graph, shared by :func:`export_bundle` and ``import_onnx``: the variants
     measured against it on the same parity inputs, TensorRT's compatibility report (and engines where TensorRT and a
     GPU are present), the manifest with provenance, and the atomic write."""
@@ -137,7 +137,7 @@ def finish_bundle(out: str | Path, spec: GraphSpec, onnx_bytes: bytes, onnx_run:
         files={},
         preprocess=meta["preprocess"],
         postprocess=meta["postprocess"],
-        provenance={**meta["provenance"], "export": jsonable(export_provenance(settings), "provenance.export")},
+        provenance={**meta["provenance"], "export": jsonable(export_provenance(settings, exporter), "provenance.export")},
         extra=meta["extra"],
     )
     path = write_bundle(out, manifest, files, overwrite=overwrite, zip=zip)

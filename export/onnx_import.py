@@ -328,4 +328,5 @@ def import_onnx(
     }
     return finish_bundle(out, spec, data, onnx_run, inputs, variant_names=variant_names, options=options,
                          tensorrt=tensorrt, family=family, name=name or path.stem, rate_hz=rate_hz, meta=meta,
-                         settings=settings, overwrite=overwrite, zip=zip, report=report)
+                         settings=settings, overwrite=overwrite, zip=zip, report=report,
+                         exporter="none: the ONNX file as given" + (", cut to the outputs kept" if outputs else ""))

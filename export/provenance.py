@@ -46,15 +46,17 @@ def _git(*args: str) -> str | None:
     return out.stdout.strip() if out.returncode == 0 else None
 
 
-def export_provenance(settings: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Versions, platform, git commit and time of this export (plus the export ``settings``)."""
+def export_provenance(settings: dict[str, Any] | None = None,
+                      exporter: str = "torch.onnx.export(dynamo=False)") -> dict[str, Any]:
+    """Versions, platform, git commit and time of this export (plus the export ``settings``); ``exporter`` says what
+    wrote the graph."""
     commit = _git("rev-parse", "HEAD")
     status = _git("status", "--porcelain") if commit else None
     return {
         "closedloop": _dist_version("closedloop") or "unknown (not installed as a package)",
         "git_commit": commit,
         "git_dirty": bool(status) if status is not None else None,
-        "torch": _module_version("torch"),
+        "torch": _dist_version("torch"),  # read, not imported: an imported ONNX file needs no torch
         "onnx": _module_version("onnx"),
         "onnxruntime": _module_version("onnxruntime"),
         "numpy": np.__version__,
@@ -62,7 +64,7 @@ def export_provenance(settings: dict[str, Any] | None = None) -> dict[str, Any]:
         "platform": platform.platform(),
         "machine": platform.machine(),
         "exported_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "exporter": "torch.onnx.export(dynamo=False)",
+        "exporter": exporter,
         "settings": settings or {},
     }
 

@@ -92,6 +92,7 @@ def test_a_feedforward_file_becomes_a_bundle_that_computes_what_the_model_does(f
     export = b.manifest.provenance["export"]["settings"]
     assert export["source"] == "import_onnx" and export["batch"] == ("free" if which == "dynamic" else "fixed at 1")
     assert export["sha256"] == __import__("hashlib").sha256(src.read_bytes()).hexdigest()
+    assert b.manifest.provenance["export"]["exporter"] == "none: the ONNX file as given"
     assert set(spec.variants) == {"fp16", "int8"}
     obs = np.random.default_rng(1).standard_normal((20, 4)).astype(np.float32)
     with torch.no_grad():
