@@ -292,27 +292,111 @@ def _prelu(p: Planner, node) -> None:
     p.define(node, binary(p, node, pos, binary(p, node, neg, p.materialize(slope), "Mul"), "Add"))
 
 
+def along_axis(p: Planner, node, x: Act, axis: int, w: np.ndarray) -> Act:
+    """``w`` (out, in) applied to axis ``axis`` of ``x`` (a product over that axis, the others carried along): the
+    axis moved last, one dense step, and moved back where it was."""
+    last = len(x.shape) - 1
+    if axis != last:
+        strides = contiguous_strides(x.shape)
+        order = [d for d in range(len(x.shape)) if d != axis] + [axis]
+        x = p.rearrange(node, x, 0, [x.shape[d] for d in order], [strides[d] for d in order])
+    y = dense(p, x, w, None)
+    if axis != last:
+        strides = contiguous_strides(y.shape)
+        back = list(range(last))
+        back.insert(axis, last)  # the result's axis d is the product's axis back[d]
+        y = p.rearrange(node, y, 0, [y.shape[b] for b in back], [strides[b] for b in back])
+    return y
+
+
 @handles("CumSum")
 def _cumsum(p: Planner, node) -> None:
     """A running sum along one axis as a product with a triangular matrix of ones (``exclusive`` drops the diagonal,
-    ``reverse`` sums from the end), the axis moved last and back where it is not last. The axis of a window is tens
-    to hundreds of frames, so the n x n product costs little; the sums are float32, as ONNX Runtime's."""
+    ``reverse`` sums from the end). The axis of a window is tens to hundreds of frames, so the n x n product costs
+    little; the sums are float32, as ONNX Runtime's."""
     x = p.act(node)
     a = axis_of(node, int(np.asarray(p.const(node, 1)).ravel()[0]), len(x.shape))
-    n, last = x.shape[a], len(x.shape) - 1
+    n = x.shape[a]
     w = np.tril(np.ones((n, n), np.float32), -1 if node.attributes.get("exclusive", 0) else 0)  # w[j, i]: i <= j
     if node.attributes.get("reverse", 0):
         w = np.ascontiguousarray(w[::-1, ::-1])  # i >= j
-    if a != last:
-        strides = contiguous_strides(x.shape)
-        order = [d for d in range(len(x.shape)) if d != a] + [a]
-        x = p.rearrange(node, x, 0, [x.shape[d] for d in order], [strides[d] for d in order])
-    y = dense(p, x, w, None)
-    if a != last:
-        strides = contiguous_strides(y.shape)
-        back = list(range(last))
-        back.insert(a, last)  # the result's axis d is the product's axis back[d]
-        y = p.rearrange(node, y, 0, [y.shape[b] for b in back], [strides[b] for b in back])
+    p.define(node, along_axis(p, node, x, a, w))
+
+
+def _text(value, default: str) -> str:
+    return default if value is None else value.decode() if isinstance(value, bytes) else str(value)
+
+
+def resize_matrix(n_in: int, n_out: int, scale: float, mode: str, transform: str, nearest: str) -> np.ndarray:
+    """The (n_out, n_in) matrix of ONNX Resize along one axis: row ``j`` takes output sample ``j`` from the input
+    coordinate ``transform`` maps it to (computed in float32), the nearest sample (``nearest``'s rounding) or the
+    two around it (linear, the coordinate clamped to the axis, as ONNX Runtime does)."""
+    r = np.zeros((n_out, n_in), np.float64)
+    f32, half, s = np.float32, np.float32(0.5), np.float32(scale)
+    for j in range(n_out):  # in float32, as ONNX Runtime: 3 / 0.6 is 4.9999998 there, and its floor 4
+        if transform == "align_corners":
+            x = 0.0 if n_out == 1 else float(f32(j) * f32(n_in - 1) / f32(n_out - 1))
+        elif transform == "asymmetric":
+            x = float(f32(j) / s)
+        elif transform == "pytorch_half_pixel" and n_out == 1:
+            x = 0.0
+        else:  # half_pixel, pytorch_half_pixel
+            x = float((f32(j) + half) / s - half)
+        if mode == "nearest":
+            low = math.floor(x)
+            frac = x - low
+            if nearest == "floor":
+                i = low
+            elif nearest == "ceil":
+                i = math.ceil(x)
+            else:  # round, halves to the floor (round_prefer_floor) or to the ceiling
+                i = low + int(frac > 0.5 or (frac == 0.5 and nearest == "round_prefer_ceil"))
+            r[j, min(max(i, 0), n_in - 1)] = 1.0
+        else:
+            x = min(max(x, 0.0), n_in - 1.0)
+            i0 = math.floor(x)
+            i1, frac = min(i0 + 1, n_in - 1), x - i0
+            r[j, i0] += 1.0 - frac
+            r[j, i1] += frac
+    return r.astype(np.float32)
+
+
+@handles("Resize")
+def _resize(p: Planner, node) -> None:
+    """Nearest and linear resizing of the spatial axes (any scale, up or down; sizes or scales; the half_pixel,
+    pytorch_half_pixel, align_corners and asymmetric coordinate transforms) as one product per resized axis with
+    that axis's interpolation matrix (:func:`resize_matrix`)."""
+    x = p.act(node)
+    a = node.attributes
+    mode = _text(a.get("mode"), "nearest")
+    transform = _text(a.get("coordinate_transformation_mode"), "half_pixel")
+    nearest = _text(a.get("nearest_mode"), "round_prefer_floor")
+    if p.model.opset.get("ai.onnx", 17) < 11:
+        raise unsupported(node, "Resize before opset 11")
+    if mode not in ("nearest", "linear"):
+        raise unsupported(node, f"mode {mode!r} (nearest and linear are supported)")
+    if transform not in ("half_pixel", "pytorch_half_pixel", "align_corners", "asymmetric"):
+        raise unsupported(node, f"coordinate_transformation_mode {transform!r}")
+    if nearest not in ("round_prefer_floor", "round_prefer_ceil", "floor", "ceil"):
+        raise unsupported(node, f"nearest_mode {nearest!r}")
+    if a.get("antialias", 0) or a.get("axes") is not None or _text(a.get("keep_aspect_ratio_policy"), "stretch") != "stretch":
+        raise unsupported(node, "antialias, axes or keep_aspect_ratio_policy")
+    scales, sizes = p.const(node, 2, required=False), p.const(node, 3, required=False)
+    if sizes is not None and sizes.size:
+        out = [int(v) for v in sizes.ravel()]
+        factors = [float(np.float32(o) / np.float32(n)) for o, n in zip(out, x.shape, strict=True)]  # as ORT
+    elif scales is not None and scales.size:
+        factors = [float(v) for v in scales.ravel()]
+        out = [math.floor(n * f) for n, f in zip(x.shape, factors, strict=True)]
+    else:
+        raise unsupported(node, "neither scales nor sizes is a constant")
+    if len(out) != len(x.shape) or out[:2] != list(x.shape[:2]):
+        raise unsupported(node, f"resizes {x.shape} to {out}: only the axes after batch and channels")
+    y = x
+    for axis in range(2, len(x.shape)):
+        if out[axis] != x.shape[axis] or factors[axis] != 1.0:
+            y = along_axis(p, node, y, axis, resize_matrix(x.shape[axis], out[axis], factors[axis], mode, transform,
+                                                           nearest))
     p.define(node, y)
 
 

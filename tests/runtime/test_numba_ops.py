@@ -195,7 +195,26 @@ def _cumsums(x, m):
     return torch.cat([over_time.flatten(1), over_features.flatten(1), causal_mean.flatten(1)], dim=1)
 
 
+def _resizes_1d(x, m):
+    """A (C, T) window resampled as torch's interpolate writes it: nearest up and down, linear with and without
+    align_corners, by scale factors and to sizes."""
+    f = nn.functional.interpolate
+    return torch.cat([f(x, scale_factor=2.0).flatten(1), f(x, size=7).flatten(1),
+                      f(x, scale_factor=1.5, mode="linear").flatten(1),
+                      f(x, size=23, mode="linear", align_corners=True).flatten(1),
+                      f(x, scale_factor=0.5, mode="linear").flatten(1), f(x, size=1, mode="linear").flatten(1)], dim=1)
+
+
+def _resizes_2d(x, m):
+    f = nn.functional.interpolate
+    img = x[:, None]  # (B, 1, C, T)
+    return torch.cat([f(img, scale_factor=(2.0, 0.5)).flatten(1), f(img, size=(3, 17), mode="bilinear").flatten(1),
+                      f(img, scale_factor=2.0, mode="bilinear", align_corners=True).flatten(1)], dim=1)
+
+
 SHAPES = {
+    "resize_nearest_linear_1d": ((6, 10), lambda: Fn(_resizes_1d)),
+    "resize_nearest_bilinear_2d": ((6, 10), lambda: Fn(_resizes_2d)),
     "cumulative_sums": ((6, 10), lambda: Fn(_cumsums)),
     "slices_gathers_concat": ((6, 10), lambda: Fn(_slices)),
     "transpose_reshape_split_expand": ((6, 10), lambda: Fn(_moves)),
@@ -313,7 +332,7 @@ def test_fusion_leaves_one_step_per_layer(graphs):
 @pytest.mark.parametrize("name", ["conv_bn_maxpool_gelu_gap", "encoder_gelu_norm_first", "transpose_reshape_split_expand",
                                   "causal_and_reflect_padding", "conv_prelu_per_channel_and_shared", "bidirectional_lstm",
                                   "masked_fill_and_where", "einsum_products", "cumulative_sums",
-                                  "conv_transpose_1d"])
+                                  "conv_transpose_1d", "resize_nearest_linear_1d"])
 def test_run_allocates_nothing(graphs, name, bytes_allocated):
     nb = NumbaBackend(*graphs(name))
     nb.inputs["x"][...] = 0.5
@@ -341,12 +360,34 @@ def test_cumsum_with_every_attribute_and_axis_matches_onnxruntime(tmp_path, excl
         assert_matches_onnxruntime(path, spec, batch)
 
 
+@pytest.mark.parametrize(("mode", "transform", "nearest"), [
+    ("nearest", "half_pixel", "round_prefer_floor"), ("nearest", "half_pixel", "round_prefer_ceil"),
+    ("nearest", "align_corners", "ceil"), ("nearest", "asymmetric", "floor"), ("linear", "half_pixel", "floor"),
+    ("linear", "asymmetric", "floor")])
+@pytest.mark.parametrize("scale", [2.5, 0.6])
+def test_resize_in_every_mode_torch_does_not_write_matches_onnxruntime(tmp_path, mode, transform, nearest, scale):
+    import onnx
+    from onnx import TensorProto, helper
+
+    node = helper.make_node("Resize", ["x", "", "scales"], ["y"], mode=mode, coordinate_transformation_mode=transform,
+                            nearest_mode=nearest)
+    out = [1, 4, int(5 * scale), int(9 * scale)]
+    graph = helper.make_graph([node], "resize", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4, 5, 9])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, out)],
+                              [helper.make_tensor("scales", TensorProto.FLOAT, [4], [1.0, 1.0, scale, scale])])
+    path = tmp_path / "resize.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+    spec = GraphSpec(file=path.name, kind="feedforward", inputs=[TensorSpec("x", "float32", [1, 4, 5, 9])],
+                     outputs=[TensorSpec("y", "float32", out)])
+    assert_matches_onnxruntime(path, spec, 1)
+
+
 # -- refusing what it cannot run ---------------------------------------------------------
 REFUSED = {
     # op with no kernel: the message names the ONNX op and the node, and says what to do
     "topk": ((6, 10), lambda: Fn(lambda x, m: torch.topk(x, 3, dim=-1).values.flatten(1)), "TopK", "/TopK"),
-    "resize": ((6, 10), lambda: Fn(lambda x, m: nn.functional.interpolate(x, scale_factor=2.0).flatten(1)),
-               "Resize", "/Resize"),
+    "resize_cubic": ((6, 10), lambda: Fn(lambda x, m: nn.functional.interpolate(
+        x[:, None], scale_factor=2.0, mode="bicubic").flatten(1)), "Resize", "/Resize"),
     "einsum_trace": ((6, 6), lambda: Fn(lambda x, m: torch.einsum("bii->b", x)[:, None]), "Einsum", "/Einsum"),
     # supported op, unsupported use: the node and the reason
     "softmax_middle_axis": ((6, 10), lambda: Fn(lambda x, m: torch.softmax(x, 1)), "Softmax", "/Softmax"),
