@@ -22,6 +22,7 @@ _EXPORTS: dict[str, str] = {
     "VARIANT_TOLERANCES": ".variants",
     "ExportOptions": ".assemble",
     "ExportedGraph": ".onnx_export",
+    "PowerSpectrum": ".spectral",
     "SequenceStep": ".sequence_step",
     "Tolerance": ".parity",
     "build_tensorrt_engines": ".tensorrt",
@@ -33,7 +34,7 @@ _EXPORTS: dict[str, str] = {
 }
 
 __all__ = ["FP32_TOLERANCE", "VARIANTS", "VARIANT_TOLERANCES", "ExportError", "ExportOptions", "ExportedGraph",
-           "GraphCheckError", "ParityError", "SequenceStep", "Tolerance", "UnsupportedOpError", "build_tensorrt_engines",
+           "GraphCheckError", "ParityError", "PowerSpectrum", "SequenceStep", "Tolerance", "UnsupportedOpError", "build_tensorrt_engines",
            "export_bundle", "export_onnx", "import_onnx", "tensorrt_compatibility", "write_bundle"]
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

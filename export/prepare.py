@@ -53,7 +53,9 @@ OP_ADVICE: tuple[tuple[str, str], ...] = (
      "(or use a plain pool with an explicit kernel_size and stride)"),
     ("aten::linalg_*", "compute it once from the trained weights and store the result as a buffer, "
      "or move it out of the model (into preprocess/postprocess)"),
-    ("aten::fft_*", "compute the transform outside the model (preprocess), or as a matmul with a fixed DFT matrix"),
+    ("aten::fft_*", "for a power or magnitude spectrum use closedloop.export.PowerSpectrum(n, window=...), which "
+     "computes |rfft|^2 as products with fixed DFT matrices; otherwise compute the transform outside the model "
+     "(preprocess)"),
     ("aten::lift_fresh", "forward builds a tensor from Python or numpy data (torch.from_numpy, .numpy(), .tolist()); "
      "keep the computation in torch ops"),
     ("prim::PythonOp", "a torch.autograd.Function that leaves torch (numpy, Python math on values) cannot be traced; "
