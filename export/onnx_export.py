@@ -246,14 +246,34 @@ def _check_dims(t: TensorSpec, graph_shape: list, torch_shape: Sequence[int], ax
             if g != BATCH:
                 raise GraphCheckError(f"{role} {t.name!r} axis {i} is the batch axis but the graph has {g!r} there, not {BATCH!r}")
             out.append(BATCH)
-        elif g != d:
-            raise GraphCheckError(
-                f"{role} {t.name!r} axis {i} is {g!r} in the graph but torch gives a fixed {d}; only the batch axis may be "
-                "dynamic (a data-dependent size cannot stream at a fixed rate)"
-            )
+        elif isinstance(g, int) and g != d:
+            raise GraphCheckError(f"{role} {t.name!r} axis {i} is {g} in the graph but torch gives {d}")
         else:
-            out.append(int(g))
+            # a name (or nothing) where torch gives the same size at batch 2 and 3: ONNX's shape inference lost track
+            # (F.pad's computed pads, a Concat after it, ...), the size is fixed; the graph is told so (fix_declared_dims)
+            out.append(int(d))
     return out
+
+
+#: ops whose output size depends on the input's values: a size torch saw on the example is not fixed with them
+DATA_DEPENDENT_SIZE = frozenset({"NonZero", "Unique", "Compress", "NonMaxSuppression"})
+
+
+def fix_declared_dims(data: bytes, shapes: dict[str, list]) -> bytes:
+    """The graph with each named input's and output's declared dims set as ``shapes`` says (an int, or ``"batch"``);
+    unchanged bytes when they already agree."""
+    proto = onnx.load_from_string(data)
+    changed = False
+    for v in [*proto.graph.input, *proto.graph.output]:
+        want = shapes.get(v.name)
+        if want is None:
+            continue
+        for dim, d in zip(v.type.tensor_type.shape.dim, want, strict=True):
+            if isinstance(d, int) and not (dim.HasField("dim_value") and dim.dim_value == d):
+                dim.Clear()
+                dim.dim_value = d
+                changed = True
+    return proto.SerializeToString() if changed else data
 
 
 def check_gru_nodes(model: OnnxModel, module: nn.Module) -> dict[str, Any]:
@@ -442,6 +462,15 @@ def export_onnx(
     for t in inputs + outputs:
         if t.dtype not in ("float32", "float16", "float64"):
             raise GraphCheckError(f"tensor {t.name!r} has dtype {t.dtype!r}; export_bundle handles floating-point I/O only")
+    declared = {v.name: v.shape for v in [*g_in, *g_out]}
+    if any(declared[t.name] != t.shape for t in inputs + outputs):
+        sized = sorted({n.op_type for n in model.nodes} & DATA_DEPENDENT_SIZE)
+        if sized:
+            raise GraphCheckError(f"the graph's {', '.join(sized)} node(s) give outputs whose size depends on the input "
+                                  "values; a bundle streams fixed sizes at a fixed rate: keep the computation's sizes "
+                                  "fixed (a mask and a multiply instead of indexing by a condition, say)")
+        data = fix_declared_dims(data, {t.name: t.shape for t in inputs + outputs})
+        model = parse_onnx(data)
 
     checks = check_gru_nodes(model, module)
     checks.update(check_batchnorm_nodes(model, module))

@@ -519,3 +519,19 @@ def _fold_mod(node, a, b):
 def _fold_trilu(node, x, k=None):
     k = int(np.ravel(k)[0]) if k is not None else 0
     return np.triu(x, k) if node.attributes.get("upper", 1) else np.tril(x, k)
+
+
+_NUMPY_REDUCE: dict[str, Callable] = {"ReduceProd": np.prod, "ReduceSum": np.sum, "ReduceMean": np.mean,
+                                      "ReduceMax": np.max, "ReduceMin": np.min}
+
+
+@folds(*_NUMPY_REDUCE)
+def _fold_reduce(node, x, axes=None):
+    """A reduction of constants (``torch.var``'s element count: the product of a folded Shape's entries)."""
+    given = _ints(axes) if axes is not None else node.attributes.get("axes")
+    if not given and node.attributes.get("noop_with_empty_axes", 0):
+        return x
+    out = _NUMPY_REDUCE[node.op_type](x, axis=tuple(int(a) for a in given) if given else None,
+                                      keepdims=bool(node.attributes.get("keepdims", 1)))
+    return np.asarray(out, dtype=x.dtype)
+

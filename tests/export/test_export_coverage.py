@@ -17,7 +17,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from closedloop.export import FP32_TOLERANCE, ExportError, export_bundle
-from closedloop.export.errors import UnsupportedOpError
+from closedloop.export.errors import GraphCheckError, UnsupportedOpError
 from closedloop.export.prepare import explain_export_failure, export_settings
 from closedloop.runtime import Model
 
@@ -572,3 +572,53 @@ def test_an_unrecognised_torch_error_is_still_one_short_line():
     assert message.startswith("cannot export model (Linear) to ONNX opset 17: torch.onnx.export failed: Something")
     assert len(message) < 600 and "\n" not in message and "graph(" not in message
     assert err.op is None and err.module_path == "model"
+
+
+class CausalPaddedConv(nn.Module):
+    """A causal TCN block written with F.pad: the left zeros, a dilated depthwise conv, a pointwise conv, flattened.
+    torch's exporter computes F.pad's pads in the graph, and ONNX's shape inference then loses the output's size."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.depthwise = nn.Conv1d(CHANNELS, CHANNELS, 3, dilation=2, groups=CHANNELS)
+        self.pointwise = nn.Conv1d(CHANNELS, 4, 1)
+
+    def forward(self, x):
+        return self.pointwise(torch.relu(self.depthwise(nn.functional.pad(x, (4, 0))))).flatten(1)
+
+
+class StatisticsOfAWindow(nn.Module):
+    """Per-channel summary statistics concatenated: the Concat's size is unknown to ONNX's shape inference."""
+
+    def forward(self, x):
+        return torch.cat([nn.functional.normalize(x, dim=-1).flatten(1), x.var(-1), x.std(-1), x.amax(-1)], dim=1)
+
+
+@pytest.mark.parametrize("build", [CausalPaddedConv, StatisticsOfAWindow])
+def test_a_fixed_size_the_graph_does_not_state_is_taken_from_torch_and_written_into_the_graph(build, tmp_path):
+    import onnx
+
+    torch.manual_seed(0)
+    module = build().eval()
+    example = torch.randn(CHANNEL_WINDOW)
+    bundle = _export(module, tmp_path / "b", "feedforward", example)
+    with torch.no_grad():
+        width = module(example).shape[1]
+    manifest, _ = _graph_record(bundle)
+    assert manifest["graphs"]["main"]["outputs"][0]["shape"] == ["batch", width]
+    declared = onnx.load(str(bundle / "main.onnx")).graph.output[0].type.tensor_type.shape.dim
+    assert declared[0].dim_param == "batch" and declared[1].dim_value == width  # the graph says so too
+    x = np.random.default_rng(1).standard_normal(CHANNEL_WINDOW).astype(np.float32)
+    with torch.no_grad():
+        want = module(torch.from_numpy(x)).numpy()
+    for backend in ("onnxruntime", "numba"):
+        assert _close(Model(bundle, backend=backend).step(x).copy(), want), backend
+
+
+def test_a_size_that_depends_on_the_input_values_is_refused(tmp_path):
+    class KeepsThePositive(nn.Module):
+        def forward(self, x):
+            return x[:, x[0] > 0]  # as many columns as the first row has positive values: NonZero
+
+    with pytest.raises(GraphCheckError, match="NonZero.*depends on the input values"):
+        _export(KeepsThePositive().eval(), tmp_path / "b", "feedforward", torch.tensor([[1.0, -1.0, 2.0, -3.0]]))
