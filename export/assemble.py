@@ -13,6 +13,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import onnx
+
 from closedloop.runtime.manifest import GraphSpec, Manifest, Window
 
 from .errors import ExportError
@@ -143,3 +145,24 @@ def finish_bundle(out: str | Path, spec: GraphSpec, onnx_bytes: bytes, onnx_run:
     path = write_bundle(out, manifest, files, overwrite=overwrite, zip=zip)
     report(f"wrote bundle {path} ({len(files)} files + manifest)")
     return path
+
+
+#: ops whose output size depends on the input's values: a size seen on one input is not fixed where they are
+DATA_DEPENDENT_SIZE = frozenset({"NonZero", "Unique", "Compress", "NonMaxSuppression"})
+
+
+def fix_declared_dims(data: bytes, shapes: dict[str, list]) -> bytes:
+    """The graph with each named input's and output's declared dims set as ``shapes`` says (an int, or ``"batch"``);
+    unchanged bytes when they already agree."""
+    proto = onnx.load_from_string(data)
+    changed = False
+    for v in [*proto.graph.input, *proto.graph.output]:
+        want = shapes.get(v.name)
+        if want is None:
+            continue
+        for dim, d in zip(v.type.tensor_type.shape.dim, want, strict=True):
+            if isinstance(d, int) and not (dim.HasField("dim_value") and dim.dim_value == d):
+                dim.Clear()
+                dim.dim_value = d
+                changed = True
+    return proto.SerializeToString() if changed else data

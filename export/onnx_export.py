@@ -37,7 +37,7 @@ from torch import nn
 from closedloop.runtime.manifest import GraphSpec, TensorSpec
 from closedloop.runtime.onnx_reader import OnnxModel, parse_onnx
 
-from .assemble import KINDS
+from .assemble import DATA_DEPENDENT_SIZE, KINDS, fix_declared_dims
 from .errors import ExportError, GraphCheckError
 from .prepare import torch_onnx_export
 
@@ -253,27 +253,6 @@ def _check_dims(t: TensorSpec, graph_shape: list, torch_shape: Sequence[int], ax
             # (F.pad's computed pads, a Concat after it, ...), the size is fixed; the graph is told so (fix_declared_dims)
             out.append(int(d))
     return out
-
-
-#: ops whose output size depends on the input's values: a size torch saw on the example is not fixed with them
-DATA_DEPENDENT_SIZE = frozenset({"NonZero", "Unique", "Compress", "NonMaxSuppression"})
-
-
-def fix_declared_dims(data: bytes, shapes: dict[str, list]) -> bytes:
-    """The graph with each named input's and output's declared dims set as ``shapes`` says (an int, or ``"batch"``);
-    unchanged bytes when they already agree."""
-    proto = onnx.load_from_string(data)
-    changed = False
-    for v in [*proto.graph.input, *proto.graph.output]:
-        want = shapes.get(v.name)
-        if want is None:
-            continue
-        for dim, d in zip(v.type.tensor_type.shape.dim, want, strict=True):
-            if isinstance(d, int) and not (dim.HasField("dim_value") and dim.dim_value == d):
-                dim.Clear()
-                dim.dim_value = d
-                changed = True
-    return proto.SerializeToString() if changed else data
 
 
 def check_gru_nodes(model: OnnxModel, module: nn.Module) -> dict[str, Any]:

@@ -18,8 +18,9 @@ proved here against ONNX Runtime running the file itself:
 * the variants, TensorRT's report and the manifest are made as ``export_bundle`` makes them.
 
 The file's bytes are the bundle's ``main.onnx`` unchanged, unless ``outputs`` keeps some of its
-outputs (the graph cut down to them); ``provenance.export`` records the file's name, SHA-256,
-producer, opset and the outputs kept.
+outputs (the graph cut down to them) or an output's size is missing from the graph (ONNX's shape
+inference lost it; ONNX Runtime's answer at batch 1 and 2 is written in); ``provenance.export``
+records the file's name, SHA-256, producer, opset, the outputs kept and the sizes stated.
 """
 
 from __future__ import annotations
@@ -37,11 +38,13 @@ from closedloop.runtime.manifest import GraphSpec, TensorSpec, Window
 from closedloop.runtime.onnx_reader import ValueInfo, parse_onnx
 
 from .assemble import (
+    DATA_DEPENDENT_SIZE,
     GRAPH_NAME,
     ExportOptions,
     apply_roles_and_windows,
     check_args,
     finish_bundle,
+    fix_declared_dims,
     manifest_meta,
 )
 from .errors import ExportError, GraphCheckError, ParityError
@@ -107,6 +110,50 @@ def _keep_outputs(proto: onnx.ModelProto, keep: Sequence[str], state: Mapping[st
     return cut.SerializeToString()
 
 
+def _free(d: object) -> bool:
+    return not (isinstance(d, int) and d > 0)
+
+
+def _settle_output_sizes(data: bytes, state: Mapping[str, str], path: Path) -> tuple[bytes, list[str]]:
+    """Data outputs whose declared shape has a free axis after the first, where ONNX's shape inference lost a size
+    (a file from ``torch.onnx.export`` of a model with ``F.pad`` before a flatten says ``['batch', 'batch']``): ONNX
+    Runtime runs the graph at batch 1 and 2 on random inputs, and an axis after the first whose size is the same in
+    both runs is written into the graph as that fixed size. A graph whose sizes depend on the input values (NonZero,
+    Unique, Compress) is refused; anything else is left for :func:`_tensor` to judge. Returns the graph and the
+    outputs whose sizes were written in."""
+    model = parse_onnx(data)
+    loose = [v for v in model.outputs if v.name not in state.values() and any(_free(d) for d in v.shape[1:])]
+    if not loose:
+        return data, []
+    sized = sorted({n.op_type for n in model.nodes} & DATA_DEPENDENT_SIZE)
+    if sized:
+        raise ExportError(f"{path}: outputs {[v.name for v in loose]} have sizes the graph does not state, and its "
+                          f"{', '.join(sized)} node(s) make sizes depend on the input values; a bundle streams fixed "
+                          "sizes at a fixed rate")
+    inputs = model.graph_inputs()
+    if any(sum(_free(d) for d in v.shape) > 1 for v in inputs) or any(v.dtype != "float32" for v in inputs):
+        return data, []  # not runnable from the declared inputs alone: _tensor says what is wrong with them
+    try:
+        run = ort_runner(data)
+    except Exception:  # noqa: BLE001  (import_onnx reports ONNX Runtime's own error when it loads the file)
+        return data, []
+    rng = np.random.default_rng(0)
+    shapes = []
+    for b in (1, 2):
+        feeds = {v.name: rng.standard_normal([b if _free(d) else int(d) for d in v.shape]).astype(np.float32)
+                 for v in inputs}
+        try:
+            shapes.append({k: v.shape for k, v in run(feeds).items()})
+        except Exception:  # noqa: BLE001
+            return data, []
+    settled = {}
+    for v in loose:
+        one, two = shapes[0][v.name], shapes[1][v.name]
+        if len(one) == len(v.shape) and one[1:] == two[1:]:
+            settled[v.name] = [v.shape[0] if _free(v.shape[0]) else int(one[0]), *(int(d) for d in one[1:])]
+    return (fix_declared_dims(data, settled), sorted(settled)) if settled else (data, [])
+
+
 def _tensor(v: ValueInfo, where: str, state: bool, pair: str | None) -> TensorSpec:
     """The manifest's view of one graph input or output: float32, at most one free axis (named ``batch``)."""
     if v.dtype != "float32":
@@ -115,7 +162,7 @@ def _tensor(v: ValueInfo, where: str, state: bool, pair: str | None) -> TensorSp
                "convert the model to float32 before importing it")
         raise ExportError(f"{where} {v.name!r} is {v.dtype or 'of no stated type'}: a bundle computes in float32 "
                           f"(its fp16 and int8 variants are made from the float32 graph); {fix}")
-    free = [i for i, d in enumerate(v.shape) if not (isinstance(d, int) and d > 0)]
+    free = [i for i, d in enumerate(v.shape) if _free(d)]
     if len(free) > 1:
         names = [v.shape[i] if isinstance(v.shape[i], str) else "?" for i in free]
         raise ExportError(f"{where} {v.name!r} has shape {v.shape}, {len(free)} free axes ({names}); a bundle allows one, "
@@ -262,6 +309,7 @@ def import_onnx(
     all_outputs = [o.name for o in proto.graph.output]
     if outputs is not None:
         data = _keep_outputs(proto, list(outputs), state, path)
+    data, settled = _settle_output_sizes(data, state, path)
     spec = _graph_spec(data, state, path)
     apply_roles_and_windows(spec, input_roles, output_roles, windows)
     opset = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), None)
@@ -320,6 +368,7 @@ def import_onnx(
     settings = {
         "source": "import_onnx", "file": path.name, "sha256": source_sha256,
         "outputs_kept": None if outputs is None else [t.name for t in spec.outputs], "file_outputs": all_outputs,
+        "output_sizes_stated": settled,
         "producer": f"{proto.producer_name} {proto.producer_version}".strip(), "opset": opset,
         "kind": spec.kind, "state": state, "batch": "free" if dynamic else "fixed at 1",
         "variants": list(variant_names), "tolerance": tolerance.to_dict(), "tensorrt": tensorrt,
@@ -329,4 +378,5 @@ def import_onnx(
     return finish_bundle(out, spec, data, onnx_run, inputs, variant_names=variant_names, options=options,
                          tensorrt=tensorrt, family=family, name=name or path.stem, rate_hz=rate_hz, meta=meta,
                          settings=settings, overwrite=overwrite, zip=zip, report=report,
-                         exporter="none: the ONNX file as given" + (", cut to the outputs kept" if outputs else ""))
+                         exporter="none: the ONNX file as given" + (", cut to the outputs kept" if outputs else "")
+                         + (", with the output sizes ONNX Runtime gives stated in the graph" if settled else ""))

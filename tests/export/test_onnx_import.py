@@ -261,3 +261,30 @@ def test_outputs_keeps_the_state_outputs_it_does_not_name(files, tmp_path):
     spec = load_bundle(bundle).graph()
     assert [(t.name, t.state) for t in spec.outputs] == [("logits", False), ("h_next", True)]
     assert spec.parity["within_tolerance"] and "numba/sequence_step_by_step" in spec.parity["checks"]
+
+
+class PaddedCausalConv(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv1d(4, 3, 3, dilation=2)
+
+    def forward(self, x):
+        return self.conv(nn.functional.pad(x, (4, 0))).flatten(1)  # torch's exporter states this as ['b', 'b']
+
+
+def test_an_output_size_the_file_does_not_state_is_measured_and_written_in(tmp_path):
+    torch.manual_seed(6)
+    model = PaddedCausalConv().eval()
+    src = _export(model, (torch.zeros(1, 4, 16),), tmp_path / "tcn.onnx", ["x"], ["y"], {"x": {0: "b"}, "y": {0: "b"}})
+    declared = [d.dim_param or d.dim_value for d in onnx.load(str(src)).graph.output[0].type.tensor_type.shape.dim]
+    assert declared[1] != 48  # the file does not say the 3 x 16 values
+    bundle = import_onnx(src, tmp_path / "b", rate_hz=100.0, **QUIET)
+    b = load_bundle(bundle)
+    assert b.graph().outputs[0].shape == ["batch", 48]
+    assert b.manifest.provenance["export"]["settings"]["output_sizes_stated"] == ["y"]
+    assert "output sizes ONNX Runtime gives stated" in b.manifest.provenance["export"]["exporter"]
+    x = np.random.default_rng(7).standard_normal((1, 4, 16)).astype(np.float32)
+    with torch.no_grad():
+        want = model(torch.from_numpy(x)).numpy()
+    for backend in ("onnxruntime", "numba"):
+        np.testing.assert_allclose(Model(bundle, backend=backend).step(x), want, atol=1e-5, err_msg=backend)
