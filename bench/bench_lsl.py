@@ -283,9 +283,12 @@ def main(argv: list[str] | None = None) -> int:
             + ("_rt" if args.realtime else ""))
     args.out.mkdir(parents=True, exist_ok=True)
     plot(legs, transit, args.out / f"{stem}.png")
+    from closedloop.runtime.timing import _cpu_name  # the CPU's model name, as the timing tables give it
+
     record = {
         "command": "python " + " ".join(["bench/bench_lsl.py", *(argv if argv is not None else sys.argv[1:])]),
-        "system": {"python": platform.python_version(), "machine": platform.machine(), "cpu_count": os.cpu_count(),
+        "system": {"python": platform.python_version(), "machine": platform.machine(), "processor": _cpu_name(),
+                   "cpu_count": os.cpu_count(),
                    "numpy": np.__version__, "pylsl": pylsl.__version__, "liblsl": pylsl.library_version(),
                    "load_average_before": load_before, "load_average_after": list(os.getloadavg())},
         "stream": {"channels": CHANNELS, "rate_hz": RATE_HZ, "format": "int32", "source_ppm": args.source_ppm},
