@@ -281,6 +281,15 @@ def _activation(p: Planner, node) -> None:
     p.define(node, unary(p, node, p.act(node), code, alpha, beta))
 
 
+@handles("Selu")
+def _selu(p: Planner, node) -> None:
+    """``gamma * elu(x, alpha)``: the ELU step and a product by the constant."""
+    a = node.attributes
+    x = unary(p, node, p.act(node), p.k.ACT_ELU, float(a.get("alpha", 1.67326319217681884765625)))
+    gamma = np.full((1,) * len(x.shape), a.get("gamma", 1.05070102214813232421875), np.float32)
+    p.define(node, binary(p, node, x, p.materialize(gamma), "Mul"))
+
+
 @handles("PRelu")
 def _prelu(p: Planner, node) -> None:
     """``max(x, 0) + slope * min(x, 0)``: two clips, a product by the (broadcast) slope and a sum, as four steps
@@ -640,6 +649,24 @@ def reduce(p: Planner, node, x: Act, axes: list[int], keepdims: bool, code: str)
     outer, n, inner = math.prod(x.shape[:lo]), math.prod(x.shape[lo : hi + 1]), math.prod(x.shape[hi + 1 :])
     p.emit(p.k.OP_REDUCE, x.flat(), y.flat(), getattr(p.k, code), outer, n, inner, out=y.buf)
     return y
+
+
+@handles("ReduceLogSumExp")
+def _reduce_log_sum_exp(p: Planner, node) -> None:
+    """``m + log(sum(exp(x - m)))`` with ``m`` the maximum over the same axes (no overflow, as ONNX Runtime)."""
+    x = p.act(node)
+    axes = p.ints(node, 1, "axes") or []
+    if not axes and node.attributes.get("noop_with_empty_axes", 0):
+        p.define(node, x)
+        return
+    top = reduce(p, node, x, axes, True, "RED_MAX")
+    total = reduce(p, node, unary(p, node, binary(p, node, x, top, "Sub"), p.k.ACT_EXP), axes, True, "RED_SUM")
+    y = binary(p, node, unary(p, node, total, p.k.ACT_LOG), top, "Add")
+    if not node.attributes.get("keepdims", 1):
+        rank = len(x.shape)
+        gone = {axis_of(node, a, rank) for a in axes} if axes else set(range(rank))
+        y = Act(y.buf, tuple(d for i, d in enumerate(y.shape) if i not in gone))
+    p.define(node, y)
 
 
 @handles(*_REDUCE)

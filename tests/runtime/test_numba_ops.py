@@ -93,13 +93,16 @@ def _elementwise(x, m):
     y = torch.nn.functional.silu(m["lin"](x))  # Sigmoid, then Mul of two activations
     y = torch.nn.functional.leaky_relu(y, 0.1) + torch.nn.functional.elu(-y) + torch.nn.functional.softplus(y)
     y = torch.nn.functional.hardswish(y) - torch.clamp(y, -0.5, 0.7) * y.pow(3) + torch.sqrt(torch.abs(y) + 1)
-    return torch.maximum(y, x.mean(-1, keepdim=True)) / (1.5 + torch.exp(-y.abs()))
+    y = torch.maximum(y, x.mean(-1, keepdim=True)) / (1.5 + torch.exp(-y.abs()))
+    return y + torch.nn.functional.selu(y)
 
 
 def _reductions(x, m):
-    """ReduceSum/Max/Min/Mean/L2 over inner and outer axes, GroupNorm (InstanceNormalization), Gemm with transposes."""
+    """ReduceSum/Max/Min/Mean/L2/LogSumExp over inner and outer axes, variance and standard deviation (a ReduceProd
+    of constants for the count), GroupNorm (InstanceNormalization), Gemm with transposes."""
     g = m["group"](x.transpose(1, 2)).flatten(1)  # (B, 10, 6): 2 groups of 5 channels
-    r = torch.cat([x.sum(1), x.amax(-1), x.amin(1), x.mean(-1), torch.linalg.vector_norm(x, dim=-1)], dim=1)
+    r = torch.cat([x.sum(1), x.amax(-1), x.amin(1), x.mean(-1), torch.linalg.vector_norm(x, dim=-1),
+                   torch.logsumexp(4 * x, dim=-1), torch.logsumexp(x, dim=1), x.var(-1), x.std(1)], dim=1)
     return torch.cat([g, r, m["lin"](x[:, 0]) @ m["lin"].weight], dim=1)
 
 
