@@ -1,6 +1,6 @@
 """Models as people write them, exported as they are and streamed by the torch-free runtime.
 
-Three shapes closedloop's own models do not have:
+Four shapes closedloop's own models do not have:
 
 1. a recurrent decoder written for whole sequences, ``forward(seq, h) -> (out, h)``: ``SequenceStep``
    streams it one bin at a time, and the stream equals one call over the sequence;
@@ -8,20 +8,23 @@ Three shapes closedloop's own models do not have:
    the bundle's outputs are named by the keys; and the same model shared as TorchScript (a ``.pt`` read back
    with ``torch.jit.load``, returning a tuple), exported as it is;
 3. a stable-baselines3 policy (SAC on Pendulum-v1, untrained: the mapping is what matters):
-   ``SB3Policy`` gives the bundle ``model.predict(obs, deterministic=True)``'s actions.
+   ``SB3Policy`` gives the bundle ``model.predict(obs, deterministic=True)``'s actions;
+4. a model that is already an ONNX file (the cursor decoder as ``torch.onnx.export`` writes it, standing for
+   another framework's export): ``import_onnx`` makes the bundle without the module, checked on both backends.
 
     python examples/bring_your_own_model.py [OUT_DIR]
 """
 
 import sys
 import tempfile
+import warnings
 from pathlib import Path
 
 import numpy as np
 import torch
 from torch import nn
 
-from closedloop import Model, SequenceStep, export_bundle
+from closedloop import Model, SequenceStep, export_bundle, import_onnx
 
 out = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(tempfile.mkdtemp())
 torch.manual_seed(0)
@@ -120,3 +123,23 @@ want, _ = sac.predict(obs, deterministic=True)
 err = float(np.abs(got - want).max())
 print(f"3. SB3 SAC policy on {model.backend_name}: runtime vs predict over {len(obs)} observations, max abs error {err:.1e}")
 assert err < 1e-3
+
+
+# 4. an ONNX file made elsewhere ------------------------------------------------------------------
+onnx_file = out / "cursor.onnx"
+with warnings.catch_warnings():  # torch 2.13 calls its TorchScript-based exporter deprecated; it writes this file
+    warnings.simplefilter("ignore")
+    torch.onnx.export(scripted, (torch.zeros(1, 32, 20),), str(onnx_file), input_names=["spikes"],
+                      output_names=["velocity", "click"],
+                      dynamic_axes={n: {0: "N"} for n in ("spikes", "velocity", "click")}, dynamo=False)
+bundle = import_onnx(onnx_file, out / "cursor-imported", rate_hz=50.0,
+                     windows={"spikes": window_spec["x"]}, **quiet)
+with torch.no_grad():
+    want = cursor(torch.from_numpy(window))
+for backend in ("onnxruntime", "numba"):
+    model = Model(bundle, backend=backend)
+    model.step(window)
+    err = max(float(np.abs(model.outputs[k] - want[k].numpy()).max()) for k in ("velocity", "click"))
+    print(f"4. imported ONNX file on {backend}: outputs {list(model.outputs)}, max abs error {err:.1e}")
+    assert err < 1e-3
+
