@@ -70,6 +70,14 @@ def render_manifest(m: Manifest) -> str:
         lines.append("  certificate: " + ", ".join(f"{k}={_brief(v)}" for k, v in m.certificate.items()))
     if m.provenance:
         lines.append("  provenance: " + ", ".join(f"{k}={_brief(v)}" for k, v in m.provenance.items()))
+    made = (m.provenance.get("export") or {}) if isinstance(m.provenance, dict) else {}
+    settings = made.get("settings") or {}
+    if settings.get("source") == "import_onnx":  # what a reader of an imported bundle asks first: from which file
+        lines.append(f"  imported from {settings.get('file')} (sha256 {str(settings.get('sha256'))[:16]}..., "
+                     f"{settings.get('producer') or 'no producer named'}, opset {settings.get('opset')}, batch "
+                     f"{settings.get('batch')}): {made.get('exporter')}")
+    elif made.get("exporter"):
+        lines.append(f"  exported by {made['exporter']} on {made.get('exported_utc', '?')} (torch {made.get('torch')})")
     lines.append("  files:")
     for rel, meta in m.files.items():
         lines.append(f"    {rel:<32} {meta.get('bytes', 0):>10} B  sha256 {str(meta.get('sha256'))[:16]}...")

@@ -131,6 +131,8 @@ def test_an_imported_bundle_runs_a_session_through_the_cli(files, tmp_path, caps
                  "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["bundle"] == str(out) and report["parity"]["within_tolerance"] and report["variants"] == {}
+    assert main(["inspect", str(out)]) == 0
+    assert "imported from controller.onnx (sha256 " in capsys.readouterr().out  # which file, before anything else
     s = run_session(out, SessionConfig(device="sim://plant?model=msd&rate=200&seed=1", duration_s=0.5, status=False,
                                        backend="numba"))
     assert s.commands_sent > 20 and s.nonfinite_outputs == 0
