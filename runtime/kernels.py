@@ -37,6 +37,7 @@ from .kernels_act import (  # noqa: F401  (re-exported: the planner and tests us
     ACT_RECIPROCAL,
     ACT_RELU,
     ACT_SIGMOID,
+    ACT_SIGN,
     ACT_SOFTMAX,
     ACT_SOFTPLUS,
     ACT_SQRT,
@@ -222,4 +223,4 @@ def pack_arena(arrays: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray, list[n
 
 # every kernel module's digest, so that an edit to any of them refreshes Numba's cache of all
 # (tools/kernel_digest.py says why)
-KERNEL_SOURCES = "8deebbe57db16e4c"
+KERNEL_SOURCES = "c581cabd15754040"

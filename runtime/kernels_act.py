@@ -50,6 +50,7 @@ ACT_SQUARE = 18
 ACT_SOFTPLUS = 19
 ACT_HARD_SIGMOID = 20  # alpha * x + beta, clipped to [0, 1]
 ACT_HARD_SWISH = 21
+ACT_SIGN = 22
 
 @intrinsic
 def _float_from_bits(typingctx, bits):
@@ -236,6 +237,11 @@ def _square(v, a, b):
 
 
 @njit(inline="always", **JIT)
+def _sign(v, a, b):
+    return np.float32(1.0) if v > 0 else np.float32(-1.0) if v < 0 else v  # 0 and NaN pass through
+
+
+@njit(inline="always", **JIT)
 def _softplus(v, a, b):
     return v if v > np.float32(20.0) else np.log1p(fast_exp(v))
 
@@ -401,6 +407,10 @@ def apply_act(x, y, act, alpha, beta):
         for i in range(rows):
             for j in range(n):
                 y[i, j] = _hard_swish(x[i, j], a, b)
+    elif act == ACT_SIGN:
+        for i in range(rows):
+            for j in range(n):
+                y[i, j] = _sign(x[i, j], a, b)
     else:
         for i in range(rows):
             for j in range(n):
@@ -415,4 +425,4 @@ def activate(x, y, act):
 
 # every kernel module's digest, so that an edit to any of them refreshes Numba's cache of all
 # (tools/kernel_digest.py says why)
-KERNEL_SOURCES = "8deebbe57db16e4c"
+KERNEL_SOURCES = "c581cabd15754040"
