@@ -64,7 +64,8 @@ def test_a_record_not_written_is_nan_and_flags_mark_the_safe_command(ring):
 
 def test_writing_a_step_allocates_nothing(ring, bytes_allocated):
     frame = np.arange(3, dtype=np.float32)
-    out = np.ones(2, dtype=np.float32)
+    out = np.ones(1, dtype=np.float32)
+    more = [(1, np.full(1, 2.0, dtype=np.float32))]  # a second data output after the first, as a session writes it
     cmd = np.ones(1, dtype=np.float32)
     k = [0]
 
@@ -72,6 +73,8 @@ def test_writing_a_step_allocates_nothing(ring, bytes_allocated):
         ring.begin(k[0], 0)
         np.copyto(ring.input_row(), frame)
         ring.set_output(out)
+        for offset, values in more:
+            ring.set_output(values, offset)
         ring.set_command(cmd)
         ring.add_flags(FLAG_ACTED)
         ring.publish(1, 1)
