@@ -10,7 +10,6 @@ TensorRT compatibility and builds an engine where TensorRT and a GPU are present
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -30,7 +29,7 @@ from .assemble import (
     manifest_meta,
 )
 from .errors import ExportError
-from .onnx_export import eval_mode, export_onnx, initial_states, module_device, to_numpy
+from .onnx_export import cpu_copy, eval_mode, export_onnx, initial_states, module_device, to_numpy
 from .parity import (
     FP32_TOLERANCE,
     Tolerance,
@@ -182,7 +181,7 @@ def export_bundle(
         # on a GPU, cuDNN's GRU and convolutions use TF32 by default, whose error can exceed the fp32 tolerance.
         # Export a CPU copy; the caller's module stays on its device, untouched.
         report(f"module is on {source_device}: exporting a CPU copy (parity is checked against fp32 torch on the CPU)")
-        module = copy.deepcopy(module).cpu()
+        module = cpu_copy(module)
     restore_mode = eval_mode(module)
     try:
         exported = export_onnx(

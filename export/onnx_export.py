@@ -22,6 +22,7 @@ those shapes and, for GRU nodes, against PyTorch's GRU semantics.
 
 from __future__ import annotations
 
+import copy
 import io
 import os
 import warnings
@@ -462,6 +463,24 @@ def export_onnx(
 def module_device(module: nn.Module) -> torch.device:
     p = next(module.parameters(), None)
     return p.device if p is not None else torch.device("cpu")
+
+
+def cpu_copy(module: nn.Module) -> nn.Module:
+    """A CPU copy of ``module``; the module itself stays as it is.
+
+    A tensor a forward pass with gradients kept as an attribute (``self.h = h`` in a streaming model) is not a
+    graph leaf, and ``copy.deepcopy`` refuses it: such attributes are copied detached. Anything else deepcopy
+    refuses is an ExportError that says what to do."""
+    memo: dict[int, Any] = {}
+    for m in module.modules():
+        for value in vars(m).values():
+            if isinstance(value, torch.Tensor) and not value.is_leaf:
+                memo[id(value)] = value.detach().clone()
+    try:
+        return copy.deepcopy(module, memo).cpu()
+    except (RuntimeError, TypeError) as exc:
+        raise ExportError(f"cannot copy the module to the CPU for export ({exc}); move it there yourself "
+                          "(module.cpu()) and export again") from exc
 
 
 def to_numpy(t: torch.Tensor) -> np.ndarray:

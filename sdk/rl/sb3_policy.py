@@ -34,6 +34,22 @@ from torch import nn
 __all__ = ["SB3Policy"]
 
 
+def _copy_policy(policy: Any) -> Any:
+    """A copy of an SB3 policy on the CPU, as SB3's own ``policy.save`` / ``load`` rebuilds one.
+
+    A policy that has acted (PPO and A2C after ``learn``) keeps its last action distribution, whose tensors are
+    not graph leaves, and ``copy.deepcopy`` refuses it; SB3's constructor parameters and the state dict make the
+    same network without it. A custom policy that does not give its constructor parameters is deep-copied.
+    """
+    try:
+        params = policy._get_constructor_parameters()
+    except (AttributeError, NotImplementedError):
+        return copy.deepcopy(policy)
+    clone = type(policy)(**params)
+    clone.load_state_dict({k: v.detach().cpu() for k, v in policy.state_dict().items()})
+    return clone
+
+
 class SB3Policy(nn.Module):
     """``model.predict(obs, deterministic=True)`` of an SB3 model as ``forward(obs) -> action`` (batch first).
 
@@ -65,7 +81,7 @@ class SB3Policy(nn.Module):
         self.keys = list(parts) if isinstance(obs_space, spaces.Dict) else None
         self.shapes = [tuple(sp.shape) for sp in parts.values()]
         self.sizes = [int(np.prod(sh)) for sh in self.shapes]
-        self.policy = copy.deepcopy(policy).cpu().eval()
+        self.policy = _copy_policy(policy).cpu().eval()
         self.kind = self._kind(self.policy, name)
         self.squash = bool(getattr(self.policy, "squash_output", False))
         self.register_buffer("low", torch.as_tensor(np.asarray(policy.action_space.low), dtype=torch.float32))

@@ -72,3 +72,36 @@ def test_same_zip_bytes_for_the_same_content(tmp_path, mlp_module, quiet):
     with zipfile.ZipFile(out) as zf:
         assert sorted(zf.namelist()) == ["main.onnx", "manifest.json"]
         assert {i.date_time for i in zf.infolist()} == {(1980, 1, 1, 0, 0, 0)}
+
+
+def test_a_module_that_kept_a_forward_pass_tensor_copies_to_the_cpu_for_export():
+    """A module on a GPU is exported from a CPU copy. A streaming model that keeps its last hidden state
+    (``self.h = h``, computed with gradients) holds a tensor ``copy.deepcopy`` refuses: the copy takes it
+    detached; one deepcopy cannot take even so is an ExportError saying what to do."""
+    import pytest
+
+    from closedloop.export.errors import ExportError
+    from closedloop.export.onnx_export import cpu_copy
+
+    class Streaming(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.cell = torch.nn.GRUCell(4, 3)
+            self.h = None
+
+        def forward(self, x):
+            self.h = self.cell(x, self.h)
+            return self.h
+
+    m = Streaming()
+    m(torch.ones(1, 4)).sum().backward()
+    assert m.h is not None and not m.h.is_leaf
+    copied = cpu_copy(m)
+    assert copied is not m and copied.h is not None and copied.h.is_leaf and torch.equal(copied.h, m.h.detach())
+    for a, b in zip(copied.parameters(), m.parameters(), strict=True):
+        assert torch.equal(a, b) and a is not b
+    assert not m.h.is_leaf  # the user's module is left as it was
+
+    m.history = [m.h * 2]  # a tensor inside a container is out of reach of the detaching
+    with pytest.raises(ExportError, match=r"move it there yourself \(module\.cpu\(\)\)"):
+        cpu_copy(m)

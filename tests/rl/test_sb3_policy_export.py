@@ -1,7 +1,7 @@
 """A stable-baselines3 policy trained on the user's own environment, exported through ``SB3Policy``, acts as
 ``model.predict(obs, deterministic=True)`` does: the runtime's action against SB3's own, within the fp32 export
-tolerance (abs 1e-4 or rel 1e-3; the policies here are untrained, whose weights are as good as any for the
-mapping)."""
+tolerance (abs 1e-4 or rel 1e-3). The policies train for a few dozen steps first, as a user's would have: a
+policy that has acted keeps state (PPO's and A2C's last action distribution) that a plain copy refuses."""
 
 from __future__ import annotations
 
@@ -31,13 +31,19 @@ def _export(policy, env, tmp_path, name):
 @pytest.mark.parametrize("algo", ["SAC", "TD3", "DDPG", "PPO", "A2C"])
 def test_an_sb3_policy_exports_and_acts_as_its_predict(algo, tmp_path):
     env = gym.make("Pendulum-v1")
-    model = getattr(sb3, algo)("MlpPolicy", env, seed=0, device="cpu")
-    if algo in ("PPO", "A2C"):  # an unsquashed mean far past the bounds, so SB3's clip decides some actions
-        with torch.no_grad():
-            model.policy.action_net.weight.mul_(2000.0)
+    small = {"PPO": {"n_steps": 32, "batch_size": 32}, "A2C": {"n_steps": 8}}.get(
+        algo, {"learning_starts": 16, "batch_size": 16})
+    model = getattr(sb3, algo)("MlpPolicy", env, seed=0, device="cpu", **small)
+    model.learn(64)
+    obs = _observations(env)
+    if algo in ("PPO", "A2C"):  # an unsquashed mean past the bounds on about half the observations: SB3's clip
+        p = model.policy  # decides those, the network the others (computed beside the policy, which keeps the
+        with torch.no_grad():  # last training step's distribution, as a user's does)
+            latent = p.mlp_extractor.forward_actor(p.extract_features(torch.as_tensor(obs), p.pi_features_extractor))
+            p.action_net.bias.zero_()
+            p.action_net.weight.mul_(2.0 / float(p.action_net(latent).abs().median()))
     bundle = _export(SB3Policy(model), env, tmp_path, algo)
     runtime = Model(bundle, backend="numba")
-    obs = _observations(env)
     got = np.stack([runtime.step(o[None]).copy()[0] for o in obs])
     want, _ = model.predict(obs, deterministic=True)
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-3)
