@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import atexit
 import hashlib
-import json
 import os
 import shutil
 import tempfile
@@ -25,7 +24,14 @@ from pathlib import Path
 
 from .errors import BundleError
 from .integrity import INTEGRITY_FIELD, integrity_problem, manifest_digest
-from .manifest import MANIFEST_NAME, SUPPORTED_SCHEMA_VERSIONS, GraphSpec, Manifest, TensorSpec
+from .manifest import (
+    MANIFEST_NAME,
+    SUPPORTED_SCHEMA_VERSIONS,
+    GraphSpec,
+    Manifest,
+    TensorSpec,
+    loads_manifest,
+)
 from .onnx_reader import OnnxFormatError, OnnxModel, read_onnx
 from .signing import SIGNATURE_NAME, TrustedKeys, TrustSpec, as_trusted_keys, signature_problem
 
@@ -91,11 +97,15 @@ def _unpack_zip(path: Path) -> Path:
     _TEMP_DIRS.append(tmp)
     try:
         with zipfile.ZipFile(path) as zf:
-            for member in zf.namelist():
+            for info in zf.infolist():
+                member = info.filename
                 # Refuse path traversal: a bundle is something someone may hand you.
                 target = (Path(tmp) / member).resolve()
                 if not target.is_relative_to(Path(tmp).resolve()):
-                    raise BundleError(f"bundle {path}: member {member!r} escapes the bundle folder; refusing it")
+                    raise _Refused(path, f"zip member {member!r} escapes the bundle folder")
+                if (info.external_attr >> 16) & 0o170000 == 0o120000:  # a symbolic link stored in the zip
+                    raise _Refused(path, f"zip member {member!r} is a symbolic link; a bundle's files must be "
+                                         "regular files (zip the folder with the files themselves)")
             zf.extractall(tmp)
     except zipfile.BadZipFile as exc:
         raise BundleError(f"bundle {path}: not a readable zip ({exc}); re-export or re-copy it") from exc
@@ -137,12 +147,20 @@ def _check_tensors(
 
 def _check_state_pairs(where: str, spec: GraphSpec, problems: list[str]) -> None:
     outs = {t.name: t for t in spec.outputs}
+    ins = {t.name: t for t in spec.inputs}
     for t in spec.state_inputs:
         pair = outs.get(t.state_pair or "")
         if pair is None or not pair.state:
             problems.append(f"{where}: state input {t.name!r} names output {t.state_pair!r}, which is not a state output")
         elif pair.shape != t.shape:
             problems.append(f"{where}: state {t.name!r} has shape {t.shape} but its output {pair.name!r} has {pair.shape}")
+    for t in spec.outputs:
+        if not t.state:
+            continue
+        back = ins.get(t.state_pair or "")
+        if back is None or not back.state or back.state_pair != t.name:
+            problems.append(f"{where}: state output {t.name!r} names input {t.state_pair!r}, which is not the state "
+                            f"input it feeds (each state input and output name each other in state_pair)")
 
 
 def _path_problem(rel: object) -> str | None:
@@ -188,6 +206,9 @@ def _collect_problems(root: Path, manifest: Manifest, verify_checksums: bool) ->
         bad_paths = [why for rel in manifest.files if (why := _link_problem(root, rel))]
     if bad_paths:
         return bad_paths, notes  # nothing outside the bundle is opened, not even to hash it
+    if MANIFEST_NAME in manifest.files:
+        problems.append(f"files lists {MANIFEST_NAME} itself; the manifest cannot hold its own checksum (its "
+                        "integrity block and signature cover it): re-export the bundle")
     for rel, meta in manifest.files.items():
         p = root / rel
         if not p.is_file():
@@ -264,10 +285,7 @@ def _read_raw(root: Path, source: Path) -> tuple[dict, str]:
     except UnicodeDecodeError as exc:
         raise BundleError(f"bundle {source}: {MANIFEST_NAME} is not UTF-8 ({exc}); the bundle is damaged, "
                           "re-export it") from exc
-    try:
-        raw = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise BundleError(f"{source}/{MANIFEST_NAME}: not valid JSON ({exc}); the bundle is damaged, re-export it") from exc
+    raw = loads_manifest(text, f"{source}/{MANIFEST_NAME}")
     # the digest before the other checks (an edited field is named as edited, not as whatever else it breaks),
     # but after the schema version: a manifest of a version this reader does not know is refused as that
     if _known_version(raw) and (why := integrity_problem(raw)):
@@ -349,7 +367,10 @@ def check_bundle(path: str | Path, verify_checksums: bool = True,
     signed by one of them. A bad key file raises ``SigningError``.
     """
     trusted = as_trusted_keys(trust)  # a bad key file is the caller's fault: raised, not listed
-    root, source = _open(path)
+    try:
+        root, source = _open(path)  # a path that is no bundle at all raises; a refused zip is listed
+    except _Refused as exc:
+        return None, [exc.problem], []
     try:
         bundle, problems, notes = _verify(root, source, verify_checksums, trusted)
     except _Refused as exc:

@@ -26,6 +26,7 @@ FIELD_DEPTH = 4
 FIELD_DIGEST_HEX = 16
 
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_-]*\Z")
+_HEX64 = re.compile(r"[0-9a-f]{64}\Z")
 
 
 def canonical_json(value: Any) -> bytes:
@@ -139,15 +140,21 @@ def integrity_problem(manifest: dict[str, Any]) -> str | None:
                 f"runtime checks {DIGEST_ALGORITHM!r} over {CANONICAL_FORM!r}: upgrade closedloop or re-export the bundle")
     digest, stored = manifest_digest(manifest), block["fields"]
     current = field_digests(manifest)
+    if not _HEX64.match(block["digest"]):
+        return (f"{INTEGRITY_FIELD}.digest is {block['digest'][:70]!r}, not 64 lowercase hex digits (a SHA-256); the "
+                "integrity block was edited or damaged: re-export the bundle or restore its manifest.json")
     if digest != block["digest"]:
-        changes = changed_fields(stored, current) or [f"{INTEGRITY_FIELD}.digest changed"]
+        changes = changed_fields(stored, current) or [
+            f"no field's digest differs, so {INTEGRITY_FIELD}.digest itself was edited"]
         return (f"manifest field(s) changed after export: {', '.join(changes)} (manifest digest {digest[:16]}..., "
                 f"recorded {str(block['digest'])[:16]}...); an edited or corrupted manifest is refused: re-export the "
                 "bundle or restore its manifest.json")
     if stored != current:
-        changes = changed_fields(stored, current)
-        return (f"{INTEGRITY_FIELD}.fields does not match the manifest ({', '.join(changes)}): the integrity block was "
-                "edited or damaged; re-export the bundle or restore its manifest.json")
+        entries = [f"{p}: {'no entry' if p not in stored else 'an entry for no field' if p not in current else 'entry differs'}"
+                   for p in sorted(stored.keys() | current.keys()) if stored.get(p) != current.get(p)]
+        return (f"{INTEGRITY_FIELD}.fields does not match the manifest, whose fields match its digest "
+                f"({'; '.join(entries[:8])}{'; ...' if len(entries) > 8 else ''}): the table itself was edited or "
+                "damaged; re-export the bundle or restore its manifest.json")
     return None
 
 

@@ -33,6 +33,99 @@ OUTPUT_ROLES = ("command", "estimate", "output", "state")
 WINDOW_LAYOUTS = ("time_major", "channel_major")
 
 
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"the key {key!r} appears twice in one object")
+        out[key] = value
+    return out
+
+
+def loads_manifest(text: str, source: str = MANIFEST_NAME) -> Any:
+    """``manifest.json``'s text as JSON, refusing an object with a repeated key.
+
+    JSON parsers differ on which of two equal keys counts (Python's keeps the last, others the first), so a
+    manifest with one could be read one way by the reader that checks its signature and another by a runtime.
+    """
+    try:
+        return json.loads(text, object_pairs_hook=_unique_keys)
+    except json.JSONDecodeError as exc:
+        raise BundleError(f"{source}: not valid JSON ({exc}); the bundle is damaged, re-export it") from exc
+    except ValueError as exc:
+        raise BundleError(f"{source}: {exc}; JSON readers differ on which one counts, so a manifest may not "
+                          "repeat a key: re-export the bundle") from exc
+
+
+def _kind_name(value: Any) -> str:
+    return {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "an array",
+            dict: "an object", type(None): "null"}.get(type(value), type(value).__name__)
+
+
+_STRING, _OBJECT, _ARRAY, _BOOL = (str,), (dict,), (list,), (bool,)
+
+
+def _type_problems(d: dict[str, Any], source: str) -> list[str]:
+    """Fields whose JSON type is not the one docs/bundle.md gives (``bytes`` 1.0, ``state`` 0, ``name`` 5 ...)."""
+    out: list[str] = []
+
+    def want(where: str, value: Any, types: tuple[type, ...], what: str, optional: bool = True) -> bool:
+        if value is None and optional:
+            return True
+        if type(value) not in types:
+            out.append(f"{source}: {where} must be {what}, got {_kind_name(value)} {str(value)[:40]!r}")
+            return False
+        return True
+
+    want("family", d.get("family"), _STRING, "a string", optional=False)
+    for key in ("name",):
+        if key in d:
+            want(key, d[key], _STRING, "a string", optional=False)
+    for key in ("preprocess", "postprocess", "provenance", "extra"):
+        if key in d:
+            want(key, d[key], _OBJECT, "an object", optional=False)
+    if "certificate" in d:
+        want("certificate", d["certificate"], _OBJECT, "an object or null")
+    if want("files", d.get("files"), _OBJECT, "an object", optional=False):
+        for rel, meta in d["files"].items():
+            if want(f"files[{rel!r}]", meta, _OBJECT, "an object", optional=False):
+                want(f"files[{rel!r}].sha256", meta.get("sha256"), _STRING, "a string (64 lowercase hex digits)",
+                     optional=False)
+                if "bytes" in meta:
+                    want(f"files[{rel!r}].bytes", meta["bytes"], (int,), "an integer", optional=False)
+    if not want("graphs", d.get("graphs"), _OBJECT, "an object", optional=False):
+        return out
+    for gname, g in d["graphs"].items():
+        where = f"graphs[{gname!r}]"
+        if not want(where, g, _OBJECT, "an object", optional=False):
+            continue
+        want(f"{where}.file", g.get("file"), _STRING, "a string", optional=False)
+        want(f"{where}.kind", g.get("kind"), _STRING, "a string", optional=False)
+        for key, types, what in (("parity", _OBJECT, "an object"), ("variants", _OBJECT, "an object"),
+                                 ("tensorrt_engines", _ARRAY, "an array"),
+                                 ("tensorrt_compatibility", _OBJECT, "an object")):
+            if key in g:
+                want(f"{where}.{key}", g[key], types, what, optional=False)
+        for side in ("inputs", "outputs"):
+            if not want(f"{where}.{side}", g.get(side), _ARRAY, "an array", optional=False):
+                continue
+            for i, t in enumerate(g[side]):
+                at = f"{where}.{side}[{i}]"
+                if not want(at, t, _OBJECT, "an object", optional=False):
+                    continue
+                want(f"{at}.name", t.get("name"), _STRING, "a string", optional=False)
+                want(f"{at}.dtype", t.get("dtype"), _STRING, "a string", optional=False)
+                if want(f"{at}.shape", t.get("shape"), _ARRAY, "an array", optional=False):
+                    for j, dim in enumerate(t["shape"]):
+                        want(f"{at}.shape[{j}]", dim, (int, str), "an integer or a string", optional=False)
+                if "state" in t:
+                    want(f"{at}.state", t["state"], _BOOL, "true or false", optional=False)
+                want(f"{at}.state_pair", t.get("state_pair"), _STRING, "a string or null")
+                want(f"{at}.role", t.get("role"), _STRING, "a string")
+                want(f"{at}.window", t.get("window"), _OBJECT, "an object")
+    return out
+
+
 @dataclass
 class Window:
     """A window over a stream of frames: the input holds the last ``length`` frames.
@@ -251,6 +344,16 @@ class Manifest:
         missing = [k for k in ("family", "graphs", "files", "rate_hz") if k not in d]
         if missing:
             raise BundleError(f"{source}: missing required field(s) {missing}; re-export the bundle")
+        typed = _type_problems(d, source)
+        if typed:
+            raise BundleError("; ".join(typed) + "; re-export the bundle")
+        if version == 1:  # a version-1 reader ignores roles and windows: a version-1 manifest has none
+            newer = [f"{g}.{side}[{i}].{key}" for g, spec in d["graphs"].items() for side in ("inputs", "outputs")
+                     for i, t in enumerate(spec[side]) for key in ("role", "window") if key in t]
+            if newer:
+                raise BundleError(f"{source}: schema_version 1 but {', '.join(newer)} set: roles and windows are "
+                                  "version 2 (a version-1 reader would ignore them and feed the model wrongly); "
+                                  "re-export the bundle, or set schema_version 2")
         rate = d["rate_hz"]
         if isinstance(rate, bool) or not isinstance(rate, int | float) or not math.isfinite(rate) or rate <= 0:
             raise BundleError(f"{source}: rate_hz must be a positive number (Hz), got {rate!r}; re-export the bundle")
@@ -277,8 +380,4 @@ class Manifest:
 
     @classmethod
     def from_json(cls, text: str, source: str = MANIFEST_NAME) -> Manifest:
-        try:
-            d = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise BundleError(f"{source}: not valid JSON ({exc}); the bundle is damaged, re-export it") from exc
-        return cls.from_dict(d, source)
+        return cls.from_dict(loads_manifest(text, source), source)

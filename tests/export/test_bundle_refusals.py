@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import re
+import stat
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -108,6 +111,9 @@ def test_a_file_whose_size_differs_from_the_manifest_is_refused(bundle):
 
 @pytest.mark.parametrize("field,value,message", [
     ("schema_version", 1.0, "unknown schema_version 1.0"),
+    ("preprocess", [], "preprocess must be an object, got an array"),
+    ("name", 5, "name must be a string, got an integer"),
+    ("family", None, "family must be a string, got null"),
     ("schema_version", True, "unknown schema_version True"),
     ("rate_hz", "50", "rate_hz must be a positive number (Hz), got '50'"),
     ("rate_hz", 0, "rate_hz must be a positive number (Hz), got 0"),
@@ -149,3 +155,86 @@ def test_a_model_file_handed_over_as_a_bundle_is_named_with_how_to_make_one(bund
     model.write_bytes((bundle / "main.onnx").read_bytes())  # a real model file, just not a bundle
     with pytest.raises(BundleError, match=f"this is {what}, not a bundle .* {how}"):
         load_bundle(model)
+
+
+@pytest.mark.parametrize(("edit", "message"), [
+    (lambda d: d["files"]["main.onnx"].update(bytes=float(d["files"]["main.onnx"]["bytes"])),
+     "files['main.onnx'].bytes must be an integer, got a number"),
+    (lambda d: d["graphs"]["main"]["inputs"][1].update(state=1), "graphs['main'].inputs[1].state must be true or false"),
+    (lambda d: d["graphs"]["main"]["outputs"][0].update(name=5), "graphs['main'].outputs[0].name must be a string"),
+    (lambda d: d["graphs"]["main"]["inputs"][0].update(shape=["batch", 12.0]),
+     "graphs['main'].inputs[0].shape[1] must be an integer or a string, got a number"),
+])
+def test_a_field_of_another_json_type_is_refused_not_coerced(bundle, edit, message):
+    """A reader in another language would take ``bytes: 1.0`` or ``state: 1`` its own way: the types are the spec's."""
+    _edit_manifest(bundle, edit)
+    with pytest.raises(BundleError, match=re.escape(message)):
+        load_bundle(bundle)
+
+
+def test_a_repeated_key_is_refused(bundle):
+    """JSON parsers differ on which of two equal keys counts: one reader could check a signature over one value
+    while another runs the other."""
+    path = bundle / MANIFEST_NAME
+    path.write_text(path.read_text().replace('"rate_hz": 50.0', '"rate_hz": 50.0, "rate_hz": 51.0', 1))
+    with pytest.raises(BundleError, match="the key 'rate_hz' appears twice in one object"):
+        load_bundle(bundle)
+
+
+def test_each_state_output_names_its_input_back(bundle):
+    _edit_manifest(bundle, lambda d: d["graphs"]["main"]["outputs"][1].update(state_pair="x"))
+    with pytest.raises(BundleError, match="state output 'h_out' names input 'x', which is not the state input it feeds"):
+        load_bundle(bundle)
+    _edit_manifest(bundle, lambda d: d["graphs"]["main"]["outputs"][1].update(state_pair=None))
+    with pytest.raises(BundleError, match="state output 'h_out' names input None"):
+        load_bundle(bundle)
+
+
+def test_a_version_1_manifest_with_a_role_or_window_is_refused(bundle):
+    """Version 1 has neither: a version-1 reader would ignore a window and feed one frame where the model takes many."""
+    def v1_with_role(d):
+        d["schema_version"] = 1
+        d["graphs"]["main"]["inputs"][0]["role"] = "measurement"
+
+    _edit_manifest(bundle, v1_with_role)
+    with pytest.raises(BundleError, match=r"schema_version 1 but main.inputs\[0\].role set"):
+        load_bundle(bundle)
+    _edit_manifest(bundle, lambda d: d["graphs"]["main"]["inputs"][0].pop("role"))
+    load_bundle(bundle)  # version 1 as written before roles existed
+
+
+def test_the_manifest_listing_itself_is_refused(bundle):
+    def list_itself(d):
+        d["files"][MANIFEST_NAME] = {"sha256": "0" * 64, "bytes": 1}
+
+    _edit_manifest(bundle, list_itself)
+    with pytest.raises(BundleError, match="files lists manifest.json itself"):
+        load_bundle(bundle)
+
+
+def _zip_with(bundle: Path, out: Path, extra: zipfile.ZipInfo, data: bytes) -> Path:
+    with zipfile.ZipFile(out, "w") as zf:
+        for f in sorted(bundle.iterdir()):
+            zf.write(f, f.name)
+        zf.writestr(extra, data)
+    return out
+
+
+@pytest.mark.parametrize(("member", "link", "message"), [
+    ("../outside.txt", False, "zip member '../outside.txt' escapes the bundle folder"),
+    ("main.fp16.onnx.link", True, "zip member 'main.fp16.onnx.link' is a symbolic link"),
+])
+def test_a_zip_member_that_escapes_or_links_is_refused_as_the_bundle_is(bundle, tmp_path, member, link, message):
+    """Refused like any other fault of the bundle (``inspect`` prints REFUSED and exits 1), naming the member."""
+    from closedloop.runtime.bundle import check_bundle
+    from closedloop.sdk.cli import main
+
+    info = zipfile.ZipInfo(member)
+    if link:
+        info.external_attr = (stat.S_IFLNK | 0o777) << 16
+    path = _zip_with(bundle, tmp_path / "b.zip", info, b"/etc/passwd" if link else b"x")
+    with pytest.raises(BundleError, match=re.escape(message)):
+        load_bundle(path)
+    manifest, problems, _ = check_bundle(path)
+    assert manifest is None and len(problems) == 1 and message in problems[0]
+    assert main(["inspect", str(path)]) == 1

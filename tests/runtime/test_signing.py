@@ -90,7 +90,7 @@ def test_the_writer_stores_a_digest_over_the_documented_canonical_form(mlp_bundl
     (lambda m: m.update(name="other"), "name changed"),
     (lambda m: m.update(evil={"a": 1, "b": [2]}), "evil added"),
     (lambda m: m.pop("provenance"), "provenance removed"),
-    (lambda m: m["integrity"].update(digest="0" * 64), "integrity.digest changed"),
+    (lambda m: m["integrity"].update(digest="0" * 64), "no field's digest differs, so integrity.digest itself was edited"),
 ])
 def test_an_edited_manifest_field_is_refused_without_trust_naming_it(mlp_bundle, tmp_path, edit, named):
     path = _copy(mlp_bundle, tmp_path)
@@ -123,8 +123,15 @@ def test_a_tampered_integrity_table_is_refused(mlp_bundle, tmp_path):
     raw = _raw(path)
     raw["integrity"]["fields"]["rate_hz"] = "0" * 16
     _write(path, raw)
-    with pytest.raises(BundleError, match="integrity.fields does not match the manifest \\(rate_hz changed\\)"):
+    with pytest.raises(BundleError, match="integrity.fields does not match the manifest, whose fields match its "
+                                          "digest \\(rate_hz: entry differs\\): the table itself was edited"):
         load_bundle(path)
+    upper = _copy(mlp_bundle, tmp_path, "upper")
+    raw = _raw(upper)
+    raw["integrity"]["digest"] = raw["integrity"]["digest"].upper()  # the same SHA-256, not in the form read
+    _write(upper, raw)
+    with pytest.raises(BundleError, match="integrity.digest is '[0-9A-F]{64}', not 64 lowercase hex digits"):
+        load_bundle(upper)
 
 
 def test_a_bundle_written_before_the_digest_loads_but_not_under_trust(mlp_bundle, keys, tmp_path):
