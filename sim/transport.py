@@ -107,6 +107,7 @@ class SimTransport(FdTransport):
         self.shared_secret = shared_secret
         self._stderr = stderr
         self._finalizer = weakref.finalize(self, _stop_process, process, fd, stderr)
+        self._port_closed = False  # the emulator closed its end of the pty and has not reopened it
 
     @property
     def device_running(self) -> bool:
@@ -117,12 +118,23 @@ class SimTransport(FdTransport):
         """The tail of the emulator's stderr (errors, and everything with ``verbose``)."""
         return _tail(self._stderr)
 
+    def _read(self, max_bytes: int, timeout: float | None) -> bytes:
+        data = super()._read(max_bytes, timeout)
+        self._port_closed = False  # the read did not fail: the emulator's end of the pty is open
+        return data
+
     def _peer_lost(self, exc: BaseException) -> DeviceNotConnectedError:
-        """A failed read or write: the emulator exited (close, say so), or only closed its port (stay open)."""
-        try:  # a dying emulator's pty closes a moment before the process can be reaped
-            self.process.wait(timeout=_EXIT_GRACE_S)
-        except subprocess.TimeoutExpired:
-            pass
+        """A failed read or write: the emulator exited (close, say so), or only closed its port (stay open).
+
+        A dying emulator's pty closes a moment before the process can be reaped, so the first failure waits
+        up to ``_EXIT_GRACE_S`` for it; while the port stays closed, each further read (every loop step) only
+        looks, so a session polling a closed port is never held up."""
+        if not self._port_closed:
+            try:
+                self.process.wait(timeout=_EXIT_GRACE_S)
+            except subprocess.TimeoutExpired:
+                pass
+        self._port_closed = True
         if self.process.poll() is not None:
             code, log = self.process.returncode, _tail(self._stderr)
             self.close()

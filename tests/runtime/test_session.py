@@ -267,6 +267,13 @@ def test_disconnect_and_reconnect(plant_bundle, tmp_path):
         assert s.watchdog_trips >= 1
     steps_after = [e["step"] for e in events if e["event"] == "reconnected"][0]
     assert s.loop.steps > steps_after + 100  # commands flowed again after the device came back
+    # The loop kept its period while the device was away: polling the closed port costs a step nothing (at
+    # most the first failure waits up to 50 ms to tell an emulator that exited from one that closed its port).
+    from closedloop.runtime.recording_view import view_recording
+
+    steps = view_recording(cfg.record).steps
+    away = steps["latency_us"][(steps["flags"] & 8) != 0]
+    assert away.size > 50 and np.sum(away > 1e6 / 200) <= 1 + away.size // 20, np.sort(away)[-10:]
 
 
 def test_panda_session_clips_joint_commands(tmp_path, watchdog_rule):
