@@ -20,6 +20,7 @@ import ipaddress
 import json
 import os
 import select
+import socket
 import subprocess
 import sys
 import time
@@ -34,6 +35,8 @@ from closedloop.runtime.observe.ring import StepBatch, StepRing
 MAX_ROWS_PER_PUSH = 250
 #: Pushes a browser may lag behind before the oldest are dropped for it.
 CLIENT_QUEUE = 16
+#: After the session's end, how long the server waits for its clients to take the last records and the close.
+END_GRACE_S = 1.0
 
 
 def is_loopback(host: str) -> bool:
@@ -90,10 +93,12 @@ def steps_message(batch: StepBatch, period_s: float, t0_ns: int) -> dict[str, An
 class _Client:
     def __init__(self, ws: Any):
         self.ws = ws
-        self.queue: asyncio.Queue[str] = asyncio.Queue(CLIENT_QUEUE)
+        self.queue: asyncio.Queue[str | None] = asyncio.Queue(CLIENT_QUEUE)
         self.dropped = 0
+        self.done = asyncio.Event()  # set once the session's end was sent and the socket closed
 
-    def offer(self, text: str) -> None:
+    def offer(self, text: str | None) -> None:
+        """Queue a message; ``None`` closes the socket after what is queued (the session ended)."""
         if self.queue.full():
             self.queue.get_nowait()
             self.dropped += 1
@@ -114,6 +119,7 @@ class MonitorApp:
         self.events: list[dict[str, Any]] = []  # every event so far (a session has few), for late joiners
         self.history: list[str] = []  # the last few steps messages, for late joiners
         self.pushes = 0
+        self.ended = asyncio.Event()  # the session wrote session_end and every record before it was pushed
 
     async def index(self, request: Any) -> Any:
         from aiohttp import web
@@ -157,6 +163,8 @@ class MonitorApp:
         await ws.send_str(json.dumps(hello))
         for text in self.history:
             client.offer(text)
+        if self.ended.is_set():
+            client.offer(None)
         self.clients.add(client)
         sender = asyncio.ensure_future(self._send_loop(client))
         try:
@@ -172,33 +180,56 @@ class MonitorApp:
         try:
             while True:
                 text = await client.queue.get()
+                if text is None:  # the session ended: a normal close (1000), so a client can tell it from a crash
+                    await client.ws.close(code=1000, message=b"session ended")
+                    return
                 await client.ws.send_str(text)
         except (ConnectionError, RuntimeError, asyncio.CancelledError):
             return
+        finally:
+            client.done.set()
+
+    def _offer_all(self, text: str | None) -> None:
+        for c in list(self.clients):
+            c.offer(text)
+
+    def _push_steps(self, cursor: int) -> int:
+        batch, cursor = self.ring.read(cursor)
+        if len(batch) or batch.lost:
+            text = json.dumps(steps_message(batch, self.period_s, self.t0_ns) | {"push": self.pushes})
+            self.history.append(text)
+            del self.history[:-8]
+            self._offer_all(text)
+            self.pushes += 1
+        return cursor
 
     async def pump(self) -> None:
-        """Read the ring at push_hz and hand every client the new records and events."""
+        """Read the ring at push_hz and hand every client the new records and events.
+
+        At ``session_end`` (the session's last event) the records published before it are pushed, then the
+        event, and every socket is closed normally (code 1000); ``ended`` is then set."""
         cursor = max(0, self.ring.published - MAX_ROWS_PER_PUSH)
         ev_cursor = 0
         while True:
             events, ev_cursor, _ = self.ring.read_events(ev_cursor)
+            end = None
             for ev in events:
+                if ev.get("event") == "session_end":
+                    end = ev
+                    continue
                 if ev.get("event") == "session_info":  # later pages get it in their hello
                     self.info.update({k: v for k, v in ev.items() if k not in ("event", "step")})
                 self.events.append(ev)
                 if len(self.events) > 5000:
                     del self.events[:1000]
-                text = json.dumps({"type": "event", **ev}, default=str)
-                for c in list(self.clients):
-                    c.offer(text)
-            batch, cursor = self.ring.read(cursor)
-            if len(batch) or batch.lost:
-                text = json.dumps(steps_message(batch, self.period_s, self.t0_ns))
-                self.history.append(text)
-                del self.history[:-8]
-                for c in list(self.clients):
-                    c.offer(text)
-                self.pushes += 1
+                self._offer_all(json.dumps({"type": "event", **ev}, default=str))
+            cursor = self._push_steps(cursor)
+            if end is not None:
+                self.events.append(end)
+                self._offer_all(json.dumps({"type": "event", **end}, default=str))
+                self._offer_all(None)
+                self.ended.set()
+                return
             await asyncio.sleep(self.push_s)
 
     def make_app(self) -> Any:
@@ -260,8 +291,11 @@ def serve(ring_name: str, host: str, port: int, token: str | None, info: dict[st
             return
         bound = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
         ready(("ok", bound))
-        while True:
-            await asyncio.sleep(3600)
+        await app.ended.wait()  # the session ended: let each client get the last records and a normal close
+        waits = [c.done.wait() for c in list(app.clients)]
+        if waits:
+            await asyncio.wait([asyncio.ensure_future(w) for w in waits], timeout=END_GRACE_S)
+        await runner.cleanup()
 
     try:
         asyncio.run(main())
@@ -310,11 +344,20 @@ class MonitorProcess:
             raise RuntimeError(value)
         self.host, self.port, self.token = host, int(value), token
         self.pid = self._proc.pid
+        query = f"?token={token}" if token else ""
         shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
         shown = f"[{shown}]" if ":" in shown else shown
-        self.url = f"http://{shown}:{self.port}/" + (f"?token={token}" if token else "")
+        self.url = f"http://{shown}:{self.port}/" + query
+        #: for a monitor on every address (0.0.0.0, ::): the URL with this machine's host name, for other machines
+        self.remote_url = f"http://{socket.gethostname()}:{self.port}/" + query if host in ("0.0.0.0", "::") else None
 
     def stop(self) -> None:
+        """After the session's ``session_end`` event the server ends by itself once its clients have the last
+        records (at most about ``END_GRACE_S`` plus a push); it is terminated if it has not by then."""
+        try:
+            self._proc.wait(END_GRACE_S + 0.5)
+        except subprocess.TimeoutExpired:
+            pass
         if self._proc.poll() is None:
             self._proc.terminate()
             try:

@@ -10,6 +10,7 @@ waits for a reader.
 
 from __future__ import annotations
 
+import logging
 import secrets
 import sys
 import time
@@ -20,6 +21,8 @@ import numpy as np
 
 from .hub import ObserverHub, SessionObserver
 from .ring import FLAG_ACTED, FLAG_COMMAND, StepRing
+
+log = logging.getLogger("closedloop.session")
 
 
 class MonitorAddressError(ValueError):
@@ -34,6 +37,9 @@ class SessionTap:
         self.out = out if out is not None else sys.stderr
         self.info = dict(info, t0_ns=time.monotonic_ns())
         self.ring = StepRing.create(n_in, n_out, n_cmd, capacity=capacity)
+        self.info["ring"] = self.ring.name  # /dev/shm/NAME, for readers in other processes (docs/monitor.md)
+        log.info("step ring: /dev/shm/%s (%d records, %d inputs, %d outputs, %d command values per record)",
+                 self.ring.name, capacity, n_in, n_out, n_cmd)
         self.hub = ObserverHub(self.ring, observers or [])
         self.monitor = None
         self.status_interval_ns = int(status_interval_s * 1e9)
@@ -129,5 +135,7 @@ def _start_monitor(ring: StepRing, address: str, public: bool, info: dict[str, A
         out.write(f"warning: the monitor listens on {host}:{mon.port}, reachable from other machines; it asks for "
                   "the token in this URL\n")
     out.write(f"monitor: {mon.url}\n")
+    if getattr(mon, "remote_url", None):
+        out.write(f"monitor from other machines: {mon.remote_url}\n")
     out.flush()
     return mon

@@ -186,12 +186,67 @@ def test_an_observer_gets_every_step_its_timing_and_the_summary(plant_bundle, tm
     assert r.summary["observers"]["StepRecorder"]["lost"] == 0
 
 
+def test_a_websocket_client_gets_every_record_to_the_last_step_then_the_end_and_a_normal_close(plant_bundle):
+    """What a dashboard of a lab's own reads (docs/monitor.md): the records up to the session's last step, its
+    ``session_end`` event last, and a close with code 1000, so the end of a session is told from a crash."""
+    import asyncio
+
+    import aiohttp
+
+    bg = Background(plant_bundle, device="sim://plant?model=msd&rate=200&seed=4", duration_s=1.5, monitor="0")
+    received: list[dict] = []
+    close: list = []
+
+    async def client():
+        async with aiohttp.ClientSession() as http, http.ws_connect(bg.session.monitor_url + "ws") as ws:
+            async for msg in ws:
+                if msg.type == aiohttp.WSMsgType.TEXT:
+                    received.append(msg.json())
+            close.append(ws.close_code)
+
+    reader = threading.Thread(target=lambda: asyncio.run(asyncio.wait_for(client(), 30)))  # its own event loop:
+    reader.start()  # the browser tests' playwright holds one on this thread
+    reader.join(40)
+    summary = bg.join()
+    assert close == [1000]
+    assert received[0]["type"] == "hello" and received[-1] == {"type": "event", "event": "session_end", "step": -1}
+    pushes = [m["push"] for m in received if m["type"] == "steps"]
+    assert pushes == list(range(pushes[0], pushes[0] + len(pushes)))  # numbered: a client sees what it lost
+    steps = [s for m in received if m["type"] == "steps" for s in m["step"]]
+    assert steps[-1] == summary.loop.steps + summary.loop.skipped_periods - 1  # overruns skip step indices
+    assert steps == sorted(steps) and len(steps) == summary.loop.steps
+
+
 def test_a_monitor_on_a_public_address_needs_the_flag(plant_bundle):
     from closedloop.runtime import SessionError
 
     with pytest.raises(SessionError, match="--monitor-public"):
         Session(plant_bundle, SessionConfig(device="sim://plant?model=msd&rate=200", status=False,
                                             backend="onnxruntime", monitor="0.0.0.0:0")).start()
+
+
+def test_a_public_monitor_asks_for_its_token_and_prints_an_address_for_other_machines(plant_bundle):
+    import io
+    import socket
+    import urllib.error
+    import urllib.request
+
+    out = io.StringIO()
+    session = Session(plant_bundle, SessionConfig(device="sim://plant?model=msd&rate=200", status=False,
+                                                  backend="onnxruntime", monitor="0.0.0.0:0", monitor_public=True),
+                      out=out)
+    try:
+        session.start()
+        url = session.monitor_url
+        assert "?token=" in url and "reachable from other machines" in out.getvalue()
+        remote = f"monitor from other machines: http://{socket.gethostname()}:{url.split(':')[2].split('/')[0]}/?token="
+        assert remote in out.getvalue(), out.getvalue()
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(url.split("?")[0], timeout=10)
+        assert refused.value.code == 403
+        assert urllib.request.urlopen(url, timeout=10).status == 200
+    finally:
+        session.close()
 
 
 class CommandAndEstimate(torch.nn.Module):

@@ -247,9 +247,21 @@ def test_a_big_process_collects_its_garbage_before_the_handshake_not_after(plant
 
 
 def test_disconnect_and_reconnect(plant_bundle, tmp_path):
+    from closedloop.runtime import SessionObserver
+
+    class States(SessionObserver):
+        def __init__(self):
+            self.seen = []
+
+        def on_event(self, event):
+            if event["event"] == "status":
+                self.seen.append(event["state"])
+
+    states = States()
     cfg = _cfg("sim://plant?model=msd&rate=200&seed=6&disconnect_at=0.5&disconnect_s=0.6", tmp_path,
-               duration_s=2.5, watchdog_s=0.15)
+               duration_s=2.5, watchdog_s=0.15, observers=[states])
     s = run_session(plant_bundle, cfg)
+    assert "DISCONNECTED" in states.seen and states.seen[-1] == "running"  # what the monitor's status shows
     assert s.disconnects == 1 and s.reconnects == 1
     records = list(RecordingReader(cfg.record).of_type(RecordType.EVENT))
     events = [rec.json() for rec in records]
