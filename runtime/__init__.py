@@ -22,7 +22,7 @@ from .families import FamilyPlugin, get_family, register_family
 from .loop import LoopConfig, OverrunPolicy, RealTimeLoop
 from .manifest import SCHEMA_VERSION, GraphSpec, Manifest, TensorSpec, Window
 from .model import Model
-from .observe import SessionObserver, StepBatch
+from .observe import RunBatch, SessionObserver, StepBatch
 from .realtime import RealtimeConfig, RealtimeError, RealtimeGrant, apply_realtime
 from .recording import RecordingReader, RecordingWriter, RecordType
 from .replay import ReplayReport, replay_recording
@@ -67,6 +67,7 @@ __all__ = [
     "ReplayReport",
     "Session",
     "SessionObserver",
+    "RunBatch",
     "StepBatch",
     "SessionConfig",
     "SessionError",

@@ -8,6 +8,7 @@ from .ring import (
     FLAG_DISCONNECTED,
     FLAG_SAFE,
     FLAG_WATCHDOG,
+    RunBatch,
     StepBatch,
     StepRing,
 )
@@ -20,6 +21,7 @@ __all__ = [
     "FLAG_WATCHDOG",
     "LslOutlets",
     "ObserverHub",
+    "RunBatch",
     "SessionObserver",
     "StepBatch",
     "StepRing",

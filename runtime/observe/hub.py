@@ -28,7 +28,7 @@ import threading
 import traceback
 from typing import Any
 
-from .ring import StepBatch, StepRing
+from .ring import RunBatch, StepBatch, StepRing
 
 
 class SessionObserver:
@@ -42,6 +42,11 @@ class SessionObserver:
 
     def on_steps(self, batch: StepBatch) -> None:
         """Records since the last call, oldest first; ``batch.lost`` counts those that were overwritten first."""
+
+    def on_runs(self, batch: RunBatch) -> None:
+        """Every model run since the last call (step, input frame, time, outputs), oldest first: a step that ran
+        the model on several frames gives a run each, where ``on_steps`` gets the step's last. Only called for an
+        observer that overrides it."""
 
     def on_event(self, event: dict[str, Any]) -> None:
         """A session event (watchdog, reconnect, device HELLO, scrub repair...), as recorded."""
@@ -57,7 +62,10 @@ class _Runner(threading.Thread):
         self.observer = observer
         self.cursor = hub.ring.published
         self.event_cursor = hub.ring.events_published
+        self.run_cursor = hub.ring.runs_published
+        self.wants_runs = type(observer).on_runs is not SessionObserver.on_runs
         self.lost = 0
+        self.runs_lost = 0
         self.delivered = 0
         self.error: str | None = None
         self._wake = threading.Event()
@@ -72,6 +80,11 @@ class _Runner(threading.Thread):
         if len(batch) or batch.lost:
             self.delivered += len(batch)
             self.observer.on_steps(batch)
+        if self.wants_runs:
+            runs, self.run_cursor = ring.read_runs(self.run_cursor, self.observer.max_batch)
+            self.runs_lost += runs.lost
+            if len(runs) or runs.lost:
+                self.observer.on_runs(runs)
 
     def run(self) -> None:
         try:
@@ -121,4 +134,6 @@ class ObserverHub:
             name = type(r.observer).__name__
             report[name] = {"delivered": r.delivered, "lost": r.lost, "error": r.error,
                             "still_running": r.is_alive()}
+            if r.wants_runs:
+                report[name]["runs_lost"] = r.runs_lost
         return report

@@ -6,7 +6,7 @@ pipeline) can follow a live session next to the streams it already records:
 =================  ===========  ===========================  ====================================
 outlet             type         channels                     one sample per
 =================  ===========  ===========================  ====================================
-``NAME-outputs``   ModelOutput  every data output, in order  step that ran the model on a frame
+``NAME-outputs``   ModelOutput  every data output, in order  model run (every frame the model ran on)
 ``NAME-commands``  Command      the command's values         step that sent a command (safe too)
 ``NAME-text``      Markers      one string (irregular rate)  change of the decoder's typed text
 =================  ===========  ===========================  ====================================
@@ -15,10 +15,11 @@ A graph with several data outputs (a click head beside a velocity) puts them one
 ``NAME-outputs``; its description's ``channels`` name each channel (``velocity[0]``, ``click``), the
 XDF convention LabRecorder and pyxdf read.
 
-Each sample's LSL timestamp is the end of the step that produced it (``t_ns +
-latency_ns``, the loop's monotonic clock, at most the step's latency after the command
-was written) mapped onto ``pylsl.local_clock()`` with an offset measured once at the
-start, so outputs and commands line up with the input stream's timestamps on one clock.
+An output sample's LSL timestamp is when the model's output was ready (the ring's run record);
+a command's is the end of the step that sent it (``t_ns + latency_ns``, at most the step's
+latency after the command was written). Both are the loop's monotonic clock mapped onto
+``pylsl.local_clock()`` with an offset measured once at the start, so outputs and commands line
+up with the input stream's timestamps on one clock.
 On Linux both clocks are ``CLOCK_MONOTONIC`` and the offset is about a microsecond.
 The observer runs on its own thread (``ObserverHub``); a slow consumer costs the outlet,
 never the loop.
@@ -34,7 +35,7 @@ import numpy as np
 from closedloop.firmware_bridge.transports.lsl import import_pylsl
 
 from .hub import SessionObserver
-from .ring import StepBatch
+from .ring import RunBatch, StepBatch
 
 
 def clock_offset_s(pylsl: Any, reads: int = 9) -> tuple[float, float]:
@@ -76,7 +77,9 @@ class LslOutlets(SessionObserver):
     pushed : dict
         Samples pushed per outlet (``outputs``, ``commands``, ``text``).
     lost : int
-        Step records the ring overwrote before this observer read them.
+        Step records the ring overwrote before this observer read them (commands not published).
+    lost_outputs : int
+        Model-run records the ring overwrote before this observer read them (outputs not published).
     offset_s : float
         ``local_clock() - time.monotonic()`` measured at the start.
     """
@@ -92,6 +95,7 @@ class LslOutlets(SessionObserver):
         self.outlets: dict[str, Any] = {}
         self.pushed = {"outputs": 0, "commands": 0, "text": 0}
         self.lost = 0
+        self.lost_outputs = 0
         self._text = ""
 
     # --- outlets ----------------------------------------------------------------------------
@@ -141,20 +145,29 @@ class LslOutlets(SessionObserver):
         if isinstance(n_out, int) and isinstance(n_cmd, int):
             self._open(n_out, n_cmd)
 
+    def _push(self, which: str, values: np.ndarray, stamps: np.ndarray) -> None:
+        outlet = self.outlets.get(which)
+        if outlet is None:
+            return
+        rows = np.flatnonzero(~np.isnan(values).all(axis=1))  # NaN rows: nothing was sent (or a refused input)
+        if rows.size:
+            outlet.push_chunk(np.ascontiguousarray(values[rows]), stamps[rows].tolist())
+            self.pushed[which] += int(rows.size)
+
     def on_steps(self, batch: StepBatch) -> None:
         self.lost += batch.lost
         if not len(batch):
             return
         self._open(batch.outputs.shape[1], batch.command.shape[1])
-        stamps = self.lsl_time(batch.t_ns + batch.latency_ns)
-        for which, values in (("outputs", batch.outputs), ("commands", batch.command)):
-            outlet = self.outlets.get(which)
-            if outlet is None:
-                continue
-            rows = np.flatnonzero(~np.isnan(values).all(axis=1))  # NaN rows: nothing ran / nothing was sent
-            if rows.size:
-                outlet.push_chunk(np.ascontiguousarray(values[rows]), stamps[rows].tolist())
-                self.pushed[which] += int(rows.size)
+        self._push("commands", batch.command, self.lsl_time(batch.t_ns + batch.latency_ns))
+
+    def on_runs(self, batch: RunBatch) -> None:
+        """Every model output, a step that ran the model on several frames included, stamped when it was ready."""
+        self.lost_outputs += batch.lost
+        if not len(batch):
+            return
+        self._open(batch.outputs.shape[1], int(self.info.get("n_cmd") or 0))
+        self._push("outputs", batch.outputs, self.lsl_time(batch.t_ns))
 
     def on_event(self, event: dict[str, Any]) -> None:
         if event.get("event") != "status" or not isinstance(event.get("text"), str):

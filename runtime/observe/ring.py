@@ -15,18 +15,22 @@ header of ``_HEADER`` int64 words, then the step arrays, then the event slots.
 word     meaning
 =======  ===================================================================
 0        magic ``0x434C4F4F50524E47`` ("CLOOPRNG")
-1        layout version (1)
+1        layout version (2)
 2        capacity C (step records)
 3        n_in (input values per step), 4: n_out, 5: n_cmd
 6        steps published (monotonic count; slot of step record j is j mod C)
 7        event capacity E, 8: event slot size in bytes, 9: events published
+10       run capacity R (model-run records), 11: runs published (slot of run j is j mod R)
 =======  ===================================================================
 
 Step arrays, each C long: int64 ``step``, ``t_ns`` (``time.monotonic_ns`` at the step's
 start), ``latency_ns``, ``lateness_ns``, ``input_seq`` (-1: no input acted on), int64
 ``flags`` (``FLAG_*``); float32 ``inputs[C, n_in]``, ``outputs[C, n_out]``, ``command[C, n_cmd]``
-(NaN where nothing was sent). Event slots: E slots of ``slot`` bytes, each a u32 length then
-that many bytes of UTF-8 JSON.
+(NaN where nothing was sent). Run arrays, each R long: int64 ``run_step``, ``run_input_seq``,
+``run_t_ns`` (``time.monotonic_ns`` when the output was ready); float32 ``run_outputs[R, n_out]``:
+one record per model run, so a step that ran the model on several frames (a decoder catching up)
+has a run record for each, where its step record holds the last. Event slots: E slots of
+``slot`` bytes, each a u32 length then that many bytes of UTF-8 JSON.
 
 A record is written in full before the published count moves past it; a reader
 copies a span, then re-reads the count and discards any record the writer may have
@@ -43,9 +47,10 @@ from typing import Any
 import numpy as np
 
 MAGIC = 0x434C4F4F50524E47
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2
 _HEADER = 16
 _W_CAP, _W_NIN, _W_NOUT, _W_NCMD, _W_HEAD, _W_ECAP, _W_ESLOT, _W_EHEAD = 2, 3, 4, 5, 6, 7, 8, 9
+_W_RCAP, _W_RHEAD = 10, 11
 
 FLAG_ACTED = 1  # the model ran on a device frame this step
 FLAG_COMMAND = 2  # a model command was sent
@@ -54,6 +59,7 @@ FLAG_DISCONNECTED = 8  # the transport was down for this step
 FLAG_WATCHDOG = 16  # the watchdog was tripped (no input for watchdog_s)
 
 _INT_FIELDS = ("step", "t_ns", "latency_ns", "lateness_ns", "input_seq", "flags")
+_RUN_FIELDS = ("step", "input_seq", "t_ns")
 
 
 @dataclass
@@ -75,8 +81,43 @@ class StepBatch:
         return int(self.step.size)
 
 
-def _nbytes(capacity: int, n_in: int, n_out: int, n_cmd: int, event_capacity: int, event_slot: int) -> int:
-    return 8 * _HEADER + capacity * (8 * len(_INT_FIELDS) + 4 * (n_in + n_out + n_cmd)) + event_capacity * event_slot
+@dataclass
+class RunBatch:
+    """Copies of model-run records, oldest first: every output the model gave, a step that ran it on several frames
+    included (``StepBatch`` holds a step's last), and how many the ring overwrote before this read."""
+
+    step: np.ndarray
+    input_seq: np.ndarray
+    t_ns: np.ndarray  # time.monotonic_ns() when the output was ready
+    outputs: np.ndarray
+    lost: int = 0
+
+    def __len__(self) -> int:
+        return int(self.step.size)
+
+
+def _nbytes(capacity: int, n_in: int, n_out: int, n_cmd: int, event_capacity: int, event_slot: int,
+            run_capacity: int) -> int:
+    return (8 * _HEADER + capacity * (8 * len(_INT_FIELDS) + 4 * (n_in + n_out + n_cmd))
+            + run_capacity * (8 * len(_RUN_FIELDS) + 4 * n_out) + event_capacity * event_slot)
+
+
+def _copy_span(head_now: Any, capacity: int, head: int, cursor: int, max_records: int | None,
+               arrays: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], int]:
+    """Copies of records ``[start, head)`` of ring ``arrays`` and the number lost before them (overwritten before
+    this read, skipped for ``max_records``, or torn while copied: those the writer may have reached meanwhile)."""
+    # The slot after the newest record is the next one the writer fills: C - 1 records are readable.
+    start = max(cursor, head - capacity + 1)
+    if max_records is not None and head - start > max_records:
+        start = head - max_records  # a reader that only wants the newest: the rest counts as skipped
+    idx = np.arange(start, head) % capacity
+    out = {name: arr[idx] for name, arr in arrays.items()}
+    # Anything the writer reached while we copied may be torn: keep only records it cannot have touched.
+    # (The record being filled is slot head2 % C, which a published span of at most C - 1 never includes.)
+    drop = max(0, head_now() - capacity + 1 - start)
+    if drop:
+        out = {k: v[drop:] for k, v in out.items()}
+    return out, (start - cursor) + drop
 
 
 class StepRing:
@@ -93,42 +134,48 @@ class StepRing:
         cap, n_in, n_out, n_cmd = (int(h[w]) for w in (_W_CAP, _W_NIN, _W_NOUT, _W_NCMD))
         self.capacity, self.n_in, self.n_out, self.n_cmd = cap, n_in, n_out, n_cmd
         self.event_capacity, self.event_slot = int(h[_W_ECAP]), int(h[_W_ESLOT])
+        self.run_capacity = rcap = int(h[_W_RCAP])
         off = 8 * _HEADER
-        self._ints: dict[str, np.ndarray] = {}
-        for name in _INT_FIELDS:
-            self._ints[name] = np.ndarray((cap,), dtype="<i8", buffer=buf, offset=off)
-            off += 8 * cap
-        self.inputs = np.ndarray((cap, n_in), dtype="<f4", buffer=buf, offset=off)
-        off += 4 * cap * n_in
-        self.outputs = np.ndarray((cap, n_out), dtype="<f4", buffer=buf, offset=off)
-        off += 4 * cap * n_out
-        self.command = np.ndarray((cap, n_cmd), dtype="<f4", buffer=buf, offset=off)
-        off += 4 * cap * n_cmd
+
+        def carve(shape: tuple[int, ...], dtype: str) -> np.ndarray:  # the next array of the layout
+            nonlocal off
+            a = np.ndarray(shape, dtype=dtype, buffer=buf, offset=off)
+            off += a.nbytes
+            return a
+
+        self._ints: dict[str, np.ndarray] = {name: carve((cap,), "<i8") for name in _INT_FIELDS}
+        self.inputs, self.outputs, self.command = (carve((cap, n), "<f4") for n in (n_in, n_out, n_cmd))
+        self._run_ints: dict[str, np.ndarray] = {name: carve((rcap,), "<i8") for name in _RUN_FIELDS}
+        self.run_outputs = carve((rcap, n_out), "<f4")
         self._events = np.ndarray((self.event_capacity, self.event_slot), dtype=np.uint8, buffer=buf, offset=off)
         # Per-slot row views made once, so the writer's copies create no array objects per step.
         self._in_rows = list(self.inputs)
         self._out_rows = list(self.outputs)
         self._cmd_rows = list(self.command)
+        self._run_out_rows = list(self.run_outputs)
         self._slot = 0  # writer: slot of the record being filled
 
     # --- lifecycle ----------------------------------------------------------------
 
     @classmethod
     def create(cls, n_in: int, n_out: int, n_cmd: int, capacity: int = 4096, event_capacity: int = 256,
-               event_slot: int = 2048) -> StepRing:
+               event_slot: int = 2048, run_capacity: int | None = None) -> StepRing:
+        """``run_capacity``: model-run records (default ``capacity``)."""
+        run_capacity = capacity if run_capacity is None else run_capacity
         for what, v in (("n_in", n_in), ("n_out", n_out), ("n_cmd", n_cmd)):
             if v < 0:
                 raise ValueError(f"{what} must be >= 0, got {v}")
-        if capacity < 2 or event_capacity < 1 or event_slot < 64:
-            raise ValueError(f"ring capacity {capacity} (>= 2), event capacity {event_capacity} (>= 1) and "
-                             f"event slot {event_slot} bytes (>= 64) are too small")
-        size = _nbytes(capacity, n_in, n_out, n_cmd, event_capacity, event_slot)
+        if capacity < 2 or run_capacity < 2 or event_capacity < 1 or event_slot < 64:
+            raise ValueError(f"ring capacity {capacity} (>= 2), run capacity {run_capacity} (>= 2), event capacity "
+                             f"{event_capacity} (>= 1) and event slot {event_slot} bytes (>= 64) are too small")
+        size = _nbytes(capacity, n_in, n_out, n_cmd, event_capacity, event_slot, run_capacity)
         shm = shared_memory.SharedMemory(create=True, size=size)
         h = np.ndarray((_HEADER,), dtype="<i8", buffer=shm.buf)
         h[:] = 0
         h[0], h[1] = MAGIC, LAYOUT_VERSION
         h[_W_CAP], h[_W_NIN], h[_W_NOUT], h[_W_NCMD] = capacity, n_in, n_out, n_cmd
         h[_W_ECAP], h[_W_ESLOT] = event_capacity, event_slot
+        h[_W_RCAP] = run_capacity
         del h
         return cls(shm, owner=True)
 
@@ -155,7 +202,7 @@ class StepRing:
     def close(self) -> None:
         """Drop this process's mapping; the owner also frees the block."""
         for attr in ("_header", "_ints", "inputs", "outputs", "command", "_events", "_in_rows", "_out_rows",
-                     "_cmd_rows"):
+                     "_cmd_rows", "_run_ints", "run_outputs", "_run_out_rows"):
             if hasattr(self, attr):
                 delattr(self, attr)
         try:
@@ -207,6 +254,18 @@ class StepRing:
     def add_flags(self, flags: int) -> None:
         self._ints["flags"][self._slot] |= flags
 
+    def publish_run(self, t_ns: int) -> None:
+        """The model ran on the current record's input frame: publish a run record of its step, input sequence
+        number and output row as they are now (a later run in the same step overwrites the step record's)."""
+        j = int(self._header[_W_RHEAD])
+        i = j % self.run_capacity
+        runs, ints, slot = self._run_ints, self._ints, self._slot
+        runs["step"][i] = ints["step"][slot]
+        runs["input_seq"][i] = ints["input_seq"][slot]
+        runs["t_ns"][i] = t_ns
+        np.copyto(self._run_out_rows[i], self._out_rows[slot])
+        self._header[_W_RHEAD] = j + 1
+
     def publish(self, latency_ns: int, lateness_ns: int) -> None:
         """Finish the current record and make it visible to readers."""
         i = self._slot
@@ -235,27 +294,23 @@ class StepRing:
     def events_published(self) -> int:
         return int(self._header[_W_EHEAD])
 
+    @property
+    def runs_published(self) -> int:
+        return int(self._header[_W_RHEAD])
+
     def read(self, cursor: int, max_records: int | None = None) -> tuple[StepBatch, int]:
         """Copies of the records from ``cursor`` on; returns them and the cursor to pass next time."""
         head = self.published
-        # The slot after the newest record is the next one the writer fills: C - 1 records are readable.
-        start = max(cursor, head - self.capacity + 1)
-        if max_records is not None and head - start > max_records:
-            start = head - max_records  # a reader that only wants the newest: the rest counts as skipped
-        idx = np.arange(start, head) % self.capacity
-        ints = {name: arr[idx] for name, arr in self._ints.items()}
-        inputs, outputs, command = self.inputs[idx], self.outputs[idx], self.command[idx]
-        # Anything the writer reached while we copied may be torn: keep only records it cannot have touched.
-        # (The record being filled is slot head2 % C, which a published span of at most C - 1 never includes.)
-        head2 = self.published
-        first_safe = head2 - self.capacity + 1
-        drop = max(0, first_safe - start)
-        if drop:
-            keep = slice(drop, None)
-            ints = {k: v[keep] for k, v in ints.items()}
-            inputs, outputs, command = inputs[keep], outputs[keep], command[keep]
-        batch = StepBatch(**ints, inputs=inputs, outputs=outputs, command=command, lost=(start - cursor) + drop)
-        return batch, head
+        arrays = dict(self._ints, inputs=self.inputs, outputs=self.outputs, command=self.command)
+        got, lost = _copy_span(lambda: self.published, self.capacity, head, cursor, max_records, arrays)
+        return StepBatch(**got, lost=lost), head
+
+    def read_runs(self, cursor: int, max_records: int | None = None) -> tuple[RunBatch, int]:
+        """Copies of the model-run records from ``cursor`` on; returns them and the cursor to pass next time."""
+        head = self.runs_published
+        arrays = dict(self._run_ints, outputs=self.run_outputs)
+        got, lost = _copy_span(lambda: self.runs_published, self.run_capacity, head, cursor, max_records, arrays)
+        return RunBatch(**got, lost=lost), head
 
     def read_events(self, cursor: int) -> tuple[list[dict[str, Any]], int, int]:
         """Events from ``cursor`` on: (events, next cursor, number lost to overwriting)."""

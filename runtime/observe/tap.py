@@ -80,6 +80,7 @@ class SessionTap:
         for offset, values in more:
             r.set_output(values, offset)
         r.add_flags(FLAG_ACTED)
+        r.publish_run(time.monotonic_ns())
 
     def command(self, values: np.ndarray) -> None:
         self.ring.set_command(values)

@@ -60,7 +60,7 @@ def test_the_clock_offset_is_small_on_one_machine():
     assert abs(offset) < 0.05  # Linux: both CLOCK_MONOTONIC
 
 
-def test_an_inlet_receives_outputs_commands_and_text_stamped_at_each_step():
+def test_an_inlet_receives_every_output_each_command_and_the_text_each_stamped():
     name = f"cltest-{uuid.uuid4().hex[:10]}"
     obs = LslOutlets(name)
     ring = StepRing.create(n_in=3, n_out=2, n_cmd=1, capacity=256, event_capacity=8, event_slot=256)
@@ -77,14 +77,19 @@ def test_an_inlet_receives_outputs_commands_and_text_stamped_at_each_step():
         assert outs.info().type() == "ModelOutput" and outs.info().channel_count() == 2
         assert _labels(outs.info(timeout=5.0)) == ["click", "speed"]  # the XDF channel labels LabRecorder keeps
         assert cmds.info().channel_count() == 1 and text.info().type() == "Markers"
-        steps = []
+        steps, runs = [], []
         for k in range(40):
             t_ns = time.monotonic_ns()
             ring.begin(k, t_ns)
             acted = k % 4 != 3  # every fourth step: no frame, the safe command on odd ones of those
             if acted:
-                ring.set_input_seq(k)
-                ring.set_output(np.array([k, -0.5 * k], dtype=np.float32))
+                # every fifth step runs the model on two frames (a decoder catching up): both outputs are published
+                for frame in ((k, k + 0.5) if k % 5 == 0 else (k,)):
+                    ring.set_input_seq(k)
+                    ring.set_output(np.array([frame, -0.5 * frame], dtype=np.float32))
+                    t_run = time.monotonic_ns()
+                    ring.publish_run(t_run)
+                    runs.append((frame, t_run))
                 ring.set_command(np.array([0.25 * k], dtype=np.float32))
                 ring.add_flags(FLAG_ACTED | FLAG_COMMAND)
             elif k % 8 == 7:
@@ -99,10 +104,10 @@ def test_an_inlet_receives_outputs_commands_and_text_stamped_at_each_step():
             time.sleep(0.002)
         acted_steps = [s for s in steps if s[2]]
         sent_steps = [s for s in steps if s[2] or s[3]]
-        x, ts = _pull_all(outs, len(acted_steps))
-        np.testing.assert_array_equal(np.array(x), [[k, -0.5 * k] for k, *_ in acted_steps])
-        want = np.array([t for _, t, *_ in acted_steps]) / 1e9 + obs.offset_s
-        np.testing.assert_allclose(ts, want, atol=1e-6)  # the end of each step, on the LSL clock
+        x, ts = _pull_all(outs, len(runs))
+        np.testing.assert_array_equal(np.array(x), [[f, -0.5 * f] for f, _ in runs])
+        want = np.array([t for _, t in runs]) / 1e9 + obs.offset_s
+        np.testing.assert_allclose(ts, want, atol=1e-6)  # when each output was ready, on the LSL clock
         c, cts = _pull_all(cmds, len(sent_steps))
         np.testing.assert_array_equal(np.array(c)[:, 0], [0.25 * k if a else 0.0 for k, _, a, _ in sent_steps])
         np.testing.assert_allclose(cts, np.array([t for _, t, *_ in sent_steps]) / 1e9 + obs.offset_s, atol=1e-6)
@@ -111,10 +116,47 @@ def test_an_inlet_receives_outputs_commands_and_text_stamped_at_each_step():
     finally:
         hub.stop({})
         ring.close()
-    assert obs.pushed == {"outputs": len(acted_steps), "commands": len(sent_steps), "text": 2}
-    assert obs.lost == 0 and not obs.outlets
+    assert len(runs) > len(acted_steps)
+    assert obs.pushed == {"outputs": len(runs), "commands": len(sent_steps), "text": 2}
+    assert obs.lost == 0 and obs.lost_outputs == 0 and not obs.outlets
 
 
 def test_a_bad_name_is_refused_with_what_to_give():
     with pytest.raises(ValueError, match="plain stream name prefix"):
         LslOutlets("")
+
+
+def test_a_session_publishes_every_output_a_step_that_ran_several_frames_included(gru_bundle, tmp_path):
+    """A decoder consumes every frame; a step that finds two (frames bunched by the link's jitter) runs the model
+    on both. A lab's LSL recorder must get each output, as the session's recording does (its OUTPUT records)."""
+    from closedloop.runtime import RecordingReader, RecordType, Session, SessionConfig
+
+    class Pushed:  # the real outlet, and what went into it
+        def __init__(self, outlet):
+            self.outlet, self.rows = outlet, []
+
+        def push_chunk(self, x, stamps):
+            self.rows += list(x)
+            self.outlet.push_chunk(x, stamps)
+
+    name = f"cltest-{uuid.uuid4().hex[:10]}"
+    obs = LslOutlets(name)
+    record = tmp_path / "s.clrec"
+    session = Session(gru_bundle, SessionConfig(
+        device="sim://headstage?channels=12&delay_ms=10&jitter_ms=10&seed=2", duration_s=3.0, status=False,
+        backend="onnxruntime", observers=[obs], record=str(record)))
+    try:
+        session.start()
+        end = time.monotonic() + 10
+        while "outputs" not in obs.outlets and time.monotonic() < end:
+            time.sleep(0.01)
+        pushed = obs.outlets["outputs"] = Pushed(obs.outlets["outputs"])
+        session.run()
+    finally:
+        session.close()
+    recorded = [rec.payload for rec in RecordingReader(record).of_type(RecordType.OUTPUT)]
+    steps = [int.from_bytes(p[:4], "little") for p in recorded]
+    assert len(steps) > len(set(steps)), "no step ran the model on two frames: the test shows nothing"
+    values = np.array([np.frombuffer(p[8:], dtype="<f4") for p in recorded])
+    assert obs.pushed["outputs"] == len(recorded) and obs.lost_outputs == 0
+    np.testing.assert_array_equal(np.array(pushed.rows), values)

@@ -77,11 +77,50 @@ def test_writing_a_step_allocates_nothing(ring, bytes_allocated):
             ring.set_output(values, offset)
         ring.set_command(cmd)
         ring.add_flags(FLAG_ACTED)
+        ring.publish_run(k[0])
         ring.publish(1, 1)
         k[0] += 1
 
     one_step()
     assert bytes_allocated(one_step, 2000) < 2048
+
+
+def test_every_model_run_is_a_run_record_where_the_step_record_keeps_the_last(ring):
+    """A step that ran the model on two frames (a decoder catching up) has one step record and two run records."""
+    for k in range(4):
+        ring.begin(k, 1000 * k)
+        for j in range(2 if k == 2 else 1):
+            ring.set_input_seq(10 * k + j)
+            ring.set_output(np.array([k + 0.25 * j, -k], dtype=np.float32))
+            ring.add_flags(FLAG_ACTED)
+            ring.publish_run(1000 * k + 100 * (j + 1))
+        ring.publish(1, 1)
+    steps, _ = ring.read(0)
+    runs, cursor = ring.read_runs(0)
+    assert len(steps) == 4 and steps.outputs[2, 0] == 2.25 and steps.input_seq[2] == 21
+    assert cursor == 5 and runs.lost == 0
+    assert runs.step.tolist() == [0, 1, 2, 2, 3] and runs.input_seq.tolist() == [0, 10, 20, 21, 30]
+    assert runs.outputs[:, 0].tolist() == [0.0, 1.0, 2.0, 2.25, 3.0] and runs.t_ns.tolist()[2:4] == [2100, 2200]
+    for k in range(40):  # 16 run slots: the one being written is never read
+        ring.begin(k, 0)
+        ring.publish_run(k)
+        ring.publish(1, 1)
+    runs, cursor = ring.read_runs(cursor)
+    assert len(runs) == 15 and runs.lost == 25 and runs.t_ns.tolist() == list(range(25, 40))
+
+
+def test_the_block_has_the_size_the_documented_layout_gives(ring):
+    """docs/monitor.md: 8 * 16 + C * (48 + 4 * (n_in + n_out + n_cmd)) + R * (24 + 4 * n_out) + E * slot."""
+    c, r, e, slot = 16, 16, 4, 256
+    events_at = 8 * 16 + c * (48 + 4 * (3 + 2 + 1)) + r * (24 + 4 * 2)
+    assert ring._shm.size >= events_at + e * slot
+    ring.event({"event": "x", "step": 1})
+    raw = bytes(ring._shm.buf[events_at:events_at + 64])
+    n = int.from_bytes(raw[:4], "little")
+    assert raw[4:4 + n] == b'{"event":"x","step":1}'
+    header = np.ndarray((16,), dtype="<i8", buffer=ring._shm.buf)
+    assert header[1] == 2 and header[10] == r and header[11] == 0 and not header[12:].any()
+    del header
 
 
 def test_events_round_trip_and_overflow_is_counted(ring):
