@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 import onnx
 
+from closedloop.common.atomic import refuse_existing
 from closedloop.runtime.manifest import GraphSpec, TensorSpec, Window
 from closedloop.runtime.onnx_reader import ValueInfo, parse_onnx
 
@@ -300,6 +301,7 @@ def import_onnx(
     """
     options = options or ExportOptions()
     path = Path(path)
+    refuse_existing(out, overwrite)  # before the checks, which run the model many times
     check_args("recurrent" if state else "feedforward", family, rate_hz, provenance)
     variant_names = check_variant_names(list(variants))
     tolerance = tolerance or FP32_TOLERANCE

@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path, PurePosixPath
 
-from closedloop.common.atomic import atomic_directory, fsync_dir
+from closedloop.common.atomic import atomic_directory, fsync_dir, refuse_existing
 from closedloop.runtime.integrity import seal_manifest
 from closedloop.runtime.manifest import MANIFEST_NAME, Manifest
 from closedloop.runtime.signing import SIGNATURE_NAME
@@ -146,8 +146,7 @@ def write_bundle(
         published; a problem raises ``ExportError`` and nothing is published.
     """
     out_path = Path(out_path)
-    if out_path.exists() and not overwrite:
-        raise FileExistsError(f"{out_path} already exists; pass overwrite=True or choose another path")
+    refuse_existing(out_path, overwrite)
     if zip and out_path.is_dir():
         raise ExportError(f"{out_path} is a folder; a zipped bundle needs a file path (e.g. {out_path}.zip)")
     if not zip and out_path.is_file():

@@ -184,6 +184,9 @@ class RecordingReader:
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
+        if not self.path.is_file():
+            what = "is a folder" if self.path.is_dir() else "does not exist"
+            raise RecordingError(f"{self.path} {what}: give a recording file (closedloop run ... --record FILE.clrec)")
         data = self.path.read_bytes()
         if not data.startswith(MAGIC[:6]):
             raise RecordingError(f"{self.path} is not a closedloop recording (bad magic {data[:8]!r})")

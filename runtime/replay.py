@@ -200,6 +200,16 @@ def replay_recording(recording: str | Path, bundle: Bundle | str | Path, backend
     model = Model(b, backend=backend)
     fam = get_family(b.manifest.family)(b, model)
     fam.adopt_device(reader.meta.get("device", {}).get("kind", ""))  # what the session read from this device
+    device = reader.meta.get("device") or {}
+    if device.get("kind"):  # the bundle must take this device's frames, as a session checks at the handshake
+        hello = Hello(kind=device["kind"], name=str(device.get("name", "")), n_channels=int(device.get("n_channels", 0)),
+                      rate_hz=float(device.get("rate_hz", 0.0)),
+                      command_low=np.asarray(device.get("command_low", []), dtype=np.float32),
+                      command_high=np.asarray(device.get("command_high", []), dtype=np.float32))
+        problems = fam.check_device(hello)
+        if problems:
+            raise ValueError(f"{recording}: its device does not fit bundle {b.source} (" + "; ".join(problems)
+                             + f"); replay it with the bundle that ran the session ({reader.meta.get('bundle')})")
     try:  # the held inputs (a goal) had these values, as the session's config recorded them
         fam.set_held_inputs(dict((reader.meta.get("config") or {}).get("inputs") or {}))
     except ValueError as exc:

@@ -59,6 +59,8 @@ from .stats import LoopSummary
 # is taken as that answer; any other is a device that restarted and waits for a host HELLO (it repeats its
 # own once a second, so the window stays under a second: a restart inside it is answered at the repeat).
 HELLO_ANSWER_S = 0.75
+#: In a pipe or a CI log (stderr not a terminal), the status line is a plain line this often.
+PLAIN_STATUS_S = 10.0
 # STATUS codes of docs/devices.md: the host asks for a REPORT, the device answers with one (JSON text).
 REQUEST_REPORT, REPORT = 1, 2
 
@@ -90,7 +92,7 @@ class SessionConfig:
     overrun: str = "hold"
     key: str | None = None  # hex shared secret for a signed link
     status: bool = True  # live status line on stderr
-    status_interval_s: float = 1.0
+    status_interval_s: float = 1.0  # on a terminal; in a pipe or log, a plain line every PLAIN_STATUS_S
     prewarm: bool = True  # run the model once just before each deadline (warm caches)
     # Weight scrubbing of protected bundles (runtime/protect/, docs/robustness.md): "auto" (when the
     # bundle is protected) or "off"; idle-time budget per period; on an unrepairable block, "fallback"
@@ -284,6 +286,7 @@ class Session:
         self._disconnected = False
         self._next_reconnect_ns = 0
         self._next_status_ns = 0
+        self._status_tty = bool(getattr(self.out, "isatty", lambda: False)())
         self._next_report_ns = 0
         self._last_cmd: Message | None = None
         self._hello_sent_ns = 0  # when the host last sent its HELLO
@@ -635,8 +638,12 @@ class Session:
                 self._next_report_ns = now + 1_000_000_000
                 self._send(Status(code=REQUEST_REPORT, text="monitor"))
         if self.config.status and now >= self._next_status_ns:
-            self._next_status_ns = now + int(self.config.status_interval_s * 1e9)
-            self.out.write("\r" + self.status_line() + "\x1b[K")
+            if self._status_tty:  # a terminal: one line, rewritten in place
+                self._next_status_ns = now + int(self.config.status_interval_s * 1e9)
+                self.out.write("\r" + self.status_line() + "\x1b[K")
+            else:  # a pipe or a CI log: a plain line every PLAIN_STATUS_S, no carriage returns or escapes
+                self._next_status_ns = now + int(max(self.config.status_interval_s, PLAIN_STATUS_S) * 1e9)
+                self.out.write(self.status_line() + "\n")
             self.out.flush()
 
     def _state(self) -> str:
@@ -702,7 +709,7 @@ class Session:
             # safe_commands_sent still says how often a safety rule acted during the session
             if self.link is not None and self._send(self.family.safe_message(self._step)):
                 self.summary_counts["stop_commands_sent"] += 1
-        if cfg.status:
+        if cfg.status and self._status_tty:
             self.out.write("\n")
         stats = self.link.parser.stats if self.link is not None else None
         summary = SessionSummary(

@@ -18,6 +18,8 @@ from collections.abc import Callable
 
 import numpy as np
 
+from closedloop.common.jsonout import json_text
+
 _COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]] = {}
 
 
@@ -72,7 +74,7 @@ def _backends(a: argparse.Namespace) -> int:
         path, spec = b.graph_path(), b.graph()
     report = backend_report(path, spec)
     if a.json:
-        print(json.dumps({name: {"available": bool(av), "reason": av.reason} for name, av in report.items()}, indent=2))
+        print(json_text({name: {"available": bool(av), "reason": av.reason} for name, av in report.items()}))
         return 0
     for name, av in report.items():
         print(f"{name:<22} {'available' if av else 'unavailable':<12} {av.reason}")
@@ -102,6 +104,9 @@ def _run_args(p: argparse.ArgumentParser) -> None:
                         "$CLOSEDLOOP_WEIGHTS_KEY_FILE / $CLOSEDLOOP_WEIGHTS_KEY)")
     p.add_argument("--scrub", choices=("auto", "off"), default="auto",
                    help="weight scrubbing of a protected bundle in the loop's idle time (default auto)")
+    p.add_argument("--scrub-policy", choices=("fallback", "stop"), default="fallback",
+                   help="a block the scrubber cannot repair: fallback (restore it from the last-good copy, default) "
+                        "or stop (safe output, end the session: stopped_by weights_unrepairable, exit 1)")
     p.add_argument("--skip-checksum", action="store_true",
                    help="FAULT-INJECTION EXPERIMENTS ONLY: run a bundle whose file checksums fail (a copy written by "
                         "closedloop inject-faults); never for a bundle that drives real hardware")
@@ -169,7 +174,8 @@ def _run(a: argparse.Namespace) -> int:
         cfg = SessionConfig(
             device=a.device, backend=a.backend, variant=a.variant, duration_s=a.duration, rate_hz=a.rate,
             record=a.record, watchdog_s=a.watchdog, overrun=a.overrun, key=a.key, status=not a.quiet,
-            weights_key_file=a.weights_key_file, scrub=a.scrub, inputs=_held_inputs(a.input), trust=a.trust,
+            weights_key_file=a.weights_key_file, scrub=a.scrub, scrub_policy=a.scrub_policy,
+            inputs=_held_inputs(a.input), trust=a.trust,
             monitor=a.monitor, monitor_public=a.monitor_public, lsl_out=a.lsl_out, watchdog_limit_s=a.watchdog_limit,
             wake_on_input=a.wake_on_input, **_rt_settings(a),
         )
@@ -180,7 +186,7 @@ def _run(a: argparse.Namespace) -> int:
         except DeviceChangedError as exc:  # a safety stop, not bad input
             print(f"closedloop run: stopped: {exc}", file=sys.stderr)
             return EXIT_FAILED
-        print(json.dumps(summary.to_dict(), indent=2, default=str) if a.json else summary.format())
+        print(json_text(summary.to_dict()) if a.json else summary.format())
         return _exit_code(summary.loop.stopped_by)
     device_only = [flag for flag, value in (("--record", a.record), ("--key", a.key), ("--monitor", a.monitor),
                                             ("--lsl-out", a.lsl_out)) if value]
@@ -195,7 +201,7 @@ def _run(a: argparse.Namespace) -> int:
     bundle = load_bundle(bundle, trust=a.trust or None) if isinstance(bundle, str) else bundle
     model = Model(bundle, backend=a.backend, variant=a.variant)
     # a protected bundle is scrubbed in the loop's idle time as a session does (same defaults: budget, policy)
-    scrub = session_scrubber(model, SessionConfig(device="(synthetic frames)", scrub=a.scrub,
+    scrub = session_scrubber(model, SessionConfig(device="(synthetic frames)", scrub=a.scrub, scrub_policy=a.scrub_policy,
                                                   weights_key_file=a.weights_key_file))
     fam = get_family(bundle.manifest.family)(bundle, model)
     held = _held_inputs(a.input)
@@ -208,13 +214,14 @@ def _run(a: argparse.Namespace) -> int:
     duration = 5.0 if a.duration is None else a.duration
     choice = model.choice
     log = sys.stderr if a.json else sys.stdout  # --json: stdout holds only the JSON
+    say = (lambda *_args, **_kw: None) if a.quiet else print  # -q: only warnings and errors
     if choice.p99_us:
-        print("backend auto-selection (p99 us): " + ", ".join(f"{k} {v:.1f}" for k, v in choice.p99_us.items()),
-              file=log)
+        say("backend auto-selection (p99 us): " + ", ".join(f"{k} {v:.1f}" for k, v in choice.p99_us.items()),
+            file=log)
     for k, why in choice.skipped.items():
-        print(f"  skipped {k}: {why}", file=log)
-    print(f"no --device: synthetic frames into {bundle.manifest.name or a.bundle} on {model.backend_name} "
-          f"at {rate:g} Hz for {duration:g} s (Ctrl-C stops)", file=log)
+        say(f"  skipped {k}: {why}", file=log)
+    say(f"no --device: synthetic frames into {bundle.manifest.name or a.bundle} on {model.backend_name} "
+        f"at {rate:g} Hz for {duration:g} s (Ctrl-C stops)", file=log)
 
     def step(k: int) -> None:
         fam.preprocess(frames[k & 255])
@@ -233,7 +240,7 @@ def _run(a: argparse.Namespace) -> int:
     sc = scrub.summary() if scrub is not None else {}
     rt = {"realtime": grant.to_dict()} if grant is not None else {}
     if a.json:
-        print(json.dumps(summary.to_dict() | ({"scrub": sc} if sc else {}) | rt, indent=2))
+        print(json_text(summary.to_dict() | ({"scrub": sc} if sc else {}) | rt))
         return _exit_code(summary.stopped_by)
     print(summary.format())
     if grant is not None:
@@ -295,8 +302,10 @@ def _doctor_args(p: argparse.ArgumentParser) -> None:
 def _doctor(a: argparse.Namespace) -> int:
     from closedloop.runtime.doctor import DoctorConfig, run_doctor
 
+    if not a.jitter_seconds > 0:
+        raise ValueError(f"--jitter-seconds {a.jitter_seconds:g}: the loop-jitter probe needs a positive length")
     report = run_doctor(DoctorConfig(jitter_s=a.jitter_seconds, only=a.check))
-    print(json.dumps(report.to_dict(), indent=2) if a.json else report.format())
+    print(json_text(report.to_dict()) if a.json else report.format())
     return EXIT_FAILED if report.failed else EXIT_OK
 
 
@@ -317,7 +326,7 @@ def _replay(a: argparse.Namespace) -> int:
     from closedloop.runtime import replay_recording
 
     report = replay_recording(a.recording, a.bundle, backend=a.backend, key=a.key)
-    print(json.dumps(_jsonable(report), indent=2, default=str) if a.json else report.format())
+    print(json_text(_jsonable(report)) if a.json else report.format())
     if report.outputs_compared == 0 and report.signed_frames_refused:
         print(f"error: {report.signed_frames_refused} recorded frames failed their signature check with this --key: "
               "give the key the session ran with, or replay without --key", file=sys.stderr)
@@ -344,7 +353,7 @@ def _export_nwb(a: argparse.Namespace) -> int:
     from .nwb_export import recording_to_nwb
 
     path = recording_to_nwb(a.recording, a.out, overwrite=a.overwrite)
-    print(json.dumps({"nwb": str(path)}) if a.json else f"wrote {path}")
+    print(json_text({"nwb": str(path)}) if a.json else f"wrote {path}")
     return 0
 
 
@@ -370,9 +379,8 @@ def _recording(a: argparse.Namespace) -> int:
         for rec in r.records:
             name = rec.type.name if hasattr(rec.type, "name") else f"type{rec.type}"
             counts[name] = counts.get(name, 0) + 1
-        print(json.dumps({"path": str(r.path), "records": counts, "dropped_bytes": r.dropped_bytes,
-                          "tail_problem": r.tail_problem, "meta": r.meta, "summary": r.summary, "plot": plotted},
-                         indent=2, default=str))
+        print(json_text({"path": str(r.path), "records": counts, "dropped_bytes": r.dropped_bytes,
+                          "tail_problem": r.tail_problem, "meta": r.meta, "summary": r.summary, "plot": plotted}))
         return 0
     if plotted:
         print(f"wrote {plotted}")
@@ -381,7 +389,7 @@ def _recording(a: argparse.Namespace) -> int:
         bundle = r.meta.get("bundle_name") or r.meta.get("bundle")
         print(f"device {r.meta.get('device_url')}, bundle {bundle}, started {r.meta.get('started_utc')}")
     if r.summary:
-        print(json.dumps(r.summary.get("loop", {}), indent=2))
+        print(json_text(r.summary.get("loop", {})))
     return 0
 
 
@@ -514,12 +522,15 @@ def _generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the generated recording (default 0)")
     p.add_argument("--config", default=None, help="a HandwritingConfig JSON (overrides --preset)")
     p.add_argument("--ablate", default=None, help="switch one drift component off (see docs/handwriting_data.md)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace a non-empty OUT folder (atomically: the old one stays until the new one is written)")
 
 
 @command("generate-data", "write a synthetic handwriting iBCI recording as FALCON H2 NWB files", _generate_args)
 def _generate(a: argparse.Namespace) -> int:
     from pathlib import Path
 
+    from closedloop.common.atomic import atomic_directory
     from closedloop.sim.handwriting import VOCABULARY, HandwritingConfig, generate_recording
 
     from .bci.nwb import write_falcon_h2_dir
@@ -530,10 +541,15 @@ def _generate(a: argparse.Namespace) -> int:
         cfg = HandwritingConfig.tiny(seed=a.seed) if a.preset == "tiny" else HandwritingConfig(seed=a.seed)
     if a.ablate:
         cfg = cfg.ablate(a.ablate)
+    out = Path(a.out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not a.overwrite:
+        # files of another recording left beside the new ones would be read as more sessions of it
+        raise FileExistsError(f"{out} exists and is not empty: give a new folder, or --overwrite to replace it")
     sessions = generate_recording(cfg)
-    paths = write_falcon_h2_dir(sessions, a.out)
-    Path(a.out, "handwriting_config.json").write_text(cfg.to_json())
-    Path(a.out, "vocabulary.txt").write_text("\n".join(VOCABULARY) + "\n")  # the words sentences are drawn from
+    with atomic_directory(out, overwrite=out.exists()) as work:
+        paths = write_falcon_h2_dir(sessions, work)
+        Path(work, "handwriting_config.json").write_text(cfg.to_json())
+        Path(work, "vocabulary.txt").write_text("\n".join(VOCABULARY) + "\n")  # the words sentences are drawn from
     print(f"wrote {len(paths)} NWB files for {len(sessions)} sessions to {a.out} (config in handwriting_config.json, "
           "the generator's words in vocabulary.txt: evaluate --beam --lexicon)")
     return 0
@@ -541,7 +557,7 @@ def _generate(a: argparse.Namespace) -> int:
 
 def _certify_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("bundle", help="an observer bundle")
-    p.add_argument("--json", action="store_true", help="print {passed, report} as JSON")
+    p.add_argument("--json", action="store_true", help="print {bundle, passed, report} as JSON")
 
 
 @command("certify", "re-check an observer bundle's stability certificate from its own weights and print the report",
@@ -550,8 +566,8 @@ def _certify(a: argparse.Namespace) -> int:
     from closedloop.runtime.families.observer.certificate import certify_bundle
 
     text = certify_bundle(a.bundle)
-    passed = text.rstrip().endswith("PASS")
-    print(json.dumps({"bundle": a.bundle, "passed": passed, "report": text}, indent=2) if a.json else text)
+    passed = text.rstrip().endswith("PASS")  # the certificate holds and the bundle verifies (else FAIL / REFUSED)
+    print(json_text({"bundle": a.bundle, "passed": passed, "report": text}) if a.json else text)
     return 0 if passed else 1
 
 
@@ -569,7 +585,7 @@ def _keygen(a: argparse.Namespace) -> int:
 
     key, pub, kid = generate_key_pair(a.name, overwrite=a.force)
     if a.json:
-        print(json.dumps({"private_key": str(key), "public_key": str(pub), "key_id": kid}))
+        print(json_text({"private_key": str(key), "public_key": str(pub), "key_id": kid}))
         return 0
     print(f"wrote {key} (private: sign with it, keep it secret) and {pub} (public: --trust {pub} on boards); key id {kid}")
     return 0
@@ -587,7 +603,7 @@ def _sign(a: argparse.Namespace) -> int:
 
     r = sign_bundle(a.bundle, a.key)
     if a.json:
-        print(json.dumps(_jsonable(r), indent=2, default=str))
+        print(json_text(_jsonable(r)))
         return 0
     print(f"signed {r.bundle} with key {r.key_id}: manifest digest {r.digest[:16]}..., signature in {r.signature_file}"
           + (" (added the manifest digest: the bundle predates it)" if r.sealed else "")
@@ -688,9 +704,8 @@ def _import_onnx(a: argparse.Namespace) -> int:
                        report=lambda s: print(s, file=sys.stderr if a.json else sys.stdout))
     if a.json:
         spec = load_bundle(path).graph()
-        print(json.dumps({"bundle": str(path), "kind": spec.kind, "parity": spec.parity,
-                          "variants": {k: {"within_tolerance": v["within_tolerance"]} for k, v in spec.variants.items()}},
-                         indent=2, default=str))
+        print(json_text({"bundle": str(path), "kind": spec.kind, "parity": spec.parity,
+                          "variants": {k: {"within_tolerance": v["within_tolerance"]} for k, v in spec.variants.items()}}))
     return 0
 
 

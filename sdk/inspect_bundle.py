@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+from closedloop.common.jsonout import json_text
 from closedloop.runtime import check_bundle
 from closedloop.runtime.manifest import GraphSpec, Manifest
 
@@ -97,8 +98,8 @@ def inspect_bundle(path: str, as_json: bool = False, trust: list[str] | None = N
     """Return (text, ok); with ``trust`` (public keys or folders of them) the bundle must be signed by one."""
     manifest, problems, notes = check_bundle(path, trust=trust or None)
     if as_json:
-        return json.dumps(
-            {"manifest": manifest.to_dict() if manifest else None, "problems": problems, "notes": notes}, indent=2
+        return json_text(
+            {"manifest": manifest.to_dict() if manifest else None, "problems": problems, "notes": notes}
         ), not problems
     parts = [render_manifest(manifest)] if manifest else []
     parts += [f"note: {n}" for n in notes]

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from closedloop.common.atomic import atomic_write_bytes
+from closedloop.common.atomic import atomic_write_bytes, refuse_existing
 from closedloop.runtime.recording_view import view_recording
 
 
@@ -40,8 +40,7 @@ def recording_to_nwb(recording: str | Path, out: str | Path, overwrite: bool = F
     from pynwb import NWBHDF5IO, NWBFile, TimeSeries
 
     out = Path(out)
-    if out.exists() and not overwrite:
-        raise FileExistsError(f"{out} exists; pass overwrite=True (--overwrite) or choose another name")
+    refuse_existing(out, overwrite)
     view = view_recording(recording)
     meta = view.meta
     start = meta.get("started_utc")

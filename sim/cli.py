@@ -116,7 +116,7 @@ def cli_main(argv: Sequence[str] | None = None) -> int:
                     time.sleep(0.05)
                     continue
                 print(f"error: cannot open {control['port']} for the {name} emulator: {exc}", file=sys.stderr)
-                return 3
+                return 2  # bad input: a port that is not there or not free
         if "ready_fd" in control:  # the sim:// transport waits for this before it lets go of the pty
             fd = int(control["ready_fd"])
             os.write(fd, b"ready\n")
@@ -125,6 +125,6 @@ def cli_main(argv: Sequence[str] | None = None) -> int:
         return 0
     except PortGoneError as exc:
         print(f"{name} emulator: {exc}", file=sys.stderr)
-        return 3
+        return 1  # the port went away while it served
     finally:
         runner.close()

@@ -66,6 +66,14 @@ def fsync_tree(root: Path) -> None:
         fsync_dir(Path(dirpath))
 
 
+def refuse_existing(path: str | Path, overwrite: bool) -> None:
+    """Raise ``FileExistsError`` when ``path`` exists and may not be replaced; call it before any long work,
+    so a run is not spent on a result that cannot be written."""
+    if Path(path).exists() and not overwrite:
+        raise FileExistsError(f"{path} already exists; choose another path, or replace it: overwrite=True in "
+                              "Python, --overwrite on the command line")
+
+
 @contextlib.contextmanager
 def atomic_directory(target: str | Path, overwrite: bool = False) -> Iterator[Path]:
     """Build a folder in a temporary sibling, then rename it to ``target``.
@@ -74,8 +82,7 @@ def atomic_directory(target: str | Path, overwrite: bool = False) -> Iterator[Pa
     ``target`` is swapped out (renamed aside, then removed) after the new one is complete.
     """
     target = Path(target)
-    if target.exists() and not overwrite:
-        raise FileExistsError(f"{target} already exists; pass overwrite=True or choose another path")
+    refuse_existing(target, overwrite)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
     # mkdtemp makes the folder 0700; give it the mode a plain mkdir would (umask applied).

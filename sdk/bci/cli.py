@@ -8,6 +8,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from closedloop.common.jsonout import json_text
+
 from ..cli import command
 from .workflow import (
     calibrate_bundle,
@@ -36,7 +38,7 @@ def _calibrate_args(p: argparse.ArgumentParser) -> None:
 def _calibrate(a: argparse.Namespace) -> int:
     r = calibrate_bundle(a.bundle, a.data, n_sentences=a.sentences, out=a.out, session_name=a.session,
                          device=a.device, overwrite=a.overwrite, report=(lambda s: None) if a.json else print)
-    print(json.dumps(r.to_dict(), indent=2) if a.json else r.format())
+    print(json_text(r.to_dict()) if a.json else r.format())
     return 0
 
 
@@ -118,7 +120,7 @@ def _train(a: argparse.Namespace) -> int:
                           progress=progress, provenance={"data": str(a.data)}, overwrite=a.overwrite,
                           end_completion=None if a.end_completion == "off" else a.end_completion)
     if a.json:
-        print(json.dumps(result.summary, indent=2))
+        print(json_text(result.summary))
     else:
         print(result.format())
         print(f"wrote {result.bundle}: calibrate it per session with `closedloop calibrate {result.bundle} "
@@ -126,8 +128,8 @@ def _train(a: argparse.Namespace) -> int:
     for w in result.summary.get("warnings", []):
         print(f"warning: {w}", file=sys.stderr)
     if not result.learned:
-        for p in result.problems:
-            print(f"error: NOT LEARNED: {p}", file=sys.stderr)
+        for p in result.problems:  # an error, or a warning where --allow-unlearned says to go on
+            print(f"{'warning' if a.allow_unlearned else 'error'}: NOT LEARNED: {p}", file=sys.stderr)
         if not a.allow_unlearned:
             print("error: the decoder has not learned (exit 1); --allow-unlearned keeps going", file=sys.stderr)
             return 1
@@ -165,12 +167,12 @@ def _evaluate(a: argparse.Namespace) -> int:
                    word_weight=a.word_weight, open_words=a.open_words, backend=a.backend)
     r = evaluate_bundle(a.bundle, a.data, **options)
     if a.against is None:
-        print(json.dumps(r, indent=2) if a.json else format_evaluation(r))
+        print(json_text(r) if a.json else format_evaluation(r))
         return 0
     other = evaluate_bundle(a.against, a.data, **options)
     comparison = compare_evaluations(r, other)
     if a.json:
-        print(json.dumps({**r, "against": other, "comparison": comparison}, indent=2))
+        print(json_text({**r, "against": other, "comparison": comparison}))
     else:
         print("\n\n".join([format_evaluation(r), format_evaluation(other), format_comparison(comparison)]))
     return 0

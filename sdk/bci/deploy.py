@@ -36,6 +36,7 @@ from typing import Any
 
 import numpy as np
 
+from closedloop.common.atomic import refuse_existing
 from closedloop.common.handwriting import BIN_S, CHARSET
 
 __all__ = ["BCI_FAMILY", "BCI_MANIFEST_VERSION", "CALIBRATION_STATE_FILE", "bench_bci_step_latency",
@@ -279,8 +280,7 @@ def export_bci_bundle(
     elif meta is not None:
         raise ValueError("meta given with calibratable=False: the meta state is only stored in a calibratable bundle")
     out = Path(out)
-    if out.exists() and not overwrite:
-        raise FileExistsError(f"{out} already exists; pass overwrite=True or choose another path")
+    refuse_existing(out, overwrite)
     sequence = None
     if recorded_bins is not None:
         bins = np.asarray(recorded_bins, dtype=np.float64)

@@ -34,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from closedloop.common.atomic import refuse_existing
 from closedloop.common.config import JsonConfig
 
 from .progress import Progress, format_seconds
@@ -478,6 +479,7 @@ def train_recipe(sessions: Sequence[Any], harness: Any, out: str | Path, *, reci
     """
     from .workflow import export_pooled_bundle
 
+    refuse_existing(out, overwrite)  # before the training, not after it
     recipe = recipe or Recipe()
     fit = fit_recipe(sessions, harness, recipe=recipe, keep=keep, progress=progress)
     log, meta_log = fit.models.logs["backbone"], fit.models.logs["meta"]

@@ -11,7 +11,6 @@ and a rerun of the same batch resumes where it stopped.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -20,6 +19,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
+from closedloop.common.jsonout import json_text
 from closedloop.sdk.cli import command
 
 from .runner import Cell, run_grid
@@ -180,7 +180,7 @@ def validate(cfg: ValidateConfig, address: str | None = None, workers: int | Non
         "limits": {"max_miss": cfg.max_miss, "max_safe": cfg.max_safe},
         "session_summaries": sessions,
     }
-    (out / "validate.json").write_text(json.dumps(report, indent=2) + "\n")
+    (out / "validate.json").write_text(json_text(report) + "\n")
     return report
 
 
@@ -225,7 +225,7 @@ def _validate(a: argparse.Namespace) -> int:
                          a.max_safe, a.keep_all)
     report = validate(cfg, address=a.address, workers=a.workers, progress=not a.json and sys.stderr.isatty(),
                       backend="inprocess" if a.no_ray else "auto")
-    print(json.dumps(report, indent=2) if a.json else format_report(report))
+    print(json_text(report) if a.json else format_report(report))
     return 1 if report["misbehaved"] else 0
 
 

@@ -18,6 +18,8 @@ import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from closedloop.common.atomic import atomic_directory
+
 from .targets import PackageError, Target, get_target
 from .wheels import (
     build_project_wheel,
@@ -197,25 +199,32 @@ def package(bundles: list[str], out: str | Path, opts: PackageOptions, report=pr
         raise PackageError(f"--from-installed rebuilds wheels from this machine's packages, which do not run on "
                            f"{target.name}: leave it out (pip fetches the target's wheels)")
     out = Path(out)
-    if out.exists() and any(out.iterdir()):
-        if not opts.overwrite:
-            raise PackageError(f"{out} exists and is not empty: give a new --out folder, or --overwrite")
-        shutil.rmtree(out)
-    out.mkdir(parents=True, exist_ok=True)
-    names = _copy_bundles(bundles, out / "bundles", opts.ort_only)
+    if out.exists() and any(out.iterdir()) and not opts.overwrite:
+        raise PackageError(f"{out} exists and is not empty: give a new --out folder, or --overwrite")
+    # built in a temporary sibling and renamed into place: a refused bundle or a failed download leaves nothing
+    with atomic_directory(out, overwrite=out.exists()) as work:
+        result = _build(work, bundles, target, opts, report)
+    result.out = out
+    report(f"wrote {out}: {result.wheelhouse_bytes / 1e6:.0f} MB of wheels, {result.installed_bytes / 1e6:.0f} MB "
+           f"installed; on the board: ./install.sh (README.md)")
+    return result
+
+
+def _build(work: Path, bundles: list[str], target: Target, opts: PackageOptions, report) -> PackageResult:
+    names = _copy_bundles(bundles, work / "bundles", opts.ort_only)
     report(f"bundles: {', '.join(names)} (verified)")
-    house = out / "wheelhouse"
+    house = work / "wheelhouse"
     house.mkdir()
     own = build_project_wheel(house)
     reqs = wheel_requirements(own, opts.extras, opts.ort_only)
-    (out / "constraints.txt").write_text(target.constraints_text())
+    (work / "constraints.txt").write_text(target.constraints_text())
     if opts.from_installed:
         for dist in installed_closure(reqs):
             repack(dist, house)
     else:
         with tempfile.TemporaryDirectory() as tmp:
             dl = Path(tmp)
-            pip_download(reqs, target, out / "constraints.txt", dl, opts.find_links, opts.no_index)
+            pip_download(reqs, target, work / "constraints.txt", dl, opts.find_links, opts.no_index)
             for w in dl.glob("*.whl"):
                 shutil.move(str(w), house / w.name)
     wheels = sorted(house.glob("*.whl"))
@@ -226,22 +235,22 @@ def package(bundles: list[str], out: str | Path, opts: PackageOptions, report=pr
 
         pins = sorted(f"{n}=={v}" for n, v, _b, _t in map(lambda w: parse_wheel_filename(w.name), wheels)
                       if n != "closedloop")
-        (out / "constraints.txt").write_text(f"# host ({target.description}): the wheels in wheelhouse/\n"
+        (work / "constraints.txt").write_text(f"# host ({target.description}): the wheels in wheelhouse/\n"
                                              + "\n".join(pins) + "\n")
     spec = "closedloop" + (f"[{','.join(opts.extras)}]" if opts.extras else "")
     reqs_file = None
     if opts.ort_only:
         reqs_file = "requirements.txt"
-        (out / reqs_file).write_text("\n".join(reqs) + "\n")
-    sh = out / "install.sh"
+        (work / reqs_file).write_text("\n".join(reqs) + "\n")
+    sh = work / "install.sh"
     sh.write_text(_install_sh(target, opts, names, spec, reqs_file))
     sh.chmod(0o755)
-    (out / "closedloop.service").write_text(_unit(opts, names[0]))
+    (work / "closedloop.service").write_text(_unit(opts, names[0]))
     rows = [{"file": w.name, "sha256": _sha256(w), "bytes": w.stat().st_size, "installed_bytes": _unpacked_bytes(w)}
             for w in wheels]
-    result = PackageResult(out, target.name, names, [w.name for w in wheels], sum(r["bytes"] for r in rows),
+    result = PackageResult(work, target.name, names, [w.name for w in wheels], sum(r["bytes"] for r in rows),
                            sum(r["installed_bytes"] for r in rows))
-    (out / "README.md").write_text(_readme(target, opts, names, result.installed_bytes / 1e6))
+    (work / "README.md").write_text(_readme(target, opts, names, result.installed_bytes / 1e6))
     manifest = {
         "target": target.name, "description": target.description, "python_version": target.python_version,
         "machine": target.machine, "glibc": target.glibc, "platforms": list(target.platforms),
@@ -249,7 +258,5 @@ def package(bundles: list[str], out: str | Path, opts: PackageOptions, report=pr
         "bundles": names, "wheels": rows,
         "footprint": {"wheelhouse_bytes": result.wheelhouse_bytes, "installed_bytes": result.installed_bytes},
     }
-    (out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
-    report(f"wrote {out}: {result.wheelhouse_bytes / 1e6:.0f} MB of wheels, {result.installed_bytes / 1e6:.0f} MB "
-           f"installed; on the board: ./install.sh (README.md)")
+    (work / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
     return result

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from closedloop.sdk.cli import command
@@ -62,8 +63,9 @@ def _scrub(a: argparse.Namespace) -> int:
         print(f"UNREPAIRABLE: {exc}")
         return 1
     if scrubber is None:
-        print(f"{a.bundle} is not protected (no manifest.extra.robust); nothing to check")
-        return 1
+        print(f"error: {a.bundle} is not protected (no manifest.extra.robust), so there is nothing to scrub; protect "
+              "it first (docs/robustness.md)", file=sys.stderr)
+        return 2
     st = scrubber.stats
     for line in st.events:
         print(line)

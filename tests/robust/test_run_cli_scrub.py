@@ -67,3 +67,24 @@ def test_run_skip_checksum_with_a_device(unkeyed_bundle, tmp_path, capsys):
     summary = _json(out)
     assert summary["scrub"]["repaired"] == n and summary["inputs_used"] > 0
     assert np.isfinite(summary["loop"]["latency_p99_us"])
+
+
+def test_scrub_policy_stop_reaches_the_session_and_its_stop_gives_exit_1(unkeyed_bundle, monkeypatch, capsys):
+    """``--scrub-policy stop`` (docs/cli.md's exit code 1 for unrepairable weights): the session gets the policy, and a
+    session that stopped for weights_unrepairable exits 1 (the stop itself: tests/robust/test_session_scrub.py)."""
+    import closedloop.runtime as runtime
+    from closedloop.runtime import run_session
+
+    seen = {}
+
+    def spy(bundle, cfg, **kw):
+        seen["policy"] = cfg.scrub_policy
+        summary = run_session(bundle, cfg, **kw)
+        summary.loop.stopped_by = "weights_unrepairable"  # as the scrubber's stop leaves it
+        return summary
+
+    monkeypatch.setattr(runtime, "run_session", spy)
+    code = main(["run", str(unkeyed_bundle), "--device", "sim://headstage?channels=12", "--duration", "0.3", "--quiet",
+                 "--scrub-policy", "stop"])
+    assert seen == {"policy": "stop"} and code == 1
+    capsys.readouterr()

@@ -220,3 +220,22 @@ def test_kernel_nonlinearities_match_the_reference(plant):
         want = obs.update(y, u)
         assert np.allclose(z, want, rtol=1e-9, atol=1e-9 * (1 + np.abs(want).max()))
         assert np.allclose(ucmd, obs.command(), rtol=1e-9, atol=1e-6)
+
+
+def test_certify_of_a_bundle_that_does_not_verify_ends_refused_and_exits_1(observer_setup, tmp_path, capsys):
+    """The certificate may hold for the weights while a file of the bundle changed: the report's last line says the
+    bundle is refused, and the command fails, so a script reading either is not told PASS."""
+    from closedloop.sdk.cli import main
+
+    _, _, _, _, path = observer_setup
+    bad = _copy(path, tmp_path / "changed")
+    size = (bad / "main.onnx").stat().st_size
+    _rehash(bad, lambda m: m["files"]["main.onnx"].update(bytes=size + 1))  # the graph as certified, its size not
+    assert (bad / "main.onnx").stat().st_size == size
+    text = certify_bundle(bad)
+    assert "result              PASS" in text and text.rstrip().splitlines()[-1].strip().startswith("bundle")
+    assert "REFUSED" in text.rstrip().splitlines()[-1]
+    assert main(["certify", str(bad), "--json"]) == 1
+    import json
+
+    assert json.loads(capsys.readouterr().out)["passed"] is False

@@ -365,3 +365,17 @@ def test_wake_on_input_steps_at_the_devices_pace_and_replays(neural_bundle, tmp_
     assert RecordingReader(cfg.record).meta["config"]["wake_on_input"] is True
     rep = replay_recording(cfg.record, neural_bundle, backend="onnxruntime")
     assert rep.outputs_compared == s.inputs_used and rep.missing_inputs == 0 and rep.max_abs_diff <= 1e-6
+
+
+def test_the_status_line_is_a_plain_line_in_a_pipe_or_log(plant_bundle):
+    """In a CI log or a pipe, the live status line would be carriage returns and escape codes: plain lines instead
+    (the first at once, then every PLAIN_STATUS_S)."""
+    import io
+
+    out = io.StringIO()
+    run_session(plant_bundle, _cfg("sim://plant?model=msd&rate=200&seed=3", duration_s=0.5, status=True,
+                                   status_interval_s=0.05), out=out)
+    text = out.getvalue()
+    assert "\r" not in text and "\x1b" not in text
+    lines = [ln for ln in text.splitlines() if " Hz | p99 " in ln]
+    assert len(lines) == 1, text  # 0.5 s: only the first of a 10 s cadence

@@ -321,6 +321,14 @@ def test_bci_train_then_calibrate_from_the_shell(sessions, tmp_path, capsys):
     only_out.mkdir()
     shutil.copy(held_out, only_out / held_out.name)
     assert main(["bci-train", str(only_out), "--out", str(tmp_path / "x"), "--config", str(cfg)]) == 2
+    # an --out that exists is refused before the training (which the default budget makes up to 30 minutes)
+    capsys.readouterr()
+    curve = tmp_path / "pooled.curve.png"
+    curve.unlink()
+    assert main(["bci-train", str(data), "--out", str(tmp_path / "pooled"), "--config", str(cfg)]) == 2
+    err = capsys.readouterr().err
+    assert "already exists" in err and "--overwrite on the command line" in err
+    assert not curve.exists()  # nothing was trained
 
 
 def test_a_partial_config_changes_only_its_settings_over_the_tiny_or_default_base(tmp_path):

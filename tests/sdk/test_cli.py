@@ -75,3 +75,11 @@ def test_generate_data_writes_loadable_falcon_files(tmp_path, capsys):
     words = (tmp_path / "d" / "vocabulary.txt").read_text().split()
     assert words == list(VOCABULARY)
     assert all(w.strip(",~?") in words for t in held_out.trials for w in t.sentence.split(">"))
+    # a second recording into the same folder would leave the first one's files beside its own: refused,
+    # and --overwrite replaces the folder as a whole
+    before = sorted(p.name for p in (tmp_path / "d").iterdir())
+    assert main(["generate-data", str(tmp_path / "d"), "--preset", "tiny", "--seed", "4"]) == 2
+    assert "not empty" in capsys.readouterr().err and sorted(p.name for p in (tmp_path / "d").iterdir()) == before
+    (tmp_path / "d" / "old-session.nwb").write_bytes(b"")
+    assert main(["generate-data", str(tmp_path / "d"), "--preset", "tiny", "--seed", "4", "--overwrite"]) == 0
+    assert sorted(p.name for p in (tmp_path / "d").iterdir()) == before  # the stray file went with the old folder

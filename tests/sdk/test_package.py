@@ -149,6 +149,7 @@ def test_refusals(decoder, tmp_path, capsys):
     graph.write_bytes(graph.read_bytes()[:-8])
     with pytest.raises(PackageError, match="does not verify"):
         package([str(broken)], tmp_path / "b", PackageOptions(target="host", from_installed=True))
+    assert not (tmp_path / "b").exists() and not list(tmp_path.glob(".b.*"))  # a refusal leaves nothing to clear
     with pytest.raises(PackageError, match="--from-installed.*jetson-jp6"):
         package([str(decoder)], tmp_path / "c", PackageOptions(target="jetson-jp6", from_installed=True))
     (tmp_path / "d").mkdir()

@@ -96,9 +96,9 @@ def test_emulator_stops_without_reopening_when_its_host_closes_the_pty():
         os.close(transport.fd)  # the master only: the pty is gone, its number free for the next one
         t0 = time.monotonic()
         code = process.wait(timeout=10.0)
-        # it stops at once (exit 3, saying why) instead of reopening the path for reopen_s (2 s), which could
+        # it stops at once (exit 1, saying why) instead of reopening the path for reopen_s (2 s), which could
         # reach another host's new pty with the same number
-        assert code == 3 and time.monotonic() - t0 < 1.5
+        assert code == 1 and time.monotonic() - t0 < 1.5
         assert "closed its end" in transport.emulator_log()
     finally:
         transport.fd = -1  # already closed above
@@ -158,7 +158,7 @@ def test_cli_bad_arguments_exit_2(capsys):
 
 
 def test_cli_on_a_missing_port_exits_3(capsys):
-    assert cli_main(["plant", "--port", "/dev/does-not-exist"]) == 3
+    assert cli_main(["plant", "--port", "/dev/does-not-exist"]) == 2  # bad input
     assert "cannot open /dev/does-not-exist" in capsys.readouterr().err
 
 

@@ -272,6 +272,7 @@ def certify_bundle(path: str | Path) -> str:
     text = format_certificate_report(result, str(source))
     _, problems, _ = check_bundle(path)
     others = [p for p in problems if not any(p.endswith(q) for q in result.problems)]
-    if others:
-        text += "\n  other bundle problems:\n" + "\n".join(f"    - {p}" for p in others)
+    if others:  # the certificate may hold for these weights, but the bundle itself is refused
+        text += ("\n  other bundle problems:\n" + "\n".join(f"    - {p}" for p in others)
+                 + "\n  bundle              REFUSED: it does not verify (above), whatever its certificate says")
     return text
