@@ -59,14 +59,16 @@ def test_run_record_replay_nwb(decoder_bundle, tmp_path, capsys):
         assert len(bins) >= outs.data.shape[0] and len(decoded["text"].data[:]) == len(bins)
     # refuses to overwrite
     assert main(["export-nwb", str(rec), str(nwb_path)]) == 2
-    # a bundle that reads another kind of input re-runs nothing: an error, not a silent 'nan' comparison
+    # a bundle that reads another kind of input is refused, naming the recording's device and the bundle that ran
+    # it (bad input, as a device that does not match a bundle at the handshake), not a silent 'nan' comparison
     torch.manual_seed(0)
     plant_reader = export_bundle(
         GRUDecoder(12, 16, 1, 5).eval(), tmp_path / "plant_reader", kind="recurrent",
         example_input=torch.zeros(1, 12), rate_hz=50.0, extra={"session": {"input": "plant_measurement"}},
         variants=(), tensorrt=False, report=lambda s: None)
-    assert main(["replay", str(rec), "--bundle", str(plant_reader)]) == 1
-    assert "none of the" in capsys.readouterr().err
+    assert main(["replay", str(rec), "--bundle", str(plant_reader)]) == 2
+    err = capsys.readouterr().err
+    assert "its device does not fit bundle" in err and "replay it with the bundle that ran the session" in err
 
 
 def test_device_command_serves_a_pty(tmp_path):
