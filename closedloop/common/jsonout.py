@@ -28,8 +28,7 @@ def finite(value: Any) -> Any:
 
 def json_text(value: Any, indent: int | None = 2) -> str:
     """Strict JSON of ``value``: non-finite numbers as null, anything else JSON lacks as its ``str``."""
-    return json.dumps(finite(value), indent=indent, default=lambda o: finite(o.tolist()) if hasattr(o, "tolist")
-                      else str(o), allow_nan=False)
+    return json.dumps(finite(value), indent=indent, default=str, allow_nan=False)  # numpy values: finite()
 
 
 __all__ = ["finite", "json_text"]
