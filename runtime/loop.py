@@ -74,6 +74,10 @@ class LoopConfig:
     def __post_init__(self) -> None:
         if not self.rate_hz > 0:
             raise ValueError(f"rate_hz must be > 0, got {self.rate_hz}")
+        if self.duration_s is not None and not self.duration_s > 0:
+            raise ValueError(f"duration_s must be > 0 (None: until stopped), got {self.duration_s}")
+        if self.max_steps is not None and self.max_steps < 1:
+            raise ValueError(f"max_steps must be >= 1 (None: no limit), got {self.max_steps}")
         self.overrun = OverrunPolicy(self.overrun)
         if self.spin_us < 0:
             raise ValueError(f"spin_us must be >= 0, got {self.spin_us}")

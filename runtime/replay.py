@@ -10,7 +10,10 @@ frames that produced each recorded model output, in the recorded order (state
 resets where the device said Hello again; a step with a non-finite value refused,
 as the session refused it), and compares the outputs: the same bundle reproduces
 them; a new bundle (say, recalibrated) shows how it would have answered the same
-session.
+session.  By default it re-runs on the backend and variant the session ran on (the
+recording's META names them), so the same bundle reproduces every output exactly; where
+that backend cannot run here it re-runs on the fastest one that can, and the report says
+so (backends differ in rounding, by about 1e-6 on float32 outputs).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from closedloop.firmware_bridge import Hello, Message, Transport, make_parser, r
 from closedloop.firmware_bridge.signing import FrameVerifier, derive_link_keys
 
 from .bundle import Bundle, load_bundle
+from .errors import BackendUnavailableError
 from .families import get_family
 from .model import Model
 from .recording import RecordingReader, RecordType
@@ -109,6 +113,9 @@ class ReplayReport:
     missing_inputs: int
     backend: str
     recording_note: str
+    variant: str = "fp32"
+    #: where the re-run's backend or variant differs from the session's, why (empty when they match)
+    backend_note: str = ""
     signed_frames_refused: int = 0  # with a key: frames whose tag did not verify, left out as the session left them
     per_output_max: list[float] = field(default_factory=list, repr=False)  # the first data output, per step
     #: per data output of the bundle (graph order): ``compared`` (recorded values compared), ``max_abs_diff``,
@@ -119,10 +126,13 @@ class ReplayReport:
 
     def format(self) -> str:
         lines = [
-            f"re-ran {self.outputs_compared} recorded steps on {self.backend}: "
+            f"re-ran {self.outputs_compared} recorded steps on {self.backend}"
+            + (f" ({self.variant})" if self.variant != "fp32" else "") + ": "
             f"max |difference| {self.max_abs_diff:.3g}, mean {self.mean_abs_diff:.3g}"
             + (f"; {self.missing_inputs} outputs had no recorded input frame" if self.missing_inputs else "")
         ]
+        if self.backend_note:
+            lines.append(f"  {self.backend_note}")
         if len(self.outputs) > 1:
             for name, d in self.outputs.items():
                 lines.append(f"  output {name}: " + (f"{d['compared']} compared, max |difference| "
@@ -187,17 +197,48 @@ def _replay_verifier(key: bytes | str | None) -> FrameVerifier:
     return FrameVerifier(derive_link_keys(secret)[1], required=False)  # the device-to-host direction
 
 
-def replay_recording(recording: str | Path, bundle: Bundle | str | Path, backend: str = "auto",
-                     key: bytes | str | None = None) -> ReplayReport:
+def _replay_model(b: Bundle, meta: dict, backend: str, variant: str | None) -> tuple[Model, str]:
+    """The model to re-run on, and a note where it is not the session's backend and variant.
+
+    ``backend="recorded"`` takes the backend and variant the recording's META names (a variant this bundle
+    lacks, or a backend that cannot run here, falls back to fp32 / the fastest backend here, said in the note);
+    any other value is used as given, as ``Model`` takes it.
+    """
+    if backend != "recorded":
+        return Model(b, backend=backend, variant=variant), ""
+    ran_on, ran_variant = str(meta.get("backend") or ""), str(meta.get("variant") or "fp32")
+    want = variant or ran_variant
+    notes = []
+    if want != "fp32" and want not in b.graph("main").variants:
+        notes.append(f"the session ran variant {want}, which this bundle does not hold: re-ran fp32")
+        want = "fp32"
+    # "fp32" given to auto rules out its automatic variant choice: the session's variant is the one compared
+    if not ran_on:
+        model = Model(b, backend="auto", variant=want)
+        return model, "the recording does not name the session's backend: re-ran on the fastest here"
+    try:
+        model = Model(b, backend=ran_on, variant=None if want == "fp32" else want)
+    except BackendUnavailableError as exc:
+        model = Model(b, backend="auto", variant=want)
+        notes.append(f"the session ran on {ran_on}, which cannot run here ({exc}): re-ran on {model.backend_name}, "
+                     "so outputs differ by the backends' rounding (about 1e-6 on float32)")
+    return model, "; ".join(notes)
+
+
+def replay_recording(recording: str | Path, bundle: Bundle | str | Path, backend: str = "recorded",
+                     key: bytes | str | None = None, variant: str | None = None) -> ReplayReport:
     """Re-run ``bundle`` over ``recording``'s input frames and compare its outputs with the recorded ones.
 
-    ``key`` is the link's shared secret (bytes or hex) when the session was signed: with it every signed
-    frame's tag is checked again and a frame that fails is left out, as the session left it out; without it
-    signed frames are replayed unchecked and the report says how many.
+    ``backend``: ``"recorded"`` (default) re-runs on the backend and variant the session ran on, so the bundle
+    that ran it reproduces its outputs exactly; ``"auto"`` or a backend name as ``Model`` takes it (with
+    ``variant``, ``None`` being fp32 for a named backend). ``key`` is the link's shared secret (bytes or hex)
+    when the session was signed: with it every signed frame's tag is checked again and a frame that fails is
+    left out, as the session left it out; without it signed frames are replayed unchecked and the report says
+    how many.
     """
     reader = RecordingReader(recording)
     b = bundle if isinstance(bundle, Bundle) else load_bundle(bundle)
-    model = Model(b, backend=backend)
+    model, backend_note = _replay_model(b, reader.meta, backend, variant)
     fam = get_family(b.manifest.family)(b, model)
     fam.adopt_device(reader.meta.get("device", {}).get("kind", ""))  # what the session read from this device
     device = reader.meta.get("device") or {}
@@ -287,6 +328,8 @@ def replay_recording(recording: str | Path, bundle: Bundle | str | Path, backend
         mean_abs_diff=per_name[names[0]].mean,
         missing_inputs=missing,
         backend=model.backend_name,
+        variant=model.variant or "fp32",
+        backend_note=backend_note,
         recording_note=reader.describe() + _signing_note(verifier, parser),
         signed_frames_refused=parser.stats.bad_tag + parser.stats.replayed,
         per_output_max=diffs,

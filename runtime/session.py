@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import hashlib
+import math
 import sys
 import time
 from dataclasses import asdict, dataclass, field, fields
@@ -123,6 +124,16 @@ class SessionConfig:
     # Step as soon as a frame arrives rather than on the next tick of the rate's clock (runtime/loop.py): the
     # device's clock sets the rate, the bundle's rate is the watchdog's tick when none comes (docs/runtime.md).
     wake_on_input: bool = False
+
+    def __post_init__(self) -> None:
+        # 0 or a negative number here is a mistake, never "the default" (None is): refuse it by name
+        for name, value in (("rate_hz", self.rate_hz), ("duration_s", self.duration_s),
+                            ("watchdog_s", self.watchdog_s), ("watchdog_limit_s", self.watchdog_limit_s)):
+            if value is not None and not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise ValueError(f"SessionConfig.{name} {value!r}: must be a positive number of "
+                                 f"{'Hz' if name == 'rate_hz' else 'seconds'} (None: the default)")
+        if self.max_steps is not None and self.max_steps < 1:
+            raise ValueError(f"SessionConfig.max_steps {self.max_steps!r}: must be at least 1 (None: no limit)")
 
     def record_dict(self) -> dict[str, Any]:
         """The settings as a recording's META keeps them: no secret, observers by class name."""
@@ -368,6 +379,7 @@ class Session:
                     "manifest_sha256": hashlib.sha256(mpath.read_bytes()).hexdigest(),
                     "rate_hz": self.rate_hz,
                     "backend": self.model.backend_name,
+                    "variant": self.model.variant or "fp32",
                     "output_shape": list(self.model.output.shape),
                     "outputs": self._outputs_info,
                     "config": self.config.record_dict(),

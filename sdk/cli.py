@@ -168,6 +168,12 @@ def _run_bundle(a: argparse.Namespace):
 
 @command("run", "run a bundle in the real-time loop against a device (or synthetic frames)", _run_args)
 def _run(a: argparse.Namespace) -> int:
+    for flag, value, unit, default in (("--rate", a.rate, "Hz", "to use the bundle's rate"),
+                                       ("--duration", a.duration, "seconds", "to run until Ctrl-C"),
+                                       ("--watchdog", a.watchdog, "seconds", "for the default 0.25 s"),
+                                       ("--watchdog-limit", a.watchdog_limit, "seconds", "for no limit")):
+        if value is not None and not (np.isfinite(value) and value > 0):
+            raise ValueError(f"{flag} {value:g}: must be a positive number of {unit} (leave it out {default})")
     if a.device:
         from closedloop.runtime import SessionConfig, run_session
 
@@ -210,7 +216,7 @@ def _run(a: argparse.Namespace) -> int:
     fam.set_held_inputs(held)
     rng = np.random.default_rng(a.seed)
     frames = rng.standard_normal((256, *fam.measurement.frame_shape)).astype(np.float32)
-    rate = a.rate or bundle.manifest.rate_hz
+    rate = bundle.manifest.rate_hz if a.rate is None else a.rate
     duration = 5.0 if a.duration is None else a.duration
     choice = model.choice
     log = sys.stderr if a.json else sys.stdout  # --json: stdout holds only the JSON
@@ -312,7 +318,12 @@ def _doctor(a: argparse.Namespace) -> int:
 def _replay_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("recording", help="a session recording (.clrec)")
     p.add_argument("--bundle", required=True, help="bundle to re-run over the recorded input frames")
-    p.add_argument("--backend", default="auto", help="backend name or 'auto' (fastest measured here)")
+    p.add_argument("--backend", default="recorded",
+                   help="'recorded' (default: the backend and variant the session ran on, so the bundle that ran "
+                        "it reproduces its outputs exactly), 'auto' (fastest here) or a backend name")
+    p.add_argument("--variant", default=None,
+                   help="graph variant to re-run (fp32, fp16, int8, fp16w, int8w; default the session's with "
+                        "--backend recorded, else fp32 or auto's choice)")
     p.add_argument("--tolerance", type=float, default=None,
                    help="fail (exit 1) if any output differs from the recorded one by more than this")
     p.add_argument("--key", default=None,
@@ -325,7 +336,7 @@ def _replay_args(p: argparse.ArgumentParser) -> None:
 def _replay(a: argparse.Namespace) -> int:
     from closedloop.runtime import replay_recording
 
-    report = replay_recording(a.recording, a.bundle, backend=a.backend, key=a.key)
+    report = replay_recording(a.recording, a.bundle, backend=a.backend, key=a.key, variant=a.variant)
     print(json_text(_jsonable(report)) if a.json else report.format())
     if report.outputs_compared == 0 and report.signed_frames_refused:
         print(f"error: {report.signed_frames_refused} recorded frames failed their signature check with this --key: "
@@ -494,7 +505,8 @@ def _bench(a: argparse.Namespace) -> int:
 
     cfg = BenchConfig(**{field: getattr(a, key) for key, field in _BUNDLE_ONLY.values()
                          if field and getattr(a, key) is not None})
-    benches = bench_bundles(a.bundles, cfg)
+    # progress on stderr: stdout holds the tables, so `closedloop bench B > table.txt` keeps only them
+    benches = bench_bundles(a.bundles, cfg, report=lambda line: print(line, file=sys.stderr, flush=True))
     for bench in benches:
         print()
         print(format_bench_table(bench))
@@ -606,7 +618,7 @@ def _sign(a: argparse.Namespace) -> int:
         print(json_text(_jsonable(r)))
         return 0
     print(f"signed {r.bundle} with key {r.key_id}: manifest digest {r.digest[:16]}..., signature in {r.signature_file}"
-          + (" (added the manifest digest: the bundle predates it)" if r.sealed else "")
+          + (" (the manifest had no digest: one was added)" if r.sealed else "")
           + (f"; kept {r.kept} other signature(s)" if r.kept else ""))
     return 0
 

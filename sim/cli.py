@@ -5,8 +5,9 @@ This is the emulator's process entry point, used directly (``closedloop device N
 which starts it behind a pty.  Options after ``--port`` are the device's parameters,
 the same names as in a ``sim://`` URL query (``--rate 50`` is ``rate=50``).  The
 signing key may come from ``--key HEX`` or, to keep it out of the process list, from
-the ``CLOSEDLOOP_DEVICE_KEY`` environment variable.  Exit codes: 0 stopped (SIGTERM or
-SIGINT), 2 bad arguments, 3 the port failed or went away.
+the ``CLOSEDLOOP_DEVICE_KEY`` environment variable.  Started by hand, it says on stderr when it
+is serving.  Exit codes: 0 stopped by SIGTERM, 130 stopped by SIGINT (Ctrl-C), 1 the port went
+away while it served, 2 bad arguments or a port that cannot be opened.
 """
 
 from __future__ import annotations
@@ -100,7 +101,12 @@ def cli_main(argv: Sequence[str] | None = None) -> int:
     runner = DeviceRunner(device, control["port"], faults=FaultConfig.from_params(params), seed=params["seed"],
                           shared_secret=key, log=log,
                           host_pid=os.getppid() if "ready_fd" in control else None)
-    handler = lambda signum, frame: runner.stop()  # noqa: E731
+    stopped_by: list[int] = []
+
+    def handler(signum: int, frame: object) -> None:
+        stopped_by.append(signum)
+        runner.stop()
+
     signal.signal(signal.SIGTERM, handler)
     signal.signal(signal.SIGINT, handler)
     try:
@@ -121,8 +127,10 @@ def cli_main(argv: Sequence[str] | None = None) -> int:
             fd = int(control["ready_fd"])
             os.write(fd, b"ready\n")
             os.close(fd)
+        else:  # started by hand: say that it serves, where, and how it stops
+            print(f"{name} emulator serving on {control['port']} (Ctrl-C stops)", file=sys.stderr, flush=True)
         runner.run()
-        return 0
+        return 130 if signal.SIGINT in stopped_by else 0
     except PortGoneError as exc:
         print(f"{name} emulator: {exc}", file=sys.stderr)
         return 1  # the port went away while it served

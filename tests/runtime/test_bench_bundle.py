@@ -104,8 +104,12 @@ def test_several_bundles_json_and_plot(gru_bundle, mlp_bundle, tmp_path, capsys)
     argv = ["bench", str(gru_bundle), str(mlp_bundle), "--backend", "onnxruntime", "--variant", "fp32",
             "--steps", "20", "--paced-seconds", "0.1", "--json", str(out), "--plot", str(png)]
     assert main(argv) == 0
-    text = capsys.readouterr().out
+    captured = capsys.readouterr()
+    text = captured.out
     assert "deadline 20000.0 us" in text and "deadline 1000.0 us" in text
+    # progress goes to stderr, so stdout redirected to a file holds only the tables and what was written
+    assert "single-core peak" in captured.err and "steps back to back" in captured.err
+    assert "single-core peak ..." not in text and "steps back to back, then" not in text
     doc = json.loads(out.read_text())
     assert [b["name"] for b in doc["bundles"]] == ["tiny-gru", "tiny-mlp"]
     assert [[(r["backend"], r["variant"], r["status"]) for r in b["rows"]] for b in doc["bundles"]] == [

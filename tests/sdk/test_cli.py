@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import shutil
 
+import pytest
+
 from closedloop.sdk.cli import main
 
 
@@ -53,6 +55,24 @@ def test_record_without_a_device_is_refused_not_ignored(mlp_bundle, tmp_path, ca
     assert main(["run", str(mlp_bundle), "--duration", "0.1", "--record", str(tmp_path / "s.clrec")]) == 2
     assert "--record needs --device" in capsys.readouterr().err
     assert not (tmp_path / "s.clrec").exists()
+
+
+@pytest.mark.parametrize("flags", [["--rate", "0"], ["--duration", "0"], ["--rate", "-50", "--device", "loop://"],
+                                   ["--duration", "nan", "--device", "loop://"], ["--watchdog", "0"]])
+def test_run_refuses_a_rate_or_duration_that_is_not_positive(mlp_bundle, flags, capsys):
+    """``--rate 0`` is a mistake, not "the bundle's rate"; ``--duration 0`` would run nothing and exit 0."""
+    assert main(["run", str(mlp_bundle), *flags]) == 2
+    err = capsys.readouterr().err
+    assert f"{flags[0]} " in err and "must be a positive number" in err and "leave it out" in err
+
+
+def test_a_session_config_refuses_a_rate_of_zero_rather_than_reading_it_as_the_default():
+    from closedloop.runtime import LoopConfig, SessionConfig
+
+    with pytest.raises(ValueError, match="rate_hz 0"):
+        SessionConfig(device="loop://", rate_hz=0)
+    with pytest.raises(ValueError, match="duration_s"):
+        LoopConfig(rate_hz=50, duration_s=0)
 
 
 def test_missing_bundle_is_a_clear_error(tmp_path, capsys):

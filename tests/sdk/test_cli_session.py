@@ -3,6 +3,7 @@ convert it to NWB, summarise it; and `closedloop device` serving a real pty."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -40,6 +41,11 @@ def test_run_record_replay_nwb(decoder_bundle, tmp_path, capsys):
     assert main(["replay", str(rec), "--bundle", str(decoder_bundle), "--backend", "onnxruntime",
                  "--tolerance", "1e-4"]) == 0
     assert "re-ran" in capsys.readouterr().out
+    # by default on the session's own backend and variant, so the bundle that ran it reproduces it exactly
+    assert main(["replay", str(rec), "--bundle", str(decoder_bundle), "--tolerance", "0", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["backend"] == "numba" and report["variant"] == "fp32" and report["backend_note"] == ""
+    assert report["outputs_compared"] > 40 and report["max_abs_diff"] == 0.0
     assert main(["recording", str(rec)]) == 0
     assert "OUTPUT" in capsys.readouterr().out
     nwb_path = tmp_path / "s.nwb"
@@ -102,3 +108,18 @@ def test_device_command_serves_a_pty(tmp_path):
         proc.wait(timeout=10)
         host.close()
         dev.close()
+
+
+def test_replay_falls_back_and_says_so_where_the_sessions_backend_cannot_run(decoder_bundle):
+    from closedloop.runtime import load_bundle
+    from closedloop.runtime.replay import _replay_model
+
+    b = load_bundle(decoder_bundle)
+    model, note = _replay_model(b, {"backend": "no-such-backend", "variant": "int8w"}, "recorded", None)
+    assert model.backend_name in ("onnxruntime", "numba") and (model.variant or "fp32") == "fp32"  # no int8w
+    assert "variant int8w, which this bundle does not hold" in note
+    assert "ran on no-such-backend, which cannot run here" in note and "rounding" in note
+    model, note = _replay_model(b, {}, "recorded", None)
+    assert "does not name the session's backend" in note
+    model, note = _replay_model(b, {"backend": "numba"}, "onnxruntime", None)  # asked for by name: as given
+    assert model.backend_name == "onnxruntime" and note == ""

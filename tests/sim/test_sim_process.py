@@ -146,6 +146,24 @@ def test_cli_serves_on_a_pty_path_and_prints_decoded_text_with_verbose():
     assert "hi there" in err.decode()
 
 
+def test_cli_started_by_hand_says_it_serves_and_ctrl_c_exits_130():
+    """A user who starts an emulator in a terminal sees that it is ready, and Ctrl-C ends it with the CLI's 130."""
+    _host_end, device_end = open_pty_pair()
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.Popen([sys.executable, "-m", "closedloop.sim", "plant", "--port", device_end.path],
+                            stderr=subprocess.PIPE, env=env, cwd=ROOT, text=True)
+    try:
+        assert proc.stderr is not None
+        line = proc.stderr.readline()  # blocks until the emulator has opened its port
+        assert f"plant emulator serving on {device_end.path}" in line and "Ctrl-C" in line
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.communicate(timeout=5)
+        _host_end.close()
+        device_end.close()
+    assert proc.returncode == 130
+
+
 def test_cli_bad_arguments_exit_2(capsys):
     assert cli_main(["plant", "--port", "/dev/null", "--rate", "fast"]) == 2
     assert "rate='fast'" in capsys.readouterr().err
@@ -157,7 +175,7 @@ def test_cli_bad_arguments_exit_2(capsys):
     assert "headstage" in capsys.readouterr().out
 
 
-def test_cli_on_a_missing_port_exits_3(capsys):
+def test_cli_on_a_missing_port_exits_2(capsys):
     assert cli_main(["plant", "--port", "/dev/does-not-exist"]) == 2  # bad input
     assert "cannot open /dev/does-not-exist" in capsys.readouterr().err
 
