@@ -306,6 +306,7 @@ class Session:
         self._unused_type: type[Message] | None = None
         self._unused, self._warned_unused = 0, False  # frames not of the input's type
         self._tap: SessionTap | None = None  # per-step hooks: made in start() when anything listens
+        self._typed = 0  # characters the family had typed at the last "typed" event (idle time)
         self.monitor_url: str | None = None
 
     # --- connection -------------------------------------------------------------
@@ -643,6 +644,8 @@ class Session:
             self._send_safe(k)
             self._loop.stop("weights_unrepairable")
         now = time.monotonic_ns()
+        if self._tap is not None and self.family.typed_count() != self._typed:
+            self._typed_event(self.family.typed_count())
         if self._tap is not None and self._tap.status_due():
             self._tap.event(self._status_event())
             if self.config.monitor is not None and now >= self._next_report_ns:
@@ -657,6 +660,15 @@ class Session:
                 self._next_status_ns = now + int(max(self.config.status_interval_s, PLAIN_STATUS_S) * 1e9)
                 self.out.write(self.status_line() + "\n")
             self.out.flush()
+
+    def _typed_event(self, count: int) -> None:
+        """Text the family typed since the last event, stamped when the output that typed it was ready (idle
+        time of the step that typed it; the LSL text outlet and other observers get it within one period)."""
+        added = count - self._typed if count >= self._typed else count  # fewer: the text was reset and restarted
+        self._typed = count
+        if added > 0 and self._tap is not None:
+            self._tap.event({"event": "typed", "step": self._step, "t_ns": self._tap.last_run_ns,
+                             "text": self.family.typed_tail(added), "chars": count})
 
     def _state(self) -> str:
         if self.link is None or self._disconnected:

@@ -103,6 +103,14 @@ class FamilyPlugin:
         """What the session summary reports for this family (default: the live metrics)."""
         return self.live_metrics()
 
+    def typed_count(self) -> int:
+        """Characters of text this family has typed since its last reset; -1 for a family that types none."""
+        return -1
+
+    def typed_tail(self, n: int) -> str:
+        """The newest ``n`` typed characters, as people read them (a family that types text overrides it)."""
+        return ""
+
     # --- session hooks -------------------------------------------------------------
 
     def adopt_device(self, kind: str) -> None:

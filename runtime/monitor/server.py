@@ -219,7 +219,8 @@ class MonitorApp:
                     continue
                 if ev.get("event") == "session_info":  # later pages get it in their hello
                     self.info.update({k: v for k, v in ev.items() if k not in ("event", "step")})
-                self.events.append(ev)
+                if ev.get("event") != "typed":  # a page that joins later has the whole text from the last status
+                    self.events.append(ev)
                 if len(self.events) > 5000:
                     del self.events[:1000]
                 self._offer_all(json.dumps({"type": "event", **ev}, default=str))

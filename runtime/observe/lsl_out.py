@@ -8,7 +8,7 @@ outlet             type         channels                     one sample per
 =================  ===========  ===========================  ====================================
 ``NAME-outputs``   ModelOutput  every data output, in order  model run (every frame the model ran on)
 ``NAME-commands``  Command      the command's values         step that sent a command (safe too)
-``NAME-text``      Markers      one string (irregular rate)  change of the decoder's typed text
+``NAME-text``      Markers      one string (irregular rate)  step that typed text (its characters)
 =================  ===========  ===========================  ====================================
 
 A graph with several data outputs (a click head beside a velocity) puts them one after another in
@@ -51,16 +51,6 @@ def clock_offset_s(pylsl: Any, reads: int = 9) -> tuple[float, float]:
     return best
 
 
-def _new_text(previous: str, text: str) -> str:
-    """What ``text`` adds to ``previous``: the part after their longest overlap (a status line may scroll)."""
-    if text.startswith(previous):
-        return text[len(previous):]
-    for k in range(min(len(previous), len(text)), 0, -1):
-        if previous.endswith(text[:k]):
-            return text[k:]
-    return text
-
-
 class LslOutlets(SessionObserver):
     """Publish a session's model outputs, commands and typed text as LSL outlets named ``NAME-...``.
 
@@ -96,7 +86,6 @@ class LslOutlets(SessionObserver):
         self.pushed = {"outputs": 0, "commands": 0, "text": 0}
         self.lost = 0
         self.lost_outputs = 0
-        self._text = ""
 
     # --- outlets ----------------------------------------------------------------------------
 
@@ -170,15 +159,14 @@ class LslOutlets(SessionObserver):
         self._push("outputs", batch.outputs, self.lsl_time(batch.t_ns))
 
     def on_event(self, event: dict[str, Any]) -> None:
-        if event.get("event") != "status" or not isinstance(event.get("text"), str):
+        """A ``typed`` event: the characters a step typed, stamped when the model output that typed them was
+        ready (the same stamp as that output's sample on ``NAME-outputs``)."""
+        text, t_ns = event.get("text"), event.get("t_ns")
+        if event.get("event") != "typed" or not isinstance(text, str) or not text or "text" not in self.outlets:
             return
-        added = _new_text(self._text, event["text"])
-        self._text = event["text"]
-        if added and "text" in self.outlets:
-            t_ns = event.get("t_ns")
-            stamp = t_ns / 1e9 + self.offset_s if isinstance(t_ns, int) else self._lsl.local_clock()
-            self.outlets["text"].push_sample([added], stamp)
-            self.pushed["text"] += 1
+        stamp = t_ns / 1e9 + self.offset_s if isinstance(t_ns, int) and t_ns > 0 else self._lsl.local_clock()
+        self.outlets["text"].push_sample([text], stamp)
+        self.pushed["text"] += 1
 
     def on_stop(self, summary: dict[str, Any]) -> None:
         self.outlets.clear()  # liblsl withdraws a stream when its outlet is destroyed

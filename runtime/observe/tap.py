@@ -45,6 +45,7 @@ class SessionTap:
         self.status_interval_ns = int(status_interval_s * 1e9)
         self._next_status_ns = 0
         self._closed = False
+        self.last_run_ns = 0  # when the newest model output was ready (the last run record's time)
         try:
             if monitor is not None:
                 self.monitor = _start_monitor(self.ring, monitor, monitor_public, self.info, self.out,
@@ -80,7 +81,8 @@ class SessionTap:
         for offset, values in more:
             r.set_output(values, offset)
         r.add_flags(FLAG_ACTED)
-        r.publish_run(time.monotonic_ns())
+        self.last_run_ns = time.monotonic_ns()
+        r.publish_run(self.last_run_ns)
 
     def command(self, values: np.ndarray) -> None:
         self.ring.set_command(values)

@@ -16,7 +16,7 @@ except (ImportError, RuntimeError) as exc:
     pytest.skip(f"pylsl with liblsl is needed for --lsl-out ({exc}); pip install 'closedloop[lsl]'",
                 allow_module_level=True)
 
-from closedloop.runtime.observe.lsl_out import LslOutlets, _new_text, clock_offset_s
+from closedloop.runtime.observe.lsl_out import LslOutlets, clock_offset_s
 
 
 def _inlet(name: str):
@@ -46,14 +46,6 @@ def _pull_all(inlet, want: int, timeout_s: float = 5.0):
     return samples, np.array(stamps)
 
 
-def test_text_is_published_as_what_it_adds():
-    assert _new_text("", "he") == "he"
-    assert _new_text("he", "hello") == "llo"
-    assert _new_text("abcdef", "defgh") == "gh"  # a status line that scrolled
-    assert _new_text("abc", "xyz") == "xyz"
-    assert _new_text("abc", "abc") == ""
-
-
 def test_the_clock_offset_is_small_on_one_machine():
     offset, width = clock_offset_s(pylsl)
     assert width < 1e-3
@@ -77,7 +69,7 @@ def test_an_inlet_receives_every_output_each_command_and_the_text_each_stamped()
         assert outs.info().type() == "ModelOutput" and outs.info().channel_count() == 2
         assert _labels(outs.info(timeout=5.0)) == ["click", "speed"]  # the XDF channel labels LabRecorder keeps
         assert cmds.info().channel_count() == 1 and text.info().type() == "Markers"
-        steps, runs = [], []
+        steps, runs, typed = [], [], []
         for k in range(40):
             t_ns = time.monotonic_ns()
             ring.begin(k, t_ns)
@@ -97,10 +89,10 @@ def test_an_inlet_receives_every_output_each_command_and_the_text_each_stamped()
                 ring.add_flags(FLAG_SAFE)
             ring.publish(latency_ns=50_000, lateness_ns=1_000)
             steps.append((k, t_ns + 50_000, acted, k % 8 == 7))
-            if k == 10:
-                ring.event({"event": "status", "step": k, "text": "he"})
-            if k == 30:
-                ring.event({"event": "status", "step": k, "text": "hello"})
+            if k in (10, 30):  # the session's "typed" event: what the step typed, when its output was ready
+                ring.event({"event": "typed", "step": k, "t_ns": runs[-1][1], "text": "he" if k == 10 else "llo"})
+                typed.append(runs[-1][1])
+            ring.event({"event": "status", "step": k, "text": "hello"})  # the status line's text is not published
             time.sleep(0.002)
         acted_steps = [s for s in steps if s[2]]
         sent_steps = [s for s in steps if s[2] or s[3]]
@@ -111,8 +103,9 @@ def test_an_inlet_receives_every_output_each_command_and_the_text_each_stamped()
         c, cts = _pull_all(cmds, len(sent_steps))
         np.testing.assert_array_equal(np.array(c)[:, 0], [0.25 * k if a else 0.0 for k, _, a, _ in sent_steps])
         np.testing.assert_allclose(cts, np.array([t for _, t, *_ in sent_steps]) / 1e9 + obs.offset_s, atol=1e-6)
-        words, _ = _pull_all(text, 2)
+        words, wts = _pull_all(text, 2)
         assert [w[0] for w in words] == ["he", "llo"]
+        np.testing.assert_allclose(wts, np.array(typed) / 1e9 + obs.offset_s, atol=1e-6)  # its output's stamp
     finally:
         hub.stop({})
         ring.close()
@@ -160,3 +153,56 @@ def test_a_session_publishes_every_output_a_step_that_ran_several_frames_include
     values = np.array([np.frombuffer(p[8:], dtype="<f4") for p in recorded])
     assert obs.pushed["outputs"] == len(recorded) and obs.lost_outputs == 0
     np.testing.assert_array_equal(np.array(pushed.rows), values)
+
+
+def test_typed_text_is_published_when_it_is_typed_with_the_stamp_of_the_output_that_typed_it(tmp_path):
+    """A lab aligns each typed character with the neural data: the text outlet's sample carries the time the
+    character's model output was ready (the same stamp as that output's sample), not a status update's."""
+    import torch
+
+    from closedloop.runtime import Session, SessionConfig
+    from closedloop.sdk.bci.deploy import export_bci_bundle
+    from closedloop.sdk.models import GRUDecoder
+
+    channels = 12
+    torch.manual_seed(3)
+    module = GRUDecoder(channels, 16, 1, 32).eval()
+    with torch.no_grad():  # a random decoder that types now and then on Poisson input
+        module.readout.weight.mul_(10)
+    bundle = export_bci_bundle(module, tmp_path / "typing", n_channels=channels, mean=np.full(channels, 0.16),
+                               std=np.full(channels, 0.4), session_name="2023.04.17", variants=(), tensorrt=False,
+                               report=lambda s: None)
+
+    class Recorded:  # the real outlet, and what went into it
+        def __init__(self, outlet):
+            self.outlet, self.samples, self.stamps = outlet, [], []
+
+        def push_sample(self, x, stamp):
+            self.samples.append(x[0])
+            self.stamps.append(stamp)
+            self.outlet.push_sample(x, stamp)
+
+        def push_chunk(self, x, stamps):
+            self.samples += list(x)
+            self.stamps += list(stamps)
+            self.outlet.push_chunk(x, stamps)
+
+    obs = LslOutlets(f"cltest-{uuid.uuid4().hex[:10]}")
+    session = Session(bundle, SessionConfig(device=f"sim://headstage?channels={channels}&seed=4", duration_s=3.0,
+                                            status=False, backend="onnxruntime", observers=[obs]))
+    try:
+        session.start()
+        end = time.monotonic() + 10
+        while "text" not in obs.outlets and time.monotonic() < end:
+            time.sleep(0.01)
+        text = obs.outlets["text"] = Recorded(obs.outlets["text"])
+        outputs = obs.outlets["outputs"] = Recorded(obs.outlets["outputs"])
+        summary = session.run()
+    finally:
+        session.close()
+    typed = summary.family["text"]
+    assert len(typed) >= 5, "the decoder typed too little for the test to show anything"
+    assert "".join(text.samples) == typed  # every character, once, in order
+    output_stamps = np.array(outputs.stamps)
+    for stamp in text.stamps:  # each at the stamp of a model output (the one that typed its last character)
+        assert np.min(np.abs(output_stamps - stamp)) < 1e-6

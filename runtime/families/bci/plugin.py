@@ -302,6 +302,12 @@ class BCIHandwritingFamily(FamilyPlugin):
     def live_metrics(self) -> dict[str, float | str]:
         return {"chars": self.ctc.count, "text": self.display_text(STATUS_TAIL_CHARS)}
 
+    def typed_count(self) -> int:
+        return self.ctc.count
+
+    def typed_tail(self, n: int) -> str:
+        return self.display_text(n) if n > 0 else ""
+
     def summary_metrics(self) -> dict[str, float | str]:
         # the whole decoded text (as far as the ring holds it), not the status line's tail
         return {"chars": self.ctc.count, "text": self.display_text()}

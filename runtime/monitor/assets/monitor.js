@@ -8,7 +8,7 @@
   const S = window.monitorState = {
     info: null, connected: false, everConnected: false, ended: false, updates: 0, step: -1, state: "connecting", text: "",
     prompt: "", events: [], counts: { watchdog: 0, reconnects: 0, missed: 0, lost: 0, dropped: 0 },
-    t: [], lat: [], late: [], missed: [], flags: [], cmd: [], inp: [], out: [], stepsSeen: 0, status: null,
+    t: [], lat: [], late: [], missed: [], flags: [], cmd: [], inp: [], out: [], stepsSeen: 0, status: null, typedChars: 0,
   };
   let updatesThisSecond = 0;
 
@@ -37,6 +37,11 @@
 
   function onEvent(e, quiet) {
     if (e.event === "status") { onStatus(e); return; }
+    if (e.event === "typed") {  // what a step typed, as it is typed (the next status carries the whole text)
+      S.text = (e.chars >= S.typedChars ? (S.text || "") : "") + e.text;
+      S.typedChars = e.chars;
+      return;
+    }
     if (e.event === "device_status" && e.code === 2) {  // a REPORT: what the device plays, e.g. the prompt
       try { const rep = JSON.parse(e.text); if (rep.source && rep.source.sentence) S.prompt = rep.source.sentence; /* kept while the writer rests */ } catch { /* not JSON */ }
       return;  // once a second: not an event a person needs listed
@@ -56,6 +61,7 @@
   function onStatus(e) {
     S.status = e;
     if (typeof e.text === "string") S.text = e.text;
+    if (typeof e.chars === "number") S.typedChars = e.chars;
     if (typeof e.prompt === "string") S.prompt = e.prompt;
     if (e.state) S.state = e.state;
     if (e.lost !== undefined) S.counts.lost = e.lost;
