@@ -135,6 +135,7 @@ def finish_bundle(out: str | Path, spec: GraphSpec, onnx_bytes: bytes, onnx_run:
         family=family,
         name=name,
         rate_hz=float(rate_hz),
+        schema_version=Manifest.version_for({GRAPH_NAME: spec}),
         graphs={GRAPH_NAME: spec},
         files={},
         preprocess=meta["preprocess"],

@@ -370,13 +370,14 @@ def export_onnx(
                 f"state {i}: init_state gives shape {tuple(s_in.shape)} but step returns its next value with shape "
                 f"{tuple(s_out.shape)}; step must return (y, *new_states) with each new state shaped like its input"
             )
+    # A learned initial state (an LFADS-style h0) is kept: the manifest's ``initial`` (schema version 3), where the
+    # runtime starts and resets the state; a zero one is left implicit, so such a bundle stays version 2.
+    learned: list[list[float] | None] = []
     for i, s in enumerate(initial_states(module, 1) if kind == "recurrent" else ()):
-        if s.dtype.is_floating_point and bool(torch.any(s != 0)):
-            raise ExportError(
-                f"init_state(1)[{i}] is not all zeros; the runtime starts (and resets) recurrent state at zeros, "
-                "so a learned initial state would be lost. Fold it into the model (e.g. add it inside step) "
-                "and make init_state return zeros"
-            )
+        value = s.detach().to("cpu", torch.float32)
+        if not bool(torch.isfinite(value).all()):
+            raise ExportError(f"init_state(1)[{i}] is not finite (NaN or inf); a state must start at finite values")
+        learned.append(value.reshape(-1).tolist() if bool(torch.any(value != 0)) else None)
     s_names = _names(state_names, n_states, "h", "state") if n_states else []
     in_names = [*data_names, *s_names]
     keys = getattr(fn, "output_keys", None)
@@ -434,6 +435,8 @@ def export_onnx(
     for v, t, ax in zip(g_in, ins2, in_axes, strict=True):
         spec = TensorSpec(name=v.name, dtype=v.dtype or "", shape=[], state=v.name in pair, state_pair=pair.get(v.name))
         spec.shape = _check_dims(spec, v.shape, t.shape, ax, "input")
+        if v.name in s_names:
+            spec.initial = learned[s_names.index(v.name)]
         inputs.append(spec)
     for v, t, ax in zip(g_out, outs2, out_axes, strict=True):
         spec = TensorSpec(name=v.name, dtype=v.dtype or "", shape=[], state=v.name in pair, state_pair=pair.get(v.name))

@@ -324,7 +324,7 @@ def import_onnx(
 
     tensors = [*spec.inputs, *spec.outputs]
     dynamic = all("batch" in t.shape for t in tensors)
-    init = {s.name: np.zeros(s.concrete_shape(1), dtype=np.float32) for s in spec.state_inputs}
+    init = {s.name: s.initial_value(1) for s in spec.state_inputs}  # zeros: an ONNX file carries no initial state
     inputs = make_parity_inputs(spec, batch_sizes=tuple(options.parity_batch_sizes) if dynamic else (1,),
                                 sequence=recorded_sequence, sequence_steps=options.sequence_steps, seed=options.seed,
                                 initial_state=init)

@@ -13,12 +13,17 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import numpy as np
+
 from .errors import BundleError
 
 #: 2: inputs and outputs carry a ``role`` and inputs an optional ``window``. A version-1 manifest
 #: (neither field) reads as version 2 with the default roles.
+#: 3: a state input may carry ``initial``, the value its state starts (and resets) at; a version-2 reader
+#: would start it at zeros, so a bundle that has one is written as version 3 and any other as version 2.
 SCHEMA_VERSION = 2
-SUPPORTED_SCHEMA_VERSIONS = (1, 2)
+INITIAL_STATE_SCHEMA_VERSION = 3
+SUPPORTED_SCHEMA_VERSIONS = (1, 2, 3)
 MANIFEST_NAME = "manifest.json"
 
 Dim = int | str  # a fixed size, or a symbolic name for a dynamic axis ("batch")
@@ -123,6 +128,13 @@ def _type_problems(d: dict[str, Any], source: str) -> list[str]:
                 want(f"{at}.state_pair", t.get("state_pair"), _STRING, "a string or null")
                 want(f"{at}.role", t.get("role"), _STRING, "a string")
                 want(f"{at}.window", t.get("window"), _OBJECT, "an object")
+                if "initial" in t and want(f"{at}.initial", t["initial"], _ARRAY, "an array of numbers",
+                                           optional=False):
+                    bad = next((v for v in t["initial"] if type(v) not in (int, float)), None)
+                    if bad is not None or any(type(v) in (int, float) and not math.isfinite(v) for v in t["initial"]):
+                        out.append(f"{source}: {at}.initial must hold finite JSON numbers only, got "
+                                   f"{_kind_name(bad)} {str(bad)[:40]!r}" if bad is not None else
+                                   f"{source}: {at}.initial must hold finite JSON numbers only")
     return out
 
 
@@ -180,10 +192,13 @@ class TensorSpec:
     state_pair: str | None = None
     role: str | None = None
     window: Window | None = None
+    #: A state input's starting value (a learned initial state), flattened in C order at batch 1; None: zeros.
+    initial: list[float] | None = None
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> TensorSpec:
         window = d.get("window")
+        initial = d.get("initial")
         return cls(
             name=d["name"],
             dtype=d["dtype"],
@@ -192,7 +207,18 @@ class TensorSpec:
             state_pair=d.get("state_pair"),
             role=d.get("role"),
             window=Window.from_dict(window) if window is not None else None,
+            initial=[float(v) for v in initial] if initial is not None else None,
         )
+
+    def initial_value(self, batch: int = 1) -> np.ndarray:
+        """The value a state input starts and resets at, shaped for ``batch`` (zeros without ``initial``): the
+        batch-1 value repeated along the batch axis."""
+        shape = self.concrete_shape(batch)
+        if self.initial is None:
+            return np.zeros(shape, dtype=np.dtype(self.dtype))
+        one = np.asarray(self.initial, dtype=np.dtype(self.dtype)).reshape(self.concrete_shape(1))
+        axis = next((i for i, d in enumerate(self.shape) if not isinstance(d, int)), None)
+        return np.ascontiguousarray(one if axis is None or batch == 1 else np.repeat(one, batch, axis=axis))
 
     @property
     def frame_shape(self) -> tuple[int, ...]:
@@ -281,6 +307,17 @@ class GraphSpec:
         for t in self.outputs:
             if t.window is not None:
                 out.append(f"{where}: output {t.name!r} has a window; only inputs can")
+        for t in self.inputs + self.outputs:
+            if t.initial is None:
+                continue
+            if not t.state or t in self.outputs:
+                out.append(f"{where}: {t.name!r} has an initial value; only a state input can (a data input is fed "
+                           "every step, an output is computed)")
+                continue
+            size = math.prod(t.concrete_shape(1))
+            if len(t.initial) != size:
+                out.append(f"{where}: state input {t.name!r} has {len(t.initial)} initial values; its shape "
+                           f"{t.shape} at batch 1 holds {size}")
         for t in self.inputs:
             if t.window is None:
                 continue
@@ -321,7 +358,7 @@ class Manifest:
         d = asdict(self)
         for g in d["graphs"].values():  # an unstated role or window is left out, not written as null
             for tensor in g["inputs"] + g["outputs"]:
-                for key in ("role", "window"):
+                for key in ("role", "window", "initial"):
                     if tensor.get(key) is None:
                         tensor.pop(key, None)
         # Order keys so that a person reading manifest.json sees the important parts first.
@@ -347,6 +384,14 @@ class Manifest:
         typed = _type_problems(d, source)
         if typed:
             raise BundleError("; ".join(typed) + "; re-export the bundle")
+        if version < INITIAL_STATE_SCHEMA_VERSION:  # a version-2 reader would start such a state at zeros
+            learned = [f"{g}.inputs[{i}].initial" for g, spec in d["graphs"].items()
+                       for i, t in enumerate(spec["inputs"]) if "initial" in t]
+            if learned:
+                raise BundleError(f"{source}: schema_version {version} but {', '.join(learned)} set: an initial "
+                                  f"state is version {INITIAL_STATE_SCHEMA_VERSION} (an older reader would start "
+                                  "the state at zeros and run the model wrongly); re-export the bundle, or set "
+                                  f"schema_version {INITIAL_STATE_SCHEMA_VERSION}")
         if version == 1:  # a version-1 reader ignores roles and windows: a version-1 manifest has none
             newer = [f"{g}.{side}[{i}].{key}" for g, spec in d["graphs"].items() for side in ("inputs", "outputs")
                      for i, t in enumerate(spec[side]) for key in ("role", "window") if key in t]
@@ -377,6 +422,12 @@ class Manifest:
         if problems:
             raise BundleError("; ".join(problems) + "; re-export the bundle")
         return manifest
+
+    @staticmethod
+    def version_for(graphs: dict[str, GraphSpec]) -> int:
+        """The schema version a writer gives these graphs: 3 where a state input has an initial value, else 2."""
+        learned = any(t.initial is not None for g in graphs.values() for t in g.inputs)
+        return INITIAL_STATE_SCHEMA_VERSION if learned else SCHEMA_VERSION
 
     @classmethod
     def from_json(cls, text: str, source: str = MANIFEST_NAME) -> Manifest:

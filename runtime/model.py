@@ -24,6 +24,7 @@ import numpy as np
 
 from .backends import BackendChoice, BackendOptions, choose_backend, create_backend
 from .bundle import Bundle, ensure_trusted, load_bundle
+from .manifest import TensorSpec
 from .signing import TrustSpec
 from .window import FrameWindow
 
@@ -72,6 +73,9 @@ class Model:
         self.inputs = self.backend.inputs
         self.outputs = self.backend.outputs
         self._pairs = [(self.inputs[t.name], self.outputs[t.state_pair or ""]) for t in self.spec.state_inputs]
+        # where each state starts and resets: zeros, or the bundle's learned initial state (schema version 3)
+        self._initial = [_initial_state(t, state_in) for t, (state_in, _) in zip(self.spec.state_inputs, self._pairs,
+                                                                                  strict=True)]
         self._data_names = [t.name for t in self.spec.data_inputs]
         self._x = self.inputs[self._data_names[0]]
         self._y = self.outputs[self.spec.data_outputs[0].name]
@@ -102,9 +106,13 @@ class Model:
         return self.choice
 
     def reset(self) -> None:
-        """Zero the recurrent state and empty every window (start of a trial or session)."""
-        for state_in, _ in self._pairs:
-            state_in.fill(0)
+        """Put the recurrent state at its start (zeros, or the bundle's initial state) and empty every window
+        (start of a trial or session)."""
+        for (state_in, _), initial in zip(self._pairs, self._initial, strict=True):
+            if initial is None:
+                state_in.fill(0)
+            else:
+                np.copyto(state_in, initial)
         for window in getattr(self, "_windows", {}).values():
             window.reset()
 
@@ -158,7 +166,7 @@ class Model:
             np.copyto(state_in, state_out)
 
     def reset_nonfinite_state(self) -> bool:
-        """Zero the recurrent state if any of it is not finite; return whether it did."""
+        """Reset the recurrent state (to its start) if any of it is not finite; return whether it did."""
         if _all_finite(self._state_checks):
             return False
         self.reset()
@@ -245,6 +253,18 @@ class Model:
 
     def close(self) -> None:
         self.backend.close()
+
+
+def _initial_state(t: TensorSpec, state_in: np.ndarray) -> np.ndarray | None:
+    """A state input's initial value shaped like the backend's buffer (its batch), or None for zeros."""
+    if t.initial is None:
+        return None
+    axis = next((i for i, d in enumerate(t.shape) if not isinstance(d, int)), None)
+    value = t.initial_value(state_in.shape[axis] if axis is not None else 1)
+    if value.shape != state_in.shape:
+        raise ValueError(f"state input {t.name!r}: initial value of shape {value.shape} for a buffer of "
+                         f"{state_in.shape}")
+    return value
 
 
 def auto_variants(variants: dict[str, dict]) -> list[str]:

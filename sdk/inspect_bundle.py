@@ -17,6 +17,8 @@ def _graph_lines(name: str, g: GraphSpec) -> list[str]:
     out = [f"  graph {name!r}: {g.file} ({g.kind})"]
     for t in g.inputs:
         extra = f"  state -> {t.state_pair}" if t.state else ""
+        if t.initial is not None:  # a learned starting state (schema version 3)
+            extra += f", starts at its initial value (|max| {max(abs(v) for v in t.initial):.3g})"
         out.append(f"    in  {t.name:<12} {t.dtype:<8} {_shape(t.shape)}{extra}")
     for t in g.outputs:
         extra = f"  state -> {t.state_pair}" if t.state else ""

@@ -238,3 +238,35 @@ def test_a_zip_member_that_escapes_or_links_is_refused_as_the_bundle_is(bundle, 
     manifest, problems, _ = check_bundle(path)
     assert manifest is None and len(problems) == 1 and message in problems[0]
     assert main(["inspect", str(path)]) == 1
+
+
+def _with_initial(value, version=3, tensor=1):
+    def edit(d):
+        d["schema_version"] = version
+        d["graphs"]["main"]["inputs"][tensor]["initial"] = value
+    return edit
+
+
+def test_an_initial_state_reads_in_version_3_and_the_model_starts_there(bundle):
+    h0 = [round(0.01 * i, 2) for i in range(32)]  # h: (2, batch, 16)
+    _edit_manifest(bundle, _with_initial(h0))
+    from closedloop.runtime import Model
+
+    model = Model(load_bundle(bundle), backend="onnxruntime")
+    np.testing.assert_array_equal(model.inputs["h"], np.asarray(h0, np.float32).reshape(2, 1, 16))
+
+
+@pytest.mark.parametrize(("edit", "message"), [
+    (_with_initial([0.5] * 32, version=2),
+     r"schema_version 2 but main.inputs\[1\].initial set: an initial state is version 3"),
+    (_with_initial([0.5] * 31), r"state input 'h' has 31 initial values; its shape \[2, 'batch', 16\] at batch 1 "
+                                r"holds 32"),
+    (_with_initial([0.5] * 12, tensor=0), r"'x' has an initial value; only a state input can"),
+    (_with_initial([True] * 32), r"inputs\[1\].initial must hold finite JSON numbers only, got a boolean"),
+    (_with_initial("0.5"), r"inputs\[1\].initial must be an array of numbers, got a string"),
+])
+def test_an_initial_state_that_does_not_fit_is_refused(bundle, edit, message):
+    """A version-2 reader would start the state at zeros, so the field needs version 3; and it must fit the state."""
+    _edit_manifest(bundle, edit)
+    with pytest.raises(BundleError, match=message):
+        load_bundle(bundle)

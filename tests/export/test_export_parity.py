@@ -85,10 +85,12 @@ def test_bad_arguments_are_named(tmp_path, gru_module, mlp_module, quiet):
 
 
 class LearnedInitialState(nn.Module):
+    """An RNN whose starting state is learned (LFADS-style h0), not zeros."""
+
     def __init__(self):
         super().__init__()
         self.cell = nn.GRUCell(3, 4)
-        self.h0 = nn.Parameter(torch.ones(1, 4))
+        self.h0 = nn.Parameter(torch.linspace(-0.8, 0.9, 4)[None])
 
     def init_state(self, batch):
         return (self.h0.expand(batch, 4).detach().clone(),)
@@ -98,7 +100,45 @@ class LearnedInitialState(nn.Module):
         return h.sum(-1, keepdim=True), h
 
 
-def test_nonzero_initial_state_is_refused(tmp_path, quiet):
-    with pytest.raises(ExportError, match=r"init_state\(1\)\[0\] is not all zeros"):
-        export_bundle(LearnedInitialState(), tmp_path / "a", kind="recurrent", example_input=torch.zeros(1, 3),
-                      rate_hz=50.0, report=quiet)
+@pytest.mark.parametrize("backend", ["onnxruntime", "numba"])
+def test_a_learned_initial_state_is_kept_and_the_runtime_starts_and_resets_there(tmp_path, quiet, backend):
+    """The bundle carries h0 (schema version 3), and a session's model starts each trial from it: the outputs
+    match torch rolled out from h0, again after a reset. With zeros instead, the first outputs would differ."""
+    from closedloop.runtime import Model
+
+    torch.manual_seed(0)
+    module = LearnedInitialState().eval()
+    path = export_bundle(module, tmp_path / "a", kind="recurrent", example_input=torch.zeros(1, 3), rate_hz=50.0,
+                         variants=(), tensorrt=False, report=quiet)
+    b = load_bundle(path)
+    assert b.manifest.schema_version == 3
+    h = b.manifest.graphs["main"].input("h")
+    np.testing.assert_allclose(h.initial, module.h0.detach().numpy().ravel(), rtol=0, atol=1e-7)
+    xs = torch.randn(12, 1, 3)
+    with torch.no_grad():
+        state, want = module.init_state(1)[0], []
+        for x in xs:
+            y, state = module.step(x, state)
+            want.append(y.numpy().copy())
+    model = Model(b, backend=backend)
+    for _ in range(2):  # a fresh model, then after a reset (a new trial)
+        got = [model.step(x.numpy()).copy() for x in xs]
+        np.testing.assert_allclose(np.concatenate(got), np.concatenate(want), rtol=1e-5, atol=1e-6)
+        model.reset()
+    np.testing.assert_allclose(model.inputs["h"], module.h0.detach().numpy(), atol=1e-7)
+
+
+def test_a_zero_initial_state_leaves_the_bundle_at_version_2(gru_bundle):
+    """Only a bundle that needs the field is written as version 3, so older readers keep reading the rest."""
+    b = load_bundle(gru_bundle)
+    assert b.manifest.schema_version == 2 and all(t.initial is None for t in b.manifest.graphs["main"].inputs)
+    assert "initial" not in (gru_bundle / "manifest.json").read_text()
+
+
+def test_a_non_finite_initial_state_is_refused(tmp_path, quiet):
+    module = LearnedInitialState()
+    with torch.no_grad():
+        module.h0[0, 1] = float("nan")
+    with pytest.raises(ExportError, match=r"init_state\(1\)\[0\] is not finite"):
+        export_bundle(module, tmp_path / "a", kind="recurrent", example_input=torch.zeros(1, 3), rate_hz=50.0,
+                      report=quiet)
