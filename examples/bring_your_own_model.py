@@ -2,8 +2,9 @@
 
 Four shapes closedloop's own models do not have:
 
-1. a recurrent decoder written for whole sequences, ``forward(seq, h) -> (out, h)``: ``SequenceStep``
-   streams it one bin at a time, and the stream equals one call over the sequence;
+1. a recurrent decoder written for whole sequences, ``forward(seq, h) -> (out, h)``, with a learned initial
+   state ``h0`` (as LFADS-style models have): ``SequenceStep`` streams it one bin at a time from ``h0``, the
+   bundle carries ``h0``, and the stream equals one call over the sequence;
 2. a two-head cursor decoder (velocity and click) over a window of bins, whose ``forward`` returns a dict:
    the bundle's outputs are named by the keys; and the same model shared as TorchScript (a ``.pt`` read back
    with ``torch.jit.load``, returning a tuple), exported as it is;
@@ -37,6 +38,7 @@ class SequenceDecoder(nn.Module):
         super().__init__()
         self.gru = nn.GRU(channels, hidden, num_layers=2, batch_first=True)
         self.head = nn.Linear(hidden, outputs)
+        self.h0 = nn.Parameter(0.5 * torch.randn(2, 1, hidden))  # learned with the rest
 
     def forward(self, seq, h):
         y, h = self.gru(seq, h)
@@ -44,17 +46,20 @@ class SequenceDecoder(nn.Module):
 
 
 decoder = SequenceDecoder().eval()
-step = SequenceStep(decoder, init_state=lambda batch: torch.zeros(2, batch, 64))
+step = SequenceStep(decoder, init_state=lambda batch: decoder.h0.expand(2, batch, 64))
 bundle = export_bundle(step, out / "sequence-decoder", kind="recurrent", example_input=torch.zeros(1, 32),
                        rate_hz=50.0, **quiet)
 model = Model(bundle, backend="auto")
 bins = np.random.default_rng(1).poisson(2.0, size=(100, 32)).astype(np.float32)
 streamed = np.stack([model.step(b[None]).copy()[0] for b in bins])
 with torch.no_grad():
-    whole, _ = decoder(torch.from_numpy(bins)[None], torch.zeros(2, 1, 64))
+    whole, _ = decoder(torch.from_numpy(bins)[None], decoder.h0)
 err = float(np.abs(streamed - whole[0].numpy()).max())
-print(f"1. sequence decoder on {model.backend_name}: streamed vs one call over {len(bins)} bins, max abs error {err:.1e}")
+print(f"1. sequence decoder on {model.backend_name}: streamed from its learned h0 vs one call over {len(bins)} bins, "
+      f"max abs error {err:.1e}")
 assert err < 1e-3
+model.reset()  # a new trial starts from h0 again
+assert np.array_equal(model.step(bins[0][None]), streamed[:1])
 
 
 # 2. two heads, as a dict and as TorchScript -------------------------------------------------------
