@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from closedloop.runtime.monitor.server import rounded_rows
 from closedloop.runtime.recording_view import RecordingView, Series, view_recording
 
 #: Rows per series sent to the page at most (longer series are decimated evenly).
@@ -27,7 +27,7 @@ def _decimate(n: int) -> np.ndarray:
 
 
 def _rows(a: np.ndarray) -> list[list[float | None]]:
-    return [[None if not math.isfinite(v) else round(float(v), 5) for v in row] for row in a]
+    return rounded_rows(a)
 
 
 def _all_outputs(v: RecordingView) -> Series:

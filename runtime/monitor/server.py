@@ -18,6 +18,7 @@ import asyncio
 import hmac
 import ipaddress
 import json
+import math
 import os
 import select
 import socket
@@ -55,6 +56,25 @@ def authorised(request: Any, token: str | None) -> bool:
     return hmac.compare_digest(request.query.get("token", "").encode(), token.encode())
 
 
+#: significant digits of the values the page gets (float32 holds about 7)
+SIGNIFICANT_DIGITS = 6
+
+
+def rounded_rows(a: np.ndarray, digits: int = SIGNIFICANT_DIGITS) -> list[list[float | None]]:
+    """Rows of values rounded to ``digits`` significant digits (a 2e-7 estimate stays 2e-7, not 0), non-finite
+    ones as null: short JSON that keeps every value's precision where the page can show it."""
+    x = np.asarray(a, dtype=np.float64)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        k = (digits - 1 - np.floor(np.log10(np.abs(x)))).astype(np.float64)
+    k = np.nan_to_num(k, nan=0.0, posinf=0.0, neginf=0.0)
+    exact = np.abs(k) <= 22  # powers of ten up to 1e22 are exact doubles; values beyond are kept as they are
+    k = np.where(exact, k, 0.0)
+    scale = 10.0 ** np.abs(k)  # scaled by an exact power both ways, each value is the double nearest its decimal
+    out = np.where(k >= 0, np.round(x * scale) / scale, np.round(x / scale) * scale)
+    out = np.where(exact, out, x)
+    return [[None if not math.isfinite(v) else v for v in row] for row in out.tolist()]
+
+
 def steps_message(batch: StepBatch, period_s: float, t0_ns: int) -> dict[str, Any]:
     """A ``steps`` message from a batch, decimated to ``MAX_ROWS_PER_PUSH`` rows (missed deadlines always kept)."""
     n = len(batch)
@@ -70,8 +90,7 @@ def steps_message(batch: StepBatch, period_s: float, t0_ns: int) -> dict[str, An
         idx = np.arange(n)
 
     def rows(a: np.ndarray) -> list[list[float | None]]:
-        sub = np.round(a[idx].astype(np.float64), 5)
-        return [[None if v != v else v for v in row] for row in sub.tolist()]  # NaN (nothing this step) -> null
+        return rounded_rows(a[idx])  # NaN (nothing this step) -> null
 
     return {
         "type": "steps",

@@ -201,3 +201,13 @@ def test_the_monitor_process_keeps_off_a_pinned_loops_cpu():
         mon.stop()
         plain.stop()
         ring.close()
+
+
+def test_values_reach_the_page_with_six_significant_digits_however_small():
+    """An observer's estimate of 2.3e-7 rad must not arrive as 0; nothing this step is null, not NaN."""
+    from closedloop.runtime.monitor.server import rounded_rows
+
+    a = np.array([[2.3456789e-7, 0.1 + 0.2, 123456.789, np.nan, 0.0, -4.5e-12, 3.0000001, 7.0]], np.float32)
+    got = rounded_rows(a)[0]
+    assert got == [2.34568e-07, 0.3, 123457.0, None, 0.0, -4.5e-12, 3.0, 7.0]
+    assert json.dumps(got) == "[2.34568e-07, 0.3, 123457.0, null, 0.0, -4.5e-12, 3.0, 7.0]"  # short, strict JSON
