@@ -49,7 +49,8 @@ def backend_report(path: Path | None = None, spec: GraphSpec | None = None) -> d
         cls = _BACKENDS[name]
         a = cls.availability()
         if a and path is not None and spec is not None:
-            a = cls.supports(path, spec)
+            runs = cls.supports(path, spec)  # every backend says the same thing the same way where it runs
+            a = Availability(True, f"{a.reason}; runs this graph" if a.reason else "runs this graph") if runs else runs
         report[name] = a
     return report
 

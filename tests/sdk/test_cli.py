@@ -43,6 +43,21 @@ def test_backends_lists_availability(capsys):
     assert "onnxruntime" in out and "numba" in out and "tensorrt" in out
 
 
+def test_backends_say_the_same_thing_the_same_way(gru_bundle, capsys):
+    """A script reads one form: an available backend's version, and with a bundle that it runs the graph."""
+    assert main(["backends", "--json"]) == 0
+    alone = json.loads(capsys.readouterr().out)
+    assert main(["backends", str(gru_bundle), "--json"]) == 0
+    with_bundle = json.loads(capsys.readouterr().out)
+    assert alone["onnxruntime"] == {"available": True, "reason": alone["onnxruntime"]["reason"]}
+    assert alone["onnxruntime"]["reason"].startswith("onnxruntime ")
+    for name, verdict in with_bundle.items():
+        if verdict["available"]:
+            assert verdict["reason"] == f"{alone[name]['reason']}; runs this graph", (name, verdict)
+        else:
+            assert verdict["reason"], name  # an unavailable backend always says why
+
+
 def test_run_reports_summary(mlp_bundle, capsys):
     assert main(["run", str(mlp_bundle), "--duration", "0.3", "--backend", "numba", "--json"]) == 0
     out = capsys.readouterr().out
