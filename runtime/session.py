@@ -330,6 +330,11 @@ class Session:
                 next_hello = time.monotonic() + 0.5
             frame = link.recv(timeout=0.1)
             if frame is not None and isinstance(frame.message, Hello):
+                if frame.message.kind == "host":  # what a host sends (docs/protocol.md): no device answered
+                    raise SessionError(
+                        f"{self.config.device} answered with a host's HELLO (kind 'host'), not a device's: the link "
+                        "echoes what the session sends (loop:// does) or another host is on it; connect a device or "
+                        "an emulator (sim://headstage, sim://plant, sim://panda; closedloop device --list)")
                 return frame.message
         raise SessionError(f"no Hello from {self.config.device} within {timeout_s:g} s; " + _no_hello_reason(link))
 

@@ -90,6 +90,13 @@ def test_a_session_config_refuses_a_rate_of_zero_rather_than_reading_it_as_the_d
         LoopConfig(rate_hz=50, duration_s=0)
 
 
+def test_a_link_that_echoes_the_hosts_hello_is_not_taken_for_a_device(mlp_bundle, capsys):
+    """loop:// sends back what it is sent: the session's own HELLO is not a device with 0 channels."""
+    assert main(["run", str(mlp_bundle), "--device", "loop://", "--duration", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "answered with a host's HELLO" in err and "sim://headstage" in err and "n_channels=0" not in err
+
+
 def test_missing_bundle_is_a_clear_error(tmp_path, capsys):
     assert main(["inspect", str(tmp_path / "nope")]) == 2
     assert "no such file or folder" in capsys.readouterr().err
