@@ -53,12 +53,33 @@ def test_report_gives_bootstrap_intervals_and_counts_unreached_at_the_budget(ben
     assert sparse["to_80"]["mean"] == 1000  # the unreached seed counts at its budget
     assert ">= 1,000" in (tmp_path / "cells.md").read_text()
     # 500 steps against sparse's 1000 (one seed counted at its budget): an upper bound of 0.5, the target met
-    r = svm["ratio_to_sparse_her_80"]
+    r = svm["ratio_to_sparse_80"]
     assert r["ratio"] == 0.5 and r["bound"] == "upper bound" and r["target_met"]
     assert "<= 0.50" in (tmp_path / "cells.md").read_text()
     assert (tmp_path / "cells_success.png").stat().st_size > 0
     mean, lo, hi = bench.bootstrap_mean(np.array([1.0, 2.0, 3.0, 10.0]))
     assert lo < mean < hi and lo >= 1.0 and hi <= 10.0
+
+
+def test_one_seeds_runs_at_two_budgets_are_not_pooled_and_a_task_without_her_is_compared_with_sparse(bench, tmp_path):
+    """A seed rerun with a longer budget is another experiment (pooling both would count the seed twice); the
+    project's tasks have no HER, so their shaped reward is compared with sparse, and never meets a target that is
+    stated against sparse + HER on panda-gym."""
+    def rec(reward, seed, curve, steps):
+        cell = {"task": "push", "reward": reward, "seed": seed, "prior": "bc"}
+        return {"id": bench.cell_id(cell | {"steps": steps}), "cell": cell,
+                "settings": bench.CELL_DEFAULTS | {"steps": steps}, "curve": curve, "wall_s": 1.0}
+
+    recs = [rec("sparse", s, [[0, 0.2], [10_000, 0.7]], 10_000) for s in range(2)]
+    recs += [rec("sparse", s, [[0, 0.2], [12_000, 0.85]], 20_000) for s in range(2)]
+    recs += [rec("svm", s, [[0, 0.2], [4_000, 0.85]], 20_000) for s in range(2)]
+    path = tmp_path / "cells.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    rows = {(r["reward"], r["prior"]): r for r in bench.report(path, tmp_path)["table"]}
+    assert rows[("sparse", "bc, 10,000 steps")]["seeds"] == [0, 1] and rows[("sparse", "bc")]["seeds"] == [0, 1]
+    r = rows[("svm (lam 0.05, beta 5)", "bc")]["ratio_to_sparse_80"]
+    assert r["baseline"] == "sparse" and r["ratio"] == pytest.approx(4_000 / 12_000) and not r["target_met"]
+    assert "(vs sparse)" in (tmp_path / "cells.md").read_text()
 
 
 def test_a_finished_cell_is_skipped(bench, tmp_path, monkeypatch):
@@ -132,9 +153,9 @@ def test_prior_pull_and_refit_cells_are_their_own_experiments(bench, tmp_path):
     path.write_text("".join(json.dumps(r) + "\n" for r in recs))
     rows = {(r["reward"], r["prior"]): r for r in bench.report(path, tmp_path)["table"]}
     # the pull-0 svm row is compared with the pull-0 sparse row (250 / 500), not with the pull-1 one
-    assert rows[("svm_her (lam 0.05, beta 5)", "bc, pull 0")]["ratio_to_sparse_her_80"]["ratio"] == 0.5
+    assert rows[("svm_her (lam 0.05, beta 5)", "bc, pull 0, 1,000 steps")]["ratio_to_sparse_80"]["ratio"] == 0.5
     # the slower refit is its own row, compared with the default pull's sparse + HER (an upper bound: 750 / 1000)
-    r = rows[("svm_her (lam 0.05, beta 5, refit 2)", "bc")]["ratio_to_sparse_her_80"]
+    r = rows[("svm_her (lam 0.05, beta 5, refit 2)", "bc, 1,000 steps")]["ratio_to_sparse_80"]
     assert r["ratio"] == 0.75 and r["bound"] == "upper bound"
     for bad, what in (({"prior_weight": 0.0}, "cloned prior"), ({"refit": 2}, "sparse reward has none"),
                       ({"refit": 0}, "refit must be >= 1")):
