@@ -46,6 +46,43 @@ def _pull_all(inlet, want: int, timeout_s: float = 5.0):
     return samples, np.array(stamps)
 
 
+class Recorded:
+    """A real outlet, and every sample pushed into it with its stamp."""
+
+    def __init__(self, outlet):
+        self.outlet, self.samples, self.stamps = outlet, [], []
+
+    def push_sample(self, x, stamp):
+        self.samples.append(x[0])
+        self.stamps.append(stamp)
+        self.outlet.push_sample(x, stamp)
+
+    def push_chunk(self, x, stamps):
+        self.samples += list(x)
+        self.stamps += list(stamps)
+        self.outlet.push_chunk(x, stamps)
+
+
+def _run_recording_outlets(bundle, config, which: tuple[str, ...]):
+    """Run a session with an LslOutlets observer whose named outlets are wrapped in ``Recorded``."""
+    from closedloop.runtime import Session
+
+    obs = LslOutlets(f"cltest-{uuid.uuid4().hex[:10]}")
+    config.observers = [obs]
+    session = Session(bundle, config)
+    try:
+        session.start()
+        end = time.monotonic() + 10
+        while not all(w in obs.outlets for w in which) and time.monotonic() < end:
+            time.sleep(0.01)
+        wrapped = {w: Recorded(obs.outlets[w]) for w in which}
+        obs.outlets.update(wrapped)
+        summary = session.run()
+    finally:
+        session.close()
+    return obs, wrapped, summary
+
+
 def test_the_clock_offset_is_small_on_one_machine():
     offset, width = clock_offset_s(pylsl)
     assert width < 1e-3
@@ -122,37 +159,18 @@ def test_a_bad_name_is_refused_with_what_to_give():
 def test_a_session_publishes_every_output_a_step_that_ran_several_frames_included(gru_bundle, tmp_path):
     """A decoder consumes every frame; a step that finds two (frames bunched by the link's jitter) runs the model
     on both. A lab's LSL recorder must get each output, as the session's recording does (its OUTPUT records)."""
-    from closedloop.runtime import RecordingReader, RecordType, Session, SessionConfig
+    from closedloop.runtime import RecordingReader, RecordType, SessionConfig
 
-    class Pushed:  # the real outlet, and what went into it
-        def __init__(self, outlet):
-            self.outlet, self.rows = outlet, []
-
-        def push_chunk(self, x, stamps):
-            self.rows += list(x)
-            self.outlet.push_chunk(x, stamps)
-
-    name = f"cltest-{uuid.uuid4().hex[:10]}"
-    obs = LslOutlets(name)
     record = tmp_path / "s.clrec"
-    session = Session(gru_bundle, SessionConfig(
+    obs, wrapped, _ = _run_recording_outlets(gru_bundle, SessionConfig(
         device="sim://headstage?channels=12&delay_ms=10&jitter_ms=10&seed=2", duration_s=3.0, status=False,
-        backend="onnxruntime", observers=[obs], record=str(record)))
-    try:
-        session.start()
-        end = time.monotonic() + 10
-        while "outputs" not in obs.outlets and time.monotonic() < end:
-            time.sleep(0.01)
-        pushed = obs.outlets["outputs"] = Pushed(obs.outlets["outputs"])
-        session.run()
-    finally:
-        session.close()
+        backend="onnxruntime", record=str(record)), ("outputs",))
     recorded = [rec.payload for rec in RecordingReader(record).of_type(RecordType.OUTPUT)]
     steps = [int.from_bytes(p[:4], "little") for p in recorded]
     assert len(steps) > len(set(steps)), "no step ran the model on two frames: the test shows nothing"
     values = np.array([np.frombuffer(p[8:], dtype="<f4") for p in recorded])
     assert obs.pushed["outputs"] == len(recorded) and obs.lost_outputs == 0
-    np.testing.assert_array_equal(np.array(pushed.rows), values)
+    np.testing.assert_array_equal(np.array(wrapped["outputs"].samples), values)
 
 
 def test_typed_text_is_published_when_it_is_typed_with_the_stamp_of_the_output_that_typed_it(tmp_path):
@@ -160,7 +178,7 @@ def test_typed_text_is_published_when_it_is_typed_with_the_stamp_of_the_output_t
     character's model output was ready (the same stamp as that output's sample), not a status update's."""
     import torch
 
-    from closedloop.runtime import Session, SessionConfig
+    from closedloop.runtime import SessionConfig
     from closedloop.sdk.bci.deploy import export_bci_bundle
     from closedloop.sdk.models import GRUDecoder
 
@@ -173,33 +191,10 @@ def test_typed_text_is_published_when_it_is_typed_with_the_stamp_of_the_output_t
                                std=np.full(channels, 0.4), session_name="2023.04.17", variants=(), tensorrt=False,
                                report=lambda s: None)
 
-    class Recorded:  # the real outlet, and what went into it
-        def __init__(self, outlet):
-            self.outlet, self.samples, self.stamps = outlet, [], []
-
-        def push_sample(self, x, stamp):
-            self.samples.append(x[0])
-            self.stamps.append(stamp)
-            self.outlet.push_sample(x, stamp)
-
-        def push_chunk(self, x, stamps):
-            self.samples += list(x)
-            self.stamps += list(stamps)
-            self.outlet.push_chunk(x, stamps)
-
-    obs = LslOutlets(f"cltest-{uuid.uuid4().hex[:10]}")
-    session = Session(bundle, SessionConfig(device=f"sim://headstage?channels={channels}&seed=4", duration_s=3.0,
-                                            status=False, backend="onnxruntime", observers=[obs]))
-    try:
-        session.start()
-        end = time.monotonic() + 10
-        while "text" not in obs.outlets and time.monotonic() < end:
-            time.sleep(0.01)
-        text = obs.outlets["text"] = Recorded(obs.outlets["text"])
-        outputs = obs.outlets["outputs"] = Recorded(obs.outlets["outputs"])
-        summary = session.run()
-    finally:
-        session.close()
+    _, wrapped, summary = _run_recording_outlets(bundle, SessionConfig(
+        device=f"sim://headstage?channels={channels}&seed=4", duration_s=3.0, status=False, backend="onnxruntime"),
+        ("text", "outputs"))
+    text, outputs = wrapped["text"], wrapped["outputs"]
     typed = summary.family["text"]
     assert len(typed) >= 5, "the decoder typed too little for the test to show anything"
     assert "".join(text.samples) == typed  # every character, once, in order
