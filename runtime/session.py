@@ -307,6 +307,7 @@ class Session:
         self._unused, self._warned_unused = 0, False  # frames not of the input's type
         self._tap: SessionTap | None = None  # per-step hooks: made in start() when anything listens
         self._typed = 0  # characters the family had typed at the last "typed" event (idle time)
+        self._typed_ns = 0  # when the output of the last run that typed was ready
         self.monitor_url: str | None = None
 
     # --- connection -------------------------------------------------------------
@@ -525,6 +526,8 @@ class Session:
                 self.writer.append_output(k, frame.seq, y, t_ns, index=i)
         if self._tap is not None:
             self._tap.acted(frame.seq, fam.frame_vector, self.model.output, self._more_offsets)
+            if fam.typed_last():  # this run typed: its output's time stamps the "typed" event (idle time)
+                self._typed_ns = self._tap.last_run_ns
         if bad is not None:
             self._refuse_nonfinite(bad, k)
             return
@@ -667,12 +670,13 @@ class Session:
             self.out.flush()
 
     def _typed_event(self, count: int) -> None:
-        """Text the family typed since the last event, stamped when the output that typed it was ready (idle
-        time of the step that typed it; the LSL text outlet and other observers get it within one period)."""
+        """Text the family typed since the last event, stamped when the output that typed its last character was
+        ready; sent in the idle time of the step that typed it (or of the next step with idle time, where steps
+        overran), so the LSL text outlet and other observers get it within a period or so."""
         added = count - self._typed if count >= self._typed else count  # fewer: the text was reset and restarted
         self._typed = count
         if added > 0 and self._tap is not None:
-            self._tap.event({"event": "typed", "step": self._step, "t_ns": self._tap.last_run_ns,
+            self._tap.event({"event": "typed", "step": self._step, "t_ns": self._typed_ns,
                              "text": self.family.typed_tail(added), "chars": count})
 
     def _state(self) -> str:

@@ -305,6 +305,9 @@ class BCIHandwritingFamily(FamilyPlugin):
     def typed_count(self) -> int:
         return self.ctc.count
 
+    def typed_last(self) -> str:
+        return self.ctc.last
+
     def typed_tail(self, n: int) -> str:
         return self.display_text(n) if n > 0 else ""
 
