@@ -128,7 +128,8 @@ class SessionConfig:
     def __post_init__(self) -> None:
         # 0 or a negative number here is a mistake, never "the default" (None is): refuse it by name
         for name, value in (("rate_hz", self.rate_hz), ("duration_s", self.duration_s),
-                            ("watchdog_s", self.watchdog_s), ("watchdog_limit_s", self.watchdog_limit_s)):
+                            ("watchdog_s", self.watchdog_s), ("watchdog_limit_s", self.watchdog_limit_s),
+                            ("handshake_timeout_s", self.handshake_timeout_s)):
             if value is not None and not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
                 raise ValueError(f"SessionConfig.{name} {value!r}: must be a positive number of "
                                  f"{'Hz' if name == 'rate_hz' else 'seconds'} (None: the default)")

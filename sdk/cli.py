@@ -98,6 +98,8 @@ def _run_args(p: argparse.ArgumentParser) -> None:
                         "stop ends the session (exit 1). docs/runtime.md, 'The loop'")
     p.add_argument("--record", default=None, help="write a crash-safe recording of the session here")
     p.add_argument("--watchdog", type=float, default=0.25, help="seconds without input before the safe command")
+    p.add_argument("--handshake-timeout", type=float, default=10.0, metavar="S",
+                   help="with --device: seconds to wait for the device's HELLO before giving up (exit 2; default 10)")
     p.add_argument("--key", default=None, help="hex shared secret for a signed link")
     p.add_argument("--weights-key-file", default=None,
                    help="key of a protected bundle's keyed weight layout (docs/robustness.md; or "
@@ -171,6 +173,7 @@ def _run(a: argparse.Namespace) -> int:
     for flag, value, unit, default in (("--rate", a.rate, "Hz", "to use the bundle's rate"),
                                        ("--duration", a.duration, "seconds", "to run until Ctrl-C"),
                                        ("--watchdog", a.watchdog, "seconds", "for the default 0.25 s"),
+                                       ("--handshake-timeout", a.handshake_timeout, "seconds", "for the default 10 s"),
                                        ("--watchdog-limit", a.watchdog_limit, "seconds", "for no limit")):
         if value is not None and not (np.isfinite(value) and value > 0):
             raise ValueError(f"{flag} {value:g}: must be a positive number of {unit} (leave it out {default})")
@@ -180,6 +183,7 @@ def _run(a: argparse.Namespace) -> int:
         cfg = SessionConfig(
             device=a.device, backend=a.backend, variant=a.variant, duration_s=a.duration, rate_hz=a.rate,
             record=a.record, watchdog_s=a.watchdog, overrun=a.overrun, key=a.key, status=not a.quiet,
+            handshake_timeout_s=a.handshake_timeout,
             weights_key_file=a.weights_key_file, scrub=a.scrub, scrub_policy=a.scrub_policy,
             inputs=_held_inputs(a.input), trust=a.trust,
             monitor=a.monitor, monitor_public=a.monitor_public, lsl_out=a.lsl_out, watchdog_limit_s=a.watchdog_limit,

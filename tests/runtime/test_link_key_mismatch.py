@@ -87,7 +87,8 @@ def test_the_cli_says_it_too(bundle, capsys):
 
     t = time.monotonic()
     rc = main(["run", str(bundle), "--device", PLANT, "--key", KEY_A, "--duration", "0.5", "--quiet",
-               "--backend", "onnxruntime"])
+               "--backend", "onnxruntime", "--handshake-timeout", "1.5"])
     err = capsys.readouterr().err
-    assert rc == 2 and time.monotonic() - t < 30
+    assert rc == 2 and time.monotonic() - t < 20
+    assert "within 1.5 s" in err
     assert "closedloop run: error: no Hello from" in err and "unsigned frame on a link that requires signing" in err
