@@ -130,11 +130,10 @@ def _type_problems(d: dict[str, Any], source: str) -> list[str]:
                 want(f"{at}.window", t.get("window"), _OBJECT, "an object")
                 if "initial" in t and want(f"{at}.initial", t["initial"], _ARRAY, "an array of numbers",
                                            optional=False):
-                    bad = next((v for v in t["initial"] if type(v) not in (int, float)), None)
-                    if bad is not None or any(type(v) in (int, float) and not math.isfinite(v) for v in t["initial"]):
+                    bad = [v for v in t["initial"] if type(v) not in (int, float)]
+                    if bad:
                         out.append(f"{source}: {at}.initial must hold finite JSON numbers only, got "
-                                   f"{_kind_name(bad)} {str(bad)[:40]!r}" if bad is not None else
-                                   f"{source}: {at}.initial must hold finite JSON numbers only")
+                                   f"{_kind_name(bad[0])} {str(bad[0])[:40]!r}")
     return out
 
 
@@ -318,6 +317,15 @@ class GraphSpec:
             if len(t.initial) != size:
                 out.append(f"{where}: state input {t.name!r} has {len(t.initial)} initial values; its shape "
                            f"{t.shape} at batch 1 holds {size}")
+                continue
+            try:  # finite as the state's own dtype holds it: 1e300 is a finite JSON number but inf in float32
+                limit = float(np.finfo(np.dtype(t.dtype)).max)
+            except (TypeError, ValueError):
+                continue  # not a float dtype: the dtype rules say so
+            outside = [v for v in t.initial if not (math.isfinite(v) and abs(v) <= limit)]
+            if outside:
+                out.append(f"{where}: state input {t.name!r} has initial values that are not finite {t.dtype} "
+                           f"numbers (first: {outside[0]!r}; largest allowed magnitude {limit:.8g})")
         for t in self.inputs:
             if t.window is None:
                 continue

@@ -309,6 +309,7 @@ class Session:
         self._tap: SessionTap | None = None  # per-step hooks: made in start() when anything listens
         self._typed = 0  # characters the family had typed at the last "typed" event (idle time)
         self._typed_ns = 0  # when the output of the last run that typed was ready
+        self._typed_resets = 0  # the family's text resets at the last "typed" event
         self.monitor_url: str | None = None
 
     # --- connection -------------------------------------------------------------
@@ -394,6 +395,7 @@ class Session:
                 },
             )
         self.family.reset()
+        self._typed, self._typed_resets = 0, self.family.typed_resets()  # typed events count from here
         if self._tap is not None:  # observers start with the device known
             self._tap.start({"device": _hello_dict(hello)})
         self._last_input_ns = time.monotonic_ns()
@@ -653,8 +655,9 @@ class Session:
             self._send_safe(k)
             self._loop.stop("weights_unrepairable")
         now = time.monotonic_ns()
-        if self._tap is not None and self.family.typed_count() != self._typed:
-            self._typed_event(self.family.typed_count())
+        fam = self.family
+        if self._tap is not None and (fam.typed_count() != self._typed or fam.typed_resets() != self._typed_resets):
+            self._typed_event(fam.typed_count(), fam.typed_resets())
         if self._tap is not None and self._tap.status_due():
             self._tap.event(self._status_event())
             if self.config.monitor is not None and now >= self._next_report_ns:
@@ -670,15 +673,18 @@ class Session:
                 self.out.write(self.status_line() + "\n")
             self.out.flush()
 
-    def _typed_event(self, count: int) -> None:
+    def _typed_event(self, count: int, resets: int) -> None:
         """Text the family typed since the last event, stamped when the output that typed its last character was
         ready; sent in the idle time of the step that typed it (or of the next step with idle time, where steps
-        overran), so the LSL text outlet and other observers get it within a period or so."""
-        added = count - self._typed if count >= self._typed else count  # fewer: the text was reset and restarted
-        self._typed = count
-        if added > 0 and self._tap is not None:
-            self._tap.event({"event": "typed", "step": self._step, "t_ns": self._typed_ns,
-                             "text": self.family.typed_tail(added), "chars": count})
+        overran), so the LSL text outlet and other observers get it within a period or so. A reset of the text (a
+        new trial, a re-handshake) is said with ``reset``, stamped when it was noticed if nothing was typed since."""
+        reset = resets != self._typed_resets
+        added = count if reset else count - self._typed
+        self._typed, self._typed_resets = count, resets
+        if (added > 0 or reset) and self._tap is not None:
+            self._tap.event({"event": "typed", "step": self._step,
+                             "t_ns": self._typed_ns if added > 0 else time.monotonic_ns(),
+                             "text": self.family.typed_tail(added), "chars": count, "reset": reset})
 
     def _state(self) -> str:
         if self.link is None or self._disconnected:

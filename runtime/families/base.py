@@ -107,6 +107,10 @@ class FamilyPlugin:
         """Characters of text this family has typed since its last reset; -1 for a family that types none."""
         return -1
 
+    def typed_resets(self) -> int:
+        """How many times the typed text was reset (a new trial, a re-handshake); 0 for a family that types none."""
+        return 0
+
     def typed_last(self) -> str:
         """What the last model run typed ('' for nothing); read on the loop's path, so it allocates nothing."""
         return ""

@@ -37,6 +37,14 @@ from closedloop.firmware_bridge.transports.lsl import import_pylsl
 from .hub import SessionObserver
 from .ring import RunBatch, StepBatch
 
+#: what each outlet's timestamps are (its ``desc/clock``), all on ``local_clock()``
+_CLOCKS = {
+    "outputs": "when the model output was ready (the step ring's run record), on local_clock()",
+    "commands": "end of the session step that sent the command, on local_clock()",
+    "text": "when the model output that typed the sample's last character was ready (a reset: when the session "
+            "noticed it), on local_clock()",
+}
+
 
 def clock_offset_s(pylsl: Any, reads: int = 9) -> tuple[float, float]:
     """``(local_clock() - time.monotonic(), uncertainty)`` in seconds, from the tightest of ``reads`` bracketed reads."""
@@ -98,7 +106,7 @@ class LslOutlets(SessionObserver):
         for key in ("bundle_name", "family", "backend", "device_url"):
             if self.info.get(key) is not None:
                 desc.append_child_value(key, str(self.info[key]))
-        desc.append_child_value("clock", "end of the session step, on local_clock()")
+        desc.append_child_value("clock", _CLOCKS[which])
         if labels is not None and len(labels) == n:
             channels = desc.append_child("channels")
             for label in labels:
@@ -162,11 +170,13 @@ class LslOutlets(SessionObserver):
         """A ``typed`` event: the characters a step typed, stamped when the model output that typed them was
         ready (the same stamp as that output's sample on ``NAME-outputs``)."""
         text, t_ns = event.get("text"), event.get("t_ns")
-        if event.get("event") != "typed" or not isinstance(text, str) or not text or "text" not in self.outlets:
+        if event.get("event") != "typed" or not isinstance(text, str) or "text" not in self.outlets:
             return
         stamp = t_ns / 1e9 + self.offset_s if isinstance(t_ns, int) and t_ns > 0 else self._lsl.local_clock()
-        self.outlets["text"].push_sample([text], stamp)
-        self.pushed["text"] += 1
+        # a reset (a new trial, a re-handshake) is a sample of its own, "\n": the text after it starts again
+        for sample in (["\n"] if event.get("reset") else []) + ([text] if text else []):
+            self.outlets["text"].push_sample([sample], stamp)
+            self.pushed["text"] += 1
 
     def on_stop(self, summary: dict[str, Any]) -> None:
         self.outlets.clear()  # liblsl withdraws a stream when its outlet is destroyed

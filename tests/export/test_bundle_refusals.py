@@ -263,6 +263,8 @@ def test_an_initial_state_reads_in_version_3_and_the_model_starts_there(bundle):
                                 r"holds 32"),
     (_with_initial([0.5] * 12, tensor=0), r"'x' has an initial value; only a state input can"),
     (_with_initial([True] * 32), r"inputs\[1\].initial must hold finite JSON numbers only, got a boolean"),
+    (_with_initial([0.5] * 31 + [None]), r"inputs\[1\].initial must hold finite JSON numbers only, got null"),
+    (_with_initial([0.5] * 31 + [1e300]), r"state input 'h' has initial values that are not finite float32 numbers"),
     (_with_initial("0.5"), r"inputs\[1\].initial must be an array of numbers, got a string"),
 ])
 def test_an_initial_state_that_does_not_fit_is_refused(bundle, edit, message):

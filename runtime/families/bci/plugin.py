@@ -206,6 +206,7 @@ class BCIHandwritingFamily(FamilyPlugin):
         self._normalize_warmup = normalize_warmup
         self._frame_bin: int | None = None
         self.bins = 0  # bins decoded since the last reset
+        self.text_resets = 0  # resets of the typed text so far
         # Compile (or load from Numba's cache) both kernels for the exact array types of
         # the hot path now, so that the first bin of a session compiles nothing.
         normalize(self._frame, self._mean, self._inv_std, self._x)
@@ -237,6 +238,7 @@ class BCIHandwritingFamily(FamilyPlugin):
         self.ctc.reset()
         self._frame_bin = None
         self.bins = 0
+        self.text_resets += 1  # a new trial or a re-handshake: typed events say the text starts again
 
     def end_trial(self) -> str:
         """Return the trial's decoded text (in the charset, e.g. ``he>was~``) and reset.
@@ -307,6 +309,9 @@ class BCIHandwritingFamily(FamilyPlugin):
 
     def typed_last(self) -> str:
         return self.ctc.last
+
+    def typed_resets(self) -> int:
+        return self.text_resets
 
     def typed_tail(self, n: int) -> str:
         return self.display_text(n) if n > 0 else ""

@@ -38,7 +38,7 @@
   function onEvent(e, quiet) {
     if (e.event === "status") { onStatus(e); return; }
     if (e.event === "typed") {  // what a step typed, as it is typed (the next status carries the whole text)
-      S.text = (e.chars >= S.typedChars ? (S.text || "") : "") + e.text;
+      S.text = (e.reset || e.chars < S.typedChars ? "" : (S.text || "")) + e.text;
       S.typedChars = e.chars;
       return;
     }
