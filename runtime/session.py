@@ -680,6 +680,7 @@ class Session:
         new trial, a re-handshake) is said with ``reset``, stamped when it was noticed if nothing was typed since."""
         reset = resets != self._typed_resets
         added = count if reset else count - self._typed
+        reset = reset and self._typed > 0  # a reset that discards no text (the device's answer HELLO) says nothing
         self._typed, self._typed_resets = count, resets
         if (added > 0 or reset) and self._tap is not None:
             self._tap.event({"event": "typed", "step": self._step,
