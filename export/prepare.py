@@ -11,6 +11,8 @@ things a user should not have to know about:
   kept quiet too (torch 2.x turns it on during every export and then prints the whole TorchScript
   IR to stdout when a pass fails). ``aten::rms_norm`` (``nn.RMSNorm``), which this exporter has no
   symbolic for, is written with ONNX ops (:func:`rms_norm_symbolic`) unless one is registered already.
+  An ``nn.LSTM`` with projections (``proj_size``), which ONNX's LSTM lacks, is traced through an explicit
+  forward (``closedloop.export.lstm_projection``).
   Everything is restored afterwards, also on error.
 * **Failures.** Any error from the exporter becomes an :class:`UnsupportedOpError` (an
   ``ExportError``): "cannot export MODULE_PATH (TYPE): op OP is not supported by ONNX opset N;
@@ -37,6 +39,7 @@ import torch
 from torch import nn
 
 from .errors import ExportError, UnsupportedOpError
+from .lstm_projection import explicit_projected_lstms
 
 ROOT = "model"  # how messages name the exported module itself (its submodules: model.encoder.layers.0)
 MAX_TORCH_TEXT = 160  # characters of torch's own message quoted when the op cannot be named
@@ -183,7 +186,7 @@ def torch_onnx_export(fn: nn.Module, args: tuple[torch.Tensor, ...], f: io.Bytes
     name submodules by their path from it. Any failure other than our own ``ExportError`` is raised as
     :class:`UnsupportedOpError` with torch's exception as ``__cause__``.
     """
-    with export_settings():
+    with export_settings(), explicit_projected_lstms(fn):
         try:
             torch.onnx.export(fn, args, f, dynamo=False, opset_version=opset, **kwargs)
         except ExportError:

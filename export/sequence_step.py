@@ -58,6 +58,11 @@ class SequenceStep(nn.Module):
         if isinstance(module, torch.jit.ScriptModule):
             raise ExportError(f"{type(module).__name__} is a TorchScript module: the tracer cannot enter it from the "
                               "step adapter; wrap the Python module it was made from")
+        both_ways = [name or "model" for name, m in module.named_modules() if isinstance(m, nn.RNNBase) and m.bidirectional]
+        if both_ways:
+            raise ExportError(f"{both_ways[0]} is bidirectional: its reverse direction reads the sequence from its end, "
+                              "so it cannot stream one step at a time. Stream a unidirectional model, or export this one "
+                              "over windows of frames (kind='feedforward' with windows={...}, docs/bundle.md)")
         self.module = module
         self._init_state = init_state
         self.batch_first = bool(batch_first)

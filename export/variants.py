@@ -62,20 +62,24 @@ class VariantBuild:
 # 1.32's session creation at ORT_ENABLE_ALL (the crash goes with MatmulTransposeFusion or NchwcTransformer
 # disabled, or with the normalisation in float32, which is what the Cast nodes around it give).
 FP16_KEEP_FLOAT32 = ("LayerNormalization",)
+# Where the graph still crashes that session creation, a Transpose feeding a float16 MatMul is the pattern
+# (MatmulTransposeFusion; seen on every nn.GRU / nn.LSTM streamed through SequenceStep, whose batch_first
+# Transposes sit around the recurrence): the fp16 variant is rebuilt with Transpose kept in float32 too.
+FP16_RETRY_KEEP_FLOAT32 = ("Transpose",)
 
 
-def _fp16(fp32: bytes) -> VariantBuild:
+def _fp16(fp32: bytes, keep: tuple[str, ...] = FP16_KEEP_FLOAT32) -> VariantBuild:
     from onnxruntime.transformers.float16 import DEFAULT_OP_BLOCK_LIST, convert_float_to_float16
 
-    block = sorted(set(DEFAULT_OP_BLOCK_LIST) | set(FP16_KEEP_FLOAT32))
+    block = sorted(set(DEFAULT_OP_BLOCK_LIST) | set(keep))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         model = convert_float_to_float16(onnx.load_from_string(fp32), keep_io_types=True, op_block_list=block)
     info: dict[str, Any] = {
         "converter": "onnxruntime.transformers.float16.convert_float_to_float16(keep_io_types=True, "
-                     f"op_block_list=DEFAULT_OP_BLOCK_LIST + {list(FP16_KEEP_FLOAT32)})",
+                     f"op_block_list=DEFAULT_OP_BLOCK_LIST + {list(keep)})",
         "io_dtype": "float32",
-        "float32_ops": list(FP16_KEEP_FLOAT32),
+        "float32_ops": list(keep),
     }
     if caught:  # e.g. weights outside float16's range, clamped
         info["converter_warnings"] = sorted({str(w.message)[:200] for w in caught})
@@ -171,6 +175,9 @@ def build_variant(
     check_variant_names([name])
     built = VARIANTS[name](fp32)
     crash = _session_crash(built.onnx_bytes)
+    if crash and name == "fp16":  # the known crashing pattern, broken up by Casts around the Transposes
+        built = _fp16(fp32, FP16_KEEP_FLOAT32 + FP16_RETRY_KEEP_FLOAT32)
+        crash = _session_crash(built.onnx_bytes)
     if crash:
         import onnxruntime
 

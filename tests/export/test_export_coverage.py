@@ -447,6 +447,63 @@ def test_a_sequence_model_streams_through_the_step_adapter_like_one_call_over_th
         _export(module, tmp_path / "bare", "recurrent", torch.zeros(1, FEATURES))
 
 
+def test_a_sequence_model_exports_with_the_default_variants(tmp_path):
+    """What a user who calls export_bundle without variants= gets: the fp16 and int8 variants too. The fp16
+    conversion of SequenceStep's Transposes around the GRU crashes ONNX Runtime 1.32's session creation
+    (MatmulTransposeFusion); the variant is rebuilt with the Transposes kept in float32 and says so."""
+    from closedloop.export import SequenceStep
+
+    torch.manual_seed(0)
+    module = SequenceModel(nn.GRU).eval()
+    bundle = export_bundle(SequenceStep(module, lambda b: torch.zeros(2, b, 8)), tmp_path / "gru", kind="recurrent",
+                           example_input=torch.zeros(1, FEATURES), rate_hz=50.0, tensorrt=False, report=lambda s: None)
+    variants = _graph_record(bundle)[0]["graphs"]["main"]["variants"]
+    assert set(variants) == {"fp16", "int8"} and all(v["within_tolerance"] for v in variants.values())
+    assert "Transpose" in variants["fp16"]["float32_ops"]
+    for variant in ("fp16", "int8"):
+        Model(bundle, backend="onnxruntime", variant=variant).step(np.ones((1, FEATURES), np.float32))
+
+
+class ProjectedLSTM(nn.Module):
+    """An LSTM with projections (LSTMP: proj_size), which ONNX's LSTM operator lacks."""
+
+    def __init__(self, layers: int = 2):
+        super().__init__()
+        self.rnn = nn.LSTM(FEATURES, 16, layers, batch_first=True, proj_size=4)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, seq, state):
+        y, state = self.rnn(seq, state)
+        return self.head(y), state
+
+
+@pytest.mark.parametrize("backend", ["onnxruntime", "numba"])
+def test_an_lstm_with_projections_streams_as_torch_computes_it(backend, tmp_path):
+    from closedloop.export import SequenceStep
+
+    torch.manual_seed(0)
+    module = ProjectedLSTM().eval()
+    start = lambda b: (torch.zeros(2, b, 4), torch.zeros(2, b, 16))  # noqa: E731  (h: proj_size, c: hidden_size)
+    bundle = _export(SequenceStep(module, start), tmp_path / "lstmp", "recurrent", torch.zeros(1, FEATURES))
+    graph = _graph_record(bundle)[0]["graphs"]["main"]
+    assert graph["parity"]["checks"]["sequence_vs_torch_full_forward"]["within_tolerance"]  # vs torch's own LSTM
+    seq = np.random.default_rng(5).standard_normal((30, FEATURES)).astype(np.float32)
+    model = Model(bundle, backend=backend)
+    got = np.stack([model.step(row[None]).copy()[0] for row in seq])
+    with torch.no_grad():
+        want, _ = module(torch.from_numpy(seq)[None], start(1))
+    assert _close(got, want[0].numpy()), f"max abs error {np.max(np.abs(got - want[0].numpy())):.2e}"
+    assert module.rnn.forward.__func__ is nn.LSTM.forward  # the user's module keeps torch's own forward
+
+
+def test_a_bidirectional_model_is_refused_by_the_step_adapter_saying_why():
+    from closedloop.export import SequenceStep
+
+    module = nn.GRU(FEATURES, 8, batch_first=True, bidirectional=True)
+    with pytest.raises(ExportError, match="model is bidirectional: its reverse direction reads the sequence from its end"):
+        SequenceStep(module, lambda b: torch.zeros(2, b, 8))
+
+
 class ConvThenGRU(nn.Module):
     """A convolution over each window of frames, then a GRU whose state crosses windows; ``step`` only (no
     ``forward``), as a streaming-only model is often written."""
