@@ -217,12 +217,21 @@ def row_by_row(run: Runner, spec: GraphSpec) -> Runner:
     """``run`` called once per batch row (a batch of one each), the outputs joined again along each tensor's batch
     axis (its ``"batch"`` axis, else axis 0): what one batched call gives when rows are independent, and the way to
     give a batch to a graph whose batch is fixed at 1 or to a backend that runs batch 1."""
-    axis = {t.name: t.shape.index("batch") if "batch" in t.shape else 0 for t in [*spec.inputs, *spec.outputs]}
+    # a state tensor of a graph fixed at batch 1 has no batch axis to split along (its axis 0 is an RNN's layers)
+    axis: dict[str, int | None] = {t.name: t.shape.index("batch") if "batch" in t.shape else (None if t.state else 0)
+                                   for t in [*spec.inputs, *spec.outputs]}
 
     def run_rows(feeds: Feeds) -> Feeds:
-        n = max(v.shape[axis.get(k, 0)] for k, v in feeds.items())
-        outs = [run({k: np.take(v, [i], axis=axis.get(k, 0)) for k, v in feeds.items()}) for i in range(n)]
-        return {k: np.concatenate([o[k] for o in outs], axis=axis.get(k, 0)) for k in outs[0]}
+        split = [k for k in feeds if axis.get(k, 0) is not None]
+        n = max((feeds[k].shape[axis.get(k, 0) or 0] for k in split), default=1)
+        if n == 1:
+            return run(feeds)
+        whole = [k for k in feeds if axis.get(k, 0) is None]
+        if whole:
+            raise ExportError(f"cannot run a batch of {n} row by row through a graph whose state {whole[0]!r} has no "
+                              "batch axis; give the rows one at a time")
+        outs = [run({k: np.take(v, [i], axis=axis.get(k, 0) or 0) for k, v in feeds.items()}) for i in range(n)]
+        return {k: np.concatenate([o[k] for o in outs], axis=axis.get(k, 0) or 0) for k in outs[0]}
 
     return run_rows
 

@@ -123,6 +123,35 @@ def test_a_recurrent_file_carries_its_named_state_step_to_step(files, tmp_path):
         np.testing.assert_allclose(m.step(xs[:1]), [want[0]], atol=1e-5)
 
 
+class LayeredGRU(nn.Module):
+    """A 2-layer nn.GRU step as a user exports it at batch 1: its state (layers, batch, hidden) has the layers first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gru, self.head = nn.GRU(6, 8, num_layers=2, batch_first=True), nn.Linear(8, 3)
+
+    def forward(self, x, h):
+        y, h = self.gru(x[:, None], h)
+        return self.head(y[:, 0]), h
+
+
+def test_a_fixed_batch_file_whose_state_has_layers_first_imports(tmp_path):
+    """Batch fixed at 1 and a state of shape (2, 1, 8): the parity checks must not read the layers as rows."""
+    torch.manual_seed(0)
+    module = LayeredGRU().eval()
+    src = _export(module, (torch.zeros(1, 6), torch.zeros(2, 1, 8)), tmp_path / "gru.onnx", ["x", "h"], ["y", "h_next"])
+    bundle = import_onnx(src, tmp_path / "b", rate_hz=50.0, state={"h": "h_next"}, **QUIET)
+    spec = load_bundle(bundle).graph()
+    assert spec.input("h").shape == [2, 1, 8] and spec.parity["within_tolerance"]
+    xs = np.random.default_rng(3).standard_normal((20, 6)).astype(np.float32)
+    with torch.no_grad():
+        want, _ = module.gru(torch.from_numpy(xs)[None], torch.zeros(2, 1, 8))
+        want = module.head(want[0]).numpy()
+    for backend in ("onnxruntime", "numba"):
+        m = Model(bundle, backend=backend)
+        np.testing.assert_allclose([m.step(x[None]).copy()[0] for x in xs], want, atol=1e-5, err_msg=backend)
+
+
 def test_an_imported_bundle_runs_a_session_through_the_cli(files, tmp_path, capsys):
     out = tmp_path / "policy_bundle"
     assert main(["import-onnx", str(files["controller"]), str(out), "--rate", "200", "--no-tensorrt", "--variants", "none",
