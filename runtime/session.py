@@ -62,6 +62,9 @@ from .stats import LoopSummary
 HELLO_ANSWER_S = 0.75
 #: In a pipe or a CI log (stderr not a terminal), the status line is a plain line this often.
 PLAIN_STATUS_S = 10.0
+#: characters of typed text a status update carries (its newest): the updates must fit the step ring's event slot
+#: (2,048 bytes) in a session of any length; `typed` events carry every character, the recording keeps them all
+STATUS_TEXT_CHARS = 1000
 # STATUS codes of docs/devices.md: the host asks for a REPORT, the device answers with one (JSON text).
 REQUEST_REPORT, REPORT = 1, 2
 
@@ -697,8 +700,8 @@ class Session:
         lat = self._loop.latency
         c = self.summary_counts
         metrics = dict(self.family.live_metrics())
-        if "text" in metrics:  # the whole typed text, not the status line's tail
-            metrics["text"] = self.family.summary_metrics().get("text", metrics["text"])
+        if "text" in metrics:  # the typed text's newest STATUS_TEXT_CHARS, not the status line's short tail
+            metrics["text"] = self.family.typed_tail(STATUS_TEXT_CHARS) or metrics["text"]
         return {"event": "status", "step": self._step, "t_ns": time.monotonic_ns(), "state": self._state(),
                 "p99_us": lat.recent_percentile_us(99) if lat.count else None, "missed": self._loop.missed,
                 "lost": self.link.parser.stats.lost if self.link is not None else 0,

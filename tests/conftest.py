@@ -150,3 +150,22 @@ def bench_script():
         return mod
 
     return load
+
+
+@pytest.fixture(scope="session")
+def typing_bundle(tmp_path_factory):
+    """A 12-channel handwriting decoder bundle (random weights, scaled so it types now and then on Poisson input)."""
+    import numpy as np
+    import torch
+
+    from closedloop.sdk.bci.deploy import export_bci_bundle
+    from closedloop.sdk.models import GRUDecoder
+
+    torch.manual_seed(3)
+    module = GRUDecoder(12, 16, 1, 32).eval()
+    with torch.no_grad():  # a random decoder that types now and then on Poisson input
+        module.readout.weight.mul_(10)
+    c = 12  # channels
+    return export_bci_bundle(module, tmp_path_factory.mktemp("typing") / "typing", n_channels=c, mean=np.full(c, 0.16),
+                             std=np.full(c, 0.4), session_name="2023.04.17", variants=(), tensorrt=False,
+                             report=lambda s: None)

@@ -19,23 +19,10 @@ from closedloop.runtime import (
     run_session,
 )
 from closedloop.runtime.recording_view import view_recording
-from closedloop.sdk.bci.deploy import export_bci_bundle
-from closedloop.sdk.models import GRUDecoder, MLPPolicy
+from closedloop.sdk.models import MLPPolicy
 
 pytest.importorskip("aiohttp", reason="the monitor needs the [monitor] extra (aiohttp)")
 C = 12
-
-
-@pytest.fixture(scope="module")
-def typing_bundle(tmp_path_factory):
-    torch.manual_seed(3)
-    module = GRUDecoder(C, 16, 1, 32).eval()
-    with torch.no_grad():  # a random decoder that types now and then on Poisson input
-        module.readout.weight.mul_(10)
-    return export_bci_bundle(
-        module, tmp_path_factory.mktemp("mon") / "typing", n_channels=C, mean=np.full(C, 0.16),
-        std=np.full(C, 0.4), session_name="2023.04.17", variants=(), tensorrt=False, report=lambda s: None,
-    )
 
 
 @pytest.fixture(scope="module")

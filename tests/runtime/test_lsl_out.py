@@ -173,23 +173,12 @@ def test_a_session_publishes_every_output_a_step_that_ran_several_frames_include
     np.testing.assert_array_equal(np.array(wrapped["outputs"].samples), values)
 
 
-def test_typed_text_is_published_when_it_is_typed_with_the_stamp_of_the_output_that_typed_it(tmp_path):
+def test_typed_text_is_published_when_it_is_typed_with_the_stamp_of_the_output_that_typed_it(typing_bundle):
     """A lab aligns each typed character with the neural data: the text outlet's sample carries the time the
     character's model output was ready (the same stamp as that output's sample), not a status update's."""
-    import torch
-
     from closedloop.runtime import SessionConfig
-    from closedloop.sdk.bci.deploy import export_bci_bundle
-    from closedloop.sdk.models import GRUDecoder
 
-    channels = 12
-    torch.manual_seed(3)
-    module = GRUDecoder(channels, 16, 1, 32).eval()
-    with torch.no_grad():  # a random decoder that types now and then on Poisson input
-        module.readout.weight.mul_(10)
-    bundle = export_bci_bundle(module, tmp_path / "typing", n_channels=channels, mean=np.full(channels, 0.16),
-                               std=np.full(channels, 0.4), session_name="2023.04.17", variants=(), tensorrt=False,
-                               report=lambda s: None)
+    channels, bundle = 12, typing_bundle  # conftest's typing_bundle: a 12-channel decoder
 
     # link jitter bunches frames, so some steps run the model on two (the second often blank); the device restarts
     # at 2 s, which resets the text
@@ -214,3 +203,4 @@ def test_typed_text_is_published_when_it_is_typed_with_the_stamp_of_the_output_t
         assert best[j] != 0, f"{sample!r} is stamped with a blank output's time"
         assert after_reset or j == 0 or best[j] != best[j - 1], f"{sample!r} is stamped with an output that typed nothing"
         after_reset = False
+

@@ -379,3 +379,32 @@ def test_the_status_line_is_a_plain_line_in_a_pipe_or_log(plant_bundle):
     assert "\r" not in text and "\x1b" not in text
     lines = [ln for ln in text.splitlines() if " Hz | p99 " in ln]
     assert len(lines) == 1, text  # 0.5 s: only the first of a 10 s cadence
+
+
+def test_status_updates_of_a_session_that_typed_for_hours_still_carry_every_field(typing_bundle):
+    """A status update holds the text's newest characters, not all of it: with the whole text, an update outgrew
+    the ring's event slot after about 1,900 characters and arrived as {event, step, truncated} (no state, no p99)."""
+    from closedloop.runtime import Session, SessionConfig, SessionObserver
+    from closedloop.runtime.session import STATUS_TEXT_CHARS
+
+    class Statuses(SessionObserver):
+        def __init__(self):
+            self.got = []
+
+        def on_event(self, event):
+            if event.get("event") == "status":
+                self.got.append(event)
+
+    obs = Statuses()
+    session = Session(typing_bundle, SessionConfig(device=f"sim://headstage?channels={12}&seed=4",
+                                                   duration_s=1.0, status=False, backend="onnxruntime",
+                                                   observers=[obs]))
+    long_text = "the quick brown fox jumps over the lazy dog. " * 200  # 9,000 characters typed so far
+    session.family.typed_tail = lambda n: long_text[-n:] if n > 0 else ""
+    try:
+        session.start()
+        session.run()
+    finally:
+        session.close()
+    assert obs.got and all("truncated" not in e and "state" in e and "p99_us" in e for e in obs.got)
+    assert all(e["text"] == long_text[-STATUS_TEXT_CHARS:] for e in obs.got)

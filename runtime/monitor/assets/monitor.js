@@ -4,6 +4,7 @@
   const FLAG = { ACTED: 1, COMMAND: 2, SAFE: 4, DISCONNECTED: 8, WATCHDOG: 16 };
   const KEEP = 1500;           // steps kept for the charts
   const RASTER_ROWS = 200;     // input rows kept for the heat map
+  const TEXT_CHARS = 1000;     // typed characters shown (the newest; a status update carries as many)
   const $ = (id) => document.getElementById(id);
   const S = window.monitorState = {
     info: null, connected: false, everConnected: false, ended: false, updates: 0, step: -1, state: "connecting", text: "",
@@ -38,7 +39,7 @@
   function onEvent(e, quiet) {
     if (e.event === "status") { onStatus(e); return; }
     if (e.event === "typed") {  // what a step typed, as it is typed (the next status carries the whole text)
-      S.text = (e.reset || e.chars < S.typedChars ? "" : (S.text || "")) + e.text;
+      S.text = ((e.reset || e.chars < S.typedChars ? "" : (S.text || "")) + e.text).slice(-TEXT_CHARS);
       S.typedChars = e.chars;
       return;
     }
