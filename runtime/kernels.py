@@ -67,6 +67,7 @@ from .kernels_dense import (  # noqa: F401
     panel_layout,
     panel_storage,
     panel_width,
+    rnn_seq,
 )
 from .kernels_nd import (  # noqa: F401
     BIN_ADD,
@@ -106,6 +107,7 @@ OP_BATCHED_MATMUL = 10  # a, b, bias, y, packed, alpha, g[7]  y[i] = alpha a[i] 
 OP_CONV = 11  # x, panels, b, y, padded, st, g[19]    convolution (groups 1), then an activation
 OP_POOL = 12  # x, y, g[17]                           max or average pooling
 OP_CONV_GROUPED = 13  # x, w, b, y, g[19]             convolution (any groups), then an activation
+OP_RNN = 14  # x, h0, w, r, b, y, relu, reverse, st     Elman RNN (tanh or relu) over every step
 PROGRAM_WIDTH = 26
 
 LANES_SLOT = 0  # table row of the (1, POSITIONS * LANES) scratch every plan carries
@@ -174,6 +176,12 @@ def run_plan(program, table, arena):
                 _view(arena, table, p[7]), _view(arena, table, p[8]), _view(arena, table, p[9]), lanes, p[10],
                 p[11],
             )
+        elif op == OP_RNN:
+            rnn_seq(
+                _view(arena, table, p[1]), _view(arena, table, p[2]), _view(arena, table, p[3]),
+                _view(arena, table, p[4]), _view(arena, table, p[5]), _view(arena, table, p[6]), p[7], lanes, p[8],
+                p[9],
+            )
         elif op == OP_COPY:
             copy_into(_view(arena, table, p[1]), _view(arena, table, p[2]))
 
@@ -223,4 +231,4 @@ def pack_arena(arrays: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray, list[n
 
 # every kernel module's digest, so that an edit to any of them refreshes Numba's cache of all
 # (tools/kernel_digest.py says why)
-KERNEL_SOURCES = "c581cabd15754040"
+KERNEL_SOURCES = "5151106176d917bc"

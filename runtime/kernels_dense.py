@@ -457,6 +457,27 @@ def lstm_seq(x, h0, c0, w, r, b, y, c, gx, lanes, reverse, storage=W_F32):
 
 
 @njit(**JIT)
+def rnn_seq(x, h0, w, r, b, y, relu, lanes, reverse, storage=W_F32):
+    """ONNX RNN (Elman: ``h = f(x W^T + h R^T + Wb + Rb)``, ``f`` tanh, or relu with ``relu``) over every step.
+
+    As ``gru_seq``: ``x`` (steps * batch, inputs), ``h0`` (batch, hidden), ``y`` (steps * batch, hidden) the state
+    after each step; ``b`` holds the input and recurrent biases summed. The products go straight into ``y``.
+    """
+    batch, hidden = h0.shape
+    steps = y.shape[0] // batch
+    for s in range(steps):
+        t = steps - 1 - s if reverse else s
+        prev = h0 if s == 0 else y
+        prow = 0 if s == 0 else ((t + 1) * batch if reverse else (t - 1) * batch)
+        matmul_rows(x, t * batch, w, b, y, t * batch, batch, lanes, False, storage)
+        matmul_rows(prev, prow, r, b, y, t * batch, batch, lanes, True, storage)
+        for i in range(batch):
+            for j in range(hidden):
+                v = y[t * batch + i, j]
+                y[t * batch + i, j] = (v if v > 0.0 else 0.0) if relu else fast_tanh(v)
+
+
+@njit(**JIT)
 def affine(x, scale, shift, y):
     """``y = x * scale + shift`` with per-column ``scale``/``shift`` of shape (1, columns)."""
     rows, n = x.shape
@@ -475,4 +496,4 @@ def copy_into(x, y):
 
 # every kernel module's digest, so that an edit to any of them refreshes Numba's cache of all
 # (tools/kernel_digest.py says why)
-KERNEL_SOURCES = "c581cabd15754040"
+KERNEL_SOURCES = "5151106176d917bc"

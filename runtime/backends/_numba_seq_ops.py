@@ -1,6 +1,6 @@
-"""The Numba backend's recurrent op handlers: ONNX GRU and LSTM, one kernel step per layer.
+"""The Numba backend's recurrent op handlers: ONNX GRU, LSTM and RNN, one kernel step per layer.
 
-torch.onnx writes one GRU or LSTM node per layer of ``nn.GRU``/``nn.LSTM``; in a
+torch.onnx writes one GRU, LSTM or RNN node per layer of ``nn.GRU``/``nn.LSTM``/``nn.RNN``; in a
 single-step graph (``step(x, h[, c])``) each reads its initial state from a layer
 slice of the state input (a window, no copy) and its final state goes straight
 into its slice of the state output (the Concat of the layers places it there).
@@ -8,8 +8,8 @@ Sequences longer than one step (a recurrent layer over a window) run inside the
 kernel. Forward and reverse directions run in place; a bidirectional layer runs
 both (one kernel step each, weights in float32) and copies their outputs into
 ``Y`` (steps, 2, batch, hidden) and the final states into ``Y_h`` (and ``Y_c``).
-Peepholes, clipping, non-default activations and ``sequence_lens`` are refused
-by name.
+An RNN's activation is Tanh or Relu (``nn.RNN``'s ``nonlinearity``). Peepholes, clipping,
+other activations and ``sequence_lens`` are refused by name.
 """
 
 from __future__ import annotations
@@ -157,3 +157,23 @@ def _lstm(p: Planner, node) -> None:
     for d, c in enumerate(cs):
         p.copy(node, c, 0, (size,), [1], c_all.buf, d * size, [1])
     p.define(node, c_all, 2)
+
+
+@handles("RNN")
+def _rnn(p: Planner, node) -> None:
+    given = node.attributes.get("activations", ["Tanh"])
+    given = [a.decode() if isinstance(a, bytes) else a for a in given]
+    activations = given if all(a in ("Tanh", "Relu") for a in given) and len(set(given)) == 1 else ["Tanh"]
+    x, w, r, b, hidden, steps, batch, directions = _recurrent(p, node, 1, activations)
+    dirs = len(directions)
+    if len(activations) not in (1, dirs):
+        raise unsupported(node, f"activations={given!r} for {dirs} direction(s)")
+    h0s = _initial(p, node, 5, batch, hidden, "initial_h", dirs)
+    ys = []
+    for d, (reverse, h0) in enumerate(zip(directions, h0s, strict=True)):
+        y = p.new_act((steps, 1, batch, hidden))
+        wp, rp, storage = _weights(p, node, w, r, d, dirs)
+        p.emit(p.k.OP_RNN, x.mat(), h0.mat(), wp, rp, p.param(b[d, :hidden] + b[d, hidden:]),
+               Mat(y.buf, steps * batch, hidden), int(activations[0] == "Relu"), int(reverse), storage, out=[y.buf])
+        ys.append(y)
+    _outputs(p, node, ys, steps, batch, hidden, directions)

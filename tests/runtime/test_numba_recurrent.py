@@ -1,4 +1,4 @@
-"""The Numba backend's LSTM (and sequence GRU) against ONNX Runtime, and streaming through ``Model``.
+"""The Numba backend's LSTM (and sequence GRU and RNN) against ONNX Runtime, and streaming through ``Model``.
 
 Graphs are what torch.onnx exports for ``nn.LSTM``: a single-step graph ``step(x, h, c) ->
 (y, h_out, c_out)`` with explicit state (one ONNX LSTM node per layer, initial state read
@@ -58,9 +58,9 @@ class LstmDecoder(torch.nn.Module):
 class Windowed(torch.nn.Module):
     """(B, T, F) -> (B, O): a recurrent layer over the whole window, then its last output."""
 
-    def __init__(self, cell: type, n_in: int = 6, hidden: int = 20, layers: int = 2):
+    def __init__(self, cell: type, n_in: int = 6, hidden: int = 20, layers: int = 2, **options):
         super().__init__()
-        self.rnn = cell(n_in, hidden, layers, batch_first=True)
+        self.rnn = cell(n_in, hidden, layers, batch_first=True, **options)
         self.head = torch.nn.Linear(hidden, 3)
 
     def forward(self, x):
@@ -129,10 +129,11 @@ def test_lstm_step_matches_onnxruntime(tmp_path, layers, batch):
 
 
 @pytest.mark.parametrize("batch", [1, 3])
-@pytest.mark.parametrize("cell", ["LSTM", "GRU"])
+@pytest.mark.parametrize("cell", ["LSTM", "GRU", "RNN", "RNN-relu"])
 def test_recurrent_layer_over_a_window_matches_onnxruntime(tmp_path, cell, batch):
     torch.manual_seed(7)
-    module = Windowed(getattr(torch.nn, cell)).eval()
+    name, _, nonlinearity = cell.partition("-")
+    module = Windowed(getattr(torch.nn, name), **({"nonlinearity": nonlinearity} if nonlinearity else {})).eval()
     path = tmp_path / f"{cell}_window.onnx"
     torch.onnx.export(module, (torch.randn(1, 12, 6),), str(path), dynamo=False, opset_version=17,
                       input_names=["x"], output_names=["y"], dynamic_axes={"x": {0: "batch"}, "y": {0: "batch"}})
@@ -143,7 +144,7 @@ def _reverse_graph(path, op: str, steps: int, n_in: int, hidden: int):
     """One ``op`` node with direction="reverse" over a (steps, batch, n_in) input, all outputs."""
     from onnx import TensorProto, helper, numpy_helper
 
-    gates = 4 if op == "LSTM" else 3
+    gates = {"LSTM": 4, "GRU": 3, "RNN": 1}[op]
     rng = np.random.default_rng(3)
     inits = [numpy_helper.from_array((rng.standard_normal(shape) * 0.4).astype(np.float32), name)
              for name, shape in (("W", (1, gates * hidden, n_in)), ("R", (1, gates * hidden, hidden)),
@@ -169,7 +170,7 @@ def _reverse_graph(path, op: str, steps: int, n_in: int, hidden: int):
 
 
 @pytest.mark.parametrize("batch", [1, 3])
-@pytest.mark.parametrize("op", ["LSTM", "GRU"])
+@pytest.mark.parametrize("op", ["LSTM", "GRU", "RNN"])
 def test_reverse_direction_matches_onnxruntime(tmp_path, op, batch):
     path = tmp_path / f"{op}_reverse.onnx"
     spec = _reverse_graph(path, op, steps=5, n_in=7, hidden=24)
@@ -193,6 +194,35 @@ def test_lstm_streams_through_model_as_onnxruntime_over_50_steps(tmp_path):
     with torch.inference_mode():  # and the same sequence through torch in one call
         ref, _, _ = module(torch.from_numpy(xs[:, 0][None]), *module.init_state(1))
     np.testing.assert_allclose(outs["numba"][:, 0], ref[0].numpy(), rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("nonlinearity", ["tanh", "relu"])
+def test_an_elman_rnn_streams_on_numba_as_torch_computes_it(tmp_path, nonlinearity):
+    """nn.RNN (the recurrent networks of cortex models) through SequenceStep: one Numba step per layer."""
+    from closedloop.export import SequenceStep
+
+    class Elman(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.rnn = torch.nn.RNN(6, 16, 2, batch_first=True, nonlinearity=nonlinearity)
+            self.head = torch.nn.Linear(16, 3)
+
+        def forward(self, seq, h):
+            y, h = self.rnn(seq, h)
+            return self.head(y), h
+
+    torch.manual_seed(2)
+    module = Elman().eval()
+    bundle = export_bundle(SequenceStep(module, lambda b: torch.zeros(2, b, 16)), tmp_path / "rnn", kind="recurrent",
+                           example_input=torch.zeros(1, 6), rate_hz=50, variants=(), tensorrt=False,
+                           report=lambda _: None)
+    xs = np.random.default_rng(4).standard_normal((40, 6)).astype(np.float32)
+    model = Model(bundle, backend="numba")
+    got = np.stack([model.step(x[None]).copy()[0] for x in xs])
+    with torch.inference_mode():
+        want, _ = module(torch.from_numpy(xs)[None], torch.zeros(2, 1, 16))
+    np.testing.assert_allclose(got, want[0].numpy(), rtol=RTOL, atol=ATOL)
+    assert len(model.backend._program) == 3  # one RNN step per layer and the head
 
 
 def test_lstm_step_allocates_nothing(tmp_path, bytes_allocated):
