@@ -177,7 +177,31 @@ def requested_pairs(bundle: Bundle, cfg: BenchConfig) -> tuple[list[str], list[s
     variants = cfg.variants or ["fp32", *spec.variants]
     for v in variants:
         bundle.graph_path(cfg.graph, v)  # a variant the bundle lacks raises, listing the ones it has
-    return list(names), list(variants)
+    here = backend_report()
+    why: dict[tuple[str, str], list[str]] = {}
+    for n in names:
+        for v in variants:
+            reason = _cannot_run(n, bundle.graph_path(cfg.graph, v), spec, here, broken)
+            if reason is None:
+                return list(names), list(variants)
+            why.setdefault((n, reason), []).append(v)
+    raise _none_can_run(bundle, why)  # said before anything is measured or timed
+
+
+def _cannot_run(name: str, path, spec, here: dict, broken: dict[str, str]) -> str | None:
+    """Why backend ``name`` cannot run the graph at ``path`` here, or None when it can."""
+    if name in broken:
+        return broken[name]
+    able = here[name] and get_backend_class(name).supports(path, spec)
+    return None if able else (able.reason or "unavailable here")
+
+
+def _none_can_run(b: Bundle, why: dict[tuple[str, str], list[str]]) -> BackendUnavailableError:
+    label = b.manifest.name or str(b.source)
+    return BackendUnavailableError(
+        f"no backend asked for can run {label} here: "
+        + "; ".join(f"{n} ({', '.join(vs)}): {reason}" for (n, reason), vs in why.items())
+        + f". `closedloop backends {b.source}` lists what this machine has")
 
 
 def _unimported_backends() -> dict[str, str]:
@@ -216,12 +240,9 @@ def bench_bundle(
             row: dict = {"backend": name, "variant": variant}
             rows.append(row)
             path = b.graph_path(cfg.graph, variant)
-            if name in broken:
-                row |= {"status": "skipped", "reason": broken[name]}
-                continue
-            able = here[name] and get_backend_class(name).supports(path, spec)
-            if not able:
-                row |= {"status": "skipped", "reason": able.reason or "unavailable here"}
+            reason = _cannot_run(name, path, spec, here, broken)
+            if reason is not None:
+                row |= {"status": "skipped", "reason": reason}
                 continue
             try:
                 model = Model(b, backend=name, graph=cfg.graph, variant=None if variant == "fp32" else variant)
@@ -243,14 +264,11 @@ def bench_bundle(
         rate_hz=rate, flops=cost.flops, flops_exact=cost.exact, rows=rows, config=asdict(cfg),
         machine=machine.to_dict(), samples=samples,
     )
-    if not result.timed():
+    if not result.timed():  # every pair that could run failed to build
         why: dict[tuple[str, str], list[str]] = {}
         for r in rows:
             why.setdefault((r["backend"], r["reason"]), []).append(r["variant"])
-        raise BackendUnavailableError(
-            f"no backend asked for can run {label} here: "
-            + "; ".join(f"{n} ({', '.join(vs)}): {reason}" for (n, reason), vs in why.items())
-            + f". `closedloop backends {b.source}` lists what this machine has")
+        raise _none_can_run(b, why)
     return result
 
 
