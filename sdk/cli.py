@@ -822,6 +822,7 @@ _family_commands("closedloop.sdk.grid.validate", (("validate", "run a batch of s
 
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED, EXIT_BROKEN_PIPE = 0, 1, 2, 130, 141
+EXIT_INTERNAL = 70  # a bug in closedloop (sysexits' EX_SOFTWARE): not a failed check, not bad input
 
 
 def _version() -> str:
@@ -836,7 +837,8 @@ def _version() -> str:
 def _build() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
     parser = argparse.ArgumentParser(prog="closedloop", description="closed-loop deployment of neural models",
                                      epilog="exit codes: 0 clean end; 1 a failed check or a session stopped by a "
-                                            "safety rule; 2 usage or bad input; 130 Ctrl-C; 141 closed pipe")
+                                            "safety rule; 2 usage or bad input; 70 an internal error (a bug); 130 Ctrl-C; "
+                                            "141 closed pipe")
     parser.add_argument("--version", action="version", version=f"closedloop {_version()}")
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more log messages on stderr (-vv: debug)")
     parser.add_argument("-q", "--quiet", dest="global_quiet", action="store_true",
@@ -902,6 +904,13 @@ def main(argv: list[str] | None = None) -> int:
         # Typed errors carry a message that says what was wrong and what to do.
         print(f"closedloop {args.command}: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    except Exception as exc:  # noqa: BLE001  (anything else is a bug: say so, with the traceback to report)
+        import traceback
+
+        traceback.print_exc(file=sys.stderr)
+        print(f"closedloop {args.command}: internal error: {type(exc).__name__}: {exc}. This is a bug in closedloop, "
+              "not in your input: please report it with the traceback above", file=sys.stderr)
+        return EXIT_INTERNAL
 
 
 def console_main() -> int:

@@ -97,6 +97,19 @@ def test_a_link_that_echoes_the_hosts_hello_is_not_taken_for_a_device(mlp_bundle
     assert "answered with a host's HELLO" in err and "sim://headstage" in err and "n_channels=0" not in err
 
 
+def test_an_unexpected_exception_is_an_internal_error_exit_70_not_a_failed_check(monkeypatch, capsys):
+    """A script must not read a crash as a failed check (1) or bad input (2)."""
+    from closedloop.sdk import cli
+
+    def boom(a):
+        raise IndexError("index 1 is out of bounds for axis 0 with size 1")
+
+    monkeypatch.setitem(cli._COMMANDS, "backends", (*cli._COMMANDS["backends"][:2], boom))
+    assert main(["backends"]) == 70
+    err = capsys.readouterr().err
+    assert "Traceback" in err and "closedloop backends: internal error: IndexError: index 1" in err and "bug" in err
+
+
 def test_missing_bundle_is_a_clear_error(tmp_path, capsys):
     assert main(["inspect", str(tmp_path / "nope")]) == 2
     assert "no such file or folder" in capsys.readouterr().err
