@@ -245,12 +245,30 @@ def _worst_output(record: dict[str, Any]) -> str:
             f"max rel {fmt_error(c.get('max_rel'))}")
 
 
+def _set_initial(spec: GraphSpec, initial: dict[str, np.ndarray], path: Path) -> None:
+    """Each given initial state onto its state input, checked against the state's shape."""
+    states = {t.name: t for t in spec.state_inputs}
+    for name, values in initial.items():
+        t = states.get(name)
+        if t is None:
+            raise ExportError(f"{path}: initial value for {name!r}, which is not a state input (state inputs: "
+                              f"{sorted(states) or 'none; give --state IN=OUT first'})")
+        arr = np.asarray(values, dtype=np.float64).reshape(-1)
+        size = int(np.prod(t.concrete_shape(1)))
+        if arr.size != size or not np.isfinite(arr).all():
+            raise ExportError(f"{path}: initial value for {name!r} has {arr.size} values"
+                              + ("" if np.isfinite(arr).all() else " (not all finite)")
+                              + f"; its shape {t.shape} at batch 1 holds {size} finite values")
+        t.initial = arr.astype(np.float32).astype(np.float64).tolist() if np.any(arr != 0) else None
+
+
 def import_onnx(
     path: str | Path,
     out: str | Path,
     *,
     rate_hz: float,
     state: Mapping[str, str] | None = None,
+    initial: Mapping[str, np.ndarray] | None = None,
     outputs: Sequence[str] | None = None,
     family: str = "generic",
     name: str = "",
@@ -282,6 +300,10 @@ def import_onnx(
     state
         ``{state input: state output}`` for a recurrent graph: each step's output feeds the next step's input,
         starting from zeros (the runtime's reset). Absent: a feed-forward graph.
+    initial
+        ``{state input: values}``: a learned initial state (the value the runtime starts and resets that state at,
+        instead of zeros), shaped as the state at batch 1 (or flat with as many values); the bundle then carries it
+        (schema version 3, docs/bundle.md).
     outputs
         The data outputs to keep, in this order (a session acts on the first): the graph is cut down to them and
         the state outputs, so an output the runtime cannot hold (an int64 label beside the probabilities) can be
@@ -314,6 +336,7 @@ def import_onnx(
     data, settled = _settle_output_sizes(data, state, path)
     spec = _graph_spec(data, state, path)
     apply_roles_and_windows(spec, input_roles, output_roles, windows)
+    _set_initial(spec, dict(initial or {}), path)
     opset = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), None)
     report(f"read {path.name}: {len(proto.graph.node)} nodes, opset {opset}, from "
            f"{proto.producer_name or 'an unnamed producer'} {proto.producer_version}".rstrip())
@@ -324,7 +347,7 @@ def import_onnx(
 
     tensors = [*spec.inputs, *spec.outputs]
     dynamic = all("batch" in t.shape for t in tensors)
-    init = {s.name: s.initial_value(1) for s in spec.state_inputs}  # zeros: an ONNX file carries no initial state
+    init = {s.name: s.initial_value(1) for s in spec.state_inputs}  # zeros, or the initial values given
     inputs = make_parity_inputs(spec, batch_sizes=tuple(options.parity_batch_sizes) if dynamic else (1,),
                                 sequence=recorded_sequence, sequence_steps=options.sequence_steps, seed=options.seed,
                                 initial_state=init)

@@ -661,6 +661,9 @@ def _import_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rate", type=float, required=True, help="the loop rate in Hz the model was trained for")
     p.add_argument("--state", action="append", default=[], metavar="IN=OUT",
                    help="a recurrent state: the input a step reads and the output that feeds it back (repeatable)")
+    p.add_argument("--initial", action="append", default=[], metavar="IN=FILE.npy",
+                   help="a learned initial state for state input IN (a .npy array shaped as the state at batch 1): "
+                        "the runtime starts and resets it there instead of at zeros (repeatable)")
     p.add_argument("--output", action="append", default=None, metavar="NAME",
                    help="keep this output (repeatable, in order: a session acts on the first); the others are cut "
                         "from the graph. Default: every output, in the file's order")
@@ -710,8 +713,14 @@ def _import_onnx(a: argparse.Namespace) -> int:
     except ValueError as exc:
         raise ValueError(f"--window: {exc}; give NAME=LENGTH[:HOP[:LAYOUT]]") from None
     variants = [] if a.variants.strip().lower() in ("", "none") else [v.strip() for v in a.variants.split(",")]
-    path = import_onnx(a.model, a.out, rate_hz=a.rate, state=_pairs(a.state, "--state"), outputs=a.output,
-                       family=a.family, name=a.name,
+    initial = {}
+    for name, file in _pairs(a.initial, "--initial").items():
+        try:
+            initial[name] = np.load(file, allow_pickle=False)
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"--initial {name}={file}: cannot read a .npy array there ({exc})") from None
+    path = import_onnx(a.model, a.out, rate_hz=a.rate, state=_pairs(a.state, "--state"), initial=initial,
+                       outputs=a.output, family=a.family, name=a.name,
                        preprocess=_json_arg(a.preprocess, "--preprocess"),
                        postprocess=_json_arg(a.postprocess, "--postprocess"), extra=_json_arg(a.extra, "--extra"),
                        input_roles=_pairs(a.input_role, "--input-role"),

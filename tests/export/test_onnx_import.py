@@ -319,3 +319,29 @@ def test_an_output_size_the_file_does_not_state_is_measured_and_written_in(tmp_p
         want = model(torch.from_numpy(x)).numpy()
     for backend in ("onnxruntime", "numba"):
         np.testing.assert_allclose(Model(bundle, backend=backend).step(x), want, atol=1e-5, err_msg=backend)
+
+
+def test_a_learned_initial_state_comes_in_with_initial_and_the_runtime_starts_there(tmp_path, capsys):
+    """A file made elsewhere from a model with a learned h0: `--initial h=h0.npy` puts it in the bundle."""
+    torch.manual_seed(0)
+    module = LayeredGRU().eval()
+    src = _export(module, (torch.zeros(1, 6), torch.zeros(2, 1, 8)), tmp_path / "gru.onnx", ["x", "h"], ["y", "h_next"])
+    h0 = np.linspace(-0.5, 0.5, 16, dtype=np.float32).reshape(2, 1, 8)
+    np.save(tmp_path / "h0.npy", h0)
+    assert main(["import-onnx", str(src), str(tmp_path / "b"), "--rate", "50", "--state", "h=h_next",
+                 "--initial", f"h={tmp_path / 'h0.npy'}", "--variants", "none", "--no-tensorrt"]) == 0
+    b = load_bundle(tmp_path / "b")
+    assert b.manifest.schema_version == 3
+    xs = np.random.default_rng(3).standard_normal((20, 6)).astype(np.float32)
+    with torch.no_grad():
+        want, _ = module.gru(torch.from_numpy(xs)[None], torch.from_numpy(h0))
+        want = module.head(want[0]).numpy()
+    for backend in ("onnxruntime", "numba"):
+        m = Model(b, backend=backend)
+        np.testing.assert_allclose([m.step(x[None]).copy()[0] for x in xs], want, atol=1e-5, err_msg=backend)
+    capsys.readouterr()
+    assert main(["import-onnx", str(src), str(tmp_path / "c"), "--rate", "50", "--state", "h=h_next",
+                 "--initial", f"h={tmp_path / 'missing.npy'}"]) == 2
+    assert "--initial h=" in capsys.readouterr().err
+    with pytest.raises(ExportError, match="has 3 values; its shape \\[2, 1, 8\\] at batch 1 holds 16"):
+        import_onnx(src, tmp_path / "d", rate_hz=50.0, state={"h": "h_next"}, initial={"h": np.ones(3)}, **QUIET)
