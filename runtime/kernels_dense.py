@@ -402,6 +402,16 @@ def dense(x, panels, b, y, act, lanes, storage=W_F32):
 
 
 @njit(**JIT)
+def seq_step(s, steps, batch, reverse):
+    """Step ``s`` of a recurrence over ``steps`` time steps of ``batch`` rows: the time index it computes
+    (``reverse``: last to first) and the first row in ``y`` of the state it starts from (0 at ``s == 0``,
+    where the state is ``h0``)."""
+    t = steps - 1 - s if reverse else s
+    prow = 0 if s == 0 else ((t + 1) * batch if reverse else (t - 1) * batch)
+    return t, prow
+
+
+@njit(**JIT)
 def gru_seq(x, h0, w, r, bw, br, y, gx, gh, lanes, reverse, storage=W_F32):
     """ONNX GRU (gate order z, r, n; ``linear_before_reset=1``) over every time step of ``x``.
 
@@ -415,9 +425,8 @@ def gru_seq(x, h0, w, r, bw, br, y, gx, gh, lanes, reverse, storage=W_F32):
     batch, hidden = h0.shape
     steps = y.shape[0] // batch
     for s in range(steps):
-        t = steps - 1 - s if reverse else s
+        t, prow = seq_step(s, steps, batch, reverse)
         prev = h0 if s == 0 else y
-        prow = 0 if s == 0 else ((t + 1) * batch if reverse else (t - 1) * batch)
         matmul_rows(x, t * batch, w, bw, gx, 0, batch, lanes, False, storage)
         matmul_rows(prev, prow, r, br, gh, 0, batch, lanes, False, storage)
         for i in range(batch):
@@ -440,9 +449,8 @@ def lstm_seq(x, h0, c0, w, r, b, y, c, gx, lanes, reverse, storage=W_F32):
     batch, hidden = h0.shape
     steps = y.shape[0] // batch
     for s in range(steps):
-        t = steps - 1 - s if reverse else s
+        t, prow = seq_step(s, steps, batch, reverse)
         prev = h0 if s == 0 else y
-        prow = 0 if s == 0 else ((t + 1) * batch if reverse else (t - 1) * batch)
         cprev = c0 if s == 0 else c
         matmul_rows(x, t * batch, w, b, gx, 0, batch, lanes, False, storage)
         matmul_rows(prev, prow, r, b, gx, 0, batch, lanes, True, storage)
@@ -466,9 +474,8 @@ def rnn_seq(x, h0, w, r, b, y, relu, lanes, reverse, storage=W_F32):
     batch, hidden = h0.shape
     steps = y.shape[0] // batch
     for s in range(steps):
-        t = steps - 1 - s if reverse else s
+        t, prow = seq_step(s, steps, batch, reverse)
         prev = h0 if s == 0 else y
-        prow = 0 if s == 0 else ((t + 1) * batch if reverse else (t - 1) * batch)
         matmul_rows(x, t * batch, w, b, y, t * batch, batch, lanes, False, storage)
         matmul_rows(prev, prow, r, b, y, t * batch, batch, lanes, True, storage)
         for i in range(batch):
@@ -496,4 +503,4 @@ def copy_into(x, y):
 
 # every kernel module's digest, so that an edit to any of them refreshes Numba's cache of all
 # (tools/kernel_digest.py says why)
-KERNEL_SOURCES = "5151106176d917bc"
+KERNEL_SOURCES = "5c20e5e94ec942db"
