@@ -137,6 +137,33 @@ def test_session_against_the_push_emulator_counts_episodes(push_bundle):
     assert summary["loop"]["latency_p99_us"] < 20_000
 
 
+def test_observers_and_the_monitor_get_the_observation_the_policy_acted_on(push_bundle):
+    """The per-step hooks' ``inputs`` of a policy session are the task observations it read (they were zeros)."""
+    from closedloop.runtime import Session, SessionConfig
+    from closedloop.runtime.observe import FLAG_ACTED, SessionObserver
+
+    class Inputs(SessionObserver):
+        def __init__(self):
+            self.rows, self.n_in = [], None
+
+        def on_start(self, info):
+            self.n_in = info["n_in"]
+
+        def on_steps(self, batch):
+            self.rows.extend(batch.inputs[(batch.flags & FLAG_ACTED) != 0].copy())
+
+    obs = Inputs()
+    cfg = SessionConfig(device="sim://panda?task=push&seed=3", max_steps=40, watchdog_s=0.5, observers=[obs])
+    with Session(load_bundle(push_bundle[0]), cfg) as s:
+        s.start()
+        s.run()
+    rows = np.asarray(obs.rows)
+    assert obs.n_in == 21 and len(rows) >= 10
+    # hand position within the workspace, the goal on the floor (z = the cube's half size), and the hand moving
+    assert np.all((rows[:, 0] > 0.1) & (rows[:, 0] < 0.9)) and np.allclose(rows[:, 14], 0.02, atol=1e-3)
+    assert np.ptp(rows[:, 0:3], axis=0).max() > 1e-3
+
+
 def test_wilson_interval():
     lo, hi = wilson_interval(8, 10)
     assert 0.49 < lo < 0.5 and 0.94 < hi < 0.95

@@ -129,6 +129,12 @@ class PolicyFamily(FamilyPlugin):
                             f"(for the emulator: sim://panda?task=...&rate={rate:g})")
         return problems
 
+    @property
+    def frame_vector(self) -> np.ndarray:
+        """The task observation as the device sent it: what observers, recordings of steps and the monitor get as
+        the step's input (this family reads the observation in ``on_message``, not through the base class)."""
+        return self._obs
+
     def on_message(self, message: Message) -> None:
         m = cast(PlantMeasurement, message)  # the session only passes the input kind
         y, u = m.y, m.u
