@@ -71,6 +71,10 @@ def _page_state(page):
                          " events: monitorState.events.map(e => e.event), ups: monitorState.ups})")
 
 
+_LIT_PIXELS = """(id) => { const c = document.getElementById(id), d = c.getContext("2d").getImageData(0, 0, c.width, c.height).data;
+                  let n = 0; for (let i = 0; i < d.length; i += 4) if (d[i] + d[i + 1] + d[i + 2] > 0) n++; return n; }"""
+
+
 def test_a_typing_session_shows_text_growing_and_steps_rising(typing_bundle, page, screenshot_dir, tmp_path):
     bg = Background(typing_bundle, device=f"sim://headstage?channels={C}&seed=3", duration_s=8.0, monitor="0",
                     record=str(tmp_path / "typing.clrec"))
@@ -90,6 +94,9 @@ def test_a_typing_session_shows_text_growing_and_steps_rising(typing_bundle, pag
                            " out: monitorState.out.length, cmd: monitorState.cmd.length})")
     assert panels["inp"] > 50 and panels["width"] == C and panels["out"] > 50 and panels["cmd"] > 50, panels
     assert page.text_content("#family") == "bci_handwriting"
+    # a text decoder sends no numbers: its output panel shows each run's class probabilities instead of an empty chart
+    assert "each class's probability per model run (32 classes" in page.text_content("#command-legend")
+    assert page.evaluate(_LIT_PIXELS, "command") > 1000
     page.screenshot(path=str(screenshot_dir / "monitor_bci.png"))
     s = bg.join()
     # the page showed the session's own text: what it typed by the end starts with what the page showed

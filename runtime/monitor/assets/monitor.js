@@ -26,7 +26,7 @@
     const fam = i.family;
     $("input-title").textContent = (fam === "bci" || fam === "bci_handwriting") ? "Input: neural channels (heat map, newest right)" :
       fam === "observer" ? "Input: plant measurements y, with the observer's estimates" :
-      fam === "policy" ? "Input: joint state (q, dq)" : "Input";
+      fam === "policy" ? "Input: task observation (hand position and velocity first)" : "Input";
     $("output-title").textContent = (fam === "bci" || fam === "bci_handwriting") ? "Output: decoded text" :
       fam === "observer" ? "Output: state and disturbance estimates, and the command" :
       fam === "policy" ? "Output: joint commands and episode outcomes" : "Output";
@@ -199,29 +199,42 @@
     if (!S.status || S.status.p99_us === undefined) $("p99").textContent = Math.round(sorted[Math.floor(0.99 * (sorted.length - 1))]) + " us";
   }
 
-  let heat = null;
+  // rows (oldest first, at most RASTER_ROWS) as columns of n cells, row j's value at height j from the bottom, its
+  // brightness level(v) in [0, 1]: one pixel per cell in an ImageData, scaled up by drawImage, so a 192 x 200 map is one blit.
+  const heats = {};
+  function heatmap(id, rows, n, level) {
+    const [g, w, h] = canvas(id);
+    let c = heats[id];
+    if (!c || c.width !== RASTER_ROWS || c.height !== n) {
+      c = heats[id] = document.createElement("canvas"); c.width = RASTER_ROWS; c.height = n;
+    }
+    const hg = c.getContext("2d"), img = hg.createImageData(RASTER_ROWS, n), px = img.data;
+    const off = RASTER_ROWS - rows.length;
+    rows.forEach((r, i) => r.forEach((v, j) => {
+      const a = level(v), k = 4 * ((n - 1 - j) * RASTER_ROWS + off + i);
+      px[k] = 88 * a; px[k + 1] = 166 * a; px[k + 2] = 255 * a; px[k + 3] = 255;
+    }));
+    hg.putImageData(img, 0, 0);
+    g.imageSmoothingEnabled = false;
+    g.drawImage(c, 0, 0, w, h);
+  }
+
+  function softmax(r) {
+    let m = -Infinity; for (const v of r) if (v !== null && v > m) m = v;
+    const e = r.map((v) => (v === null || !isFinite(v) ? 0 : Math.exp(v - m)));
+    const sum = e.reduce((a, b) => a + b, 0) || 1;
+    return e.map((v) => v / sum);
+  }
+
   function drawInput() {
     const rows = S.inp; if (!rows.length) return;
     const nch = rows[rows.length - 1].length;
     const fam = S.info && S.info.family;
     const neural = fam === "bci" || fam === "bci_handwriting" || (S.info && S.info.device && S.info.device.kind === "headstage");
     if (neural) {
-      // One pixel per (frame, channel) in an ImageData, scaled up by drawImage: a 192 x 200 map is one blit.
-      const [g, w, h] = canvas("input");
       let hi = 0; for (const r of rows) for (const v of r) if (v > hi) hi = v;
       hi = hi || 1;
-      if (!heat || heat.width !== RASTER_ROWS || heat.height !== nch) {
-        heat = document.createElement("canvas"); heat.width = RASTER_ROWS; heat.height = nch;
-      }
-      const hg = heat.getContext("2d"), img = hg.createImageData(RASTER_ROWS, nch), px = img.data;
-      const off = RASTER_ROWS - rows.length;
-      rows.forEach((r, i) => r.forEach((v, j) => {
-        const a = v === null || !(v > 0) ? 0 : Math.min(1, v / hi), k = 4 * ((nch - 1 - j) * RASTER_ROWS + off + i);
-        px[k] = 88 * a; px[k + 1] = 166 * a; px[k + 2] = 255 * a; px[k + 3] = 255;
-      }));
-      hg.putImageData(img, 0, 0);
-      g.imageSmoothingEnabled = false;
-      g.drawImage(heat, 0, 0, w, h);
+      heatmap("input", rows, nch, (v) => (v === null || !(v > 0) ? 0 : Math.min(1, v / hi)));
       $("input-legend").textContent = `${nch} channels x last ${rows.length} frames; brightest = ${hi} counts`;
     } else {
       const [g, w, h] = canvas("input");
@@ -234,7 +247,19 @@
     }
   }
 
+  // A text decoder sends characters, not numbers: its panel shows what the model outputs instead, each run's
+  // probability of every class (the softmax of its first data output: the CTC log-probabilities), blank included.
+  function drawClassProbabilities() {
+    const o = ((S.info && S.info.outputs) || [])[0];
+    const ran = S.out.filter((r) => r && r.some((v) => v !== null && isFinite(v))).slice(-RASTER_ROWS);
+    if (!o || !ran.length) { canvas("command"); return; }
+    heatmap("command", ran.map((r) => softmax(r.slice(o.offset, o.offset + o.size))), o.size, (p) => Math.min(1, p));
+    $("command-legend").textContent = `decoder output: each class's probability per model run (${o.size} classes, ` +
+      `output 0 at the bottom; brightest = 1), the last ${ran.length} runs, newest right`;
+  }
+
   function drawCommand() {
+    if (S.info && S.info.family === "bci_handwriting") { drawClassProbabilities(); return; }
     const [g, w, h] = canvas("command");
     const n = S.cmd.length; if (!n) return;
     S.flags.forEach((f, i) => { if (f & FLAG.SAFE) { g.fillStyle = "rgba(248,81,73,0.25)"; g.fillRect((i / Math.max(1, n - 1)) * w - 1, 0, Math.max(2, w / n + 1), h); } });
