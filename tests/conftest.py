@@ -169,3 +169,21 @@ def typing_bundle(tmp_path_factory):
     return export_bci_bundle(module, tmp_path_factory.mktemp("typing") / "typing", n_channels=c, mean=np.full(c, 0.16),
                              std=np.full(c, 0.4), session_name="2023.04.17", variants=(), tensorrt=False,
                              report=lambda s: None)
+
+
+@pytest.fixture
+def acted_inputs():
+    """A session observer that keeps the ``inputs`` row of every step that acted on a device frame, and ``n_in``."""
+    from closedloop.runtime.observe import FLAG_ACTED, SessionObserver
+
+    class ActedInputs(SessionObserver):
+        def __init__(self):
+            self.rows, self.n_in = [], None
+
+        def on_start(self, info):
+            self.n_in = info["n_in"]
+
+        def on_steps(self, batch):
+            self.rows.extend(batch.inputs[(batch.flags & FLAG_ACTED) != 0].copy())
+
+    return ActedInputs()

@@ -137,22 +137,11 @@ def test_session_against_the_push_emulator_counts_episodes(push_bundle):
     assert summary["loop"]["latency_p99_us"] < 20_000
 
 
-def test_observers_and_the_monitor_get_the_observation_the_policy_acted_on(push_bundle):
+def test_observers_and_the_monitor_get_the_observation_the_policy_acted_on(push_bundle, acted_inputs):
     """The per-step hooks' ``inputs`` of a policy session are the task observations it read (they were zeros)."""
     from closedloop.runtime import Session, SessionConfig
-    from closedloop.runtime.observe import FLAG_ACTED, SessionObserver
 
-    class Inputs(SessionObserver):
-        def __init__(self):
-            self.rows, self.n_in = [], None
-
-        def on_start(self, info):
-            self.n_in = info["n_in"]
-
-        def on_steps(self, batch):
-            self.rows.extend(batch.inputs[(batch.flags & FLAG_ACTED) != 0].copy())
-
-    obs = Inputs()
+    obs = acted_inputs
     cfg = SessionConfig(device="sim://panda?task=push&seed=3", max_steps=40, watchdog_s=0.5, observers=[obs])
     with Session(load_bundle(push_bundle[0]), cfg) as s:
         s.start()

@@ -60,3 +60,12 @@ def test_observer_session_at_1khz_against_the_plant_emulator(fj_bundle, tmp_path
     assert np.all(np.isfinite(sent))
     assert np.all(sent >= low - 1e-6) and np.all(sent <= high + 1e-6)
     assert np.abs(sent).max() > 0  # the controller acted
+
+
+def test_observers_get_the_measurement_the_observer_acted_on(fj_bundle, acted_inputs):
+    """The per-step hooks' (and the monitor's) ``inputs`` of an observer session are the plant's measured outputs."""
+    run_session(fj_bundle, SessionConfig(device="sim://plant?model=flexible-joint&rate=1000&seed=2", duration_s=0.6,
+                                         status=False, backend="onnxruntime", observers=[acted_inputs]))
+    rows = np.asarray(acted_inputs.rows)
+    assert acted_inputs.n_in == 1 and len(rows) > 20
+    assert np.all(np.isfinite(rows)) and np.ptp(rows) > 0  # the link angle moves under the controller

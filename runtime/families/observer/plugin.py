@@ -169,6 +169,12 @@ class ObserverFamily(FamilyPlugin):
 
     # --- per step ------------------------------------------------------------------------
 
+    @property
+    def frame_vector(self) -> np.ndarray:
+        """The plant's measured outputs ``y`` of this step: what observers, recordings of steps and the monitor get
+        as the step's input (this family reads ``y`` and ``u`` in ``on_message``, not through the base class)."""
+        return self._y
+
     def on_message(self, message: Message) -> None:
         y, u = getattr(message, "y", None), getattr(message, "u", None)
         if y is None or u is None or y.size != self._y.size or u.size != self._u.size:
