@@ -113,7 +113,7 @@ def _inputs(ax, v: RecordingView) -> None:
             return
         s = v.inputs[name]
         vals = s.array()
-        ax.set_title(f"input: {name} ({vals.shape[1]} values)")
+        ax.set_title(f"input: {name} ({vals.shape[1]} value{'' if vals.shape[1] == 1 else 's'})")
         for j in range(min(vals.shape[1], 8)):
             ax.plot(s.t_host_s, vals[:, j], lw=0.8, label=f"{name}[{j}]")
         if v.outputs and v.meta.get("family") == "observer":

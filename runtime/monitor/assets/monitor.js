@@ -243,7 +243,7 @@
       if (fam === "observer") { const no = (S.out[S.out.length - 1] || []).length; for (let j = 0; j < Math.min(no, 4); j++) est.push(column(S.out.slice(-rows.length), j)); }
       const [lo, hi] = range(cols.concat(est));
       lines(g, w, h, cols.concat(est), rows.length, lo, hi);
-      $("input-legend").textContent = `${nch} measured values${nch > 8 ? " (first 8 shown)" : ""}` + (est.length ? `, ${est.length} estimates (later colours)` : "") + ` over the last ${rows.length} frames`;
+      $("input-legend").textContent = `${nch} measured value${nch === 1 ? "" : "s"}${nch > 8 ? " (first 8 shown)" : ""}` + (est.length ? `, ${est.length} estimates (later colours)` : "") + ` over the last ${rows.length} frames`;
     }
   }
 
