@@ -79,7 +79,20 @@ def test_one_seeds_runs_at_two_budgets_are_not_pooled_and_a_task_without_her_is_
     assert rows[("sparse", "bc, 10,000 steps")]["seeds"] == [0, 1] and rows[("sparse", "bc")]["seeds"] == [0, 1]
     r = rows[("svm (lam 0.05, beta 5)", "bc")]["ratio_to_sparse_80"]
     assert r["baseline"] == "sparse" and r["ratio"] == pytest.approx(4_000 / 12_000) and not r["target_met"]
-    assert "(vs sparse)" in (tmp_path / "cells.md").read_text()
+    assert "(vs sparse, no HER)" in (tmp_path / "cells.md").read_text()
+
+
+def test_each_reward_is_compared_with_the_sparse_baseline_of_its_own_relabelling(bench):
+    """With and without HER on one task: a shaped reward with HER against sparse + HER (the target's), one without
+    against sparse without (what the bonus does alone), and sparse without HER against sparse + HER."""
+    ran = {"sparse", "sparse_her", "svm", "svm_her", "gail"}
+    assert bench.baseline_reward("svm_her", ran) == "sparse_her"
+    assert bench.baseline_reward("svm_her (lam 0.2, beta 5)", ran) == "sparse_her"  # the report's row label
+    assert bench.baseline_reward("svm", ran) == "sparse" and bench.baseline_reward("gail", ran) == "sparse"
+    assert bench.baseline_reward("sparse", ran) == "sparse_her"
+    assert bench.baseline_reward("sparse_her", ran) is None
+    assert bench.baseline_reward("svm", {"sparse_her", "svm"}) == "sparse_her"  # no plain sparse ran
+    assert bench.baseline_reward("svm_her", {"sparse", "svm_her"}) is None  # never against a weaker baseline
 
 
 def test_a_finished_cell_is_skipped(bench, tmp_path, monkeypatch):
