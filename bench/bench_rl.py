@@ -326,6 +326,9 @@ def report(path: Path, out: Path) -> dict:
         row = {"task": task, "reward": reward, "prior": prior, "seeds": sorted(r["cell"]["seed"] for r in rs),
                "eval_episodes": min(r["settings"]["eval_episodes"] for r in rs),
                "prior_success": [r["curve"][0][1] for r in rs]}
+        final = np.array([r["curve"][-1][1] for r in rs], float)  # the last evaluation, at the cell's budget
+        row["final_success"] = dict(zip(("mean", "lo", "hi"), bootstrap_mean(final), strict=True)) | {
+            "per_seed": final.tolist()}
         for level in (0.8, 0.9):
             hits = [steps_to(r["curve"], level) for r in rs]
             budget = [r["settings"]["steps"] for r in rs]
@@ -358,9 +361,9 @@ def report(path: Path, out: Path) -> dict:
              f"From `{path}` ({len(recs)} cells; `python bench/bench_rl.py --report`). Mean over seeds with a "
              "percentile-bootstrap 95% interval (10,000 resamples of the seeds); `>=`: some seed never reached the "
              "level and counts at its budget.", "",
-             "| task | reward | prior | seeds | eval episodes | success at step 0 | seeds reaching 80% | steps to 80% | "
-             "steps to 90% | 80% steps / the sparse baseline's [95%] |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| task | reward | prior | seeds | eval episodes | success at step 0 | success at the end [95%] | "
+             "seeds reaching 80% | steps to 80% | steps to 90% | 80% steps / the sparse baseline's [95%] |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for row in table:
         cells = []
         for k in ("to_80", "to_90"):
@@ -371,9 +374,10 @@ def report(path: Path, out: Path) -> dict:
         vs = "" if r80 is None or r80["baseline"] == "sparse_her" else " (vs sparse, no HER)"
         ratio = "-" if r80 is None else (f"{mark[r80['bound']]}{r80['ratio']:.2f} [{r80['ci95'][0]:.2f}, "
                                          f"{r80['ci95'][1]:.2f}]{vs}{' (target met)' if r80['target_met'] else ''}")
-        n80 = sum(h is not None for h in row["to_80"]["per_seed"])
+        n80, fs = sum(h is not None for h in row["to_80"]["per_seed"]), row["final_success"]
         lines.append(f"| {row['task']} | {row['reward']} | {row['prior']} | {len(row['seeds'])} | {row['eval_episodes']} | "
-                     f"{np.mean(row['prior_success']):.2f} | {n80} of {len(row['seeds'])} | {cells[0]} | {cells[1]} | "
+                     f"{np.mean(row['prior_success']):.2f} | {fs['mean']:.2f} [{fs['lo']:.2f}, {fs['hi']:.2f}] | "
+                     f"{n80} of {len(row['seeds'])} | {cells[0]} | {cells[1]} | "
                      f"{ratio} |")
     lines += ["", "The sparse baseline is like for like in relabelling: a reward with HER against sparse + HER; one "
               "without HER against sparse without HER where that ran (marked `vs sparse, no HER`; the project's "

@@ -52,6 +52,8 @@ def test_report_gives_bootstrap_intervals_and_counts_unreached_at_the_budget(ben
     assert sparse["to_80"]["per_seed"] == [1000, None] and not sparse["to_80"]["all_reached"]
     assert sparse["to_80"]["mean"] == 1000  # the unreached seed counts at its budget
     assert ">= 1,000" in (tmp_path / "cells.md").read_text()
+    assert sorted(sparse["final_success"]["per_seed"]) == [0.7, 0.8] and sparse["final_success"]["mean"] == 0.75
+    assert "0.95 [0.95, 0.95]" in (tmp_path / "cells.md").read_text()  # svm's success at the end, every seed
     # 500 steps against sparse's 1000 (one seed counted at its budget): an upper bound of 0.5, the target met
     r = svm["ratio_to_sparse_80"]
     assert r["ratio"] == 0.5 and r["bound"] == "upper bound" and r["target_met"]
