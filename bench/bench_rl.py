@@ -401,23 +401,30 @@ def _plot_cells(groups: dict, png: Path) -> None:
     import matplotlib.pyplot as plt
 
     tasks = sorted({k[0] for k in groups})
-    fig, axes = plt.subplots(1, len(tasks), figsize=(5.5 * len(tasks), 4), squeeze=False)
-    for ax, task in zip(axes[0], tasks, strict=True):
-        for i, ((t, reward, prior), rs) in enumerate(sorted(groups.items())):
-            if t != task:
-                continue
+    cols = min(2, len(tasks))
+    rows_n = -(-len(tasks) // cols)
+    fig, axes = plt.subplots(rows_n, cols, figsize=(6.5 * cols, 5.2 * rows_n), squeeze=False)
+    for ax in axes.flat[len(tasks):]:
+        ax.set_visible(False)
+    for ax, task in zip(axes.flat, tasks, strict=False):
+        mine = [(key, rs) for key, rs in sorted(groups.items()) if key[0] == task]
+        palette = plt.get_cmap("tab10" if len(mine) <= 10 else "tab20")
+        for i, ((_, reward, prior), rs) in enumerate(mine):
             n = min(len(r["curve"]) for r in rs)
             steps = np.array([p[0] for p in rs[0]["curve"][:n]])
             rates = np.array([[p[1] for p in r["curve"][:n]] for r in rs])
-            ax.plot(steps, rates.mean(0), color=f"C{i}", label=f"{reward} ({prior}, {len(rs)} seeds)")
+            colour = palette(i)
+            ax.plot(steps, rates.mean(0), color=colour, label=f"{reward} ({prior}, {len(rs)} seeds)")
             if len(rs) > 1:
                 ci = np.array([bootstrap_mean(rates[:, j])[1:] for j in range(n)])
-                ax.fill_between(steps, ci[:, 0], ci[:, 1], color=f"C{i}", alpha=0.15)
+                ax.fill_between(steps, ci[:, 0], ci[:, 1], color=colour, alpha=0.15)
         ax.set_title(task, fontsize=10)
         ax.set_xlabel("environment steps")
         ax.set_ylabel("success: mean over seeds, bootstrap 95% band")
         ax.set_ylim(-0.02, 1.02)
-        ax.legend(loc="upper left", fontsize=7, framealpha=0.6)
+        ax.axhline(0.8, color="0.6", lw=0.8, ls=":")
+        ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=1 if len(mine) > 4 else 2, fontsize=7,
+                  frameon=False)
     fig.tight_layout()
     fig.savefig(png, dpi=110)
     plt.close(fig)
