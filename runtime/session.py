@@ -715,7 +715,7 @@ class Session:
         missed = self._loop.missed if hasattr(self, "_loop") else 0
         lost = self.link.parser.stats.lost if self.link is not None else 0
         parts = [f"{self.rate_hz:g} Hz", f"p99 {p99:.0f} us", f"missed {missed}", f"lost {lost}", self._state()]
-        parts += [f"{k} {v}" for k, v in self.family.live_metrics().items()]
+        parts += [f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in self.family.live_metrics().items()]
         return " | ".join(parts)
 
     def run(self) -> SessionSummary:

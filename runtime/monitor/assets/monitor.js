@@ -72,7 +72,9 @@
     const skip = new Set(["type", "event", "step", "state", "text", "prompt", "lost", "missed", "p99_us", "watchdog_trips",
                           "reconnects", "t_ns"]);
     const parts = [];
-    for (const [k, v] of Object.entries(e)) if (!skip.has(k)) parts.push(`${k} <b>${typeof v === "number" ? +v.toFixed(3) : v}</b>`);
+    // counts as they are; a small value keeps 3 significant digits (an observer's |r| of 5e-6 is not 0)
+    const num = (v) => (Number.isInteger(v) || Math.abs(v) >= 0.001 ? +v.toFixed(3) : +v.toPrecision(3));
+    for (const [k, v] of Object.entries(e)) if (!skip.has(k)) parts.push(`${k} <b>${typeof v === "number" ? num(v) : v}</b>`);
     $("family-metrics").innerHTML = parts.join(" ");
     if (e.p99_us !== undefined) $("p99").textContent = Math.round(e.p99_us) + " us";
   }
