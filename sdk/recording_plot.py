@@ -119,7 +119,7 @@ def _inputs(ax, v: RecordingView) -> None:
         if v.outputs and v.meta.get("family") == "observer":
             out = v.outputs.array()
             for j in range(min(out.shape[1], 4)):
-                ax.plot(v.outputs.t_host_s, out[:, j], lw=0.8, ls="--", label=f"estimate[{j}]")
+                ax.plot(v.outputs.t_host_s, out[:, j], lw=0.8, ls="--", label=f"correction N(r)[{j}]")
         ax.legend(fontsize=7, ncol=2, loc="upper right")
     ax.set_xlabel("host time (s)")
 

@@ -79,6 +79,10 @@ def test_monitor_shows_a_recording_with_a_time_slider(plant_recording, page, scr
         mid = page.evaluate("() => ({step: monitorState.step, state: document.getElementById('state').textContent,"
                             " watchdog: document.getElementById('watchdog').textContent})")
         assert 0 < mid["step"] < at_end and mid["state"] == "SAFE" and mid["watchdog"] == "1"
+        # each input frame shown has the output of the run that read it beside it (the estimates' time base)
+        paired = page.evaluate("() => ({inp: monitorState.inp.length, inpOut: monitorState.inpOut.length,"
+                               " ran: monitorState.inpOut.filter((r) => r).length})")
+        assert paired["inp"] > 20 and paired["inpOut"] == paired["inp"] and paired["ran"] >= paired["inp"] - 1, paired
         page.screenshot(path=str(screenshot_dir / "monitor_recording.png"))
     finally:
         p.terminate()

@@ -91,8 +91,11 @@ def test_a_typing_session_shows_text_growing_and_steps_rising(typing_bundle, pag
     assert second["state"] == "running" and second["ups"] >= 10
     # the input, output and command panels get rows: the frame as read (12 channels), outputs, commands
     panels = page.evaluate("() => ({inp: monitorState.inp.length, width: (monitorState.inp[0] || []).length,"
-                           " out: monitorState.out.length, cmd: monitorState.cmd.length})")
+                           " out: monitorState.out.length, cmd: monitorState.cmd.length, inpOut: monitorState.inpOut.length,"
+                           " ran: monitorState.inpOut.filter((r) => r && r.some((v) => v !== null)).length})")
     assert panels["inp"] > 50 and panels["width"] == C and panels["out"] > 50 and panels["cmd"] > 50, panels
+    # beside each frame the loop acted on, the outputs of that same step (what an observer's estimates are drawn from)
+    assert panels["inpOut"] == panels["inp"] and panels["ran"] == panels["inp"], panels
     assert page.text_content("#family") == "bci_handwriting"
     # a text decoder sends no numbers: its output panel shows each run's class probabilities instead of an empty chart
     assert "each class's probability per model run (32 classes" in page.text_content("#command-legend")

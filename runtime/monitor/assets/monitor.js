@@ -9,7 +9,7 @@
   const S = window.monitorState = {
     info: null, connected: false, everConnected: false, ended: false, updates: 0, step: -1, state: "connecting", text: "",
     prompt: "", events: [], counts: { watchdog: 0, reconnects: 0, missed: 0, lost: 0, dropped: 0 },
-    t: [], lat: [], late: [], missed: [], flags: [], cmd: [], inp: [], out: [], stepsSeen: 0, status: null, typedChars: 0,
+    t: [], lat: [], late: [], missed: [], flags: [], cmd: [], inp: [], inpOut: [], out: [], stepsSeen: 0, status: null, typedChars: 0,
   };
   let updatesThisSecond = 0;
 
@@ -25,10 +25,10 @@
     $("rate").textContent = i.rate_hz ? i.rate_hz + " Hz" : "-";
     const fam = i.family;
     $("input-title").textContent = (fam === "bci" || fam === "bci_handwriting") ? "Input: neural channels (heat map, newest right)" :
-      fam === "observer" ? "Input: plant measurements y, with the observer's estimates" :
+      fam === "observer" ? "Input: plant measurements y, with the observer network's correction N(r)" :
       fam === "policy" ? "Input: task observation (hand position and velocity first)" : "Input";
     $("output-title").textContent = (fam === "bci" || fam === "bci_handwriting") ? "Output: decoded text" :
-      fam === "observer" ? "Output: state and disturbance estimates, and the command" :
+      fam === "observer" ? "Output: the command u = -K z_hat and the residual |r|" :
       fam === "policy" ? "Output: joint commands and episode outcomes" : "Output";
     $("text-box").hidden = !(fam === "bci" || fam === "bci_handwriting");
     if (i.mode === "recording") { $("scrub").hidden = false; $("recording-name").textContent = i.recording || ""; }
@@ -98,8 +98,10 @@
     push(S.t, m.t_s, KEEP); push(S.lat, m.latency_us, KEEP); push(S.late, m.lateness_us, KEEP);
     push(S.missed, m.missed, KEEP); push(S.flags, m.flags, KEEP); push(S.cmd, m.command, KEEP);
     push(S.out, m.outputs, KEEP);
-    const acted = m.inputs.filter((row, j) => m.flags[j] & FLAG.ACTED);
-    push(S.inp, acted, RASTER_ROWS);
+    // the frames the loop acted on, and the outputs of those same steps (the observer's estimates beside its input)
+    const acted = m.flags.map((f, j) => j).filter((j) => m.flags[j] & FLAG.ACTED);
+    push(S.inp, acted.map((j) => m.inputs[j]), RASTER_ROWS);
+    push(S.inpOut, acted.map((j) => m.outputs[j]), RASTER_ROWS);
     const last = m.flags[m.flags.length - 1] || 0;
     if (!S.status || !S.status.state) S.state = last & FLAG.DISCONNECTED ? "DISCONNECTED" : last & FLAG.SAFE ? "SAFE" : "running";
   }
@@ -120,7 +122,10 @@
     S.step = n ? r.steps.step[n - 1] : -1;
     const last = S.flags[S.flags.length - 1] || 0;
     S.state = last & FLAG.DISCONNECTED ? "DISCONNECTED" : last & FLAG.SAFE ? "SAFE" : "running";
-    const ni = upTo(r.inputs.t_s, T); S.inp = r.inputs.rows.slice(Math.max(0, ni - RASTER_ROWS), ni);
+    const ni = upTo(r.inputs.t_s, T), i0 = Math.max(0, ni - RASTER_ROWS);
+    S.inp = r.inputs.rows.slice(i0, ni);
+    // each input frame's estimate: the first model output after the frame arrived (the run that read it)
+    S.inpOut = r.inputs.t_s.slice(i0, ni).map((t) => { const k = upTo(r.outputs.t_s, t); return k < r.outputs.rows.length ? r.outputs.rows[k] : null; });
     const series = r.commands.rows.length ? r.commands : r.outputs;
     const nc = upTo(series.t_s, T); S.cmd = series.rows.slice(Math.max(0, nc - KEEP), nc);
     const no = upTo(r.outputs.t_s, T); S.out = r.outputs.rows.slice(Math.max(0, no - KEEP), no);
@@ -242,10 +247,13 @@
       const [g, w, h] = canvas("input");
       const cols = []; for (let j = 0; j < Math.min(nch, 8); j++) cols.push(column(rows, j));
       let est = [];
-      if (fam === "observer") { const no = (S.out[S.out.length - 1] || []).length; for (let j = 0; j < Math.min(no, 4); j++) est.push(column(S.out.slice(-rows.length), j)); }
+      if (fam === "observer") {
+        const est0 = S.inpOut.slice(-rows.length), no = (est0.find((r) => r) || []).length;
+        for (let j = 0; j < Math.min(no, 4); j++) est.push(column(est0, j));
+      }
       const [lo, hi] = range(cols.concat(est));
       lines(g, w, h, cols.concat(est), rows.length, lo, hi);
-      $("input-legend").textContent = `${nch} measured value${nch === 1 ? "" : "s"}${nch > 8 ? " (first 8 shown)" : ""}` + (est.length ? `, ${est.length} estimates (later colours)` : "") + ` over the last ${rows.length} frames`;
+      $("input-legend").textContent = `${nch} measured value${nch === 1 ? "" : "s"}${nch > 8 ? " (first 8 shown)" : ""}` + (est.length ? `, ${est.length} values of the correction N(r) computed from each (later colours)` : "") + ` over the last ${rows.length} frames`;
     }
   }
 
