@@ -216,8 +216,13 @@ class TensorSpec:
         if self.initial is None:
             return np.zeros(shape, dtype=np.dtype(self.dtype))
         one = np.asarray(self.initial, dtype=np.dtype(self.dtype)).reshape(self.concrete_shape(1))
-        axis = next((i for i, d in enumerate(self.shape) if not isinstance(d, int)), None)
+        axis = self.batch_axis
         return np.ascontiguousarray(one if axis is None or batch == 1 else np.repeat(one, batch, axis=axis))
+
+    @property
+    def batch_axis(self) -> int | None:
+        """The axis of the dynamic (batch) dimension, or None for a tensor of fixed shape."""
+        return next((i for i, d in enumerate(self.shape) if not isinstance(d, int)), None)
 
     @property
     def frame_shape(self) -> tuple[int, ...]:

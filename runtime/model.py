@@ -259,7 +259,7 @@ def _initial_state(t: TensorSpec, state_in: np.ndarray) -> np.ndarray | None:
     """A state input's initial value shaped like the backend's buffer (its batch), or None for zeros."""
     if t.initial is None:
         return None
-    axis = next((i for i, d in enumerate(t.shape) if not isinstance(d, int)), None)
+    axis = t.batch_axis
     value = t.initial_value(state_in.shape[axis] if axis is not None else 1)
     if value.shape != state_in.shape:
         raise ValueError(f"state input {t.name!r}: initial value of shape {value.shape} for a buffer of "

@@ -26,10 +26,6 @@ def _decimate(n: int) -> np.ndarray:
     return np.arange(n) if n <= MAX_ROWS else np.linspace(0, n - 1, MAX_ROWS).astype(int)
 
 
-def _rows(a: np.ndarray) -> list[list[float | None]]:
-    return rounded_rows(a)
-
-
 def _all_outputs(v: RecordingView) -> Series:
     """The model outputs of each step the model ran, every data output one after another (as a live session's
     observers get them): the OUTPUT series with each MORE_OUTPUT series appended, row by row."""
@@ -61,7 +57,7 @@ def recording_message(v: RecordingView) -> dict[str, Any]:
             msg[key] = {"t_s": [], "rows": []}
             continue
         j = _decimate(len(series))
-        msg[key] = {"t_s": np.round(np.asarray(series.t_host_s)[j], 4).tolist(), "rows": _rows(series.array()[j])}
+        msg[key] = {"t_s": np.round(np.asarray(series.t_host_s)[j], 4).tolist(), "rows": rounded_rows(series.array()[j])}
     times = [msg[k]["t_s"][-1] for k in ("inputs", "commands", "outputs") if msg[k]["t_s"]]
     times += msg["steps"]["t_s"][-1:]
     msg["duration_s"] = max(times) if times else 0.0
