@@ -98,7 +98,7 @@
     push(S.t, m.t_s, KEEP); push(S.lat, m.latency_us, KEEP); push(S.late, m.lateness_us, KEEP);
     push(S.missed, m.missed, KEEP); push(S.flags, m.flags, KEEP); push(S.cmd, m.command, KEEP);
     push(S.out, m.outputs, KEEP);
-    // the frames the loop acted on, and the outputs of those same steps (the observer's estimates beside its input)
+    // the frames the loop acted on, and the outputs of those same steps (drawn beside an observer's input)
     const acted = m.flags.map((f, j) => j).filter((j) => m.flags[j] & FLAG.ACTED);
     push(S.inp, acted.map((j) => m.inputs[j]), RASTER_ROWS);
     push(S.inpOut, acted.map((j) => m.outputs[j]), RASTER_ROWS);
@@ -226,6 +226,9 @@
     g.drawImage(c, 0, 0, w, h);
   }
 
+  // the output rows of the steps where the model ran (the others are all null)
+  function ranRows() { return S.out.filter((r) => r && r.some((v) => v !== null && isFinite(v))); }
+
   function softmax(r) {
     let m = -Infinity; for (const v of r) if (v !== null && v > m) m = v;
     const e = r.map((v) => (v === null || !isFinite(v) ? 0 : Math.exp(v - m)));
@@ -261,7 +264,7 @@
   // probability of every class (the softmax of its first data output: the CTC log-probabilities), blank included.
   function drawClassProbabilities() {
     const o = ((S.info && S.info.outputs) || [])[0];
-    const ran = S.out.filter((r) => r && r.some((v) => v !== null && isFinite(v))).slice(-RASTER_ROWS);
+    const ran = ranRows().slice(-RASTER_ROWS);
     if (!o || !ran.length) { canvas("command"); return; }
     heatmap("command", ran.map((r) => softmax(r.slice(o.offset, o.offset + o.size))), o.size, (p) => Math.min(1, p));
     $("command-legend").textContent = `decoder output: each class's probability per model run (${o.size} classes, ` +
@@ -287,7 +290,7 @@
     if (outs.length < 2) { box.hidden = true; return; }
     box.hidden = false;
     const [g, w, h] = canvas("outputs");
-    const ran = S.out.filter((r) => r && r.some((v) => v !== null && isFinite(v)));
+    const ran = ranRows();
     const shown = outs.slice(0, 4), band = h / shown.length, names = [];
     shown.forEach((o, b) => {
       const cols = []; for (let j = 0; j < Math.min(o.size, 4); j++) cols.push(column(ran, o.offset + j));
