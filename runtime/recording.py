@@ -14,7 +14,9 @@ TX (bytes exactly as sent: the command after clipping), OUTPUT (u32 step index, 
 frame sequence number, float32 model output), EVENT (JSON: watchdog, reconnects, device status...),
 SUMMARY (JSON, last), STEPS (per-step timing, written off the hot path: ``runtime.observe.record_steps``),
 MORE_OUTPUT (u32 step index, u32 input frame sequence number, u32 index of the output in META ``outputs``,
-float32 values: the graph's other data outputs, written right after the step's OUTPUT).
+float32 values: the graph's other data outputs, written right after the step's OUTPUT), FAMILY_STATE (u32 step
+index, u32 input frame sequence number, float32 values: what the family computed outside the graph, an observer's
+estimate, named by META ``family_state``; written after the step's outputs).
 
 The hot path only appends to an in-memory buffer; a background thread writes it
 out at least every ``flush_interval_s`` (default 0.5 s), so a session killed with
@@ -53,6 +55,7 @@ class RecordType(enum.IntEnum):
     SUMMARY = 6
     STEPS = 7
     MORE_OUTPUT = 8
+    FAMILY_STATE = 9
 
 
 class RecordingError(ValueError):
@@ -116,6 +119,11 @@ class RecordingWriter:
             head, rtype = struct.pack("<II", step & 0xFFFFFFFF, input_seq & 0xFFFFFFFF), RecordType.OUTPUT
         self.append(rtype, head + values.astype(np.float32, copy=False).tobytes(), host_ns)
 
+    def append_state(self, step: int, input_seq: int, values: np.ndarray, host_ns: int | None = None) -> None:
+        """The family's state after a model run (``FamilyPlugin.state_vector``): a FAMILY_STATE record."""
+        head = struct.pack("<II", step & 0xFFFFFFFF, input_seq & 0xFFFFFFFF)
+        self.append(RecordType.FAMILY_STATE, head + values.astype(np.float32, copy=False).tobytes(), host_ns)
+
     def flush(self) -> None:
         with self._lock:
             data, self._buf = self._buf, bytearray()
@@ -169,7 +177,7 @@ class Record:
         return json.loads(self.payload)
 
     def output(self) -> tuple[int, int, np.ndarray]:
-        """(loop step, input frame sequence number, float32 values) of an OUTPUT or MORE_OUTPUT record."""
+        """(loop step, input frame sequence number, float32 values) of an OUTPUT, MORE_OUTPUT or FAMILY_STATE record."""
         step, seq = struct.unpack_from("<II", self.payload)
         return step, seq, np.frombuffer(self.payload, dtype=np.float32, offset=12 if self.output_index else 8)
 

@@ -3,7 +3,9 @@
 ``view_recording`` reads a recording once and decodes its RX bytes into the device's
 input stream (neural counts, plant measurements, joint states), its TX bytes into the
 commands actually sent (and a decoder's typed text), its OUTPUT records into model
-outputs (and MORE_OUTPUT records into the graph's other data outputs, by name), its EVENTs, and its STEPS records into per-step timing. Host times are
+outputs (and MORE_OUTPUT records into the graph's other data outputs, by name; FAMILY_STATE records into what the
+family computed outside the graph, an observer's estimate), its EVENTs, and its STEPS records into per-step timing.
+Host times are
 seconds since the first record; device times are the device's own clock.
 """
 
@@ -31,16 +33,20 @@ from .recording import RecordingReader, RecordType
 
 @dataclass
 class Series:
-    """Samples of one stream: host seconds, device seconds (NaN where none) and values (samples x width)."""
+    """Samples of one stream: host seconds, device seconds (NaN where none), values (samples x width) and the
+    device frame sequence number each belongs to (-1 where none: a command), which pairs an input frame with the
+    model run that read it."""
 
     t_host_s: list[float] = field(default_factory=list)
     t_device_s: list[float] = field(default_factory=list)
     values: list[np.ndarray] = field(default_factory=list)
+    seq: list[int] = field(default_factory=list)
 
-    def add(self, t_host: float, t_device: float, v: np.ndarray) -> None:
+    def add(self, t_host: float, t_device: float, v: np.ndarray, seq: int = -1) -> None:
         self.t_host_s.append(t_host)
         self.t_device_s.append(t_device)
         self.values.append(np.asarray(v, dtype=np.float64).reshape(-1))
+        self.seq.append(seq)
 
     def array(self) -> np.ndarray:
         return np.stack(self.values) if self.values else np.zeros((0, 0))
@@ -68,6 +74,9 @@ class RecordingView:
     described: str = ""
     #: the graph's other data outputs (MORE_OUTPUT records) by name, META ``outputs`` order
     more_outputs: dict[str, Series] = field(default_factory=dict)
+    #: FAMILY_STATE records (an observer's estimate after each run), their values named by ``state_labels``
+    state: Series = field(default_factory=Series)
+    state_labels: list[str] = field(default_factory=list)
 
     @property
     def text(self) -> str:
@@ -79,29 +88,29 @@ def view_recording(recording: str | Path | RecordingReader) -> RecordingView:
     t0 = reader.records[0].host_ns if reader.records else 0
     rx, tx = FrameParser(), FrameParser()
     inputs: dict[str, Series] = {}
-    commands, outputs = Series(), Series()
+    commands, outputs, state = Series(), Series(), Series()
     more: dict[str, Series] = {}
     out_names = [str(o.get("name", f"output_{i}")) for i, o in enumerate(reader.meta.get("outputs") or [])]
     typed: list[tuple[float, int, str]] = []
     events: list[tuple[float, dict[str, Any]]] = []
     steps_payloads: list[bytes] = []
 
-    def add(name: str, t_host: float, t_dev: float, v: np.ndarray) -> None:
-        inputs.setdefault(name, Series()).add(t_host, t_dev, v)
+    def add(name: str, t_host: float, t_dev: float, v: np.ndarray, seq: int) -> None:
+        inputs.setdefault(name, Series()).add(t_host, t_dev, v, seq)
 
     for rec in reader:
         t_host = (rec.host_ns - t0) / 1e9
         if rec.type == RecordType.RX:
             for f in rx.feed(rec.payload):
-                m, t_dev = f.message, f.timestamp_us / 1e6
+                m, t_dev, seq = f.message, f.timestamp_us / 1e6, f.seq
                 if isinstance(m, NeuralFrame):
-                    add("binned_spikes", t_host, t_dev, m.counts)
+                    add("binned_spikes", t_host, t_dev, m.counts, seq)
                 elif isinstance(m, PlantMeasurement):
-                    add("plant_output_y", t_host, t_dev, m.y)
-                    add("plant_input_u", t_host, t_dev, m.u)
+                    add("plant_output_y", t_host, t_dev, m.y, seq)
+                    add("plant_input_u", t_host, t_dev, m.u, seq)
                 elif isinstance(m, JointState):
-                    add("joint_positions", t_host, t_dev, m.q)
-                    add("joint_velocities", t_host, t_dev, m.dq)
+                    add("joint_positions", t_host, t_dev, m.q, seq)
+                    add("joint_velocities", t_host, t_dev, m.dq, seq)
         elif rec.type == RecordType.TX:
             for f in tx.feed(rec.payload):
                 m = f.message
@@ -112,11 +121,13 @@ def view_recording(recording: str | Path | RecordingReader) -> RecordingView:
                 elif isinstance(m, DecoderOutput):
                     typed.append((t_host, int(m.bin_index), m.text))
         elif rec.type == RecordType.OUTPUT:
-            outputs.add(t_host, float("nan"), rec.output()[2])
+            outputs.add(t_host, float("nan"), rec.output()[2], rec.output()[1])
         elif rec.type == RecordType.MORE_OUTPUT:
             i = rec.output_index
             more.setdefault(out_names[i] if i < len(out_names) else f"output_{i}", Series()).add(
                 t_host, float("nan"), rec.output()[2])
+        elif rec.type == RecordType.FAMILY_STATE:
+            state.add(t_host, float("nan"), rec.output()[2], rec.output()[1])
         elif rec.type == RecordType.EVENT:
             events.append((t_host, rec.json()))
         elif rec.type == STEPS_RECORD_TYPE:
@@ -132,4 +143,5 @@ def view_recording(recording: str | Path | RecordingReader) -> RecordingView:
     }
     return RecordingView(path=Path(reader.path), meta=reader.meta, summary=reader.summary, t0_ns=t0, inputs=inputs,
                          commands=commands, outputs=outputs, typed=typed, events=events, steps=steps,
-                         described=reader.describe(), more_outputs=more)
+                         described=reader.describe(), more_outputs=more, state=state,
+                         state_labels=[str(x) for x in reader.meta.get("family_state") or []])

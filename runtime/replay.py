@@ -121,8 +121,12 @@ class ReplayReport:
     #: per data output of the bundle (graph order): ``compared`` (recorded values compared), ``max_abs_diff``,
     #: ``mean_abs_diff``; the first from OUTPUT records, the others from MORE_OUTPUT records
     outputs: dict[str, dict[str, float | int | None]] = field(default_factory=dict)
-    #: MORE_OUTPUT records that had nothing to compare with (an output this bundle lacks, or a step not re-run)
+    #: MORE_OUTPUT and FAMILY_STATE records that had nothing to compare with (an output this bundle lacks, or a step
+    #: not re-run)
     unmatched_outputs: int = 0
+    #: the family's state (FAMILY_STATE records: an observer's estimate) against the re-run's, as ``outputs``;
+    #: ``compared`` 0 for a recording without them
+    family_state: dict[str, float | int | None] = field(default_factory=dict)
 
     def format(self) -> str:
         lines = [
@@ -138,9 +142,13 @@ class ReplayReport:
                 lines.append(f"  output {name}: " + (f"{d['compared']} compared, max |difference| "
                                                      f"{d['max_abs_diff']:.3g}" if d["compared"] else
                                                      "not in this recording"))
+        if self.family_state.get("compared"):
+            lines.append(f"  family state: {self.family_state['compared']} compared, max |difference| "
+                         f"{self.family_state['max_abs_diff']:.3g}")
         if self.unmatched_outputs:
-            lines.append(f"  {self.unmatched_outputs} recorded values of the other outputs had nothing to compare "
-                         "with (an output this bundle lacks, or a step whose input frame was not recorded)")
+            lines.append(f"  {self.unmatched_outputs} recorded values of the other outputs or the family state had "
+                         "nothing to compare with (an output this bundle lacks, or a step whose input frame was not "
+                         "recorded)")
         return "\n".join(lines + [self.recording_note])
 
 
@@ -265,8 +273,10 @@ def replay_recording(recording: str | Path, bundle: Bundle | str | Path, backend
     windowed = fam.measurement.window is not None
     ys = [model.outputs[t.name] for t in model.spec.data_outputs]  # the first, then those in MORE_OUTPUT records
     names = [t.name for t in model.spec.data_outputs]
-    computed: dict[int, list[np.ndarray]] = {}
-    current: tuple[int, list[np.ndarray]] | None = None  # the last OUTPUT's input and every output it computed
+    computed: dict[int, tuple[list[np.ndarray], np.ndarray]] = {}
+    # the last OUTPUT's input, every output it computed and the family's state after it (float32, as recorded)
+    current: tuple[int, list[np.ndarray], np.ndarray] | None = None
+    state_diff = _OutputDiff()
     diffs: list[float] = []
     per_name = {name: _OutputDiff() for name in names}
     missing = 0
@@ -290,7 +300,7 @@ def replay_recording(recording: str | Path, bundle: Bundle | str | Path, backend
                     if bad is not None:
                         fam.recover_nonfinite()
                     if cmd is not None or bad is not None:
-                        computed[f.seq] = [y.copy() for y in ys]
+                        computed[f.seq] = ([y.copy() for y in ys], fam.state_vector.astype(np.float32))
                 elif type(f.message) in side:
                     fam.on_side_message(f.message)
         elif rec.type == RecordType.OUTPUT:
@@ -301,16 +311,17 @@ def replay_recording(recording: str | Path, bundle: Bundle | str | Path, backend
                 if found is None:
                     missing += 1
                     continue
-                current = (seq, found)
+                current = (seq, *found)
             else:
                 msg = inputs.pop(seq, None)
                 if msg is None:
                     missing += 1
                     continue
                 _, bad = fam.guarded_step(msg)  # as the session did: a non-finite step is refused, bad state reset
+                state = fam.state_vector.astype(np.float32)  # before a refused step's recovery, as recorded
                 if bad is not None and bad != "held":
                     fam.recover_nonfinite()
-                current = (seq, ys)
+                current = (seq, ys, state)
             diffs.append(per_name[names[0]].add(current[1][0], recorded, names[0]))
         elif rec.type == RecordType.MORE_OUTPUT:
             _, seq, recorded = rec.output()
@@ -319,9 +330,15 @@ def replay_recording(recording: str | Path, bundle: Bundle | str | Path, backend
                 unmatched += 1
                 continue
             per_name[names[i]].add(current[1][i], recorded, names[i])
+        elif rec.type == RecordType.FAMILY_STATE:
+            _, seq, recorded = rec.output()
+            if current is None or current[0] != seq:
+                unmatched += 1
+                continue
+            state_diff.add(current[2], recorded, "family state")
     count = len(diffs)
     model.close()
-    compared = [d for d in per_name.values() if d.count]
+    compared = [d for d in [*per_name.values(), state_diff] if d.count]
     return ReplayReport(
         outputs_compared=count,
         max_abs_diff=max(d.max for d in compared) if compared else float("nan"),
@@ -335,6 +352,7 @@ def replay_recording(recording: str | Path, bundle: Bundle | str | Path, backend
         per_output_max=diffs,
         outputs={name: d.report() for name, d in per_name.items()},
         unmatched_outputs=unmatched,
+        family_state=state_diff.report(),
     )
 
 

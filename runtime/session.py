@@ -287,6 +287,12 @@ class Session:
         self._outputs_info = recorded_outputs(self.model.spec)
         self._more_outputs = [(i, self.model.outputs[o["name"]]) for i, o in enumerate(self._outputs_info) if i]
         self._more_offsets = [(o["offset"], self.model.outputs[o["name"]]) for o in self._outputs_info[1:]]
+        # what the family computes outside the graph (an observer's estimate): FAMILY_STATE records, the step ring
+        self._state_labels = self.family.state_labels()
+        n_state = self.family.state_vector.size
+        if len(self._state_labels) != n_state:
+            raise SessionError(f"family {self.bundle.manifest.family!r} names {len(self._state_labels)} state values "
+                               f"but publishes {n_state} (state_labels and state_vector must agree)")
         self._key = bytes.fromhex(config.key) if config.key else None
         self.link: Link | None = None
         self.hello: Hello | None = None
@@ -394,6 +400,7 @@ class Session:
                     "variant": self.model.variant or "fp32",
                     "output_shape": list(self.model.output.shape),
                     "outputs": self._outputs_info,
+                    "family_state": self._state_labels,
                     "config": self.config.record_dict(),
                 },
             )
@@ -421,13 +428,15 @@ class Session:
             "family": self.bundle.manifest.family, "device_url": cfg.device, "backend": self.model.backend_name,
             "rate_hz": self.rate_hz, "input": self.family.measurement.name,
             "output_shape": list(self.model.output.shape), "outputs": self._outputs_info,
+            "state": self._state_labels,
         }
         safe = np.asarray(self.family.safe_output())
         n_out = sum(o["size"] for o in self._outputs_info)  # every data output, the first first
         info.update(n_in=int(self.family.frame_vector.size), n_out=n_out, n_cmd=int(safe.size))
         try:
             self._tap = SessionTap(info, n_in=self.family.frame_vector.size, n_out=n_out,
-                                   n_cmd=safe.size, observers=observers, monitor=cfg.monitor,
+                                   n_cmd=safe.size, n_state=len(self._state_labels), observers=observers,
+                                   monitor=cfg.monitor,
                                    monitor_public=cfg.monitor_public, out=self.out,
                                    monitor_avoid_cpu=cfg.rt_cpu if cfg.rt else None)
         except (RuntimeError, ValueError, OSError) as exc:
@@ -530,8 +539,11 @@ class Session:
             self.writer.append_output(k, frame.seq, self.model.output, t_ns)
             for i, y in self._more_outputs:
                 self.writer.append_output(k, frame.seq, y, t_ns, index=i)
+            if self._state_labels:
+                self.writer.append_state(k, frame.seq, fam.state_vector, t_ns)
         if self._tap is not None:
-            self._tap.acted(frame.seq, fam.frame_vector, self.model.output, self._more_offsets)
+            self._tap.acted(frame.seq, fam.frame_vector, self.model.output, self._more_offsets,
+                            fam.state_vector if self._state_labels else None)
             if fam.typed_last():  # this run typed: its output's time stamps the "typed" event (idle time)
                 self._typed_ns = self._tap.last_run_ns
         if bad is not None:

@@ -8,7 +8,9 @@ What goes where in the NWB file:
   ``joint_positions`` and ``joint_velocities`` for joint states.
 - ``processing["closedloop"]``: ``model_output`` (every recorded model output, host
   clock; a graph with several data outputs: the first, and ``model_output_NAME`` for each
-  other), ``commands_sent`` (actuator and joint commands, decoded from the exact bytes
+  other), ``family_state`` (what the family computed outside the graph after each run, an observer's
+  estimate: its columns named in the description by the recording's META ``family_state`` labels, host clock),
+  ``commands_sent`` (actuator and joint commands, decoded from the exact bytes
   written, host clock), ``step_timing`` (each loop step's latency and lateness, host clock), ``decoder_outputs`` (a decoder's DECODER_OUTPUT frames: bin index
   and the text added, as a table) and ``session_events`` (watchdog, disconnects, device
   status) as a table.
@@ -76,6 +78,11 @@ def recording_to_nwb(recording: str | Path, out: str | Path, overwrite: bool = F
         mod.add(TimeSeries(name=f"model_output_{_nwb_name(name)}", data=s.array(), timestamps=np.asarray(s.t_host_s),
                            unit="a.u.", description=f"the graph's data output {name!r}, each step the model ran "
                                                     "(the same steps as model_output); host clock"))
+    if len(view.state):
+        mod.add(TimeSeries(name="family_state", data=view.state.array(), timestamps=np.asarray(view.state.t_host_s),
+                           unit="a.u.", description="what the family computed outside the graph after each model run "
+                                                    f"(FAMILY_STATE records), columns: {', '.join(view.state_labels)}; "
+                                                    "host clock"))
     if cmds:
         mod.add(TimeSeries(name="commands_sent", data=np.stack(cmds), timestamps=np.asarray(cmd_t), unit="a.u."))
     steps = view.steps

@@ -2,8 +2,10 @@
 
 A 2 x 2 grid: latency and lateness over time (missed deadlines marked), the latency
 histogram against the deadline, the input stream (a heat map of neural channels, or the
-measured traces), and the commands sent with the safe-command periods shaded and the
-events marked, with a decoder's typed text in the title.
+measured traces, with an observer's prediction of each), and the commands sent with the
+safe-command periods shaded and the events marked, with a decoder's typed text in the title.
+A recording that holds the family's state (an observer's estimate, FAMILY_STATE records)
+gets a third row: each group of it (states, disturbances) over time.
 """
 
 from __future__ import annotations
@@ -29,11 +31,16 @@ def plot_recording(recording: str | Path, out: str | Path) -> Path:
     v = view_recording(recording)
     rate = float(v.meta.get("rate_hz") or (v.summary or {}).get("loop", {}).get("rate_hz") or 0.0)
     period_us = 1e6 / rate if rate else None
-    fig, axes = plt.subplots(2, 2, figsize=(13, 8), constrained_layout=True)
-    _timing(axes[0, 0], v, period_us)
-    _histogram(axes[0, 1], v, period_us)
-    _inputs(axes[1, 0], v)
-    _commands(axes[1, 1], v)
+    groups = [g for g in _state_groups(v) if g[0] != "predicted"]
+    layout = [["timing", "histogram"], ["input", "commands"]] + [[f"state{i}"] * 2 for i in range(len(groups))]
+    axes = plt.figure(figsize=(13, 8 + 2.6 * len(groups)), layout="constrained").subplot_mosaic(layout)
+    fig = axes["timing"].figure
+    _timing(axes["timing"], v, period_us)
+    _histogram(axes["histogram"], v, period_us)
+    _inputs(axes["input"], v)
+    _commands(axes["commands"], v)
+    for i, group in enumerate(groups):
+        _state(axes[f"state{i}"], v, *group)
     title = (f"{v.meta.get('bundle_name') or v.meta.get('bundle', '?')} on {v.meta.get('device_url', '?')} "
              f"({v.meta.get('family', '?')}, {rate:g} Hz, backend {v.meta.get('backend', '?')})")
     if v.typed:
@@ -116,11 +123,41 @@ def _inputs(ax, v: RecordingView) -> None:
         ax.set_title(f"input: {name} ({vals.shape[1]} value{'' if vals.shape[1] == 1 else 's'})")
         for j in range(min(vals.shape[1], 8)):
             ax.plot(s.t_host_s, vals[:, j], lw=0.8, label=f"{name}[{j}]")
-        if v.outputs and v.meta.get("family") == "observer":
+        predicted = next((g for g in _state_groups(v) if g[0] == "predicted"), None)
+        if predicted is not None and len(v.state):
+            st = v.state.array()
+            for j, (k, label) in enumerate(zip(predicted[1][:8], predicted[2][:8], strict=True)):
+                ax.plot(v.state.t_host_s, st[:, k], lw=0.8, ls="--", color=f"C{j}", label=f"predicted {label}")
+        elif v.outputs and v.meta.get("family") == "observer":  # a recording without the family's state
             out = v.outputs.array()
             for j in range(min(out.shape[1], 4)):
                 ax.plot(v.outputs.t_host_s, out[:, j], lw=0.8, ls="--", label=f"correction N(r)[{j}]")
         ax.legend(fontsize=7, ncol=2, loc="upper right")
+    ax.set_xlabel("host time (s)")
+
+
+def _state_groups(v: RecordingView) -> list[tuple[str, list[int], list[str]]]:
+    """META ``family_state`` labels (``GROUP/NAME``) as ``(group, columns, names)`` in label order."""
+    groups: dict[str, tuple[list[int], list[str]]] = {}
+    for k, label in enumerate(v.state_labels):
+        group, _, name = label.rpartition("/")
+        cols, names = groups.setdefault(group or "state", ([], []))
+        cols.append(k)
+        names.append(name)
+    return [(g, cols, names) for g, (cols, names) in groups.items()]
+
+
+def _state(ax, v: RecordingView, group: str, cols: list[int], names: list[str]) -> None:
+    what = "the observer's estimate" if v.meta.get("family") == "observer" else "the family's state"
+    ax.set_title(f"{what}: {group} ({len(cols)} value{'' if len(cols) == 1 else 's'}"
+                 f"{', first 8 shown' if len(cols) > 8 else ''}), after each model run")
+    st = v.state.array()
+    if not len(st):
+        ax.text(0.5, 0.5, "no FAMILY_STATE records", ha="center", va="center", transform=ax.transAxes)
+        return
+    for k, name in zip(cols[:8], names[:8], strict=True):
+        ax.plot(v.state.t_host_s, st[:, k], lw=0.8, label=name)
+    ax.legend(fontsize=7, ncol=4, loc="upper right")
     ax.set_xlabel("host time (s)")
 
 

@@ -171,6 +171,14 @@ def typing_bundle(tmp_path_factory):
                              report=lambda s: None)
 
 
+@pytest.fixture(scope="session")
+def observer_bundle(tmp_path_factory):
+    """A certified neural observer of the flexible joint (small untrained network, scaled down until certified)."""
+    from closedloop.sdk.observer.neural import example_observer_bundle
+
+    return example_observer_bundle(tmp_path_factory.mktemp("o") / "fj")
+
+
 @pytest.fixture
 def acted_inputs():
     """A session observer that keeps the ``inputs`` row of every step that acted on a device frame, and ``n_in``."""

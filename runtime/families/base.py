@@ -37,6 +37,9 @@ def measurement_input(spec: GraphSpec) -> TensorSpec:
     return found[0]
 
 
+_NO_STATE = np.zeros(0, dtype=np.float32)
+
+
 class FamilyPlugin:
     """Base class; subclasses register with ``@register_family``."""
 
@@ -74,6 +77,18 @@ class FamilyPlugin:
     def frame_vector(self) -> np.ndarray:
         """The newest device frame as the family read it (float32, flat): what a monitor shows as the input."""
         return self._frame
+
+    @property
+    def state_vector(self) -> np.ndarray:
+        """What the family computes outside the graph, after the step's model run (flat, a live buffer read on the
+        loop's path): published in the step ring, the recording's FAMILY_STATE records and the monitor, named by
+        ``state_labels``. Empty by default; the observer gives its estimate."""
+        return _NO_STATE
+
+    def state_labels(self) -> list[str]:
+        """One ``GROUP/NAME`` label per value of ``state_vector``, e.g. ``state/x1``, ``disturbance/d1``: the
+        monitor draws each GROUP in a band of its own (docs/families.md)."""
+        return []
 
     @classmethod
     def problems(cls, bundle: Bundle) -> list[str]:

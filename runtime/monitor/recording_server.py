@@ -2,8 +2,8 @@
 
 The page is the same; instead of a stream of ``steps`` messages it receives one
 ``recording`` message holding the decoded recording (``runtime.recording_view``):
-per-step timing and flags, the input frames, the commands, the model outputs, the typed
-text and the events, each with host seconds. The page's slider picks the moment shown.
+per-step timing and flags, the input frames, the commands, the model outputs, the family's
+state (an observer's estimate), the typed text and the events, each with host seconds. The page's slider picks the moment shown.
 """
 
 from __future__ import annotations
@@ -35,7 +35,8 @@ def _all_outputs(v: RecordingView) -> Series:
     out = Series()
     for i in range(n):
         out.add(v.outputs.t_host_s[i], float("nan"),
-                np.concatenate([v.outputs.values[i], *(s.values[i] for s in v.more_outputs.values())]))
+                np.concatenate([v.outputs.values[i], *(s.values[i] for s in v.more_outputs.values())]),
+                v.outputs.seq[i])
     return out
 
 
@@ -52,12 +53,13 @@ def recording_message(v: RecordingView) -> dict[str, Any]:
     }
     name = next((n for n in ("binned_spikes", "plant_output_y", "joint_positions") if n in v.inputs), None)
     for key, series in (("inputs", v.inputs.get(name) if name else None), ("commands", v.commands),
-                        ("outputs", _all_outputs(v))):
+                        ("outputs", _all_outputs(v)), ("state", v.state)):
         if series is None or not len(series):
-            msg[key] = {"t_s": [], "rows": []}
+            msg[key] = {"t_s": [], "rows": [], "seq": []}
             continue
         j = _decimate(len(series))
-        msg[key] = {"t_s": np.round(np.asarray(series.t_host_s)[j], 4).tolist(), "rows": rounded_rows(series.array()[j])}
+        msg[key] = {"t_s": np.round(np.asarray(series.t_host_s)[j], 4).tolist(), "rows": rounded_rows(series.array()[j]),
+                    "seq": np.asarray(series.seq)[j].tolist()}
     times = [msg[k]["t_s"][-1] for k in ("inputs", "commands", "outputs") if msg[k]["t_s"]]
     times += msg["steps"]["t_s"][-1:]
     msg["duration_s"] = max(times) if times else 0.0
@@ -70,7 +72,7 @@ def recording_info(v: RecordingView) -> dict[str, Any]:
             "rate_hz": m.get("rate_hz"), "backend": m.get("backend"), "device": m.get("device"),
             "device_url": m.get("device_url"), "mode": "recording", "recording": str(v.path),
             "described": v.described, "has_steps": bool(v.steps["step"].size),
-            "outputs": m.get("outputs") or []}
+            "outputs": m.get("outputs") or [], "state": v.state_labels}
 
 
 async def serve_recording(path: str | Path, host: str, port: int, ready: Any = print,

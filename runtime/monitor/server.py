@@ -104,6 +104,7 @@ def steps_message(batch: StepBatch, period_s: float, t0_ns: int) -> dict[str, An
         "inputs": rows(batch.inputs),
         "outputs": rows(batch.outputs),
         "command": rows(batch.command),
+        "state": rows(batch.state),
         "count": n,
         "lost": int(batch.lost),
     }

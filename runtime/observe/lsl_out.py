@@ -1,6 +1,6 @@
 """``--lsl-out NAME``: a session observer that publishes the session as LSL streams.
 
-Three outlets, so any LSL consumer (LabRecorder, a BCI display, another lab's
+Three outlets (four for a family that publishes its state), so any LSL consumer (LabRecorder, a BCI display, another lab's
 pipeline) can follow a live session next to the streams it already records:
 
 =================  ===========  ===========================  ====================================
@@ -9,6 +9,8 @@ outlet             type         channels                     one sample per
 ``NAME-outputs``   ModelOutput  every data output, in order  model run (every frame the model ran on)
 ``NAME-commands``  Command      the command's values         step that sent a command (safe too)
 ``NAME-text``      Markers      one string (irregular rate)  step that typed text (its characters)
+``NAME-state``     State        the family's state values    step that ran the model (an observer's
+                                (``info["state"]`` labels)   estimate; absent for other families)
 =================  ===========  ===========================  ====================================
 
 A graph with several data outputs (a click head beside a velocity) puts them one after another in
@@ -17,7 +19,7 @@ XDF convention LabRecorder and pyxdf read.
 
 An output sample's LSL timestamp is when the model's output was ready (the ring's run record);
 a command's is the end of the step that sent it (``t_ns + latency_ns``, at most the step's
-latency after the command was written). Both are the loop's monotonic clock mapped onto
+latency after the command was written), and a state sample's the end of the step that computed it. Both are the loop's monotonic clock mapped onto
 ``pylsl.local_clock()`` with an offset measured once at the start, so outputs and commands line
 up with the input stream's timestamps on one clock.
 On Linux both clocks are ``CLOCK_MONOTONIC`` and the offset is about a microsecond.
@@ -41,6 +43,7 @@ from .ring import RunBatch, StepBatch
 _CLOCKS = {
     "outputs": "when the model output was ready (the step ring's run record), on local_clock()",
     "commands": "end of the session step that sent the command, on local_clock()",
+    "state": "end of the session step whose model run computed the state, on local_clock()",
     "text": "when the model output that typed the sample's last character was ready (a reset: when the session "
             "noticed it), on local_clock()",
 }
@@ -73,7 +76,7 @@ class LslOutlets(SessionObserver):
     Attributes
     ----------
     pushed : dict
-        Samples pushed per outlet (``outputs``, ``commands``, ``text``).
+        Samples pushed per outlet (``outputs``, ``commands``, ``text``, ``state``).
     lost : int
         Step records the ring overwrote before this observer read them (commands not published).
     lost_outputs : int
@@ -91,7 +94,7 @@ class LslOutlets(SessionObserver):
         self.offset_s, self.offset_uncertainty_s = clock_offset_s(self._lsl)
         self.info: dict[str, Any] = {}
         self.outlets: dict[str, Any] = {}
-        self.pushed = {"outputs": 0, "commands": 0, "text": 0}
+        self.pushed = {"outputs": 0, "commands": 0, "text": 0, "state": 0}
         self.lost = 0
         self.lost_outputs = 0
 
@@ -120,13 +123,16 @@ class LslOutlets(SessionObserver):
             return None
         return [o["name"] if o["size"] == 1 else f"{o['name']}[{j}]" for o in outputs for j in range(o["size"])]
 
-    def _open(self, n_out: int, n_cmd: int) -> None:
+    def _open(self, n_out: int, n_cmd: int, n_state: int = 0) -> None:
         rate = float(self.info.get("rate_hz") or 0.0)
         if n_out and "outputs" not in self.outlets:
             self.outlets["outputs"] = self._outlet("outputs", "ModelOutput", n_out, rate, "float32",
                                                    self.output_labels())
         if n_cmd and "commands" not in self.outlets:
             self.outlets["commands"] = self._outlet("commands", "Command", n_cmd, rate, "float32")
+        labels = self.info.get("state")
+        if n_state and "state" not in self.outlets and isinstance(labels, list) and len(labels) == n_state:
+            self.outlets["state"] = self._outlet("state", "State", n_state, rate, "float32", [str(x) for x in labels])
         if "text" not in self.outlets:
             self.outlets["text"] = self._outlet("text", "Markers", 1, self._lsl.IRREGULAR_RATE, "string")
 
@@ -140,7 +146,7 @@ class LslOutlets(SessionObserver):
         self.info = dict(info)
         n_out, n_cmd = info.get("n_out"), info.get("n_cmd")
         if isinstance(n_out, int) and isinstance(n_cmd, int):
-            self._open(n_out, n_cmd)
+            self._open(n_out, n_cmd, len(info.get("state") or []))
 
     def _push(self, which: str, values: np.ndarray, stamps: np.ndarray) -> None:
         outlet = self.outlets.get(which)
@@ -155,8 +161,10 @@ class LslOutlets(SessionObserver):
         self.lost += batch.lost
         if not len(batch):
             return
-        self._open(batch.outputs.shape[1], batch.command.shape[1])
-        self._push("commands", batch.command, self.lsl_time(batch.t_ns + batch.latency_ns))
+        self._open(batch.outputs.shape[1], batch.command.shape[1], batch.state.shape[1])
+        end = self.lsl_time(batch.t_ns + batch.latency_ns)
+        self._push("commands", batch.command, end)
+        self._push("state", batch.state, end)
 
     def on_runs(self, batch: RunBatch) -> None:
         """Every model output, a step that ran the model on several frames included, stamped when it was ready."""

@@ -15,18 +15,21 @@ header of ``_HEADER`` int64 words, then the step arrays, then the event slots.
 word     meaning
 =======  ===================================================================
 0        magic ``0x434C4F4F50524E47`` ("CLOOPRNG")
-1        layout version (2)
+1        layout version (3)
 2        capacity C (step records)
 3        n_in (input values per step), 4: n_out, 5: n_cmd
 6        steps published (monotonic count; slot of step record j is j mod C)
 7        event capacity E, 8: event slot size in bytes, 9: events published
 10       run capacity R (model-run records), 11: runs published (slot of run j is j mod R)
+12       n_state (the family's state values per step; 0 for a family that publishes none)
 =======  ===================================================================
 
 Step arrays, each C long: int64 ``step``, ``t_ns`` (``time.monotonic_ns`` at the step's
 start), ``latency_ns``, ``lateness_ns``, ``input_seq`` (-1: no input acted on), int64
 ``flags`` (``FLAG_*``); float32 ``inputs[C, n_in]``, ``outputs[C, n_out]``, ``command[C, n_cmd]``
-(NaN where nothing was sent). Run arrays, each R long: int64 ``run_step``, ``run_input_seq``,
+(NaN where nothing was sent), ``state[C, n_state]`` (what the family computes outside the graph after the
+step's last model run, named by the session info's ``state`` labels: an observer's estimate; NaN where the model
+did not run). Run arrays, each R long: int64 ``run_step``, ``run_input_seq``,
 ``run_t_ns`` (``time.monotonic_ns`` when the output was ready); float32 ``run_outputs[R, n_out]``:
 one record per model run, so a step that ran the model on several frames (a decoder catching up)
 has a run record for each, where its step record holds the last. Event slots: E slots of
@@ -47,10 +50,10 @@ from typing import Any
 import numpy as np
 
 MAGIC = 0x434C4F4F50524E47
-LAYOUT_VERSION = 2
+LAYOUT_VERSION = 3
 _HEADER = 16
 _W_CAP, _W_NIN, _W_NOUT, _W_NCMD, _W_HEAD, _W_ECAP, _W_ESLOT, _W_EHEAD = 2, 3, 4, 5, 6, 7, 8, 9
-_W_RCAP, _W_RHEAD = 10, 11
+_W_RCAP, _W_RHEAD, _W_NSTATE = 10, 11, 12
 
 FLAG_ACTED = 1  # the model ran on a device frame this step
 FLAG_COMMAND = 2  # a model command was sent
@@ -75,6 +78,9 @@ class StepBatch:
     inputs: np.ndarray
     outputs: np.ndarray
     command: np.ndarray
+    #: the family's state values after the step's last model run (``info["state"]`` names them; no columns for a
+    #: family that publishes none)
+    state: np.ndarray
     lost: int = 0
 
     def __len__(self) -> int:
@@ -97,8 +103,8 @@ class RunBatch:
 
 
 def _nbytes(capacity: int, n_in: int, n_out: int, n_cmd: int, event_capacity: int, event_slot: int,
-            run_capacity: int) -> int:
-    return (8 * _HEADER + capacity * (8 * len(_INT_FIELDS) + 4 * (n_in + n_out + n_cmd))
+            run_capacity: int, n_state: int = 0) -> int:
+    return (8 * _HEADER + capacity * (8 * len(_INT_FIELDS) + 4 * (n_in + n_out + n_cmd + n_state))
             + run_capacity * (8 * len(_RUN_FIELDS) + 4 * n_out) + event_capacity * event_slot)
 
 
@@ -133,6 +139,7 @@ class StepRing:
             raise ValueError(f"shared memory {shm.name!r} is not a closedloop step ring (layout {LAYOUT_VERSION})")
         cap, n_in, n_out, n_cmd = (int(h[w]) for w in (_W_CAP, _W_NIN, _W_NOUT, _W_NCMD))
         self.capacity, self.n_in, self.n_out, self.n_cmd = cap, n_in, n_out, n_cmd
+        self.n_state = int(h[_W_NSTATE])
         self.event_capacity, self.event_slot = int(h[_W_ECAP]), int(h[_W_ESLOT])
         self.run_capacity = rcap = int(h[_W_RCAP])
         off = 8 * _HEADER
@@ -144,7 +151,8 @@ class StepRing:
             return a
 
         self._ints: dict[str, np.ndarray] = {name: carve((cap,), "<i8") for name in _INT_FIELDS}
-        self.inputs, self.outputs, self.command = (carve((cap, n), "<f4") for n in (n_in, n_out, n_cmd))
+        self.inputs, self.outputs, self.command, self.state = (
+            carve((cap, n), "<f4") for n in (n_in, n_out, n_cmd, self.n_state))
         self._run_ints: dict[str, np.ndarray] = {name: carve((rcap,), "<i8") for name in _RUN_FIELDS}
         self.run_outputs = carve((rcap, n_out), "<f4")
         self._events = np.ndarray((self.event_capacity, self.event_slot), dtype=np.uint8, buffer=buf, offset=off)
@@ -152,6 +160,7 @@ class StepRing:
         self._in_rows = list(self.inputs)
         self._out_rows = list(self.outputs)
         self._cmd_rows = list(self.command)
+        self._state_rows = list(self.state)
         self._run_out_rows = list(self.run_outputs)
         self._slot = 0  # writer: slot of the record being filled
 
@@ -159,23 +168,24 @@ class StepRing:
 
     @classmethod
     def create(cls, n_in: int, n_out: int, n_cmd: int, capacity: int = 4096, event_capacity: int = 256,
-               event_slot: int = 2048, run_capacity: int | None = None) -> StepRing:
-        """``run_capacity``: model-run records (default ``capacity``)."""
+               event_slot: int = 2048, run_capacity: int | None = None, n_state: int = 0) -> StepRing:
+        """``run_capacity``: model-run records (default ``capacity``); ``n_state``: the family's state values per
+        step (``FamilyPlugin.state_vector``)."""
         run_capacity = capacity if run_capacity is None else run_capacity
-        for what, v in (("n_in", n_in), ("n_out", n_out), ("n_cmd", n_cmd)):
+        for what, v in (("n_in", n_in), ("n_out", n_out), ("n_cmd", n_cmd), ("n_state", n_state)):
             if v < 0:
                 raise ValueError(f"{what} must be >= 0, got {v}")
         if capacity < 2 or run_capacity < 2 or event_capacity < 1 or event_slot < 64:
             raise ValueError(f"ring capacity {capacity} (>= 2), run capacity {run_capacity} (>= 2), event capacity "
                              f"{event_capacity} (>= 1) and event slot {event_slot} bytes (>= 64) are too small")
-        size = _nbytes(capacity, n_in, n_out, n_cmd, event_capacity, event_slot, run_capacity)
+        size = _nbytes(capacity, n_in, n_out, n_cmd, event_capacity, event_slot, run_capacity, n_state)
         shm = shared_memory.SharedMemory(create=True, size=size)
         h = np.ndarray((_HEADER,), dtype="<i8", buffer=shm.buf)
         h[:] = 0
         h[0], h[1] = MAGIC, LAYOUT_VERSION
         h[_W_CAP], h[_W_NIN], h[_W_NOUT], h[_W_NCMD] = capacity, n_in, n_out, n_cmd
         h[_W_ECAP], h[_W_ESLOT] = event_capacity, event_slot
-        h[_W_RCAP] = run_capacity
+        h[_W_RCAP], h[_W_NSTATE] = run_capacity, n_state
         del h
         return cls(shm, owner=True)
 
@@ -201,8 +211,8 @@ class StepRing:
 
     def close(self) -> None:
         """Drop this process's mapping; the owner also frees the block."""
-        for attr in ("_header", "_ints", "inputs", "outputs", "command", "_events", "_in_rows", "_out_rows",
-                     "_cmd_rows", "_run_ints", "run_outputs", "_run_out_rows"):
+        for attr in ("_header", "_ints", "inputs", "outputs", "command", "state", "_events", "_in_rows", "_out_rows",
+                     "_cmd_rows", "_state_rows", "_run_ints", "run_outputs", "_run_out_rows"):
             if hasattr(self, attr):
                 delattr(self, attr)
         try:
@@ -218,7 +228,7 @@ class StepRing:
     # --- writer (the loop's thread; no allocation, no lock) -------------------------
 
     def begin(self, step: int, t_ns: int) -> None:
-        """Start the record of ``step``: inputs, outputs and command start as NaN, flags as 0."""
+        """Start the record of ``step``: inputs, outputs, command and state start as NaN, flags as 0."""
         i = int(self._header[_W_HEAD]) % self.capacity
         self._slot = i
         ints = self._ints
@@ -229,6 +239,7 @@ class StepRing:
         self._in_rows[i].fill(np.nan)
         self._out_rows[i].fill(np.nan)
         self._cmd_rows[i].fill(np.nan)
+        self._state_rows[i].fill(np.nan)
 
     def input_row(self) -> np.ndarray:
         """The current record's input row, to be written in place (``InputKind.to_vector``)."""
@@ -240,16 +251,14 @@ class StepRing:
     def set_output(self, values: np.ndarray, offset: int = 0) -> None:
         """Write ``values`` into the current record's output row from ``offset`` (a graph's further data outputs
         follow its first, in order: the session's ``info["outputs"]`` gives each one's ``offset``)."""
-        row = self._out_rows[self._slot]
-        n = min(row.size - offset, values.size)
-        if n > 0:
-            np.copyto(row[offset:offset + n], values.reshape(-1)[:n], casting="unsafe")
+        _fill(self._out_rows[self._slot], values, offset)
 
     def set_command(self, values: np.ndarray) -> None:
-        row = self._cmd_rows[self._slot]
-        n = min(row.size, values.size)
-        if n:
-            np.copyto(row[:n], values.reshape(-1)[:n], casting="unsafe")
+        _fill(self._cmd_rows[self._slot], values)
+
+    def set_state(self, values: np.ndarray) -> None:
+        """The family's state after this step's model run (its first ``n_state`` values)."""
+        _fill(self._state_rows[self._slot], values)
 
     def add_flags(self, flags: int) -> None:
         self._ints["flags"][self._slot] |= flags
@@ -301,7 +310,7 @@ class StepRing:
     def read(self, cursor: int, max_records: int | None = None) -> tuple[StepBatch, int]:
         """Copies of the records from ``cursor`` on; returns them and the cursor to pass next time."""
         head = self.published
-        arrays = dict(self._ints, inputs=self.inputs, outputs=self.outputs, command=self.command)
+        arrays = dict(self._ints, inputs=self.inputs, outputs=self.outputs, command=self.command, state=self.state)
         got, lost = _copy_span(lambda: self.published, self.capacity, head, cursor, max_records, arrays)
         return StepBatch(**got, lost=lost), head
 
@@ -325,6 +334,13 @@ class StepRing:
             except (ValueError, UnicodeDecodeError):
                 continue  # overwritten while read
         return out, head, start - cursor
+
+
+def _fill(row: np.ndarray, values: np.ndarray, offset: int = 0) -> None:
+    """Copy what fits of ``values`` into ``row`` from ``offset`` (no allocation: the loop's path)."""
+    n = min(row.size - offset, values.size)
+    if n > 0:
+        np.copyto(row[offset:offset + n], values.reshape(-1)[:n], casting="unsafe")
 
 
 def _json_default(o: Any) -> Any:

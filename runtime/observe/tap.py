@@ -30,16 +30,16 @@ class MonitorAddressError(ValueError):
 
 
 class SessionTap:
-    def __init__(self, info: dict[str, Any], n_in: int, n_out: int, n_cmd: int,
+    def __init__(self, info: dict[str, Any], n_in: int, n_out: int, n_cmd: int, n_state: int = 0,
                  observers: list[SessionObserver] | None = None, monitor: str | None = None,
                  monitor_public: bool = False, status_interval_s: float = 0.25, out: TextIO | None = None,
                  capacity: int = 8192, monitor_avoid_cpu: int | None = None):
         self.out = out if out is not None else sys.stderr
         self.info = dict(info, t0_ns=time.monotonic_ns())
-        self.ring = StepRing.create(n_in, n_out, n_cmd, capacity=capacity)
+        self.ring = StepRing.create(n_in, n_out, n_cmd, capacity=capacity, n_state=n_state)
         self.info["ring"] = self.ring.name  # /dev/shm/NAME, for readers in other processes (docs/monitor.md)
-        log.info("step ring: /dev/shm/%s (%d records, %d inputs, %d outputs, %d command values per record)",
-                 self.ring.name, capacity, n_in, n_out, n_cmd)
+        log.info("step ring: /dev/shm/%s (%d records, %d inputs, %d outputs, %d command values, %d state values "
+                 "per record)", self.ring.name, capacity, n_in, n_out, n_cmd, n_state)
         self.hub = ObserverHub(self.ring, observers or [])
         self.monitor = None
         self.status_interval_ns = int(status_interval_s * 1e9)
@@ -70,8 +70,9 @@ class SessionTap:
         self.ring.begin(step, time.monotonic_ns())
 
     def acted(self, seq: int, frame: np.ndarray, output: np.ndarray,
-              more: Sequence[tuple[int, np.ndarray]] = ()) -> None:
-        """The model ran on input frame ``seq``: its first data output, and ``(offset, values)`` of the others."""
+              more: Sequence[tuple[int, np.ndarray]] = (), state: np.ndarray | None = None) -> None:
+        """The model ran on input frame ``seq``: its first data output, ``(offset, values)`` of the others, and the
+        family's state after the run (``FamilyPlugin.state_vector``)."""
         r = self.ring
         r.set_input_seq(seq)
         row = r.input_row()
@@ -80,6 +81,8 @@ class SessionTap:
         r.set_output(output)
         for offset, values in more:
             r.set_output(values, offset)
+        if state is not None:
+            r.set_state(state)
         r.add_flags(FLAG_ACTED)
         self.last_run_ns = time.monotonic_ns()
         r.publish_run(self.last_run_ns)

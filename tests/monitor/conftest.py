@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -39,3 +42,23 @@ def screenshot_dir(tmp_path_factory) -> Path:
     d = Path(keep) if keep else tmp_path_factory.mktemp("screenshots")
     d.mkdir(parents=True, exist_ok=True)
     return d
+
+
+@pytest.fixture
+def recording_page(page):
+    """``with recording_page(REC, READY_JS):`` serves REC with ``closedloop monitor REC --port 0`` in a child process,
+    opens it in ``page`` and waits until READY_JS is true; the server stops after the block."""
+
+    @contextlib.contextmanager
+    def open_recording(rec, ready_js: str):
+        p = subprocess.Popen([sys.executable, "-m", "closedloop.sdk.cli", "monitor", str(rec), "--port", "0"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            page.goto(p.stdout.readline().split()[1])
+            page.wait_for_function(ready_js, timeout=30_000)
+            yield page
+        finally:
+            p.terminate()
+            p.communicate(timeout=10)
+
+    return open_recording

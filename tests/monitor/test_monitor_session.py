@@ -258,10 +258,8 @@ class CommandAndEstimate(torch.nn.Module):
         return {"u": self.u(h), "estimate": self.estimate(h)}
 
 
-def test_every_data_output_has_a_band_of_its_own_live_and_in_the_recording(page, tmp_path, screenshot_dir):
-    import subprocess
-    import sys
-
+def test_every_data_output_has_a_band_of_its_own_live_and_in_the_recording(page, recording_page, tmp_path,
+                                                                            screenshot_dir):
     torch.manual_seed(2)
     bundle = export_bundle(CommandAndEstimate().eval(), tmp_path / "two", kind="feedforward",
                            example_input=torch.zeros(1, 1), rate_hz=200.0, postprocess={"low": [-2.0], "high": [2.0]},
@@ -277,14 +275,55 @@ def test_every_data_output_has_a_band_of_its_own_live_and_in_the_recording(page,
     assert page.evaluate("() => monitorState.out[monitorState.out.length - 1].length") == 4  # u, then the estimate
     page.screenshot(path=str(screenshot_dir / "monitor_outputs.png"))
     bg.join()
-    p = subprocess.Popen([sys.executable, "-m", "closedloop.sdk.cli", "monitor", str(rec), "--port", "0"],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        page.goto(p.stdout.readline().split()[1])
-        page.wait_for_function("() => monitorState.step > 0 && !document.getElementById('outputs-box').hidden",
-                               timeout=30_000)
+    with recording_page(rec, "() => monitorState.step > 0 && !document.getElementById('outputs-box').hidden"):
         assert "u (1 value), estimate (3 values)" in page.text_content("#outputs-legend")
         assert page.evaluate("() => monitorState.out[monitorState.out.length - 1].length") == 4
-    finally:
-        p.terminate()
-        p.communicate(timeout=10)
+
+
+def test_an_observers_state_and_disturbance_estimate_and_its_predictions_are_on_the_page_live_and_recorded(
+        observer_bundle, page, recording_page, tmp_path, screenshot_dir):
+    """The page draws the observer's z_hat (a band for the plant's states, one for its disturbance) and, over each
+    measurement, what the observer predicted for it; `closedloop monitor FILE` shows the same from the recording."""
+    rec = tmp_path / "obs.clrec"
+    bg = Background(observer_bundle, device="sim://plant?model=flexible-joint&rate=1000&seed=4", duration_s=4.0,
+                    monitor="0", record=str(rec))
+    page.goto(bg.session.monitor_url)
+    page.wait_for_function("() => monitorState.st.length > 200 && !document.getElementById('state-panel').hidden",
+                           timeout=30_000)
+
+    def shown():
+        return page.evaluate(
+            "() => ({legend: document.getElementById('state-legend').textContent,"
+            " title: document.getElementById('input-title').textContent,"
+            " inputLegend: document.getElementById('input-legend').textContent,"
+            " inp: monitorState.inp.length, inpSt: monitorState.inpSt.length,"
+            " widths: [...new Set(monitorState.inpSt.map((r) => r.length))],"
+            " gap: Math.max(...monitorState.inp.map((r, i) => Math.abs(r[0] - monitorState.inpSt[i][5]))),"
+            " spread: Math.max(...monitorState.inp.map((r) => r[0])) - Math.min(...monitorState.inp.map((r) => r[0]))})")
+
+    live = shown()
+    assert "state (4 values), disturbance (1 value)" in live["legend"], live
+    assert "prediction" in live["title"] and "predicted" in live["inputLegend"], live
+    # each measurement drawn has the state of the step that read it: z_hat (5) then the predicted measurement (1)
+    assert live["inp"] > 20 and live["inpSt"] == live["inp"] and live["widths"] == [6], live
+    # the prediction tracks the measurement (a certified observer): their gap is small against the signal's swing
+    assert live["gap"] < 0.5 * live["spread"] + 1e-3, live
+    assert page.evaluate(_LIT_PIXELS, "family-state") > 500
+    page.screenshot(path=str(screenshot_dir / "monitor_observer_estimate.png"))
+    bg.join()
+    with recording_page(rec, "() => monitorState.step > 0 && !document.getElementById('state-panel').hidden"):
+        legend = page.text_content("#state-legend")
+        assert "state (4 values), disturbance (1 value)" in legend, legend
+        assert page.evaluate(_LIT_PIXELS, "family-state") > 500
+        # beside each frame, the state of the run that read it (by frame sequence number); none for a frame the loop
+        # skipped for a newer one or had not read when the recording ended
+        paired = page.evaluate("() => ({seq: monitorState.inpSeq, st: monitorState.inpSt})")
+        v = view_recording(rec)
+        by_seq = dict(zip(v.state.seq, v.state.values, strict=True))
+        assert len(paired["seq"]) == len(paired["st"]) > 20
+        assert sum(s in by_seq for s in paired["seq"]) > 20
+        for s, row in zip(paired["seq"], paired["st"], strict=True):
+            if s not in by_seq:
+                assert row == [], (s, row)
+            else:
+                np.testing.assert_allclose(row, by_seq[s], rtol=1e-5, atol=1e-12)

@@ -147,7 +147,7 @@ def test_an_inlet_receives_every_output_each_command_and_the_text_each_stamped()
         hub.stop({})
         ring.close()
     assert len(runs) > len(acted_steps)
-    assert obs.pushed == {"outputs": len(runs), "commands": len(sent_steps), "text": 2}
+    assert obs.pushed == {"outputs": len(runs), "commands": len(sent_steps), "text": 2, "state": 0}
     assert obs.lost == 0 and obs.lost_outputs == 0 and not obs.outlets
 
 
@@ -204,3 +204,37 @@ def test_typed_text_is_published_when_it_is_typed_with_the_stamp_of_the_output_t
         assert after_reset or j == 0 or best[j] != best[j - 1], f"{sample!r} is stamped with an output that typed nothing"
         after_reset = False
 
+
+
+def test_a_family_state_is_an_outlet_of_its_own_with_its_labels_one_sample_per_step_that_ran():
+    """An observer's estimate (the ring's state block) reaches LSL as NAME-state, labelled as info["state"] names
+    it, one sample per step that ran the model, stamped at the end of that step; a step that did not run sends none."""
+    name = f"cltest-{uuid.uuid4().hex[:10]}"
+    obs = LslOutlets(name)
+    labels = ["state/x1", "disturbance/d1", "predicted/y1"]
+    ring = StepRing.create(n_in=1, n_out=2, n_cmd=1, capacity=256, event_capacity=8, event_slot=256, n_state=3)
+    hub = ObserverHub(ring, [obs], interval_s=0.005)
+    hub.start({"rate_hz": 1000.0, "n_out": 2, "n_cmd": 1, "family": "observer", "state": labels})
+    try:
+        end = time.monotonic() + 5
+        while "state" not in obs.outlets and time.monotonic() < end:
+            time.sleep(0.01)
+        inlet = _inlet(f"{name}-state")
+        assert inlet.info().type() == "State" and _labels(inlet.info(timeout=5.0)) == labels
+        sent = []
+        for k in range(30):
+            t_ns = time.monotonic_ns()
+            ring.begin(k, t_ns)
+            if k % 3:  # every third step found no measurement: no state
+                ring.set_state(np.array([k, -k, 0.5 * k]))
+                ring.add_flags(FLAG_ACTED)
+                sent.append((k, t_ns + 20_000))
+            ring.publish(latency_ns=20_000, lateness_ns=0)
+            time.sleep(0.002)
+        x, ts = _pull_all(inlet, len(sent))
+        np.testing.assert_array_equal(np.array(x), [[k, -k, 0.5 * k] for k, _ in sent])
+        np.testing.assert_allclose(ts, np.array([t for _, t in sent]) / 1e9 + obs.offset_s, atol=1e-6)
+    finally:
+        hub.stop({})
+        ring.close()
+    assert obs.pushed["state"] == len(sent)

@@ -62,7 +62,9 @@ def test_a_record_not_written_is_nan_and_flags_mark_the_safe_command(ring):
     assert batch.flags[0] == FLAG_SAFE and batch.input_seq[0] == -1
 
 
-def test_writing_a_step_allocates_nothing(ring, bytes_allocated):
+def test_writing_a_step_allocates_nothing(bytes_allocated):
+    ring = StepRing.create(n_in=3, n_out=2, n_cmd=1, capacity=16, event_capacity=4, event_slot=256, n_state=4)
+    state = np.arange(4, dtype=np.float64)  # a family's state, float64 as the observer's estimate is
     frame = np.arange(3, dtype=np.float32)
     out = np.ones(1, dtype=np.float32)
     more = [(1, np.full(1, 2.0, dtype=np.float32))]  # a second data output after the first, as a session writes it
@@ -76,13 +78,17 @@ def test_writing_a_step_allocates_nothing(ring, bytes_allocated):
         for offset, values in more:
             ring.set_output(values, offset)
         ring.set_command(cmd)
+        ring.set_state(state)
         ring.add_flags(FLAG_ACTED)
         ring.publish_run(k[0])
         ring.publish(1, 1)
         k[0] += 1
 
-    one_step()
-    assert bytes_allocated(one_step, 2000) < 2048
+    try:
+        one_step()
+        assert bytes_allocated(one_step, 2000) < 2048
+    finally:
+        ring.close()
 
 
 def test_every_model_run_is_a_run_record_where_the_step_record_keeps_the_last(ring):
@@ -110,7 +116,7 @@ def test_every_model_run_is_a_run_record_where_the_step_record_keeps_the_last(ri
 
 
 def test_the_block_has_the_size_the_documented_layout_gives(ring):
-    """docs/monitor.md: 8 * 16 + C * (48 + 4 * (n_in + n_out + n_cmd)) + R * (24 + 4 * n_out) + E * slot."""
+    """docs/monitor.md: 8 * 16 + C * (48 + 4 * (n_in + n_out + n_cmd + n_state)) + R * (24 + 4 * n_out) + E * slot."""
     c, r, e, slot = 16, 16, 4, 256
     events_at = 8 * 16 + c * (48 + 4 * (3 + 2 + 1)) + r * (24 + 4 * 2)
     assert ring._shm.size >= events_at + e * slot
@@ -119,8 +125,41 @@ def test_the_block_has_the_size_the_documented_layout_gives(ring):
     n = int.from_bytes(raw[:4], "little")
     assert raw[4:4 + n] == b'{"event":"x","step":1}'
     header = np.ndarray((16,), dtype="<i8", buffer=ring._shm.buf)
-    assert header[1] == 2 and header[10] == r and header[11] == 0 and not header[12:].any()
+    assert header[1] == 3 and header[10] == r and header[11] == 0 and not header[12:].any()  # n_state 0
     del header
+
+
+def test_a_family_state_goes_where_the_layout_says_and_reads_back_with_its_step():
+    """docs/monitor.md: word 12 is n_state; state[C][n_state] float32 follows command[C][n_cmd]; NaN where the model
+    did not run; a reader gets it beside the step's other values."""
+    c, n_in, n_out, n_cmd, n_state = 8, 3, 2, 1, 4
+    ring = StepRing.create(n_in=n_in, n_out=n_out, n_cmd=n_cmd, capacity=c, event_capacity=4, event_slot=256,
+                           n_state=n_state)
+    try:
+        for k in range(3):
+            ring.begin(k, 1000 * k)
+            if k != 1:  # step 1 did not run the model
+                ring.set_output(np.array([k, k], dtype=np.float32))
+                ring.set_state(np.array([k, 10 * k, -k, 0.5], dtype=np.float64))  # float64, as the observer's is
+                ring.add_flags(FLAG_ACTED)
+            ring.publish(1, 1)
+        header = np.ndarray((16,), dtype="<i8", buffer=ring._shm.buf)
+        assert header[12] == n_state
+        del header
+        state_at = 8 * 16 + c * (48 + 4 * (n_in + n_out + n_cmd))
+        raw = np.frombuffer(bytes(ring._shm.buf[state_at:state_at + 4 * c * n_state]), dtype="<f4").reshape(c, n_state)
+        np.testing.assert_array_equal(raw[2], [2, 20, -2, 0.5])
+        assert np.isnan(raw[1]).all()
+        batch, _ = ring.read(0)
+        assert batch.state.shape == (3, n_state)
+        np.testing.assert_array_equal(batch.state[[0, 2]], [[0, 0, 0, 0.5], [2, 20, -2, 0.5]])
+        assert np.isnan(batch.state[1]).all()
+        events_at = state_at + 4 * c * n_state + c * (24 + 4 * n_out)
+        ring.event({"event": "x", "step": 1})
+        n = int.from_bytes(bytes(ring._shm.buf[events_at:events_at + 4]), "little")
+        assert bytes(ring._shm.buf[events_at + 4:events_at + 4 + n]) == b'{"event":"x","step":1}'
+    finally:
+        ring.close()
 
 
 def test_events_round_trip_and_overflow_is_counted(ring):

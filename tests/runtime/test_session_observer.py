@@ -17,29 +17,11 @@ from closedloop.runtime import (
 )
 
 
-@pytest.fixture(scope="module")
-def fj_bundle(tmp_path_factory):
-    import torch
-
-    from closedloop.sdk.observer.certify import certify
-    from closedloop.sdk.observer.neural import NeuralObserver, ObserverModel, export_observer_bundle
-    from closedloop.sdk.observer.systems import observer_system
-    from closedloop.sdk.observer.train import TrainConfig, _initial_net
-
-    model = ObserverModel.from_system(observer_system("flexible-joint"))
-    torch.manual_seed(0)
-    net = _initial_net(model, TrainConfig(hidden=(6, 6), init_gain=0.1)).scale_(0.5)
-    report = certify(model, net, rho=0.999, local_vbar=None, coverage_eps=0.05, coverage_beta=1e-2)
-    assert report.certified
-    return export_observer_bundle(NeuralObserver(model, net), report, tmp_path_factory.mktemp("o") / "fj",
-                                  report=lambda s: None)
-
-
-def test_observer_session_at_1khz_against_the_plant_emulator(fj_bundle, tmp_path, watchdog_rule):
+def test_observer_session_at_1khz_against_the_plant_emulator(observer_bundle, tmp_path, watchdog_rule):
     rec = tmp_path / "obs.clrec"
     cfg = SessionConfig(device="sim://plant?model=flexible-joint&rate=1000&seed=1", duration_s=1.5, status=False,
                         record=str(rec), backend="onnxruntime")
-    s = run_session(fj_bundle, cfg)
+    s = run_session(observer_bundle, cfg)
     assert s.device["kind"] == "plant" and s.device["rate_hz"] == 1000
     # 1,500 periods. How many bring a new measurement depends on how the host schedules the emulator process (529
     # commands in an idle run; 283 in a clean-clone `make test` where the emulator fell silent for 0.25 s; 54 with
@@ -50,7 +32,7 @@ def test_observer_session_at_1khz_against_the_plant_emulator(fj_bundle, tmp_path
     # (that a silence does trip it is tested with an injected one in test_session.py)
     watchdog_rule(rec, cfg.watchdog_s, PlantMeasurement, s.watchdog_trips)
     # every command sent respects the bundle's limits
-    b = load_bundle(fj_bundle)
+    b = load_bundle(observer_bundle)
     low, high = get_family("observer")(b, Model(b, backend="onnxruntime")).command_limits()
     p = FrameParser()
     sent = [f.message.u for r in RecordingReader(rec).of_type(RecordType.TX) for f in p.feed(r.payload)
@@ -62,10 +44,90 @@ def test_observer_session_at_1khz_against_the_plant_emulator(fj_bundle, tmp_path
     assert np.abs(sent).max() > 0  # the controller acted
 
 
-def test_observers_get_the_measurement_the_observer_acted_on(fj_bundle, acted_inputs):
+def test_observers_get_the_measurement_the_observer_acted_on(observer_bundle, acted_inputs):
     """The per-step hooks' (and the monitor's) ``inputs`` of an observer session are the plant's measured outputs."""
-    run_session(fj_bundle, SessionConfig(device="sim://plant?model=flexible-joint&rate=1000&seed=2", duration_s=0.6,
+    run_session(observer_bundle, SessionConfig(device="sim://plant?model=flexible-joint&rate=1000&seed=2", duration_s=0.6,
                                          status=False, backend="onnxruntime", observers=[acted_inputs]))
     rows = np.asarray(acted_inputs.rows)
     assert acted_inputs.n_in == 1 and len(rows) > 20
     assert np.all(np.isfinite(rows)) and np.ptp(rows) > 0  # the link angle moves under the controller
+
+
+def test_the_observers_estimate_is_published_recorded_and_is_the_estimate_it_acted_on(observer_bundle, tmp_path):
+    """The family's state block: z_hat after each update (states, then disturbances) and the measurement it predicted,
+    the same in the step ring (observers, the monitor), the recording's FAMILY_STATE records, and an independent
+    numpy run of the observer on the frames the session acted on."""
+    from closedloop.runtime.families.observer.certificate import mlp_from_onnx
+    from closedloop.runtime.observe import FLAG_ACTED, SessionObserver
+    from closedloop.runtime.recording_view import view_recording
+    from closedloop.sdk.observer.neural import NeuralObserver, ObserverModel
+    from closedloop.sdk.observer.systems import observer_system
+
+    class States(SessionObserver):
+        def __init__(self):
+            self.labels, self.rows, self.seqs = None, [], []
+
+        def on_start(self, info):
+            self.labels = info["state"]
+
+        def on_steps(self, batch):
+            acted = (batch.flags & FLAG_ACTED) != 0
+            self.rows.extend(batch.state[acted].copy())
+            self.seqs.extend(batch.input_seq[acted].tolist())
+
+    b = load_bundle(observer_bundle)
+    obs_block = b.manifest.extra["observer"]
+    nz, ny, n_x = len(obs_block["Ad"]), len(obs_block["Cd"]), obs_block["n_x"]
+    want_labels = ([f"state/x{i + 1}" for i in range(n_x)] + [f"disturbance/d{i + 1}" for i in range(nz - n_x)]
+                   + [f"predicted/y{i + 1}" for i in range(ny)])
+    rec, states = tmp_path / "obs.clrec", States()
+    run_session(observer_bundle, SessionConfig(device="sim://plant?model=flexible-joint&rate=1000&seed=3", duration_s=0.6,
+                                         status=False, backend="onnxruntime", record=str(rec), observers=[states]))
+    assert states.labels == want_labels and nz > n_x  # the flexible joint's model has a disturbance state
+    view = view_recording(rec)
+    assert view.state_labels == want_labels
+    recorded = view.state.array()
+    assert recorded.shape[1] == nz + ny and len(recorded) > 20
+    # the ring's rows are the recorded ones (float32 both), step for step
+    reader = RecordingReader(rec)
+    rec_seqs = [r.output()[1] for r in reader.of_type(RecordType.FAMILY_STATE)]
+    by_seq = dict(zip(rec_seqs, recorded, strict=True))
+    common = [(s, row) for s, row in zip(states.seqs, states.rows, strict=True) if s in by_seq]
+    assert len(common) > 20
+    for s, row in common:
+        np.testing.assert_array_equal(row, by_seq[s].astype(np.float32))
+    # an independent run of the observer (numpy, float64) on the measurements the session acted on, in order
+    frames = {f.seq: f.message for r in reader.of_type(RecordType.RX) for f in FrameParser().feed(r.payload)
+              if isinstance(f.message, PlantMeasurement)}
+    mlp = mlp_from_onnx(b.onnx())
+    ref = NeuralObserver(ObserverModel.from_system(observer_system("flexible-joint")), mlp.weights, mlp.activations)
+    ref.reset(np.asarray(obs_block["z0"], dtype=float))
+    Cd = np.asarray(obs_block["Cd"])
+    for s, row in zip(rec_seqs, recorded, strict=True):
+        m = frames[s]
+        predicted = Cd @ ref.z_hat
+        z = ref.update(m.y, m.u)
+        scale = max(1.0, float(np.abs(z).max()))
+        np.testing.assert_allclose(row[:nz], z, rtol=1e-4, atol=1e-5 * scale)  # float32 record of a float64 estimate
+        np.testing.assert_allclose(row[nz:], predicted, rtol=1e-4, atol=1e-5 * scale)
+
+    # replay re-runs the observer on the recorded frames and finds the same estimate, to the bit
+    from closedloop.runtime.replay import replay_recording
+
+    rep = replay_recording(rec, observer_bundle)
+    assert rep.family_state["compared"] == len(recorded) and rep.family_state["max_abs_diff"] == 0.0
+    assert rep.max_abs_diff == 0.0 and "family state" in rep.format()
+    # the figure and the NWB file carry it too
+    from closedloop.sdk.nwb_export import recording_to_nwb
+    from closedloop.sdk.recording_plot import plot_recording
+
+    png = plot_recording(rec, tmp_path / "obs.png")
+    from PIL import Image
+
+    w, h = Image.open(png).size
+    assert h > w  # the 2 x 2 grid (13 x 8 in) and a row per group of the estimate: states, disturbances
+    pynwb = pytest.importorskip("pynwb", reason="NWB export needs the [nwb] extra")
+    with pynwb.NWBHDF5IO(str(recording_to_nwb(rec, tmp_path / "obs.nwb")), "r") as io:
+        fs = io.read().processing["closedloop"]["family_state"]
+        np.testing.assert_array_equal(fs.data[:], recorded)
+        assert ", ".join(want_labels) in fs.description

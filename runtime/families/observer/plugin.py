@@ -81,6 +81,11 @@ class ObserverArrays:
         if self.nl_index.size and (self.nl_index.min() < 0 or self.nl_index.max() >= ny):
             raise CertificateError(f"nonlinearity output index {self.nl_index.tolist()} is outside 0..{ny - 1}")
         self.nz, self.ny, self.nu = nz, ny, nu
+        n_x = obs.get("n_x", nz)  # the plant's states come first in z, its disturbances after them
+        if isinstance(n_x, bool) or not isinstance(n_x, int) or not 0 <= n_x <= nz:
+            raise CertificateError(f"extra.observer.n_x is {n_x!r}; it must be a whole number of the extended "
+                                   f"state's {nz} values that are the plant's states (the rest are disturbances)")
+        self.n_x = n_x
 
 
 def pack_network(weights: list[np.ndarray], activations: list[str]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -135,6 +140,9 @@ class ObserverFamily(FamilyPlugin):
         self.u_cmd = np.zeros(arr.nu)
         self._cmd = np.zeros(arr.nu, dtype=np.float32)
         self._safe = np.clip(np.zeros(arr.nu), arr.u_low, arr.u_high).astype(np.float32)
+        # published each step (state_vector): the estimate after the update, then the measurement it predicted
+        self._state = np.zeros(arr.nz + arr.ny)
+        self._state_z, self._state_y = self._state[:arr.nz], self._state[arr.nz:]
         self._x = model.inputs[model.spec.data_inputs[0].name]
         self._kernel = _kernel()
         self.step(self._y, self._u)  # compile (or load from Numba's cache) before the loop
@@ -175,6 +183,17 @@ class ObserverFamily(FamilyPlugin):
         as the step's input (this family reads ``y`` and ``u`` in ``on_message``, not through the base class)."""
         return self._y
 
+    @property
+    def state_vector(self) -> np.ndarray:
+        """``z_hat`` after this step's update (the plant's states, then its disturbances), then the measurement
+        the observer predicted for this step, ``C z_hat`` before the update (``y - r``)."""
+        return self._state
+
+    def state_labels(self) -> list[str]:
+        a = self.arrays
+        return ([f"state/x{i + 1}" for i in range(a.n_x)] + [f"disturbance/d{i + 1}" for i in range(a.nz - a.n_x)]
+                + [f"predicted/y{i + 1}" for i in range(a.ny)])
+
     def on_message(self, message: Message) -> None:
         y, u = getattr(message, "y", None), getattr(message, "u", None)
         if y is None or u is None or y.size != self._y.size or u.size != self._u.size:
@@ -192,6 +211,8 @@ class ObserverFamily(FamilyPlugin):
 
     def _advance(self) -> None:
         self.step(self._y, self._u)
+        np.copyto(self._state_z, self.z_hat)
+        np.subtract(self._y, self.r, out=self._state_y)  # C z_hat before the update: y - r
         np.copyto(self._x.reshape(-1), self.r, casting="unsafe")  # the graph then computes N(r) for the record
         np.copyto(self._cmd, self.u_cmd, casting="unsafe")
 

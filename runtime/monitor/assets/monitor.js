@@ -9,7 +9,8 @@
   const S = window.monitorState = {
     info: null, connected: false, everConnected: false, ended: false, updates: 0, step: -1, state: "connecting", text: "",
     prompt: "", events: [], counts: { watchdog: 0, reconnects: 0, missed: 0, lost: 0, dropped: 0 },
-    t: [], lat: [], late: [], missed: [], flags: [], cmd: [], inp: [], inpOut: [], out: [], stepsSeen: 0, status: null, typedChars: 0,
+    t: [], lat: [], late: [], missed: [], flags: [], cmd: [], inp: [], inpSeq: [], inpOut: [], inpSt: [], out: [], st: [], stepsSeen: 0, status: null,
+    typedChars: 0,
   };
   let updatesThisSecond = 0;
 
@@ -24,13 +25,18 @@
     $("backend").textContent = i.backend || "-";
     $("rate").textContent = i.rate_hz ? i.rate_hz + " Hz" : "-";
     const fam = i.family;
+    const predicts = stateGroups().some((g) => g.name === "predicted");
     $("input-title").textContent = (fam === "bci" || fam === "bci_handwriting") ? "Input: neural channels (heat map, newest right)" :
-      fam === "observer" ? "Input: plant measurements y, with the observer network's correction N(r)" :
+      fam === "observer" ? (predicts ? "Input: plant measurements y, with the observer's prediction of each" :
+                            "Input: plant measurements y, with the observer network's correction N(r)") :
       fam === "policy" ? "Input: task observation (hand position and velocity first)" : "Input";
     $("output-title").textContent = (fam === "bci" || fam === "bci_handwriting") ? "Output: decoded text" :
       fam === "observer" ? "Output: the command u = -K z_hat and the residual |r|" :
       fam === "policy" ? "Output: joint commands and episode outcomes" : "Output";
     $("text-box").hidden = !(fam === "bci" || fam === "bci_handwriting");
+    $("state-panel").hidden = !stateGroups().some((g) => g.name !== "predicted");
+    $("state-title").textContent = fam === "observer" ? "Estimate: the observer's state and disturbance estimate z_hat" :
+      "Family state";
     if (i.mode === "recording") { $("scrub").hidden = false; $("recording-name").textContent = i.recording || ""; }
     for (const e of m.events || []) onEvent(e, true);
     renderEvents();
@@ -89,8 +95,21 @@
     return out;
   }
 
+  // The family's state (info.state: one "GROUP/NAME" label per value, e.g. an observer's "state/x1",
+  // "disturbance/d1", "predicted/y1") as groups: [{name, labels, offset, size}] in label order.
+  function stateGroups() {
+    const groups = [];
+    ((S.info && S.info.state) || []).forEach((label, k) => {
+      const cut = label.indexOf("/"), name = cut < 0 ? "state" : label.slice(0, cut), short = cut < 0 ? label : label.slice(cut + 1);
+      let g = groups.find((x) => x.name === name);
+      if (!g) { g = { name, labels: [], offsets: [] }; groups.push(g); }
+      g.labels.push(short); g.offsets.push(k);
+    });
+    return groups;
+  }
+
   function onSteps(m) {
-    m.inputs = rows(m.inputs); m.outputs = rows(m.outputs); m.command = rows(m.command);
+    m.inputs = rows(m.inputs); m.outputs = rows(m.outputs); m.command = rows(m.command); m.state = rows(m.state || []);
     S.updates++; updatesThisSecond++;
     S.counts.dropped += m.lost;
     S.stepsSeen += m.count;
@@ -101,7 +120,10 @@
     // the frames the loop acted on, and the outputs of those same steps (drawn beside an observer's input)
     const acted = m.flags.map((f, j) => j).filter((j) => m.flags[j] & FLAG.ACTED);
     push(S.inp, acted.map((j) => m.inputs[j]), RASTER_ROWS);
+    push(S.inpSeq, acted.map((j) => m.input_seq[j]), RASTER_ROWS);
     push(S.inpOut, acted.map((j) => m.outputs[j]), RASTER_ROWS);
+    push(S.inpSt, acted.map((j) => m.state[j] || []), RASTER_ROWS);  // the family's state after reading each
+    push(S.st, acted.map((j) => m.state[j] || []), KEEP);
     const last = m.flags[m.flags.length - 1] || 0;
     if (!S.status || !S.status.state) S.state = last & FLAG.DISCONNECTED ? "DISCONNECTED" : last & FLAG.SAFE ? "SAFE" : "running";
   }
@@ -125,7 +147,19 @@
     const ni = upTo(r.inputs.t_s, T), i0 = Math.max(0, ni - RASTER_ROWS);
     S.inp = r.inputs.rows.slice(i0, ni);
     // each input frame's estimate: the first model output after the frame arrived (the run that read it)
-    S.inpOut = r.inputs.t_s.slice(i0, ni).map((t) => { const k = upTo(r.outputs.t_s, t); return k < r.outputs.rows.length ? r.outputs.rows[k] : null; });
+    // each input frame's model run: the record of the same frame sequence number at or after the frame's time (a
+    // frame the loop skipped for a newer one, or had not read yet at T, has none)
+    const readBy = (series, i) => {
+      const t = r.inputs.t_s[i], seq = r.inputs.seq[i], end = upTo(series.t_s, T);
+      for (let k = upTo(series.t_s, t - 1e-4), n = 0; k < end && n < 64; k++, n++) if (series.seq[k] === seq) return series.rows[k];
+      return null;
+    };
+    const shown = []; for (let i = i0; i < ni; i++) shown.push(i);
+    S.inpSeq = shown.map((i) => r.inputs.seq[i]);
+    S.inpOut = shown.map((i) => readBy(r.outputs, i));
+    const st = r.state || { t_s: [], rows: [], seq: [] }, ns = upTo(st.t_s, T);  // the family's state: the runs up
+    S.st = st.rows.slice(Math.max(0, ns - KEEP), ns);                             // to T, and each frame's
+    S.inpSt = shown.map((i) => readBy(st, i) || []);
     const series = r.commands.rows.length ? r.commands : r.outputs;
     const nc = upTo(series.t_s, T); S.cmd = series.rows.slice(Math.max(0, nc - KEEP), nc);
     const no = upTo(r.outputs.t_s, T); S.out = r.outputs.rows.slice(Math.max(0, no - KEEP), no);
@@ -171,9 +205,11 @@
     return [lo, hi];
   }
 
-  function lines(g, w, h, cols, n, lo, hi) {
+  // each column a line, colour k (+ first), dashed when dash is given
+  function lines(g, w, h, cols, n, lo, hi, dash, first) {
+    g.setLineDash(dash || []);
     cols.forEach((col, k) => {
-      g.strokeStyle = COLORS[k % COLORS.length]; g.lineWidth = 1.5; g.beginPath();
+      g.strokeStyle = COLORS[(k + (first || 0)) % COLORS.length]; g.lineWidth = 1.5; g.beginPath();
       let pen = false;
       col.forEach((v, i) => {
         if (v === null || !isFinite(v)) { pen = false; return; }
@@ -182,6 +218,7 @@
       });
       g.stroke();
     });
+    g.setLineDash([]);
   }
 
   function column(rows, j) { return rows.map((r) => (r && j < r.length ? r[j] : null)); }
@@ -249,14 +286,21 @@
     } else {
       const [g, w, h] = canvas("input");
       const cols = []; for (let j = 0; j < Math.min(nch, 8); j++) cols.push(column(rows, j));
-      let est = [];
-      if (fam === "observer") {
+      let est = [], estWhat = "";
+      const pred = stateGroups().find((x) => x.name === "predicted");
+      if (pred) {  // the family's prediction of each measured value (an observer's C z_hat before its update)
+        const st = S.inpSt.slice(-rows.length);
+        for (const k of pred.offsets.slice(0, cols.length)) est.push(column(st, k));
+        estWhat = `, and what the observer predicted for each before reading it (dashed, same colours)`;
+      } else if (fam === "observer") {  // a recording without the family's state: the graph's output
         const est0 = S.inpOut.slice(-rows.length), no = (est0.find((r) => r) || []).length;
         for (let j = 0; j < Math.min(no, 4); j++) est.push(column(est0, j));
+        estWhat = `, ${est.length} values of the correction N(r) computed from each (later colours)`;
       }
       const [lo, hi] = range(cols.concat(est));
-      lines(g, w, h, cols.concat(est), rows.length, lo, hi);
-      $("input-legend").textContent = `${nch} measured value${nch === 1 ? "" : "s"}${nch > 8 ? " (first 8 shown)" : ""}` + (est.length ? `, ${est.length} values of the correction N(r) computed from each (later colours)` : "") + ` over the last ${rows.length} frames`;
+      lines(g, w, h, cols, rows.length, lo, hi);
+      if (pred) lines(g, w, h, est, rows.length, lo, hi, [6, 4]); else lines(g, w, h, est, rows.length, lo, hi, null, cols.length);
+      $("input-legend").textContent = `${nch} measured value${nch === 1 ? "" : "s"}${nch > 8 ? " (first 8 shown)" : ""}` + estWhat + ` over the last ${rows.length} frames`;
     }
   }
 
@@ -308,6 +352,32 @@
       `; last ${ran.length} steps the model ran`;
   }
 
+  // The family's state over the steps the model ran, a band per group on its own scale (an observer: the plant's
+  // states, then its disturbances); the "predicted" group is drawn over the input instead.
+  function drawState() {
+    const groups = stateGroups().filter((x) => x.name !== "predicted");
+    if (!groups.length) return;
+    const [g, w, h] = canvas("family-state");
+    const ran = S.st.filter((r) => r && r.some((v) => v !== null && isFinite(v)));
+    const band = h / groups.length, dpr = window.devicePixelRatio || 1, names = [];
+    groups.forEach((grp, b) => {
+      const cols = grp.offsets.slice(0, 8).map((k) => column(ran, k));
+      const [lo, hi] = range(cols);
+      g.save(); g.translate(0, b * band);
+      if (b) { g.strokeStyle = "#30363d"; g.beginPath(); g.moveTo(0, 0); g.lineTo(w, 0); g.stroke(); }
+      lines(g, w, band, cols, ran.length, lo, hi);
+      g.font = `${11 * dpr}px sans-serif`;
+      let x = 4;
+      g.fillStyle = "#8a96a3"; g.fillText(`${grp.name}  ${lo.toPrecision(3)} .. ${hi.toPrecision(3)}`, x, 12 * dpr);
+      x += g.measureText(`${grp.name}  ${lo.toPrecision(3)} .. ${hi.toPrecision(3)}  `).width;
+      grp.labels.slice(0, 8).forEach((l, k) => { g.fillStyle = COLORS[k % COLORS.length]; g.fillText(l, x, 12 * dpr); x += g.measureText(l + "  ").width; });
+      g.restore();
+      names.push(`${grp.name} (${grp.labels.length} value${grp.labels.length === 1 ? "" : "s"}${grp.labels.length > 8 ? ", first 8 shown" : ""})`);
+    });
+    const what = S.info && S.info.family === "observer" ? "the estimate after each step's update" : "the family's state after each model run";
+    $("state-legend").textContent = `${what}, one band per group, top to bottom: ${names.join(", ")}; last ${ran.length} steps the model ran`;
+  }
+
   function renderEvents() {
     const ol = $("events"); ol.innerHTML = "";
     for (const e of S.events.slice(-100).reverse()) {
@@ -334,7 +404,7 @@
     const version = S.updates + (S.recordingT || 0);
     if (version === drawn) return;  // nothing new: leave the canvases as they are
     drawn = version;
-    try { drawTiming(); drawInput(); drawCommand(); drawOutputs(); } catch (err) { console.error(err); }
+    try { drawTiming(); drawInput(); drawCommand(); drawOutputs(); drawState(); } catch (err) { console.error(err); }
   }
 
   setInterval(() => { $("ups").textContent = updatesThisSecond; S.ups = updatesThisSecond; updatesThisSecond = 0; }, 1000);
