@@ -279,6 +279,12 @@ class Session:
             self.family.set_held_inputs(dict(config.inputs))
         except (ValueError, KeyError) as exc:
             raise SessionError(str(exc).strip('"')) from None
+        # what the family computes outside the graph (an observer's estimate): FAMILY_STATE records, the step ring
+        self._state_labels = [str(x) for x in self.family.state_labels()]
+        n_state = self.family.state_vector.size
+        if len(self._state_labels) != n_state:
+            raise SessionError(f"family {self.bundle.manifest.family!r} names {len(self._state_labels)} state values "
+                               f"but publishes {n_state} (state_labels and state_vector must agree)")
         self.scrubber = session_scrubber(self.model, config)  # None unless the bundle is protected
         self.rate_hz = config.rate_hz or self.bundle.manifest.rate_hz
         self.writer = RecordingWriter(config.record) if config.record else None
@@ -287,12 +293,6 @@ class Session:
         self._outputs_info = recorded_outputs(self.model.spec)
         self._more_outputs = [(i, self.model.outputs[o["name"]]) for i, o in enumerate(self._outputs_info) if i]
         self._more_offsets = [(o["offset"], self.model.outputs[o["name"]]) for o in self._outputs_info[1:]]
-        # what the family computes outside the graph (an observer's estimate): FAMILY_STATE records, the step ring
-        self._state_labels = self.family.state_labels()
-        n_state = self.family.state_vector.size
-        if len(self._state_labels) != n_state:
-            raise SessionError(f"family {self.bundle.manifest.family!r} names {len(self._state_labels)} state values "
-                               f"but publishes {n_state} (state_labels and state_vector must agree)")
         self._key = bytes.fromhex(config.key) if config.key else None
         self.link: Link | None = None
         self.hello: Hello | None = None

@@ -277,3 +277,54 @@ def test_an_observer_that_raises_is_detached_with_a_warning(capsys):
     ring.close()
     assert "bug in user code" in report["Broken"]["error"]
     assert "session observer Broken failed and was detached" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def plant_bundle(tmp_path_factory):
+    import torch
+
+    from closedloop.export import export_bundle
+    from closedloop.sdk.models import MLPPolicy
+
+    torch.manual_seed(1)
+    return export_bundle(
+        MLPPolicy(1, 1, (8,)).eval(), tmp_path_factory.mktemp("plugin") / "plant", kind="feedforward",
+        example_input=torch.zeros(1, 1), rate_hz=200.0, postprocess={"low": [-2.0], "high": [2.0]},
+        extra={"session": {"input": "plant_measurement", "command": "actuator_command"}},
+        variants=(), tensorrt=False, report=lambda s: None)
+
+
+def test_a_plug_in_familys_state_reaches_observers_and_labels_must_match_its_values(plant_bundle, monkeypatch):
+    """docs/families.md: a plug-in publishes what it computes outside the graph by overriding state_vector and
+    state_labels; observers get it in each step's ``state`` and its labels in ``info["state"]``."""
+    from closedloop.runtime import Session, SessionConfig, SessionError, run_session
+    from closedloop.runtime.families.generic.plugin import GenericFamily
+
+    class Seen(SessionObserver):
+        def __init__(self):
+            self.labels, self.state, self.outputs = None, [], []
+
+        def on_start(self, info):
+            self.labels = info["state"]
+
+        def on_steps(self, batch):
+            acted = (batch.flags & FLAG_ACTED) != 0
+            self.state.extend(batch.state[acted].copy())
+            self.outputs.extend(batch.outputs[acted].copy())
+
+    # a plug-in that publishes its model output, doubled, as its state
+    def state_vector(self):
+        buf = self.__dict__.setdefault("_doubled", np.zeros(1))
+        np.multiply(self.model.output.reshape(-1), 2.0, out=buf)
+        return buf
+
+    monkeypatch.setattr(GenericFamily, "state_vector", property(state_vector))
+    monkeypatch.setattr(GenericFamily, "state_labels", lambda self: ["doubled/u"])
+    seen = Seen()
+    run_session(plant_bundle, SessionConfig(device="sim://plant?model=msd&rate=200&seed=3", duration_s=0.6,
+                                            status=False, backend="onnxruntime", observers=[seen]))
+    assert seen.labels == ["doubled/u"] and len(seen.state) > 20
+    np.testing.assert_allclose(np.array(seen.state), 2 * np.array(seen.outputs), rtol=1e-6)
+    monkeypatch.setattr(GenericFamily, "state_labels", lambda self: ["doubled/u", "doubled/v"])
+    with pytest.raises(SessionError, match="names 2 state values but publishes 1"):
+        Session(plant_bundle, SessionConfig(device="sim://plant?model=msd&rate=200", status=False))
