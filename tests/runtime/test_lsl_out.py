@@ -238,3 +238,19 @@ def test_a_family_state_is_an_outlet_of_its_own_with_its_labels_one_sample_per_s
         hub.stop({})
         ring.close()
     assert obs.pushed["state"] == len(sent)
+
+
+def test_an_observer_sessions_estimate_is_published_as_recorded(observer_bundle, tmp_path):
+    """`--lsl-out` of an observer session: NAME-state carries each step's estimate and prediction, the same values
+    as the recording's FAMILY_STATE records, with the labels the recording's META gives."""
+    from closedloop.runtime import RecordingReader, RecordType, SessionConfig
+
+    record = tmp_path / "obs.clrec"
+    obs, wrapped, _ = _run_recording_outlets(observer_bundle, SessionConfig(
+        device="sim://plant?model=flexible-joint&rate=1000&seed=5", duration_s=1.0, status=False,
+        backend="onnxruntime", record=str(record)), ("state",))
+    reader = RecordingReader(record)
+    recorded = np.array([r.output()[2] for r in reader.of_type(RecordType.FAMILY_STATE)])
+    assert len(recorded) > 20 and obs.pushed["state"] == len(recorded) and obs.lost == 0
+    np.testing.assert_array_equal(np.array(wrapped["state"].samples), recorded)
+    assert obs.info["state"] == reader.meta["family_state"]
