@@ -194,8 +194,8 @@ class SessionSummary:
             f"  watchdog trips {self.watchdog_trips}, disconnects {self.disconnects}, reconnects {self.reconnects}",
             f"  non-finite inputs {self.nonfinite_inputs}, outputs {self.nonfinite_outputs} (safe command sent instead)",
         ]
-        for k, v in self.family.items():
-            lines.append(f"  {k}: {v}")
+        for k, v in self.family.items():  # 4 significant digits, as people read them (--json keeps every digit)
+            lines.append(f"  {k}: {v:.4g}" if isinstance(v, float) else f"  {k}: {v}")
         if self.scrub:
             sc = self.scrub
             lines.append(f"  weights scrubbed: {sc['full_passes']} full passes, repaired {sc['repaired']}, restored "

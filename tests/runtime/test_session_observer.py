@@ -42,6 +42,8 @@ def test_observer_session_at_1khz_against_the_plant_emulator(observer_bundle, tm
     assert np.all(np.isfinite(sent))
     assert np.all(sent >= low - 1e-6) and np.all(sent <= high + 1e-6)
     assert np.abs(sent).max() > 0  # the controller acted
+    # the printed summary gives the family's metrics with 4 significant digits (the JSON keeps every digit)
+    assert f"  |r|: {s.family['|r|']:.4g}" in s.format().splitlines()
 
 
 def test_observers_get_the_measurement_the_observer_acted_on(observer_bundle, acted_inputs):
