@@ -71,13 +71,48 @@ class _FeedForward(nn.Module):
         return as_outputs(value, f"{type(self.module).__name__}.forward")
 
 
+def step_outputs(value: Any, what: str) -> tuple[tuple[torch.Tensor, ...], list[str] | None]:
+    """A step's return value as one flat tuple of tensors, and the keys of a dict of outputs where it gave one.
+
+    ``step`` may return ``(y, *new_states)`` or group either side one level deep: ``((y1, y2), h)``,
+    ``({"velocity": v, "click": c}, h)``, ``(y, (h, c))``; the data outputs come first, the new states last (as
+    many as ``init_state`` gives)."""
+    if isinstance(value, torch.Tensor | Mapping):
+        value = (value,)
+    if not isinstance(value, tuple | list) or not value:
+        raise ExportError(f"{what} returned {type(value).__name__}; expected (y, *new_states): tensors, where y may "
+                          "be a tuple or dict of tensors and the states a tuple of them")
+    flat: list[torch.Tensor] = []
+    keys: list[str] | None = None
+    for i, part in enumerate(value):
+        if isinstance(part, torch.Tensor):
+            flat.append(part)
+            continue
+        if isinstance(part, Mapping):
+            if i == 0:
+                keys = [str(k) for k in part]
+            part = list(part.values())
+        if isinstance(part, tuple | list) and part and all(isinstance(t, torch.Tensor) for t in part):
+            flat.extend(part)
+            continue
+        inner = ", ".join(sorted({type(t).__name__ for t in part})) if isinstance(part, tuple | list) else ""
+        raise ExportError(f"{what} returned a {type(value).__name__} whose item {i} is a {type(part).__name__}"
+                          + (f" of {inner}" if inner else "") + "; expected (y, *new_states): tensors, where y "
+                          "may be a tuple or dict of tensors and the states a tuple of them, one level deep")
+    return tuple(flat), keys
+
+
 class _Step(nn.Module):
     def __init__(self, module: nn.Module):
         super().__init__()
         self.module = module
+        self.output_keys: list[str] | None = None  # a step whose outputs are a dict: its keys, in order
 
     def forward(self, *inputs_and_states: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return as_outputs(self.module.step(*inputs_and_states), f"{type(self.module).__name__}.step")
+        flat, keys = step_outputs(self.module.step(*inputs_and_states), f"{type(self.module).__name__}.step")
+        if keys is not None:
+            self.output_keys = keys
+        return flat
 
 
 def _run_batches(run: Callable[[int], Any], probe: Callable[[], None], module: nn.Module, kind: str) -> tuple[Any, Any]:

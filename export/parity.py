@@ -304,22 +304,40 @@ def offers_full_sequence(module: nn.Module, n_states: int) -> bool:
     return len(positional) >= 1 + n_states
 
 
+class NotASequenceForward(ExportError):
+    """``module.forward(seq, *states)`` does not give the step outputs over a sequence: a forward that is the step
+    itself (``forward(x, h)`` of a GRUCell model) or that means something else."""
+
+
 def full_sequence_check(
     module: nn.Module, onnx_run: Runner, spec: GraphSpec, inputs: ParityInputs, tol: Tolerance
 ) -> dict[str, Any]:
-    """The ONNX step-by-step rollout vs one torch call ``module(seq[None], *init_state)``."""
+    """The ONNX step-by-step rollout vs one torch call ``module(seq[None], *init_state)``. Raises
+    ``NotASequenceForward`` where forward does not take or give a sequence (the caller decides whether that is an
+    error: it is when the check was asked for, a note when it was only offered by forward's signature)."""
     import torch
 
-    from .onnx_export import as_outputs, module_device, to_numpy
+    from .onnx_export import module_device, step_outputs, to_numpy
 
     device = module_device(module)
     seq = torch.from_numpy(inputs.sequence[None]).to(device)
     states = [torch.from_numpy(inputs.initial_state[s.name]).to(device) for s in spec.state_inputs]
-    with torch.no_grad():
-        outs = as_outputs(module(seq, *states), f"{type(module).__name__}.forward(seq, *states)")
+    call = f"{type(module).__name__}.forward(seq, *states)"
+    try:
+        with torch.no_grad():
+            raw = module(seq, *states)
+    except Exception as exc:  # noqa: BLE001  (torch raises anything for a step-style forward given a sequence)
+        raise NotASequenceForward(
+            f"{call} with a batch-first sequence of shape {tuple(seq.shape)} raised {type(exc).__name__}: "
+            f"{str(exc).strip()[:200]}. A forward that is the step itself cannot be checked over a whole sequence; "
+            "pass ExportOptions(full_sequence_check=False) to say so") from None
+    try:
+        outs = step_outputs(raw, call)[0]  # (out, h) or (out, (h, c)), as nn.GRU and nn.LSTM return
+    except ExportError as exc:
+        raise NotASequenceForward(str(exc)) from None
     data_out, state_out = spec.data_outputs, [t for t in spec.outputs if t.state]
     if len(outs) != len(data_out) + len(state_out):
-        raise ExportError(
+        raise NotASequenceForward(
             f"{type(module).__name__}.forward(seq, *states) returned {len(outs)} tensors; expected "
             f"{len(data_out) + len(state_out)} (the step outputs over the sequence, then the final states). "
             "Pass ExportOptions(full_sequence_check=False) if forward has another meaning"
@@ -330,7 +348,7 @@ def full_sequence_check(
         arr = to_numpy(o)
         if not t.state:
             if arr.shape[:2] != (1, steps):
-                raise ExportError(
+                raise NotASequenceForward(
                     f"{type(module).__name__}.forward(seq, *states) output {t.name!r} has shape {arr.shape}; expected "
                     f"batch-first (1, {steps}, ...). Pass ExportOptions(full_sequence_check=False) to skip this check"
                 )
