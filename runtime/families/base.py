@@ -248,7 +248,22 @@ class FamilyPlugin:
                 "; ".join(f"input {n!r} (role {self.model.spec.role_of(specs[n])}, shape {specs[n].shape}) is not "
                           "streamed by the device and has no value" for n in missing)
                 + ": give it with SessionConfig(inputs={NAME: [...]}) or `closedloop run --input NAME=v1,v2,...`, "
-                "or map a message type to it at export (extra={'session': {'inputs': {NAME: 'plant_measurement'}}})")
+                "or map a message type to it at export (extra={'session': {'inputs': {NAME: 'plant_measurement'}}})"
+                + self._looks_like_state([specs[n] for n in missing]))
+
+    def _looks_like_state(self, inputs: list[TensorSpec]) -> str:
+        """A hint where a held input has an output of its shape: it is likely a recurrent state not declared as one."""
+        hints = []
+        for t in inputs:
+            twins = [o.name for o in self.model.spec.data_outputs if list(o.shape) == list(t.shape)]
+            if twins:
+                hints.append(f"{t.name}={twins[0]}")
+        if not hints:
+            return ""
+        return (f". If {' / '.join(h.split('=')[0] for h in hints)} is a recurrent state that an output of the same "
+                f"shape feeds back, the bundle must say so: `closedloop import-onnx FILE OUT "
+                f"{' '.join('--state ' + h for h in hints)}`, or export_bundle(..., kind='recurrent') with "
+                "init_state and step (docs/workflow.md)")
 
     def model_due(self) -> bool:
         """Whether the model runs on this frame (always, unless a window over the stream is not due)."""

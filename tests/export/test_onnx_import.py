@@ -123,6 +123,24 @@ def test_a_recurrent_file_carries_its_named_state_step_to_step(files, tmp_path):
         np.testing.assert_allclose(m.step(xs[:1]), [want[0]], atol=1e-5)
 
 
+def test_a_state_left_undeclared_is_pointed_out_at_import_and_when_a_session_asks_for_it(files, tmp_path):
+    """A step file imported without --state becomes a feed-forward graph with two inputs; the import notes that
+    'h' has the shape of output 'h_next', and a session that then asks for 'h' as a held input says how to declare
+    it instead."""
+    from closedloop.runtime import Session, SessionError
+
+    said: list[str] = []
+    bundle = import_onnx(files["recurrent"], tmp_path / "b", rate_hz=50.0, tensorrt=False, report=said.append)
+    assert any("input 'h' has the shape of output 'h_next'" in s and "--state h=h_next" in s for s in said), said
+    with pytest.raises(SessionError, match=r"closedloop import-onnx FILE OUT --state h=h_next"):
+        Session(bundle, SessionConfig(device="sim://headstage?channels=12", status=False))
+    said.clear()  # a declared state, or a graph with one input, gets no such note
+    import_onnx(files["recurrent"], tmp_path / "c", rate_hz=50.0, state={"h": "h_next"}, tensorrt=False,
+                report=said.append)
+    import_onnx(files["dynamic"], tmp_path / "d", rate_hz=50.0, tensorrt=False, report=said.append)
+    assert not [s for s in said if s.startswith("note: input")], said
+
+
 class LayeredGRU(nn.Module):
     """A 2-layer nn.GRU step as a user exports it at batch 1: its state (layers, batch, hidden) has the layers first."""
 
