@@ -181,17 +181,24 @@ def observer_bundle(tmp_path_factory):
 
 @pytest.fixture
 def acted_inputs():
-    """A session observer that keeps the ``inputs`` row of every step that acted on a device frame, and ``n_in``."""
+    """A session observer that keeps, for every step that acted on a device frame, its ``inputs`` row (``rows``), its
+    outputs, the family's ``state`` row and the input frame's sequence number (``seqs``); and ``n_in`` and the
+    state ``labels`` from the session's info."""
     from closedloop.runtime.observe import FLAG_ACTED, SessionObserver
 
     class ActedInputs(SessionObserver):
         def __init__(self):
-            self.rows, self.n_in = [], None
+            self.rows, self.outputs, self.state, self.seqs = [], [], [], []
+            self.n_in = self.labels = None
 
         def on_start(self, info):
-            self.n_in = info["n_in"]
+            self.n_in, self.labels = info["n_in"], info["state"]
 
         def on_steps(self, batch):
-            self.rows.extend(batch.inputs[(batch.flags & FLAG_ACTED) != 0].copy())
+            acted = (batch.flags & FLAG_ACTED) != 0
+            self.rows.extend(batch.inputs[acted].copy())
+            self.outputs.extend(batch.outputs[acted].copy())
+            self.state.extend(batch.state[acted].copy())
+            self.seqs.extend(batch.input_seq[acted].tolist())
 
     return ActedInputs()

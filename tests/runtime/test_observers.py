@@ -294,23 +294,12 @@ def plant_bundle(tmp_path_factory):
         variants=(), tensorrt=False, report=lambda s: None)
 
 
-def test_a_plug_in_familys_state_reaches_observers_and_labels_must_match_its_values(plant_bundle, monkeypatch):
+def test_a_plug_in_familys_state_reaches_observers_and_labels_must_match_its_values(plant_bundle, monkeypatch,
+                                                                                     acted_inputs):
     """docs/families.md: a plug-in publishes what it computes outside the graph by overriding state_vector and
     state_labels; observers get it in each step's ``state`` and its labels in ``info["state"]``."""
     from closedloop.runtime import Session, SessionConfig, SessionError, run_session
     from closedloop.runtime.families.generic.plugin import GenericFamily
-
-    class Seen(SessionObserver):
-        def __init__(self):
-            self.labels, self.state, self.outputs = None, [], []
-
-        def on_start(self, info):
-            self.labels = info["state"]
-
-        def on_steps(self, batch):
-            acted = (batch.flags & FLAG_ACTED) != 0
-            self.state.extend(batch.state[acted].copy())
-            self.outputs.extend(batch.outputs[acted].copy())
 
     # a plug-in that publishes its model output, doubled, as its state
     def state_vector(self):
@@ -320,7 +309,7 @@ def test_a_plug_in_familys_state_reaches_observers_and_labels_must_match_its_val
 
     monkeypatch.setattr(GenericFamily, "state_vector", property(state_vector))
     monkeypatch.setattr(GenericFamily, "state_labels", lambda self: ["doubled/u"])
-    seen = Seen()
+    seen = acted_inputs
     run_session(plant_bundle, SessionConfig(device="sim://plant?model=msd&rate=200&seed=3", duration_s=0.6,
                                             status=False, backend="onnxruntime", observers=[seen]))
     assert seen.labels == ["doubled/u"] and len(seen.state) > 20

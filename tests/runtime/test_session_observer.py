@@ -55,34 +55,22 @@ def test_observers_get_the_measurement_the_observer_acted_on(observer_bundle, ac
     assert np.all(np.isfinite(rows)) and np.ptp(rows) > 0  # the link angle moves under the controller
 
 
-def test_the_observers_estimate_is_published_recorded_and_is_the_estimate_it_acted_on(observer_bundle, tmp_path):
+def test_the_observers_estimate_is_published_recorded_and_is_the_estimate_it_acted_on(observer_bundle, tmp_path,
+                                                                                        acted_inputs):
     """The family's state block: z_hat after each update (states, then disturbances) and the measurement it predicted,
     the same in the step ring (observers, the monitor), the recording's FAMILY_STATE records, and an independent
     numpy run of the observer on the frames the session acted on."""
     from closedloop.runtime.families.observer.certificate import mlp_from_onnx
-    from closedloop.runtime.observe import FLAG_ACTED, SessionObserver
     from closedloop.runtime.recording_view import view_recording
     from closedloop.sdk.observer.neural import NeuralObserver, ObserverModel
     from closedloop.sdk.observer.systems import observer_system
-
-    class States(SessionObserver):
-        def __init__(self):
-            self.labels, self.rows, self.seqs = None, [], []
-
-        def on_start(self, info):
-            self.labels = info["state"]
-
-        def on_steps(self, batch):
-            acted = (batch.flags & FLAG_ACTED) != 0
-            self.rows.extend(batch.state[acted].copy())
-            self.seqs.extend(batch.input_seq[acted].tolist())
 
     b = load_bundle(observer_bundle)
     obs_block = b.manifest.extra["observer"]
     nz, ny, n_x = len(obs_block["Ad"]), len(obs_block["Cd"]), obs_block["n_x"]
     want_labels = ([f"state/x{i + 1}" for i in range(n_x)] + [f"disturbance/d{i + 1}" for i in range(nz - n_x)]
                    + [f"predicted/y{i + 1}" for i in range(ny)])
-    rec, states = tmp_path / "obs.clrec", States()
+    rec, states = tmp_path / "obs.clrec", acted_inputs
     run_session(observer_bundle, SessionConfig(device="sim://plant?model=flexible-joint&rate=1000&seed=3", duration_s=0.6,
                                          status=False, backend="onnxruntime", record=str(rec), observers=[states]))
     assert states.labels == want_labels and nz > n_x  # the flexible joint's model has a disturbance state
@@ -94,7 +82,7 @@ def test_the_observers_estimate_is_published_recorded_and_is_the_estimate_it_act
     reader = RecordingReader(rec)
     rec_seqs = [r.output()[1] for r in reader.of_type(RecordType.FAMILY_STATE)]
     by_seq = dict(zip(rec_seqs, recorded, strict=True))
-    common = [(s, row) for s, row in zip(states.seqs, states.rows, strict=True) if s in by_seq]
+    common = [(s, row) for s, row in zip(states.seqs, states.state, strict=True) if s in by_seq]
     assert len(common) > 20
     for s, row in common:
         np.testing.assert_array_equal(row, by_seq[s].astype(np.float32))
