@@ -133,10 +133,13 @@ class Model:
     def set_input(self, name: str, value: np.ndarray | list[float] | float) -> None:
         """Give data input ``name`` a value it keeps until set again (a goal, a mode)."""
         buf = self._input_buffer(name)
+        arr = np.asarray(value, dtype=buf.dtype)
+        if arr.size != buf.size:  # one value for a goal of two is a typo, not a broadcast
+            raise ValueError(_shape_error(self.spec.input(name), buf, arr.shape))
         try:
-            np.copyto(buf, np.asarray(value, dtype=buf.dtype))
+            np.copyto(buf, arr)
         except ValueError:
-            raise ValueError(_shape_error(self.spec.input(name), buf, np.shape(value))) from None
+            raise ValueError(_shape_error(self.spec.input(name), buf, arr.shape)) from None
         self._unset.discard(name)
 
     def _input_buffer(self, name: str) -> np.ndarray:
@@ -286,5 +289,5 @@ def _all_finite(checks: list[tuple[np.ndarray, np.ndarray]]) -> bool:
 
 
 def _shape_error(spec, buf: np.ndarray, got: tuple) -> str:
-    return (f"input {spec.name!r} takes shape {tuple(buf.shape)} (manifest {spec.shape}), got {tuple(got)}; "
-            "pass an array of that shape (batch first)")
+    return (f"input {spec.name!r} takes shape {tuple(buf.shape)} ({buf.size} value{'' if buf.size == 1 else 's'}; "
+            f"manifest {spec.shape}), got shape {tuple(got)}; pass an array of that shape (batch first)")

@@ -79,7 +79,7 @@ def test_step_takes_inputs_by_position_or_by_name_and_holds_the_rest(goal_bundle
 @pytest.mark.parametrize(("call", "message"), [
     (lambda m: m.step(np.zeros((1, 1), np.float32)), r"input\(s\) \['goal'\] have no value yet"),
     (lambda m: m.step(obs=np.zeros((1, 2), np.float32), goal=np.zeros((1, 1), np.float32)),
-     r"input 'obs' takes shape \(1, 1\) \(manifest \['batch', 1\]\), got \(1, 2\)"),
+     r"input 'obs' takes shape \(1, 1\) \(1 value; manifest \['batch', 1\]\), got shape \(1, 2\)"),
     (lambda m: m.step(gaol=np.zeros((1, 1), np.float32)), r"no data input 'gaol'; its inputs: \['obs', 'goal'\]"),
     (lambda m: m.step(*[np.zeros((1, 1), np.float32)] * 3), r"takes 2 input\(s\) \['obs', 'goal'\], got 3"),
 ])
@@ -95,6 +95,8 @@ def test_a_recurrent_model_with_two_inputs_exports_and_streams(tmp_path):
                          example_input=(torch.zeros(1, 4), torch.zeros(1, 2)), input_roles={"goal": "goal"},
                          rate_hz=50.0, variants=(), tensorrt=False, report=lambda s: None)
     m = Model(path, backend="onnxruntime")
+    with pytest.raises(ValueError, match=r"input 'goal' takes shape \(1, 2\) \(2 values; .*got shape \(\)"):
+        m.set_input("goal", 0.5)  # one value for a goal of two: a typo, never broadcast
     xs = np.random.default_rng(0).normal(size=(20, 1, 4)).astype(np.float32)
     goal = np.array([[0.5, -0.5]], np.float32)
     m.set_input("goal", goal)
