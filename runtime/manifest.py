@@ -346,8 +346,14 @@ class GraphSpec:
                 out.append(f"{what} has shape {t.shape}; a windowed input is (batch, length, features) "
                            "(time_major) or (batch, features, length) (channel_major)")
             elif t.shape[t.window.time_axis] != t.window.length:
+                other = "channel_major" if t.window.layout == "time_major" else "time_major"
+                other_axis = 2 if t.window.time_axis == 1 else 1
+                hint = (f"; axis {other_axis} is {t.window.length}: the window is {other} (import-onnx "
+                        f"--window {t.name}={t.window.length}:{t.window.hop}:{other}; export_bundle "
+                        f"windows={{{t.name!r}: Window(length={t.window.length}, hop={t.window.hop}, layout={other!r})}})"
+                        if t.shape[other_axis] == t.window.length else "")
                 out.append(f"{what} has shape {t.shape}: axis {t.window.time_axis} is {t.shape[t.window.time_axis]}, "
-                           f"its window ({t.window.layout}) is {t.window.length} frames")
+                           f"its window ({t.window.layout}) is {t.window.length} frames{hint}")
         return out
 
 

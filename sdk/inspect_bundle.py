@@ -16,12 +16,16 @@ def _shape(s: list) -> str:
 def _graph_lines(name: str, g: GraphSpec) -> list[str]:
     out = [f"  graph {name!r}: {g.file} ({g.kind})"]
     for t in g.inputs:
-        extra = f"  state -> {t.state_pair}" if t.state else ""
+        extra = f"  state -> {t.state_pair}" if t.state else f"  {g.role_of(t)}"
+        if t.window is not None:  # the runtime keeps the last `length` frames and runs every `hop`
+            w = t.window
+            extra += (f", a window of the last {w.length} frames ({w.layout}), run every {w.hop} frame"
+                      f"{'' if w.hop == 1 else 's'}")
         if t.initial is not None:  # a learned starting state (schema version 3)
             extra += f", starts at its initial value (|max| {max(abs(v) for v in t.initial):.3g})"
         out.append(f"    in  {t.name:<12} {t.dtype:<8} {_shape(t.shape)}{extra}")
     for t in g.outputs:
-        extra = f"  state -> {t.state_pair}" if t.state else ""
+        extra = f"  state -> {t.state_pair}" if t.state else f"  {g.role_of(t)}"
         out.append(f"    out {t.name:<12} {t.dtype:<8} {_shape(t.shape)}{extra}")
     if g.parity:
         checks = g.parity.get("checks", {})

@@ -117,6 +117,8 @@ def test_feed_on_a_model_without_a_window_says_to_use_step(mlp_bundle):
 
 @pytest.mark.parametrize(("window", "message"), [
     ({"length": 8, "hop": 1, "layout": "channel_major"}, "axis 2 is 16, its window \\(channel_major\\) is 8 frames"),
+    ({"length": 16, "hop": 4}, "axis 1 is 4, its window \\(time_major\\) is 16 frames; axis 2 is 16: the window is "
+                               "channel_major"),  # the layout a user most often gets wrong: the hint says which
     ({"length": 16, "hop": 0}, "window hop must be a positive integer"),
     ({"length": 16, "layout": "sideways"}, "window layout 'sideways'"),
     ({"length": 16, "stride": 2}, "unknown window field"),
@@ -163,3 +165,14 @@ def test_a_windowed_session_replays_to_the_same_outputs(cnn_bundle, tmp_path):
     report = replay_recording(record, cnn_bundle, backend="onnxruntime")
     assert report.outputs_compared == summary.commands_sent and report.missing_inputs == 0
     assert report.max_abs_diff == 0.0
+
+
+def test_inspect_shows_each_inputs_role_and_its_window(cnn_bundle, capsys):
+    """What a user checks before a session: which input the device feeds, and the window the runtime keeps."""
+    from closedloop.sdk.cli import main
+
+    assert main(["inspect", str(cnn_bundle)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    x = next(line for line in lines if line.strip().startswith("in "))
+    assert f"measurement, a window of the last {LENGTH} frames (channel_major), run every 4 frames" in x, x
+    assert any(line.strip().startswith("out ") and line.rstrip().endswith("command") for line in lines), lines
