@@ -238,6 +238,8 @@ def bench_bundle(
     for name in backends:
         for variant in variants:
             row: dict = {"backend": name, "variant": variant}
+            if variant != "fp32":  # its parity against fp32, as the export measured it (None: not recorded)
+                row["within_tolerance"] = spec.variants.get(variant, {}).get("within_tolerance")
             rows.append(row)
             path = b.graph_path(cfg.graph, variant)
             reason = _cannot_run(name, path, spec, here, broken)
@@ -351,8 +353,15 @@ def format_bench_table(bench: BundleBench) -> str:
             f"floor: the larger of FLOPs at peak and weights ({_si(r['weight_bytes'], 'B')} for {r['variant']}) at "
             f"read bandwidth ({r['read_bandwidth_gbs']:.1f} GB/s from cache; paced cold: "
             f"{r['cold_read_bandwidth_gbs']:.1f} GB/s from memory)")
-        ok = [f"{x['backend']}/{x['variant']}" for x in timed if x["meets_deadline"]]
+        ok = [f"{x['backend']}/{x['variant']}" + (" (outside its parity tolerance)"
+                                                  if x.get("within_tolerance") is False else "")
+              for x in timed if x["meets_deadline"]]
         lines.append(f"p99 within the {deadline:.1f} us deadline in every mode: {', '.join(ok) if ok else 'none'}")
+        off = sorted({x["variant"] for x in timed if x.get("within_tolerance") is False})
+        if off:
+            lines.append(f"variant{'s' if len(off) > 1 else ''} {', '.join(off)} differ from fp32 beyond {'their' if len(off) > 1 else 'its'} "
+                         "parity tolerance (closedloop inspect shows by how much): fast, but not the model; a session "
+                         "chooses such a variant only when asked by name")
     return "\n".join(lines)
 
 

@@ -158,3 +158,26 @@ def test_the_sdk_roofline_names_still_work():
 
     for name in ("single_core_peak_gflops", "read_bandwidth_gbs", "cold_read_bandwidth_gbs", "gru_flops", "mlp_flops"):
         assert getattr(sdk_roofline, name) is getattr(roofline, name)
+
+
+def test_a_variant_outside_its_parity_tolerance_is_marked_in_the_verdict(gru_bundle, tmp_path, capsys):
+    """A fast variant that is not the model (the export measured it beyond its tolerance) must not read as fine."""
+    import shutil
+
+    from closedloop.runtime.bundle import MANIFEST_NAME
+    from closedloop.runtime.integrity import seal_manifest
+
+    b = tmp_path / "b"
+    shutil.copytree(gru_bundle, b)
+    manifest = json.loads((b / MANIFEST_NAME).read_text())
+    manifest["graphs"]["main"]["variants"]["fp16"]["within_tolerance"] = False  # as an export that measured 0.3
+    (b / MANIFEST_NAME).write_text(json.dumps(seal_manifest(manifest)))
+    argv = ["bench", str(b), "--backend", "onnxruntime", "--variant", "fp32", "--variant", "fp16", "--steps", "20",
+            "--paced-seconds", "0.1", "--json", str(tmp_path / "b.json")]
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    verdict = next(line for line in text.splitlines() if line.startswith("p99 within"))
+    assert "onnxruntime/fp16 (outside its parity tolerance)" in verdict and "onnxruntime/fp32," in verdict + ","
+    assert "variant fp16 differ from fp32 beyond its parity tolerance" in text
+    rows = json.loads((tmp_path / "b.json").read_text())["bundles"][0]["rows"]
+    assert [(r["variant"], r.get("within_tolerance")) for r in rows] == [("fp32", None), ("fp16", False)]
