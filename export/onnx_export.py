@@ -224,9 +224,10 @@ def check_recurrent_protocol(module: nn.Module) -> None:
         raise ExportError(
             f"{type(module).__name__} has no {' or '.join(missing)}(); a recurrent export needs "
             "step(x, *states) -> (y, *new_states) and init_state(batch) -> tuple of state tensors "
-            "(see sdk.models.GRUDecoder). A sequence model with forward(seq, state) -> (out, new_state), batch "
-            "first, streams through closedloop.export.SequenceStep(module, init_state=lambda b: "
-            "torch.zeros(layers, b, hidden))"
+            "(see sdk.models.GRUDecoder). A module whose forward(x, h) is already one step needs only those two "
+            "methods: init_state(batch) returning the starting h, and step(self, x, h) returning self(x, h). A "
+            "sequence model with forward(seq, state) -> (out, new_state), batch first, streams through "
+            "closedloop.export.SequenceStep(module, init_state=lambda b: torch.zeros(layers, b, hidden))"
         )
 
 
