@@ -135,8 +135,12 @@ class StepRing:
         buf = shm.buf
         self._header = np.ndarray((_HEADER,), dtype="<i8", buffer=buf)
         h = self._header
-        if int(h[0]) != MAGIC or int(h[1]) != LAYOUT_VERSION:
-            raise ValueError(f"shared memory {shm.name!r} is not a closedloop step ring (layout {LAYOUT_VERSION})")
+        if int(h[0]) != MAGIC:
+            raise ValueError(f"shared memory {shm.name!r} is not a closedloop step ring (no CLOOPRNG magic)")
+        if int(h[1]) != LAYOUT_VERSION:
+            raise ValueError(f"shared memory {shm.name!r} is a step ring of layout {int(h[1])}; this closedloop reads "
+                             f"layout {LAYOUT_VERSION} (docs/monitor.md): read it with the closedloop version that "
+                             "runs the session")
         cap, n_in, n_out, n_cmd = (int(h[w]) for w in (_W_CAP, _W_NIN, _W_NOUT, _W_NCMD))
         self.capacity, self.n_in, self.n_out, self.n_cmd = cap, n_in, n_out, n_cmd
         self.n_state = int(h[_W_NSTATE])

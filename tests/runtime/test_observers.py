@@ -202,6 +202,11 @@ def test_attach_refuses_a_block_that_is_not_a_ring():
     try:
         with pytest.raises(ValueError, match="not a closedloop step ring"):
             StepRing.attach(shm.name)
+        header = np.ndarray((16,), dtype="<i8", buffer=shm.buf)
+        header[0], header[1] = 0x434C4F4F50524E47, 2  # a ring of an older layout
+        del header
+        with pytest.raises(ValueError, match="is a step ring of layout 2; this closedloop reads layout 3"):
+            StepRing.attach(shm.name)
     finally:
         shm.close()
         shm.unlink()
