@@ -120,14 +120,16 @@ def view_recording(recording: str | Path | RecordingReader) -> RecordingView:
                     commands.add(t_host, float("nan"), m.values)
                 elif isinstance(m, DecoderOutput):
                     typed.append((t_host, int(m.bin_index), m.text))
-        elif rec.type == RecordType.OUTPUT:
-            outputs.add(t_host, float("nan"), rec.output()[2], rec.output()[1])
-        elif rec.type == RecordType.MORE_OUTPUT:
-            i = rec.output_index
-            more.setdefault(out_names[i] if i < len(out_names) else f"output_{i}", Series()).add(
-                t_host, float("nan"), rec.output()[2])
-        elif rec.type == RecordType.FAMILY_STATE:
-            state.add(t_host, float("nan"), rec.output()[2], rec.output()[1])
+        elif rec.type in (RecordType.OUTPUT, RecordType.MORE_OUTPUT, RecordType.FAMILY_STATE):
+            _, seq, values = rec.output()
+            if rec.type == RecordType.OUTPUT:
+                series = outputs
+            elif rec.type == RecordType.FAMILY_STATE:
+                series = state
+            else:
+                i = rec.output_index
+                series = more.setdefault(out_names[i] if i < len(out_names) else f"output_{i}", Series())
+            series.add(t_host, float("nan"), values, seq)
         elif rec.type == RecordType.EVENT:
             events.append((t_host, rec.json()))
         elif rec.type == STEPS_RECORD_TYPE:

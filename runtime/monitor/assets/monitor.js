@@ -96,7 +96,7 @@
   }
 
   // The family's state (info.state: one "GROUP/NAME" label per value, e.g. an observer's "state/x1",
-  // "disturbance/d1", "predicted/y1") as groups: [{name, labels, offset, size}] in label order.
+  // "disturbance/d1", "predicted/y1") as groups: [{name, labels, offsets}] in label order, offsets into a state row.
   function stateGroups() {
     const groups = [];
     ((S.info && S.info.state) || []).forEach((label, k) => {
@@ -146,7 +146,6 @@
     S.state = last & FLAG.DISCONNECTED ? "DISCONNECTED" : last & FLAG.SAFE ? "SAFE" : "running";
     const ni = upTo(r.inputs.t_s, T), i0 = Math.max(0, ni - RASTER_ROWS);
     S.inp = r.inputs.rows.slice(i0, ni);
-    // each input frame's estimate: the first model output after the frame arrived (the run that read it)
     // each input frame's model run: the record of the same frame sequence number at or after the frame's time (a
     // frame the loop skipped for a newer one, or had not read yet at T, has none)
     const readBy = (series, i) => {
@@ -291,7 +290,7 @@
       if (pred) {  // the family's prediction of each measured value (an observer's C z_hat before its update)
         const st = S.inpSt.slice(-rows.length);
         for (const k of pred.offsets.slice(0, cols.length)) est.push(column(st, k));
-        estWhat = `, and what the observer predicted for each before reading it (dashed, same colours)`;
+        estWhat = `, and what the ${fam === "observer" ? "observer" : "family"} predicted for each before reading it (dashed, same colours)`;
       } else if (fam === "observer") {  // a recording without the family's state: the graph's output
         const est0 = S.inpOut.slice(-rows.length), no = (est0.find((r) => r) || []).length;
         for (let j = 0; j < Math.min(no, 4); j++) est.push(column(est0, j));
