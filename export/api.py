@@ -27,7 +27,6 @@ from .assemble import (
     check_args,
     finish_bundle,
     manifest_meta,
-    state_like_pairs,
 )
 from .errors import ExportError
 from .onnx_export import cpu_copy, eval_mode, export_onnx, initial_states, module_device, to_numpy
@@ -191,7 +190,7 @@ def export_bundle(
             state_names=options.state_names, opset=options.opset, file=f"{GRAPH_NAME}.onnx", report=report,
         )
         spec = exported.spec
-        for i, o in state_like_pairs(spec) if kind == "feedforward" else []:
+        for i, o in spec.state_like_pairs() if kind == "feedforward" else []:
             report(f"note: input {i!r} has the shape of output {o!r}; if it is a recurrent state that {o!r} feeds "
                    "back, export with kind='recurrent' (init_state and step, docs/workflow.md), or a session will "
                    "ask for its value as a held input")

@@ -78,17 +78,6 @@ def check_args(kind: str, family: str, rate_hz: float, provenance: dict | None) 
                           "rename your key")
 
 
-def state_like_pairs(spec: GraphSpec) -> list[tuple[str, str]]:
-    """``(input, output)`` where an input after the first has an output of its shape: likely a recurrent state left
-    undeclared (a session would then ask for its value as a held input)."""
-    pairs = []
-    for t in spec.data_inputs[1:]:
-        twin = next((o.name for o in spec.data_outputs if list(o.shape) == list(t.shape)), None)
-        if twin is not None:
-            pairs.append((t.name, twin))
-    return pairs
-
-
 def apply_roles_and_windows(spec: GraphSpec, input_roles: Mapping[str, str] | None,
                              output_roles: Mapping[str, str] | None,
                              windows: Mapping[str, Window | Mapping[str, Any]] | None) -> None:

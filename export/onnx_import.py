@@ -47,7 +47,6 @@ from .assemble import (
     finish_bundle,
     fix_declared_dims,
     manifest_meta,
-    state_like_pairs,
 )
 from .errors import ExportError, GraphCheckError, ParityError
 from .parity import (
@@ -336,7 +335,7 @@ def import_onnx(
         data = _keep_outputs(proto, list(outputs), state, path)
     data, settled = _settle_output_sizes(data, state, path)
     spec = _graph_spec(data, state, path)
-    for i, o in [] if state else state_like_pairs(spec):
+    for i, o in [] if state else spec.state_like_pairs():
         report(f"note: input {i!r} has the shape of output {o!r}; if it is a recurrent state that {o!r} feeds back, "
                f"pass --state {i}={o} (state={{{i!r}: {o!r}}}), or a session will ask for its value as a held input")
     apply_roles_and_windows(spec, input_roles, output_roles, windows)

@@ -275,6 +275,16 @@ class GraphSpec:
     def state_inputs(self) -> list[TensorSpec]:
         return [t for t in self.inputs if t.state]
 
+    def state_like_pairs(self) -> list[tuple[str, str]]:
+        """``(input, output)`` where a data input after the first has a data output of its shape: likely a recurrent
+        state left undeclared (a session would then ask for its value as a held input)."""
+        pairs = []
+        for t in self.data_inputs[1:]:
+            twin = next((o.name for o in self.data_outputs if list(o.shape) == list(t.shape)), None)
+            if twin is not None:
+                pairs.append((t.name, twin))
+        return pairs
+
     def role_of(self, tensor: TensorSpec) -> str:
         """The tensor's role, with the defaults of a manifest that does not state it: state tensors are
         ``state``; the first data input is the ``measurement`` and the first data output the ``command``;

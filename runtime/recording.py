@@ -112,17 +112,18 @@ class RecordingWriter:
         """A model output: loop step, sequence number of the input frame it answered, values. ``index`` is the
         output's place among the graph's data outputs (META ``outputs``): 0, the first, is an OUTPUT record;
         another is a MORE_OUTPUT record that carries its index."""
-        if index:
-            head = struct.pack("<III", step & 0xFFFFFFFF, input_seq & 0xFFFFFFFF, index)
-            rtype = RecordType.MORE_OUTPUT
-        else:
-            head, rtype = struct.pack("<II", step & 0xFFFFFFFF, input_seq & 0xFFFFFFFF), RecordType.OUTPUT
-        self.append(rtype, head + values.astype(np.float32, copy=False).tobytes(), host_ns)
+        rtype = RecordType.MORE_OUTPUT if index else RecordType.OUTPUT
+        self._append_values(rtype, step, input_seq, values, host_ns, (index,) if index else ())
 
     def append_state(self, step: int, input_seq: int, values: np.ndarray, host_ns: int | None = None) -> None:
         """The family's state after a model run (``FamilyPlugin.state_vector``): a FAMILY_STATE record."""
-        head = struct.pack("<II", step & 0xFFFFFFFF, input_seq & 0xFFFFFFFF)
-        self.append(RecordType.FAMILY_STATE, head + values.astype(np.float32, copy=False).tobytes(), host_ns)
+        self._append_values(RecordType.FAMILY_STATE, step, input_seq, values, host_ns)
+
+    def _append_values(self, rtype: int, step: int, input_seq: int, values: np.ndarray, host_ns: int | None,
+                       more: tuple[int, ...] = ()) -> None:
+        """u32 step, u32 input sequence number (and ``more`` u32s), then the values as float32."""
+        head = struct.pack(f"<{2 + len(more)}I", step & 0xFFFFFFFF, input_seq & 0xFFFFFFFF, *more)
+        self.append(rtype, head + values.astype(np.float32, copy=False).tobytes(), host_ns)
 
     def flush(self) -> None:
         with self._lock:

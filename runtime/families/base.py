@@ -253,11 +253,8 @@ class FamilyPlugin:
 
     def _looks_like_state(self, inputs: list[TensorSpec]) -> str:
         """A hint where a held input has an output of its shape: it is likely a recurrent state not declared as one."""
-        hints = []
-        for t in inputs:
-            twins = [o.name for o in self.model.spec.data_outputs if list(o.shape) == list(t.shape)]
-            if twins:
-                hints.append(f"{t.name}={twins[0]}")
+        names = {t.name for t in inputs}
+        hints = [f"{i}={o}" for i, o in self.model.spec.state_like_pairs() if i in names]
         if not hints:
             return ""
         return (f". If {' / '.join(h.split('=')[0] for h in hints)} is a recurrent state that an output of the same "
