@@ -296,6 +296,7 @@ class Session:
         self._key = bytes.fromhex(config.key) if config.key else None
         self.link: Link | None = None
         self.hello: Hello | None = None
+        self._stop_reason: str | None = None  # a stop() that came before run() made its loop
         self.summary_counts: dict[str, Any] = dict(
             frames_received=0, inputs_used=0, inputs_skipped=0, commands_sent=0, safe_commands_sent=0,
             commands_resent=0, stop_commands_sent=0,
@@ -730,6 +731,18 @@ class Session:
         parts += [f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in self.family.live_metrics().items()]
         return " | ".join(parts)
 
+    def stop(self, reason: str = "stop") -> None:
+        """End the session after its current step, from any thread (a GUI's stop button, a hook, a timer).
+
+        The loop finishes the step it is in, sends the safe command and writes its SUMMARY as at any other
+        end; ``loop.stopped_by`` is ``reason`` (``stop`` by default; the CLI's exit code 0, docs/cli.md). Called
+        before :meth:`run`, the loop ends before its first step. Either way it ends within one period.
+        """
+        self._stop_reason = reason
+        loop = getattr(self, "_loop", None)
+        if loop is not None:
+            loop.stop(reason)
+
     def run(self) -> SessionSummary:
         if self.hello is None:
             self.start()
@@ -739,6 +752,8 @@ class Session:
                        collect_gc=False,  # collected in start(), before the handshake
                        wake_on_input=cfg.wake_on_input)
         )
+        if self._stop_reason is not None:  # asked to stop before the loop existed
+            self._loop.stop(self._stop_reason)
         grant: RealtimeGrant | None = None
         error: Exception | None = None
         try:

@@ -101,6 +101,7 @@ def test_a_typing_session_shows_text_growing_and_steps_rising(typing_bundle, pag
     assert "each class's probability per model run (32 classes" in page.text_content("#command-legend")
     assert page.evaluate(_LIT_PIXELS, "command") > 1000
     page.screenshot(path=str(screenshot_dir / "monitor_bci.png"))
+    bg.session.stop()  # what the page must show is shown: the session need not run its whole duration
     s = bg.join()
     # the page showed the session's own text: what it typed by the end starts with what the page showed
     assert s.family["text"].startswith(second["typed"][: min(len(second["typed"]), 10)])
@@ -120,6 +121,7 @@ def test_the_page_shows_the_prompt_the_device_reports(typing_bundle, page):
                            timeout=5_000)
     prompt = page.evaluate("() => monitorState.prompt")
     assert page.text_content("#prompt") == f"prompt: {prompt}"
+    bg.session.stop()
     s = bg.join()
     assert s.inputs_used > 0
 
@@ -135,6 +137,7 @@ def test_a_silent_plant_shows_safe_and_the_watchdog_then_recovers(plant_bundle, 
     page.screenshot(path=str(screenshot_dir / "monitor_plant_safe.png"))
     page.wait_for_function("() => document.getElementById('state').textContent === 'running'", timeout=15_000)
     assert "input_resumed" in _page_state(page)["events"]
+    bg.session.stop()
     s = bg.join()
     assert s.watchdog_trips == 1
 
@@ -146,6 +149,7 @@ def test_a_reconnect_shows(plant_bundle, page):
     page.wait_for_function("() => monitorState.events.some(e => e.event === 'reconnected')", timeout=30_000)
     page.wait_for_function("() => +document.getElementById('reconnects').textContent >= 1", timeout=5_000)
     assert "disconnected" in _page_state(page)["events"]
+    bg.session.stop()
     assert bg.join().reconnects == 1
 
 
@@ -274,6 +278,7 @@ def test_every_data_output_has_a_band_of_its_own_live_and_in_the_recording(page,
     assert "u (1 value), estimate (3 values)" in legend, legend
     assert page.evaluate("() => monitorState.out[monitorState.out.length - 1].length") == 4  # u, then the estimate
     page.screenshot(path=str(screenshot_dir / "monitor_outputs.png"))
+    bg.session.stop()
     bg.join()
     with recording_page(rec, "() => monitorState.step > 0 && !document.getElementById('outputs-box').hidden"):
         assert "u (1 value), estimate (3 values)" in page.text_content("#outputs-legend")
@@ -310,6 +315,7 @@ def test_an_observers_state_and_disturbance_estimate_and_its_predictions_are_on_
     assert live["gap"] < 0.5 * live["spread"] + 1e-3, live
     assert page.evaluate(_LIT_PIXELS, "family-state") > 500
     page.screenshot(path=str(screenshot_dir / "monitor_observer_estimate.png"))
+    bg.session.stop()
     bg.join()
     with recording_page(rec, "() => monitorState.step > 0 && !document.getElementById('state-panel').hidden"):
         legend = page.text_content("#state-legend")

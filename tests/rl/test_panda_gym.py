@@ -59,7 +59,7 @@ def test_a_weak_prior_stops_at_the_first_check_inside_its_band_and_keeps_those_w
     model, env = _sac("PandaReach-v3")
     demos = collect_gym_demonstrations("PandaReach-v3", 10, noise=0.1, seed=0)
     rec = clone_weak_prior(model, demos, env, band=(0.5, 1.0), max_epochs=400, check_episodes=10,
-                           check_gradient_steps=20, batch_size=32)
+                           check_gradient_steps=20, batch_size=32, lr=3e-3)
     assert rec["in_band"] and 0.5 <= rec["check_success"] <= 1.0
     assert rec["untrained_success"] < 0.5 and rec["history"][-1] == [rec["epochs"], rec["check_success"]]
     assert all(r < 0.5 for _, r in rec["history"][1:-1])  # it stopped at the first check in the band
@@ -117,7 +117,7 @@ def test_a_cloned_prior_cell_starts_from_its_prior_and_records_it():
                         eval_episodes=5, net=(32, 32), batch_size=32, demos=10, band=(0.5, 1.0),
                         critic_pretrain_steps=20, actor_warmup_steps=50, prior_episodes=2,
                         prior_options={"check_episodes": 10, "check_gradient_steps": 20, "max_epochs": 400,
-                                       "batch_size": 32})
+                                       "batch_size": 32, "lr": 3e-3})
     prior = out["prior"]
     assert prior["in_band"] and prior["successful_demos"] >= 1
     assert [s for s, _ in out["curve"]] == [0, 100, 200]
@@ -132,7 +132,7 @@ def test_cloning_that_overshoots_the_band_stops_after_the_checks_above_it():
     model, env = _sac("PandaReach-v3")
     demos = collect_gym_demonstrations("PandaReach-v3", 10, noise=0.1, seed=0)
     rec = clone_weak_prior(model, demos, env, band=(0.0, 0.05), max_epochs=400, check_episodes=10,
-                           check_gradient_steps=20, batch_size=32, above_limit=3)
+                           check_gradient_steps=20, batch_size=32, lr=3e-3, above_limit=3)
     rates = [r for _, r in rec["history"]]
     assert all(r > 0.05 for r in rates[-3:]) and rec["history"][-1][0] < 400  # stopped by the rule, not the ceiling
     assert not rec["in_band"]

@@ -65,10 +65,12 @@ def test_sac_with_relabelling_buffer_and_outcome_logger_on_push():
 
 
 @pytest.mark.slow
-def test_bench_tiny_writes_its_reports(tmp_path):
+def test_bench_tiny_writes_its_reports(tmp_path, monkeypatch):
     import subprocess
     import sys
     from pathlib import Path
+
+    from closedloop.sdk.rl import benchmark
 
     root = Path(__file__).resolve().parents[2]
     done = subprocess.run([sys.executable, str(root / "bench" / "bench_rl.py"), "--tiny", "--out", str(tmp_path)],
@@ -76,14 +78,22 @@ def test_bench_tiny_writes_its_reports(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     for name in ("rl_tiny.json", "rl_tiny.md", "rl_tiny_success.png"):
         assert (tmp_path / name).stat().st_size > 0
-    # every run was stored as it ended: the same command again runs none of them and writes the same table
+    # every run was stored as it ended: the same benchmark again runs none of them and writes the same table
+    # (run in this process, its over-the-wire deployment check -- the first run's -- stood in for)
     cells = tmp_path / "cells" / "rl_tiny" / "cells.jsonl"
     lines = cells.read_text().splitlines()
     assert lines and all('"status": "ok"' in ln for ln in lines)
-    table = json.loads((tmp_path / "rl_tiny.json").read_text())["table"]
-    again = subprocess.run([sys.executable, str(root / "bench" / "bench_rl.py"), "--tiny", "--out", str(tmp_path)],
-                           capture_output=True, text=True, timeout=280, cwd=root)
-    assert again.returncode == 0, again.stderr[-2000:]
-    assert f"{len(lines)} of {len(lines)} runs were finished by an earlier run" in again.stdout + again.stderr
+    first = json.loads((tmp_path / "rl_tiny.json").read_text())
+    assert first["deployment"]["episodes"] == 2 and first["deployment"]["runtime_step_p99_us"] > 0
+    assert "## Deployment" in (tmp_path / "rl_tiny.md").read_text()
+
+    def no_cell(*a, **k):
+        raise AssertionError("a finished run ran again")
+
+    monkeypatch.setattr(benchmark, "_rl_cell", no_cell)
+    monkeypatch.setattr(benchmark, "deploy_best", lambda runs, cfg, out_dir: first["deployment"])
+    said = []
+    benchmark.run_rl_benchmark(benchmark.tiny_config(), tmp_path, "rl_tiny", tiny=True, report=said.append)
+    assert any(f"{len(lines)} of {len(lines)} runs were finished by an earlier run" in s for s in said), said
     assert cells.read_text().splitlines() == lines
-    assert json.loads((tmp_path / "rl_tiny.json").read_text())["table"] == table
+    assert json.loads((tmp_path / "rl_tiny.json").read_text())["table"] == first["table"]

@@ -121,13 +121,15 @@ def lockstep(request):
         dev.close()
 
 
-def _run(bundle, url, backend, record):
+def _run(bundle, url, backend, record, dev):
     # overrun "skip": on a loaded machine "hold" would re-send the last command for a missed period, and the
     # lockstep device would take that re-send for the reply to its next frame
-    cfg = SessionConfig(device=url, backend=backend, duration_s=3.0, status=False, watchdog_s=30.0,
+    cfg = SessionConfig(device=url, backend=backend, duration_s=10.0, status=False, watchdog_s=30.0,
                         record=str(record), prewarm=True, overrun="skip")
     with Session(bundle, cfg) as s:
         s.start()
+        # the session ends once the device has had a reply to its last frame (or after 10 s)
+        threading.Thread(target=lambda: (dev.thread.join(10.0), s.stop()), daemon=True).start()
         return s.run()
 
 
@@ -145,7 +147,7 @@ def test_nan_input_sends_the_safe_command_and_leaves_the_state_alone(gru_bundle,
         frames[i][i % N_IN] = v
     url, dev = lockstep(N_IN, frames)
     record = tmp_path / "nan.clrec"
-    s = _run(gru_bundle, url, backend, record)
+    s = _run(gru_bundle, url, backend, record, dev)
     dev.thread.join(10.0)
 
     assert len(dev.replies) == len(frames) and all(r is not None for r in dev.replies)
@@ -175,7 +177,7 @@ def test_nan_input_sends_the_safe_command_and_leaves_the_state_alone(gru_bundle,
 def test_nonfinite_output_is_not_clipped_into_a_command(overflow_bundle, lockstep, backend, tmp_path):
     frames = [np.array([x], np.float32) for x in (0.1, 100.0, 100.0, 0.1)]
     url, dev = lockstep(1, frames)
-    s = _run(overflow_bundle, url, backend, tmp_path / "inf.clrec")
+    s = _run(overflow_bundle, url, backend, tmp_path / "inf.clrec", dev)
     dev.thread.join(10.0)
     # without the guard, clip(+inf, -1, 1) would have sent 1.0 for the overflowing frames
     assert [float(r[0]) for r in dev.replies] == [1.0, SAFE, SAFE, 1.0]

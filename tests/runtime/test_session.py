@@ -208,6 +208,37 @@ def test_plant_session_commands_are_clipped_and_applied(plant_bundle, tmp_path):
     assert any(abs(u) > 1.0 for u in applied)
 
 
+def test_stop_from_another_thread_ends_the_session_at_once_with_its_safe_command_and_summary(plant_bundle, tmp_path):
+    import json
+    import threading
+
+    from closedloop.runtime import Session
+
+    cfg = _cfg("sim://plant?model=msd&rate=200&seed=1", tmp_path, duration_s=60.0)
+    session = Session(plant_bundle, cfg)
+    try:
+        session.start()
+        timer = threading.Timer(0.5, session.stop)
+        t0 = time.monotonic()
+        timer.start()
+        s = session.run()
+        took = time.monotonic() - t0
+    finally:
+        session.close()
+    assert took < 5.0 and s.loop.stopped_by == "stop" and s.loop.steps > 0
+    assert s.stop_commands_sent == 1  # the plant is left with the safe command, as at any other end
+    summary = json.loads(RecordingReader(cfg.record).of_type(RecordType.SUMMARY)[-1].payload)
+    assert summary["loop"]["stopped_by"] == "stop"
+    # asked before it ran: no step is taken, the reason given is the one recorded
+    early = Session(plant_bundle, _cfg("sim://plant?model=msd&rate=200&seed=1", duration_s=60.0))
+    try:
+        early.stop("operator")
+        s = early.run()
+    finally:
+        early.close()
+    assert s.loop.stopped_by == "operator" and s.loop.steps == 0
+
+
 @pytest.mark.parametrize("fault,counter", [("drop=0.2", "lost"), ("corrupt=0.2", "crc_errors"), ("duplicate=0.2", "duplicate")])
 def test_link_faults_are_counted_and_survived(plant_bundle, fault, counter):
     s = run_session(plant_bundle, _cfg(f"sim://plant?model=msd&rate=200&seed=2&{fault}"))
