@@ -2,7 +2,20 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
+
+_TESTS = Path(__file__).resolve().parent
+
+
+def pytest_collection_modifyitems(config, items):
+    """Groups for ``make test``'s two pytest-xdist workers (``--dist loadgroup``): each file's tests stay on one
+    worker, so its module fixtures are built once; every test marked ``uses_ray`` (it starts a Ray instance or
+    a benchmark that does) shares one group, so no two Ray instances start at once (their default ports collide)."""
+    for item in items:
+        group = "ray" if item.get_closest_marker("uses_ray") else item.path.relative_to(_TESTS).as_posix()
+        item.add_marker(pytest.mark.xdist_group(group))
 
 
 @pytest.fixture(scope="session", autouse=True)

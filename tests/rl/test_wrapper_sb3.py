@@ -9,6 +9,8 @@ import pytest
 
 from closedloop.sdk.rl import ShapingConfig, SuccessVisitationWrapper
 
+pytestmark = pytest.mark.uses_ray  # the tiny benchmark starts a local Ray instance (tests/conftest.py)
+
 
 def test_wrapper_on_panda_gym_reach_labels_refits_and_shapes():
     pytest.importorskip("panda_gym")

@@ -21,6 +21,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
+pytestmark = pytest.mark.uses_ray  # starts Ray instances (tests/conftest.py)
+
 
 def test_the_benchmark_script_writes_every_result_of_an_ablated_two_seed_run(tmp_path):
     cmd = [sys.executable, str(ROOT / "bench" / "bench_bci.py"), "--tiny", "--seeds", "0", "1", "--jobs", "2",

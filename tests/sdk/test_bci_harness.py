@@ -22,6 +22,8 @@ from closedloop.sdk.bci.report import markdown_table, summarize, write_results
 from closedloop.sdk.bci.toy import toy_recording
 from closedloop.sdk.bci.train import BackboneConfig, TrainConfig
 
+pytestmark = pytest.mark.uses_ray  # its benchmark runs start a local Ray instance (tests/conftest.py)
+
 
 def tiny_harness(seed: int = 0, **kw) -> HarnessConfig:
     return HarnessConfig(

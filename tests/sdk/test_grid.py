@@ -17,6 +17,8 @@ import pytest
 
 from closedloop.sdk.grid import Cell, grid, read_results, run_grid
 
+pytestmark = pytest.mark.uses_ray  # starts Ray instances (tests/conftest.py)
+
 
 def square(config: dict, seed: int) -> dict:
     if config.get("fail"):
