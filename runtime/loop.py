@@ -12,7 +12,7 @@ ends after the next deadline is an overrun, handled by policy:
   re-sends its last command, so the device holds the last output);
 - ``stop``: end the loop (``stopped_by="overrun"``).
 
-Ctrl-C ends the loop cleanly with a summary. Spare time after a step can be given
+Ctrl-C and SIGTERM end the loop cleanly with a summary. Spare time after a step can be given
 to ``on_idle(k, budget_ns)`` (status lines, weight scrubbing) with a stated budget, and
 ``on_step_end(k, latency_ns, lateness_ns)`` hands each step's timing to per-step hooks.
 
@@ -136,7 +136,7 @@ class RealTimeLoop:
         steps = 0
         k = 0
         t_setup = clock()
-        restore = _install_sigint(self._stop)
+        restore = _install_stop_signals(self._stop)
         gc_was_enabled = gc.isenabled()
         if cfg.freeze_gc:
             if cfg.collect_gc:
@@ -251,18 +251,23 @@ class RealTimeLoop:
         )
 
 
-def _install_sigint(stop: threading.Event) -> Callable[[], None]:
-    """Turn Ctrl-C into a clean stop after the current step (main thread only)."""
+def _install_stop_signals(stop: threading.Event) -> Callable[[], None]:
+    """Turn Ctrl-C (SIGINT) and SIGTERM (``kill PID``, ``systemctl stop``) into a clean stop after the current
+    step (main thread only): ``stopped_by`` ``interrupt`` and ``terminated``."""
     if threading.current_thread() is not threading.main_thread():
         return lambda: None
 
     def handler(signum, frame):  # noqa: ARG001
-        stop.by_sigint = True  # type: ignore[attr-defined]
+        if signum == signal.SIGINT:
+            stop.by_sigint = True  # type: ignore[attr-defined]
+        else:
+            stop.reason = "terminated"  # type: ignore[attr-defined]
         stop.set()
 
-    previous = signal.signal(signal.SIGINT, handler)
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
 
     def restore() -> None:
-        signal.signal(signal.SIGINT, previous)
+        for sig, old in previous.items():
+            signal.signal(sig, old)
 
     return restore

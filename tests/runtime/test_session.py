@@ -239,6 +239,34 @@ def test_stop_from_another_thread_ends_the_session_at_once_with_its_safe_command
     assert s.loop.stopped_by == "operator" and s.loop.steps == 0
 
 
+def test_sigterm_ends_a_session_with_its_safe_command_and_summary(plant_bundle, tmp_path):
+    """``systemctl stop`` of the packaged service (SIGTERM) is a stop like any other: the plant gets the safe
+    command and the recording its SUMMARY (the loop's handler is in place while it runs, in the main thread)."""
+    import json
+
+    from closedloop.runtime import SessionObserver
+
+    class TermAfterSteps(SessionObserver):  # the signal only once the loop runs (and its handler is in place)
+        sent = False
+
+        def on_steps(self, batch):
+            if not self.sent and batch.step.size and batch.step[-1] >= 100:
+                self.sent = True
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    cfg = _cfg("sim://plant?model=msd&rate=200&seed=1", tmp_path, duration_s=60.0, observers=[TermAfterSteps()])
+    before = signal.getsignal(signal.SIGTERM)
+    t0 = time.monotonic()
+    s = run_session(plant_bundle, cfg)
+    assert time.monotonic() - t0 < 10.0 and s.loop.stopped_by == "terminated" and s.loop.steps > 0
+    assert s.stop_commands_sent == 1
+    last = _commands_sent(cfg.record, ActuatorCommand)[-1][1]
+    assert np.all(last.u == 0.0)  # the plant family's safe command
+    summary = json.loads(RecordingReader(cfg.record).of_type(RecordType.SUMMARY)[-1].payload)
+    assert summary["loop"]["stopped_by"] == "terminated"
+    assert signal.getsignal(signal.SIGTERM) == before  # the process's own handling is back once the loop ended
+
+
 @pytest.mark.parametrize("fault,counter", [("drop=0.2", "lost"), ("corrupt=0.2", "crc_errors"), ("duplicate=0.2", "duplicate")])
 def test_link_faults_are_counted_and_survived(plant_bundle, fault, counter):
     s = run_session(plant_bundle, _cfg(f"sim://plant?model=msd&rate=200&seed=2&{fault}"))
