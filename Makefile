@@ -11,6 +11,7 @@ TORCH_SPEC  ?= torch==2.13.0
 CONSTRAINTS ?= constraints.txt
 # pytest-xdist workers for make test: 2 where the machine has 2 cores or more (the suite waits on sessions,
 # browsers and subprocesses much of the time), else 0 (one process). TEST_WORKERS=0 runs it in one process.
+# tests/conftest.py decides what runs where: a test file per unit, the files that start Ray in one unit.
 TEST_WORKERS ?= $(shell [ "$$(nproc 2>/dev/null || echo 1)" -ge 2 ] && echo 2 || echo 0)
 PY          := $(VENV)/bin/python
 STAMP       := $(VENV)/.installed
@@ -34,7 +35,7 @@ test: $(STAMP)
 	@tools/ensure_chromium.sh
 	@# the Numba plan runner once, before the tests (a fresh checkout compiles it: about a minute on 2 cores)
 	$(PY) -m closedloop.sdk.package.warm
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
+	$(PY) -m pytest -q -n $(TEST_WORKERS)
 
 bench: $(STAMP)
 	$(PY) bench/bench_spine.py

@@ -9,13 +9,28 @@ import pytest
 _TESTS = Path(__file__).resolve().parent
 
 
-def pytest_collection_modifyitems(config, items):
-    """Groups for ``make test``'s two pytest-xdist workers (``--dist loadgroup``): each file's tests stay on one
-    worker, so its module fixtures are built once; every test marked ``uses_ray`` (it starts a Ray instance or
-    a benchmark that does) shares one group, so no two Ray instances start at once (their default ports collide)."""
-    for item in items:
-        group = "ray" if item.get_closest_marker("uses_ray") else item.path.relative_to(_TESTS).as_posix()
-        item.add_marker(pytest.mark.xdist_group(group))
+def _files_that_start_ray() -> set[str]:
+    """Test files (paths as in node ids, ``tests/...``) that declare ``pytestmark = pytest.mark.uses_ray``."""
+    return {f"tests/{p.relative_to(_TESTS).as_posix()}" for p in _TESTS.rglob("test_*.py")
+            if "pytestmark = pytest.mark.uses_ray" in p.read_text(encoding="utf-8")}
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """``make test`` runs the suite on pytest-xdist workers: each test file is one unit of work (its module
+    fixtures are built once, on one worker), and every file marked ``uses_ray`` (it starts a Ray instance, or a
+    benchmark that does) is in one shared unit, so that no two Ray instances start at once (with a local instance
+    starting beside it, the two-node loopback cluster's worker node failed to join its head within 60 s)."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    ray_files = _files_that_start_ray()
+
+    class FileOrRayScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return "uses_ray" if path in ray_files else path
+
+    return FileOrRayScheduling(config, log)
 
 
 @pytest.fixture(scope="session", autouse=True)

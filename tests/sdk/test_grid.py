@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from pathlib import Path
@@ -122,7 +124,7 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def loopback_cluster(tmp_path_factory):
+def loopback_cluster():
     """A Ray head and a worker node on 127.0.0.1, one CPU each; the worker has the resource ``second_node``.
 
     ``ray start --block`` keeps each node's processes under one process group that is ended by its id
@@ -130,7 +132,15 @@ def loopback_cluster(tmp_path_factory):
     """
     ray_cli = str(Path(sys.executable).with_name("ray"))
     port = _free_port()
-    tmp = tmp_path_factory.mktemp("ray")
+    # a short folder: Ray's socket paths (TEMP/session_DATE_PID/sockets/plasma_store.N) must fit AF_UNIX's 107
+    # bytes, which pytest's own temp folders (.../pytest-N/popen-gw0/ray0 under xdist) overrun
+    tmp = Path(tempfile.mkdtemp(prefix="clray-", dir="/tmp"))
+    logs = {name: open(tmp / f"{name}.log", "w") for name in ("head", "worker")}  # closed at the end
+
+    def log_tail(name: str) -> str:
+        logs[name].flush()
+        return (tmp / f"{name}.log").read_text(errors="replace")[-1500:]
+
     # Ray 2.60's default token authentication refused the driver's connection to a `ray start` head here
     # ("Missing authorization header"): off for this loopback cluster of the test's own processes
     auth = os.environ.get("RAY_AUTH_MODE")
@@ -153,12 +163,12 @@ def loopback_cluster(tmp_path_factory):
                 time.sleep(0.2)
         nodes.append(subprocess.Popen([ray_cli, "start", f"--address={address}", "--node-ip-address=127.0.0.1",
                                        '--resources={"second_node": 1}', *common],
-                                      start_new_session=True, env=env, stdout=subprocess.DEVNULL,
-                                      stderr=subprocess.DEVNULL))
+                                      start_new_session=True, env=env, stdout=logs["worker"],
+                                      stderr=subprocess.STDOUT))
         ray.init(address=address, include_dashboard=False, log_to_driver=False)
         while sum(1 for n in ray.nodes() if n["Alive"]) < 2:
             if time.monotonic() > deadline:
-                pytest.fail("the Ray worker node did not join the head")
+                pytest.fail(f"the Ray worker node did not join the head:\n{log_tail('worker')}")
             time.sleep(0.2)
         _by_value()
         yield address
@@ -178,6 +188,9 @@ def loopback_cluster(tmp_path_factory):
             except subprocess.TimeoutExpired:
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
+        for f in logs.values():
+            f.close()
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def test_a_grid_on_a_two_node_loopback_cluster_places_cells_on_both_nodes(loopback_cluster, tmp_path):
