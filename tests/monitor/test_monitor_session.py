@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from closedloop.export import export_bundle
+from closedloop.firmware_bridge import PlantMeasurement
 from closedloop.runtime import (
     RecordingReader,
     RecordType,
@@ -126,9 +127,11 @@ def test_the_page_shows_the_prompt_the_device_reports(typing_bundle, page):
     assert s.inputs_used > 0
 
 
-def test_a_silent_plant_shows_safe_and_the_watchdog_then_recovers(plant_bundle, page, screenshot_dir):
+def test_a_silent_plant_shows_safe_and_the_watchdog_then_recovers(plant_bundle, page, screenshot_dir, tmp_path,
+                                                                   watchdog_rule):
+    rec = tmp_path / "silent.clrec"
     bg = Background(plant_bundle, device="sim://plant?model=msd&rate=200&seed=5&silence_at=2.5&silence_s=2.5",
-                    duration_s=7.0, watchdog_s=0.15, monitor="127.0.0.1:0")
+                    duration_s=7.0, watchdog_s=0.15, monitor="127.0.0.1:0", record=str(rec))
     page.goto(bg.session.monitor_url)
     page.wait_for_function("() => monitorState.step > 100", timeout=30_000)
     page.wait_for_function("() => document.getElementById('state').textContent === 'SAFE'", timeout=15_000)
@@ -139,7 +142,10 @@ def test_a_silent_plant_shows_safe_and_the_watchdog_then_recovers(plant_bundle, 
     assert "input_resumed" in _page_state(page)["events"]
     bg.session.stop()
     s = bg.join()
-    assert s.watchdog_trips == 1
+    # the silence tripped it; a loaded machine that starves the emulator may trip it once more, each trip after a
+    # real silence of at least watchdog_s (the recording's own times)
+    assert s.watchdog_trips >= 1
+    watchdog_rule(rec, 0.15, PlantMeasurement, s.watchdog_trips)
 
 
 def test_a_reconnect_shows(plant_bundle, page):

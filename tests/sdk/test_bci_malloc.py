@@ -11,6 +11,7 @@ import pytest
 _FAULTS = """
 import resource
 import torch
+torch.set_num_threads(1)  # as the benchmark's training workers run (one thread, one malloc arena)
 from closedloop.sdk.bci.malloc import retain_freed_memory
 took = retain_freed_memory()
 x = torch.ones(16, 1100, 192)  # the size of one augmented stage-1 batch
@@ -46,5 +47,6 @@ def test_retained_memory_is_reused_without_page_faults():
     # again; glibc's default does that every few steps for as long as the process runs (29,572-394,720 faults
     # over these 40 steps in 6 fresh processes here). Retained, the heap grows while the temporaries' layout
     # settles (up to the 14th step in 21 fresh processes here; a CI run that counted from the 4th step saw 4
-    # blocks) and every later step reuses it.
-    assert faults < 6_600, faults
+    # blocks; a loaded CI run on two test workers saw 2 blocks after the 30th) and every later step reuses it.
+    # Below 4 blocks is less than half the fewest faults seen without retention.
+    assert faults < 4 * 3_300, faults
