@@ -19,8 +19,8 @@ def _files_that_start_ray() -> set[str]:
 def pytest_xdist_make_scheduler(config, log):
     """``make test`` runs the suite on pytest-xdist workers: each test file is one unit of work (its module
     fixtures are built once, on one worker), and every file marked ``uses_ray`` (it starts a Ray instance, or a
-    benchmark that does) is in one shared unit, so that no two Ray instances start at once (with a local instance
-    starting beside it, the two-node loopback cluster's worker node failed to join its head within 60 s)."""
+    benchmark that does) is in one shared unit, so that no two Ray instances run at once: a local instance sizes
+    itself to every CPU of the machine, and the grid tests time and place cells on the CPUs they declared."""
     from xdist.scheduler import LoadScopeScheduling
 
     ray_files = _files_that_start_ray()
