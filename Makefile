@@ -11,7 +11,8 @@ TORCH_SPEC  ?= torch==2.13.0
 CONSTRAINTS ?= constraints.txt
 # pytest-xdist workers for make test: 2 where the machine has 2 cores or more (the suite waits on sessions,
 # browsers and subprocesses much of the time), else 0 (one process). TEST_WORKERS=0 runs it in one process.
-# tests/conftest.py decides what runs where: a test file per unit, the files that start Ray in one unit.
+# tests/conftest.py decides what runs where: a test file per unit, the files that start Ray in one unit; the
+# files marked timing run afterwards in one process of their own.
 TEST_WORKERS ?= $(shell [ "$$(nproc 2>/dev/null || echo 1)" -ge 2 ] && echo 2 || echo 0)
 PY          := $(VENV)/bin/python
 STAMP       := $(VENV)/.installed
@@ -35,7 +36,14 @@ test: $(STAMP)
 	@tools/ensure_chromium.sh
 	@# the Numba plan runner once, before the tests (a fresh checkout compiles it: about a minute on 2 cores)
 	$(PY) -m closedloop.sdk.package.warm
-	$(PY) -m pytest -q -n $(TEST_WORKERS)
+ifeq ($(TEST_WORKERS),0)
+	$(PY) -m pytest -q
+else
+	@# the files marked timing assert wall-clock bounds: they run in one process, alone, after the rest
+	@$(PY) -m pytest -q -n $(TEST_WORKERS) -m "not timing"; parallel=$$?; \
+	echo "$(PY) -m pytest -q -m timing"; $(PY) -m pytest -q -m timing; alone=$$?; \
+	exit $$(( parallel != 0 ? parallel : alone ))
+endif
 
 bench: $(STAMP)
 	$(PY) bench/bench_spine.py

@@ -17,6 +17,8 @@ from closedloop.firmware_bridge.transports.lsl import (
     LslStreamNotFoundError,
 )
 
+pytestmark = pytest.mark.timing  # wall-clock bounds: make test runs this file alone, after the parallel part
+
 try:
     import pylsl
 except (ImportError, RuntimeError) as exc:  # RuntimeError: pylsl without a loadable liblsl

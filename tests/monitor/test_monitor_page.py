@@ -18,6 +18,8 @@ pytest.importorskip("aiohttp", reason="the monitor needs the [monitor] extra (ai
 
 from closedloop.runtime.monitor import MonitorProcess, parse_address  # noqa: E402
 
+pytestmark = pytest.mark.timing  # wall-clock bounds: make test runs this file alone, after the parallel part
+
 
 class FakeSession:
     """Writes step records and status events at 50 Hz like a decoder session; ``safe`` makes it go silent."""

@@ -22,6 +22,8 @@ from closedloop.runtime import (
 from closedloop.runtime.recording_view import view_recording
 from closedloop.sdk.models import MLPPolicy
 
+pytestmark = pytest.mark.timing  # wall-clock bounds: make test runs this file alone, after the parallel part
+
 pytest.importorskip("aiohttp", reason="the monitor needs the [monitor] extra (aiohttp)")
 C = 12
 

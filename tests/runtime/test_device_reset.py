@@ -34,6 +34,8 @@ from closedloop.runtime import (
 )
 from closedloop.sdk.models import GRUDecoder
 
+pytestmark = pytest.mark.timing  # wall-clock bounds: make test runs this file alone, after the parallel part
+
 RATE_HZ = 100.0
 
 

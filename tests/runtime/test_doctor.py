@@ -11,6 +11,8 @@ import pytest
 
 from closedloop.runtime.doctor import CHECKS, FAIL, PASS, WARN, DoctorConfig, run_doctor
 
+pytestmark = pytest.mark.timing  # wall-clock bounds: make test runs this file alone, after the parallel part
+
 EXPECTED = {"cpu_governor", "isolated_cpus", "preempt_rt", "sched_fifo", "mlockall", "timer_slack", "swap",
             "serial_ports", "usb_latency_timer", "onnxruntime", "tensorrt", "numba_cache", "c_scanner",
             "loop_jitter"}

@@ -11,6 +11,8 @@ import pytest
 
 from closedloop.runtime import LoopConfig, OverrunPolicy, RealTimeLoop
 
+pytestmark = pytest.mark.timing  # wall-clock bounds: make test runs this file alone, after the parallel part
+
 
 def test_runs_at_rate_without_drift():
     rate, duration = 200.0, 0.5

@@ -16,7 +16,9 @@ except (ImportError, RuntimeError) as exc:
     pytest.skip(f"pylsl with liblsl is needed for --lsl-out ({exc}); pip install 'closedloop[lsl]'",
                 allow_module_level=True)
 
-from closedloop.runtime.observe.lsl_out import LslOutlets, clock_offset_s
+from closedloop.runtime.observe.lsl_out import LslOutlets, clock_offset_s  # noqa: E402
+
+pytestmark = pytest.mark.timing  # wall-clock bounds: make test runs this file alone, after the parallel part
 
 
 def _inlet(name: str):

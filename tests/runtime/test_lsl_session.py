@@ -14,6 +14,8 @@ from closedloop.firmware_bridge import FrameParser, NeuralFrame
 from closedloop.firmware_bridge.transports.lsl import STATUS_LSL_CLOCK, STATUS_LSL_STREAM_LOST
 from closedloop.runtime import RecordingReader, RecordType, SessionConfig, replay_recording, run_session
 
+pytestmark = pytest.mark.timing  # wall-clock bounds: make test runs this file alone, after the parallel part
+
 try:
     import pylsl
 except (ImportError, RuntimeError) as exc:

@@ -38,6 +38,8 @@ from closedloop.runtime import (
 )
 from closedloop.sdk.models import GRUDecoder, MLPPolicy
 
+pytestmark = pytest.mark.timing  # wall-clock bounds: make test runs this file alone, after the parallel part
+
 BACKENDS = ("numba", "onnxruntime")
 RATE_HZ = 100.0
 SAFE = 0.5

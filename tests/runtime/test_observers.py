@@ -11,6 +11,8 @@ import pytest
 
 from closedloop.runtime.observe import FLAG_ACTED, FLAG_SAFE, ObserverHub, SessionObserver, StepRing
 
+pytestmark = pytest.mark.timing  # wall-clock bounds: make test runs this file alone, after the parallel part
+
 
 @pytest.fixture
 def ring():
@@ -242,12 +244,12 @@ def test_a_slow_observer_loses_records_and_never_delays_the_writer_or_a_fast_one
     hub = ObserverHub(ring, [fast, slow], interval_s=0.005)
     hub.start({"family": "test"})
     t0 = time.perf_counter()
-    worst = 0.0
     n = 10000
+    took = np.empty(n)
     for k in range(n):
         t = time.perf_counter()
         _write(ring, k)
-        worst = max(worst, time.perf_counter() - t)
+        took[k] = time.perf_counter() - t
         if k % 20 == 0:
             time.sleep(0.002)  # a 10 kHz-ish producer with pauses, as a loop would be
     ring.event({"event": "watchdog", "step": n - 1})
@@ -261,8 +263,11 @@ def test_a_slow_observer_loses_records_and_never_delays_the_writer_or_a_fast_one
     assert slow.steps == sorted(set(slow.steps))
     assert report["_Collect"]["error"] is None
     assert [e["event"] for e in fast.events] == ["watchdog"]
-    # The writer never waited for the slow observer (its 0.5 s sleeps): a record costs microseconds.
-    assert worst < 0.05, f"a record took {worst * 1e3:.1f} ms to write"
+    # The writer never waited for the slow observer: a record costs microseconds, and no write took anywhere near
+    # the slow observer's 0.5 s sleeps (the bound leaves room for a loaded machine's preemption: 55 ms was seen
+    # with another test process beside this one on 2 cores)
+    assert np.median(took) < 1e-3, f"a record's median write took {np.median(took) * 1e3:.2f} ms"
+    assert took.max() < 0.25, f"a record took {took.max() * 1e3:.1f} ms to write"
     assert elapsed < 15.0
 
 

@@ -14,7 +14,8 @@ import pytest
 from closedloop.runtime import RecordingReader, RecordType, SessionConfig, run_session
 from closedloop.runtime.realtime import RealtimeConfig, RealtimeError, apply_realtime, realtime
 
-pytestmark = pytest.mark.skipif(not hasattr(os, "sched_setscheduler"), reason="SCHED_FIFO needs Linux")
+pytestmark = [pytest.mark.skipif(not hasattr(os, "sched_setscheduler"), reason="SCHED_FIFO needs Linux"),
+              pytest.mark.timing]  # wall-clock bounds: make test runs this file alone, after the parallel part
 IS_ROOT = hasattr(os, "geteuid") and os.geteuid() == 0
 
 

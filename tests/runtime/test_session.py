@@ -42,6 +42,8 @@ from closedloop.runtime import (
 )
 from closedloop.sdk.models import GRUDecoder, MLPPolicy
 
+pytestmark = pytest.mark.timing  # wall-clock bounds: make test runs this file alone, after the parallel part
+
 ROOT = Path(__file__).resolve().parents[2]
 
 

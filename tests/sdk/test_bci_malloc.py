@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.timing  # wall-clock bounds: make test runs this file alone, after the parallel part
+
 _FAULTS = """
 import resource
 import torch

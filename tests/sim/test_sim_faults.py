@@ -20,6 +20,8 @@ from closedloop.firmware_bridge import (
 from closedloop.sim import StatusCode
 from closedloop.sim.faults import corrupt_one_bit
 
+pytestmark = pytest.mark.timing  # wall-clock bounds: make test runs this file alone, after the parallel part
+
 FAST = "sim://headstage?channels=4&rate=200&seed=1"
 
 
