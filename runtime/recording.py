@@ -43,6 +43,7 @@ import numpy as np
 MAGIC = b"CLREC\x00" + struct.pack("<H", 1)
 _HEAD = struct.Struct("<IIBQ")  # length, crc, type, host_ns
 _CRC_HEAD = struct.Struct("<IBQ")
+_VALUES_HEAD = {0: struct.Struct("<II"), 1: struct.Struct("<III")}  # step, input seq (and a MORE_OUTPUT's index)
 MAX_RECORD = 16 << 20
 
 
@@ -122,7 +123,7 @@ class RecordingWriter:
     def _append_values(self, rtype: int, step: int, input_seq: int, values: np.ndarray, host_ns: int | None,
                        more: tuple[int, ...] = ()) -> None:
         """u32 step, u32 input sequence number (and ``more`` u32s), then the values as float32."""
-        head = struct.pack(f"<{2 + len(more)}I", step & 0xFFFFFFFF, input_seq & 0xFFFFFFFF, *more)
+        head = _VALUES_HEAD[len(more)].pack(step & 0xFFFFFFFF, input_seq & 0xFFFFFFFF, *more)
         self.append(rtype, head + values.astype(np.float32, copy=False).tobytes(), host_ns)
 
     def flush(self) -> None:
