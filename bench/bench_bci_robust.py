@@ -659,11 +659,10 @@ def main(argv: list[str] | None = None) -> int:
                  for c in designs for seed in a.seeds for b in budgets for m in methods]
         print(f"{len(cells)} pieces ({len(designs)} cells x {len(a.seeds)} seeds x {len(budgets)} budgets x "
               f"{len(methods)} methods) -> {cells_path}", flush=True)
-        # one piece at a time here: in this process (its training progress on this terminal, no Ray instance to
-        # start or to lose); more, or a cluster: Ray
-        backend = "inprocess" if a.workers == 1 and a.address is None else "auto"
+        # --workers 1 without --address: in this process (run_grid's rule; its training progress on this
+        # terminal, no Ray instance to start or to lose); more, or a cluster: Ray
         records = run_grid(run_cell, cells, results=cells_path, address=a.address, workers=a.workers,
-                           desc="bci_robust", backend=backend)
+                           desc="bci_robust")
         failed = [r for r in records if r["status"] != "ok"]
         for r in failed:
             print(f"cell {r['key']} failed: {r['error'].splitlines()[0]}", file=sys.stderr)

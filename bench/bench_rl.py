@@ -137,8 +137,6 @@ def run_cells(cells: list[dict], path: Path, address: str | None = None, workers
     if not todo:
         return []
     path.parent.mkdir(parents=True, exist_ok=True)
-    if backend == "auto" and workers == 1 and address is None:  # one at a time: this process, no Ray instance
-        backend = "inprocess"
     records = run_grid(_grid_cell, [Cell(c, c["seed"], name=cell_id(c)) for c in todo], results=path,
                        address=address, workers=workers, backend=backend, desc="bench_rl")
     for r in records:

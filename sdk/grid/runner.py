@@ -114,8 +114,8 @@ def _error_text(exc: BaseException) -> str:
 class GridRunner:
     """Tasks submitted one by one and collected as they finish, on Ray or in this process.
 
-    ``backend``: ``"auto"`` (Ray if it is installed, else in-process), ``"ray"`` or
-    ``"inprocess"``. ``address`` joins a running Ray cluster (``ray start --head``); without
+    ``backend``: ``"auto"`` (in-process for one worker and no address; otherwise Ray if it is
+    installed, else in-process), ``"ray"`` or ``"inprocess"``. ``address`` joins a running Ray cluster (``ray start --head``); without
     it a local Ray instance with ``workers`` CPUs (default: all of them) is started and shut
     down at :meth:`close`. ``retries``: how many times a task whose worker died is run again.
     Use it as a context manager.
@@ -144,7 +144,10 @@ class GridRunner:
         if self.retries < 0:
             raise ValueError(f"retries={self.retries}: expected 0 or more")
         if self.backend == "auto":
-            self.backend = "ray" if ray_available() else "inprocess"
+            # one worker here runs in this process: a one-CPU Ray instance would add its start-up and hide the
+            # cell's output and errors in worker logs, and buy nothing
+            local_one = self.workers == 1 and not self.address
+            self.backend = "ray" if ray_available() and not local_one else "inprocess"
         if self.backend == "inprocess" and self.address:
             raise ValueError(f"address {self.address!r} needs Ray, which is not installed: "
                              "pip install 'closedloop[scale]'")

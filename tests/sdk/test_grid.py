@@ -105,6 +105,14 @@ def test_resume_after_the_driver_is_killed_skips_the_finished_cells(tmp_path):
     assert set(map(int, again)) == set(range(12)) - {r["config"]["x"] for k, r in recs.items() if k in done_before}
 
 
+def test_one_local_worker_runs_in_this_process_and_starts_no_ray(tmp_path):
+    # auto with one worker and no address: no one-CPU Ray instance to start; the cells run here, in order
+    recs = run_grid(square, grid([0], x=[1, 2]), results=tmp_path / "r.jsonl", workers=1, progress=False)
+    assert [(r["node"], r["pid"], r["result"]["y"]) for r in recs] == [("local", os.getpid(), 1), ("local", os.getpid(), 4)]
+    if "ray" in sys.modules:
+        assert not sys.modules["ray"].is_initialized()
+
+
 ray = pytest.importorskip("ray", reason="the Ray tests need the [scale] extra (pip install 'closedloop[scale]')")
 
 
