@@ -142,9 +142,10 @@ class Window:
     """A window over a stream of frames: the input holds the last ``length`` frames.
 
     ``time_major``: the input is ``(batch, length, features)``; ``channel_major``:
-    ``(batch, features, length)`` (what Conv1d takes). The runtime keeps the frames in a
-    preallocated ring buffer and runs the model once every ``hop`` frames, after the
-    first ``length`` frames have arrived.
+    ``(batch, features, length)`` (what Conv1d takes). The features may span several axes
+    (``(batch, 1, channels, length)``, what an EEGNet-style Conv2d takes): a frame is all of
+    them, in C order. The runtime keeps the frames in a preallocated ring buffer and runs the
+    model once every ``hop`` frames, after the first ``length`` frames have arrived.
     """
 
     length: int
@@ -161,10 +162,10 @@ class Window:
             out.append(f"{where}: window layout {self.layout!r} is not one of {list(WINDOW_LAYOUTS)}")
         return out
 
-    @property
-    def time_axis(self) -> int:
-        """The window's axis in the input's shape (batch first)."""
-        return 1 if self.layout == "time_major" else 2
+    def time_axis(self, rank: int) -> int:
+        """The window's axis in an input of ``rank`` axes (batch first): the one after the batch for
+        ``time_major``, the last for ``channel_major``."""
+        return 1 if self.layout == "time_major" else rank - 1
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Window:
@@ -229,7 +230,7 @@ class TensorSpec:
         """The shape of one frame a device streams into this input (batch and window axes removed)."""
         dims = [d for d in self.shape[1:]]
         if self.window is not None:
-            del dims[self.window.time_axis - 1]
+            del dims[self.window.time_axis(len(self.shape)) - 1]
         return tuple(int(d) for d in dims)
 
     def concrete_shape(self, batch: int = 1) -> tuple[int, ...]:
@@ -352,17 +353,24 @@ class GraphSpec:
             if found:
                 out += found
                 continue
-            if len(t.shape) != 3:
-                out.append(f"{what} has shape {t.shape}; a windowed input is (batch, length, features) "
-                           "(time_major) or (batch, features, length) (channel_major)")
-            elif t.shape[t.window.time_axis] != t.window.length:
+            rank = len(t.shape)
+            if rank < 3:
+                out.append(f"{what} has shape {t.shape}; a windowed input is (batch, length, features...) "
+                           "(time_major) or (batch, features..., length) (channel_major)")
+                continue
+            if any(not isinstance(d, int) for d in t.shape[1:]):
+                out.append(f"{what} has shape {t.shape}; a windowed input has its batch on axis 0 and fixed sizes "
+                           "elsewhere")
+                continue
+            axis = t.window.time_axis(rank)
+            if t.shape[axis] != t.window.length:
                 other = "channel_major" if t.window.layout == "time_major" else "time_major"
-                other_axis = 2 if t.window.time_axis == 1 else 1
+                other_axis = rank - 1 if axis == 1 else 1
                 hint = (f"; axis {other_axis} is {t.window.length}: the window is {other} (import-onnx "
                         f"--window {t.name}={t.window.length}:{t.window.hop}:{other}; export_bundle "
                         f"windows={{{t.name!r}: Window(length={t.window.length}, hop={t.window.hop}, layout={other!r})}})"
                         if t.shape[other_axis] == t.window.length else "")
-                out.append(f"{what} has shape {t.shape}: axis {t.window.time_axis} is {t.shape[t.window.time_axis]}, "
+                out.append(f"{what} has shape {t.shape}: axis {axis} is {t.shape[axis]}, "
                            f"its window ({t.window.layout}) is {t.window.length} frames{hint}")
         return out
 

@@ -25,26 +25,29 @@ import numpy as np
 class FrameWindow:
     """The last ``length`` frames of a stream, written into ``target`` every ``hop`` frames.
 
-    ``target`` is the model's input buffer, ``(1, length, features)`` for ``time_major`` or
-    ``(1, features, length)`` for ``channel_major``; a frame is ``features`` values (any
-    shape with that many elements).
+    ``target`` is the model's input buffer (C-contiguous), ``(1, length, features...)`` for
+    ``time_major`` or ``(1, features..., length)`` for ``channel_major``; the features may span
+    several axes (``(1, 1, channels, length)``) and a frame is ``features`` values, their product
+    (any shape with that many elements).
     """
 
     def __init__(self, target: np.ndarray, length: int, hop: int = 1, layout: str = "time_major"):
         if layout not in ("time_major", "channel_major"):
             raise ValueError(f"window layout {layout!r} is not 'time_major' or 'channel_major'")
-        if target.ndim != 3 or target.shape[0] != 1:
-            raise ValueError(f"a window's input buffer is (1, length, features) or (1, features, length), "
-                             f"got shape {target.shape}")
-        time_axis = 1 if layout == "time_major" else 2
+        if target.ndim < 3 or target.shape[0] != 1 or not target.flags.c_contiguous:
+            raise ValueError(f"a window's input buffer is a C-contiguous (1, length, features...) or "
+                             f"(1, features..., length), got shape {target.shape}")
+        time_axis = 1 if layout == "time_major" else target.ndim - 1
         if target.shape[time_axis] != length:
             raise ValueError(f"the input has {target.shape[time_axis]} frames on its {layout} time axis, "
                              f"the window {length}")
         self.length, self.hop, self.layout = int(length), int(hop), layout
-        self.features = int(target.shape[3 - time_axis])
+        self.features = int(target[0].size // self.length)
         self._ring = np.zeros((2 * self.length, self.features), dtype=target.dtype)
-        # destination: (length, features) either way; channel-major writes through a transposed view
-        self._dest = target[0] if layout == "time_major" else target[0].T
+        # destination: a (length, features) view either way (the feature axes flattened in C order, which
+        # reshaping a contiguous buffer does without a copy); channel-major writes through its transpose
+        self._dest = (target[0].reshape(self.length, self.features) if layout == "time_major"
+                      else target[0].reshape(self.features, self.length).T)
         self._windows = [self._ring[p : p + self.length] for p in range(self.length)]
         self._rows = [(self._ring[p], self._ring[p + self.length]) for p in range(self.length)]
         self.reset()

@@ -96,6 +96,64 @@ def test_streaming_frames_equals_the_model_on_each_window_offline(request, fixtu
         np.testing.assert_array_equal(y, offline.step(x))
 
 
+class EEGNetStyle(nn.Module):
+    """(batch, 1, channels, time) -> (batch, 3), the layout of EEGNet-style decoders: a temporal Conv2d, a depthwise
+    spatial Conv2d over all channels, BatchNorm, ELU, average pooling over time, a linear read-out."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Conv2d(1, 4, (1, 5), padding=(0, 2), bias=False), nn.BatchNorm2d(4),
+                                 nn.Conv2d(4, 8, (CHANNELS, 1), groups=4, bias=False), nn.BatchNorm2d(8), nn.ELU(),
+                                 nn.AvgPool2d((1, 4)))
+        self.head = nn.Linear(8 * (LENGTH // 4), 3)
+
+    def forward(self, x):
+        return self.head(self.net(x).flatten(1))
+
+
+@pytest.fixture(scope="module")
+def conv2d_bundle(tmp_path_factory):
+    torch.manual_seed(2)
+    module = EEGNetStyle()
+    with torch.no_grad():  # BatchNorm statistics away from the identity, so a wrong frame order shows
+        for bn in (module.net[1], module.net[3]):
+            bn.running_mean.uniform_(-0.5, 0.5)
+            bn.running_var.uniform_(0.5, 2.0)
+    module.eval()
+    path = export_bundle(module, tmp_path_factory.mktemp("w") / "eegnet", kind="feedforward",
+                         example_input=torch.zeros(1, 1, CHANNELS, LENGTH), rate_hz=50.0, variants=(), tensorrt=False,
+                         windows={"x": {"length": LENGTH, "hop": 2, "layout": "channel_major"}}, report=lambda s: None)
+    return module, path
+
+
+@pytest.mark.parametrize("backend", ["onnxruntime", "numba"])
+def test_a_window_over_several_feature_axes_streams_like_torch(conv2d_bundle, backend):
+    # (batch, 1, channels, length): each frame is one value per channel; the window fills the last axis
+    module, bundle = conv2d_bundle
+    spec = load_bundle(bundle).graph().inputs[0]
+    assert spec.frame_shape == (1, CHANNELS)
+    frames = np.random.default_rng(3).normal(size=(40, CHANNELS)).astype(np.float32)
+    streamed = Model(bundle, backend=backend)
+    outputs = [(i, y.copy()) for i, f in enumerate(frames) if (y := streamed.feed(f)) is not None]
+    assert [i for i, _ in outputs] == list(range(LENGTH - 1, len(frames), 2))
+    for i, y in outputs:
+        window = torch.from_numpy(frames[i - LENGTH + 1 : i + 1].T.copy()).view(1, 1, CHANNELS, LENGTH)
+        with torch.no_grad():
+            ref = module(window).numpy()
+        np.testing.assert_allclose(y, ref, rtol=1e-3, atol=1e-4)  # the export's own parity tolerance
+
+
+def test_a_window_needs_fixed_feature_axes_and_three_or_more_axes(tmp_path, cnn_bundle):
+    import shutil
+
+    copy = shutil.copytree(cnn_bundle, tmp_path / "b")
+    manifest = json.loads((copy / MANIFEST_NAME).read_text())
+    manifest["graphs"]["main"]["inputs"][0]["shape"] = ["batch", "channels", LENGTH]
+    (copy / MANIFEST_NAME).write_text(json.dumps(seal_manifest(manifest)))
+    with pytest.raises(BundleError, match="batch on axis 0 and fixed sizes elsewhere"):
+        load_bundle(copy)
+
+
 def test_reset_empties_the_window(cnn_bundle):
     m = Model(cnn_bundle, backend="onnxruntime")
     frame = np.ones(CHANNELS, dtype=np.float32)
