@@ -5,7 +5,8 @@ adding one is a function here or in a family's module, never an if/elif chain.
 
 Exit codes (docs/cli.md): 0 a clean end; 1 a check that failed or a session stopped by a
 safety rule (overrun policy stop, the device changed, the watchdog limit, unrepairable
-weights); 2 usage or bad input; 130 Ctrl-C; 141 a closed output pipe (``| head``).
+weights); 2 usage or bad input; 130 Ctrl-C; 141 a closed output pipe (``| head``); SIGTERM outside a
+session's loop: everything closed, then the process ends by SIGTERM (143).
 With ``--json`` a command prints only JSON on stdout; everything else goes to stderr.
 """
 
@@ -831,6 +832,32 @@ _family_commands("closedloop.sdk.grid.validate", (("validate", "run a batch of s
 
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED, EXIT_BROKEN_PIPE = 0, 1, 2, 130, 141
+EXIT_TERMINATED = 128 + 15  # SIGTERM outside a session's loop (the console script then dies by the signal itself)
+
+
+class Terminated(SystemExit):
+    """SIGTERM (``kill PID``, ``systemctl stop``) while a command is not in a session's loop (which takes it as a
+    clean stop of its own): it unwinds like Ctrl-C, so every ``finally`` runs (the monitor's server, an emulator,
+    the device and a recording are closed, a half-written bundle is removed). A ``SystemExit`` so that asyncio and
+    the grid runner pass it on rather than log it."""
+
+    def __init__(self) -> None:
+        super().__init__(EXIT_TERMINATED)
+
+
+def _unwind_on_sigterm() -> Callable[[], None]:
+    """Make SIGTERM raise :class:`Terminated` in the main thread until the returned function restores the handler."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+
+    def handler(signum: int, frame: object) -> None:  # noqa: ARG001
+        raise Terminated
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    return lambda: signal.signal(signal.SIGTERM, previous)
 EXIT_INTERNAL = 70  # a bug in closedloop (sysexits' EX_SOFTWARE): not a failed check, not bad input
 
 
@@ -847,7 +874,7 @@ def _build() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser
     parser = argparse.ArgumentParser(prog="closedloop", description="closed-loop deployment of neural models",
                                      epilog="exit codes: 0 clean end; 1 a failed check or a session stopped by a "
                                             "safety rule; 2 usage or bad input; 70 an internal error (a bug); 130 Ctrl-C; "
-                                            "141 closed pipe")
+                                            "141 closed pipe; 143 SIGTERM outside a session's loop")
     parser.add_argument("--version", action="version", version=f"closedloop {_version()}")
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more log messages on stderr (-vv: debug)")
     parser.add_argument("-q", "--quiet", dest="global_quiet", action="store_true",
@@ -898,11 +925,15 @@ def main(argv: list[str] | None = None) -> int:
     _configure_logging(args.verbose, args.global_quiet)
     if args.global_quiet and hasattr(args, "quiet"):
         args.quiet = True
+    restore = _unwind_on_sigterm()
     try:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:
         print(f"closedloop {args.command}: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except Terminated:
+        print(f"closedloop {args.command}: terminated (SIGTERM)", file=sys.stderr)
+        return EXIT_TERMINATED
     except BrokenPipeError:
         return _quiet_broken_pipe()
     except ImportError as exc:  # a command that needs a training dependency, on a torch-free install
@@ -920,6 +951,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"closedloop {args.command}: internal error: {type(exc).__name__}: {exc}. This is a bug in closedloop, "
               "not in your input: please report it with the traceback above", file=sys.stderr)
         return EXIT_INTERNAL
+    finally:
+        restore()
 
 
 def console_main() -> int:
@@ -929,6 +962,14 @@ def console_main() -> int:
         sys.stdout.flush()
     except BrokenPipeError:
         code = _quiet_broken_pipe()
+    if code == EXIT_TERMINATED:  # everything closed: now end by SIGTERM itself, as a supervisor expects of it
+        import os
+        import signal
+
+        sys.stdout.flush()
+        sys.stderr.flush()
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
     return code
 
 

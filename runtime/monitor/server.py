@@ -128,8 +128,11 @@ class _Client:
 class MonitorApp:
     """The aiohttp application over one ring (also used in-process by the tests of the page)."""
 
-    def __init__(self, ring: StepRing, info: dict[str, Any], token: str | None, push_hz: float = 15.0):
+    def __init__(self, ring: StepRing, info: dict[str, Any], token: str | None, push_hz: float = 15.0,
+                 parent_pid: int | None = None):
         self.ring = ring
+        #: the session's process: when it is gone (killed before it could write session_end), the session has ended
+        self.parent_pid = parent_pid
         self.info = info
         self.token = token
         self.push_s = 1.0 / push_hz
@@ -245,6 +248,10 @@ class MonitorApp:
                     del self.events[:1000]
                 self._offer_all(json.dumps({"type": "event", **ev}, default=str))
             cursor = self._push_steps(cursor)
+            if end is None and self.parent_pid is not None and os.getppid() != self.parent_pid:
+                # the session's process died without a word (SIGKILL, a crash): nothing more will come, and a
+                # server left running would hold its port and the ring's memory for good
+                end = {"event": "session_end", "step": -1, "reason": "the session's process is gone"}
             if end is not None:
                 self.events.append(end)
                 self._offer_all(json.dumps({"type": "event", **end}, default=str))
@@ -278,11 +285,12 @@ def _asset(name: str) -> str:
 
 
 def serve(ring_name: str, host: str, port: int, token: str | None, info: dict[str, Any], ready: Any,
-          avoid_cpu: int | None = None) -> None:
-    """Serve until terminated; report ``("ok", bound_port)`` or ``("error", message)`` through ``ready(...)``.
+          avoid_cpu: int | None = None, parent_pid: int | None = None) -> None:
+    """Serve until the session ends; report ``("ok", bound_port)`` or ``("error", message)`` through ``ready(...)``.
 
     ``avoid_cpu``: the CPU a real-time loop is pinned to; this process leaves it to the loop (when another
-    CPU is allowed)."""
+    CPU is allowed). ``parent_pid``: the session's process; the server ends when it is no longer this one's
+    parent (the session was killed before it could say it ended)."""
     try:
         from aiohttp import web
     except ImportError:
@@ -297,7 +305,7 @@ def serve(ring_name: str, host: str, port: int, token: str | None, info: dict[st
         if others:  # a pinned loop's cache and core stay its own
             os.sched_setaffinity(0, others)
     ring = StepRing.attach(ring_name)
-    app = MonitorApp(ring, info, token)
+    app = MonitorApp(ring, info, token, parent_pid=parent_pid)
 
     async def main() -> None:
         runner = web.AppRunner(app.make_app(), access_log=None)
@@ -335,7 +343,8 @@ def main() -> None:
         sys.stdout.write(json.dumps(list(msg)) + "\n")
         sys.stdout.flush()
 
-    serve(ring_name, host, port, request.get("token"), request["info"], ready, request.get("avoid_cpu"))
+    serve(ring_name, host, port, request.get("token"), request["info"], ready, request.get("avoid_cpu"),
+          request.get("parent"))
 
 
 class MonitorProcess:
@@ -352,7 +361,8 @@ class MonitorProcess:
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
         )
         assert self._proc.stdin is not None and self._proc.stdout is not None
-        self._proc.stdin.write(json.dumps({"token": token, "info": info, "avoid_cpu": avoid_cpu}, default=str) + "\n")
+        self._proc.stdin.write(json.dumps({"token": token, "info": info, "avoid_cpu": avoid_cpu, "parent": os.getpid()},
+                                          default=str) + "\n")
         self._proc.stdin.close()
         ready, _, _ = select.select([self._proc.stdout], [], [], start_timeout_s)
         line = self._proc.stdout.readline() if ready else ""

@@ -95,3 +95,60 @@ def test_a_closed_pipe_is_quiet(mlp_bundle):
     err = p.stderr.read()
     assert p.wait(timeout=120) == 141, err
     assert "Traceback" not in err and "BrokenPipe" not in err and "Exception ignored" not in err, err
+
+
+def _silent_device():
+    """A TCP device that accepts the connection and never says HELLO: the session stays in its handshake."""
+    import socket
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(1)
+    return server, f"socket://127.0.0.1:{server.getsockname()[1]}"
+
+
+def _start_run_in_handshake(bundle, device: str) -> tuple[subprocess.Popen, int]:
+    """``closedloop run --monitor 0`` against ``device``; returns the process and the monitor's port once it serves."""
+    p = subprocess.Popen([*CLI, "run", str(bundle), "--backend", "onnxruntime", "--device", device, "--duration", "5",
+                          "--handshake-timeout", "60", "--monitor", "0"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    line = p.stderr.readline()  # "monitor: URL", on stderr (stdout is the summary's), before the device is opened
+    assert line.startswith("monitor: http://127.0.0.1:"), line + p.stderr.read()
+    return p, int(line.split(":")[3].split("/")[0])
+
+
+def _port_closes(port: int, within_s: float) -> bool:
+    import socket
+
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+        except OSError:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_sigterm_during_the_handshake_closes_everything_and_ends_by_the_signal(mlp_bundle):
+    """Before the loop runs (a device that never answers), SIGTERM unwinds: the monitor's server stops and frees its
+    port, a message says why, and the process then ends by SIGTERM itself, as a supervisor expects."""
+    server, device = _silent_device()
+    with server:
+        p, port = _start_run_in_handshake(mlp_bundle, device)
+        time.sleep(0.5)
+        p.send_signal(signal.SIGTERM)
+        _, err = p.communicate(timeout=60)
+    assert p.returncode == -signal.SIGTERM, err
+    assert "closedloop run: terminated (SIGTERM)" in err and "Traceback" not in err, err
+    assert _port_closes(port, within_s=1.0)  # closed by the unwinding, not left to the server's own watch
+
+
+def test_a_killed_session_leaves_no_monitor_behind(mlp_bundle):
+    """SIGKILL gives the session no chance to stop its monitor: the server sees its parent gone and exits."""
+    server, device = _silent_device()
+    with server:
+        p, port = _start_run_in_handshake(mlp_bundle, device)
+        p.kill()
+        p.communicate(timeout=60)
+        assert _port_closes(port, within_s=10.0)
