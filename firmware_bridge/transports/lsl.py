@@ -31,7 +31,7 @@ import numpy as np
 from ..errors import DeviceNotConnectedError
 from ..frame import encode_frame
 from ..messages import Hello, Message, NeuralFrame, PlantMeasurement, Severity, Status
-from ..parser import FrameParser
+from ..c_parser import make_parser
 from .base import Transport, split_device_url
 
 __all__ = ["LslParams", "LslStats", "LslTransport", "LslStreamNotFoundError", "open_lsl", "import_pylsl",
@@ -206,7 +206,9 @@ class LslTransport(Transport):
                              "streams only")
         self.kind = params.kind or ("headstage" if info.type().lower() in NEURAL_TYPES else "plant")
         self.stats = LslStats()
-        self._parser = FrameParser()  # what the host writes
+        # what the host writes (a command every step at the stream's rate): the C-backed parser where it builds,
+        # about twice as fast as the Python one on these short frames, with the same frames and checks
+        self._parser = make_parser()
         self._out = bytearray(b"\x00")  # a leading delimiter ends any partial bytes the host holds
         self._seq = 0
         self._bin = 0
