@@ -144,7 +144,7 @@ class Window:
     ``time_major``: the input is ``(batch, length, features)``; ``channel_major``:
     ``(batch, features, length)`` (what Conv1d takes). The features may span several axes
     (``(batch, 1, channels, length)``, what an EEGNet-style Conv2d takes): a frame is all of
-    them, in C order. The runtime keeps the frames in a preallocated ring buffer and runs the
+    them, in C order; ``(batch, length)`` is a window of one value per frame, either layout. The runtime keeps the frames in a preallocated ring buffer and runs the
     model once every ``hop`` frames, after the first ``length`` frames have arrived.
     """
 
@@ -354,9 +354,10 @@ class GraphSpec:
                 out += found
                 continue
             rank = len(t.shape)
-            if rank < 3:
+            if rank < 2:
                 out.append(f"{what} has shape {t.shape}; a windowed input is (batch, length, features...) "
-                           "(time_major) or (batch, features..., length) (channel_major)")
+                           "(time_major), (batch, features..., length) (channel_major) or (batch, length) (one "
+                           "value per frame)")
                 continue
             if any(not isinstance(d, int) for d in t.shape[1:]):
                 out.append(f"{what} has shape {t.shape}; a windowed input has its batch on axis 0 and fixed sizes "

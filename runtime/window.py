@@ -27,16 +27,16 @@ class FrameWindow:
 
     ``target`` is the model's input buffer (C-contiguous), ``(1, length, features...)`` for
     ``time_major`` or ``(1, features..., length)`` for ``channel_major``; the features may span
-    several axes (``(1, 1, channels, length)``) and a frame is ``features`` values, their product
-    (any shape with that many elements).
+    several axes (``(1, 1, channels, length)``) or none (``(1, length)``: one value per frame), and a
+    frame is ``features`` values, their product (any shape with that many elements).
     """
 
     def __init__(self, target: np.ndarray, length: int, hop: int = 1, layout: str = "time_major"):
         if layout not in ("time_major", "channel_major"):
             raise ValueError(f"window layout {layout!r} is not 'time_major' or 'channel_major'")
-        if target.ndim < 3 or target.shape[0] != 1 or not target.flags.c_contiguous:
-            raise ValueError(f"a window's input buffer is a C-contiguous (1, length, features...) or "
-                             f"(1, features..., length), got shape {target.shape}")
+        if target.ndim < 2 or target.shape[0] != 1 or not target.flags.c_contiguous:
+            raise ValueError(f"a window's input buffer is a C-contiguous (1, length, features...), "
+                             f"(1, features..., length) or (1, length), got shape {target.shape}")
         time_axis = 1 if layout == "time_major" else target.ndim - 1
         if target.shape[time_axis] != length:
             raise ValueError(f"the input has {target.shape[time_axis]} frames on its {layout} time axis, "

@@ -28,10 +28,10 @@ from typing import Any
 
 import numpy as np
 
+from ..c_parser import make_parser
 from ..errors import DeviceNotConnectedError
 from ..frame import encode_frame
 from ..messages import Hello, Message, NeuralFrame, PlantMeasurement, Severity, Status
-from ..c_parser import make_parser
 from .base import Transport, split_device_url
 
 __all__ = ["LslParams", "LslStats", "LslTransport", "LslStreamNotFoundError", "open_lsl", "import_pylsl",

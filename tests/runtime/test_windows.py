@@ -143,7 +143,36 @@ def test_a_window_over_several_feature_axes_streams_like_torch(conv2d_bundle, ba
         np.testing.assert_allclose(y, ref, rtol=1e-3, atol=1e-4)  # the export's own parity tolerance
 
 
-def test_a_window_needs_fixed_feature_axes_and_three_or_more_axes(tmp_path, cnn_bundle):
+class OneChannel(nn.Module):
+    """(batch, time) -> (batch, 2): one value per frame (an EMG envelope, one LFP channel), weighted over time."""
+
+    def __init__(self):
+        super().__init__()
+        self.head = nn.Linear(LENGTH, 2)
+
+    def forward(self, x):
+        return self.head(x)
+
+
+@pytest.mark.parametrize("layout", ["time_major", "channel_major"])
+def test_a_single_channel_window_streams_scalar_frames(tmp_path, layout):
+    torch.manual_seed(4)
+    module = OneChannel().eval()
+    bundle = export_bundle(module, tmp_path / "one", kind="feedforward", example_input=torch.zeros(1, LENGTH),
+                           rate_hz=50.0, variants=(), tensorrt=False, report=lambda s: None,
+                           windows={"x": {"length": LENGTH, "hop": 3, "layout": layout}})
+    assert load_bundle(bundle).graph().inputs[0].frame_shape == ()
+    frames = np.random.default_rng(5).normal(size=40).astype(np.float32)
+    m = Model(bundle, backend="onnxruntime")
+    outputs = [(i, y.copy()) for i, f in enumerate(frames) if (y := m.feed(f)) is not None]
+    assert [i for i, _ in outputs] == list(range(LENGTH - 1, len(frames), 3))
+    for i, y in outputs:
+        with torch.no_grad():
+            ref = module(torch.from_numpy(frames[i - LENGTH + 1 : i + 1].copy())[None]).numpy()
+        np.testing.assert_allclose(y, ref, rtol=1e-3, atol=1e-4)
+
+
+def test_a_window_needs_fixed_sizes_past_the_batch(tmp_path, cnn_bundle):
     import shutil
 
     copy = shutil.copytree(cnn_bundle, tmp_path / "b")
