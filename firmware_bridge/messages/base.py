@@ -120,7 +120,11 @@ class UnknownMessage(Message):
         return f"UnknownMessage(raw_type_id=0x{self.raw_type_id:02X}, payload={self.payload.hex()!r})"
 
 
-def as_f32_vector(name: str, value: object, max_len: int = 1024) -> np.ndarray:
+#: the most values a message's float vector may hold unless its class says otherwise
+MAX_VECTOR_LEN = 1024
+
+
+def as_f32_vector(name: str, value: object, max_len: int = MAX_VECTOR_LEN) -> np.ndarray:
     """``value`` as a 1-D little-endian float32 array, or a :class:`MessageError` naming ``name``."""
     try:
         arr = np.asarray(value, dtype="<f4")

@@ -109,6 +109,31 @@ def test_bad_payloads_raise_payload_error(cls: type[Message], payload: bytes, wo
         cls.decode_payload(payload)
 
 
+@pytest.mark.parametrize(("cls", "payload", "error", "words"), [
+    # well-formed layouts past a limit, invalid text, a byte too many: each decoder reads a good payload in one
+    # piece, and these must still meet the same checks as a message built in Python
+    (PlantMeasurement, struct.pack("<HH", 1025, 0) + b"\x00" * 4100, MessageError, "at most 1024"),
+    (ActuatorCommand, struct.pack("<H", 1025) + b"\x00" * 4100, MessageError, "at most 1024"),
+    (DecoderOutput, struct.pack("<IH", 1, 0) + struct.pack("<H", 1001) + b"\x00" * 4004, MessageError, "at most 1000"),
+    (DecoderOutput, struct.pack("<IH", 1, 4001) + b"a" * 4001 + struct.pack("<H", 0), MessageError, "at most 4000"),
+    (DecoderOutput, struct.pack("<IH", 1, 2) + b"\xff\xfe" + struct.pack("<H", 0), PayloadError, "UTF-8"),
+    (DecoderOutput, struct.pack("<IHBH", 1, 1, 97, 0) + b"\x00", PayloadError, "trailing"),
+    (PlantMeasurement, struct.pack("<HHf", 0, 1, 1.0) + b"\x00", PayloadError, "trailing"),
+])
+def test_payloads_at_the_limits_are_refused_like_messages_built_in_python(cls, payload, error, words) -> None:
+    with pytest.raises(error, match=words):
+        cls.decode_payload(payload)
+
+
+@pytest.mark.parametrize("payload", [bytearray(PlantMeasurement([1.5, -2.0], [0.25]).encode_payload()),
+                                     memoryview(bytearray(PlantMeasurement([1.5, -2.0], [0.25]).encode_payload()))])
+def test_a_measurement_decodes_from_any_buffer_into_its_own_arrays(payload) -> None:
+    m = PlantMeasurement.decode_payload(payload)
+    assert m.y.tolist() == [1.5, -2.0] and m.u.tolist() == [0.25]
+    payload[4:8] = b"\x00" * 4  # the decoded values are copies, not views of the buffer
+    assert m.y[0] == 1.5
+
+
 def test_decoder_output_without_probabilities() -> None:
     out = DecoderOutput(3, "a", np.zeros(0))
     assert out.char_probs is None
