@@ -136,23 +136,27 @@ def latencies(record: Path, offset_s: float) -> dict[str, np.ndarray]:
             if r.json().get("event") == "device_status" and r.json().get("code") == STATUS_LSL_CLOCK]
     correction = float(np.median(corr)) if corr else 0.0
     sample: dict[int, tuple[float, int]] = {}  # seq -> (LSL time of the sample, s; RX host_ns)
-    pending: int | None = None  # an output's input seq, waiting for its command
+    # A step reads (RX), sends its command (TX) and then records the output it ran (OUTPUT, with the input's seq):
+    # a command is paired with the OUTPUT that follows it before any further read; a refused step has no command.
+    sent_ns: int | None = None
     total, to_read, step = [], [], []
     for rec in reader:
         if rec.type == RecordType.RX:
+            sent_ns = None
             for f in rx.feed(rec.payload):
                 if isinstance(f.message, NeuralFrame):
                     sample[f.seq] = (f.timestamp_us / 1e6 + correction, rec.host_ns)
-        elif rec.type == RecordType.OUTPUT:
-            pending = rec.output()[1]
-        elif rec.type == RecordType.TX and pending is not None:
-            if any(isinstance(f.message, DecoderOutput) for f in tx.feed(rec.payload)) and pending in sample:
-                t_lsl, rx_ns = sample.pop(pending)
-                sent = rec.host_ns / 1e9 + offset_s
-                total.append((sent - t_lsl) * 1e6)
+        elif rec.type == RecordType.TX:
+            if any(isinstance(f.message, DecoderOutput) for f in tx.feed(rec.payload)):
+                sent_ns = rec.host_ns
+        elif rec.type == RecordType.OUTPUT and sent_ns is not None:
+            seq = rec.output()[1]
+            if seq in sample:
+                t_lsl, rx_ns = sample.pop(seq)
+                total.append((sent_ns / 1e9 + offset_s - t_lsl) * 1e6)
                 to_read.append((rx_ns / 1e9 + offset_s - t_lsl) * 1e6)
-                step.append((rec.host_ns - rx_ns) / 1e3)
-            pending = None
+                step.append((sent_ns - rx_ns) / 1e3)
+            sent_ns = None
     return {"total": np.asarray(total), "to_read": np.asarray(to_read), "step": np.asarray(step),
             "time_correction_s": np.asarray([correction])}
 

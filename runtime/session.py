@@ -535,31 +535,36 @@ class Session:
         if bad == "held":  # a held input (a goal) has no value yet: the safe command until it comes
             self._send_safe(k)
             return
+        t_ready = time.monotonic_ns()  # the outputs are ready (the observers' run record and a typed event say so)
+        sent = None  # the command values sent, for the observers
+        if bad is None:
+            assert cmd is not None  # guarded_step: no problem, so a command
+            # the command goes out first: the recording and the observers' copies of this run come after it,
+            # off the path from the frame to the device (the buffers they copy stay as they are until the next run)
+            if self._nonfinite_run:
+                self._event("finite_resumed", steps_refused=self._nonfinite_run)
+                self._nonfinite_run = 0
+            out = fam.command_message(cmd, k)
+            if self._send(out):
+                self.summary_counts["commands_sent"] += 1
+                self._last_cmd = out
+                sent = cmd
         if self.writer is not None:
-            t_ns = time.monotonic_ns()  # one time for the step's outputs: they answered the same frame
-            self.writer.append_output(k, frame.seq, self.model.output, t_ns)
+            t_rec = time.monotonic_ns()  # one time for the run's records, after the TX record: the file stays in time order
+            self.writer.append_output(k, frame.seq, self.model.output, t_rec)
             for i, y in self._more_outputs:
-                self.writer.append_output(k, frame.seq, y, t_ns, index=i)
+                self.writer.append_output(k, frame.seq, y, t_rec, index=i)
             if self._state_labels:
-                self.writer.append_state(k, frame.seq, fam.state_vector, t_ns)
+                self.writer.append_state(k, frame.seq, fam.state_vector, t_rec)
         if self._tap is not None:
             self._tap.acted(frame.seq, fam.frame_vector, self.model.output, self._more_offsets,
-                            fam.state_vector if self._state_labels else None)
+                            fam.state_vector if self._state_labels else None, t_ready)
             if fam.typed_last():  # this run typed: its output's time stamps the "typed" event (idle time)
-                self._typed_ns = self._tap.last_run_ns
+                self._typed_ns = t_ready
+            if sent is not None:
+                self._tap.command(sent)
         if bad is not None:
             self._refuse_nonfinite(bad, k)
-            return
-        assert cmd is not None  # guarded_step: no problem, so a command
-        if self._nonfinite_run:
-            self._event("finite_resumed", steps_refused=self._nonfinite_run)
-            self._nonfinite_run = 0
-        out = fam.command_message(cmd, k)
-        if self._send(out):
-            self.summary_counts["commands_sent"] += 1
-            self._last_cmd = out
-            if self._tap is not None:
-                self._tap.command(cmd)
 
     def _refuse_nonfinite(self, where: str, k: int) -> None:
         """A step with a non-finite model input, output or command: send the safe command instead, reset bad state."""

@@ -70,9 +70,11 @@ class SessionTap:
         self.ring.begin(step, time.monotonic_ns())
 
     def acted(self, seq: int, frame: np.ndarray, output: np.ndarray,
-              more: Sequence[tuple[int, np.ndarray]] = (), state: np.ndarray | None = None) -> None:
+              more: Sequence[tuple[int, np.ndarray]] = (), state: np.ndarray | None = None,
+              t_ns: int | None = None) -> None:
         """The model ran on input frame ``seq``: its first data output, ``(offset, values)`` of the others, and the
-        family's state after the run (``FamilyPlugin.state_vector``)."""
+        family's state after the run (``FamilyPlugin.state_vector``); ``t_ns``: when the outputs were ready
+        (monotonic; default now)."""
         r = self.ring
         r.set_input_seq(seq)
         row = r.input_row()
@@ -84,7 +86,7 @@ class SessionTap:
         if state is not None:
             r.set_state(state)
         r.add_flags(FLAG_ACTED)
-        self.last_run_ns = time.monotonic_ns()
+        self.last_run_ns = time.monotonic_ns() if t_ns is None else t_ns
         r.publish_run(self.last_run_ns)
 
     def command(self, values: np.ndarray) -> None:
