@@ -144,8 +144,9 @@ class Window:
     ``time_major``: the input is ``(batch, length, features)``; ``channel_major``:
     ``(batch, features, length)`` (what Conv1d takes). The features may span several axes
     (``(batch, 1, channels, length)``, what an EEGNet-style Conv2d takes): a frame is all of
-    them, in C order; ``(batch, length)`` is a window of one value per frame, either layout. The runtime keeps the frames in a preallocated ring buffer and runs the
-    model once every ``hop`` frames, after the first ``length`` frames have arrived.
+    them, in C order; ``(batch, length)`` is a window of one value per frame, either layout.
+    The runtime keeps the frames in a preallocated ring buffer and runs the model once every
+    ``hop`` frames, after the first ``length`` frames have arrived.
     """
 
     length: int

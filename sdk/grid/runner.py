@@ -2,8 +2,8 @@
 
 A grid is a list of independent :class:`Cell` s (a config dict and a seed, with a stable
 key). :func:`run_grid` runs a function on each cell on a local Ray instance (this machine's
-cores), on a Ray cluster given its address, or in this process one cell after another where
-Ray (the ``[scale]`` extra) is not installed. Each finished cell is appended as one JSON line
+cores), on a Ray cluster given its address, or in this process one cell after another with one
+worker or where Ray (the ``[scale]`` extra) is not installed. Each finished cell is appended as one JSON line
 to a results file, so a rerun skips what is done; a cell whose worker dies is retried once and
 then reported as failed with the error. :class:`GridRunner` is the lower level under it, for
 grids whose tasks depend on each other (the iBCI benchmark's training and scoring tasks).
@@ -115,9 +115,9 @@ class GridRunner:
     """Tasks submitted one by one and collected as they finish, on Ray or in this process.
 
     ``backend``: ``"auto"`` (in-process for one worker and no address; otherwise Ray if it is
-    installed, else in-process), ``"ray"`` or ``"inprocess"``. ``address`` joins a running Ray cluster (``ray start --head``); without
-    it a local Ray instance with ``workers`` CPUs (default: all of them) is started and shut
-    down at :meth:`close`. ``retries``: how many times a task whose worker died is run again.
+    installed, else in-process), ``"ray"`` or ``"inprocess"``. ``address`` joins a running Ray
+    cluster (``ray start --head``); without it a local Ray instance with ``workers`` CPUs
+    (default: all of them) is started and shut down at :meth:`close`. ``retries``: how many times a task whose worker died is run again.
     Use it as a context manager.
 
     While a Ray runner is open (in the main thread), SIGTERM raises ``SystemExit(143)``, so that
