@@ -210,6 +210,26 @@ def test_plant_session_commands_are_clipped_and_applied(plant_bundle, tmp_path):
     assert any(abs(u) > 1.0 for u in applied)
 
 
+def test_each_command_goes_out_before_its_output_is_recorded(plant_bundle, tmp_path):
+    """The recording (and the observers) copy a run after its command was sent, so they never delay it: every
+    OUTPUT record follows the TX record of the command that run produced, in the same step (no read between)."""
+    cfg = _cfg("sim://plant?model=msd&rate=200&seed=1", tmp_path, duration_s=1.0)
+    run_session(plant_bundle, cfg)
+    p = FrameParser()
+    sent_since_read, outputs, after_command = None, 0, 0
+    for rec in RecordingReader(cfg.record):
+        if rec.type == RecordType.RX:
+            sent_since_read = None
+        elif rec.type == RecordType.TX and any(isinstance(f.message, ActuatorCommand) for f in p.feed(rec.payload)):
+            sent_since_read = rec.host_ns
+        elif rec.type == RecordType.OUTPUT:
+            outputs += 1
+            if sent_since_read is not None and sent_since_read <= rec.host_ns:
+                after_command += 1
+            sent_since_read = None
+    assert outputs > 100 and after_command == outputs
+
+
 def test_stop_from_another_thread_ends_the_session_at_once_with_its_safe_command_and_summary(plant_bundle, tmp_path):
     import json
     import threading
