@@ -35,7 +35,8 @@ from ..messages import Hello, Message, NeuralFrame, PlantMeasurement, Severity, 
 from .base import Transport, split_device_url
 
 __all__ = ["LslParams", "LslStats", "LslTransport", "LslStreamNotFoundError", "open_lsl", "import_pylsl",
-           "STATUS_LSL_CLOCK", "STATUS_LSL_STREAM_LOST", "STATUS_LSL_STREAM_BACK", "NEURAL_TYPES"]
+           "STATUS_LSL_CLOCK", "STATUS_LSL_STREAM_LOST", "STATUS_LSL_STREAM_BACK", "STATUS_LSL_NOT_COUNTS",
+           "NEURAL_TYPES"]
 
 log = logging.getLogger("closedloop.lsl")
 
@@ -43,6 +44,7 @@ log = logging.getLogger("closedloop.lsl")
 STATUS_LSL_CLOCK = 50
 STATUS_LSL_STREAM_LOST = 51
 STATUS_LSL_STREAM_BACK = 52
+STATUS_LSL_NOT_COUNTS = 53
 _REQUEST_REPORT, _REPORT = 1, 2
 
 #: Stream types (lower case) that open as a ``headstage`` when the URL gives no ``kind``; any other is a ``plant``.
@@ -158,6 +160,7 @@ class LslStats:
     host_hellos: int = 0
     commands: dict[str, int] = field(default_factory=dict)  # what the host wrote, by message name
     clipped_values: int = 0  # headstage: values outside 0..65535 (or NaN) before rounding
+    rounded_values: int = 0  # headstage: float values in range that were not whole numbers
     losses: int = 0  # times the stream went silent for lost_s
     inlets_reopened: int = 0  # a new inlet after liblsl gave the stream up
 
@@ -214,6 +217,7 @@ class LslTransport(Transport):
         self._bin = 0
         self._streaming = False
         self._counts = np.zeros(self.n_channels, dtype="<u2")
+        self._said_not_counts = False
         self._empty = np.zeros(0, dtype=np.float32)
         self._is_lost = False
         self._last_sample_s = 0.0
@@ -280,11 +284,19 @@ class LslTransport(Transport):
             if self.kind == "headstage":
                 if x.dtype.kind == "f":
                     bad = ~(x >= -0.5) | (x >= 65535.5)  # NaN or outside after rounding
+                    whole = np.rint(np.nan_to_num(x, nan=0.0))
+                    rounded = int(np.count_nonzero((whole != x) & ~bad))
+                    if rounded:
+                        self.stats.rounded_values += rounded
                     if bad.any():
                         self.stats.clipped_values += int(bad.sum())
-                    np.copyto(self._counts, np.clip(np.rint(np.nan_to_num(x, nan=0.0)), 0, 65535), casting="unsafe")
+                    if (rounded or bad.any()) and not self._said_not_counts:
+                        self._not_counts(x)
+                    np.copyto(self._counts, np.clip(whole, 0, 65535), casting="unsafe")
                 elif x.size and (x.min() < 0 or x.max() > 65535):
                     self.stats.clipped_values += int(((x < 0) | (x > 65535)).sum())
+                    if not self._said_not_counts:
+                        self._not_counts(x)
                     np.copyto(self._counts, np.clip(x, 0, 65535), casting="unsafe")
                 else:  # the usual case, counts in range: no temporary array
                     np.copyto(self._counts, x, casting="unsafe")
@@ -293,6 +305,19 @@ class LslTransport(Transport):
             else:
                 msg = PlantMeasurement(y=x.astype(np.float32), u=self._empty)
             self._emit(msg, ts_us)
+
+    def _not_counts(self, sample: np.ndarray) -> None:
+        """Once per transport: a headstage stream whose values are not spike counts (EEG in microvolts, say) is
+        being rounded and clipped into 0..65535, which no decoder of such data expects: say so, loudly."""
+        self._said_not_counts = True
+        shown = ", ".join(f"{v:g}" for v in sample[:4].tolist())
+        text = (f"LSL stream {self.params.name!r} (type {self.info.type()!r}) is read as a headstage, whose frames "
+                f"carry counts in 0..65535, but its samples are not counts (first values: {shown}): they are rounded "
+                f"and clipped, which destroys signals such as EEG in microvolts. Open it with kind=plant "
+                f"(lsl://{self.params.name}?kind=plant) to pass every value as float32; the counters rounded_values "
+                "and clipped_values in the REPORT say how many were changed")
+        log.warning(text)
+        self._status(STATUS_LSL_NOT_COUNTS, Severity.WARNING, text)
 
     def _pull(self, timeout: float) -> int:
         try:

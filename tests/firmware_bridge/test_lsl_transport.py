@@ -8,9 +8,18 @@ import uuid
 import numpy as np
 import pytest
 
-from closedloop.firmware_bridge import Hello, Link, NeuralFrame, PlantMeasurement, Status, open_transport
+from closedloop.firmware_bridge import (
+    Hello,
+    Link,
+    NeuralFrame,
+    PlantMeasurement,
+    Severity,
+    Status,
+    open_transport,
+)
 from closedloop.firmware_bridge.transports.lsl import (
     STATUS_LSL_CLOCK,
+    STATUS_LSL_NOT_COUNTS,
     STATUS_LSL_STREAM_BACK,
     STATUS_LSL_STREAM_LOST,
     LslParams,
@@ -137,7 +146,24 @@ def test_rounding_rule_for_float_counts():
     counts = [f.message.counts for f in frames if isinstance(f.message, NeuralFrame)]
     assert counts
     np.testing.assert_array_equal(counts[0], [2, 3, 0, 0, 65535])  # round half to even, clip, NaN -> 0
-    assert t.stats.clipped_values == 3 * len(counts)
+    assert t.stats.clipped_values == 3 * len(counts) and t.stats.rounded_values == 2 * len(counts)
+    # values that are not counts (EEG in microvolts read as a headstage) are said once, loudly, with the fix
+    warnings = [f.message for f in frames if isinstance(f.message, Status) and f.message.code == STATUS_LSL_NOT_COUNTS]
+    assert len(warnings) == 1 and "kind=plant" in warnings[0].text and warnings[0].severity == Severity.WARNING
+    link.close()
+
+
+def test_float_counts_that_are_whole_numbers_pass_without_a_warning():
+    name = _name()
+    out = _outlet(name, 3, 100, stype="SpikeCounts")
+    t = open_transport(f"lsl://{name}?timeout=3")
+    link = Link(t)
+    link.send(Hello(kind="host", name="test", rate_hz=100))
+    frames = _poll(link, 0.15, lambda: out.push_sample([0.0, 7.0, 65535.0]))
+    counts = [f.message.counts for f in frames if isinstance(f.message, NeuralFrame)]
+    assert counts and all(c.tolist() == [0, 7, 65535] for c in counts)
+    assert t.stats.clipped_values == t.stats.rounded_values == 0
+    assert not [f for f in frames if isinstance(f.message, Status) and f.message.code == STATUS_LSL_NOT_COUNTS]
     link.close()
 
 
