@@ -832,6 +832,7 @@ _family_commands("closedloop.sdk.grid.validate", (("validate", "run a batch of s
 
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED, EXIT_BROKEN_PIPE = 0, 1, 2, 130, 141
+EXIT_INTERNAL = 70  # a bug in closedloop (sysexits' EX_SOFTWARE): not a failed check, not bad input
 EXIT_TERMINATED = 128 + 15  # SIGTERM outside a session's loop (the console script then dies by the signal itself)
 
 
@@ -858,7 +859,6 @@ def _unwind_on_sigterm() -> Callable[[], None]:
 
     previous = signal.signal(signal.SIGTERM, handler)
     return lambda: signal.signal(signal.SIGTERM, previous)
-EXIT_INTERNAL = 70  # a bug in closedloop (sysexits' EX_SOFTWARE): not a failed check, not bad input
 
 
 def _version() -> str:
