@@ -54,7 +54,7 @@ from .observe.ring import FLAG_DISCONNECTED, FLAG_SAFE, FLAG_WATCHDOG
 from .observe.tap import SessionTap
 from .realtime import DEFAULT_PRIORITY, RealtimeConfig, RealtimeGrant, realtime
 from .recording import RecordingWriter, RecordType
-from .stats import LoopSummary
+from .stats import LoopSummary, RingRecorder
 
 # A device answers every host HELLO with its own (docs/devices.md). A device HELLO this soon after the host's
 # is taken as that answer; any other is a device that restarted and waits for a host HELLO (it repeats its
@@ -175,6 +175,11 @@ class SessionSummary:
     realtime: dict[str, Any] = field(default_factory=dict)
     # the error that ended the session (loop.stopped_by "error"), as "Type: message"; None when it ended normally
     error: str | None = None
+    # how long after its step began each command went out (microseconds; None without a command): the path from
+    # the device's frame to the next command, without what the step records afterwards (the loop's latency has it)
+    command_latency_p50_us: float | None = None
+    command_latency_p99_us: float | None = None
+    command_latency_max_us: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -188,7 +193,9 @@ class SessionSummary:
             f"  device {self.device.get('kind')} {self.device.get('name', '')!r} on backend {self.backend}",
             f"  frames received {self.frames_received}, used {self.inputs_used}, skipped for newer {self.inputs_skipped}; "
             f"commands sent {self.commands_sent} (safe {self.safe_commands_sent}, re-sent on overrun {self.commands_resent}, "
-            f"safe at stop {self.stop_commands_sent})",
+            f"safe at stop {self.stop_commands_sent})"
+            + (f"; each out p50 {self.command_latency_p50_us:.0f} us, p99 {self.command_latency_p99_us:.0f} us "
+               "after its step began" if self.command_latency_p99_us is not None else ""),
             f"  link: lost {lk.get('lost', 0)}, crc errors {lk.get('crc_errors', 0)}, duplicates {lk.get('duplicate', 0)}, "
             f"out of order {lk.get('out_of_order', 0)}, bad tag {lk.get('bad_tag', 0)}",
             f"  watchdog trips {self.watchdog_trips}, disconnects {self.disconnects}, reconnects {self.reconnects}",
@@ -321,6 +328,10 @@ class Session:
         self._typed_ns = 0  # when the output of the last run that typed was ready
         self._typed_resets = 0  # the family's text resets at the last "typed" event
         self.monitor_url: str | None = None
+        # how long after its step began each command went out (the step's own latency also counts what it
+        # records after the command); preallocated like the loop's recorders
+        self.command_latency = RingRecorder(LoopConfig.capacity)
+        self._t_step = 0
 
     # --- connection -------------------------------------------------------------
 
@@ -546,6 +557,7 @@ class Session:
                 self._nonfinite_run = 0
             out = fam.command_message(cmd, k)
             if self._send(out):
+                self.command_latency.add(time.perf_counter_ns() - self._t_step)
                 self.summary_counts["commands_sent"] += 1
                 self._last_cmd = out
                 sent = cmd
@@ -577,6 +589,7 @@ class Session:
         self._send_safe(k)
 
     def step(self, k: int) -> None:
+        self._t_step = time.perf_counter_ns()
         self._step = k
         tap = self._tap
         if tap is not None:
@@ -801,6 +814,11 @@ class Session:
             error=f"{type(error).__name__}: {error}" if error is not None else None,
             **self.summary_counts,
         )
+        lat = self.command_latency
+        if lat.count:
+            summary.command_latency_p50_us = round(lat.percentile_us(50), 3)
+            summary.command_latency_p99_us = round(lat.percentile_us(99), 3)
+            summary.command_latency_max_us = round(lat.max / 1e3, 3)
         if self._tap is not None:  # observers drain and stop first: their last STEPS come before SUMMARY
             summary.observers = self._tap.close(summary.to_dict())
             self._tap = None

@@ -214,7 +214,10 @@ def test_each_command_goes_out_before_its_output_is_recorded(plant_bundle, tmp_p
     """The recording (and the observers) copy a run after its command was sent, so they never delay it: every
     OUTPUT record follows the TX record of the command that run produced, in the same step (no read between)."""
     cfg = _cfg("sim://plant?model=msd&rate=200&seed=1", tmp_path, duration_s=1.0)
-    run_session(plant_bundle, cfg)
+    summary = run_session(plant_bundle, cfg)
+    # the summary says how long after its step began each command went out: never later than the step ended
+    assert 0 < summary.command_latency_p50_us <= summary.command_latency_max_us <= summary.loop.latency_max_us
+    assert "after its step began" in summary.format()
     p = FrameParser()
     sent_since_read, outputs, after_command = None, 0, 0
     for rec in RecordingReader(cfg.record):
