@@ -123,6 +123,7 @@ def one_run(bundle: Path, device: str, duration_s: float, mode: str, browser, rt
     summary = out["summary"]
     loop = summary.loop
     return {"mode": mode, "rt": rt, "p99_us": loop.latency_p99_us, "p50_us": loop.latency_p50_us,
+            "command_p99_us": summary.command_latency_p99_us, "command_p50_us": summary.command_latency_p50_us,
             "missed": loop.missed_deadlines, "steps": loop.steps, "backend": summary.backend,
             "page": page_stats}
 
@@ -179,9 +180,10 @@ MIN_REPEATS = 5
 _LABELS = {"off": "no monitor", "client": "monitor + remote client", "browser": "monitor + local Chromium"}
 
 
-def paired_ratio(runs: list[dict], mode: str, n_boot: int = 10_000, seed: int = 0) -> dict:
-    """Per repeat, p99 with ``mode`` over p99 without the monitor; their median and its bootstrap 95% interval."""
-    by = {(r["repeat"], r["mode"]): r["p99_us"] for r in runs}
+def paired_ratio(runs: list[dict], mode: str, n_boot: int = 10_000, seed: int = 0, key: str = "p99_us") -> dict:
+    """Per repeat, ``key`` (the step's p99) with ``mode`` over the same without the monitor; their median and its
+    bootstrap 95% interval."""
+    by = {(r["repeat"], r["mode"]): r[key] for r in runs if r.get(key) is not None}
     ratios = np.array([by[(k, mode)] / by[(k, "off")] for k in sorted({r["repeat"] for r in runs})
                        if (k, mode) in by and (k, "off") in by])
     rng = np.random.default_rng(seed)
@@ -211,6 +213,10 @@ def _compare(runs: list[dict]) -> dict:
                        f"{pr['ci95'][1]:.2f}])"] = pr["verdict"]
         out["targets"][f"{m}: missed within the no-monitor spread"] = bool(max(missed[m]) <= max(missed["off"]) + noise)
     out["targets"]["browser: page >= 10 updates/s"] = bool(min(ups) >= 10)
+    if all(r.get("command_p99_us") is not None for r in runs):  # what the device waits for (no target of its own)
+        out["command_p99_us"] = {m: float(np.median([r["command_p99_us"] for r in rs])) for m, rs in by.items()}
+        for m in ("client", "browser"):
+            out[f"command_p99_ratio_{m}_paired"] = paired_ratio(runs, m, key="command_p99_us")
     return out
 
 
@@ -231,6 +237,16 @@ def _table(results: dict) -> str:
         lines.append(f"| {name} | {p['off']:.0f} / {p['client']:.0f} / {p['browser']:.0f} | "
                      f"{fmt(pc, s['p99_ratio_client'])} | {fmt(pb, s['p99_ratio_browser'])} | {m['off']} / "
                      f"{m['client']} / {m['browser']} | {s['page_updates_per_s_min']:.0f} |")
+    if all("command_p99_us" in s for s in results["sessions"].values()):
+        lines += ["", "Command latency (how long after its step began each command went out; the step's p99 above "
+                  "also counts what the step records after it):", "",
+                  "| session | command p99 (us, median of runs): none / remote client / local Chromium | paired ratio, "
+                  "remote client [95%] | paired ratio, local Chromium [95%] |", "| --- | --- | --- | --- |"]
+        for name, s in results["sessions"].items():
+            c, cc, cb = s["command_p99_us"], s["command_p99_ratio_client_paired"], s["command_p99_ratio_browser_paired"]
+            lines.append(f"| {name} | {c['off']:.0f} / {c['client']:.0f} / {c['browser']:.0f} | {cc['median']:.2f}x "
+                         f"[{cc['ci95'][0]:.2f}, {cc['ci95'][1]:.2f}] | {cb['median']:.2f}x [{cb['ci95'][0]:.2f}, "
+                         f"{cb['ci95'][1]:.2f}] |")
     lines.append("")
     for name, s in results["sessions"].items():
         for target, met in s["targets"].items():
