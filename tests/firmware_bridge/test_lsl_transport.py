@@ -136,14 +136,20 @@ def test_float_measurements_arrive_as_plant_frames_and_commands_are_counted():
     link.close()
 
 
-def test_rounding_rule_for_float_counts():
+def _headstage_frames(stype: str, sample: list[float]):
+    """A float32 stream of ``stype`` read as a headstage, pushing ``sample`` repeatedly: (transport, link, frames,
+    the counts of each NEURAL_FRAME)."""
     name = _name()
-    out = _outlet(name, 5, 100, stype="EEG")
+    out = _outlet(name, len(sample), 100, stype=stype)
     t = open_transport(f"lsl://{name}?timeout=3")
     link = Link(t)
     link.send(Hello(kind="host", name="test", rate_hz=100))
-    frames = _poll(link, 0.15, lambda: out.push_sample([2.5, 3.49, -4.0, float("nan"), 70000.0]))
-    counts = [f.message.counts for f in frames if isinstance(f.message, NeuralFrame)]
+    frames = _poll(link, 0.15, lambda: out.push_sample(sample))
+    return t, link, frames, [f.message.counts for f in frames if isinstance(f.message, NeuralFrame)]
+
+
+def test_rounding_rule_for_float_counts():
+    t, link, frames, counts = _headstage_frames("EEG", [2.5, 3.49, -4.0, float("nan"), 70000.0])
     assert counts
     np.testing.assert_array_equal(counts[0], [2, 3, 0, 0, 65535])  # round half to even, clip, NaN -> 0
     assert t.stats.clipped_values == 3 * len(counts) and t.stats.rounded_values == 2 * len(counts)
@@ -154,13 +160,7 @@ def test_rounding_rule_for_float_counts():
 
 
 def test_float_counts_that_are_whole_numbers_pass_without_a_warning():
-    name = _name()
-    out = _outlet(name, 3, 100, stype="SpikeCounts")
-    t = open_transport(f"lsl://{name}?timeout=3")
-    link = Link(t)
-    link.send(Hello(kind="host", name="test", rate_hz=100))
-    frames = _poll(link, 0.15, lambda: out.push_sample([0.0, 7.0, 65535.0]))
-    counts = [f.message.counts for f in frames if isinstance(f.message, NeuralFrame)]
+    t, link, frames, counts = _headstage_frames("SpikeCounts", [0.0, 7.0, 65535.0])
     assert counts and all(c.tolist() == [0, 7, 65535] for c in counts)
     assert t.stats.clipped_values == t.stats.rounded_values == 0
     assert not [f for f in frames if isinstance(f.message, Status) and f.message.code == STATUS_LSL_NOT_COUNTS]
