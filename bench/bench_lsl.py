@@ -13,7 +13,8 @@ stream through ``lsl://NAME`` with a small GRU bundle (192 -> 64 -> 8) at 1 kHz 
 records it. From the recording, for every model output: the sample's LSL timestamp
 (the frame's ``timestamp_us`` plus the inlet's time correction from STATUS(LSL_CLOCK)),
 when the session read it (its RX record) and when the command went out (the TX record
-after the output, written right after the transport's write), all on the LSL clock
+just before the output's OUTPUT record: a step sends its command first, written right after the transport's
+write), all on the LSL clock
 (``time.monotonic`` + the offset measured here; the same clock on Linux). Legs:
 
 - total: LSL timestamp -> command sent (the issue's measure);
