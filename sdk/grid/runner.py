@@ -110,6 +110,16 @@ def _error_text(exc: BaseException) -> str:
     return text if len(text) < 4000 else text[:4000] + " ..."
 
 
+def resolve_backend(backend: str, workers: int | None, address: str | None) -> str:
+    """What ``backend="auto"`` means for these ``workers`` and ``address``: in this process for one worker and no
+    address (a one-CPU Ray instance would add its start-up and hide the cells' output and errors in worker logs,
+    and buy nothing) or where Ray is not installed, Ray otherwise. Any other ``backend`` is returned as given."""
+    if backend != "auto":
+        return backend
+    local_one = workers == 1 and not address
+    return "ray" if ray_available() and not local_one else "inprocess"
+
+
 @dataclass
 class GridRunner:
     """Tasks submitted one by one and collected as they finish, on Ray or in this process.
@@ -143,11 +153,7 @@ class GridRunner:
             raise ValueError(f"workers={self.workers}: expected 1 or more (or None for every CPU)")
         if self.retries < 0:
             raise ValueError(f"retries={self.retries}: expected 0 or more")
-        if self.backend == "auto":
-            # one worker here runs in this process: a one-CPU Ray instance would add its start-up and hide the
-            # cell's output and errors in worker logs, and buy nothing
-            local_one = self.workers == 1 and not self.address
-            self.backend = "ray" if ray_available() and not local_one else "inprocess"
+        self.backend = resolve_backend(self.backend, self.workers, self.address)
         if self.backend == "inprocess" and self.address:
             raise ValueError(f"address {self.address!r} needs Ray, which is not installed: "
                              "pip install 'closedloop[scale]'")

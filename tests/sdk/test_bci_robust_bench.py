@@ -190,4 +190,8 @@ def test_one_worker_runs_the_pieces_in_this_process_and_more_or_a_cluster_use_ra
     assert bench.main(base + ["--workers", "1"]) == 0  # no Ray instance to start, or for a `ray stop` to end
     assert bench.main(base + ["--workers", "2"]) == 0
     assert bench.main(base + ["--workers", "1", "--address", "10.0.0.1:6379"]) == 0
-    assert [(n, kw["backend"]) for n, kw in calls] == [(1, "inprocess"), (1, "auto"), (1, "auto")]
+    # the grid runner's rule decides from what the bench passes on: one worker here, more (or a cluster) on Ray
+    assert [(n, kw["workers"], kw.get("address")) for n, kw in calls] == [(1, 1, None), (1, 2, None),
+                                                                          (1, 1, "10.0.0.1:6379")]
+    chosen = [grid.resolve_backend(kw.get("backend", "auto"), kw["workers"], kw.get("address")) for _, kw in calls]
+    assert chosen == ["inprocess", "ray", "ray"]
