@@ -363,3 +363,35 @@ def test_a_learned_initial_state_comes_in_with_initial_and_the_runtime_starts_th
     assert "--initial h=" in capsys.readouterr().err
     with pytest.raises(ExportError, match="has 3 values; its shape \\[2, 1, 8\\] at batch 1 holds 16"):
         import_onnx(src, tmp_path / "d", rate_hz=50.0, state={"h": "h_next"}, initial={"h": np.ones(3)}, **QUIET)
+
+
+class Conv2dOverChannels(nn.Module):
+    """EEGNet's layout, (batch, 1, channels, time): a temporal and a depthwise spatial Conv2d, then a read-out."""
+
+    def __init__(self, channels: int = 6, length: int = 16) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Conv2d(1, 4, (1, 5), padding=(0, 2)), nn.Conv2d(4, 8, (channels, 1), groups=4),
+                                 nn.ELU(), nn.AvgPool2d((1, 4)))
+        self.head = nn.Linear(8 * (length // 4), 3)
+
+    def forward(self, x):
+        return self.head(self.net(x).flatten(1))
+
+
+def test_a_file_over_channels_and_time_imports_with_a_window_and_streams_like_the_model(tmp_path):
+    torch.manual_seed(3)
+    module = Conv2dOverChannels().eval()
+    path = _export(module, (torch.zeros(1, 1, 6, 16),), tmp_path / "eegnet.onnx", ["x"], ["y"],
+                   {"x": {0: "N"}, "y": {0: "N"}})
+    out = tmp_path / "eegnet_bundle"
+    assert main(["import-onnx", str(path), str(out), "--rate", "250", "--window", "x=16:4:channel_major",
+                 "--no-tensorrt", "--variants", "none"]) == 0
+    assert load_bundle(out).graph().inputs[0].frame_shape == (1, 6)  # a frame is one value per channel
+    frames = np.random.default_rng(4).normal(size=(40, 6)).astype(np.float32)
+    m = Model(out, backend="numba")
+    got = [(i, y.copy()) for i, f in enumerate(frames) if (y := m.feed(f)) is not None]
+    assert [i for i, _ in got] == list(range(15, 40, 4))
+    for i, y in got:
+        with torch.no_grad():
+            want = module(torch.from_numpy(frames[i - 15 : i + 1].T.copy()).view(1, 1, 6, 16)).numpy()
+        np.testing.assert_allclose(y, want, rtol=1e-3, atol=1e-4)  # the import's own parity tolerance
