@@ -546,7 +546,8 @@ class Session:
         if bad == "held":  # a held input (a goal) has no value yet: the safe command until it comes
             self._send_safe(k)
             return
-        t_ready = time.monotonic_ns()  # the outputs are ready (the observers' run record and a typed event say so)
+        # the outputs are ready (the observers' run record and a typed event say so); only observers read it
+        t_ready = time.monotonic_ns() if self._tap is not None else 0
         sent = None  # the command values sent, for the observers
         if bad is None:
             assert cmd is not None  # guarded_step: no problem, so a command
@@ -728,13 +729,14 @@ class Session:
 
     def _status_event(self) -> dict[str, Any]:
         """What the monitor's status bar shows, a few times a second (idle time, never the step)."""
-        lat = self._loop.latency
+        lat, cmd = self._loop.latency, self.command_latency
         c = self.summary_counts
         metrics = dict(self.family.live_metrics())
         if "text" in metrics:  # the typed text's newest STATUS_TEXT_CHARS, not the status line's short tail
             metrics["text"] = self.family.typed_tail(STATUS_TEXT_CHARS) or metrics["text"]
         return {"event": "status", "step": self._step, "t_ns": time.monotonic_ns(), "state": self._state(),
-                "p99_us": lat.recent_percentile_us(99) if lat.count else None, "missed": self._loop.missed,
+                "p99_us": lat.recent_percentile_us(99) if lat.count else None,
+                "command_p99_us": cmd.recent_percentile_us(99) if cmd.count else None, "missed": self._loop.missed,
                 "lost": self.link.parser.stats.lost if self.link is not None else 0,
                 "watchdog_trips": c["watchdog_trips"], "reconnects": c["reconnects"],
                 "inputs_used": c["inputs_used"], "commands_sent": c["commands_sent"],
@@ -745,7 +747,11 @@ class Session:
         p99 = lat.recent_percentile_us(99) if lat is not None and lat.count else float("nan")
         missed = self._loop.missed if hasattr(self, "_loop") else 0
         lost = self.link.parser.stats.lost if self.link is not None else 0
-        parts = [f"{self.rate_hz:g} Hz", f"p99 {p99:.0f} us", f"missed {missed}", f"lost {lost}", self._state()]
+        cmd = self.command_latency
+        parts = [f"{self.rate_hz:g} Hz", f"p99 {p99:.0f} us"]
+        if cmd.count:  # how long after its step began the command went out (the step goes on to record it)
+            parts.append(f"out p99 {cmd.recent_percentile_us(99):.0f} us")
+        parts += [f"missed {missed}", f"lost {lost}", self._state()]
         parts += [f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in self.family.live_metrics().items()]
         return " | ".join(parts)
 

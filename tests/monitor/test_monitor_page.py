@@ -49,7 +49,7 @@ class FakeSession:
             r.publish(300_000, 20_000)
             if k % 10 == 0:
                 r.event({"event": "status", "step": k, "state": "SAFE" if self.safe else "running",
-                         "p99_us": 350.0, "missed": 0, "lost": 0, "text": self.text, "chars": len(self.text),
+                         "p99_us": 350.0, "command_p99_us": 212.4, "missed": 0, "lost": 0, "text": self.text, "chars": len(self.text),
                          "|r|": 4.7e-6, "u": 0.01234})
             k += 1
             time.sleep(0.02)
@@ -102,6 +102,9 @@ def test_the_page_shows_counters_rising_text_growing_and_safe_with_its_watchdog_
     # a family's live metrics: counts as they are, a small residual with its digits instead of 0
     metrics = page.text_content("#family-metrics")
     assert "|r| 0.0000047" in metrics and "u 0.012" in metrics and "chars " in metrics, metrics
+    # the step's p99 and the command's (how soon it went out) in their own counters, not among the metrics
+    assert page.text_content("#p99") == "350 us" and page.text_content("#cmdp99") == "212 us"
+    assert "command_p99" not in metrics
     page.screenshot(path=str(screenshot_dir / "monitor_fake_running.png"))
 
     sess.safe = True

@@ -492,3 +492,32 @@ def test_status_updates_of_a_session_that_typed_for_hours_still_carry_every_fiel
         session.close()
     assert obs.got and all("truncated" not in e and "state" in e and "p99_us" in e for e in obs.got)
     assert all(e["text"] == long_text[-STATUS_TEXT_CHARS:] for e in obs.got)
+
+
+def test_the_status_line_and_status_updates_carry_how_soon_commands_went_out(plant_bundle):
+    """The step's own latency includes its recording and observers' copies, made after the command: the status line
+    and the monitor's status updates also say how long after its step began each command went out."""
+    from closedloop.runtime import Session, SessionObserver
+
+    class Statuses(SessionObserver):
+        def __init__(self):
+            self.got = []
+
+        def on_event(self, event):
+            if event.get("event") == "status":
+                self.got.append(event)
+
+    obs = Statuses()
+    session = Session(plant_bundle, _cfg("sim://plant?model=msd&rate=200&seed=3", duration_s=1.0, observers=[obs]))
+    try:
+        assert " out p99 " not in session.status_line()  # no command yet: nothing to say
+        session.start()
+        summary = session.run()
+    finally:
+        session.close()
+    line = session.status_line()
+    out_us = float(line.split(" out p99 ")[1].split(" us")[0])
+    step_us = float(line.split(" | p99 ")[1].split(" us")[0])
+    assert 0 < out_us <= summary.loop.latency_max_us and step_us > 0, line
+    late = [e for e in obs.got if e.get("command_p99_us") is not None]
+    assert late and all(0 < e["command_p99_us"] <= summary.loop.latency_max_us for e in late), obs.got

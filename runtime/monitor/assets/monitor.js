@@ -75,7 +75,8 @@
     if (e.missed !== undefined) S.counts.missed = e.missed;
     if (e.watchdog_trips !== undefined) S.counts.watchdog = e.watchdog_trips;
     if (e.reconnects !== undefined) S.counts.reconnects = e.reconnects;
-    const skip = new Set(["type", "event", "step", "state", "text", "prompt", "lost", "missed", "p99_us", "watchdog_trips",
+    const skip = new Set(["type", "event", "step", "state", "text", "prompt", "lost", "missed", "p99_us", "command_p99_us",
+                          "watchdog_trips",
                           "reconnects", "t_ns"]);
     const parts = [];
     // counts as they are; a small value keeps 3 significant digits (an observer's |r| of 5e-6 is not 0)
@@ -83,6 +84,7 @@
     for (const [k, v] of Object.entries(e)) if (!skip.has(k)) parts.push(`${k} <b>${typeof v === "number" ? num(v) : v}</b>`);
     $("family-metrics").innerHTML = parts.join(" ");
     if (e.p99_us !== undefined) $("p99").textContent = Math.round(e.p99_us) + " us";
+    if (typeof e.command_p99_us === "number") $("cmdp99").textContent = Math.round(e.command_p99_us) + " us";
   }
 
   // Rows arrive as base64 float32 ({f32, shape}); NaN marks "nothing this step".
