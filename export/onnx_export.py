@@ -332,6 +332,27 @@ def check_batchnorm_nodes(model: OnnxModel, module: nn.Module) -> dict[str, Any]
     return {"batchnorm_layers": layers, "batchnorm_nodes": len(nodes), "batchnorm_folded": max(layers - len(nodes), 0)}
 
 
+def _check_example_input(name: str, ex: object) -> None:
+    """A data input streams float values shaped (batch, features...): say what else was given and what to do."""
+    got = f"{getattr(ex, 'dtype', type(ex).__name__)} {tuple(getattr(ex, 'shape', ()))}"
+    if not isinstance(ex, torch.Tensor):
+        raise ExportError(f"example input {name!r} must be a torch tensor shaped (batch, features...), got {got}")
+    if not ex.is_floating_point():
+        raise ExportError(
+            f"example input {name!r} is {got}: a data input streams float values shaped (batch, features...). "
+            "An integer input that stays the same through a session (a session or day index, a subject id) is "
+            "fixed at export: wrap the model so that it passes the value itself (for a recurrent model, "
+            "step(self, x, h) returning inner.step(x, torch.tensor([DAY]), h)) and export one bundle per value. "
+            "One that changes from step to step arrives from the device as a float: take a float tensor and "
+            "convert inside the model (x.round().long())"
+        )
+    if ex.dim() < 2:
+        raise ExportError(
+            f"example input {name!r} is {got}: a data input is shaped (batch, features...) with the batch first; "
+            f"give it a feature axis (a scalar per step: shape (1, 1), x.unsqueeze(-1))"
+        )
+
+
 def export_onnx(
     module: nn.Module,
     example_input: torch.Tensor | Sequence[torch.Tensor],
@@ -355,11 +376,7 @@ def export_onnx(
     names_given = [input_name] if isinstance(input_name, str) else list(input_name)
     data_names = names_given if len(names_given) == len(examples) else _names(input_name, len(examples), "x", "input")
     for name, ex in zip(data_names, examples, strict=True):
-        if not isinstance(ex, torch.Tensor) or not ex.is_floating_point() or ex.dim() < 2:
-            raise ExportError(
-                f"example input {name!r} must be a floating-point tensor shaped (batch, features...), got "
-                f"{getattr(ex, 'dtype', type(ex).__name__)} {tuple(getattr(ex, 'shape', ()))}"
-            )
+        _check_example_input(name, ex)
     check_float32(module, dict(zip(data_names, examples, strict=True)))
     device = module_device(module)
     examples = [ex.to(device) for ex in examples]

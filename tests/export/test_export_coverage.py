@@ -277,6 +277,56 @@ def test_a_float64_or_half_model_is_refused_with_the_conversion_and_a_numpy_exam
     assert _graph_record(bundle)[0]["graphs"]["main"]["inputs"][0]["dtype"] == "float32"
 
 
+class DayDecoder(nn.Module):
+    """A multi-day decoder: a per-day input offset looked up by an integer day index, then a GRU."""
+
+    def __init__(self):
+        super().__init__()
+        self.day = nn.Embedding(4, FEATURES)
+        self.gru = nn.GRU(FEATURES, 8, batch_first=True)
+        self.head = nn.Linear(8, 2)
+
+    def init_state(self, batch):
+        return torch.zeros(1, batch, 8)
+
+    def step(self, x, day, h):
+        y, h = self.gru((x + self.day(day)).unsqueeze(1), h)
+        return self.head(y[:, 0]), h
+
+
+class OnDay(nn.Module):
+    """The advice of the refusal below: the day fixed at export, one bundle per day."""
+
+    def __init__(self, inner, day):
+        super().__init__()
+        self.inner, self.day_index = inner, day
+
+    def init_state(self, batch):
+        return self.inner.init_state(batch)
+
+    def step(self, x, h):
+        return self.inner.step(x, torch.full((x.shape[0],), self.day_index, dtype=torch.long), h)
+
+
+def test_an_integer_or_featureless_input_is_refused_with_what_to_do_and_the_advice_exports(tmp_path):
+    torch.manual_seed(0)
+    model = DayDecoder().eval()
+    with pytest.raises(ExportError, match=r"'x1' is torch.int64 \(1,\): a data input streams float values.*"
+                                          r"session or day index.*fixed at export.*round\(\).long\(\)"):
+        export_bundle(model, tmp_path / "int", kind="recurrent", rate_hz=50.0, report=lambda _: None,
+                      example_input=(torch.zeros(1, FEATURES), torch.zeros(1, dtype=torch.long)))
+    with pytest.raises(ExportError, match=r"'x' is torch.float32 \(1,\).*give it a feature axis.*unsqueeze"):
+        _export(nn.Linear(1, 2).eval(), tmp_path / "flat", "feedforward", torch.zeros(1))
+    assert not (tmp_path / "int").exists() and not (tmp_path / "flat").exists()
+    bundle = _export(OnDay(model, 2).eval(), tmp_path / "day2", "recurrent", torch.zeros(1, FEATURES))
+    for backend in ("onnxruntime", "numba"):
+        m, h = Model(bundle, backend=backend), model.init_state(1)
+        for x in torch.randn(20, 1, FEATURES):  # bin by bin against the torch model on day 2
+            with torch.no_grad():
+                ref, h = model.step(x, torch.tensor([2]), h)
+            assert _close(m.step(x.numpy()).copy(), ref.numpy()), backend
+
+
 class TwoHeads(nn.Module):
     """A cursor decoder's two heads, returned as a dict: velocity and click logits."""
 
