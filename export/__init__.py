@@ -25,6 +25,7 @@ _EXPORTS: dict[str, str] = {
     "PowerSpectrum": ".spectral",
     "SequenceStep": ".sequence_step",
     "Tolerance": ".parity",
+    "Window": "closedloop.runtime.manifest",  # export_bundle(..., windows={"x": Window(...)})
     "build_tensorrt_engines": ".tensorrt",
     "export_bundle": ".api",
     "export_onnx": ".onnx_export",
@@ -34,7 +35,8 @@ _EXPORTS: dict[str, str] = {
 }
 
 __all__ = ["FP32_TOLERANCE", "VARIANTS", "VARIANT_TOLERANCES", "ExportError", "ExportOptions", "ExportedGraph",
-           "GraphCheckError", "ParityError", "PowerSpectrum", "SequenceStep", "Tolerance", "UnsupportedOpError", "build_tensorrt_engines",
+           "GraphCheckError", "ParityError", "PowerSpectrum", "SequenceStep", "Tolerance", "UnsupportedOpError", "Window",
+           "build_tensorrt_engines",
            "export_bundle", "export_onnx", "import_onnx", "tensorrt_compatibility", "write_bundle"]
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

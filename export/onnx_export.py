@@ -497,7 +497,13 @@ def export_onnx(
         outputs.append(spec)
     for t in inputs + outputs:
         if t.dtype not in ("float32", "float16", "float64"):
-            raise GraphCheckError(f"tensor {t.name!r} has dtype {t.dtype!r}; export_bundle handles floating-point I/O only")
+            what = "output" if t in outputs else "input"
+            raise GraphCheckError(
+                f"{what} {t.name!r} has dtype {t.dtype!r}; a bundle's inputs and outputs are floating-point. "
+                + ("Return the scores it came from (logits or probabilities: the argmax is one cheap step after "
+                   "the model, in your family or postprocess) or return it as a float (y.float())"
+                   if what == "output" else "Take a float input and convert it inside the model")
+            )
     declared = {v.name: v.shape for v in [*g_in, *g_out]}
     if any(declared[t.name] != t.shape for t in inputs + outputs):
         sized = sorted({n.op_type for n in model.nodes} & DATA_DEPENDENT_SIZE)

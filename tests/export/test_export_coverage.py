@@ -327,6 +327,32 @@ def test_an_integer_or_featureless_input_is_refused_with_what_to_do_and_the_advi
             assert _close(m.step(x.numpy()).copy(), ref.numpy()), backend
 
 
+class Classifier(nn.Module):
+    """Probabilities and the chosen class; ``as_float`` returns the class index as a float."""
+
+    def __init__(self, as_float: bool):
+        super().__init__()
+        self.layer, self.as_float = nn.Linear(FEATURES, 4), as_float
+
+    def forward(self, x):
+        y = self.layer(x)
+        label = y.argmax(-1)
+        return y.softmax(-1), (label.float() if self.as_float else label)
+
+
+def test_an_integer_output_is_refused_with_what_to_do_and_a_float_label_exports(tmp_path):
+    torch.manual_seed(0)
+    with pytest.raises(GraphCheckError, match=r"output 'y1' has dtype 'int64'.*Return the scores.*y.float\(\)"):
+        _export(Classifier(as_float=False).eval(), tmp_path / "int", "feedforward", torch.zeros(1, FEATURES))
+    assert not (tmp_path / "int").exists()
+    module = Classifier(as_float=True).eval()
+    bundle = _export(module, tmp_path / "float", "feedforward", torch.zeros(1, FEATURES))
+    x = torch.randn(1, FEATURES)
+    model = Model(bundle, backend="onnxruntime")
+    model.step(x.numpy())
+    assert model.outputs["y1"][0] == float(module(x)[1][0])
+
+
 class TwoHeads(nn.Module):
     """A cursor decoder's two heads, returned as a dict: velocity and click logits."""
 
