@@ -72,9 +72,15 @@ from .kernels_dense import (  # noqa: F401
 from .kernels_nd import (  # noqa: F401
     BIN_ADD,
     BIN_DIV,
+    BIN_EQUAL,
+    BIN_GREATER,
+    BIN_GREATER_EQUAL,
+    BIN_LESS,
+    BIN_LESS_EQUAL,
     BIN_MAX,
     BIN_MIN,
     BIN_MUL,
+    BIN_NOT_EQUAL,
     BIN_POW,
     BIN_SUB,
     RED_L1,
@@ -89,6 +95,7 @@ from .kernels_nd import (  # noqa: F401
     layer_norm,
     reduce,
     strided_copy,
+    where,
 )
 
 # Opcodes of a plan row ``[op, a1, a2, ...]``: array arguments are rows of the array
@@ -108,6 +115,7 @@ OP_CONV = 11  # x, panels, b, y, padded, st, g[19]    convolution (groups 1), th
 OP_POOL = 12  # x, y, g[17]                           max or average pooling
 OP_CONV_GROUPED = 13  # x, w, b, y, g[19]             convolution (any groups), then an activation
 OP_RNN = 14  # x, h0, w, r, b, y, relu, reverse, st     Elman RNN (tanh or relu) over every step
+OP_WHERE = 15  # c, a, b, y, g[12]                    y = a where c != 0 else b, broadcasting
 PROGRAM_WIDTH = 26
 
 LANES_SLOT = 0  # table row of the (1, POSITIONS * LANES) scratch every plan carries
@@ -182,6 +190,9 @@ def run_plan(program, table, arena):
                 _view(arena, table, p[4]), _view(arena, table, p[5]), _view(arena, table, p[6]), p[7], lanes, p[8],
                 p[9],
             )
+        elif op == OP_WHERE:
+            where(_view(arena, table, p[1]), _view(arena, table, p[2]), _view(arena, table, p[3]),
+                  _view(arena, table, p[4]), p[5:])
         elif op == OP_COPY:
             copy_into(_view(arena, table, p[1]), _view(arena, table, p[2]))
 
@@ -231,4 +242,4 @@ def pack_arena(arrays: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray, list[n
 
 # every kernel module's digest, so that an edit to any of them refreshes Numba's cache of all
 # (tools/kernel_digest.py says why)
-KERNEL_SOURCES = "5c20e5e94ec942db"
+KERNEL_SOURCES = "1957ab0f288124c2"

@@ -425,4 +425,4 @@ def activate(x, y, act):
 
 # every kernel module's digest, so that an edit to any of them refreshes Numba's cache of all
 # (tools/kernel_digest.py says why)
-KERNEL_SOURCES = "5c20e5e94ec942db"
+KERNEL_SOURCES = "1957ab0f288124c2"

@@ -29,6 +29,14 @@ BIN_DIV = 3
 BIN_POW = 4
 BIN_MAX = 5
 BIN_MIN = 6
+# comparisons: 1.0 where true, 0.0 where false (a boolean tensor is kept as float32 zeros and ones; NaN compares
+# false, and not-equal true, as in IEEE arithmetic and ONNX)
+BIN_GREATER = 7
+BIN_LESS = 8
+BIN_EQUAL = 9
+BIN_GREATER_EQUAL = 10
+BIN_LESS_EQUAL = 11
+BIN_NOT_EQUAL = 12
 
 # Reductions (OP_REDUCE).
 RED_MEAN = 0
@@ -81,6 +89,20 @@ def _bin(op, u, v):
         return u if (u < v or u != u) else v
     if op == BIN_MUL:
         return u * v
+    if op >= BIN_GREATER:
+        if op == BIN_GREATER:
+            t = u > v
+        elif op == BIN_LESS:
+            t = u < v
+        elif op == BIN_EQUAL:
+            t = u == v
+        elif op == BIN_GREATER_EQUAL:
+            t = u >= v
+        elif op == BIN_LESS_EQUAL:
+            t = u <= v
+        else:
+            t = u != v
+        return np.float32(1.0) if t else np.float32(0.0)
     return u + v
 
 
@@ -115,6 +137,28 @@ def binary(a, b, y, g):
             else:
                 for k in range(n2):
                     yr[k] = _bin(op, ar[k * sa], br[k * sb])
+
+
+@njit(**JIT)
+def where(c, a, b, y, g):
+    """``y = a if c != 0 else b`` with broadcasting over 3 axes; ``g = [n0, n1, n2, cs0..cs2, as0..as2, bs0..bs2]``.
+
+    A select, not arithmetic: the value not taken never reaches ``y`` (an ``-inf`` fill or a NaN on the other
+    side stays where it is). ``y`` is contiguous; a zero stride broadcasts that operand along the axis.
+    """
+    cf, af, bf, yf = c[0], a[0], b[0], y[0]
+    n0, n1, n2 = g[0], g[1], g[2]
+    cs0, cs1, sc = g[3], g[4], g[5]
+    as0, as1, sa = g[6], g[7], g[8]
+    bs0, bs1, sb = g[9], g[10], g[11]
+    for i in range(n0):
+        for j in range(n1):
+            co, ao, bo = i * cs0 + j * cs1, i * as0 + j * as1, i * bs0 + j * bs1
+            cr = cf[co : co + (n2 - 1) * sc + 1]
+            ar, br = af[ao : ao + (n2 - 1) * sa + 1], bf[bo : bo + (n2 - 1) * sb + 1]
+            yr = yf[(i * n1 + j) * n2 : (i * n1 + j + 1) * n2]
+            for k in range(n2):
+                yr[k] = ar[k * sa] if cr[k * sc] != 0 else br[k * sb]
 
 
 @njit(inline="always", **JIT)
@@ -220,4 +264,4 @@ def batched_matmul(a, b, bias, y, packed, alpha, lanes, g):
 
 # every kernel module's digest, so that an edit to any of them refreshes Numba's cache of all
 # (tools/kernel_digest.py says why)
-KERNEL_SOURCES = "5c20e5e94ec942db"
+KERNEL_SOURCES = "1957ab0f288124c2"

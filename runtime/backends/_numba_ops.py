@@ -35,7 +35,12 @@ if TYPE_CHECKING:
     from ._numba_plan import Planner
 
 _BINARY = {"Add": "BIN_ADD", "Sub": "BIN_SUB", "Mul": "BIN_MUL", "Div": "BIN_DIV", "Pow": "BIN_POW",
-           "Max": "BIN_MAX", "Min": "BIN_MIN"}
+           "Max": "BIN_MAX", "Min": "BIN_MIN",
+           # comparisons give float32 ones and zeros; on those, logical and / or / xor are a product, a maximum
+           # and an inequality
+           "Greater": "BIN_GREATER", "Less": "BIN_LESS", "Equal": "BIN_EQUAL", "GreaterOrEqual": "BIN_GREATER_EQUAL",
+           "LessOrEqual": "BIN_LESS_EQUAL", "And": "BIN_MUL", "Or": "BIN_MAX", "Xor": "BIN_NOT_EQUAL",
+           "NotEqual": "BIN_NOT_EQUAL"}
 
 
 def binary(p: Planner, node, a: Act, b: Act, op: str) -> Act:
@@ -161,15 +166,47 @@ def _arith(p: Planner, node) -> None:
     p.define(node, affine(p, node, x, scale, shift, node.inputs[0 if x_first else 1]))
 
 
+@handles("Greater", "Less", "Equal", "GreaterOrEqual", "LessOrEqual", "And", "Or", "Xor")
+def _compare(p: Planner, node) -> None:
+    """A comparison or logical op with at least one computed input: float32 ones where true, zeros where false."""
+    p.define(node, binary(p, node, p.act(node, 0, materialize=True), p.act(node, 1, materialize=True), node.op_type))
+
+
+@handles("Not")
+def _not(p: Planner, node) -> None:
+    x = p.act(node)
+    p.define(node, affine(p, node, x, -np.ones((), np.float32), np.ones((), np.float32), node.inputs[0]))
+
+
+def select(p: Planner, node, c: Act, a: Act, b: Act) -> Act:
+    """``a`` where ``c`` is nonzero, else ``b``, with ONNX (numpy) broadcasting of all three, as one step."""
+    shape = broadcast_shape(node, c.shape, a.shape, b.shape)
+    y = p.new_act(shape)
+    sizes, (sc, sa, sb, _) = merge_axes(list(shape), broadcast_strides(c.shape, shape),
+                                        broadcast_strides(a.shape, shape), broadcast_strides(b.shape, shape),
+                                        contiguous_strides(shape))
+    if len(sizes) > 3:
+        raise unsupported(node, f"broadcasting {c.shape}, {a.shape} and {b.shape} walks {len(sizes)} axes "
+                                "(at most 3 are supported)")
+    pad = 3 - len(sizes)
+    sizes, sc, sa, sb = [1] * pad + sizes, [0] * pad + sc, [0] * pad + sa, [0] * pad + sb
+    p.emit(p.k.OP_WHERE, c.flat(), a.flat(), b.flat(), y.flat(), *sizes, *sc, *sa, *sb, out=y.buf)
+    return y
+
+
 @handles("Where")
 def _where(p: Planner, node) -> None:
-    """``where(cond, a, b)`` with a constant condition (a mask, e.g. ``masked_fill`` of attention scores): with one
-    side constant, ``x * keep + fill`` as one affine step (``keep`` 0 where the constant is taken, ``fill`` that
-    constant there and 0 elsewhere, so a filled ``-inf`` stays ``-inf``); with both sides computed, two products by
-    the mask and a sum. A condition computed from the inputs is refused."""
+    """``where(cond, a, b)``. A condition computed from the inputs (``torch.where(x > 0, ...)``, a ``masked_fill``
+    by a computed mask) is one select step. A constant condition (a mask, e.g. ``masked_fill`` of attention
+    scores): with one side constant, ``x * keep + fill`` as one affine step (``keep`` 0 where the constant is
+    taken, ``fill`` that constant there and 0 elsewhere, so a filled ``-inf`` stays ``-inf``); with both sides
+    computed, two products by the mask and a sum."""
     cond, a, b = p.value(node, 0), p.value(node, 1), p.value(node, 2)
+    if isinstance(cond, Act):
+        p.define(node, select(p, node, cond, p.act(node, 1, materialize=True), p.act(node, 2, materialize=True)))
+        return
     if not isinstance(cond, np.ndarray):
-        raise unsupported(node, "a condition computed from the model's inputs (a constant mask runs here)")
+        raise unsupported(node, "a condition that is neither computed nor a constant")
     mask = cond.astype(bool)
     if isinstance(a, Act) and isinstance(b, Act):
         pick = p.materialize(mask.astype(np.float32))

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..onnx_reader import ONNX_DTYPES
+from ._numba_ops import binary
 from ._numba_values import (
     FOLDS,
     STORAGE,
@@ -165,10 +166,19 @@ def _stored_dequantize(node, x, scale, zero=None) -> StoredWeight | None:
 STORAGE["DequantizeLinear"] = _stored_dequantize
 
 
+ONNX_FLOAT, ONNX_BOOL = 1, 9  # TensorProto data types
+
+
 @handles("Identity", "Dropout", "Cast")
 def _identity(p: Planner, node) -> None:
-    if node.op_type == "Cast" and node.attributes.get("to") != 1:
-        raise unsupported(node, f"casting an activation to ONNX type {node.attributes.get('to')} (only float32 runs here)")
+    # a boolean is kept as float32 ones and zeros: casting one to float32 changes nothing, and casting a float32
+    # value to bool gives 1 where it is nonzero (NaN too), else 0
+    to = node.attributes.get("to")
+    if node.op_type == "Cast" and to == ONNX_BOOL:
+        p.define(node, binary(p, node, p.act(node), p.materialize(np.zeros((), np.float32)), "NotEqual"))
+        return
+    if node.op_type == "Cast" and to != ONNX_FLOAT:
+        raise unsupported(node, f"casting an activation to ONNX type {to} (float32 and bool run here)")
     if node.op_type == "Dropout" and len(node.outputs) > 1 and p.uses.get(node.outputs[1]):
         raise unsupported(node, "the dropout mask output is used")
     p.define(node, p.act(node))

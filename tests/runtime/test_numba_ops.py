@@ -215,10 +215,25 @@ def _resizes_2d(x, m):
                       f(img, scale_factor=2.0, mode="bilinear", align_corners=True).flatten(1)], dim=1)
 
 
+def _comparisons(x, m):
+    """Comparisons of computed values, logic on them and selects: ``torch.where`` on a computed condition (softplus
+    where positive), a ``masked_fill`` by a computed mask with ``-inf`` before a softmax (the value not taken must
+    not leak in), masks multiplied in as floats, and, or, xor, not, equality with what a clamp pinned."""
+    y = m["lin"](x)
+    gated = torch.where(y > 0, nn.functional.softplus(y), torch.zeros_like(y))
+    attn = y.masked_fill(y < -1.0, float("-inf")).softmax(-1)
+    band = ((x > -0.5) & (x < 0.5)) | (x >= 1.5)
+    flags = (~band) ^ (x <= -1.0)
+    pinned = torch.clamp(x, -0.5, 0.5) == 0.5
+    masks = x * (y < x).float() + band.float() + flags.to(x.dtype) + pinned.float() + (x != y).float()
+    return torch.cat([gated.flatten(1), attn.flatten(1), masks.flatten(1), torch.where(x > y, x, y).flatten(1)], dim=1)
+
+
 SHAPES = {
     "resize_nearest_linear_1d": ((6, 10), lambda: Fn(_resizes_1d)),
     "resize_nearest_bilinear_2d": ((6, 10), lambda: Fn(_resizes_2d)),
     "cumulative_sums": ((6, 10), lambda: Fn(_cumsums)),
+    "comparisons_logic_where": ((6, 10), lambda: Fn(_comparisons, lin=nn.Linear(10, 10))),
     "slices_gathers_concat": ((6, 10), lambda: Fn(_slices)),
     "transpose_reshape_split_expand": ((6, 10), lambda: Fn(_moves)),
     "elementwise": ((6, 10), lambda: Fn(_elementwise, lin=nn.Linear(10, 10))),
