@@ -47,8 +47,9 @@ STATUS_LSL_STREAM_BACK = 52
 STATUS_LSL_NOT_COUNTS = 53
 _REQUEST_REPORT, _REPORT = 1, 2
 
-#: Stream types (lower case) that open as a ``headstage`` when the URL gives no ``kind``; any other is a ``plant``.
-NEURAL_TYPES = frozenset({"eeg", "ecog", "seeg", "lfp", "meg", "emg", "spikes", "spikecounts", "neural"})
+#: Stream types (lower case) that open as a ``headstage`` (spike counts) when the URL gives no ``kind``; any other,
+#: voltages such as EEG, ECoG or LFP among them, is a ``plant`` (float32 values as they are).
+NEURAL_TYPES = frozenset({"spikes", "spikecounts", "neural"})
 _KINDS = ("headstage", "plant")
 _MAX_CHUNK = 256  # samples pulled per call; a session at the stream's rate finds one or two
 

@@ -114,11 +114,12 @@ def test_counts_arrive_intact_with_their_lsl_timestamps_and_the_clocks():
     link.close()
 
 
-def test_float_measurements_arrive_as_plant_frames_and_commands_are_counted():
+@pytest.mark.parametrize("stype", ["MoCap", "EEG", "ECoG"])
+def test_float_measurements_arrive_as_plant_frames_and_commands_are_counted(stype):
     name = _name()
-    out = _outlet(name, 3, 200, stype="MoCap")
+    out = _outlet(name, 3, 200, stype=stype)
     t = open_transport(f"lsl://{name}?timeout=3")
-    assert t.kind == "plant"  # not a neural type
+    assert t.kind == "plant"  # not spike counts: voltages (EEG in microvolts) and positions pass as they are
     link = Link(t)
     link.send(Hello(kind="host", name="test", rate_hz=200))
     x = np.array([0.125, -3.5e-3, 1e6], dtype=np.float32)
@@ -149,11 +150,11 @@ def _headstage_frames(stype: str, sample: list[float]):
 
 
 def test_rounding_rule_for_float_counts():
-    t, link, frames, counts = _headstage_frames("EEG", [2.5, 3.49, -4.0, float("nan"), 70000.0])
+    t, link, frames, counts = _headstage_frames("Neural", [2.5, 3.49, -4.0, float("nan"), 70000.0])
     assert counts
     np.testing.assert_array_equal(counts[0], [2, 3, 0, 0, 65535])  # round half to even, clip, NaN -> 0
     assert t.stats.clipped_values == 3 * len(counts) and t.stats.rounded_values == 2 * len(counts)
-    # values that are not counts (EEG in microvolts read as a headstage) are said once, loudly, with the fix
+    # values that are not counts (voltages read as a headstage) are said once, loudly, with the fix
     warnings = [f.message for f in frames if isinstance(f.message, Status) and f.message.code == STATUS_LSL_NOT_COUNTS]
     assert len(warnings) == 1 and "kind=plant" in warnings[0].text and warnings[0].severity == Severity.WARNING
     link.close()
@@ -171,7 +172,7 @@ def test_float_counts_that_are_whole_numbers_pass_without_a_warning():
 def test_a_stream_that_disappears_is_reported_and_frames_resume_when_it_returns(source_id):
     name = _name()
     sid = f"{name}-src" if source_id else ""
-    info = lambda: pylsl.StreamInfo(name, "EEG", 2, 100, "float32", sid)  # noqa: E731
+    info = lambda: pylsl.StreamInfo(name, "SpikeCounts", 2, 100, "float32", sid)  # noqa: E731
     out = pylsl.StreamOutlet(info())
     t = open_transport(f"lsl://{name}?timeout=3&lost_s=0.2")
     link = Link(t)
