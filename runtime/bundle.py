@@ -318,6 +318,9 @@ def _open(path: str | Path) -> tuple[Path, Path]:
                 "make one from the torch module with closedloop.export_bundle(module, out, ...)")
         raise BundleError(f"bundle {source}: this is {what}, not a bundle (a folder or zip with manifest.json); "
                           f"{make} (docs/workflow.md)")
+    if source.is_file() and source.name == MANIFEST_NAME:
+        raise BundleError(f"bundle {source}: this is a bundle's manifest; give the folder that holds it, "
+                          f"{source.parent}")
     root = _unpack_zip(source) if source.is_file() else source
     return root, source
 

@@ -157,6 +157,11 @@ def test_a_model_file_handed_over_as_a_bundle_is_named_with_how_to_make_one(bund
         load_bundle(model)
 
 
+def test_a_bundles_manifest_handed_over_as_the_bundle_names_the_folder(bundle):
+    with pytest.raises(BundleError, match=f"this is a bundle's manifest; give the folder that holds it, {bundle}$"):
+        load_bundle(bundle / "manifest.json")
+
+
 @pytest.mark.parametrize(("edit", "message"), [
     (lambda d: d["files"]["main.onnx"].update(bytes=float(d["files"]["main.onnx"]["bytes"])),
      "files['main.onnx'].bytes must be an integer, got a number"),
