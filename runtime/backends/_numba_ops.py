@@ -196,34 +196,14 @@ def select(p: Planner, node, c: Act, a: Act, b: Act) -> Act:
 
 @handles("Where")
 def _where(p: Planner, node) -> None:
-    """``where(cond, a, b)``. A condition computed from the inputs (``torch.where(x > 0, ...)``, a ``masked_fill``
-    by a computed mask) is one select step. A constant condition (a mask, e.g. ``masked_fill`` of attention
-    scores): with one side constant, ``x * keep + fill`` as one affine step (``keep`` 0 where the constant is
-    taken, ``fill`` that constant there and 0 elsewhere, so a filled ``-inf`` stays ``-inf``); with both sides
-    computed, two products by the mask and a sum."""
-    cond, a, b = p.value(node, 0), p.value(node, 1), p.value(node, 2)
-    if isinstance(cond, Act):
-        p.define(node, select(p, node, cond, p.act(node, 1, materialize=True), p.act(node, 2, materialize=True)))
-        return
-    if not isinstance(cond, np.ndarray):
+    """``where(cond, a, b)`` as one select step, whether the condition is computed from the inputs
+    (``torch.where(x > 0, ...)``, a ``masked_fill`` by a computed mask) or constant (a causal mask): a select, not
+    arithmetic with the mask, so an ``-inf`` or NaN on the side not taken never reaches the result."""
+    cond = p.value(node, 0)
+    if not isinstance(cond, (Act, np.ndarray)):
         raise unsupported(node, "a condition that is neither computed nor a constant")
-    mask = cond.astype(bool)
-    if isinstance(a, Act) and isinstance(b, Act):
-        pick = p.materialize(mask.astype(np.float32))
-        rest = p.materialize((~mask).astype(np.float32))
-        p.define(node, binary(p, node, binary(p, node, a, pick, "Mul"), binary(p, node, b, rest, "Mul"), "Add"))
-        return
-    if isinstance(a, Act) and isinstance(b, np.ndarray):
-        x, name, keep, fill = a, node.inputs[1], mask, np.where(mask, 0.0, b.astype(np.float32))
-    elif isinstance(b, Act) and isinstance(a, np.ndarray):
-        x, name, keep, fill = b, node.inputs[2], ~mask, np.where(mask, a.astype(np.float32), 0.0)
-    else:
-        raise unsupported(node, "inputs that are neither activations nor constants")
-    keep_f = keep.astype(np.float32)
-    fill_f = np.asarray(fill, np.float32)
-    if broadcast_shape(node, x.shape, np.broadcast_shapes(keep_f.shape, fill_f.shape)) != x.shape:
-        raise unsupported(node, f"a mask of shape {mask.shape} that widens the value of shape {x.shape}")
-    p.define(node, affine(p, node, x, keep_f, fill_f, name))
+    c = cond if isinstance(cond, Act) else p.materialize(cond.astype(bool).astype(np.float32))
+    p.define(node, select(p, node, c, p.act(node, 1, materialize=True), p.act(node, 2, materialize=True)))
 
 
 @handles("Neg")

@@ -159,12 +159,16 @@ CONV = {
 }
 def _masked(x, m):
     """A causal mask built in forward (a constant after tracing) three ways: masked_fill(-inf) of attention
-    scores, where(mask, activation, activation), where(mask, activation, constant)."""
+    scores, where(mask, activation, activation) (also with -inf on the side not taken), where(mask, activation,
+    constant)."""
     t = x.shape[1]
     mask = torch.triu(torch.ones(t, t, dtype=torch.bool), 1)
-    scores = (m["q"](x) @ m["k"](x).transpose(1, 2)).masked_fill(mask, float("-inf")).softmax(-1)
+    raw = (m["q"](x) @ m["k"](x).transpose(1, 2)).masked_fill(mask, float("-inf"))
+    scores = raw.softmax(-1)
     keep = torch.where(mask, scores, 2.0 * torch.tanh(scores))
-    return torch.cat([(scores @ x).flatten(1), keep.flatten(1), torch.where(mask, scores, 0.25).flatten(1)], dim=1)
+    exact = torch.where(mask, scores, raw)  # the -inf of `raw` sits where it is not taken: it must not leak (NaN)
+    return torch.cat([(scores @ x).flatten(1), keep.flatten(1), torch.where(mask, scores, 0.25).flatten(1),
+                      exact.flatten(1)], dim=1)
 
 
 def _einsums(x, m):
