@@ -21,10 +21,16 @@ from numba import njit
 
 from .kernels_act import (  # noqa: F401  (re-exported: the planner and tests use them from here)
     ACT_ABS,
+    ACT_ACOS,
+    ACT_ASIN,
+    ACT_ATAN,
+    ACT_CEIL,
     ACT_CLIP,
+    ACT_COS,
     ACT_ELU,
     ACT_ERF,
     ACT_EXP,
+    ACT_FLOOR,
     ACT_GELU,
     ACT_GELU_TANH,
     ACT_HARD_SIGMOID,
@@ -36,12 +42,16 @@ from .kernels_act import (  # noqa: F401  (re-exported: the planner and tests us
     ACT_POW,
     ACT_RECIPROCAL,
     ACT_RELU,
+    ACT_ROUND,
     ACT_SIGMOID,
     ACT_SIGN,
+    ACT_SIN,
     ACT_SOFTMAX,
     ACT_SOFTPLUS,
+    ACT_SOFTSIGN,
     ACT_SQRT,
     ACT_SQUARE,
+    ACT_TAN,
     ACT_TANH,
     JIT,
     activate,
@@ -242,4 +252,4 @@ def pack_arena(arrays: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray, list[n
 
 # every kernel module's digest, so that an edit to any of them refreshes Numba's cache of all
 # (tools/kernel_digest.py says why)
-KERNEL_SOURCES = "1957ab0f288124c2"
+KERNEL_SOURCES = "c652c005628c55f2"

@@ -51,6 +51,16 @@ ACT_SOFTPLUS = 19
 ACT_HARD_SIGMOID = 20  # alpha * x + beta, clipped to [0, 1]
 ACT_HARD_SWISH = 21
 ACT_SIGN = 22
+ACT_SIN = 23
+ACT_COS = 24
+ACT_TAN = 25
+ACT_ASIN = 26
+ACT_ACOS = 27
+ACT_ATAN = 28
+ACT_FLOOR = 29
+ACT_CEIL = 30
+ACT_ROUND = 31  # half to even, as ONNX Round
+ACT_SOFTSIGN = 32
 
 @intrinsic
 def _float_from_bits(typingctx, bits):
@@ -242,6 +252,56 @@ def _sign(v, a, b):
 
 
 @njit(inline="always", **JIT)
+def _sin(v, a, b):
+    return np.sin(v)
+
+
+@njit(inline="always", **JIT)
+def _cos(v, a, b):
+    return np.cos(v)
+
+
+@njit(inline="always", **JIT)
+def _tan(v, a, b):
+    return np.tan(v)
+
+
+@njit(inline="always", **JIT)
+def _asin(v, a, b):
+    return np.arcsin(v)
+
+
+@njit(inline="always", **JIT)
+def _acos(v, a, b):
+    return np.arccos(v)
+
+
+@njit(inline="always", **JIT)
+def _atan(v, a, b):
+    return np.arctan(v)
+
+
+@njit(inline="always", **JIT)
+def _floor(v, a, b):
+    return np.floor(v)
+
+
+@njit(inline="always", **JIT)
+def _ceil(v, a, b):
+    return np.ceil(v)
+
+
+@njit(inline="always", **JIT)
+def _round(v, a, b):
+    return np.rint(v)
+
+
+@njit(inline="always", **JIT)
+def _softsign(v, a, b):
+    return v / (np.float32(1.0) + np.abs(v))
+
+
+@njit(inline="always", **JIT)
 def _softplus(v, a, b):
     return v if v > np.float32(20.0) else np.log1p(fast_exp(v))
 
@@ -411,6 +471,46 @@ def apply_act(x, y, act, alpha, beta):
         for i in range(rows):
             for j in range(n):
                 y[i, j] = _sign(x[i, j], a, b)
+    elif act == ACT_SIN:
+        for i in range(rows):
+            for j in range(n):
+                y[i, j] = _sin(x[i, j], a, b)
+    elif act == ACT_COS:
+        for i in range(rows):
+            for j in range(n):
+                y[i, j] = _cos(x[i, j], a, b)
+    elif act == ACT_TAN:
+        for i in range(rows):
+            for j in range(n):
+                y[i, j] = _tan(x[i, j], a, b)
+    elif act == ACT_ASIN:
+        for i in range(rows):
+            for j in range(n):
+                y[i, j] = _asin(x[i, j], a, b)
+    elif act == ACT_ACOS:
+        for i in range(rows):
+            for j in range(n):
+                y[i, j] = _acos(x[i, j], a, b)
+    elif act == ACT_ATAN:
+        for i in range(rows):
+            for j in range(n):
+                y[i, j] = _atan(x[i, j], a, b)
+    elif act == ACT_FLOOR:
+        for i in range(rows):
+            for j in range(n):
+                y[i, j] = _floor(x[i, j], a, b)
+    elif act == ACT_CEIL:
+        for i in range(rows):
+            for j in range(n):
+                y[i, j] = _ceil(x[i, j], a, b)
+    elif act == ACT_ROUND:
+        for i in range(rows):
+            for j in range(n):
+                y[i, j] = _round(x[i, j], a, b)
+    elif act == ACT_SOFTSIGN:
+        for i in range(rows):
+            for j in range(n):
+                y[i, j] = _softsign(x[i, j], a, b)
     else:
         for i in range(rows):
             for j in range(n):
@@ -425,4 +525,4 @@ def activate(x, y, act):
 
 # every kernel module's digest, so that an edit to any of them refreshes Numba's cache of all
 # (tools/kernel_digest.py says why)
-KERNEL_SOURCES = "1957ab0f288124c2"
+KERNEL_SOURCES = "c652c005628c55f2"

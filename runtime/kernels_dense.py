@@ -503,4 +503,4 @@ def copy_into(x, y):
 
 # every kernel module's digest, so that an edit to any of them refreshes Numba's cache of all
 # (tools/kernel_digest.py says why)
-KERNEL_SOURCES = "1957ab0f288124c2"
+KERNEL_SOURCES = "c652c005628c55f2"

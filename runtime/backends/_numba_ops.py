@@ -236,7 +236,9 @@ def _extremum(p: Planner, node) -> None:
 # -- activations ----------------------------------------------------------------------------
 _SIMPLE = {"Relu": "ACT_RELU", "Tanh": "ACT_TANH", "Sigmoid": "ACT_SIGMOID", "Erf": "ACT_ERF", "Sqrt": "ACT_SQRT",
            "Exp": "ACT_EXP", "Log": "ACT_LOG", "Abs": "ACT_ABS", "Reciprocal": "ACT_RECIPROCAL",
-           "Softplus": "ACT_SOFTPLUS", "Sign": "ACT_SIGN"}
+           "Softplus": "ACT_SOFTPLUS", "Sign": "ACT_SIGN", "Sin": "ACT_SIN", "Cos": "ACT_COS", "Tan": "ACT_TAN",
+           "Asin": "ACT_ASIN", "Acos": "ACT_ACOS", "Atan": "ACT_ATAN", "Floor": "ACT_FLOOR", "Ceil": "ACT_CEIL",
+           "Round": "ACT_ROUND", "Softsign": "ACT_SOFTSIGN"}
 _WITH_PARAMS = {"LeakyRelu": ("ACT_LEAKY_RELU", 0.01, 0.0), "Elu": ("ACT_ELU", 1.0, 0.0),
                 "HardSigmoid": ("ACT_HARD_SIGMOID", 0.2, 0.5), "HardSwish": ("ACT_HARD_SWISH", 1 / 6, 0.5)}
 _FUSABLE = ("ACT_RELU", "ACT_TANH", "ACT_SIGMOID", "ACT_ERF", "ACT_GELU", "ACT_GELU_TANH")

@@ -233,11 +233,24 @@ def _comparisons(x, m):
     return torch.cat([gated.flatten(1), attn.flatten(1), masks.flatten(1), torch.where(x > y, x, y).flatten(1)], dim=1)
 
 
+def _angles_and_rounding(x, m):
+    """A robot policy's angle features (sin and cos of joint angles, an atan2 of two of them), the inverse functions
+    inside their domains, tan away from its poles, softsign, and floor, ceil and round (half to even) of values scaled
+    by a power of two, so both backends round the same number."""
+    q = m["lin"](x)
+    s = torch.tanh(q) * 0.99
+    angles = torch.cat([torch.sin(q), torch.cos(q), torch.atan2(q[..., :5], q[..., 5:]), torch.atan(q),
+                        torch.asin(s), torch.acos(s), torch.tan(0.5 * s), nn.functional.softsign(q)], dim=-1)
+    steps = torch.cat([torch.floor(4.0 * x), torch.ceil(4.0 * x), torch.round(4.0 * x), torch.round(x * 0.0 + 2.5)], -1)
+    return torch.cat([angles.flatten(1), steps.flatten(1)], dim=1)
+
+
 SHAPES = {
     "resize_nearest_linear_1d": ((6, 10), lambda: Fn(_resizes_1d)),
     "resize_nearest_bilinear_2d": ((6, 10), lambda: Fn(_resizes_2d)),
     "cumulative_sums": ((6, 10), lambda: Fn(_cumsums)),
     "comparisons_logic_where": ((6, 10), lambda: Fn(_comparisons, lin=nn.Linear(10, 10))),
+    "angles_and_rounding": ((6, 10), lambda: Fn(_angles_and_rounding, lin=nn.Linear(10, 10))),
     "slices_gathers_concat": ((6, 10), lambda: Fn(_slices)),
     "transpose_reshape_split_expand": ((6, 10), lambda: Fn(_moves)),
     "elementwise": ((6, 10), lambda: Fn(_elementwise, lin=nn.Linear(10, 10))),
