@@ -105,6 +105,7 @@ from .kernels_nd import (  # noqa: F401
     layer_norm,
     reduce,
     strided_copy,
+    topk,
     where,
 )
 
@@ -126,6 +127,7 @@ OP_POOL = 12  # x, y, g[17]                           max or average pooling
 OP_CONV_GROUPED = 13  # x, w, b, y, g[19]             convolution (any groups), then an activation
 OP_RNN = 14  # x, h0, w, r, b, y, relu, reverse, st     Elman RNN (tanh or relu) over every step
 OP_WHERE = 15  # c, a, b, y, g[12]                    y = a where c != 0 else b, broadcasting
+OP_TOPK = 16  # x, y, g[5]                            the k largest (or smallest) along an axis, in order
 PROGRAM_WIDTH = 26
 
 LANES_SLOT = 0  # table row of the (1, POSITIONS * LANES) scratch every plan carries
@@ -200,6 +202,8 @@ def run_plan(program, table, arena):
                 _view(arena, table, p[4]), _view(arena, table, p[5]), _view(arena, table, p[6]), p[7], lanes, p[8],
                 p[9],
             )
+        elif op == OP_TOPK:
+            topk(_view(arena, table, p[1]), _view(arena, table, p[2]), p[3:])
         elif op == OP_WHERE:
             where(_view(arena, table, p[1]), _view(arena, table, p[2]), _view(arena, table, p[3]),
                   _view(arena, table, p[4]), p[5:])
@@ -252,4 +256,4 @@ def pack_arena(arrays: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray, list[n
 
 # every kernel module's digest, so that an edit to any of them refreshes Numba's cache of all
 # (tools/kernel_digest.py says why)
-KERNEL_SOURCES = "c652c005628c55f2"
+KERNEL_SOURCES = "4f2bf4e2ca9f9948"

@@ -162,6 +162,38 @@ def where(c, a, b, y, g):
 
 
 @njit(inline="always", **JIT)
+def _beats(largest, v, w):
+    return v > w if largest else v < w
+
+
+@njit(**JIT)
+def topk(x, y, g):
+    """``y[o, j, i]``: the ``j``-th largest (or smallest) of ``x[o, :, i]``, ``j < k``, in order;
+    ``g = [outer, n, inner, k, largest]``.
+
+    An insertion into the ``k`` places kept so far (``k`` is small where a model takes a top-k); equal values keep
+    their order along the axis.
+    """
+    xf, yf = x[0], y[0]
+    outer, n, inner, k, largest = g[0], g[1], g[2], g[3], g[4]
+    for o in range(outer):
+        for i in range(inner):
+            xb, yb = o * n * inner + i, o * k * inner + i
+            held = 0
+            for t in range(n):
+                v = xf[xb + t * inner]
+                if held == k and not _beats(largest, v, yf[yb + (k - 1) * inner]):
+                    continue
+                j = held if held < k else k - 1
+                while j > 0 and _beats(largest, v, yf[yb + (j - 1) * inner]):
+                    yf[yb + j * inner] = yf[yb + (j - 1) * inner]
+                    j -= 1
+                yf[yb + j * inner] = v
+                if held < k:
+                    held += 1
+
+
+@njit(inline="always", **JIT)
 def _red_in(op, v):
     if op == RED_SUM_SQUARE or op == RED_L2:
         return v * v
@@ -264,4 +296,4 @@ def batched_matmul(a, b, bias, y, packed, alpha, lanes, g):
 
 # every kernel module's digest, so that an edit to any of them refreshes Numba's cache of all
 # (tools/kernel_digest.py says why)
-KERNEL_SOURCES = "c652c005628c55f2"
+KERNEL_SOURCES = "4f2bf4e2ca9f9948"

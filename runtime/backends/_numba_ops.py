@@ -206,6 +206,25 @@ def _where(p: Planner, node) -> None:
     p.define(node, select(p, node, c, p.act(node, 1, materialize=True), p.act(node, 2, materialize=True)))
 
 
+@handles("TopK")
+def _topk(p: Planner, node) -> None:
+    """The ``k`` largest (``largest=1``) or smallest values along ``axis``, in order (``torch.topk(x, k).values``);
+    the indices output is an integer tensor, which runs here only when nothing reads it."""
+    x = p.act(node)
+    if len(node.outputs) > 1 and node.outputs[1] and p.uses.get(node.outputs[1]):
+        raise unsupported(node, "its indices output is read (an integer tensor: only the values run here)")
+    axis = axis_of(node, node.attributes.get("axis", -1), len(x.shape))
+    k = p.ints(node, 1, "k")
+    n = x.shape[axis]
+    if not k or not 1 <= k[0] <= n:
+        raise unsupported(node, f"k={k} for an axis of {n} values")
+    shape = x.shape[:axis] + (k[0],) + x.shape[axis + 1 :]
+    y = p.new_act(shape)
+    p.emit(p.k.OP_TOPK, x.flat(), y.flat(), math.prod(x.shape[:axis]), n, math.prod(x.shape[axis + 1 :]), k[0],
+           int(node.attributes.get("largest", 1)), out=y.buf)
+    p.define(node, y)
+
+
 @handles("Neg")
 def _neg(p: Planner, node) -> None:
     x = p.act(node)

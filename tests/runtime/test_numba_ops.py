@@ -245,12 +245,21 @@ def _angles_and_rounding(x, m):
     return torch.cat([angles.flatten(1), steps.flatten(1)], dim=1)
 
 
+def _top_values(x, m):
+    """k-max pooling over time and over features (torch.topk's values; the indices are not read), the smallest
+    values, and a top-k whose values tie (the rounded input)."""
+    return torch.cat([torch.topk(x, 3, dim=1).values.flatten(1), torch.topk(x, 4, dim=-1).values.flatten(1),
+                      torch.topk(x, 2, dim=-1, largest=False).values.flatten(1),
+                      torch.topk(torch.round(x), 5, dim=-1).values.flatten(1)], dim=1)
+
+
 SHAPES = {
     "resize_nearest_linear_1d": ((6, 10), lambda: Fn(_resizes_1d)),
     "resize_nearest_bilinear_2d": ((6, 10), lambda: Fn(_resizes_2d)),
     "cumulative_sums": ((6, 10), lambda: Fn(_cumsums)),
     "comparisons_logic_where": ((6, 10), lambda: Fn(_comparisons, lin=nn.Linear(10, 10))),
     "angles_and_rounding": ((6, 10), lambda: Fn(_angles_and_rounding, lin=nn.Linear(10, 10))),
+    "top_k_values": ((6, 10), lambda: Fn(_top_values)),
     "slices_gathers_concat": ((6, 10), lambda: Fn(_slices)),
     "transpose_reshape_split_expand": ((6, 10), lambda: Fn(_moves)),
     "elementwise": ((6, 10), lambda: Fn(_elementwise, lin=nn.Linear(10, 10))),
@@ -420,12 +429,14 @@ def test_resize_in_every_mode_torch_does_not_write_matches_onnxruntime(tmp_path,
 # -- refusing what it cannot run ---------------------------------------------------------
 REFUSED = {
     # op with no kernel: the message names the ONNX op and the node, and says what to do
-    "topk": ((6, 10), lambda: Fn(lambda x, m: torch.topk(x, 3, dim=-1).values.flatten(1)), "TopK", "/TopK"),
+    "argmax": ((6, 10), lambda: Fn(lambda x, m: x.argmax(-1).float()), "ArgMax", "/ArgMax"),
     "resize_cubic": ((6, 10), lambda: Fn(lambda x, m: nn.functional.interpolate(
         x[:, None], scale_factor=2.0, mode="bicubic").flatten(1)), "Resize", "/Resize"),
     "einsum_trace": ((6, 6), lambda: Fn(lambda x, m: torch.einsum("bii->b", x)[:, None]), "Einsum", "/Einsum"),
     # supported op, unsupported use: the node and the reason
     "softmax_middle_axis": ((6, 10), lambda: Fn(lambda x, m: torch.softmax(x, 1)), "Softmax", "/Softmax"),
+    "topk_indices_read": ((6, 10), lambda: Fn(lambda x, m: torch.topk(x, 3, dim=-1).indices.float().flatten(1)),
+                          "TopK", "/TopK"),
 }
 
 
