@@ -83,12 +83,14 @@ from .kernels_nd import (  # noqa: F401
     BIN_ADD,
     BIN_DIV,
     BIN_EQUAL,
+    BIN_FMOD,
     BIN_GREATER,
     BIN_GREATER_EQUAL,
     BIN_LESS,
     BIN_LESS_EQUAL,
     BIN_MAX,
     BIN_MIN,
+    BIN_MOD,
     BIN_MUL,
     BIN_NOT_EQUAL,
     BIN_POW,
@@ -256,4 +258,4 @@ def pack_arena(arrays: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray, list[n
 
 # every kernel module's digest, so that an edit to any of them refreshes Numba's cache of all
 # (tools/kernel_digest.py says why)
-KERNEL_SOURCES = "4f2bf4e2ca9f9948"
+KERNEL_SOURCES = "10419ae013b304c3"

@@ -525,4 +525,4 @@ def activate(x, y, act):
 
 # every kernel module's digest, so that an edit to any of them refreshes Numba's cache of all
 # (tools/kernel_digest.py says why)
-KERNEL_SOURCES = "4f2bf4e2ca9f9948"
+KERNEL_SOURCES = "10419ae013b304c3"

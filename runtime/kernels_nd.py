@@ -37,6 +37,8 @@ BIN_EQUAL = 9
 BIN_GREATER_EQUAL = 10
 BIN_LESS_EQUAL = 11
 BIN_NOT_EQUAL = 12
+BIN_FMOD = 13  # C's fmod: the sign of the dividend (ONNX Mod, fmod=1; torch.fmod)
+BIN_MOD = 14  # the sign of the divisor (ONNX Mod, fmod=0; Python's %)
 
 # Reductions (OP_REDUCE).
 RED_MEAN = 0
@@ -89,6 +91,11 @@ def _bin(op, u, v):
         return u if (u < v or u != u) else v
     if op == BIN_MUL:
         return u * v
+    if op == BIN_FMOD:
+        return np.fmod(u, v)
+    if op == BIN_MOD:
+        r = np.fmod(u, v)
+        return r + v if r != 0 and (r < 0) != (v < 0) else r
     if op >= BIN_GREATER:
         if op == BIN_GREATER:
             t = u > v
@@ -296,4 +303,4 @@ def batched_matmul(a, b, bias, y, packed, alpha, lanes, g):
 
 # every kernel module's digest, so that an edit to any of them refreshes Numba's cache of all
 # (tools/kernel_digest.py says why)
-KERNEL_SOURCES = "4f2bf4e2ca9f9948"
+KERNEL_SOURCES = "10419ae013b304c3"

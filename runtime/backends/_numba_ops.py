@@ -40,7 +40,7 @@ _BINARY = {"Add": "BIN_ADD", "Sub": "BIN_SUB", "Mul": "BIN_MUL", "Div": "BIN_DIV
            # and an inequality
            "Greater": "BIN_GREATER", "Less": "BIN_LESS", "Equal": "BIN_EQUAL", "GreaterOrEqual": "BIN_GREATER_EQUAL",
            "LessOrEqual": "BIN_LESS_EQUAL", "And": "BIN_MUL", "Or": "BIN_MAX", "Xor": "BIN_NOT_EQUAL",
-           "NotEqual": "BIN_NOT_EQUAL"}
+           "NotEqual": "BIN_NOT_EQUAL", "Fmod": "BIN_FMOD", "Mod": "BIN_MOD"}
 
 
 def binary(p: Planner, node, a: Act, b: Act, op: str) -> Act:
@@ -170,6 +170,13 @@ def _arith(p: Planner, node) -> None:
 def _compare(p: Planner, node) -> None:
     """A comparison or logical op with at least one computed input: float32 ones where true, zeros where false."""
     p.define(node, binary(p, node, p.act(node, 0, materialize=True), p.act(node, 1, materialize=True), node.op_type))
+
+
+@handles("Mod")
+def _mod(p: Planner, node) -> None:
+    """The remainder with the dividend's sign (``fmod=1``, ``torch.fmod``) or the divisor's (``fmod=0``)."""
+    op = "Fmod" if node.attributes.get("fmod", 0) else "Mod"
+    p.define(node, binary(p, node, p.act(node, 0, materialize=True), p.act(node, 1, materialize=True), op))
 
 
 @handles("Not")

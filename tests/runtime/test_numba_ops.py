@@ -235,13 +235,15 @@ def _comparisons(x, m):
 
 def _angles_and_rounding(x, m):
     """A robot policy's angle features (sin and cos of joint angles, an atan2 of two of them), the inverse functions
-    inside their domains, tan away from its poles, softsign, and floor, ceil and round (half to even) of values scaled
-    by a power of two, so both backends round the same number."""
+    inside their domains, tan away from its poles, softsign, and floor, ceil, round (half to even) and remainders of
+    values scaled by a power of two, so both backends round the same number."""
     q = m["lin"](x)
     s = torch.tanh(q) * 0.99
     angles = torch.cat([torch.sin(q), torch.cos(q), torch.atan2(q[..., :5], q[..., 5:]), torch.atan(q),
                         torch.asin(s), torch.acos(s), torch.tan(0.5 * s), nn.functional.softsign(q)], dim=-1)
-    steps = torch.cat([torch.floor(4.0 * x), torch.ceil(4.0 * x), torch.round(4.0 * x), torch.round(x * 0.0 + 2.5)], -1)
+    steps = torch.cat([torch.floor(4.0 * x), torch.ceil(4.0 * x), torch.round(4.0 * x), torch.round(x * 0.0 + 2.5),
+                       torch.fmod(4.0 * x, 1.5), torch.fmod(4.0 * x, -x.abs() - 0.5),  # ONNX Mod, fmod=1
+                       torch.remainder(4.0 * x, 1.5)], -1)  # exported as x - floor(x / y) * y
     return torch.cat([angles.flatten(1), steps.flatten(1)], dim=1)
 
 
