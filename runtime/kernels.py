@@ -102,6 +102,7 @@ from .kernels_nd import (  # noqa: F401
     RED_MIN,
     RED_SUM,
     RED_SUM_SQUARE,
+    arg_extreme,
     batched_matmul,
     binary,
     layer_norm,
@@ -130,6 +131,7 @@ OP_CONV_GROUPED = 13  # x, w, b, y, g[19]             convolution (any groups), 
 OP_RNN = 14  # x, h0, w, r, b, y, relu, reverse, st     Elman RNN (tanh or relu) over every step
 OP_WHERE = 15  # c, a, b, y, g[12]                    y = a where c != 0 else b, broadcasting
 OP_TOPK = 16  # x, y, g[5]                            the k largest (or smallest) along an axis, in order
+OP_ARG_EXTREME = 17  # x, y, g[5]                     the index of the largest (or smallest) along an axis
 PROGRAM_WIDTH = 26
 
 LANES_SLOT = 0  # table row of the (1, POSITIONS * LANES) scratch every plan carries
@@ -204,6 +206,8 @@ def run_plan(program, table, arena):
                 _view(arena, table, p[4]), _view(arena, table, p[5]), _view(arena, table, p[6]), p[7], lanes, p[8],
                 p[9],
             )
+        elif op == OP_ARG_EXTREME:
+            arg_extreme(_view(arena, table, p[1]), _view(arena, table, p[2]), p[3:])
         elif op == OP_TOPK:
             topk(_view(arena, table, p[1]), _view(arena, table, p[2]), p[3:])
         elif op == OP_WHERE:
@@ -258,4 +262,4 @@ def pack_arena(arrays: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray, list[n
 
 # every kernel module's digest, so that an edit to any of them refreshes Numba's cache of all
 # (tools/kernel_digest.py says why)
-KERNEL_SOURCES = "10419ae013b304c3"
+KERNEL_SOURCES = "a3cfee55bd35693b"

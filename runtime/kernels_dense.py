@@ -503,4 +503,4 @@ def copy_into(x, y):
 
 # every kernel module's digest, so that an edit to any of them refreshes Numba's cache of all
 # (tools/kernel_digest.py says why)
-KERNEL_SOURCES = "10419ae013b304c3"
+KERNEL_SOURCES = "a3cfee55bd35693b"

@@ -200,6 +200,23 @@ def topk(x, y, g):
                     held += 1
 
 
+@njit(**JIT)
+def arg_extreme(x, y, g):
+    """``y[o, i]``: the index (as a float) of the largest (or smallest) of ``x[o, :, i]``; the first one where values
+    tie, or the last; ``g = [outer, n, inner, largest, last]``. A NaN is never taken over a number."""
+    xf, yf = x[0], y[0]
+    outer, n, inner, largest, last = g[0], g[1], g[2], g[3], g[4]
+    for o in range(outer):
+        for i in range(inner):
+            xb = o * n * inner + i
+            best, at = xf[xb], 0
+            for t in range(1, n):
+                v = xf[xb + t * inner]
+                if _beats(largest, v, best) or (last and v == best) or (best != best and v == v):
+                    best, at = v, t
+            yf[o * inner + i] = np.float32(at)
+
+
 @njit(inline="always", **JIT)
 def _red_in(op, v):
     if op == RED_SUM_SQUARE or op == RED_L2:
@@ -303,4 +320,4 @@ def batched_matmul(a, b, bias, y, packed, alpha, lanes, g):
 
 # every kernel module's digest, so that an edit to any of them refreshes Numba's cache of all
 # (tools/kernel_digest.py says why)
-KERNEL_SOURCES = "10419ae013b304c3"
+KERNEL_SOURCES = "a3cfee55bd35693b"

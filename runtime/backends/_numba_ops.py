@@ -232,6 +232,21 @@ def _topk(p: Planner, node) -> None:
     p.define(node, y)
 
 
+@handles("ArgMax", "ArgMin")
+def _arg_extreme(p: Planner, node) -> None:
+    """The index of the largest (``ArgMax``) or smallest value along ``axis``, kept as a float32 value (exact up to
+    2**24): a label a model returns with ``.float()``, or compares with a class number."""
+    x = p.act(node)
+    axis = axis_of(node, node.attributes.get("axis", 0), len(x.shape))
+    keep = bool(node.attributes.get("keepdims", 1))
+    shape = x.shape[:axis] + ((1,) if keep else ()) + x.shape[axis + 1 :]
+    y = p.new_act(shape)
+    p.emit(p.k.OP_ARG_EXTREME, x.flat(), y.flat(), math.prod(x.shape[:axis]), x.shape[axis],
+           math.prod(x.shape[axis + 1 :]), int(node.op_type == "ArgMax"), int(node.attributes.get("select_last_index", 0)),
+           out=y.buf)
+    p.define(node, y)
+
+
 @handles("Neg")
 def _neg(p: Planner, node) -> None:
     x = p.act(node)

@@ -249,10 +249,14 @@ def _angles_and_rounding(x, m):
 
 def _top_values(x, m):
     """k-max pooling over time and over features (torch.topk's values; the indices are not read), the smallest
-    values, and a top-k whose values tie (the rounded input)."""
+    values, a top-k whose values tie (the rounded input); argmax and argmin as float labels along either axis, with
+    ties (the first index wins) and compared with a class number."""
+    tied = torch.round(x)
+    labels = torch.cat([x.argmax(-1).float(), x.argmin(1).float(), tied.argmax(-1).float(),
+                        (tied.argmin(-1, keepdim=True) == 3).float()[..., 0]], dim=1)
     return torch.cat([torch.topk(x, 3, dim=1).values.flatten(1), torch.topk(x, 4, dim=-1).values.flatten(1),
                       torch.topk(x, 2, dim=-1, largest=False).values.flatten(1),
-                      torch.topk(torch.round(x), 5, dim=-1).values.flatten(1)], dim=1)
+                      torch.topk(tied, 5, dim=-1).values.flatten(1), labels], dim=1)
 
 
 SHAPES = {
@@ -261,7 +265,7 @@ SHAPES = {
     "cumulative_sums": ((6, 10), lambda: Fn(_cumsums)),
     "comparisons_logic_where": ((6, 10), lambda: Fn(_comparisons, lin=nn.Linear(10, 10))),
     "angles_and_rounding": ((6, 10), lambda: Fn(_angles_and_rounding, lin=nn.Linear(10, 10))),
-    "top_k_values": ((6, 10), lambda: Fn(_top_values)),
+    "top_k_values_arg_max": ((6, 10), lambda: Fn(_top_values)),
     "slices_gathers_concat": ((6, 10), lambda: Fn(_slices)),
     "transpose_reshape_split_expand": ((6, 10), lambda: Fn(_moves)),
     "elementwise": ((6, 10), lambda: Fn(_elementwise, lin=nn.Linear(10, 10))),
@@ -431,7 +435,7 @@ def test_resize_in_every_mode_torch_does_not_write_matches_onnxruntime(tmp_path,
 # -- refusing what it cannot run ---------------------------------------------------------
 REFUSED = {
     # op with no kernel: the message names the ONNX op and the node, and says what to do
-    "argmax": ((6, 10), lambda: Fn(lambda x, m: x.argmax(-1).float()), "ArgMax", "/ArgMax"),
+    "determinant": ((6, 6), lambda: Fn(lambda x, m: torch.linalg.det(x)[:, None]), "Det", "/Det"),
     "resize_cubic": ((6, 10), lambda: Fn(lambda x, m: nn.functional.interpolate(
         x[:, None], scale_factor=2.0, mode="bicubic").flatten(1)), "Resize", "/Resize"),
     "einsum_trace": ((6, 6), lambda: Fn(lambda x, m: torch.einsum("bii->b", x)[:, None]), "Einsum", "/Einsum"),
