@@ -185,6 +185,14 @@ def test_numba_observer_step_equals_the_numpy_reference(observer_setup):
     r = fam.r.copy()
     assert np.allclose(fam.model._y.reshape(-1), obs.correction(r), atol=1e-5)
     assert fam.consume == "newest" and fam.command_limits()[1][0] == pytest.approx(5.0)
+    # a device that does not report what it applied (nu = 0): the last command sent is taken as applied
+    second = PlantMeasurement(np.array([0.1], dtype=np.float32), np.zeros(0, dtype=np.float32))
+    fam.on_message(second)
+    want = obs.update(second.y.astype(float), cmd.astype(float))
+    assert np.allclose(fam.z_hat, want, atol=1e-6)
+    with pytest.raises(ValueError, match=r"carries 1 outputs \(y\) and 2 applied inputs \(u\); this observer takes 1 "
+                                         r"outputs and 1 applied inputs, or none \(nu = 0"):
+        fam.on_message(PlantMeasurement(np.array([0.1], dtype=np.float32), np.zeros(2, dtype=np.float32)))
 
 
 def test_certificate_module_needs_neither_torch_nor_cvxpy():

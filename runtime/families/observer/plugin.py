@@ -196,11 +196,18 @@ class ObserverFamily(FamilyPlugin):
 
     def on_message(self, message: Message) -> None:
         y, u = getattr(message, "y", None), getattr(message, "u", None)
-        if y is None or u is None or y.size != self._y.size or u.size != self._u.size:
-            raise ValueError(f"observer: expected a PlantMeasurement with {self._y.size} outputs and {self._u.size} "
-                             f"inputs, got {type(message).__name__}")
+        if y is None or u is None:
+            raise ValueError(f"observer: expected a PlantMeasurement, got {type(message).__name__}")
+        if y.size != self._y.size or u.size not in (0, self._u.size):
+            raise ValueError(
+                f"observer: the device's PLANT_MEASUREMENT carries {y.size} outputs (y) and {u.size} applied inputs "
+                f"(u); this observer takes {self._y.size} outputs and {self._u.size} applied inputs, or none (nu = 0: "
+                "the last command sent is taken as applied)")
         np.copyto(self._y, y, casting="unsafe")
-        np.copyto(self._u, u, casting="unsafe")
+        if u.size:
+            np.copyto(self._u, u, casting="unsafe")
+        else:  # the device does not report what it applied: the last command sent, as for a frame of outputs only
+            np.copyto(self._u, self._cmd, casting="unsafe")
         self._advance()
 
     def preprocess(self, frame: np.ndarray) -> None:
