@@ -500,8 +500,8 @@ def export_onnx(
             what = "output" if t in outputs else "input"
             raise GraphCheckError(
                 f"{what} {t.name!r} has dtype {t.dtype!r}; a bundle's inputs and outputs are floating-point. "
-                + ("Return the scores it came from (logits or probabilities: the argmax is one cheap step after "
-                   "the model, in your family or postprocess) or return it as a float (y.float())"
+                + ("Return it as a float (label.float(): an argmax label is exact in float32 and runs on every "
+                   "backend), or return the scores it came from (logits or probabilities)"
                    if what == "output" else "Take a float input and convert it inside the model")
             )
     declared = {v.name: v.shape for v in [*g_in, *g_out]}

@@ -342,7 +342,7 @@ class Classifier(nn.Module):
 
 def test_an_integer_output_is_refused_with_what_to_do_and_a_float_label_exports(tmp_path):
     torch.manual_seed(0)
-    with pytest.raises(GraphCheckError, match=r"output 'y1' has dtype 'int64'.*Return the scores.*y.float\(\)"):
+    with pytest.raises(GraphCheckError, match=r"output 'y1' has dtype 'int64'.*Return it as a float \(label.float\(\).*or return the scores"):
         _export(Classifier(as_float=False).eval(), tmp_path / "int", "feedforward", torch.zeros(1, FEATURES))
     assert not (tmp_path / "int").exists()
     module = Classifier(as_float=True).eval()
