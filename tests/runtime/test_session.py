@@ -36,7 +36,9 @@ from closedloop.runtime import (
     DeviceMismatchError,
     RecordingReader,
     RecordType,
+    Session,
     SessionConfig,
+    SessionObserver,
     replay_recording,
     run_session,
 )
@@ -45,6 +47,17 @@ from closedloop.sdk.models import GRUDecoder, MLPPolicy
 pytestmark = pytest.mark.timing  # wall-clock bounds: make test runs this file alone, after the parallel part
 
 ROOT = Path(__file__).resolve().parents[2]
+
+
+class _Statuses(SessionObserver):
+    """Keeps every status update a session gives its observers."""
+
+    def __init__(self):
+        self.got = []
+
+    def on_event(self, event):
+        if event.get("event") == "status":
+            self.got.append(event)
 
 
 @pytest.fixture(scope="module")
@@ -237,7 +250,6 @@ def test_stop_from_another_thread_ends_the_session_at_once_with_its_safe_command
     import json
     import threading
 
-    from closedloop.runtime import Session
 
     cfg = _cfg("sim://plant?model=msd&rate=200&seed=1", tmp_path, duration_s=60.0)
     session = Session(plant_bundle, cfg)
@@ -468,18 +480,9 @@ def test_the_status_line_is_a_plain_line_in_a_pipe_or_log(plant_bundle):
 def test_status_updates_of_a_session_that_typed_for_hours_still_carry_every_field(typing_bundle):
     """A status update holds the text's newest characters, not all of it: with the whole text, an update outgrew
     the ring's event slot after about 1,900 characters and arrived as {event, step, truncated} (no state, no p99)."""
-    from closedloop.runtime import Session, SessionConfig, SessionObserver
     from closedloop.runtime.session import STATUS_TEXT_CHARS
 
-    class Statuses(SessionObserver):
-        def __init__(self):
-            self.got = []
-
-        def on_event(self, event):
-            if event.get("event") == "status":
-                self.got.append(event)
-
-    obs = Statuses()
+    obs = _Statuses()
     session = Session(typing_bundle, SessionConfig(device=f"sim://headstage?channels={12}&seed=4",
                                                    duration_s=1.0, status=False, backend="onnxruntime",
                                                    observers=[obs]))
@@ -497,17 +500,8 @@ def test_status_updates_of_a_session_that_typed_for_hours_still_carry_every_fiel
 def test_the_status_line_and_status_updates_carry_how_soon_commands_went_out(plant_bundle):
     """The step's own latency includes its recording and observers' copies, made after the command: the status line
     and the monitor's status updates also say how long after its step began each command went out."""
-    from closedloop.runtime import Session, SessionObserver
 
-    class Statuses(SessionObserver):
-        def __init__(self):
-            self.got = []
-
-        def on_event(self, event):
-            if event.get("event") == "status":
-                self.got.append(event)
-
-    obs = Statuses()
+    obs = _Statuses()
     session = Session(plant_bundle, _cfg("sim://plant?model=msd&rate=200&seed=3", duration_s=1.0, observers=[obs]))
     try:
         assert " out p99 " not in session.status_line()  # no command yet: nothing to say
