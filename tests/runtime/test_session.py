@@ -250,7 +250,6 @@ def test_stop_from_another_thread_ends_the_session_at_once_with_its_safe_command
     import json
     import threading
 
-
     cfg = _cfg("sim://plant?model=msd&rate=200&seed=1", tmp_path, duration_s=60.0)
     session = Session(plant_bundle, cfg)
     try:
