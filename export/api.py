@@ -29,7 +29,15 @@ from .assemble import (
     manifest_meta,
 )
 from .errors import ExportError
-from .onnx_export import cpu_copy, eval_mode, export_onnx, initial_states, module_device, to_numpy
+from .onnx_export import (
+    cpu_copy,
+    eval_mode,
+    export_onnx,
+    initial_states,
+    module_device,
+    to_numpy,
+    training_behaviour,
+)
 from .parity import (
     FP32_TOLERANCE,
     NotASequenceForward,
@@ -183,12 +191,19 @@ def export_bundle(
         # Export a CPU copy; the caller's module stays on its device, untouched.
         report(f"module is on {source_device}: exporting a CPU copy (parity is checked against fp32 torch on the CPU)")
         module = cpu_copy(module)
+    in_training = training_behaviour(module)
     restore_mode = eval_mode(module)
     try:
         exported = export_onnx(
             module, examples, kind=kind, input_name=names, output_name=output_name,
             state_names=options.state_names, opset=options.opset, file=f"{GRAPH_NAME}.onnx", report=report,
         )
+        if in_training:
+            note = (f"exported in eval mode; these layers were in training mode and compute differently there: "
+                    f"{', '.join(in_training[:5])}{' ...' if len(in_training) > 5 else ''} (your module's modes "
+                    "are put back as they were: call .eval() before comparing it with the bundle)")
+            report(f"note: {note}")
+            exported.warnings.append(note)
         spec = exported.spec
         for i, o in spec.state_like_pairs() if kind == "feedforward" else []:
             report(f"note: input {i!r} has the shape of output {o!r}; if it is a recurrent state that {o!r} feeds "

@@ -182,7 +182,8 @@ def eval_mode(module: nn.Module) -> Callable[[], None]:
     """Put ``module`` in inference mode and return what puts its mode back. A module from ``torch.export``
     (``ExportedProgram.module()``) refuses mode switches, and its shapes do not survive the TorchScript tracer
     (its batch is fixed at the traced size): it is refused with what to export instead."""
-    was = module.training
+    modes = [(m, m.training) for m in module.modules()]  # each one's own: a wrapper in train mode (a new
+    # SequenceStep) around a model in eval mode must not put that model in train mode on the way back
     try:
         module.eval()
     except NotImplementedError as exc:  # torch.export's GraphModule: "Calling eval() is not supported yet"
@@ -191,7 +192,26 @@ def eval_mode(module: nn.Module) -> Callable[[], None]:
             "module (ExportedProgram.module()), which export_bundle cannot trace with a free batch axis. Export "
             "the nn.Module the program was made from (model.eval()), or a TorchScript module of it"
         ) from exc
-    return lambda: module.train(was)
+
+    def restore() -> None:
+        for m, was in modes:  # parents before children (modules() is pre-order): each ends as it was
+            m.train(was)
+
+    return restore
+
+
+def training_behaviour(module: nn.Module) -> list[str]:
+    """Submodules in training mode that compute differently in eval mode (dropout, batch-norm statistics, an RNN's
+    dropout between layers): what exporting in eval mode changes for a module the caller left in train mode."""
+    found = []
+    for name, m in module.named_modules():
+        if not m.training:
+            continue
+        if isinstance(m, (nn.modules.dropout._DropoutNd, nn.modules.batchnorm._BatchNorm)) or (
+                isinstance(m, nn.modules.instancenorm._InstanceNorm) and m.track_running_stats) or (
+                isinstance(m, nn.RNNBase) and m.dropout > 0):
+            found.append(f"{name or type(module).__name__} ({type(m).__name__})")
+    return found
 
 
 def check_float32(module: nn.Module, examples: dict[str, torch.Tensor]) -> None:

@@ -524,6 +524,35 @@ def test_a_sequence_model_streams_through_the_step_adapter_like_one_call_over_th
         _export(module, tmp_path / "bare", "recurrent", torch.zeros(1, FEATURES))
 
 
+def test_export_puts_each_layers_mode_back_and_says_when_it_changed_a_layer_in_training_mode(tmp_path):
+    """A new SequenceStep (train mode, as every new nn.Module) around a model in eval mode must leave the model in
+    eval mode (putting the wrapper back in train mode once turned the model's dropout on); a model left in train
+    mode is exported in eval mode with a note saying which layers that changed, and keeps its own modes."""
+    from closedloop.export import SequenceStep
+
+    torch.manual_seed(0)
+    module = SequenceModel(nn.GRU).eval()
+    module.rnn.dropout = 0.5  # between the two layers: a different function in train mode
+    step = SequenceStep(module, lambda b: torch.zeros(2, b, 8))
+    assert step.training and not module.training
+    bundle = _export(step, tmp_path / "wrapped", "recurrent", torch.zeros(1, FEATURES))
+    assert step.training and not any(m.training for m in module.modules())
+    assert _graph_record(bundle)[0]["provenance"]["export"]["settings"]["export_warnings"] == []
+
+    ff = nn.Sequential(nn.Linear(FEATURES, 8), nn.Dropout(0.3), nn.BatchNorm1d(8), nn.Linear(8, 2))  # train mode
+    lines: list[str] = []
+    bundle = export_bundle(ff, tmp_path / "training", kind="feedforward", example_input=torch.zeros(1, FEATURES),
+                           rate_hz=50.0, variants=(), tensorrt=False, report=lines.append)
+    assert all(m.training for m in ff.modules())
+    warned = _graph_record(bundle)[0]["provenance"]["export"]["settings"]["export_warnings"]
+    assert len(warned) == 1 and "1 (Dropout), 2 (BatchNorm1d)" in warned[0] and "exported in eval mode" in warned[0]
+    assert any(line.startswith("note: exported in eval mode") for line in lines)
+    x = torch.randn(1, FEATURES)
+    with torch.no_grad():
+        want = ff.eval()(x).numpy()
+    assert _close(Model(bundle, backend="onnxruntime").step(x.numpy()).copy(), want)
+
+
 def test_a_sequence_model_exports_with_the_default_variants(tmp_path):
     """What a user who calls export_bundle without variants= gets: the fp16 and int8 variants too. The fp16
     conversion of SequenceStep's Transposes around the GRU crashes ONNX Runtime 1.32's session creation
