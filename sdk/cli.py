@@ -220,7 +220,8 @@ def _run(a: argparse.Namespace) -> int:
         held.setdefault(name, np.zeros(model.inputs[name].shape, dtype=np.float32))
     fam.set_held_inputs(held)
     rng = np.random.default_rng(a.seed)
-    frames = rng.standard_normal((256, *fam.measurement.frame_shape)).astype(np.float32)
+    # one frame as a device's message gives it: its values in a row (a window over (1, channels, time) included)
+    frames = rng.standard_normal((256, int(np.prod(fam.measurement.frame_shape)))).astype(np.float32)
     rate = bundle.manifest.rate_hz if a.rate is None else a.rate
     duration = 5.0 if a.duration is None else a.duration
     choice = model.choice
@@ -884,6 +885,14 @@ def _build() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser
     for name, (help_, setup, fn) in _COMMANDS.items():
         p = sub.add_parser(name, help=help_, description=help_)
         setup(p)
+        # -v / -q also after the command (closedloop run B -q), where people put them; absent there, the top
+        # level's value stands (SUPPRESS); given in both places, the one after the command counts
+        if not {"-v", "--verbose"} & set(p._option_string_actions):
+            p.add_argument("-v", "--verbose", action="count", default=argparse.SUPPRESS,
+                           help="more log messages on stderr (-vv: debug); also before the command")
+        if "-q" not in p._option_string_actions:
+            p.add_argument("-q", dest="global_quiet", action="store_true", default=argparse.SUPPRESS,
+                           help="only warnings and errors on stderr (and no live status line); also before the command")
         p.set_defaults(func=fn)
         subparsers[name] = p
     for name, (help_, _fn) in _PASSTHROUGH.items():

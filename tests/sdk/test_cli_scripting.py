@@ -30,6 +30,34 @@ def test_a_subcommands_bad_flag_shows_that_subcommands_usage(mlp_bundle):
     assert "usage: closedloop inspect" in r.stderr and "--no-such-flag" in r.stderr
 
 
+def test_v_and_q_work_before_or_after_the_command():
+    from closedloop.sdk.cli import build_parser
+
+    parser = build_parser()
+    for argv, verbose, quiet in ((["-q", "inspect", "B"], 0, True), (["inspect", "B", "-q"], 0, True),
+                                 (["-vv", "run", "B"], 2, False), (["run", "B", "-v"], 1, False),
+                                 (["inspect", "B"], 0, False)):
+        args, extra = parser.parse_known_args(argv)
+        assert (args.verbose, args.global_quiet, extra) == (verbose, quiet, []), argv
+
+
+def test_a_synthetic_run_of_a_window_over_channels_and_time_runs(tmp_path):
+    """No --device on an EEGNet-style bundle, input (batch, 1, channels, time): each synthetic frame is the
+    channels' values in a row, as a device's frame is (it was (1, channels) and stopped the run)."""
+    import torch
+    from torch import nn
+
+    from closedloop.export import Window, export_bundle
+
+    net = nn.Sequential(nn.Conv2d(1, 2, (1, 5)), nn.Conv2d(2, 2, (4, 1)), nn.Flatten(), nn.Linear(2 * 12, 3)).eval()
+    export_bundle(net, tmp_path / "eeg", kind="feedforward", example_input=torch.zeros(1, 1, 4, 16), rate_hz=50.0,
+                  windows={"x": Window(length=16, hop=4, layout="channel_major")}, variants=(), tensorrt=False,
+                  report=lambda s: None)
+    r = _run("run", str(tmp_path / "eeg"), "--backend", "numba", "--duration", "0.4", "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["steps"] > 10
+
+
 def test_every_argument_of_every_command_says_what_it_is_in_help():
     import argparse
 
