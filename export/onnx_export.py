@@ -151,10 +151,27 @@ def _run_batches(run: Callable[[int], Any], probe: Callable[[], None], module: n
             f"{what} runs at batch 1 but fails at batch 2 ({type(exc).__name__}: {first}). The exporter runs it at "
             "batch sizes 2 and 3 to find which axis is the batch (the bundle's graph takes any batch; parity is "
             "checked at 1 and 3): make it batch-agnostic, e.g. x.reshape(x.shape[0], -1) instead of "
-            "x.reshape(1, -1), and no buffer or constant shaped with a batch of 1"
+            "x.reshape(1, -1), and no buffer or constant shaped with a batch of 1" + _layout_hint(module)
         ) from exc
     finally:
         _restore_buffers(module, before)  # the runs above leave the caller's module as it was
+
+
+def _layout_hint(module: nn.Module) -> str:
+    """A step adapter told the sequence is batch first around recurrent layers that are all time first (or the
+    reverse): the likely cause of a failure at batch 2, said with the fix."""
+    batch_first = getattr(module, "batch_first", None)
+    inner = getattr(module, "module", None)
+    if batch_first is None or not isinstance(inner, nn.Module):
+        return ""
+    rnns = [(name, m) for name, m in inner.named_modules() if isinstance(m, nn.RNNBase)]
+    if not rnns or any(m.batch_first == batch_first for _, m in rnns):
+        return ""
+    name, rnn = rnns[0]
+    layout = "batch first (batch_first=True)" if rnn.batch_first else "time first (batch_first=False)"
+    return (f". The wrapped model's {type(rnn).__name__} {name!r} is {layout}, and the step adapter was given "
+            f"batch_first={batch_first}: if forward takes its sequence that way, pass "
+            f"SequenceStep(..., batch_first={rnn.batch_first})")
 
 
 def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -522,6 +522,10 @@ def test_a_sequence_model_streams_through_the_step_adapter_like_one_call_over_th
     # without the adapter the error names it
     with pytest.raises(ExportError, match=r"has no step or init_state\(\).*closedloop.export.SequenceStep"):
         _export(module, tmp_path / "bare", "recurrent", torch.zeros(1, FEATURES))
+    if not batch_first:  # the adapter told the wrong layout: the failure says which layers and what to pass
+        with pytest.raises(ExportError, match=r"fails at batch 2 .*'rnn' is time first \(batch_first=False\).*"
+                                              r"SequenceStep\(\.\.\., batch_first=False\)"):
+            _export(SequenceStep(module, zeros), tmp_path / "layout", "recurrent", torch.zeros(1, FEATURES))
 
 
 def test_export_puts_each_layers_mode_back_and_says_when_it_changed_a_layer_in_training_mode(tmp_path):
