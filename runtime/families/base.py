@@ -40,6 +40,18 @@ def measurement_input(spec: GraphSpec) -> TensorSpec:
 _NO_STATE = np.zeros(0, dtype=np.float32)
 
 
+def _window_hint(spec: Any, frame_size: int) -> str:
+    """An input exported without a window whose shape holds the device's frame along one axis beside another:
+    likely a window over the stream exported as one tensor; say how to export it."""
+    dims = [d for d in spec.shape[1:] if isinstance(d, int)]
+    if spec.window is not None or len(dims) != 2 or frame_size not in dims:
+        return ""
+    at = dims.index(frame_size)
+    layout, length = ("time_major", dims[0]) if at == 1 else ("channel_major", dims[1])
+    return (f"; if it is a window of {length} frames of {frame_size} values, export it with "
+            f"windows={{{spec.name!r}: Window(length={length}, layout={layout!r})}} (docs/bundle.md, 'Windows')")
+
+
 class FamilyPlugin:
     """Base class; subclasses register with ``@register_family``."""
 
@@ -169,9 +181,10 @@ class FamilyPlugin:
             m = self.measurement
             takes = (f"a {m.window.layout} window of {m.window.length} frames of {n_in} values (shape {m.shape})"
                      if m.window is not None else f"frames of {n_in} values (shape {m.shape})")
+            got = getattr(hello, self.input.size_field)
             problems.append(
-                f"device {hello.kind!r} streams frames of {self.input.size_field}={getattr(hello, self.input.size_field)}, "
-                f"the bundle's input {m.name!r} takes {takes}"
+                f"device {hello.kind!r} streams frames of {self.input.size_field}={got}, "
+                f"the bundle's input {m.name!r} takes {takes}" + _window_hint(m, got)
             )
         rate = self.bundle.manifest.rate_hz
         if hello.rate_hz and abs(hello.rate_hz - rate) > 0.01 * rate:

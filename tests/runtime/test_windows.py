@@ -242,6 +242,23 @@ def test_a_device_whose_frames_do_not_fit_the_window_is_refused_naming_both(cnn_
                                               backend="onnxruntime"))
 
 
+@pytest.mark.parametrize("layout", ["channel_major", "time_major"])
+def test_a_window_exported_without_windows_is_refused_with_the_export_that_streams_it(tmp_path, layout):
+    """A (batch, time, channels) or (batch, channels, time) input with no window takes a whole window per frame:
+    the handshake's refusal says to export it with windows=, in the layout its shape has."""
+    from closedloop.runtime import DeviceMismatchError
+
+    module, shape = (TinyCNN(), (1, CHANNELS, LENGTH)) if layout == "channel_major" else (TimeMajor(), (1, LENGTH, CHANNELS))
+    path = export_bundle(module.eval(), tmp_path / layout, kind="feedforward", example_input=torch.zeros(shape),
+                         rate_hz=50.0, variants=(), tensorrt=False, report=lambda s: None)
+    with pytest.raises(DeviceMismatchError, match=rf"n_channels={CHANNELS}, the bundle's input 'x' takes frames of "
+                                                  rf"{CHANNELS * LENGTH} values.*if it is a window of {LENGTH} frames of "
+                                                  rf"{CHANNELS} values, export it with windows=\{{'x': "
+                                                  rf"Window\(length={LENGTH}, layout='{layout}'\)\}}"):
+        run_session(path, SessionConfig(device=f"sim://headstage?channels={CHANNELS}", duration_s=0.5, status=False,
+                                        backend="onnxruntime"))
+
+
 def test_a_windowed_session_replays_to_the_same_outputs(cnn_bundle, tmp_path):
     from closedloop.runtime import replay_recording
 
