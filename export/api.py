@@ -205,11 +205,11 @@ def export_bundle(
             report(f"note: {note}")
             exported.warnings.append(note)
         spec = exported.spec
+        apply_roles_and_windows(spec, input_roles, output_roles, windows)
         for i, o in spec.state_like_pairs() if kind == "feedforward" else []:
             report(f"note: input {i!r} has the shape of output {o!r}; if it is a recurrent state that {o!r} feeds "
                    "back, export with kind='recurrent' (init_state and step, docs/workflow.md), or a session will "
                    "ask for its value as a held input")
-        apply_roles_and_windows(spec, input_roles, output_roles, windows)
         report(f"exported {spec.file}: {exported.checks['nodes']} nodes, opset {exported.checks['opset']}, "
                f"{exported.checks['gru_nodes']} GRU node(s)")
         init = _initial_state_feeds(module, spec) if kind == "recurrent" else {}

@@ -279,9 +279,12 @@ class GraphSpec:
 
     def state_like_pairs(self) -> list[tuple[str, str]]:
         """``(input, output)`` where a data input after the first has a data output of its shape: likely a recurrent
-        state left undeclared (a session would then ask for its value as a held input)."""
+        state left undeclared (a session would then ask for its value as a held input). An input given a role
+        (a goal) is what its role says, not a state."""
         pairs = []
         for t in self.data_inputs[1:]:
+            if t.role is not None:
+                continue
             twin = next((o.name for o in self.data_outputs if list(o.shape) == list(t.shape)), None)
             if twin is not None:
                 pairs.append((t.name, twin))
