@@ -154,7 +154,9 @@ def export_bundle(
         Inputs ``(T, features...)`` from real use for the sequence parity check; a
         random walk when None.
     variants
-        Reduced-precision variants to add, from ``("fp16", "int8")``.
+        Reduced-precision variants to add (default ``("fp16", "int8")``): ``fp16`` and ``int8`` (ONNX Runtime's
+        float16 graph and dynamic quantization), ``fp16w`` and ``int8w`` (float32 graphs whose weights are stored
+        in float16, or int8 with a scale per row, which the Numba backend keeps in that storage; docs/bundle.md).
     tolerance
         FP32 parity tolerance (default ``Tolerance(abs=1e-4, rel=1e-3)``); a larger
         error raises ``ParityError`` and nothing is written.

@@ -33,7 +33,8 @@ GRAPH_NAME = "main"
 class ExportOptions:
     """Less common export settings (recorded in ``provenance.export.settings``)."""
 
-    state_names: tuple[str, ...] | None = None  # default "h" (one state) or "h0", "h1", ...
+    state_names: tuple[str, ...] | None = None  # default: the module's `state_names` if it has them, else "h" (one
+    # state) or "h0", "h1", ...
     opset: int = 17
     parity_batch_sizes: tuple[int, ...] = (1, 3)
     sequence_steps: int = 64  # length of the generated random walk when no recorded_sequence is given

@@ -468,6 +468,8 @@ def export_onnx(
         if not bool(torch.isfinite(value).all()):
             raise ExportError(f"init_state(1)[{i}] is not finite (NaN or inf); a state must start at finite values")
         learned.append(value.reshape(-1).tolist() if bool(torch.any(value != 0)) else None)
+    if state_names is None:  # a module may name its own states (SequenceStep over an nn.LSTM: h and c)
+        state_names = getattr(module, "state_names", None)
     s_names = _names(state_names, n_states, "h", "state") if n_states else []
     in_names = [*data_names, *s_names]
     keys = getattr(fn, "output_keys", None)

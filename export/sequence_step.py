@@ -84,6 +84,14 @@ class SequenceStep(nn.Module):
                               f"{what}; expected what init_state gives (a tensor or a tuple of tensors)")
         return flat
 
+    @property
+    def state_names(self) -> tuple[str, ...] | None:
+        """The bundle's names for the states when the export is not given any: ``h`` and ``c`` for an ``nn.LSTM``'s
+        ``(h, c)`` pair (its only recurrent layers), else the exporter's defaults (``h``, or ``h0``, ``h1``, ...)."""
+        rnns = [m for m in self.module.modules() if isinstance(m, nn.RNNBase)]
+        pair = len(self.init_state(1)) == 2
+        return ("h", "c") if pair and rnns and all(isinstance(m, nn.LSTM) for m in rnns) else None
+
     def init_state(self, batch: int) -> tuple[torch.Tensor, ...]:
         first = self._init_state(batch)
         return tuple(first) if self.nested else (first,)

@@ -510,7 +510,7 @@ def test_a_sequence_model_streams_through_the_step_adapter_like_one_call_over_th
     bundle = _export(SequenceStep(module, zeros, batch_first=batch_first), tmp_path / f"{cell.__name__}{batch_first}",
                      "recurrent", torch.zeros(1, FEATURES))
     graph = _graph_record(bundle)[0]["graphs"]["main"]
-    assert [t["name"] for t in graph["inputs"]] == (["x", "h"] if cell is nn.GRU else ["x", "h0", "h1"])
+    assert [t["name"] for t in graph["inputs"]] == (["x", "h"] if cell is nn.GRU else ["x", "h", "c"])  # LSTM: (h, c)
     assert graph["parity"]["checks"]["sequence_vs_torch_full_forward"]["within_tolerance"]
     seq = np.random.default_rng(5).standard_normal((30, FEATURES)).astype(np.float32)
     model = Model(bundle, backend="onnxruntime")
