@@ -289,5 +289,11 @@ def _all_finite(checks: list[tuple[np.ndarray, np.ndarray]]) -> bool:
 
 
 def _shape_error(spec, buf: np.ndarray, got: tuple) -> str:
+    axis = spec.batch_axis
+    other_batch = (axis is not None and len(got) == buf.ndim and got[axis] != buf.shape[axis]
+                   and all(g == b for i, (g, b) in enumerate(zip(got, buf.shape, strict=True)) if i != axis))
+    hint = (f"; this model runs {buf.shape[axis]} at a time: for batches of {got[axis]}, load it with "
+            f"Model(bundle, options=BackendOptions(batch={got[axis]})) (closedloop.runtime.BackendOptions)"
+            if other_batch else "")
     return (f"input {spec.name!r} takes shape {tuple(buf.shape)} ({buf.size} value{'' if buf.size == 1 else 's'}; "
-            f"manifest {spec.shape}), got shape {tuple(got)}; pass an array of that shape (batch first)")
+            f"manifest {spec.shape}), got shape {tuple(got)}; pass an array of that shape (batch first){hint}")

@@ -81,6 +81,9 @@ def test_step_takes_inputs_by_position_or_by_name_and_holds_the_rest(goal_bundle
     (lambda m: m.step(obs=np.zeros((1, 2), np.float32), goal=np.zeros((1, 1), np.float32)),
      r"input 'obs' takes shape \(1, 1\) \(1 value; manifest \['batch', 1\]\), got shape \(1, 2\)"),
     (lambda m: m.step(gaol=np.zeros((1, 1), np.float32)), r"no data input 'gaol'; its inputs: \['obs', 'goal'\]"),
+    (lambda m: m.step(obs=np.zeros((4, 1), np.float32), goal=np.zeros((4, 1), np.float32)),  # another batch size
+     r"got shape \(4, 1\).*runs 1 at a time: for batches of 4, load it with Model\(bundle, "
+     r"options=BackendOptions\(batch=4\)\)"),
     (lambda m: m.step(*[np.zeros((1, 1), np.float32)] * 3), r"takes 2 input\(s\) \['obs', 'goal'\], got 3"),
 ])
 def test_bad_inputs_are_named(goal_bundle, call, message):
