@@ -200,6 +200,9 @@ def _fail(path: Path, what: str) -> FalconFileError:
 def _as_counts(path: Path, spikes: np.ndarray) -> np.ndarray:
     if spikes.ndim != 2:
         raise _fail(path, f"binned_spikes has shape {spikes.shape}, expected (bins, channels)")
+    if spikes.dtype.kind in "uif" and spikes.size and np.nanmax(spikes) > 65535:
+        raise _fail(path, f"binned_spikes holds a count of {np.nanmax(spikes):g}, over 65535: counts per bin are "
+                          "u16 (a NEURAL_FRAME's), so such a value is not a spike count")
     if spikes.dtype.kind == "u" or (spikes.dtype.kind == "i" and spikes.min(initial=0) >= 0):
         return spikes
     if spikes.dtype.kind == "f" and np.all(np.isfinite(spikes)) and np.all(spikes == np.round(spikes)) \
@@ -208,7 +211,8 @@ def _as_counts(path: Path, spikes: np.ndarray) -> np.ndarray:
     raise _fail(path, f"binned_spikes holds {spikes.dtype} values that are not non-negative counts")
 
 
-def _read(path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[str], np.ndarray, dict, date | None]:
+def _read(path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[str], np.ndarray, dict, date | None,
+                               np.ndarray | None]:
     from pynwb import NWBHDF5IO
 
     if not path.is_file():
@@ -238,6 +242,8 @@ def _read(path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[str], np
         cues = [c.decode() if isinstance(c, bytes) else str(c) for c in nwb.trials["cue"].data[:]]
         blocks = (np.asarray(nwb.trials["block_num"].data[:]).astype(int) if "block_num" in nwb.trials.colnames
                   else np.zeros(len(cues), dtype=int))
+        row_starts = np.asarray(nwb.trials["start_time"].data[:], dtype=float) if "start_time" in nwb.trials.colnames \
+            else None
         notes = {}
         with contextlib.suppress(TypeError, ValueError, AttributeError):
             notes = json.loads(nwb.notes or "{}").get(_NOTES_KEY, {})
@@ -245,7 +251,7 @@ def _read(path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[str], np
     if not len(timestamps) == spikes.shape[0] == len(mask):
         raise _fail(path, f"binned_spikes has {spikes.shape[0]} bins, its timestamps {len(timestamps)} and "
                           f"eval_mask {len(mask)}; they must match")
-    return spikes, timestamps, mask, cues, blocks, notes, start
+    return spikes, timestamps, mask, cues, blocks, notes, start, row_starts
 
 
 def _check_time_resolution(path: Path, stored: np.ndarray) -> None:
@@ -277,6 +283,37 @@ def _falcon_split(day: date | None) -> str | None:
     return "held_in" if iso in FALCON_H2_HELD_IN_DATES else "held_out" if iso in FALCON_H2_HELD_OUT_DATES else None
 
 
+def _rows_in_time_order(path: Path, timestamps: np.ndarray, bounds: np.ndarray,
+                        row_starts: np.ndarray | None) -> np.ndarray:
+    """Which trials-table row each trial cut at the timestamp gaps takes its cue from.
+
+    Where every row's ``start_time`` falls inside the span of exactly one cut trial (give or take a bin), each
+    one to a different trial, the rows are paired by time, whatever their order in the table. Otherwise (times on
+    another clock, or none) the rows are taken in table order, which needs them in time order: rows whose
+    ``start_time`` values go back in time are refused rather than paired with the wrong trials.
+    """
+    n = len(bounds) - 1
+    identity = np.arange(n)
+    if row_starts is None or len(row_starts) != n or not n:
+        return identity
+    first, last = timestamps[bounds[:-1]], timestamps[bounds[1:] - 1]
+    inside = (row_starts[:, None] >= first[None, :] - BIN_S) & (row_starts[:, None] <= last[None, :] + BIN_S)
+    if (inside.sum(axis=1) == 1).all():
+        trial_of_row = inside.argmax(axis=1)
+        if len(set(trial_of_row.tolist())) == n:
+            order = np.empty(n, dtype=int)
+            order[trial_of_row] = identity
+            return order
+    if np.any(np.diff(row_starts) < 0):
+        back = int(np.flatnonzero(np.diff(row_starts) < 0)[0]) + 1
+        raise _fail(path, f"the trials table's rows are not in time order (row {back} starts at "
+                          f"{row_starts[back]:g} s, before row {back - 1} at {row_starts[back - 1]:g} s) and their "
+                          "start_time values do not match the trials found at the timestamp gaps, so which cue "
+                          "belongs to which trial is unknown; write the rows in time order, with each row's "
+                          "start_time the first bin's timestamp of its trial")
+    return identity
+
+
 def load_falcon_h2(path: str | Path, *, n_calibration: int = 3) -> Session:
     """One FALCON H2 NWB file (real or written here) as a :class:`~closedloop.sim.handwriting.Session`.
 
@@ -288,7 +325,7 @@ def load_falcon_h2(path: str | Path, *, n_calibration: int = 3) -> Session:
     scored on trials whose ``eval_mask`` is set, the others are calibration data.
     """
     path = Path(path)
-    spikes, timestamps, mask, cues, blocks, notes, start = _read(path)
+    spikes, timestamps, mask, cues, blocks, notes, start, row_starts = _read(path)
     _check_charset(path, cues)
     ends = np.flatnonzero(np.diff(timestamps) > TRIAL_GAP_S) + 1
     bounds = np.concatenate([[0], ends, [len(timestamps)]]) if len(timestamps) else np.zeros(1, dtype=int)
@@ -297,8 +334,14 @@ def load_falcon_h2(path: str | Path, *, n_calibration: int = 3) -> Session:
         short = int(np.sum(steps < 0.1))
         hint = (f"; {short} of the cuts are steps under 0.1 s, which look like bins with imprecise timestamps "
                 "(stored at too low a precision for their size?) rather than trial gaps" if short else "")
+        if len(bounds) - 1 < len(cues):
+            hint += (". Trials are told apart by a step of more than 0.021 s between consecutive bin timestamps "
+                     "(FALCON H2 places them 10 s apart); the table's start_time and stop_time do not cut them, so "
+                     "leave a gap between trials")
         raise _fail(path, f"timestamp gaps over {TRIAL_GAP_S} s cut {len(bounds) - 1} trials but the trials table "
                           f"has {len(cues)} cue rows{hint}")
+    order = _rows_in_time_order(path, timestamps, bounds, row_starts)
+    cues, blocks = [cues[i] for i in order], blocks[order]
     trials = [Trial(spikes=spikes[a:b], sentence=cue, block=int(blk))
               for a, b, cue, blk in zip(bounds[:-1], bounds[1:], cues, blocks, strict=True)]
     scored = [i for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)) if mask[a:b].any()]

@@ -68,7 +68,7 @@ def test_names_of_real_falcon_files_are_recognised():
 
 
 def _write_raw(path: Path, *, timestamps=None, cues=("ab~", "c?"), skip=(), n_channels=4, ts_dtype=float,
-               counts=None) -> Path:
+               counts=None, starts=None) -> Path:
     """A hand-made NWB file in (or deliberately not quite in) the FALCON H2 layout."""
     from pynwb import NWBHDF5IO, NWBFile, TimeSeries
 
@@ -89,7 +89,8 @@ def _write_raw(path: Path, *, timestamps=None, cues=("ab~", "c?"), skip=(), n_ch
         nwb.add_trial_column(name="cue", description="sentence")
     for i, cue in enumerate(cues):
         kwargs = {} if "cue" in skip else {"cue": cue}
-        nwb.add_trial(start_time=float(i), stop_time=float(i) + 0.5, **kwargs)
+        start = float(i) if starts is None else float(starts[i])
+        nwb.add_trial(start_time=start, stop_time=start + 0.5, **kwargs)
     path.parent.mkdir(parents=True, exist_ok=True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -119,6 +120,19 @@ def test_trials_are_cut_at_timestamp_gaps(tmp_path):
     near = np.concatenate([np.arange(3) * 0.02, 0.0605 + np.arange(2) * 0.02])
     one = load_falcon_h2(_write_raw(tmp_path / "near.nwb", timestamps=near, cues=("x~",)))
     assert [t.n_bins for t in one.trials] == [5] and one.evaluation == [0]
+
+
+def test_trials_table_rows_are_paired_with_trials_by_start_time_or_refused_out_of_order(tmp_path):
+    """A table written in another order pairs each cue with the trial its start_time falls in; rows out of time
+    order whose times match no trial are refused, not paired with the wrong trials in table order."""
+    ts = np.concatenate([np.arange(4) * 0.02, 10 + np.arange(2) * 0.02, 20 + np.arange(3) * 0.02])
+    rows = _write_raw(tmp_path / "reversed.nwb", timestamps=ts, cues=("c~", "b~", "a~"), starts=(20.0, 10.0, 0.0))
+    s = load_falcon_h2(rows)
+    assert [t.sentence for t in s.trials] == ["a~", "b~", "c~"] and [t.n_bins for t in s.trials] == [4, 2, 3]
+    other_clock = _write_raw(tmp_path / "clock.nwb", timestamps=ts, cues=("c~", "b~", "a~"), starts=(7.0, 5.0, 3.0))
+    with pytest.raises(FalconFileError, match=r"rows are not in time order \(row 1 starts at 5 s, before row 0 at "
+                                              r"7 s\).*which cue belongs to which trial is unknown"):
+        load_falcon_h2(other_clock)
 
 
 @pytest.mark.parametrize("skip, message", [
@@ -174,6 +188,18 @@ def test_negative_counts_are_refused(tmp_path):
     counts[2, 1] = -1
     with pytest.raises(FalconFileError, match="not non-negative counts"):
         load_falcon_h2(_write_raw(tmp_path / "neg.nwb", counts=counts))
+    for dtype in (np.float64, np.int64):  # a count past u16 is not a spike count (it used to wrap: 70000 -> 4464)
+        big = np.zeros((8, 4), dtype=dtype)
+        big[3, 0] = 70000
+        with pytest.raises(FalconFileError, match="count of 70000, over 65535"):
+            load_falcon_h2(_write_raw(tmp_path / f"big_{np.dtype(dtype).name}.nwb", counts=big))
+
+
+def test_trials_without_a_gap_between_them_are_refused_saying_a_gap_cuts_them(tmp_path):
+    ts = np.arange(8) * 0.02  # two cue rows, one run of bins
+    with pytest.raises(FalconFileError, match=r"cut 1 trials but the trials table has 2 cue rows.*step of more than "
+                                              r"0.021 s.*leave a gap between trials"):
+        load_falcon_h2(_write_raw(tmp_path / "contiguous.nwb", timestamps=ts))
 
 
 def test_a_folder_with_one_day_twice_or_mixed_channel_counts_is_refused(tmp_path):
