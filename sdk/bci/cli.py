@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 from closedloop.common.jsonout import json_text
 
@@ -36,8 +37,14 @@ def _calibrate_args(p: argparse.ArgumentParser) -> None:
 @command("calibrate", "fit a bundle's alignment layer to a new session's first sentences; write a new bundle",
          _calibrate_args)
 def _calibrate(a: argparse.Namespace) -> int:
+    quiet = a.json or getattr(a, "global_quiet", False)
+
+    def report(line: str) -> None:  # progress on stderr (not with --json or -q); warnings always, as every command's
+        if line.startswith("warning") or not quiet:
+            print(line, file=sys.stderr)
+
     r = calibrate_bundle(a.bundle, a.data, n_sentences=a.sentences, out=a.out, session_name=a.session,
-                         device=a.device, overwrite=a.overwrite, report=(lambda s: None) if a.json else print)
+                         device=a.device, overwrite=a.overwrite, report=report)
     print(json_text(r.to_dict()) if a.json else r.format())
     return 0
 
@@ -96,7 +103,6 @@ def _explicit_train_settings(config: str | None, steps: int | None) -> frozenset
                       "(validation, early stopping, a time budget); write a calibratable bundle", _train_args)
 def _train(a: argparse.Namespace) -> int:
     import dataclasses
-    import sys
 
     from .data import resolve_device
     from .malloc import retain_freed_memory

@@ -187,6 +187,29 @@ def test_calibrate_command_prints_what_it_did(bundle, held_out_file, tmp_path, c
     assert "already exists" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flags", [[], ["-q"], ["--json"]])
+def test_calibrates_warnings_go_to_stderr_whatever_the_flags_and_progress_only_without_q_or_json(monkeypatch, capsys,
+                                                                                                   flags):
+    import closedloop.sdk.bci.cli as bci_cli
+    from closedloop.sdk.bci.workflow import CalibrationReport
+
+    def fake(*args, report, **kwargs):
+        report("fitting the alignment layer")
+        report("warning: calibration made the greedy CER worse (10.0% -> 12.0% ...)")
+        return CalibrationReport(bundle="O", source="B", data="F", session="s", trials=[0, 1, 2], method="meta",
+                                 loss_given=1.0, loss_start=1.0, loss_after=1.2,
+                                 warning="calibration made the greedy CER worse (10.0% -> 12.0% ...)")
+
+    monkeypatch.setattr(bci_cli, "calibrate_bundle", fake)
+    assert main(["calibrate", "B", "--data", "F", "--out", "O", *flags]) == 0
+    out, err = capsys.readouterr()
+    assert "warning: calibration made the greedy CER worse" in err
+    assert ("fitting the alignment layer" in err) == (flags == [])
+    assert "fitting the alignment layer" not in out
+    if flags == ["--json"]:
+        assert json.loads(out)["warning"].startswith("calibration made")
+
+
 def test_a_device_the_machine_lacks_is_refused_before_any_work(bundle, held_out_file, tmp_path, capsys):
     import torch
 
