@@ -20,6 +20,7 @@ from .workflow import (
     format_evaluation,
     load_sessions,
     train_harness,
+    unlearned_warning,
 )
 
 
@@ -43,6 +44,8 @@ def _calibrate(a: argparse.Namespace) -> int:
         if line.startswith("warning") or not quiet:
             print(line, file=sys.stderr)
 
+    if (w := unlearned_warning(a.bundle)) is not None:
+        report(f"warning: {w}")
     r = calibrate_bundle(a.bundle, a.data, n_sentences=a.sentences, out=a.out, session_name=a.session,
                          device=a.device, overwrite=a.overwrite, report=report)
     print(json_text(r.to_dict()) if a.json else r.format())
@@ -130,7 +133,8 @@ def _train(a: argparse.Namespace) -> int:
     else:
         print(result.format())
         print(f"wrote {result.bundle}: calibrate it per session with `closedloop calibrate {result.bundle} "
-              "--data SESSION.nwb --sentences 3`")
+              "--data SESSION.nwb --sentences 3`" if result.learned else
+              f"wrote {result.bundle}, NOT LEARNED (below): its text is not usable as it is")
     for w in result.summary.get("warnings", []):
         print(f"warning: {w}", file=sys.stderr)
     if not result.learned:
@@ -171,6 +175,9 @@ def _evaluate_args(p: argparse.ArgumentParser) -> None:
 def _evaluate(a: argparse.Namespace) -> int:
     options = dict(beam=a.beam, beam_width=a.beam_width, lexicon=a.lexicon, sentence_end=a.sentence_end,
                    word_weight=a.word_weight, open_words=a.open_words, backend=a.backend)
+    for b in (a.bundle, a.against):
+        if b is not None and (w := unlearned_warning(b)) is not None:
+            print(f"warning: {w}", file=sys.stderr)
     r = evaluate_bundle(a.bundle, a.data, **options)
     if a.against is None:
         print(json_text(r) if a.json else format_evaluation(r))

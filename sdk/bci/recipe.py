@@ -485,7 +485,9 @@ def train_recipe(sessions: Sequence[Any], harness: Any, out: str | Path, *, reci
     log, meta_log = fit.models.logs["backbone"], fit.models.logs["meta"]
     path = export_pooled_bundle(fit.models, fit.train_sessions, fit.harness, out, provenance={
         **(provenance or {}), "validation": {"fraction": recipe.validation_fraction, "seed": recipe.seed,
-                                             "trials": fit.validation}}, end_completion=end_completion,
+                                             "trials": fit.validation},
+        # kept by calibration too: calibrate and evaluate warn about a bundle whose decoder had not learned
+        "recipe": {"learned": not fit.problems, "problems": list(fit.problems)}}, end_completion=end_completion,
         overwrite=overwrite)
     curve = write_curve(log, meta_log, Path(str(path).removesuffix(".zip") + ".curve.png"))
     summary = {"bundle": str(path), "curve": str(curve), **fit.summary(recipe)}

@@ -89,6 +89,22 @@ class CalibrationReport:
         ])
 
 
+def unlearned_warning(bundle: Any) -> str | None:
+    """A warning for a bundle (or one calibrated from it) whose ``bci-train`` run ended NOT LEARNED, else None."""
+    from closedloop.runtime import BundleError, load_bundle
+
+    try:
+        b = load_bundle(bundle) if isinstance(bundle, str | Path) else bundle
+    except (BundleError, OSError):  # the command's own load says what is wrong with it
+        return None
+    recipe = b.manifest.provenance.get("recipe") if isinstance(b.manifest.provenance, dict) else None
+    if not isinstance(recipe, dict) or recipe.get("learned") is not False:
+        return None
+    why = "; ".join(str(p) for p in recipe.get("problems", [])[:2])
+    return (f"{b.source}: bci-train wrote this decoder NOT LEARNED ({why}): its text is not usable; train again "
+            "with more data or a longer budget (docs/bci.md, the training recipe)")
+
+
 def _load_session(data: Any, n_calibration: int) -> tuple[Any, str]:
     from closedloop.common.handwriting import Session
 

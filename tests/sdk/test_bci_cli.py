@@ -210,6 +210,24 @@ def test_calibrates_warnings_go_to_stderr_whatever_the_flags_and_progress_only_w
         assert json.loads(out)["warning"].startswith("calibration made")
 
 
+def test_a_bundle_trained_not_learned_is_named_so_by_calibrate_and_evaluate(bundle, held_out_file, tmp_path, capsys):
+    """bci-train writes a decoder that has not learned (exit 1) and records that in the bundle; calibrate and
+    evaluate of it then say so on stderr instead of treating it as a usable decoder."""
+    from closedloop.sdk.bci.workflow import unlearned_warning
+
+    dst = tmp_path / "unlearned"
+    shutil.copytree(bundle, dst)
+    m = json.loads((dst / "manifest.json").read_text())
+    m["provenance"]["recipe"] = {"learned": False, "problems": ["stage 1: best validation greedy CER 97.0%"]}
+    (dst / "manifest.json").write_text(json.dumps(seal_manifest(m)))
+    assert unlearned_warning(bundle) is None and unlearned_warning(tmp_path / "no-such-bundle") is None
+    assert "NOT LEARNED (stage 1: best validation greedy CER 97.0%)" in unlearned_warning(dst)
+    assert main(["evaluate", str(dst), "--data", str(held_out_file), "--json"]) == 0
+    out, err = capsys.readouterr()
+    json.loads(out)
+    assert "warning:" in err and "NOT LEARNED" in err
+
+
 def test_a_device_the_machine_lacks_is_refused_before_any_work(bundle, held_out_file, tmp_path, capsys):
     import torch
 
@@ -319,6 +337,7 @@ def test_bci_train_then_calibrate_from_the_shell(sessions, tmp_path, capsys):
     assert main(["bci-train", str(data), "--out", str(tmp_path / "pooled"), "--config", str(cfg),
                  "--device", "cpu", "--end-completion", "sentence-end", "--allow-unlearned"]) == 0
     assert load_bundle(tmp_path / "pooled").manifest.extra["bci"]["end_completion"] == {"sentence_end": "?~"}
+    assert set(load_bundle(tmp_path / "pooled").manifest.provenance["recipe"]) == {"learned", "problems"}
     pooled_bci = load_bundle(tmp_path / "pooled").manifest.extra["bci"]
     assert pooled_bci["normalization"]["warmup_bins"] == 1000  # a new day, uncalibrated: its own first 20 s
     from closedloop.sdk.bci.toy import TOY_WORDS
