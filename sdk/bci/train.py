@@ -182,8 +182,13 @@ class TrainingLog:
                     "model mostly ignores its input. Train longer (train.steps), lower train.lr, or check that the "
                     "inputs carry the signal (normalisation, channel count)")
         if self.restarts:
-            return (f"{self.what}: restarted {len(self.restarts)} time(s) because the loss had not left the CTC "
-                    f"plateau after {len(self.restarts[0]['loss'])} steps; kept seed {self.seed}")
+            why = (f"no validation greedy CER had come below {STARTED_CER:.0%}" if self.validation else
+                   "the loss had not left the CTC plateau")
+            spent = sum(r["wall_s"] for r in self.restarts)
+            return (f"{self.what}: restarted {len(self.restarts)} time(s) because {why} after "
+                    f"{min(len(r['loss']) for r in self.restarts)} steps ({spent:.0f} s in the other run(s)); kept "
+                    f"seed {self.seed}" + (f", the run with the best validation CER "
+                                           f"({self.best()['CER']:.1%})" if self.best() else ""))
         return None
 
     def smoothed(self, window: int = 25) -> np.ndarray:
@@ -501,7 +506,7 @@ def fit_ctc_restarting(build: Callable[[], tuple[nn.Module, Callable, dict[int, 
     of the attempt's seed (``restart_seed``); see ``TrainConfig.plateau_steps``. A run
     that hits ``deadline`` (or the time budget) is kept whatever its state.
     """
-    abandoned: list[dict] = []
+    runs: list[tuple[nn.Module, TrainingLog]] = []
     if config.time_budget_s:  # one budget for the run and its restarts
         deadline = min(deadline or math.inf, time.perf_counter() + config.time_budget_s)
         config = replace(config, time_budget_s=0.0)
@@ -514,10 +519,16 @@ def fit_ctc_restarting(build: Callable[[], tuple[nn.Module, Callable, dict[int, 
             progress.restart(attempt, seed)
         log = fit_ctc(module, forward, examples, config, what, scales, seed=seed, stop_on_plateau=not last,
                       validation=validation, progress=progress, deadline=deadline)
+        runs.append((module, log))
         if not log.on_plateau or last or log.stop_reason == "time_budget":
-            log.restarts = abandoned
+            # with validation, the run kept is the one with the best validation CER (a restart can do worse than
+            # the run it replaced); without, the last one
+            best = log.best()
+            if best is not None:
+                module, log = min(runs, key=lambda run: b["CER"] if (b := run[1].best()) is not None else math.inf)
+            log.restarts = [{"seed": r.seed, "loss": r.loss, "wall_s": r.wall_s, "validation": r.validation}
+                            for _, r in runs if r is not log]
             return module, log
-        abandoned.append({"seed": seed, "loss": log.loss, "wall_s": log.wall_s, "validation": log.validation})
     raise AssertionError("unreachable")
 
 

@@ -243,6 +243,33 @@ def test_plateau_check_reads_the_loss_curve():
     assert not on_plateau(flat + [0.5] * 50, 200, 0.8, at=250)  # left it later
 
 
+def test_with_validation_the_restart_kept_is_the_run_with_the_best_validation_cer(monkeypatch):
+    """A restart can end worse than the run it replaced (a first run at 75.0% validation CER, just not below the
+    started threshold, then 81.2%): the better run is kept, and the warning says what the restarts were about."""
+    import closedloop.sdk.bci.train as train
+    from closedloop.sdk.bci.train import TrainingLog, fit_ctc_restarting
+
+    cers = iter([0.75, 0.812])
+
+    def fake_fit(module, forward, examples, config, what, scales, seed, stop_on_plateau, validation, progress,
+                 deadline):
+        cer = next(cers)
+        return TrainingLog(what=what, seed=seed, loss=[3.0, 0.43], wall_s=10.0, on_plateau=True, best_step=2,
+                           validation=[{"step": 2, "CER": cer, "WER": 1.0, "chars": 40}])
+
+    monkeypatch.setattr(train, "fit_ctc", fake_fit)
+    built = []
+    config = TrainConfig(backbone=BackboneConfig(16, 1, 0.0), steps=10, max_restarts=1, seed=3, progress=False)
+    module, log = fit_ctc_restarting(lambda: (built.append(torch.nn.Linear(1, 1)) or built[-1], None, None), [],
+                                     config, "stage 1: pooled backbone", validation=["v"])
+    assert module is built[0] and log.seed == 3 and log.best()["CER"] == 0.75
+    assert [r["seed"] for r in log.restarts] == [1003]
+    assert "validation greedy CER never came below 75%" in log.warning()  # every restart used, still on it
+    log.on_plateau = False  # the message of a run that left the plateau after restarts
+    assert ("restarted 1 time(s) because no validation greedy CER had come below 75% after 2 steps (10 s in the "
+            "other run(s)); kept seed 3, the run with the best validation CER (75.0%)") in log.warning()
+
+
 def test_a_run_stuck_on_the_ctc_plateau_restarts_from_new_seeds_and_says_so(sessions):
     # every channel silenced: nothing to learn from the input, so the loss can only sit on the plateau
     blind = TrainConfig(backbone=BackboneConfig(16, 1, 0.0), steps=110, batch_size=4, lr=1e-2, device="cpu",
