@@ -317,7 +317,16 @@ class RecipeFit:
         (:func:`end_mark_warning`)."""
         log = self.models.logs["backbone"]
         out = [w] if (w := log.warning()) is not None else []
-        if still_improving(log):
+        losses = [(v["step"], v["loss"]) for v in getattr(log, "validation", []) if "loss" in v]
+        low = min(losses, key=lambda sv: sv[1]) if losses else None
+        if self.problems and low is not None and losses[-1][1] > 1.05 * low[1] and losses[-1][0] > low[0]:
+            # not learned, and the validation loss went up while training went on: a longer run will not help
+            out.append(f"stage 1's validation loss rose from {low[1]:.3f} (step {low[0]}) to {losses[-1][1]:.3f} "
+                       f"(step {losses[-1][0]}) while it trained: the model fits the training trials without "
+                       "generalising to held-back ones of the same days, so more steps will not help; check that the "
+                       "inputs carry the signal (the right channels and bins, each cue on its trial) before training "
+                       "longer")
+        elif still_improving(log):
             limit = "time budget" if log.stop_reason == "time_budget" else "step ceiling"
             flag = "--time-budget" if limit == "time budget" else "--steps"
             out.append(f"stage 1 was still improving when its {limit} ended it (best validation CER at step "

@@ -176,6 +176,19 @@ def test_validation_counts_the_sentence_end_marks_and_a_decoder_that_leaves_them
     fit = RecipeFit(SimpleNamespace(logs={"backbone": log}), [], {}, [], None, {}, {}, no_end, [], 0.0, 0.0, None)
     assert fit.warnings() == [w]
     assert replace(fit, problems=["stage 1 emits no characters"]).warnings() == []
+    # not learned and its time budget ended it: "a longer run may help" only where the validation loss still falls;
+    # where it rose while training went on (nothing to learn: noise), more steps will not help, and it says so
+    rising = SimpleNamespace(warning=lambda: None, converged=False, stop_reason="time_budget", best_step=60,
+                             steps_run=80, validation=[{"step": s, "loss": v, "CER": 1.0}
+                                                       for s, v in ((20, 3.1), (40, 3.3), (60, 3.6), (80, 3.9))])
+    unlearned = RecipeFit(SimpleNamespace(logs={"backbone": rising}), [], {}, [], None, {}, {}, no_end,
+                          ["stage 1: best validation greedy CER 100.0%"], 0.0, 0.0, None)
+    (only,) = unlearned.warnings()
+    assert "validation loss rose from 3.100 (step 20) to 3.900 (step 80)" in only and "will not help" in only
+    falling = SimpleNamespace(**{**vars(rising), "validation": [{"step": s, "loss": 4.0 - s / 40, "CER": 1.0}
+                                                                 for s in (20, 40, 60, 80)]})
+    (only,) = replace(unlearned, models=SimpleNamespace(logs={"backbone": falling})).warnings()
+    assert only.startswith("stage 1 was still improving when its time budget ended it")
 
 
 def test_a_falling_validation_loss_is_progress_while_the_cer_sits_still():
