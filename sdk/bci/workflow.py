@@ -516,7 +516,7 @@ def _finite(x: float) -> float | None:
 def _ratio_text(c: dict) -> str:
     if c["ratio"] is None:
         return "- (B is 0)"
-    lo, hi = ("-" if v is None else f"{v:.2f}" for v in c["ratio_95"])  # "-": replicates where B is 0
+    lo, hi = ("inf" if v is None else f"{v:.2f}" for v in c["ratio_95"])  # some replicates had B at 0: unbounded
     return f"{c['ratio']:.2f} [{lo}, {hi}]"
 
 
@@ -524,7 +524,8 @@ def format_comparison(comparison: dict) -> str:
     """The comparison table ``closedloop evaluate --against`` prints after both evaluations."""
     lines = [f"{comparison['bundle']} (A) against {comparison['against']} (B): {comparison['trials']} evaluation "
              f"trials in {len(comparison['sessions'])} session(s); ratio A / B with a paired bootstrap 95% interval "
-             f"({comparison['n_boot']} replicates of the trials); P(A lower): the share of replicates A is lower",
+             f"({comparison['n_boot']} replicates of the trials; an end at inf: replicates where B made no error, "
+             "null in --json); P(A lower): the share of replicates A is lower",
              f"{'decoder':<12}{'metric':<8}{'A':>9}{'B':>9}{'A / B [95%]':>24}{'P(A lower)':>12}"]
     for d, row in comparison["decoders"].items():
         for metric, c in row.items():
