@@ -386,6 +386,11 @@ def load_falcon_h2_dir(folder: str | Path, *, n_calibration: int = 3) -> list[Se
         s = load_falcon_h2(f, n_calibration=n_calibration)
         same = [p.meta["files"][0] for p in groups.get((s.name, s.split), []) if p.meta.get("role") == s.meta.get("role")]
         if same:
+            subjects = {m.group(1) for p in (f, Path(same[0])) if (m := re.match(r"(sub-[A-Za-z0-9]+)", p.name))}
+            if len(subjects) > 1:
+                raise FalconFileError(f"{f} and {same[0]} are recordings of different subjects "
+                                      f"({', '.join(sorted(subjects))}) on the same date; a decoder is trained and "
+                                      "scored on one subject's sessions: give each subject its own folder")
             raise FalconFileError(f"{f} and {same[0]} are both the {s.meta.get('role') or 'whole-session'} data of "
                                   f"{s.split} session {s.name}; keep one of them under {folder} (a copy under another "
                                   "name would train or score its trials twice)")

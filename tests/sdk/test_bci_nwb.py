@@ -208,6 +208,11 @@ def test_a_folder_with_one_day_twice_or_mixed_channel_counts_is_refused(tmp_path
     _write_raw(twice / "T5_2023.04.17_held_out_calib.nwb")  # the same day, FALCON's local name
     with pytest.raises(FalconFileError, match="are both the calib data of held_out session 2023.04.17; keep one"):
         load_falcon_h2_dir(twice)
+    subjects = tmp_path / "subjects"
+    _write_raw(subjects / "sub-P1-held-out-calib_ses-20230417.nwb")
+    _write_raw(subjects / "sub-P2-held-out-calib_ses-20230417.nwb")
+    with pytest.raises(FalconFileError, match=r"different subjects \(sub-P1, sub-P2\) on the same date.*its own folder"):
+        load_falcon_h2_dir(subjects)
     mixed = tmp_path / "mixed"
     _write_raw(mixed / "T5_2023.04.17_held_out_calib.nwb", n_channels=4)
     _write_raw(mixed / "T5_2023.05.31_held_out_calib.nwb", n_channels=3, counts=np.zeros((8, 3), dtype=np.uint8))
