@@ -167,6 +167,11 @@ class FamilyPlugin:
                "(docs/bundle.md, 'Session block')")
         out = []
         if streams is not None and self.input_name not in streams:
+            if hello.name.startswith("lsl:") and self.input_name in ("neural_frame", "plant_measurement"):
+                # an LSL stream's kind comes from its type or the URL: the fix is there, not in the bundle
+                want = "headstage" if self.input_name == "neural_frame" else "plant"
+                fix = (f"; an LSL stream is read as a {want} with kind={want} in its URL "
+                       f"(lsl://{hello.name[4:]}?kind={want}, docs/lsl.md)")
             out.append(f"device {hello.kind!r} streams {' or '.join(streams)}, the bundle reads {self.input_name}{fix}")
         if accepts is not None and self.command_name not in accepts:
             out.append(f"device {hello.kind!r} takes {' or '.join(a for a in accepts if a != 'none')}, "

@@ -160,3 +160,15 @@ def test_lsl_out_publishes_the_commands_a_session_sends_stamped_just_after_they_
         i = int(np.searchsorted(times, t, side="right")) - 1  # the last command written before the stamp
         assert i >= 0 and 0 <= t - times[i] < 0.05, (t, times[max(i, 0)])
         np.testing.assert_allclose(x, sent[i][1], rtol=1e-6)
+
+
+def test_an_lsl_stream_read_as_the_wrong_kind_is_refused_with_the_url_that_reads_it_right(neural_bundle):
+    """An EEG-typed stream opens as a plant by default; a spike-count decoder's handshake refuses it and says how to
+    read it as a headstage (the kind is the URL's, not the bundle's)."""
+    from closedloop.firmware_bridge import Hello
+    from closedloop.runtime import Model, get_family, load_bundle
+
+    bundle = load_bundle(neural_bundle)
+    family = get_family(bundle.manifest.family)(bundle, Model(bundle, backend="onnxruntime"))
+    problems = family.check_device(Hello(kind="plant", name="lsl:Amp", n_channels=12, rate_hz=50.0))
+    assert any("lsl://Amp?kind=headstage" in p for p in problems), problems
