@@ -460,12 +460,19 @@ def evaluate_bundle(
                     texts["beam"].append(beam_decode(logp, choice.lexicon, beam_width, word_weight=choice.word_weight))
                 refs.append(s.trials[i].sentence)
             row: dict[str, Any] = {d: falcon_metrics([texts[d]], [refs])["per_session"][0] for d in decoders}
-            row.update(predictions=texts, references=refs)
+            row.update(predictions=texts, references=refs, split=s.split)
             out["sessions"][s.name] = row
     finally:
         model.close()
-    out["mean"] = {d: {k: float(np.mean([r[d][k] for r in out["sessions"].values()])) for k in ("CER", "WER")}
-                   for d in decoders}
+
+    def mean(rows: list[dict]) -> dict:
+        return {d: {k: float(np.mean([r[d][k] for r in rows])) for k in ("CER", "WER")} for d in decoders}
+
+    out["mean"] = mean(list(out["sessions"].values()))
+    # held-in days (seen in training) and held-out ones (new days) apart, as FALCON reports them, where both are here
+    splits = {r["split"] for r in out["sessions"].values()}
+    out["mean_by_split"] = ({sp: mean([r for r in out["sessions"].values() if r["split"] == sp])
+                             for sp in sorted(splits)} if len(splits) > 1 else {})
     out["wall_s"] = time.perf_counter() - t0
     return out
 
@@ -556,6 +563,9 @@ def format_evaluation(result: dict) -> str:
                      + "".join(f"{r[d]['CER']:>{width[d]}.2%}{r[d]['WER']:>{width[d]}.2%}" for d in decs))
     lines.append(f"{'mean':<14}{'':>7}" + "".join(f"{result['mean'][d]['CER']:>{width[d]}.2%}"
                                                   f"{result['mean'][d]['WER']:>{width[d]}.2%}" for d in decs))
+    for split, m in result.get("mean_by_split", {}).items():  # held-in and held-out days apart, when both were scored
+        lines.append(f"{'mean ' + split.replace('_', '-'):<14}{'':>7}"
+                     + "".join(f"{m[d]['CER']:>{width[d]}.2%}{m[d]['WER']:>{width[d]}.2%}" for d in decs))
     rule = result.get("sentence_end")
     if rule is not None:
         lines.append(f"greedy_end and beam: sentences end with {rule!r} ({result['sentence_end_source']})" if rule else

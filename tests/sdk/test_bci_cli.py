@@ -358,6 +358,12 @@ def test_bci_train_then_calibrate_from_the_shell(sessions, tmp_path, capsys):
     assert result["runtime_decoder"] == "greedy_end" and result["sentence_end"] == "?~"
     texts = [t for r in result["sessions"].values() for t in r["predictions"]["greedy_end"]]
     assert texts and all(t[-1:] in ("~", "?") for t in texts)  # every trial's text ends a sentence
+    # held-in days (seen in training) and held-out ones (new days) are also averaged apart, as FALCON reports them
+    splits = {r["split"] for r in result["sessions"].values()}
+    assert splits == {"held_in", "held_out"} and set(result["mean_by_split"]) == splits
+    for split, m in result["mean_by_split"].items():
+        cers = [r["greedy"]["CER"] for r in result["sessions"].values() if r["split"] == split]
+        assert m["greedy"]["CER"] == pytest.approx(np.mean(cers))
     # bad input: a folder with no held-in session is refused with what to do
     only_out = tmp_path / "only_out"
     only_out.mkdir()
