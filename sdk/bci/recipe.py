@@ -317,9 +317,8 @@ class RecipeFit:
         (:func:`end_mark_warning`)."""
         log = self.models.logs["backbone"]
         out = [w] if (w := log.warning()) is not None else []
-        losses = [(v["step"], v["loss"]) for v in getattr(log, "validation", []) if "loss" in v]
-        low = min(losses, key=lambda sv: sv[1]) if losses else None
-        if self.problems and low is not None and losses[-1][1] > 1.05 * low[1] and losses[-1][0] > low[0]:
+        if self.problems and (low := rising_validation_loss(getattr(log, "validation", []))) is not None:
+            losses = [(v["step"], v["loss"]) for v in log.validation if "loss" in v]
             # not learned, and the validation loss went up while training went on: a longer run will not help
             out.append(f"stage 1's validation loss rose from {low[1]:.3f} (step {low[0]}) to {losses[-1][1]:.3f} "
                        f"(step {losses[-1][0]}) while it trained: the model fits the training trials without "
@@ -337,6 +336,22 @@ class RecipeFit:
         if not self.problems and (w := end_mark_warning(self.two_stage)) is not None:  # not learned says more
             out.append(w)
         return out
+
+
+def rising_validation_loss(validation: list[dict], margin: float = 1.05) -> tuple[int, float] | None:
+    """``(step, loss)`` of the lowest validation loss when the loss then rose for good: at least 6 evaluations,
+    the lowest in the first half, and every evaluation of the last third above it by ``margin``; else None. The
+    sign of a model that fits its training trials and nothing else (a recording with no signal), told apart
+    from the early ups and downs of a run that is still learning."""
+    losses = [(v["step"], v["loss"]) for v in validation if "loss" in v]
+    n = len(losses)
+    if n < 6:
+        return None
+    k = min(range(n), key=lambda i: losses[i][1])
+    tail = losses[max(k + 1, n - n // 3):]
+    if k > n // 2 or len(tail) < 2 or any(v <= margin * losses[k][1] for _, v in tail):
+        return None
+    return losses[k]
 
 
 def end_mark_warning(scores: dict, share: float = 0.5) -> str | None:

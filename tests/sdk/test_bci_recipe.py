@@ -178,17 +178,19 @@ def test_validation_counts_the_sentence_end_marks_and_a_decoder_that_leaves_them
     assert replace(fit, problems=["stage 1 emits no characters"]).warnings() == []
     # not learned and its time budget ended it: "a longer run may help" only where the validation loss still falls;
     # where it rose while training went on (nothing to learn: noise), more steps will not help, and it says so
-    rising = SimpleNamespace(warning=lambda: None, converged=False, stop_reason="time_budget", best_step=60,
-                             steps_run=80, validation=[{"step": s, "loss": v, "CER": 1.0}
-                                                       for s, v in ((20, 3.1), (40, 3.3), (60, 3.6), (80, 3.9))])
-    unlearned = RecipeFit(SimpleNamespace(logs={"backbone": rising}), [], {}, [], None, {}, {}, no_end,
-                          ["stage 1: best validation greedy CER 100.0%"], 0.0, 0.0, None)
+    def log_of(losses):
+        return SimpleNamespace(warning=lambda: None, converged=False, stop_reason="time_budget", best_step=60,
+                               steps_run=20 * len(losses), validation=[{"step": 20 * (i + 1), "loss": v, "CER": 1.0}
+                                                                       for i, v in enumerate(losses)])
+
+    unlearned = RecipeFit(SimpleNamespace(logs={"backbone": log_of([3.1, 3.2, 3.3, 3.5, 3.6, 3.9])}), [], {}, [],
+                          None, {}, {}, no_end, ["stage 1: best validation greedy CER 100.0%"], 0.0, 0.0, None)
     (only,) = unlearned.warnings()
-    assert "validation loss rose from 3.100 (step 20) to 3.900 (step 80)" in only and "will not help" in only
-    falling = SimpleNamespace(**{**vars(rising), "validation": [{"step": s, "loss": 4.0 - s / 40, "CER": 1.0}
-                                                                 for s in (20, 40, 60, 80)]})
-    (only,) = replace(unlearned, models=SimpleNamespace(logs={"backbone": falling})).warnings()
-    assert only.startswith("stage 1 was still improving when its time budget ended it")
+    assert "validation loss rose from 3.100 (step 20) to 3.900 (step 120)" in only and "will not help" in only
+    # a loss that falls, or one with early ups and downs that is low again at the end, is still learning
+    for losses in ([4.0, 3.8, 3.5, 3.3, 3.0, 2.8], [3.2, 3.0, 3.4, 3.1, 2.9, 2.95], [3.0, 3.3, 3.2]):
+        (only,) = replace(unlearned, models=SimpleNamespace(logs={"backbone": log_of(losses)})).warnings()
+        assert only.startswith("stage 1 was still improving when its time budget ended it"), losses
 
 
 def test_a_falling_validation_loss_is_progress_while_the_cer_sits_still():
