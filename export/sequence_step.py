@@ -70,6 +70,7 @@ class SequenceStep(nn.Module):
         first = init_state(1)
         self.nested = isinstance(first, tuple | list)
         states = tuple(first) if self.nested else (first,)
+        self.n_states = len(states)
         if not states or not all(isinstance(s, torch.Tensor) for s in states):
             raise ExportError(f"init_state(1) returned {type(first).__name__}; give a tensor or a tuple of tensors "
                               "shaped as the module's forward takes its state")
@@ -89,8 +90,7 @@ class SequenceStep(nn.Module):
         """The bundle's names for the states when the export is not given any: ``h`` and ``c`` for an ``nn.LSTM``'s
         ``(h, c)`` pair (its only recurrent layers), else the exporter's defaults (``h``, or ``h0``, ``h1``, ...)."""
         rnns = [m for m in self.module.modules() if isinstance(m, nn.RNNBase)]
-        pair = len(self.init_state(1)) == 2
-        return ("h", "c") if pair and rnns and all(isinstance(m, nn.LSTM) for m in rnns) else None
+        return ("h", "c") if self.n_states == 2 and rnns and all(isinstance(m, nn.LSTM) for m in rnns) else None
 
     def init_state(self, batch: int) -> tuple[torch.Tensor, ...]:
         first = self._init_state(batch)

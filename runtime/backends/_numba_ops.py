@@ -166,16 +166,11 @@ def _arith(p: Planner, node) -> None:
     p.define(node, affine(p, node, x, scale, shift, node.inputs[0 if x_first else 1]))
 
 
-@handles("Greater", "Less", "Equal", "GreaterOrEqual", "LessOrEqual", "And", "Or", "Xor")
+@handles("Greater", "Less", "Equal", "GreaterOrEqual", "LessOrEqual", "And", "Or", "Xor", "Mod")
 def _compare(p: Planner, node) -> None:
-    """A comparison or logical op with at least one computed input: float32 ones where true, zeros where false."""
-    p.define(node, binary(p, node, p.act(node, 0, materialize=True), p.act(node, 1, materialize=True), node.op_type))
-
-
-@handles("Mod")
-def _mod(p: Planner, node) -> None:
-    """The remainder with the dividend's sign (``fmod=1``, ``torch.fmod``) or the divisor's (``fmod=0``)."""
-    op = "Fmod" if node.attributes.get("fmod", 0) else "Mod"
+    """A comparison or logical op with at least one computed input (float32 ones where true, zeros where false), or
+    a remainder with the dividend's sign (``Mod`` with ``fmod=1``, ``torch.fmod``) or the divisor's (``fmod=0``)."""
+    op = node.op_type if node.op_type != "Mod" else ("Fmod" if node.attributes.get("fmod", 0) else "Mod")
     p.define(node, binary(p, node, p.act(node, 0, materialize=True), p.act(node, 1, materialize=True), op))
 
 

@@ -317,11 +317,11 @@ class RecipeFit:
         (:func:`end_mark_warning`)."""
         log = self.models.logs["backbone"]
         out = [w] if (w := log.warning()) is not None else []
-        if self.problems and (low := rising_validation_loss(getattr(log, "validation", []))) is not None:
-            losses = [(v["step"], v["loss"]) for v in log.validation if "loss" in v]
+        if self.problems and (rose := rising_validation_loss(getattr(log, "validation", []))) is not None:
+            (low_step, low), (last_step, last) = rose
             # not learned, and the validation loss went up while training went on: a longer run will not help
-            out.append(f"stage 1's validation loss rose from {low[1]:.3f} (step {low[0]}) to {losses[-1][1]:.3f} "
-                       f"(step {losses[-1][0]}) while it trained: the model fits the training trials without "
+            out.append(f"stage 1's validation loss rose from {low:.3f} (step {low_step}) to {last:.3f} "
+                       f"(step {last_step}) while it trained: the model fits the training trials without "
                        "generalising to held-back ones of the same days, so more steps will not help; check that the "
                        "inputs carry the signal (the right channels and bins, each cue on its trial) before training "
                        "longer")
@@ -338,9 +338,11 @@ class RecipeFit:
         return out
 
 
-def rising_validation_loss(validation: list[dict], margin: float = 1.05) -> tuple[int, float] | None:
-    """``(step, loss)`` of the lowest validation loss when the loss then rose for good: at least 6 evaluations,
-    the lowest in the first half, and every evaluation of the last third above it by ``margin``; else None. The
+def rising_validation_loss(validation: list[dict],
+                           margin: float = 1.05) -> tuple[tuple[int, float], tuple[int, float]] | None:
+    """``(step, loss)`` of the lowest validation loss and of the last when the loss rose for good: at least 6
+    evaluations, the lowest in the first half, and every evaluation of the last third above it by ``margin``; else
+    None. The
     sign of a model that fits its training trials and nothing else (a recording with no signal), told apart
     from the early ups and downs of a run that is still learning."""
     losses = [(v["step"], v["loss"]) for v in validation if "loss" in v]
@@ -351,7 +353,7 @@ def rising_validation_loss(validation: list[dict], margin: float = 1.05) -> tupl
     tail = losses[max(k + 1, n - n // 3):]
     if k > n // 2 or len(tail) < 2 or any(v <= margin * losses[k][1] for _, v in tail):
         return None
-    return losses[k]
+    return losses[k], losses[-1]
 
 
 def end_mark_warning(scores: dict, share: float = 0.5) -> str | None:

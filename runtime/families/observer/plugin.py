@@ -198,7 +198,7 @@ class ObserverFamily(FamilyPlugin):
         y, u = getattr(message, "y", None), getattr(message, "u", None)
         if y is None or u is None:
             raise ValueError(f"observer: expected a PlantMeasurement, got {type(message).__name__}")
-        if y.size != self._y.size or u.size not in (0, self._u.size):
+        if y.size != self._y.size or (u.size != 0 and u.size != self._u.size):  # per step: no tuple to build
             raise ValueError(
                 f"observer: the device's PLANT_MEASUREMENT carries {y.size} outputs (y) and {u.size} applied inputs "
                 f"(u); this observer takes {self._y.size} outputs and {self._u.size} applied inputs, or none (nu = 0: "
