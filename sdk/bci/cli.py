@@ -125,6 +125,11 @@ def _train(a: argparse.Namespace) -> int:
     progress = Progress(quiet=getattr(a, "global_quiet", False))
     sessions = load_sessions(a.data)
     progress.note(f"{len(sessions)} sessions from {a.data} ({sum(s.split == 'held_in' for s in sessions)} held-in)")
+    unnamed = [s.name for s in sessions if s.meta.get("split_from") == "default"]
+    if unnamed:
+        progress.note(f"  {len(unnamed)} of them held-in because nothing names their split ({', '.join(unnamed[:3])}"
+                      f"{' ...' if len(unnamed) > 3 else ''}): a new day a decoder must not train on is named "
+                      "held-out (sub-X-held-out-calib_ses-YYYYMMDD.nwb; docs/handwriting_data.md)")
     result = train_recipe(sessions, harness, a.out, recipe=recipe, keep=_explicit_train_settings(a.config, a.steps),
                           progress=progress, provenance={"data": str(a.data)}, overwrite=a.overwrite,
                           end_completion=None if a.end_completion == "off" else a.end_completion)

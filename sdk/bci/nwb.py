@@ -349,6 +349,8 @@ def load_falcon_h2(path: str | Path, *, n_calibration: int = 3) -> Session:
     info = parse_falcon_name(path)
     when = info.date or (date.fromisoformat(notes["date"]) if "date" in notes else start)
     role = info.role or notes.get("role")
+    split_from = ("name" if info.split else "notes" if notes.get("split") else
+                  "date" if _falcon_split(when) else "default")  # "default": nothing says it, taken as held-in
     split = info.split or notes.get("split") or _falcon_split(when) or "held_in"
     name = notes.get("name") or (when.strftime("%Y.%m.%d") if when else path.stem)
     day = float(notes["day"]) if "day" in notes else float((when - FALCON_H2_DAY0).days) if when else 0.0
@@ -362,7 +364,7 @@ def load_falcon_h2(path: str | Path, *, n_calibration: int = 3) -> Session:
         candidates = [i for i in range(n) if i not in set(scored)]
     calibration = candidates[:n_calibration] if split == "held_out" else candidates
     meta = dict(notes.get("meta", {}))
-    meta.update({"date": when.isoformat() if when else None, "role": role, "files": [str(path)]})
+    meta.update({"date": when.isoformat() if when else None, "role": role, "files": [str(path)], "split_from": split_from})
     meta.setdefault("source", "falcon")
     return Session(name=name, day=day, split=split, trials=trials, calibration=calibration,
                    evaluation=evaluation, meta=meta)

@@ -68,7 +68,7 @@ def test_names_of_real_falcon_files_are_recognised():
 
 
 def _write_raw(path: Path, *, timestamps=None, cues=("ab~", "c?"), skip=(), n_channels=4, ts_dtype=float,
-               counts=None, starts=None) -> Path:
+               counts=None, starts=None, started=datetime(2023, 4, 17, tzinfo=timezone.utc)) -> Path:
     """A hand-made NWB file in (or deliberately not quite in) the FALCON H2 layout."""
     from pynwb import NWBHDF5IO, NWBFile, TimeSeries
 
@@ -77,7 +77,7 @@ def _write_raw(path: Path, *, timestamps=None, cues=("ab~", "c?"), skip=(), n_ch
     n = len(timestamps)
     if counts is None:
         counts = np.arange(n * n_channels, dtype=np.uint8).reshape(n, n_channels)
-    nwb = NWBFile(session_description="test", identifier="t", session_start_time=datetime(2023, 4, 17, tzinfo=timezone.utc))
+    nwb = NWBFile(session_description="test", identifier="t", session_start_time=started)
     spikes = TimeSeries(name="binned_spikes", data=counts, unit="count",
                         timestamps=np.asarray(timestamps, dtype=ts_dtype))
     if "binned_spikes" not in skip:
@@ -120,6 +120,15 @@ def test_trials_are_cut_at_timestamp_gaps(tmp_path):
     near = np.concatenate([np.arange(3) * 0.02, 0.0605 + np.arange(2) * 0.02])
     one = load_falcon_h2(_write_raw(tmp_path / "near.nwb", timestamps=near, cues=("x~",)))
     assert [t.n_bins for t in one.trials] == [5] and one.evaluation == [0]
+
+
+def test_a_files_split_says_where_it_came_from_and_a_file_nothing_names_is_held_in(tmp_path):
+    named = load_falcon_h2(_write_raw(tmp_path / "sub-X-held-out-calib_ses-20240301.nwb"))
+    by_date = load_falcon_h2(_write_raw(tmp_path / "a.nwb"))  # 2023-04-17, a FALCON H2 held-out date
+    unnamed = load_falcon_h2(_write_raw(tmp_path / "b.nwb", started=datetime(2024, 3, 1, tzinfo=timezone.utc)))
+    assert (named.split, named.meta["split_from"]) == ("held_out", "name")
+    assert (by_date.split, by_date.meta["split_from"]) == ("held_out", "date")
+    assert (unnamed.split, unnamed.meta["split_from"]) == ("held_in", "default")
 
 
 def test_trials_table_rows_are_paired_with_trials_by_start_time_or_refused_out_of_order(tmp_path):

@@ -324,6 +324,7 @@ def test_bci_train_json_summary_progress_lines_and_curve(trained_bundle):
     code, summary, err, bundle = trained_bundle
     assert code == 0  # --allow-unlearned: exit 0 although 6 steps learn nothing
     assert "stage 1: pooled backbone: step 2/6" in err  # not a terminal: plain progress lines on stderr
+    assert "held-in)" in err and "nothing names their split" not in err  # every file's name gives its split
     assert "NOT LEARNED: stage 1 (pooled backbone)" in err and "above the 40% threshold" in err
     assert summary["learned"] is False and summary["problems"] and summary["threshold_CER"] == 0.4
     s1 = summary["stage1"]
