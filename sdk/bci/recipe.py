@@ -181,13 +181,24 @@ class RecipeResult:
             f"stage 1 (pooled backbone {s['model']['n_hidden']}x{s['model']['n_layers']}): {s1['steps_run']} of "
             f"{s1['ceiling']} steps, stopped by {s1['stop_reason']}; best validation greedy CER "
             f"{_pct(s1['best_val_CER'])} / WER {_pct(s1['best_val_WER'])} at step {s1['best_step']} "
-            f"({s['validation']['trials']} validation trials); {format_seconds(s1['wall_s'])}",
+            f"({s['validation']['trials']} validation trials); {format_seconds(s1['wall_s'])}"
+            + (f" (and {format_seconds(s1['other_runs_wall_s'])} in {len(s1['other_runs'])} other run(s), not kept: "
+               + ", ".join(f"seed {r['seed']}, {r['steps']} steps"
+                           + (f", best validation CER {_pct(r['best_val_CER'])}" if r["best_val_CER"] is not None else "")
+                           for r in s1["other_runs"]) + ")" if s1.get("other_runs") else ""),
             f"stage 2 (meta-learned alignment): {s2['steps']} meta-steps; two-stage validation greedy CER "
             f"{_pct(s2['val_CER'])} / WER {_pct(s2['val_WER'])}; {format_seconds(s2['wall_s'])}",
             f"total {format_seconds(s['wall_s'])}; curve {self.curve}",
         ]
         lines += [f"NOT LEARNED: {p}" for p in self.problems]
         return "\n".join(lines)
+
+
+def _other_run(run: dict) -> dict:
+    """A run stage 1 did not keep, for the summary: its seed, steps, time and best validation CER (None without)."""
+    cers = [v["CER"] for v in run.get("validation") or []]
+    return {"seed": run["seed"], "steps": len(run["loss"]), "wall_s": float(run["wall_s"]),
+            "best_val_CER": min(cers) if cers else None}
 
 
 def _pct(x: float | None) -> str:
@@ -296,6 +307,9 @@ class RecipeFit:
                        "best_step": log.best_step, "best_val_CER": self.best["CER"], "best_val_WER": self.best["WER"],
                        "eval_every": tc.eval_every, "patience": tc.patience, "lr_reductions": log.lr_reductions,
                        "decay_step": log.decay_step, "final_lr": log.final_lr, "restarts": len(log.restarts),
+                       # the runs not kept (restarted off the CTC plateau, or beaten by a later one on validation)
+                       "other_runs": [_other_run(r) for r in log.restarts],
+                       "other_runs_wall_s": float(sum(r["wall_s"] for r in log.restarts)),
                        "wall_s": log.wall_s, "final_loss": float(np.mean(log.loss[-25:])) if log.loss else None,
                        "validation": log.validation},
             "stage2": {"steps": len(meta_log.loss), "stop_reason": meta_log.stop_reason,

@@ -268,6 +268,17 @@ def test_with_validation_the_restart_kept_is_the_run_with_the_best_validation_ce
     log.on_plateau = False  # the message of a run that left the plateau after restarts
     assert ("restarted 1 time(s) because no validation greedy CER had come below 75% after 2 steps (10 s in the "
             "other run(s)); kept seed 3, the run with the best validation CER (75.0%)") in log.warning()
+    # bci-train's summary and closing text count the run not kept, its time too
+    from closedloop.sdk.bci.recipe import RecipeResult, _other_run
+
+    other = [_other_run(r) for r in log.restarts]
+    assert other == [{"seed": 1003, "steps": 2, "wall_s": 10.0, "best_val_CER": 0.812}]
+    s1 = {"steps_run": 2, "ceiling": 10, "stop_reason": "plateau", "best_val_CER": 0.75, "best_val_WER": 1.0,
+          "best_step": 2, "wall_s": 10.0, "other_runs": other, "other_runs_wall_s": 10.0}
+    text = RecipeResult("b", "c", {"stage1": s1, "stage2": {"steps": 0, "val_CER": None, "val_WER": None, "wall_s": 0},
+                                   "model": {"n_hidden": 16, "n_layers": 1}, "validation": {"trials": 3},
+                                   "wall_s": 20.0}).format()
+    assert "(and 10s in 1 other run(s), not kept: seed 1003, 2 steps, best validation CER 81.2%)" in text
 
 
 def test_a_run_stuck_on_the_ctc_plateau_restarts_from_new_seeds_and_says_so(sessions):
