@@ -66,6 +66,7 @@ from .transports import (
     Transport,
     open_pty_pair,
     open_transport,
+    redact_device_url,
     register_transport,
     registered_schemes,
 )
@@ -83,7 +84,7 @@ __all__ = [
     "FrameParser", "ParserStats", "REJECTION_REASONS", "CFrameParser", "make_parser", "parser_backend",
     "ParserBackend", "CParserUnavailableError", "FrameSigner", "FrameVerifier", "derive_link_keys",
     # transports and links
-    "Transport", "open_transport", "register_transport", "registered_schemes", "open_pty_pair",
+    "Transport", "open_transport", "redact_device_url", "register_transport", "registered_schemes", "open_pty_pair",
     "SerialTransport", "FdTransport", "SpyTransport", "Link", "LinkStats", "open_link",
     # errors
     "ProtocolError", "FrameError", "PayloadError", "MessageError", "SignatureError", "TransportError",

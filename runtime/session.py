@@ -41,6 +41,7 @@ from closedloop.firmware_bridge import (
     Status,
     Transport,
     open_transport,
+    redact_device_url,
 )
 from closedloop.runtime.protect.scrubber import session_scrubber
 
@@ -143,6 +144,7 @@ class SessionConfig:
         """The settings as a recording's META keeps them: no secret, observers by class name."""
         d = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "observers"}
         d["key"] = "***" if self.key else None
+        d["device"] = redact_device_url(self.device)  # a sim:// URL may carry the link's secret (key=...)
         d["observers"] = [type(o).__name__ for o in self.observers]
         return d
 
@@ -278,6 +280,7 @@ class Session:
 
     def __init__(self, bundle: Bundle | str | Path, config: SessionConfig, out: TextIO | None = None):
         self.config = config
+        self._device_shown = redact_device_url(config.device)  # what recordings, the monitor and messages show
         self.out = out if out is not None else sys.stderr
         self.bundle = bundle if isinstance(bundle, Bundle) else load_bundle(bundle, trust=config.trust or None)
         self.model = Model(self.bundle, backend=config.backend, variant=config.variant, trust=config.trust or None)
@@ -356,15 +359,15 @@ class Session:
             if frame is not None and isinstance(frame.message, Hello):
                 if frame.message.kind == "host":  # what a host sends (docs/protocol.md): no device answered
                     raise SessionError(
-                        f"{self.config.device} answered with a host's HELLO (kind 'host'), not a device's: the link "
+                        f"{self._device_shown} answered with a host's HELLO (kind 'host'), not a device's: the link "
                         "echoes what the session sends (loop:// does) or another host is on it; connect a device or "
                         "an emulator (sim://headstage, sim://plant, sim://panda; closedloop device --list)")
                 return frame.message
-        raise SessionError(f"no Hello from {self.config.device} within {timeout_s:g} s; " + _no_hello_reason(link))
+        raise SessionError(f"no Hello from {self._device_shown} within {timeout_s:g} s; " + _no_hello_reason(link))
 
     def _mismatch(self, problems: list[str]) -> DeviceMismatchError:
         return DeviceMismatchError(
-            f"device at {self.config.device} does not match bundle {self.bundle.source}:\n  - " + "\n  - ".join(problems)
+            f"device at {self._device_shown} does not match bundle {self.bundle.source}:\n  - " + "\n  - ".join(problems)
         )
 
     def _event(self, kind: str, **fields: Any) -> None:
@@ -401,7 +404,7 @@ class Session:
                 {
                     "format": "closedloop-recording",
                     "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                    "device_url": self.config.device,
+                    "device_url": self._device_shown,
                     "device": _hello_dict(hello),
                     "bundle": str(self.bundle.source),
                     "bundle_name": self.bundle.manifest.name,
@@ -437,7 +440,7 @@ class Session:
             return
         info = {
             "bundle": str(self.bundle.source), "bundle_name": self.bundle.manifest.name,
-            "family": self.bundle.manifest.family, "device_url": cfg.device, "backend": self.model.backend_name,
+            "family": self.bundle.manifest.family, "device_url": self._device_shown, "backend": self.model.backend_name,
             "rate_hz": self.rate_hz, "input": self.family.measurement.name,
             "output_shape": list(self.model.output.shape), "outputs": self._outputs_info,
             "state": self._state_labels,

@@ -34,6 +34,7 @@ from closedloop.firmware_bridge import (
     DeviceNotConnectedError,
     FdTransport,
     TransportError,
+    redact_device_url,
     register_transport,
 )
 from closedloop.firmware_bridge.transports import split_device_url
@@ -231,7 +232,7 @@ def open_sim(url: str, *, startup_timeout_s: float = 30.0, **options: Any) -> Si
     if not ok:
         log = _tail(stderr)
         _stop_process(process, master, stderr)
-        raise DeviceNotConnectedError(f"{url}: the {name} emulator did not open {path} within "
+        raise DeviceNotConnectedError(f"{redact_device_url(url)}: the {name} emulator did not open {path} within "
                                       f"{startup_timeout_s:g} s (exit code {process.returncode})"
                                       + (f": {log}" if log else ""))
     return SimTransport(master, url, process, name, path, params, secret, stderr)

@@ -10,6 +10,7 @@ from .base import (
     Transport,
     TransportFactory,
     open_transport,
+    redact_device_url,
     register_transport,
     registered_schemes,
     split_device_url,
@@ -26,7 +27,7 @@ from .serial_port import (
 from .spy import SpyTransport, hexdump
 
 __all__ = [
-    "Transport", "TransportFactory", "open_transport", "register_transport", "registered_schemes",
+    "Transport", "TransportFactory", "open_transport", "redact_device_url", "register_transport", "registered_schemes",
     "split_device_url", "FdTransport", "open_pty", "open_pty_pair", "LatencyWarning", "SerialTransport",
     "ftdi_latency_timer_ms", "open_pyserial_url", "open_serial", "SpyTransport", "hexdump",
     "LslTransport", "LslStreamNotFoundError", "open_lsl",

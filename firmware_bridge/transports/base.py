@@ -11,6 +11,7 @@ module never imports the packages that extend it.
 
 from __future__ import annotations
 
+import re
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -174,6 +175,21 @@ def split_device_url(url: str) -> tuple[str, str, dict[str, str]]:
     parts = urlsplit(url)
     target = parts.netloc + parts.path
     return (parts.scheme.lower(), target, dict(parse_qsl(parts.query, keep_blank_values=True)))
+
+
+#: Query parameters of a device URL that carry secrets (``sim://...?key=HEX``, the link's shared secret).
+SECRET_PARAMS = ("key", "secret", "token", "password")
+_SECRET_VALUE = re.compile(r"([?&](?:" + "|".join(SECRET_PARAMS) + r")=)[^&#]*", re.IGNORECASE)
+
+
+def redact_device_url(url: str) -> str:
+    """``url`` with the values of its secret parameters (``key=...``) replaced by ``***``, for anything that
+    shows or stores a device URL: recordings, the monitor, LSL metadata, messages.
+
+    >>> redact_device_url("sim://headstage?channels=8&key=000102")
+    'sim://headstage?channels=8&key=***'
+    """
+    return _SECRET_VALUE.sub(r"\1***", url)
 
 
 def open_transport(url: str, **options: Any) -> Transport:

@@ -20,6 +20,7 @@ from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from closedloop.common.jsonout import json_text
+from closedloop.firmware_bridge.transports import redact_device_url
 from closedloop.sdk.cli import command
 
 from .runner import Cell, run_grid
@@ -131,7 +132,7 @@ def run_validation_session(config: dict, seed: int) -> dict:
     if not kept:
         record.unlink(missing_ok=True)
     loop = d["loop"]
-    return {"index": config["index"], "device": config["device"], "misbehaved": why, "recording": str(record),
+    return {"index": config["index"], "device": redact_device_url(config["device"]), "misbehaved": why, "recording": str(record),
             "recording_kept": kept, "recording_records": records, "steps": loop["steps"],
             "stopped_by": loop["stopped_by"], "missed_deadlines": loop["missed_deadlines"],
             "missed_fraction": loop["missed_fraction"], "latency_p99_us": loop["latency_p99_us"],
@@ -160,14 +161,14 @@ def validate(cfg: ValidateConfig, address: str | None = None, workers: int | Non
             sessions.append(r["result"] | {"node": r["node"]})
         else:  # the session raised (a handshake that timed out, a bundle refused) or its worker died
             c = r["config"]
-            sessions.append({"index": c["index"], "device": c["device"], "node": r.get("node", ""),
+            sessions.append({"index": c["index"], "device": redact_device_url(c["device"]), "node": r.get("node", ""),
                              "misbehaved": [f"failed: {r['error'].splitlines()[0]}"], "recording": c["record"],
                              "recording_kept": Path(c["record"]).exists(), "error": r["error"]})
     bad = [s for s in sessions if s["misbehaved"]]
     ran = [s for s in sessions if "steps" in s]
     miss = [s["missed_fraction"] for s in ran]
     report = {
-        "bundle": bundle, "device": cfg.device, "faults": list(cfg.faults), "sessions": cfg.sessions,
+        "bundle": bundle, "device": redact_device_url(cfg.device), "faults": list(cfg.faults), "sessions": cfg.sessions,
         "duration_s": cfg.duration_s, "wall_s": round(time.perf_counter() - t0, 2),
         "nodes": sorted({s["node"] for s in sessions if s.get("node")}),
         "success_rate": (len(sessions) - len(bad)) / len(sessions),

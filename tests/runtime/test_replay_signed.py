@@ -52,3 +52,15 @@ def test_replay_with_a_wrong_key_is_refused(signed_session, capsys):
     assert rc == 1
     err = capsys.readouterr().err
     assert "failed their signature check" in err and "give the key the session ran with" in err
+
+
+def test_the_recording_never_holds_the_link_secret_given_in_the_url(signed_session):
+    """The key in a sim:// URL is the link's secret: META's device_url and config keep the URL with key=***."""
+    from closedloop.runtime import RecordingReader
+
+    _, record, _ = signed_session
+    raw = open(record, "rb").read()
+    assert KEY.encode() not in raw
+    meta = RecordingReader(record).meta
+    assert meta["device_url"].endswith("&key=***") and meta["config"]["device"] == meta["device_url"]
+    assert meta["device_url"].startswith("sim://plant?model=msd&rate=100&seed=1")
