@@ -29,9 +29,21 @@ _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_-]*\Z")
 _HEX64 = re.compile(r"[0-9a-f]{64}\Z")
 
 
+#: Why a string with a lone surrogate has no canonical form (the manifest reader and the writers say it).
+LONE_SURROGATE = ("holds a string with a lone surrogate (a \\uD800-\\uDFFF escape that is not half of a pair), "
+                  "which is not Unicode text and has no UTF-8 form, so the manifest has no canonical form to digest "
+                  "or sign")
+
+
 def canonical_json(value: Any) -> bytes:
-    """JSON with sorted keys, no whitespace, non-ASCII as UTF-8 (Python's ``json.dumps`` number forms)."""
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode("utf-8", "surrogatepass")
+    """JSON with sorted keys, no whitespace, non-ASCII as UTF-8 (Python's ``json.dumps`` number forms).
+
+    Raises ``ValueError`` for a string that is not Unicode text (a lone surrogate): strict UTF-8 has no bytes for it.
+    """
+    try:
+        return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError(f"the manifest {LONE_SURROGATE}; replace that character") from None
 
 
 def canonical_manifest(manifest: dict[str, Any]) -> bytes:

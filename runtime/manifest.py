@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from .errors import BundleError
+from .integrity import LONE_SURROGATE
 
 #: 2: inputs and outputs carry a ``role`` and inputs an optional ``window``. A version-1 manifest
 #: (neither field) reads as version 2 with the default roles.
@@ -54,12 +55,17 @@ def loads_manifest(text: str, source: str = MANIFEST_NAME) -> Any:
     manifest with one could be read one way by the reader that checks its signature and another by a runtime.
     """
     try:
-        return json.loads(text, object_pairs_hook=_unique_keys)
+        value = json.loads(text, object_pairs_hook=_unique_keys)
     except json.JSONDecodeError as exc:
         raise BundleError(f"{source}: not valid JSON ({exc}); the bundle is damaged, re-export it") from exc
     except ValueError as exc:
         raise BundleError(f"{source}: {exc}; JSON readers differ on which one counts, so a manifest may not "
                           "repeat a key: re-export the bundle") from exc
+    try:  # every string must be Unicode text: a lone surrogate has no UTF-8 bytes, so no digest could cover it
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise BundleError(f"{source} {LONE_SURROGATE}: re-export the bundle with that string fixed") from None
+    return value
 
 
 def _kind_name(value: Any) -> str:

@@ -21,7 +21,8 @@ estimate, named by META ``family_state``; written after the step's outputs).
 The hot path only appends to an in-memory buffer; a background thread writes it
 out at least every ``flush_interval_s`` (default 0.5 s), so a session killed with
 SIGKILL loses at most that much. The reader stops at a torn or corrupt tail and
-reports how many bytes it dropped.
+reports how many bytes it dropped; a corrupt record with more of the file after it is reported as damage
+(``damaged``), not as a session cut short.
 """
 
 from __future__ import annotations
@@ -206,6 +207,7 @@ class RecordingReader:
         self.records: list[Record] = []
         pos = len(MAGIC)
         self.tail_problem = ""
+        self.damaged = False  # a bad record with more of the file after it (not a tail cut short by a crash)
         while pos < len(data):
             if pos + _HEAD.size > len(data):
                 self.tail_problem = "torn record header"
@@ -218,7 +220,12 @@ class RecordingReader:
                 break
             payload = data[pos + _HEAD.size : end]
             if _crc(n, rtype, host_ns, payload) != crc:
-                self.tail_problem = "record checksum mismatch"
+                # the last record of a file cut short, or a record damaged inside a file that goes on after it
+                self.damaged = end < len(data)
+                self.tail_problem = ("record checksum mismatch" if not self.damaged else
+                                     f"record checksum mismatch at byte {pos}, with {len(data) - end} more bytes "
+                                     "after that record: the file was damaged there (a disk or copy error), not "
+                                     "cut short")
                 break
             try:
                 t: RecordType | int = RecordType(rtype)
@@ -252,5 +259,6 @@ class RecordingReader:
             counts[name] = counts.get(name, 0) + 1
         s = f"{self.path}: {len(self.records)} records ({', '.join(f'{k} {v}' for k, v in counts.items())})"
         if self.dropped_bytes:
-            s += f"; dropped a {self.dropped_bytes}-byte tail ({self.tail_problem}) - the session did not end cleanly"
+            s += (f"; dropped a {self.dropped_bytes}-byte tail ({self.tail_problem})"
+                  + ("" if self.damaged else " - the session did not end cleanly"))
         return s

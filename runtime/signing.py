@@ -249,8 +249,8 @@ def signature_problem(root: Path, manifest: dict[str, Any], manifest_sha256: str
     """
     if not isinstance(manifest.get(INTEGRITY_FIELD), dict):
         return ("unsigned: the manifest has no integrity digest (written before closedloop had one, or by hand), "
-                "and a board with trusted keys runs only signed bundles; re-export the bundle and sign it "
-                "(closedloop sign BUNDLE --key LAB.key)"), None
+                "and a board with trusted keys runs only signed bundles; sign it: closedloop sign BUNDLE --key LAB.key "
+                "(which adds the digest; check the bundle is the one you mean to vouch for first)"), None
     sig_path = root / SIGNATURE_NAME
     if sig_path.is_symlink():
         return f"{SIGNATURE_NAME} is a symbolic link; a bundle's files must be regular files inside its folder", None

@@ -397,7 +397,7 @@ def _recording(a: argparse.Namespace) -> int:
             name = rec.type.name if hasattr(rec.type, "name") else f"type{rec.type}"
             counts[name] = counts.get(name, 0) + 1
         print(json_text({"path": str(r.path), "records": counts, "dropped_bytes": r.dropped_bytes,
-                          "tail_problem": r.tail_problem, "meta": r.meta, "summary": r.summary, "plot": plotted}))
+                          "tail_problem": r.tail_problem, "damaged": r.damaged, "meta": r.meta, "summary": r.summary, "plot": plotted}))
         return 0
     if plotted:
         print(f"wrote {plotted}")

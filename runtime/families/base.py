@@ -163,8 +163,14 @@ class FamilyPlugin:
     def _kind_problems(self, hello: Hello) -> list[str]:
         """A device of a known kind that does not stream the bundle's input or take its command."""
         streams, accepts = DEVICE_STREAMS.get(hello.kind), DEVICE_ACCEPTS.get(hello.kind)
-        fix = ("; state it at export: extra={'session': {'input': ..., 'command': ...}} "
-               "(docs/bundle.md, 'Session block')")
+        # The bundle may be right and the device the wrong one: name the devices that fit it first
+        fits = [k for k, st in DEVICE_STREAMS.items()
+                if self.input_name in st and self.command_name in DEVICE_ACCEPTS.get(k, ())]
+        fix = (f"; run it against a {' or '.join(fits)} device (the emulator: "
+               f"{' or '.join(f'sim://{k}' for k in fits)}), or, if the bundle should read this device," if fits
+               else "; if the bundle should read this device,")
+        fix += (" state its session at export: extra={'session': {'input': ..., 'command': ...}} "
+                "(docs/bundle.md, 'Session block')")
         out = []
         if streams is not None and self.input_name not in streams:
             if hello.name.startswith("lsl:") and self.input_name in ("neural_frame", "plant_measurement"):
@@ -175,7 +181,7 @@ class FamilyPlugin:
             out.append(f"device {hello.kind!r} streams {' or '.join(streams)}, the bundle reads {self.input_name}{fix}")
         if accepts is not None and self.command_name not in accepts:
             out.append(f"device {hello.kind!r} takes {' or '.join(a for a in accepts if a != 'none')}, "
-                       f"the bundle sends {self.command_name}{fix}")
+                       f"the bundle sends {self.command_name}{'' if out else fix}")  # the fix once
         return out
 
     def check_device(self, hello: Hello) -> list[str]:

@@ -72,8 +72,16 @@ def test_corrupt_record_stops_reading_there(tmp_path):
     data[len(MAGIC) + 2 * 37 + 17 + 3] ^= 0x40  # a payload byte of record 3
     p.write_bytes(bytes(data))
     r = RecordingReader(p)
-    assert len(r.records) == 2
-    assert r.tail_problem == "record checksum mismatch"
+    assert len(r.records) == 2 and r.damaged and r.dropped_bytes == 3 * 37
+    # two records follow it: damage inside the file, said as such, not a session that did not end cleanly
+    assert r.tail_problem == ("record checksum mismatch at byte 82, with 74 more bytes after that record: the file "
+                              "was damaged there (a disk or copy error), not cut short")
+    assert "did not end cleanly" not in r.describe()
+    # the same mismatch in the last record is a tail cut short by a crash
+    p.write_bytes(bytes(data[:len(MAGIC) + 3 * 37]))
+    r = RecordingReader(p)
+    assert len(r.records) == 2 and not r.damaged and r.tail_problem == "record checksum mismatch"
+    assert "did not end cleanly" in r.describe()
 
 
 def test_a_record_longer_than_the_limit_ends_the_valid_part_and_says_so(tmp_path):

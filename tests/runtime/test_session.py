@@ -169,7 +169,10 @@ def test_a_bundle_that_reads_what_the_device_does_not_stream_is_refused(plant_bu
     msg = str(e.value)
     assert "streams neural_frame, the bundle reads plant_measurement" in msg
     assert "takes decoder_output, the bundle sends actuator_command" in msg and "extra={'session'" in msg
-    with pytest.raises(DeviceMismatchError, match="streams plant_measurement, the bundle reads neural_frame"):
+    # the device may be the wrong one: the devices that fit the bundle come first, the fix is said once
+    assert "run it against a plant device (the emulator: sim://plant)" in msg and msg.count("extra={'session'") == 1
+    with pytest.raises(DeviceMismatchError, match="streams plant_measurement, the bundle reads neural_frame; run it "
+                                                  "against a headstage device"):
         run_session(neural_bundle, _cfg("sim://plant?model=msd&rate=50"))
 
 

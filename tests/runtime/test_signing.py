@@ -147,6 +147,22 @@ def test_a_bundle_written_before_the_digest_loads_but_not_under_trust(mlp_bundle
     assert load_bundle(path, trust=keys["pub"]).signed_by == result.key_id
 
 
+def test_a_manifest_string_that_is_not_unicode_text_is_refused_at_load_and_at_signing(mlp_bundle, keys, tmp_path):
+    """A lone surrogate (``"\\ud800"`` in the JSON) has no UTF-8 bytes: the documented canonical form (strict
+    UTF-8) does not exist for it, so no reader in another language could reproduce a digest over it."""
+    path = _copy(mlp_bundle, tmp_path)
+    raw = _raw(path)
+    del raw["integrity"]
+    raw["name"] = "bench-\ud800"
+    _write(path, raw)  # json.dumps writes it as the escape \ud800
+    assert "\\ud800" in (path / MANIFEST_NAME).read_text()
+    with pytest.raises(BundleError, match="lone surrogate .* no canonical form"):
+        load_bundle(path)
+    with pytest.raises(ValueError, match="lone surrogate"):
+        sign_bundle(path, keys["key"])
+    assert not (path / SIGNATURE_NAME).exists() and "integrity" not in _raw(path)  # nothing half-written
+
+
 # --- files: symbolic links ---------------------------------------------------------------------------
 
 
