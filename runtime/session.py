@@ -444,6 +444,7 @@ class Session:
             "rate_hz": self.rate_hz, "input": self.family.measurement.name,
             "output_shape": list(self.model.output.shape), "outputs": self._outputs_info,
             "state": self._state_labels,
+            "types_text": self.family.typed_count() >= 0,  # a family that types (a handwriting decoder)
         }
         safe = np.asarray(self.family.safe_output())
         n_out = sum(o["size"] for o in self._outputs_info)  # every data output, the first first
@@ -807,6 +808,9 @@ class Session:
             # safe_commands_sent still says how often a safety rule acted during the session
             if self.link is not None and self._send(self.family.safe_message(self._step)):
                 self.summary_counts["stop_commands_sent"] += 1
+                if self._tap is not None:  # observers see it too: an LSL consumer's last command is the one in force
+                    self._tap.event({"event": "stop_command", "step": self._step, "t_ns": time.monotonic_ns(),
+                                     "values": np.asarray(self.family.safe_output(), dtype=float).ravel().tolist()})
         if cfg.status and self._status_tty:
             self.out.write("\n")
         stats = self.link.parser.stats if self.link is not None else None
@@ -834,6 +838,7 @@ class Session:
         if self.writer is not None:
             self.writer.append_json(RecordType.SUMMARY, summary.to_dict())
         if error is not None:
+            error.summary = summary  # type: ignore[attr-defined]  # what the session did before it stopped
             raise error
         return summary
 

@@ -86,7 +86,8 @@ def _run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("bundle", help="bundle folder or zip")
     p.add_argument("--device", default=None,
                    help="device URL: a port path, serial:///dev/ttyACM0?baud=921600, sim://NAME?..., replay://FILE, "
-                        "loop://, socket://HOST:PORT (spy+URL hexdumps traffic). Without it, synthetic frames drive the loop")
+                        "lsl://STREAM?type=... (an LSL stream, [lsl] extra), loop://, socket://HOST:PORT (spy+URL "
+                        "hexdumps traffic). Without it, synthetic frames drive the loop")
     p.add_argument("--backend", default="auto", help="backend name or 'auto' (fastest measured here)")
     p.add_argument("--variant", default=None,
                    help="graph variant: fp32, fp16, int8, fp16w or int8w (those the bundle holds; default fp32, or "
@@ -121,8 +122,8 @@ def _run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--monitor-public", action="store_true",
                    help="allow --monitor on an address other machines reach (a token is then required and printed)")
     p.add_argument("--lsl-out", default=None, metavar="NAME",
-                   help="publish outputs, commands and typed text as LSL outlets NAME-outputs, NAME-commands, "
-                        "NAME-text ([lsl] extra)")
+                   help="publish the session as LSL outlets: NAME-outputs, NAME-commands (a command with values), "
+                        "NAME-text (typed text), NAME-state (an observer's estimate) ([lsl] extra; docs/lsl.md)")
     p.add_argument("--watchdog-limit", type=float, default=None, metavar="S",
                    help="end the session (exit 1) after S seconds without input; default: wait for the device")
     p.add_argument("--wake-on-input", action="store_true",
@@ -194,7 +195,10 @@ def _run(a: argparse.Namespace) -> int:
 
         try:
             summary = run_session(_run_bundle(a), cfg)
-        except DeviceChangedError as exc:  # a safety stop, not bad input
+        except DeviceChangedError as exc:  # a safety stop, not bad input: the summary still comes out (with error)
+            stopped = getattr(exc, "summary", None)
+            if stopped is not None:
+                print(json_text(stopped.to_dict()) if a.json else stopped.format())
             print(f"closedloop run: stopped: {exc}", file=sys.stderr)
             return EXIT_FAILED
         print(json_text(summary.to_dict()) if a.json else summary.format())
@@ -202,8 +206,9 @@ def _run(a: argparse.Namespace) -> int:
     device_only = [flag for flag, value in (("--record", a.record), ("--key", a.key), ("--monitor", a.monitor),
                                             ("--lsl-out", a.lsl_out)) if value]
     if device_only:
-        print(f"error: {' and '.join(device_only)} need{'s' if len(device_only) == 1 else ''} --device: without a device the loop runs on synthetic "
-              "frames, with no link to sign and nothing to record", file=sys.stderr)
+        print(f"closedloop run: error: {' and '.join(device_only)} need{'s' if len(device_only) == 1 else ''} --device: "
+              "without a device the loop runs on synthetic frames, with no link to sign, nothing to record, watch or "
+              "publish", file=sys.stderr)
         return 2
     from closedloop.runtime import LoopConfig, Model, RealTimeLoop, SessionConfig, get_family, load_bundle
     from closedloop.runtime.protect.scrubber import session_scrubber

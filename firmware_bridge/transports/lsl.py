@@ -36,6 +36,7 @@ from .base import Transport, split_device_url
 
 __all__ = ["LslParams", "LslStats", "LslTransport", "LslStreamNotFoundError", "open_lsl", "import_pylsl",
            "STATUS_LSL_CLOCK", "STATUS_LSL_STREAM_LOST", "STATUS_LSL_STREAM_BACK", "STATUS_LSL_NOT_COUNTS",
+           "STATUS_LSL_STREAM", "STATUS_LSL_STREAM_CHANGED",
            "NEURAL_TYPES"]
 
 log = logging.getLogger("closedloop.lsl")
@@ -45,6 +46,8 @@ STATUS_LSL_CLOCK = 50
 STATUS_LSL_STREAM_LOST = 51
 STATUS_LSL_STREAM_BACK = 52
 STATUS_LSL_NOT_COUNTS = 53
+STATUS_LSL_STREAM = 54  # which stream this is (name, type, channels, rate, source id, host, uid), at each HELLO
+STATUS_LSL_STREAM_CHANGED = 55  # the stream came back as another (channels, format, rate or type differ)
 _REQUEST_REPORT, _REPORT = 1, 2
 
 #: Stream types (lower case) that open as a ``headstage`` (spike counts) when the URL gives no ``kind``; any other,
@@ -163,7 +166,8 @@ class LslStats:
     clipped_values: int = 0  # headstage: values outside 0..65535 (or NaN) before rounding
     rounded_values: int = 0  # headstage: float values in range that were not whole numbers
     losses: int = 0  # times the stream went silent for lost_s
-    inlets_reopened: int = 0  # a new inlet after liblsl gave the stream up
+    inlets_reopened: int = 0  # a new inlet after liblsl gave the stream up, or on a restarted source
+    streams_changed: int = 0  # reopened on a stream of another layout (channels, format, rate, type)
 
 
 def _describe(info: Any) -> str:
@@ -171,9 +175,25 @@ def _describe(info: Any) -> str:
             f"{info.nominal_srate():g} Hz, source_id {info.source_id()!r}, host {info.hostname()!r})")
 
 
+#: After a first stream answers, how long to listen for a second one with the same name (a duplicate).
+DUPLICATE_WAIT_S = 0.5
+
+
 def _resolve(pylsl: Any, params: LslParams) -> Any:
     found = pylsl.resolve_bypred(params.predicate(), 1, params.timeout_s)
     if found:
+        # two sources under one name (a second amplifier, a stale test outlet): which one answers first is chance,
+        # so listen a moment longer and refuse rather than pick one
+        more = pylsl.resolve_bypred(params.predicate(), 2, min(DUPLICATE_WAIT_S, params.timeout_s))
+        streams = {i.uid(): i for i in [*found, *more]}
+        if len(streams) > 1:
+            listing = "; ".join(_describe(i) for i in streams.values())
+            ids = sorted({i.source_id() for i in streams.values()})
+            hint = (f"name one with source_id= (lsl://{params.name}?source_id={ids[0]})" if len(ids) == len(streams)
+                    and all(ids) else "give each source its own name or source id")
+            raise LslStreamNotFoundError(
+                f"{len(streams)} LSL streams match {params.predicate()}: {listing}. Which one answers first is "
+                f"chance, so none is taken: {hint} (docs/lsl.md)")
         return found[0]
     others = pylsl.resolve_streams(wait_time=min(1.0, params.timeout_s))
     listing = "; ".join(_describe(i) for i in others) or "none"
@@ -181,6 +201,11 @@ def _resolve(pylsl: Any, params: LslParams) -> Any:
         f"no LSL stream matching {params.predicate()} answered within {params.timeout_s:g} s; streams on the "
         f"network: {listing}. Check the name (and type=/source_id=), that the source is running, and that "
         "multicast reaches this machine (docs/lsl.md)")
+
+
+def _layout(info: Any) -> tuple[int, int, float, str]:
+    """What a session's frames depend on: channel count, channel format, nominal rate, type."""
+    return (int(info.channel_count()), int(info.channel_format()), float(info.nominal_srate()), str(info.type()))
 
 
 class LslTransport(Transport):
@@ -223,7 +248,8 @@ class LslTransport(Transport):
         self._is_lost = False
         self._last_sample_s = 0.0
         self._next_clock_s = 0.0
-        self._resolver: Any = None
+        self._resolver: Any = None  # a ContinuousResolver while the stream is lost: a restarted source shows there
+        self._inlet_dead = False  # liblsl gave the inlet up (LostError): only a new inlet brings samples back
         self.inlet = self._new_inlet(info)
         try:
             self.inlet.open_stream(timeout=params.timeout_s)
@@ -338,9 +364,9 @@ class LslTransport(Transport):
 
     def _stream_gone(self, why: str) -> None:
         """The inlet gave up: watch the network for the stream and open a new inlet when it is back."""
-        if self._resolver is None:
-            self._resolver = self._lsl.ContinuousResolver(pred=self.params.predicate(), forget_after=1.0)
-            self._mark_lost(why)
+        self._inlet_dead = True
+        self._watch()
+        self._mark_lost(why)
 
     def _mark_lost(self, why: str) -> None:
         if not self._is_lost:
@@ -352,14 +378,37 @@ class LslTransport(Transport):
             log.warning(text)
             self._status(STATUS_LSL_STREAM_LOST, Severity.WARNING, text)
 
+    def _watch(self) -> None:
+        """Look on the network for the stream (again): a ContinuousResolver, read each step by ``_try_reopen``."""
+        if self._resolver is None:
+            self._resolver = self._lsl.ContinuousResolver(pred=self.params.predicate(), forget_after=1.0)
+
     def _try_reopen(self) -> None:
-        found = self._resolver.results()
+        # another outlet than the one this inlet is on (a restarted source: a new uid); the inlet's own stream,
+        # back after a pause, resumes by itself
+        found = [i for i in self._resolver.results() if i.uid() != self.info.uid()]
         if not found:
             return
         self.inlet.close_stream()
-        self.inlet = self._new_inlet(found[0])
+        info, old = found[0], self.info
+        self.inlet = self._new_inlet(info)
+        self.info = info
         self._resolver = None
+        self._inlet_dead = False
         self.stats.inlets_reopened += 1
+        if _layout(info) != _layout(old):
+            # Never reshape the new stream's samples into the old frames (a 64-channel source in a 96-value
+            # frame would leave 32 stale values): say what changed and answer as the device it is now. The
+            # session checks that HELLO against the bundle and ends as for any device that came back as another.
+            self.n_channels, self.rate_hz = int(info.channel_count()), float(info.nominal_srate())
+            self._counts = np.zeros(self.n_channels, dtype="<u2")
+            self._buf = np.zeros((_MAX_CHUNK, self.n_channels), dtype=self.inlet.np_dtype)
+            self.stats.streams_changed += 1
+            text = f"LSL stream {self.params.name!r} came back as another stream: {_describe(old)} is now {_describe(info)}"
+            log.warning(text)
+            self._status(STATUS_LSL_STREAM_CHANGED, Severity.WARNING, text)
+            self._emit(self.hello())
+        self._status(STATUS_LSL_STREAM, Severity.INFO, _describe(info) + f", uid {info.uid()!r}")
 
     # --- Transport ----------------------------------------------------------------------------
 
@@ -368,19 +417,23 @@ class LslTransport(Transport):
         if self._streaming and not self._out:
             if self._resolver is not None:
                 self._try_reopen()
-            if self._resolver is None:
+            if not self._inlet_dead:
                 got = self._pull(0.0)
                 if not got and timeout != 0:
                     got = self._pull(0.1 if timeout is None else timeout)
                 now = self._lsl.local_clock()
                 if got:
                     self._last_sample_s = now
+                    self._resolver = None  # samples again: nothing to look for
                     if self._is_lost:
                         self._is_lost = False
                         self._status(STATUS_LSL_STREAM_BACK, Severity.INFO,
                                      f"LSL stream {self.params.name!r} is back")
                 elif now - self._last_sample_s > self.params.lost_s:
                     self._mark_lost("")
+                    # liblsl's own recovery takes back only a source of the same id and layout: watch the network
+                    # too, so a source restarted with another layout (or without an id) is seen and named
+                    self._watch()
             if now >= self._next_clock_s:
                 self._clock_status(now)
         elif not self._out and timeout != 0:
@@ -408,6 +461,8 @@ class LslTransport(Transport):
             self._streaming = True
             self._last_sample_s = self._lsl.local_clock()
         self._emit(self.hello())
+        # which stream answered, in the recording (a device_status event): name alone may not tell two sources apart
+        self._status(STATUS_LSL_STREAM, Severity.INFO, _describe(self.info) + f", uid {self.info.uid()!r}")
         self._clock_status(self._lsl.local_clock())
 
     def report(self) -> dict[str, Any]:

@@ -62,6 +62,10 @@ def clock_offset_s(pylsl: Any, reads: int = 9) -> tuple[float, float]:
     return best
 
 
+#: How long the outlets stay after the session's last sample when an inlet is connected, so it is delivered.
+END_LINGER_S = 0.1
+
+
 class LslOutlets(SessionObserver):
     """Publish a session's model outputs, commands and typed text as LSL outlets named ``NAME-...``.
 
@@ -97,6 +101,7 @@ class LslOutlets(SessionObserver):
         self.pushed = {"outputs": 0, "commands": 0, "text": 0, "state": 0}
         self.lost = 0
         self.lost_outputs = 0
+        self._stop_command: dict[str, Any] | None = None
 
     # --- outlets ----------------------------------------------------------------------------
 
@@ -133,7 +138,7 @@ class LslOutlets(SessionObserver):
         labels = self.info.get("state")
         if n_state and "state" not in self.outlets and isinstance(labels, list) and len(labels) == n_state:
             self.outlets["state"] = self._outlet("state", "State", n_state, rate, "float32", [str(x) for x in labels])
-        if "text" not in self.outlets:
+        if "text" not in self.outlets and self.info.get("types_text", True):  # only a family that types has text
             self.outlets["text"] = self._outlet("text", "Markers", 1, self._lsl.IRREGULAR_RATE, "string")
 
     def lsl_time(self, t_ns: np.ndarray) -> np.ndarray:
@@ -178,6 +183,9 @@ class LslOutlets(SessionObserver):
         """A ``typed`` event: the characters a step typed, stamped when the model output that typed them was
         ready (the same stamp as that output's sample on ``NAME-outputs``)."""
         text, t_ns = event.get("text"), event.get("t_ns")
+        if event.get("event") == "stop_command":  # the safe command the session sent as it ended: pushed in on_stop,
+            self._stop_command = event             # after the steps' commands (events are delivered before steps)
+            return
         if event.get("event") != "typed" or not isinstance(text, str) or "text" not in self.outlets:
             return
         stamp = t_ns / 1e9 + self.offset_s if isinstance(t_ns, int) and t_ns > 0 else self._lsl.local_clock()
@@ -187,4 +195,12 @@ class LslOutlets(SessionObserver):
             self.pushed["text"] += 1
 
     def on_stop(self, summary: dict[str, Any]) -> None:
+        stop, outlet = self._stop_command, self.outlets.get("commands")
+        if stop is not None and outlet is not None:
+            values, t_ns = np.asarray(stop.get("values") or [], dtype=np.float32), stop.get("t_ns")
+            if values.size == outlet.channel_count and isinstance(t_ns, int):
+                outlet.push_sample(values.tolist(), t_ns / 1e9 + self.offset_s)
+                self.pushed["commands"] += 1
+        if any(o.have_consumers() for o in self.outlets.values()):
+            time.sleep(END_LINGER_S)  # liblsl sends in the background: let the last samples leave first
         self.outlets.clear()  # liblsl withdraws a stream when its outlet is destroyed

@@ -20,7 +20,9 @@ from closedloop.firmware_bridge import (
 from closedloop.firmware_bridge.transports.lsl import (
     STATUS_LSL_CLOCK,
     STATUS_LSL_NOT_COUNTS,
+    STATUS_LSL_STREAM,
     STATUS_LSL_STREAM_BACK,
+    STATUS_LSL_STREAM_CHANGED,
     STATUS_LSL_STREAM_LOST,
     LslParams,
     LslStreamNotFoundError,
@@ -199,6 +201,56 @@ def test_a_stream_that_disappears_is_reported_and_frames_resume_when_it_returns(
     assert again and list(again[-1]) == [3, 4]
     assert t.stats.losses == 1
     link.close()
+
+
+@pytest.mark.parametrize("source_id", ["with-id", ""])
+def test_a_source_restarted_with_another_layout_answers_as_the_device_it_now_is(source_id):
+    """A 3-channel source killed and restarted with 2 channels: its samples never fill the old 3-value frames
+    (a stale third value); the transport says what changed and sends a HELLO of 2 channels, which a session checks
+    against its bundle as for any device that came back as another."""
+    name = _name()
+    sid = f"{name}-src" if source_id else ""
+    out = pylsl.StreamOutlet(pylsl.StreamInfo(name, "SpikeCounts", 3, 100, "float32", sid))
+    t = open_transport(f"lsl://{name}?timeout=3&lost_s=0.2")
+    link = Link(t)
+    link.send(Hello(kind="host", name="test", rate_hz=100))
+    first = _poll(link, 0.3, lambda: out.push_sample([1.0, 2.0, 3.0]))
+    said = [f.message.text for f in first if isinstance(f.message, Status) and f.message.code == STATUS_LSL_STREAM]
+    assert said and "3 channels" in said[0] and "uid" in said[0]  # which stream answered, in the recording
+    del out
+    _poll(link, 0.6)
+    out = pylsl.StreamOutlet(pylsl.StreamInfo(name, "SpikeCounts", 2, 100, "float32", sid))
+
+    def seen(frames):
+        return any(isinstance(f.message, Hello) for f in frames) and isinstance(frames[-1].message, NeuralFrame)
+
+    after = _poll(link, 15.0, lambda: out.push_sample([7.0, 8.0]), until=seen)
+    changed = [f.message.text for f in after
+               if isinstance(f.message, Status) and f.message.code == STATUS_LSL_STREAM_CHANGED]
+    hello = [f.message for f in after if isinstance(f.message, Hello)]
+    assert changed and "3 channels" in changed[0] and "is now" in changed[0] and "2 channels" in changed[0]
+    assert hello and hello[0].n_channels == 2
+    counts = [list(f.message.counts) for f in after if isinstance(f.message, NeuralFrame)]
+    at = next(i for i, f in enumerate(after) if isinstance(f.message, Hello))
+    assert counts and all(c == [7, 8] for c in
+                          [list(f.message.counts) for f in after[at:] if isinstance(f.message, NeuralFrame)])
+    assert t.stats.streams_changed == 1
+    link.close()
+
+
+def test_two_streams_of_one_name_are_refused_listing_both():
+    name = _name()
+    a = _outlet(name, 2, 100, source_id=f"{name}-a")  # noqa: F841  (kept alive while resolving)
+    b = _outlet(name, 2, 100, source_id=f"{name}-b")  # noqa: F841
+    time.sleep(0.3)
+    with pytest.raises(LslStreamNotFoundError) as e:
+        open_transport(f"lsl://{name}?timeout=3")
+    msg = str(e.value)
+    assert "2 LSL streams match" in msg and f"{name}-a" in msg and f"{name}-b" in msg
+    assert f"source_id={name}-a" in msg  # how to name one
+    t = open_transport(f"lsl://{name}?timeout=3&source_id={name}-b")
+    assert t.info.source_id() == f"{name}-b"
+    t.close()
 
 
 def test_liblsl_says_only_warnings_unless_the_user_configured_it_or_asked_for_debug(tmp_path):

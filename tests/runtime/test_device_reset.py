@@ -151,6 +151,8 @@ def test_a_device_that_comes_back_as_another_is_refused(recurrent_plant_bundle, 
     msg = str(e.value)
     # the first handshake's refusal: the port, the bundle, and each problem naming both values
     assert f"device at {port_end.path} does not match bundle" in msg and expect in msg, msg
+    # the exception carries the session's summary (what `closedloop run --json` prints before exit 1)
+    assert e.value.summary.error.startswith("DeviceChangedError: ") and e.value.summary.inputs_used > 0
     reader = RecordingReader(cfg.record)
     # the first handshake passed (META is written after it) and the session acted on the first board
     assert reader.meta["device"]["kind"] == "plant" and reader.meta["device"]["n_channels"] == 1

@@ -137,6 +137,7 @@ def test_lsl_out_publishes_the_commands_a_session_sends_stamped_just_after_they_
             return
         inlet = pylsl.StreamInlet(found[0])
         inlet.open_stream(timeout=5.0)
+        got["text_outlet"] = pylsl.resolve_byprop("name", f"{name}-out-text", 1, 1.0)  # a decoder that types no text
         end = time.monotonic() + 6.0
         while time.monotonic() < end:
             x, t = inlet.pull_chunk(timeout=0.1)
@@ -160,6 +161,10 @@ def test_lsl_out_publishes_the_commands_a_session_sends_stamped_just_after_they_
         i = int(np.searchsorted(times, t, side="right")) - 1  # the last command written before the stamp
         assert i >= 0 and 0 <= t - times[i] < 0.05, (t, times[max(i, 0)])
         np.testing.assert_allclose(x, sent[i][1], rtol=1e-6)
+    # the last sample is the stop's safe command, the command in force after the session (zeros for a decoder)
+    assert s.stop_commands_sent == 1 and got["x"][-1] == [0.0] * len(got["x"][-1])
+    np.testing.assert_array_equal(got["x"][-1], sent[-1][1])
+    assert got["text_outlet"] == []  # no NAME-text outlet for a family that types nothing
 
 
 def test_an_lsl_stream_read_as_the_wrong_kind_is_refused_with_the_url_that_reads_it_right(neural_bundle):
