@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import signal
 import socket
@@ -25,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+log = logging.getLogger("closedloop.grid")
 
 def ray_available() -> bool:
     """Whether Ray (``pip install 'closedloop[scale]'``) can be imported here."""
@@ -96,13 +98,26 @@ def _where() -> tuple[str, str, int]:
     return node, socket.gethostname(), os.getpid()
 
 
-def _call(fn: Callable, args: tuple) -> tuple[Any, str, str, int, float, float]:
-    """Run ``fn(*args)`` where a worker picked it up; the result and where and when it ran."""
+def _call(fn: Callable, args: tuple) -> tuple[Any, str, str, int, float, float, tuple | None]:
+    """Run ``fn(*args)`` where a worker picked it up: the result, where and when it ran, and the error if it
+    raised (its text with the traceback, and the exception where it can travel back), so that a cell that raised on
+    a worker keeps its node, host, pid and traceback in its record."""
     node, host, pid = _where()
     started = time.time()
     t0 = time.perf_counter()
-    result = fn(*args)
-    return result, node, host, pid, started, time.perf_counter() - t0
+    try:
+        result = fn(*args)
+    except Exception as exc:  # a cell's failure is its record, never the grid's end
+        import pickle
+
+        text = _error_text(exc) + "\n" + traceback.format_exc(limit=3)
+        try:
+            pickle.dumps(exc)
+            own: BaseException | None = exc
+        except Exception:  # noqa: BLE001  (an exception that cannot be pickled travels as its text only)
+            own = None
+        return None, node, host, pid, started, time.perf_counter() - t0, (text, own)
+    return result, node, host, pid, started, time.perf_counter() - t0, None
 
 
 def _error_text(exc: BaseException) -> str:
@@ -230,14 +245,8 @@ class GridRunner:
             raise RuntimeError("next_done() with no task running: submit one first")
         if self.backend != "ray":
             fn, args, tag = self._queue.pop(0)
-            node, host, pid = _where()
-            started, t0 = time.time(), time.perf_counter()
-            try:
-                result = fn(*args)
-            except Exception as exc:  # a cell's failure is its record, never the grid's end
-                return Done(tag, None, _error_text(exc) + "\n" + traceback.format_exc(limit=3), node, host, pid,
-                            started, time.perf_counter() - t0, exc)
-            return Done(tag, result, None, node, host, pid, started, time.perf_counter() - t0)
+            result, node, host, pid, started, wall, err = _call(fn, args)
+            return Done(tag, result, err[0] if err else None, node, host, pid, started, wall, err[1] if err else None)
         import ray
 
         ready: list = []
@@ -251,12 +260,12 @@ class GridRunner:
         ref = ready[0]
         tag = self._pending.pop(ref)
         try:
-            result, node, host, pid, started, wall = ray.get(ref)
-        except Exception as exc:  # RayTaskError (the cell raised) or WorkerCrashedError (its worker died)
+            result, node, host, pid, started, wall, err = ray.get(ref)
+        except Exception as exc:  # WorkerCrashedError (its worker died: where is unknown), or Ray's own failure
             cause = getattr(exc, "cause", None)
             own = cause if isinstance(cause, BaseException) else exc
             return Done(tag, None, _error_text(own), exception=own)
-        return Done(tag, result, None, node, host, pid, started, wall)
+        return Done(tag, result, err[0] if err else None, node, host, pid, started, wall, err[1] if err else None)
 
     def close(self) -> None:
         if self.backend == "ray":
@@ -296,13 +305,42 @@ def read_results(path: str | os.PathLike) -> dict[str, dict]:
     return records
 
 
+def jsonable(value: Any) -> Any:
+    """``value`` with NumPy scalars and arrays, tuples and sets as JSON values (numbers, lists); the rest as is.
+
+    >>> import numpy as np
+    >>> jsonable({"n": np.int64(3), "ok": np.bool_(True), "x": np.arange(2), "t": (1, 2)})
+    {'n': 3, 'ok': True, 'x': [0, 1], 't': [1, 2]}
+    """
+    if isinstance(value, dict):
+        return {k: jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [jsonable(v) for v in value]
+    if isinstance(value, (set, frozenset)):
+        items = [jsonable(v) for v in value]
+        try:
+            return sorted(items)
+        except TypeError:
+            return items
+    if type(value).__module__ == "numpy":
+        tolist = getattr(value, "tolist", None)  # a NumPy scalar or array: Python numbers, nested lists
+        if tolist is not None:
+            return tolist()
+    return value
+
+
 def append_record(path: str | os.PathLike, record: dict) -> None:
-    """One line, one ``write`` on an ``O_APPEND`` descriptor, flushed to disk: a kill leaves whole lines."""
+    """One line, one ``write`` on an ``O_APPEND`` descriptor, flushed to disk: a kill leaves whole lines.
+
+    Raises ``TypeError`` naming the part (config, seed or result) that JSON cannot hold.
+    """
     try:
         line = json.dumps(record, allow_nan=True) + "\n"
     except TypeError as exc:
-        raise TypeError(f"cell {record['key']}: its result cannot be stored as JSON in {path} ({exc}); return "
-                        "dicts, lists, numbers and strings, or pass results=None") from None
+        part = next((k for k in ("config", "seed", "result") if k in record and not _dumps_ok(record[k])), "record")
+        raise TypeError(f"cell {record['key']}: its {part} cannot be stored as JSON in {path} ({exc}); give and "
+                        "return dicts, lists, numbers, strings, booleans and None (NumPy values are converted), or "
+                        "pass results=None") from None
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
         with open(path, "rb") as f:  # a torn last line from a killed run: start on a fresh line
@@ -317,26 +355,46 @@ def append_record(path: str | os.PathLike, record: dict) -> None:
         os.close(fd)
 
 
+def _dumps_ok(value: Any) -> bool:
+    try:
+        json.dumps(value, allow_nan=True)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+def fn_name(fn: Callable) -> str:
+    """``module.qualname`` of a cell function, as records store it (``__main__.fit`` for a script's own)."""
+    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', type(fn).__name__)}"
+
+
 def run_grid(fn: Callable[[dict, int], Any], cells: Sequence[Cell], results: str | os.PathLike | None = None,
              address: str | None = None, workers: int | None = None, retries: int = 1, progress: bool = True,
              backend: str = "auto", desc: str = "grid") -> list[dict]:
     """Run ``fn(cell.config, cell.seed)`` for every cell; one record per cell, in the cells' order.
 
-    A record is ``{"key", "config", "seed", "status": "ok" | "failed", "result" | "error",
-    "node", "host", "pid", "started", "wall_s"}``. With ``results`` (a ``.jsonl`` path) each
-    record is appended as its cell finishes, and cells already there with status ``ok`` are
-    not run again (their stored record is returned); failed cells are run again.
-    ``fn`` must be importable by the workers (a module-level function) and, with ``results``,
-    return JSON. See :class:`GridRunner` for ``address``, ``workers``, ``retries`` and ``backend``.
+    A record is ``{"key", "fn", "config", "seed", "status": "ok" | "failed", "result" | "error",
+    "node", "host", "pid", "started", "wall_s"}`` (docs/grid.md). With ``results`` (a ``.jsonl`` path)
+    each record is appended as its cell finishes, and cells already there with status ``ok`` are
+    not run again (their stored record is returned); failed cells are run again. A results file whose
+    records name another ``fn`` is refused. NumPy values in a result (and tuples, sets) are stored as JSON
+    numbers and lists. See :class:`GridRunner` for ``address``, ``workers``, ``retries`` and ``backend``.
     """
     keys = [c.key for c in cells]
     if len(set(keys)) != len(keys):
         dup = next(k for k in keys if keys.count(k) > 1)
         raise ValueError(f"two cells have the key {dup!r}: give each cell a distinct config, seed or name")
     path = Path(results) if results is not None else None
+    name = fn_name(fn)
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
-    done = {k: r for k, r in (read_results(path).items() if path else ()) if r.get("status") == "ok"}
+        path.touch()  # there from the start: an interrupted start-up still leaves the file a rerun names
+    stored = read_results(path) if path else {}
+    others = sorted({r["fn"] for r in stored.values() if r.get("fn") not in (None, name)})
+    if others:
+        raise ValueError(f"results file {path} holds cells of {', '.join(others)}; this grid runs {name}, whose "
+                         "results would be taken for theirs: give it a results file of its own")
+    done = {k: r for k, r in stored.items() if r.get("status") == "ok"}
     todo = [c for c in cells if c.key not in done]
     out: dict[str, dict] = dict(done)
     bar = None
@@ -352,9 +410,9 @@ def run_grid(fn: Callable[[dict, int], Any], cells: Sequence[Cell], results: str
                 while len(runner):
                     d = runner.next_done()
                     cell = d.tag
-                    rec = {"key": cell.key, "config": cell.config, "seed": cell.seed,
+                    rec = {"key": cell.key, "fn": name, "config": jsonable(cell.config), "seed": jsonable(cell.seed),
                            "status": "failed" if d.error else "ok"}
-                    rec |= {"error": d.error} if d.error else {"result": d.result}
+                    rec |= {"error": d.error} if d.error else {"result": jsonable(d.result)}
                     rec |= {"node": d.node, "host": d.host, "pid": d.pid, "started": d.started,
                             "wall_s": round(d.wall_s, 4)}
                     if path is not None:
@@ -362,8 +420,9 @@ def run_grid(fn: Callable[[dict, int], Any], cells: Sequence[Cell], results: str
                     out[cell.key] = rec
                     if bar is not None:
                         bar.update(1)
-                        if d.error:
-                            bar.write(f"{desc}: cell {cell.key} failed: {d.error.splitlines()[0]}")
+                    if d.error:
+                        said = f"{desc}: cell {cell.key} failed: {d.error.splitlines()[0]}"
+                        bar.write(said) if bar is not None else log.warning(said)
     finally:
         if bar is not None:
             bar.close()

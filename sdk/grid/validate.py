@@ -11,6 +11,7 @@ and a rerun of the same batch resumes where it stopped.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import sys
 import time
@@ -23,7 +24,7 @@ from closedloop.common.jsonout import json_text
 from closedloop.firmware_bridge.transports import redact_device_url
 from closedloop.sdk.cli import command
 
-from .runner import Cell, run_grid
+from .runner import Cell, read_results, run_grid
 
 #: fault name -> the emulator parameters it sets, as functions of the session's duration (seconds); a parameter
 #: the device URL already gives is left as given
@@ -145,13 +146,22 @@ def run_validation_session(config: dict, seed: int) -> dict:
 def validate(cfg: ValidateConfig, address: str | None = None, workers: int | None = None, progress: bool = True,
              backend: str = "auto") -> dict:
     """Run the batch; write ``out_dir/sessions.jsonl`` (one line per session) and ``out_dir/validate.json``."""
+    from closedloop.runtime import load_bundle
+
+    # the bundle is checked here, once, before any session (a bundle that does not verify is bad input, exit 2);
+    # its manifest's digest is part of each session's key, so a changed bundle is validated afresh, never resumed
+    checked = load_bundle(cfg.bundle)
+    manifest_sha = hashlib.sha256((checked.root / "manifest.json").read_bytes()).hexdigest()
     out = Path(cfg.out_dir).resolve()
     out.mkdir(parents=True, exist_ok=True)
     bundle = str(Path(cfg.bundle).resolve())
-    cells = [Cell({"bundle": bundle, "device": session_url(cfg.device, cfg.faults, cfg.duration_s, i),
+    cells = [Cell({"bundle": bundle, "bundle_manifest_sha256": manifest_sha,
+                   "device": session_url(cfg.device, cfg.faults, cfg.duration_s, i),
                    "duration_s": cfg.duration_s, "record": str(out / f"session-{i:04d}.clrec"), "index": i,
                    "backend": cfg.backend, "max_miss": cfg.max_miss, "max_safe": cfg.max_safe,
                    "keep_all": cfg.keep_all}, seed=i) for i in range(cfg.sessions)]
+    stored = read_results(out / "sessions.jsonl")
+    reused = sum(1 for c in cells if stored.get(c.key, {}).get("status") == "ok")
     t0 = time.perf_counter()
     recs = run_grid(run_validation_session, cells, results=out / "sessions.jsonl", address=address, workers=workers,
                     progress=progress, backend=backend, desc="validate")
@@ -161,8 +171,9 @@ def validate(cfg: ValidateConfig, address: str | None = None, workers: int | Non
             sessions.append(r["result"] | {"node": r["node"]})
         else:  # the session raised (a handshake that timed out, a bundle refused) or its worker died
             c = r["config"]
+            why = " ".join(r["error"].split("\nTraceback")[0].split())  # the whole message, without the traceback
             sessions.append({"index": c["index"], "device": redact_device_url(c["device"]), "node": r.get("node", ""),
-                             "misbehaved": [f"failed: {r['error'].splitlines()[0]}"], "recording": c["record"],
+                             "misbehaved": [f"failed: {why}"], "recording": c["record"],
                              "recording_kept": Path(c["record"]).exists(), "error": r["error"]})
     bad = [s for s in sessions if s["misbehaved"]]
     ran = [s for s in sessions if "steps" in s]
@@ -170,6 +181,7 @@ def validate(cfg: ValidateConfig, address: str | None = None, workers: int | Non
     report = {
         "bundle": bundle, "device": redact_device_url(cfg.device), "faults": list(cfg.faults), "sessions": cfg.sessions,
         "duration_s": cfg.duration_s, "wall_s": round(time.perf_counter() - t0, 2),
+        "reused": reused,  # sessions taken from sessions.jsonl, run before with this bundle and these settings
         "nodes": sorted({s["node"] for s in sessions if s.get("node")}),
         "success_rate": (len(sessions) - len(bad)) / len(sessions),
         "deadline_miss_rate": {"mean": sum(miss) / len(miss) if miss else None, "max": max(miss, default=None)},
@@ -187,14 +199,18 @@ def validate(cfg: ValidateConfig, address: str | None = None, workers: int | Non
 
 def format_report(r: dict) -> str:
     m = r["deadline_miss_rate"]
+    reused = r.get("reused", 0)
     lines = [f"validate: {r['sessions']} sessions of {r['duration_s']:g} s on {r['device']} "
-             f"(faults: {','.join(r['faults']) or 'none'}) in {r['wall_s']:.1f} s on {len(r['nodes'])} node(s)",
+             f"(faults: {','.join(r['faults']) or 'none'}) in {r['wall_s']:.1f} s on {len(r['nodes'])} node(s)"
+             + (f"; {reused} of them from an earlier run of the same bundle and settings (sessions.jsonl; a new "
+                "--out runs them all again)" if reused else ""),
              f"  behaved {100 * r['success_rate']:.1f}%; deadline misses mean "
              + (f"{100 * m['mean']:.3f}% max {100 * m['max']:.3f}%" if m["mean"] is not None else "n/a")
              + f"; safe-command periods {r['safe_command_periods']['total']} "
                f"(watchdog trips {r['safe_command_periods']['watchdog_trips']})"]
     for b in r["misbehaved"]:
-        lines.append(f"  session {b['index']} misbehaved: {'; '.join(b['why'])} (recording kept: {b['recording']})")
+        kept = f"recording kept: {b['recording']}" if Path(b["recording"]).exists() else "no recording"
+        lines.append(f"  session {b['index']} misbehaved: {'; '.join(b['why'])} ({kept})")
     return "\n".join(lines)
 
 

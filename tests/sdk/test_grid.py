@@ -53,12 +53,36 @@ def test_in_process_grid_records_every_cell_and_a_failing_cell_with_its_error(tm
     assert [r["key"] for r in recs] == [c.key for c in cells]
     assert [r["result"]["y"] for r in recs[:-1]] == [c.config["x"] ** 2 + c.seed for c in cells[:-1]]
     assert recs[-1]["status"] == "failed" and "ValueError: cell 9 was told to fail" in recs[-1]["error"]
+    assert "Traceback" in recs[-1]["error"] and recs[-1]["pid"] == os.getpid()  # where it failed, and how
     lines = out.read_text().splitlines()
     assert len(lines) == len(cells) and all(json.loads(line)["key"] for line in lines)
     # a rerun runs only the failed cell again; the finished ones come back from the file
     recs2 = run_grid(square, cells, results=out, backend="inprocess", progress=False)
     assert len(out.read_text().splitlines()) == len(cells) + 1
     assert [r["started"] for r in recs2[:-1]] == [r["started"] for r in recs[:-1]]
+
+
+def numpy_result(config: dict, seed: int) -> dict:
+    import numpy as np
+
+    return {"n": np.int64(config["x"]), "ok": np.bool_(True), "v": np.arange(2) * seed, "f": np.float32(0.5),
+            "pair": (1, 2), "tags": {"b", "a"}}
+
+
+def test_numpy_values_and_tuples_are_stored_as_json_and_a_file_of_another_function_is_refused(tmp_path):
+    import numpy as np
+
+    out = tmp_path / "r.jsonl"
+    cells = grid(np.arange(2), x=[np.int64(3)])  # NumPy seeds and config values too
+    recs = run_grid(numpy_result, cells, results=out, backend="inprocess", progress=False)
+    assert [r["status"] for r in recs] == ["ok", "ok"]
+    stored = read_results(out)
+    assert stored[cells[1].key]["result"] == {"n": 3, "ok": True, "v": [0, 1], "f": 0.5, "pair": [1, 2],
+                                              "tags": ["a", "b"]}
+    assert stored[cells[1].key]["fn"] == f"{__name__}.numpy_result" and stored[cells[1].key]["seed"] == 1
+    # the same cells with another function would take numpy_result's records for theirs: refused, saying so
+    with pytest.raises(ValueError, match=r"holds cells of .*numpy_result; this grid runs .*square"):
+        run_grid(square, cells, results=out, backend="inprocess", progress=False)
 
 
 def test_cells_with_the_same_key_are_refused():
@@ -118,10 +142,14 @@ ray = pytest.importorskip("ray", reason="the Ray tests need the [scale] extra (p
 
 def test_a_tiny_grid_on_a_local_ray_instance(tmp_path):
     _by_value()
-    cells = grid([0, 1], x=[1, 2])
+    cells = grid([0, 1], x=[1, 2]) + [Cell({"x": 5, "fail": True})]
     recs = run_grid(square, cells, results=tmp_path / "r.jsonl", workers=2, progress=False)
-    assert [r["result"]["y"] for r in recs] == [c.config["x"] ** 2 + c.seed for c in cells]
+    assert [r["result"]["y"] for r in recs[:-1]] == [c.config["x"] ** 2 + c.seed for c in cells[:-1]]
     assert all(len(r["node"]) == 56 for r in recs)  # a Ray node id, not the in-process "local"
+    # a cell that raised on a worker keeps where it ran and its traceback
+    bad = recs[-1]
+    assert bad["status"] == "failed" and "ValueError: cell 5 was told to fail" in bad["error"]
+    assert "Traceback" in bad["error"] and bad["pid"] > 0 and bad["pid"] != os.getpid() and bad["host"]
     assert not ray.is_initialized()  # the runner shut down the instance it started
 
 

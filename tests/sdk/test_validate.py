@@ -47,6 +47,23 @@ def test_a_session_whose_device_goes_silent_for_good_misbehaves_keeps_its_record
     assert (out / "session-0000.clrec").stat().st_size > 0
 
 
+def test_a_rerun_reuses_its_sessions_saying_so_and_a_changed_or_broken_bundle_is_not_reused(gru_bundle, tmp_path,
+                                                                                          capsys):
+    import shutil
+
+    bundle = shutil.copytree(gru_bundle, tmp_path / "b")
+    out = tmp_path / "v"
+    argv = ["validate", str(bundle), "--device", HEADSTAGE, "--sessions", "1", "--duration", "1", "--no-ray",
+            "--out", str(out), "--backend", "onnxruntime", "--max-miss", "1", "--json"]
+    main(argv)
+    assert json.loads(capsys.readouterr().out)["reused"] == 0
+    main(argv)
+    assert json.loads(capsys.readouterr().out)["reused"] == 1  # the same bundle and settings: taken from the file
+    (bundle / "main.onnx").write_bytes(b"garbage")  # a bundle that no longer verifies: bad input, before any session
+    assert main(argv) == 2
+    assert "main.onnx" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("args, message", [
     (["--faults", "drops,floods"], "--faults floods: unknown; choose from drops,corruption,silences,resets"),
     (["--device", "loop://"], "validate runs against emulators"),
