@@ -386,15 +386,15 @@ class Session:
         self.link = self._open_link()
         try:
             hello = self._handshake(self.link, self.config.handshake_timeout_s)
-        except BaseException:
+        except BaseException as exc:
             self.link.close()
-            self.close_tap()
+            self.close_tap(f"no session: {type(exc).__name__}: {exc}")
             raise
         self.family.adopt_device(hello.kind)
         problems = self.family.check_device(hello)
         if problems:
             self.link.close()
-            self.close_tap()
+            self.close_tap("refused at the handshake: the device does not match the bundle: " + "; ".join(problems))
             raise self._mismatch(problems)
         self.hello = hello
         if self.writer is not None:
@@ -460,9 +460,9 @@ class Session:
         self.monitor_url = self._tap.monitor_url
         self._safe_values = safe.reshape(-1).astype(np.float32)
 
-    def close_tap(self) -> None:
+    def close_tap(self, reason: str | None = None) -> None:
         if self._tap is not None:
-            self._tap.close()
+            self._tap.close(reason=reason)
             self._tap = None
 
     # --- one period -------------------------------------------------------------
@@ -822,7 +822,7 @@ class Session:
             family=dict(self.family.summary_metrics()),
             recording=str(cfg.record) if cfg.record else None,
             scrub=self.scrubber.summary() if self.scrubber is not None else {},
-            monitor_url=self.monitor_url,
+            monitor_url=redact_device_url(self.monitor_url) if self.monitor_url else None,  # token=***: the session is over
             realtime=grant.to_dict() if grant is not None else {},
             error=f"{type(error).__name__}: {error}" if error is not None else None,
             **self.summary_counts,
@@ -833,7 +833,8 @@ class Session:
             summary.command_latency_p99_us = round(lat.percentile_us(99), 3)
             summary.command_latency_max_us = round(lat.max / 1e3, 3)
         if self._tap is not None:  # observers drain and stop first: their last STEPS come before SUMMARY
-            summary.observers = self._tap.close(summary.to_dict())
+            reason = f"stopped by {loop_summary.stopped_by}" + (f": {summary.error}" if summary.error else "")
+            summary.observers = self._tap.close(summary.to_dict(), reason=reason)
             self._tap = None
         if self.writer is not None:
             self.writer.append_json(RecordType.SUMMARY, summary.to_dict())

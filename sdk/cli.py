@@ -451,10 +451,17 @@ def _monitor(a: argparse.Namespace) -> int:
               "token in the URL below", file=sys.stderr)
     try:
         asyncio.run(serve_recording(a.recording, a.host, a.port, token=token,
-                                    ready=lambda url: print(f"monitor: {url} (Ctrl-C stops)", flush=True)))
+                                    ready=_say_monitor_urls))
     except KeyboardInterrupt:
         return 0
     return 0
+
+
+def _say_monitor_urls(url: str, remote: str | None = None) -> None:
+    """As ``run --monitor`` prints them: the URL for this machine, then the one for others where there is one."""
+    print(f"monitor: {url} (Ctrl-C stops)", flush=True)
+    if remote:
+        print(f"monitor from other machines: {remote}", flush=True)
 
 
 def _bench_args(p: argparse.ArgumentParser) -> None:

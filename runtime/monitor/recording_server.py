@@ -77,14 +77,15 @@ def recording_info(v: RecordingView) -> dict[str, Any]:
 
 async def serve_recording(path: str | Path, host: str, port: int, ready: Any = print,
                           token: str | None = None) -> None:
-    """Serve the page for one recording until cancelled; ``ready(url)`` once listening.
+    """Serve the page for one recording until cancelled; ``ready(url)`` once listening (``ready(url, remote_url)``
+    on every address: the URL for this machine and the one with its host name, for others).
 
     With ``token`` the page and its WebSocket answer only a request carrying ``?token=...``
     (the URL given to ``ready`` carries it), as the live monitor does on a public address.
     """
     from aiohttp import WSMsgType, web
 
-    from .server import _asset, authorised
+    from .server import MAX_CLIENT_MESSAGE, _asset, authorised, monitor_urls
 
     view = view_recording(path)
     info = recording_info(view)
@@ -106,7 +107,7 @@ async def serve_recording(path: str | Path, host: str, port: int, ready: Any = p
     async def websocket(request: Any) -> Any:
         if not authorised(request, token):
             return web.Response(status=403, text="token required\n")
-        ws = web.WebSocketResponse(max_msg_size=4096)
+        ws = web.WebSocketResponse(max_msg_size=MAX_CLIENT_MESSAGE)
         await ws.prepare(request)
         await ws.send_str(json.dumps({"type": "hello", "info": info, "events": []}, default=str))
         await ws.send_str(payload)
@@ -129,8 +130,8 @@ async def serve_recording(path: str | Path, host: str, port: int, ready: Any = p
         raise OSError(f"cannot listen on {host}:{port}: {exc.strerror or exc}; choose another with --port "
                       "(0 picks a free one)") from None
     bound = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    shown = f"[{host}]" if ":" in host else host
-    ready(f"http://{shown}:{bound}/" + (f"?token={token}" if token else ""))
+    url, remote = monitor_urls(host, bound, token)
+    ready(url) if remote is None else ready(url, remote)
     try:
         while True:
             await asyncio.sleep(3600)

@@ -38,6 +38,9 @@ MAX_ROWS_PER_PUSH = 250
 CLIENT_QUEUE = 16
 #: After the session's end, how long the server waits for its clients to take the last records and the close.
 END_GRACE_S = 1.0
+#: The largest message a client may send (bytes): the server ignores what clients send, and a larger message
+#: closes that client's socket with code 1009 (message too big); the page sends none
+MAX_CLIENT_MESSAGE = 4096
 
 
 def is_loopback(host: str) -> bool:
@@ -179,7 +182,7 @@ class MonitorApp:
 
         if not authorised(request, self.token):
             return web.Response(status=403, text="token required\n")
-        ws = web.WebSocketResponse(heartbeat=10.0, max_msg_size=4096)
+        ws = web.WebSocketResponse(heartbeat=10.0, max_msg_size=MAX_CLIENT_MESSAGE)
         await ws.prepare(request)
         client = _Client(ws)
         hello = {"type": "hello", "info": self.info, "events": self.events[-200:]}
@@ -375,12 +378,8 @@ class MonitorProcess:
             raise RuntimeError(value)
         self.host, self.port, self.token = host, int(value), token
         self.pid = self._proc.pid
-        query = f"?token={token}" if token else ""
-        shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
-        shown = f"[{shown}]" if ":" in shown else shown
-        self.url = f"http://{shown}:{self.port}/" + query
-        #: for a monitor on every address (0.0.0.0, ::): the URL with this machine's host name, for other machines
-        self.remote_url = f"http://{socket.gethostname()}:{self.port}/" + query if host in ("0.0.0.0", "::") else None
+        #: remote_url: for a monitor on every address (0.0.0.0, ::), the URL with this machine's name, for others
+        self.url, self.remote_url = monitor_urls(host, self.port, token)
 
     def stop(self) -> None:
         """After the session's ``session_end`` event the server ends by itself once its clients have the last
@@ -396,6 +395,17 @@ class MonitorProcess:
             except subprocess.TimeoutExpired:
                 self._proc.kill()
                 self._proc.wait(5)
+
+
+def monitor_urls(host: str, port: int, token: str | None) -> tuple[str, str | None]:
+    """The URL to open on this machine, and for a server on every address (0.0.0.0, ::) the one with this
+    machine's host name for other machines (None otherwise); both carry the token."""
+    query = f"?token={token}" if token else ""
+    every = host in ("0.0.0.0", "::")
+    shown = "127.0.0.1" if every else host
+    shown = f"[{shown}]" if ":" in shown else shown
+    return (f"http://{shown}:{port}/" + query,
+            f"http://{socket.gethostname()}:{port}/" + query if every else None)
 
 
 def parse_address(text: str) -> tuple[str, int]:

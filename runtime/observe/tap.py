@@ -111,13 +111,19 @@ class SessionTap:
 
     # --- end --------------------------------------------------------------------------------
 
-    def close(self, summary: dict[str, Any] | None = None) -> dict[str, Any]:
-        """Stop observers (each gets ``on_stop``) and the monitor; free the ring. Returns per-observer counts."""
+    def close(self, summary: dict[str, Any] | None = None, reason: str | None = None) -> dict[str, Any]:
+        """Stop observers (each gets ``on_stop``) and the monitor; free the ring. Returns per-observer counts.
+
+        ``reason``: how the session ended (``session_end``'s ``reason``), so a reader tells a refused handshake or
+        a safety stop from a session that ran its course."""
         if self._closed:
             return {}
         self._closed = True
         try:
-            self.ring.event({"event": "session_end", "step": -1})
+            end: dict[str, Any] = {"event": "session_end", "step": -1}
+            if reason:
+                end["reason"] = reason
+            self.ring.event(end)
             report = self.hub.stop(summary or {}) if self.hub.started else {}
         finally:
             if self.monitor is not None:

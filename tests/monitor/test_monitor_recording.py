@@ -113,8 +113,10 @@ def test_a_recording_is_served_beyond_this_machine_only_with_public_and_its_toke
 
     p = _serve(rec, "--host", "0.0.0.0", "--public")
     try:
-        line = p.stdout.readline()
-        assert line.startswith("monitor: http://0.0.0.0:") and "?token=" in line, line + p.stderr.read()
+        line, remote = p.stdout.readline(), p.stdout.readline()
+        # as a live session prints them: the URL for this machine, then the one other machines use
+        assert line.startswith("monitor: http://127.0.0.1:") and "?token=" in line, line + p.stderr.read()
+        assert remote.startswith("monitor from other machines: http://") and line.split("?token=")[1].split()[0] in remote
         url = line.split()[1]
         port, token = url.split(":")[2].split("/")[0], url.split("?token=")[1]
         base = f"http://127.0.0.1:{port}/"

@@ -16,6 +16,7 @@ from closedloop.runtime import (
     RecordType,
     Session,
     SessionConfig,
+    SessionError,
     SessionObserver,
     run_session,
 )
@@ -218,7 +219,8 @@ def test_a_websocket_client_gets_every_record_to_the_last_step_then_the_end_and_
     reader.join(40)
     summary = bg.join()
     assert close == [1000]
-    assert received[0]["type"] == "hello" and received[-1] == {"type": "event", "event": "session_end", "step": -1}
+    assert received[0]["type"] == "hello"
+    assert received[-1] == {"type": "event", "event": "session_end", "step": -1, "reason": "stopped by duration"}
     pushes = [m["push"] for m in received if m["type"] == "steps"]
     assert pushes == list(range(pushes[0], pushes[0] + len(pushes)))  # numbered: a client sees what it lost
     steps = [s for m in received if m["type"] == "steps" for s in m["step"]]
@@ -226,9 +228,52 @@ def test_a_websocket_client_gets_every_record_to_the_last_step_then_the_end_and_
     assert steps == sorted(steps) and len(steps) == summary.loop.steps
 
 
-def test_a_monitor_on_a_public_address_needs_the_flag(plant_bundle):
-    from closedloop.runtime import SessionError
+def test_a_session_that_never_started_ends_its_page_saying_why(plant_bundle):
+    """A device that never answers: the monitor is up from before the handshake, and its session_end says the
+    session did not start (a client tells it from a session that ran its course)."""
+    import asyncio
 
+    import aiohttp
+
+    from closedloop.firmware_bridge import open_pty_pair
+
+    board, port = open_pty_pair()  # nobody answers on the board's end
+    session = Session(plant_bundle, SessionConfig(device=port.path, status=False, backend="onnxruntime",
+                                                  monitor="0", handshake_timeout_s=3.0))
+    failed: list = []
+
+    def start() -> None:
+        try:
+            session.start()
+        except SessionError as exc:
+            failed.append(exc)
+
+    starter = threading.Thread(target=start)
+    starter.start()
+    deadline = time.monotonic() + 20
+    while session.monitor_url is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    received: list[dict] = []
+
+    async def client():
+        async with aiohttp.ClientSession() as http, http.ws_connect(session.monitor_url + "ws") as ws:
+            async for msg in ws:
+                if msg.type == aiohttp.WSMsgType.TEXT:
+                    received.append(msg.json())
+
+    try:
+        asyncio.run(asyncio.wait_for(client(), 30))
+        starter.join(30)
+    finally:
+        session.close()
+        board.close()
+        port.close()
+    end = received[-1]
+    assert end["event"] == "session_end" and end["reason"].startswith("no session: SessionError: no Hello from")
+    assert failed and "no Hello from" in str(failed[0])
+
+
+def test_a_monitor_on_a_public_address_needs_the_flag(plant_bundle):
     with pytest.raises(SessionError, match="--monitor-public"):
         Session(plant_bundle, SessionConfig(device="sim://plant?model=msd&rate=200", status=False,
                                             backend="onnxruntime", monitor="0.0.0.0:0")).start()
