@@ -23,6 +23,7 @@ import contextlib
 import gc
 import hashlib
 import math
+import os
 import sys
 import time
 from dataclasses import asdict, dataclass, field, fields
@@ -282,6 +283,7 @@ class Session:
         self.config = config
         self._device_shown = redact_device_url(config.device)  # what recordings, the monitor and messages show
         self.out = out if out is not None else sys.stderr
+        _warn_unwritable_numba_cache(self.out)
         self.bundle = bundle if isinstance(bundle, Bundle) else load_bundle(bundle, trust=config.trust or None)
         self.model = Model(self.bundle, backend=config.backend, variant=config.variant, trust=config.trust or None)
         self.family: FamilyPlugin = get_family(self.bundle.manifest.family)(self.bundle, self.model)
@@ -297,7 +299,11 @@ class Session:
                                f"but publishes {n_state} (state_labels and state_vector must agree)")
         self.scrubber = session_scrubber(self.model, config)  # None unless the bundle is protected
         self.rate_hz = config.rate_hz or self.bundle.manifest.rate_hz
-        self.writer = RecordingWriter(config.record) if config.record else None
+        try:
+            self.writer = RecordingWriter(config.record) if config.record else None
+        except OSError as exc:  # a folder this user cannot write, a path through a file
+            raise SessionError(f"--record {config.record}: cannot create it ({exc.strerror or exc}); record into a "
+                               "folder this user can write") from None
         # the graph's other data outputs, recorded beside the first (MORE_OUTPUT records, docs/recording.md) and
         # given to observers after it in each step's output row (at their offsets in info["outputs"])
         self._outputs_info = recorded_outputs(self.model.spec)
@@ -363,12 +369,21 @@ class Session:
                         "echoes what the session sends (loop:// does) or another host is on it; connect a device or "
                         "an emulator (sim://headstage, sim://plant, sim://panda; closedloop device --list)")
                 return frame.message
-        raise SessionError(f"no Hello from {self._device_shown} within {timeout_s:g} s; " + _no_hello_reason(link))
+        raise SessionError(f"no Hello from {self._device_shown} within {timeout_s:g} s; " + _no_hello_reason(link)
+                           + self._kept_recording())
 
     def _mismatch(self, problems: list[str]) -> DeviceMismatchError:
         return DeviceMismatchError(
             f"device at {self._device_shown} does not match bundle {self.bundle.source}:\n  - " + "\n  - ".join(problems)
+            + self._kept_recording()
         )
+
+    def _kept_recording(self) -> str:
+        """For a session refused before it ran: the recording it leaves (its handshake's bytes), and how to retry."""
+        if self.writer is None:
+            return ""
+        return (f"\n(the recording {self.config.record} keeps the handshake's bytes, and recordings are never "
+                "overwritten: give --record another path to try again)")
 
     def _event(self, kind: str, **fields: Any) -> None:
         record = {"event": kind, "step": self._step, **fields}
@@ -857,6 +872,21 @@ class Session:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _warn_unwritable_numba_cache(out: TextIO) -> None:
+    """A service pointed at a cache it cannot write compiles its Numba kernels in every session (a minute or two on
+    a board) and would say nothing: say it, before the bundle loads (a warning shows with --quiet too)."""
+    folder = os.environ.get("NUMBA_CACHE_DIR")
+    if not folder:
+        return
+    from .doctor import _writable
+
+    ok, why = _writable(Path(folder))
+    if not ok:
+        out.write(f"warning: NUMBA_CACHE_DIR={folder} is not writable ({why}): Numba's kernels compile afresh in every "
+                  "session (up to a minute or two on a board) and are not kept; give the session's user a writable "
+                  "folder (closedloop doctor checks it)\n")
 
 
 def _no_hello_reason(link: Link) -> str:

@@ -27,6 +27,7 @@ from .wheels import (
     installed_closure,
     pip_download,
     repack,
+    source_provenance,
     wheel_requirements,
 )
 
@@ -120,6 +121,12 @@ PREFIX=${{CLOSEDLOOP_PREFIX:-{opts.prefix}}}
 PYTHON=${{PYTHON:-python3}}
 export NUMBA_CACHE_DIR=${{NUMBA_CACHE_DIR:-/var/cache/closedloop}}
 export CLOSEDLOOP_CACHE_DIR=${{CLOSEDLOOP_CACHE_DIR:-$NUMBA_CACHE_DIR}}
+machine=$(uname -m)
+if [ "$machine" != "{target.machine}" ]; then
+    echo "install.sh: this package is for {target.machine} (target {target.name}); this machine is $machine." >&2
+    echo "  Package again with --target host on this machine, or copy the package to a {target.machine} board." >&2
+    exit 2
+fi
 have=$("$PYTHON" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
 if [ "$have" != "{target.python_version}" ]; then
     echo "install.sh: this package is for Python {target.python_version} (target {target.name}); $PYTHON is $have." >&2
@@ -150,10 +157,10 @@ SupplementaryGroups=dialout
 ExecStart={run}
 Restart=on-failure
 RestartSec=2
-# real time: the loop on CPU {opts.cpu} under SCHED_FIFO {opts.priority}, its memory locked (closedloop run --rt)
+# real time: the loop's thread on CPU {opts.cpu} under SCHED_FIFO {opts.priority}, memory locked (closedloop run --rt asks
+# for them; these limits let it). No CPUSchedulingPolicy=: that would put every thread of the service, the monitor's
+# and the recorder's included, under SCHED_FIFO (docs/realtime.md)
 CPUAffinity={opts.cpu}
-CPUSchedulingPolicy=fifo
-CPUSchedulingPriority={opts.priority}
 LimitMEMLOCK=infinity
 LimitRTPRIO={opts.priority}
 AmbientCapabilities=CAP_SYS_NICE CAP_IPC_LOCK
@@ -167,7 +174,37 @@ WantedBy=multi-user.target
 """
 
 
-def _readme(target: Target, opts: PackageOptions, bundles: list[str], installed_mb: float) -> str:
+def emulator_url(bundle: str | Path) -> str | None:
+    """The emulator URL a bundle runs against as it is (its family's device, at its rate), or None where the bundle
+    does not say enough (a plain export reading a plant: which plant model is the user's)."""
+    from closedloop.runtime import load_bundle
+
+    m = load_bundle(bundle).manifest
+    rate, extra = f"{m.rate_hz:g}", m.extra
+    if m.family == "observer":
+        system = extra.get("observer", {}).get("system")
+        return f"sim://plant?model={system}&rate={rate}&seed=1" if system else None
+    if m.family == "policy":
+        task = extra.get("policy", {}).get("task")
+        return f"sim://panda?task={task}&rate={rate}" if task else None
+    if m.family == "bci_handwriting":
+        n = extra.get("bci", {}).get("n_channels")
+        return f"sim://headstage?source=handwriting&channels={n}&rate={rate}" if n else None
+    if extra.get("session", {}).get("input") == "neural_frame":
+        shape = next(iter(m.graphs.values())).inputs[0].shape
+        n = shape[-1] if shape and isinstance(shape[-1], int) else None
+        return f"sim://headstage?channels={n}&rate={rate}" if n else None
+    return None
+
+
+def _readme(target: Target, opts: PackageOptions, bundles: list[str], installed_mb: float,
+            emulator: str | None) -> str:
+    first = f"{opts.prefix}/bundles/{bundles[0]}"
+    cache = "NUMBA_CACHE_DIR=/var/cache/closedloop CLOSEDLOOP_CACHE_DIR=/var/cache/closedloop"
+    run_check = (f"{cache} {opts.prefix}/venv/bin/closedloop run {first} --device '{emulator}' --duration 2   "
+                 "# against an emulator" if emulator else
+                 f"{cache} {opts.prefix}/venv/bin/closedloop run {first} --device URL --duration 2   # your device, "
+                 "or an emulator that streams what the bundle reads (closedloop device --list)")
     return f"""# closedloop for {target.name}
 
 {target.description}. Built by `closedloop package --target {target.name}`{' --ort-only' if opts.ort_only else ''}.
@@ -177,12 +214,14 @@ On the board (Python {target.python_version}; no network needed):
 
     sudo useradd --system --no-create-home --groups dialout {opts.user}   # once; the service runs as this user
     sudo ./install.sh                      # venv in {opts.prefix}/venv, bundles in {opts.prefix}/bundles, Numba cache warmed
-    {opts.prefix}/venv/bin/closedloop doctor          # is this machine ready for a real-time session?
+    {cache} {opts.prefix}/venv/bin/closedloop doctor   # ready for a real-time session? (the cache install.sh warmed)
     {opts.prefix}/venv/bin/closedloop inspect {opts.prefix}/bundles/{bundles[0]}
-    {opts.prefix}/venv/bin/closedloop run {opts.prefix}/bundles/{bundles[0]} --device sim://{'{NAME}'} --duration 2   # an emulated device
+    {run_check}
     sudo cp closedloop.service /etc/systemd/system/ && sudo systemctl daemon-reload
     sudo systemctl enable --now closedloop && journalctl -u closedloop -f
 
+The cache variables point the commands at the kernels `install.sh` compiled (the service sets them too);
+without them a session compiles its kernels afresh into the user's own cache first (about a minute on a board).
 `install.sh` reads `CLOSEDLOOP_PREFIX`, `PYTHON` and `NUMBA_CACHE_DIR` from the environment; the unit
 runs `{bundles[0]}` on `{opts.device}` with `--rt --cpu {opts.cpu} --priority {opts.priority}` and reads the
 Numba cache from /var/cache/closedloop: edit it if you change these. `manifest.json` lists every wheel
@@ -250,12 +289,15 @@ def _build(work: Path, bundles: list[str], target: Target, opts: PackageOptions,
             for w in wheels]
     result = PackageResult(work, target.name, names, [w.name for w in wheels], sum(r["bytes"] for r in rows),
                            sum(r["installed_bytes"] for r in rows))
-    (work / "README.md").write_text(_readme(target, opts, names, result.installed_bytes / 1e6))
+    (work / "README.md").write_text(_readme(target, opts, names, result.installed_bytes / 1e6,
+                                            emulator_url(work / "bundles" / names[0])))
     manifest = {
         "target": target.name, "description": target.description, "python_version": target.python_version,
         "machine": target.machine, "glibc": target.glibc, "platforms": list(target.platforms),
         "ort_only": opts.ort_only, "extras": opts.extras, "install": spec if not reqs_file else reqs,
         "bundles": names, "wheels": rows,
+        # which closedloop code the wheel holds: version, and for a checkout its commit and uncommitted changes
+        "closedloop": source_provenance(),
         "footprint": {"wheelhouse_bytes": result.wheelhouse_bytes, "installed_bytes": result.installed_bytes},
     }
     (work / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")

@@ -11,8 +11,10 @@ from __future__ import annotations
 import base64
 import hashlib
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 import zipfile
 from importlib import metadata
 from pathlib import Path
@@ -36,17 +38,46 @@ def project_root() -> Path | None:
     return root if (root / "pyproject.toml").is_file() and (root / "setup.py").is_file() else None
 
 
+#: What of a checkout a wheel is built from (setup.py's packages and the files beside them); the rest (tests,
+#: docs, bench, .venv, out/) stays behind, and the build's own build/ and *.egg-info are made in the copy
+_SOURCE_IGNORE = shutil.ignore_patterns(".git", ".venv", "build", "dist", "*.egg-info", "__pycache__", "out",
+                                        "tests", "bench", "docs", "examples", "tools", "*.pyc")
+
+
 def build_project_wheel(out: Path) -> Path:
-    """closedloop's own wheel (``pip wheel --no-deps``) from the checkout, or rebuilt from its installed files."""
+    """closedloop's own wheel (``pip wheel --no-deps``) from a copy of the checkout, or rebuilt from its installed
+    files. The copy keeps the build's ``build/`` and ``*.egg-info`` out of the checkout."""
     root = project_root()
     if root is None:
         return repack(metadata.distribution("closedloop"), out)
-    r = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--quiet",
-                        "-w", str(out), str(root)], capture_output=True, text=True, timeout=600)
+    with tempfile.TemporaryDirectory(prefix="closedloop-wheel-") as tmp:
+        src = Path(tmp) / "src"
+        shutil.copytree(root, src, ignore=_SOURCE_IGNORE, symlinks=True)
+        r = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--quiet",
+                            "-w", str(out), str(src)], capture_output=True, text=True, timeout=600)
     if r.returncode != 0:
         raise PackageError(f"pip wheel of the closedloop checkout {root} failed:\n{r.stderr[-2000:]}")
     (wheel,) = sorted(out.glob("closedloop-*.whl"))
     return wheel
+
+
+def source_provenance() -> dict[str, object]:
+    """Where the packaged closedloop comes from: its version and, for a git checkout, the commit and whether the
+    tree had uncommitted changes (``dirty``), so a board can tell which code it runs."""
+    out: dict[str, object] = {"version": metadata.version("closedloop")}
+    root = project_root()
+    if root is None or not (root / ".git").exists():
+        return out | {"source": "installed"}
+
+    def git(*args: str) -> str | None:
+        try:
+            r = subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        return r.stdout.strip() if r.returncode == 0 else None
+
+    commit, status = git("rev-parse", "HEAD"), git("status", "--porcelain", "--untracked-files=no")
+    return out | {"source": "checkout", "git_commit": commit, "dirty": bool(status) if status is not None else None}
 
 
 def wheel_requirements(wheel: Path, extras: list[str], ort_only: bool) -> list[str]:
@@ -82,12 +113,27 @@ def pip_download(reqs: list[str], target: Target, constraints: Path, out: Path,
     if r.returncode == 0:
         return
     missing = re.findall(r"No matching distribution found for ([^\s]+)", r.stderr)
+    unreachable = re.search(r"(Could not fetch URL|Failed to establish a new connection|Temporary failure in name "
+                            r"resolution|Network is unreachable|ProxyError|Max retries exceeded)", r.stderr)
+    if unreachable or (no_index and not find_links):
+        raise PackageError(f"pip could not reach a package index for target {target.name}"
+                           + (f" ({unreachable.group(1)})" if unreachable else " (--no-index and no --find-links)")
+                           + ": on a machine without one, give --find-links FOLDER (a folder of the target's wheels, "
+                           "docs/jetson.md) with --no-index, or --target host --from-installed for this machine"
+                           + f"\n{r.stderr[-1000:]}")
     if missing:
         tag = f"{target.abi}-{target.platforms[0]}" if target.foreign else "this interpreter's tags"
         raise PackageError(f"{missing[0]} has no wheel for target {target.name} ({tag} or an older compatible "
                            f"tag) under the constraints {constraints}: choose a version with such a wheel in "
                            f"the target's constraints, or leave out the extra that needs it"
                            + ("; offline (--no-index), give --find-links a folder that holds it" if no_index else ""))
+    conflict = re.search(r"Cannot install (.+?) because", r.stderr)
+    if conflict and no_index:  # offline, a wheel missing from the folders reads as a conflict to pip's resolver
+        tag = f"{target.abi}-{target.platforms[0]}" if target.foreign else "this interpreter's tags"
+        raise PackageError(f"pip found no set of wheels for target {target.name} ({tag}) in {', '.join(find_links)} "
+                           f"that installs {conflict.group(1)}: a wheel of one of them (or of what it needs) for "
+                           "that tag is missing from the folder, or the folder's version is outside the target's "
+                           f"constraints {constraints}\n{r.stderr[-1000:]}")
     raise PackageError(f"pip download for target {target.name} failed:\n{r.stderr[-2000:]}")
 
 

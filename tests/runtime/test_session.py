@@ -38,6 +38,7 @@ from closedloop.runtime import (
     RecordType,
     Session,
     SessionConfig,
+    SessionError,
     SessionObserver,
     replay_recording,
     run_session,
@@ -517,3 +518,31 @@ def test_the_status_line_and_status_updates_carry_how_soon_commands_went_out(pla
     assert 0 < out_us <= summary.loop.latency_max_us and step_us > 0, line
     late = [e for e in obs.got if e.get("command_p99_us") is not None]
     assert late and all(0 < e["command_p99_us"] <= summary.loop.latency_max_us for e in late), obs.got
+
+
+def test_a_numba_cache_the_session_cannot_write_is_said_before_anything_compiles(plant_bundle, tmp_path, monkeypatch):
+    """A service pointed at a read-only cache compiles its kernels in every session (a minute or two on a board):
+    the session says so, on its output, whatever the verbosity."""
+    import io
+
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")  # a cache folder that cannot be made
+    monkeypatch.setenv("NUMBA_CACHE_DIR", str(blocked / "cache"))
+    out = io.StringIO()
+    Session(plant_bundle, _cfg("sim://plant?model=msd&rate=50"), out=out).close()
+    assert f"warning: NUMBA_CACHE_DIR={blocked / 'cache'} is not writable" in out.getvalue()
+    monkeypatch.setenv("NUMBA_CACHE_DIR", str(tmp_path / "ok"))
+    out = io.StringIO()
+    Session(plant_bundle, _cfg("sim://plant?model=msd&rate=50"), out=out).close()
+    assert "NUMBA_CACHE_DIR" not in out.getvalue()
+
+
+def test_a_recording_that_cannot_be_made_or_is_left_by_a_refusal_is_said_with_what_to_do(plant_bundle, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    with pytest.raises(SessionError, match=r"--record .*a-file/s.clrec: cannot create it \(.+\); record into a folder"):
+        Session(plant_bundle, _cfg("sim://plant?model=msd&rate=50", record=str(blocker / "s.clrec")))
+    rec = tmp_path / "s.clrec"
+    with pytest.raises(DeviceMismatchError) as e:
+        run_session(plant_bundle, _cfg("sim://headstage?channels=1&rate=200", record=str(rec)))
+    assert f"the recording {rec} keeps the handshake's bytes" in str(e.value) and "give --record another path" in str(e.value)

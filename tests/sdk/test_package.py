@@ -76,12 +76,20 @@ def test_the_package_folder_holds_what_a_board_needs(installed):
         assert len(w["sha256"]) == 64 and (out / "wheelhouse" / w["file"]).stat().st_size == w["bytes"]
     assert manifest["footprint"]["installed_bytes"] >= manifest["footprint"]["wheelhouse_bytes"] > 0
     unit = (out / "closedloop.service").read_text()
-    for line in ("CPUSchedulingPolicy=fifo", "CPUSchedulingPriority=80", "LimitMEMLOCK=infinity", "CPUAffinity=0",
+    assert "\nCPUSchedulingPolicy=" not in unit  # --rt puts the loop's thread alone under SCHED_FIFO
+    for line in ("LimitRTPRIO=80", "LimitMEMLOCK=infinity", "CPUAffinity=0",
                  "Environment=NUMBA_CACHE_DIR=/var/cache/closedloop",
                  "Environment=CLOSEDLOOP_CACHE_DIR=/var/cache/closedloop", "Restart=on-failure",
                  "SupplementaryGroups=dialout"):
         assert line in unit, line
     assert f"ExecStart={prefix}/venv/bin/closedloop run {prefix}/bundles/decoder --device {DEVICE} --rt" in unit
+    # which closedloop the wheel holds, and a README whose commands run as written (the bundle's own emulator)
+    assert manifest["closedloop"]["version"] and manifest["closedloop"]["source"] in ("checkout", "installed")
+    if manifest["closedloop"]["source"] == "checkout":
+        assert len(manifest["closedloop"]["git_commit"] or "") == 40 and manifest["closedloop"]["dirty"] in (True, False)
+    readme = (out / "README.md").read_text()
+    assert "{" not in readme and "--device 'sim://headstage?channels=12&rate=50'" in readme
+    assert "NUMBA_CACHE_DIR=/var/cache/closedloop CLOSEDLOOP_CACHE_DIR=/var/cache/closedloop" in readme
 
 
 def test_the_install_builds_the_c_frame_scanner_where_the_service_looks(installed):
@@ -127,6 +135,30 @@ def test_install_sh_refuses_another_python(installed, tmp_path):
     r = subprocess.run([str(out / "install.sh")], capture_output=True, text=True, timeout=60,
                        env={"PATH": "/usr/bin:/bin", "PYTHON": str(fake), "CLOSEDLOOP_PREFIX": str(tmp_path / "p")})
     assert r.returncode == 2 and "this package is for Python" in r.stderr and not (tmp_path / "p").exists()
+
+
+def test_install_sh_refuses_another_architecture(installed, tmp_path):
+    out, _prefix, _log = installed
+    bin_ = tmp_path / "bin"
+    bin_.mkdir()
+    (bin_ / "uname").write_text("#!/bin/sh\necho riscv64\n")
+    (bin_ / "uname").chmod(0o755)
+    r = subprocess.run(["/bin/sh", str(out / "install.sh")], capture_output=True, text=True, timeout=60,
+                       env={"PATH": f"{bin_}:/usr/bin:/bin", "PYTHON": sys.executable,
+                            "CLOSEDLOOP_PREFIX": str(tmp_path / "p")})
+    assert r.returncode == 2 and "this machine is riscv64" in r.stderr and not (tmp_path / "p").exists()
+
+
+def test_the_emulator_a_bundle_runs_against_as_it_is(decoder):
+    from closedloop.sdk.package.build import emulator_url
+    from closedloop.sim.devices import device_params
+
+    url = emulator_url(decoder)
+    assert url == "sim://headstage?channels=12&rate=50"
+    from closedloop.firmware_bridge.transports import split_device_url
+
+    _, name, raw = split_device_url(url)
+    device_params(name, raw)  # parameters the emulator takes
 
 
 def test_the_full_install_warms_numba_for_each_bundle(decoder, tmp_path, capsys):
