@@ -77,6 +77,8 @@ class RecordingView:
     #: FAMILY_STATE records (an observer's estimate after each run), their values named by ``state_labels``
     state: Series = field(default_factory=Series)
     state_labels: list[str] = field(default_factory=list)
+    #: host seconds of the META record since the first record (the handshake's TX and RX come before it)
+    meta_host_s: float = 0.0
 
     @property
     def text(self) -> str:
@@ -146,4 +148,6 @@ def view_recording(recording: str | Path | RecordingReader) -> RecordingView:
     return RecordingView(path=Path(reader.path), meta=reader.meta, summary=reader.summary, t0_ns=t0, inputs=inputs,
                          commands=commands, outputs=outputs, typed=typed, events=events, steps=steps,
                          described=reader.describe(), more_outputs=more, state=state,
-                         state_labels=[str(x) for x in reader.meta.get("family_state") or []])
+                         state_labels=[str(x) for x in reader.meta.get("family_state") or []],
+                         meta_host_s=next(((r.host_ns - t0) / 1e9 for r in reader.records if r.type == RecordType.META),
+                                          0.0))

@@ -419,6 +419,8 @@ class Session:
                 {
                     "format": "closedloop-recording",
                     "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                    # the wall clock at this record (its host_ns), to the nanosecond: maps the host clock onto UTC
+                    "started_unix_ns": time.time_ns(),
                     "device_url": self._device_shown,
                     "device": _hello_dict(hello),
                     "bundle": str(self.bundle.source),

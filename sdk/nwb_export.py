@@ -2,10 +2,12 @@
 
 What goes where in the NWB file:
 
-- ``acquisition``: the device's input stream, timestamped by the device clock
-  (seconds since the device started): ``binned_spikes`` (bins x channels, counts) for
-  neural frames; ``plant_output_y`` and ``plant_input_u`` for plant measurements;
-  ``joint_positions`` and ``joint_velocities`` for joint states.
+- ``acquisition``: the device's input stream, timestamped when the host read each frame (the host clock, as
+  everything else in the file): ``binned_spikes`` (bins x channels, counts) for neural frames;
+  ``plant_output_y`` and ``plant_input_u`` (when the device reports it) for plant measurements;
+  ``joint_positions`` and ``joint_velocities`` for joint states. Each has a ``NAME_device_clock`` beside it: the
+  device's own timestamp of each frame (its data, seconds), at the same host times, since the two clocks drift
+  apart (an LSL source's clock, for ``lsl://``).
 - ``processing["closedloop"]``: ``model_output`` (every recorded model output, host
   clock; a graph with several data outputs: the first, and ``model_output_NAME`` for each
   other), ``family_state`` (what the family computed outside the graph after each run, an observer's
@@ -16,8 +18,10 @@ What goes where in the NWB file:
   status) as a table.
 - ``session_description`` and ``notes`` carry the device, bundle and summary.
 
-Host timestamps are seconds since the first record; device timestamps are the
-device's own clock. Both are kept because they drift apart.
+Every timestamp is the recording host's monotonic clock in seconds since the file's first record, whose
+``time.monotonic_ns()`` is ``t0_host_ns`` in ``notes`` (on Linux the same clock as LSL's ``local_clock()``); the
+file's ``timestamps_reference_time`` (= ``session_start_time``) is the wall clock at that record, to the
+nanosecond where the recording has META ``started_unix_ns``, else to the second.
 """
 
 from __future__ import annotations
@@ -37,6 +41,19 @@ def _nwb_name(name: str) -> str:
     return "".join(c if c.isalnum() or c in "_-." else "_" for c in name)
 
 
+def _first_record_utc(view) -> datetime:
+    """The wall clock at the recording's first record: META's ``started_unix_ns`` (read at META's host time) less the
+    host time from the first record to META; an older recording's ``started_utc`` (to the second) likewise."""
+    meta, at_meta_s = view.meta, view.meta_host_s
+    if isinstance(meta.get("started_unix_ns"), int):
+        return datetime.fromtimestamp(meta["started_unix_ns"] / 1e9 - at_meta_s, tz=timezone.utc)
+    start = meta.get("started_utc")
+    if start:
+        return datetime.fromtimestamp(datetime.strptime(start, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=timezone.utc)
+                                      .timestamp() - at_meta_s, tz=timezone.utc)
+    return datetime.now(timezone.utc)
+
+
 def recording_to_nwb(recording: str | Path, out: str | Path, overwrite: bool = False) -> Path:
     from hdmf.common import DynamicTable, VectorData
     from pynwb import NWBHDF5IO, NWBFile, TimeSeries
@@ -45,18 +62,18 @@ def recording_to_nwb(recording: str | Path, out: str | Path, overwrite: bool = F
     refuse_existing(out, overwrite)
     view = view_recording(recording)
     meta = view.meta
-    start = meta.get("started_utc")
-    start_dt = (
-        datetime.strptime(start, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=timezone.utc) if start else datetime.now(timezone.utc)
-    )
+    start_dt = _first_record_utc(view)
     nwb = NWBFile(
         session_description=f"closedloop session: bundle {meta.get('bundle_name', '?')} on device "
         f"{meta.get('device', {}).get('kind', '?')} ({meta.get('device_url', '?')})",
         identifier=f"closedloop-{Path(recording).stem}",
         session_start_time=start_dt,
-        notes=json.dumps({"meta": meta, "summary": view.summary, "recording": view.described}),
+        notes=json.dumps({"meta": meta, "summary": view.summary, "recording": view.described,
+                          "t0_host_ns": view.t0_ns,
+                          "clock": "every timestamp: host monotonic seconds since t0_host_ns (the first record)"}),
+        timestamps_reference_time=start_dt,
     )
-    series = {name: (s.t_device_s, s.values) for name, s in view.inputs.items()}
+    series = {name: s for name, s in view.inputs.items() if len(s) and s.values[0].size}  # no empty u series
     outputs, out_t = view.outputs.values, view.outputs.t_host_s
     cmds, cmd_t = view.commands.values, view.commands.t_host_s
     dec_t = [t for t, _, _ in view.typed]
@@ -66,8 +83,14 @@ def recording_to_nwb(recording: str | Path, out: str | Path, overwrite: bool = F
     ev_kind = [str(ev.get("event", "?")) for _, ev in view.events]
     ev_detail = [json.dumps({k: v for k, v in ev.items() if k != "event"}) for _, ev in view.events]
     units = {"binned_spikes": "counts per bin"}
-    for name, (ts, vals) in series.items():
-        nwb.add_acquisition(TimeSeries(name=name, data=np.stack(vals), timestamps=np.asarray(ts), unit=units.get(name, "a.u.")))
+    for name, s in series.items():
+        nwb.add_acquisition(TimeSeries(name=name, data=s.array(), timestamps=np.asarray(s.t_host_s),
+                                       unit=units.get(name, "a.u."),
+                                       description="the device's frames, at the host time each was read (host clock)"))
+        nwb.add_acquisition(TimeSeries(name=f"{name}_device_clock", data=np.asarray(s.t_device_s),
+                                       timestamps=np.asarray(s.t_host_s), unit="seconds",
+                                       description=f"the device's own timestamp of each frame of {name} (its clock, "
+                                                   "which drifts from the host's), at the host time it was read"))
     mod = nwb.create_processing_module("closedloop", "model outputs, commands and events of the closed-loop session")
     if outputs:
         first = (meta.get("outputs") or [{}])[0].get("name")

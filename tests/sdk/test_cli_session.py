@@ -59,6 +59,13 @@ def test_run_record_replay_nwb(decoder_bundle, tmp_path, capsys):
         assert np.all(np.diff(spikes.timestamps[:]) > 0)
         outs = f.processing["closedloop"]["model_output"]
         assert outs.data.shape[1] == 5
+        # one time axis: a frame is read before the output computed from it (host clock, first record = 0)
+        assert 0 < spikes.timestamps[0] < outs.timestamps[0] < spikes.timestamps[-1] + 1
+        device = f.acquisition["binned_spikes_device_clock"]  # the device's own clock, kept beside
+        assert len(device.data) == spikes.data.shape[0] and np.all(np.diff(device.data[:]) > 0)
+        np.testing.assert_allclose(np.diff(device.data[:]), 0.02, atol=1e-6)  # the emulator's 50 Hz bins
+        notes = json.loads(f.notes)
+        assert isinstance(notes["t0_host_ns"], int) and f.timestamps_reference_time == f.session_start_time
         # the DECODER_OUTPUTs sent, one per model output the session acted on (plus the closing safe one)
         decoded = f.processing["closedloop"]["decoder_outputs"]
         bins = decoded["bin_index"].data[:]
