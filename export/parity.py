@@ -182,6 +182,9 @@ def _errors(got: Feeds, want: Feeds, tol: Tolerance) -> dict[str, Any]:
         b = np.asarray(b, dtype=np.float64)
         if a.shape != b.shape:
             raise ParityError(f"output {name!r} has shape {a.shape} from the candidate but {b.shape} from the reference")
+        if not np.all(np.isfinite(b)):  # the reference itself: the model is not defined on these inputs
+            return {"max_abs": None, "max_rel": None, "worst_output": name, "non_finite": True,
+                    "reference_non_finite": True, "within_tolerance": False}
         if not np.all(np.isfinite(a)):
             # JSON has no infinity: a non-finite output is recorded as null errors and fails.
             return {"max_abs": None, "max_rel": None, "worst_output": name, "non_finite": True, "within_tolerance": False}
@@ -363,6 +366,17 @@ def raise_if_outside(record: dict[str, Any], what: str) -> None:
     if record["within_tolerance"]:
         return
     tol = record["tolerance"]
+    undefined = [name for name, c in record["checks"].items() if c.get("reference_non_finite")]
+    if undefined:
+        c = record["checks"][undefined[0]]
+        raise ParityError(
+            f"{what}: the torch model itself gives a non-finite output ({c['worst_output']!r}) on the parity inputs of "
+            f"{', '.join(undefined)}, so nothing can be compared. Parity feeds standard-normal values (negative ones "
+            "included) at each batch size and a random walk, or recorded_sequence= for the sequence: a model with "
+            "log, sqrt or a division that is undefined for some real inputs gives NaN or inf there. Make it finite "
+            "for any input (clamp or shift before log/sqrt, e.g. torch.log1p(x.clamp_min(0))); what the device "
+            "sends can be outside your training range too (docs/bundle.md, 'Parity record')."
+        )
     bad = [
         f"{name}: max abs {fmt_error(c['max_abs'])}, max rel {fmt_error(c['max_rel'])} (worst output {c['worst_output']!r})"
         for name, c in record["checks"].items()

@@ -52,6 +52,26 @@ def test_graph_that_differs_from_torch_raises(tmp_path, quiet):
     assert not (tmp_path / "b").exists()
 
 
+class LogOfInput(nn.Module):
+    """log1p of the raw input: NaN for inputs below -1, which the standard-normal parity inputs hold."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.lin(torch.log1p(x))
+
+
+def test_a_model_undefined_on_the_parity_inputs_is_told_so_not_that_onnx_differs(tmp_path, quiet):
+    with pytest.raises(ParityError) as info:
+        export_bundle(LogOfInput().eval(), tmp_path / "log", kind="feedforward", example_input=torch.zeros(1, 4),
+                      rate_hz=50.0, variants=(), report=quiet)
+    msg = str(info.value)
+    assert "the torch model itself gives a non-finite output" in msg and "standard-normal values" in msg
+    assert "ONNX Runtime differs" not in msg and not (tmp_path / "log").exists()
+
+
 def test_recorded_sequence_is_used_and_checked(tmp_path, gru_module, quiet):
     seq = np.random.default_rng(1).standard_normal((30, 12)).astype(np.float32)
     out = export_bundle(gru_module, tmp_path / "g", kind="recurrent", example_input=torch.zeros(1, 12),
