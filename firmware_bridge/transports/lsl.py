@@ -180,6 +180,7 @@ DUPLICATE_WAIT_S = 0.5
 
 
 def _resolve(pylsl: Any, params: LslParams) -> Any:
+    t0 = time.monotonic()
     found = pylsl.resolve_bypred(params.predicate(), 1, params.timeout_s)
     if found:
         # two sources under one name (a second amplifier, a stale test outlet): which one answers first is chance,
@@ -195,10 +196,12 @@ def _resolve(pylsl: Any, params: LslParams) -> Any:
                 f"{len(streams)} LSL streams match {params.predicate()}: {listing}. Which one answers first is "
                 f"chance, so none is taken: {hint} (docs/lsl.md)")
         return found[0]
+    searched = time.monotonic() - t0  # liblsl's resolution can take longer than the timeout asked
     others = pylsl.resolve_streams(wait_time=min(1.0, params.timeout_s))
     listing = "; ".join(_describe(i) for i in others) or "none"
     raise LslStreamNotFoundError(
-        f"no LSL stream matching {params.predicate()} answered within {params.timeout_s:g} s; streams on the "
+        f"no LSL stream matching {params.predicate()} answered in {searched:.1f} s of searching (timeout="
+        f"{params.timeout_s:g} s); streams on the "
         f"network: {listing}. Check the name (and type=/source_id=), that the source is running, and that "
         "multicast reaches this machine (docs/lsl.md)")
 
@@ -427,8 +430,9 @@ class LslTransport(Transport):
                     self._resolver = None  # samples again: nothing to look for
                     if self._is_lost:
                         self._is_lost = False
-                        self._status(STATUS_LSL_STREAM_BACK, Severity.INFO,
-                                     f"LSL stream {self.params.name!r} is back")
+                        back = f"LSL stream {self.params.predicate()} is back"
+                        log.warning(back)  # said as loudly as its loss was
+                        self._status(STATUS_LSL_STREAM_BACK, Severity.INFO, back)
                 elif now - self._last_sample_s > self.params.lost_s:
                     self._mark_lost("")
                     # liblsl's own recovery takes back only a source of the same id and layout: watch the network
