@@ -56,7 +56,7 @@ def test_run_record_replay_nwb(decoder_bundle, tmp_path, capsys):
         f = io.read()
         spikes = f.acquisition["binned_spikes"]
         assert spikes.data.shape[1] == 12 and spikes.data.shape[0] >= 50
-        assert np.all(np.diff(spikes.timestamps[:]) > 0)
+        assert np.all(np.diff(spikes.timestamps[:]) >= 0)  # host read times: frames read together share one
         outs = f.processing["closedloop"]["model_output"]
         assert outs.data.shape[1] == 5
         # one time axis: a frame is read before the output computed from it (host clock, first record = 0)
