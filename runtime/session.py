@@ -554,23 +554,27 @@ class Session:
         if not self._send(self.family.safe_message(k)):
             return False
         self.summary_counts["safe_commands_sent"] += 1
+        self.family.on_command_sent(self.family.safe_output())
         if self._tap is not None:
             self._tap.command(self._safe_values)
             self._tap.flag(FLAG_SAFE)
         return True
 
-    def _act(self, frame: Frame, k: int) -> None:
+    def _act(self, frame: Frame, k: int, send: bool = True) -> None:
+        """Run the family on one input frame; ``send``: also send its command (False: an older frame of a step whose
+        family commands only from the newest, ``command_each_frame``: its run updates the state and is recorded)."""
         fam = self.family
         cmd, bad = fam.guarded_step(frame.message)
         if cmd is None and bad is None:  # the model did not run on this frame (a window not yet due)
             return
         if bad == "held":  # a held input (a goal) has no value yet: the safe command until it comes
-            self._send_safe(k)
+            if send:
+                self._send_safe(k)
             return
         # the outputs are ready (the observers' run record and a typed event say so); only observers read it
         t_ready = time.monotonic_ns() if self._tap is not None else 0
         sent = None  # the command values sent, for the observers
-        if bad is None:
+        if bad is None and send:
             assert cmd is not None  # guarded_step: no problem, so a command
             # the command goes out first: the recording and the observers' copies of this run come after it,
             # off the path from the frame to the device (the buffers they copy stay as they are until the next run)
@@ -583,6 +587,7 @@ class Session:
                 self.summary_counts["commands_sent"] += 1
                 self._last_cmd = out
                 sent = cmd
+                fam.on_command_sent(cmd)
         if self.writer is not None:
             t_rec = time.monotonic_ns()  # one time for the run's records, after the TX record: the file stays in time order
             self.writer.append_output(k, frame.seq, self.model.output, t_rec)
@@ -623,11 +628,14 @@ class Session:
         every_frame = self.family.consume == "all"  # once per period, not per frame (a family may derive it)
         side = self._side_messages
         newest = None
-        for f in frames:
+        last = -1  # the newest input frame: the one a family that commands once a step commands from
+        if every_frame and not self.family.command_each_frame:
+            last = max((i for i, f in enumerate(frames) if isinstance(f.message, want)), default=-1)
+        for i, f in enumerate(frames):
             m = f.message
             if isinstance(m, want):
                 if every_frame:
-                    self._act(f, k)
+                    self._act(f, k, send=last < 0 or i == last)
                     counts["inputs_used"] += 1
                 else:
                     if newest is not None:

@@ -60,8 +60,13 @@ class FamilyPlugin:
     default_input: ClassVar[str] = "plant_measurement"
     default_command: ClassVar[str] = "actuator_command"
     #: "newest": act once per period on the newest input frame (control: never fall
-    #: behind); "all": process every frame in order (a decoder needs every bin).
+    #: behind); "all": process every frame in order (a decoder needs every bin; an observer's
+    #: state must advance one sample period per measurement, or its dt is wrong).
     consume: ClassVar[str] = "newest"
+    #: With ``consume = "all"``: send a command for every frame (a decoder's output per bin), or only for the
+    #: newest frame of a step, the older ones updating the family's state alone (an observer catching up after a
+    #: late step: one command, computed from the estimate that has seen every measurement).
+    command_each_frame: ClassVar[bool] = True
     #: A bundle that does not name its session input/command takes them from the device's HELLO kind
     #: (``DEVICE_SESSION_DEFAULTS``) instead of the class defaults: for plain exports, whose family
     #: cannot know whether it decodes a headstage or controls a plant.
@@ -122,6 +127,10 @@ class FamilyPlugin:
     def safe_output(self) -> np.ndarray:
         """The command that puts actuators in a safe state."""
         raise NotImplementedError
+
+    def on_command_sent(self, values: np.ndarray) -> None:
+        """The session sent a command with these values (the model's, or the safe one): what the device applies
+        next. Default: nothing to keep (an observer keeps it for devices that do not report what they applied)."""
 
     def live_metrics(self) -> dict[str, float | str]:
         return {}

@@ -184,8 +184,13 @@ def test_numba_observer_step_equals_the_numpy_reference(observer_setup):
     assert np.allclose(cmd, np.clip(-model.K @ want, -5, 5), atol=1e-5)
     r = fam.r.copy()
     assert np.allclose(fam.model._y.reshape(-1), obs.correction(r), atol=1e-5)
-    assert fam.consume == "newest" and fam.command_limits()[1][0] == pytest.approx(5.0)
-    # a device that does not report what it applied (nu = 0): the last command sent is taken as applied
+    # every measurement in order (the estimate steps dt per measurement), one command a step from the newest
+    assert fam.consume == "all" and not fam.command_each_frame and fam.command_limits()[1][0] == pytest.approx(5.0)
+    # a device that does not report what it applied (nu = 0): the last command sent is taken as applied, not the
+    # last computed (a step catching up computes one per measurement and sends the newest)
+    fam.on_command_sent(cmd)
+    fam.on_message(PlantMeasurement(np.array([0.2], dtype=np.float32), np.array([1.0], dtype=np.float32)))
+    obs.update(np.array([0.2]), np.array([1.0]))  # computed, not sent
     second = PlantMeasurement(np.array([0.1], dtype=np.float32), np.zeros(0, dtype=np.float32))
     fam.on_message(second)
     want = obs.update(second.y.astype(float), cmd.astype(float))

@@ -4,8 +4,9 @@ At load, ``problems`` re-checks the bundle's stability certificate from the bund
 weights (``closedloop.runtime.families.observer.certificate.check_bundle_certificate``: the ONNX initializers and the
 stored ``P``, ``t``, ``lam``, ``rho``), and refuses a bundle whose graph is not the
 certified network, whose weights changed after certification, or whose LMI fails, naming
-the violated margin. Per step (one ``PlantMeasurement`` with ``y_k`` and the applied ``u_k``,
-``consume = "newest"``) a fused Numba kernel runs the observer and the controller::
+the violated margin. Per measurement (a ``PlantMeasurement`` with ``y_k`` and the applied ``u_k``; every one in order,
+``consume = "all"``, a command only for the newest of a step) a fused Numba kernel runs the observer and the
+controller::
 
     r = y - Cd z_hat
     z_hat <- Ad z_hat + Bd u + Fd f(z_hat, y) + L r + N(r)      (N evaluated in the kernel)
@@ -103,7 +104,10 @@ class ObserverFamily(FamilyPlugin):
     name = "observer"
     default_input = "plant_measurement"
     default_command = "actuator_command"
-    consume = "newest"
+    # every measurement in order: the certified update steps the estimate one sample period (dt) per measurement,
+    # so one skipped after a late step would move it by the wrong time; one command a step, from the newest
+    consume = "all"
+    command_each_frame = False
 
     @classmethod
     def problems(cls, bundle: Bundle) -> list[str]:
@@ -139,6 +143,7 @@ class ObserverFamily(FamilyPlugin):
         self._z_next = np.zeros(arr.nz)
         self.u_cmd = np.zeros(arr.nu)
         self._cmd = np.zeros(arr.nu, dtype=np.float32)
+        self._sent = np.zeros(arr.nu, dtype=np.float32)  # the last command the session sent (on_command_sent)
         self._safe = np.clip(np.zeros(arr.nu), arr.u_low, arr.u_high).astype(np.float32)
         # published each step (state_vector): the estimate after the update, then the measurement it predicted
         self._state = np.zeros(arr.nz + arr.ny)
@@ -165,6 +170,7 @@ class ObserverFamily(FamilyPlugin):
         self.z_hat[:] = self.arrays.z0
         np.clip(-(self.arrays.K @ self.z_hat), self.arrays.u_low, self.arrays.u_high, out=self.u_cmd)
         self._cmd[:] = self.u_cmd
+        self._sent[:] = self._cmd  # before a first command: the one the estimate at z0 asks for
         self.r[:] = 0.0
 
     def step(self, y: np.ndarray, u: np.ndarray) -> np.ndarray:
@@ -207,14 +213,18 @@ class ObserverFamily(FamilyPlugin):
         if u.size:
             np.copyto(self._u, u, casting="unsafe")
         else:  # the device does not report what it applied: the last command sent, as for a frame of outputs only
-            np.copyto(self._u, self._cmd, casting="unsafe")
+            np.copyto(self._u, self._sent, casting="unsafe")
         self._advance()
 
     def preprocess(self, frame: np.ndarray) -> None:
         """A frame of outputs only: the input is taken to be the last command sent."""
         np.copyto(self._y, frame.reshape(-1), casting="unsafe")
-        np.copyto(self._u, self._cmd, casting="unsafe")
+        np.copyto(self._u, self._sent, casting="unsafe")
         self._advance()
+
+    def on_command_sent(self, values: np.ndarray) -> None:
+        # not the last computed: a step catching up computes a command per measurement and sends the newest only
+        np.copyto(self._sent, values.reshape(-1)[: self._sent.size], casting="unsafe")
 
     def _advance(self) -> None:
         self.step(self._y, self._u)
