@@ -81,6 +81,21 @@ def test_bundle_loads_and_the_certificate_passes_from_its_own_weights(observer_s
     assert "PASS" in text and "decay rate rho" in text and "weights             match" in text
 
 
+@pytest.mark.parametrize("edit, said", [
+    (lambda m: m.update(rate_hz=m["rate_hz"] / 2), "discretised at dt = 0.001 s (1000 Hz); export it at rate_hz = 1/dt"),
+    (lambda m: m["extra"]["observer"].update(dt=0.002), "the bundle runs at 1000 Hz but its matrices are discretised"),
+    (lambda m: m["certificate"].update(dt=0.002), "the certificate holds at dt = 0.002 s but the observer is"),
+])
+def test_a_bundle_whose_rate_dt_and_certificate_disagree_is_refused(observer_setup, tmp_path, edit, said):
+    """The matrices are discretised at dt, the certificate holds at its dt, the session runs at the rate: the
+    estimate would step by the wrong time, outside what the certificate covers."""
+    _, _, _, _, path = observer_setup
+    bad = _copy(path, tmp_path / "dt")
+    _rehash(bad, edit)
+    with pytest.raises(BundleError, match=said.replace("(", r"\(").replace(")", r"\)")):
+        load_bundle(bad)
+
+
 def test_tampered_weights_are_refused_naming_the_margin(observer_setup, tmp_path):
     _, net, _, _, path = observer_setup
     bad = _copy(path, tmp_path / "bad")

@@ -97,6 +97,27 @@ def pack_network(weights: list[np.ndarray], activations: list[str]) -> tuple[np.
     return flat, dims, acts
 
 
+def _sample_time_problems(bundle: Bundle, obs: dict[str, Any]) -> list[str]:
+    """The observer's matrices are discretised at ``dt``, its certificate holds at the certificate's ``dt``, and the
+    session runs at the manifest's rate (and refuses a device streaming at another): all three must agree, or the
+    estimate steps by the wrong time outside what the certificate covers."""
+    dt = obs.get("dt")
+    if not isinstance(dt, (int, float)) or not dt > 0:
+        return [f"observer: extra.{BLOCK}.dt is {dt!r}; it must be the sample period (seconds) the matrices were "
+                "discretised at: re-export the bundle"]
+    out = []
+    rate = bundle.manifest.rate_hz
+    if abs(rate * dt - 1.0) > 1e-6:
+        out.append(f"observer: the bundle runs at {rate:g} Hz but its matrices are discretised at dt = {dt:g} s "
+                   f"({1 / dt:g} Hz); export it at rate_hz = 1/dt")
+    cert = bundle.manifest.certificate or {}
+    cdt = cert.get("dt")
+    if isinstance(cdt, (int, float)) and abs(cdt - dt) > 1e-9 * max(1.0, dt):
+        out.append(f"observer: the certificate holds at dt = {cdt:g} s but the observer is discretised at dt = {dt:g} "
+                   "s; certify the observer that is deployed (closedloop certify)")
+    return out
+
+
 @register_family
 class ObserverFamily(FamilyPlugin):
     """Certified neural observer + state feedback, one fused kernel call per measurement."""
@@ -124,6 +145,7 @@ class ObserverFamily(FamilyPlugin):
                            f"correction ({arr.nz})")
         except (CertificateError, IndexError) as exc:
             out.append(f"observer: {exc}")
+        out += _sample_time_problems(bundle, obs)
         result = check_bundle_certificate(bundle)
         out += [f"observer certificate: {p}" for p in result.problems]
         return out
