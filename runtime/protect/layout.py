@@ -91,6 +91,16 @@ def block_positions(n: int, k: int, key: bytes | None = None, name: str = "", wi
     return pos
 
 
+def tail_positions(n: int, k: int, key: bytes | None = None, name: str = "", window: int = 4096) -> np.ndarray | None:
+    """The members of a constrained tensor's last block when it is too small to constrain (1 or 2 of ``n mod k``,
+    left out by ``block_positions``): ``(1, k)`` flat indices, ``-1`` padding, in the keyed order, or None where
+    there is no such tail. Its clean sums are stored (``precisions[p]["tail"]``), as a guarded block's are."""
+    whole = block_positions(n, k, key, name, window, min_last=1)
+    if len(whole) == len(block_positions(n, k, key, name, window)):
+        return None
+    return whole[-1:]
+
+
 def syndromes(values: np.ndarray, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Per-block ``(S0, S1)`` in float64 (``values`` flat, ``pos`` from ``block_positions``)."""
     v = np.where(pos >= 0, np.asarray(values).reshape(-1)[np.maximum(pos, 0)].astype(np.float64), 0.0)

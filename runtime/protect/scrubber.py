@@ -47,13 +47,14 @@ from closedloop.runtime.protect.layout import (
     key_fingerprint,
     read_key,
     syndromes,
+    tail_positions,
     tolerances,
 )
 
 __all__ = [
     "KEY_ENV", "KEY_FILE_ENV", "LAYOUT_VERSION", "MIN_BLOCK", "ROBUST_EXTRA", "ProtectionLayout", "ScrubError",
     "WeightsCorruptedError", "block_positions", "guard_positions", "guard_record", "guard_sums", "key_fingerprint",
-    "read_key", "syndromes", "tolerances",
+    "read_key", "syndromes", "tail_positions", "tolerances",
     "ScrubEvent", "ScrubTarget", "ScrubStats", "Scrubber", "attach_scrubber", "SessionScrubber", "session_scrubber",
 ]
 
@@ -95,7 +96,8 @@ class ScrubTarget:
 
     ``blocks`` holds one entry per tensor: ``(name, positions in buf, positions in the tensor, t0, t1)``
     for a constrained tensor (both sums zero), with a sixth item, the ``(blocks, 2)`` stored clean
-    sums, for a guarded one. ``push(names)`` carries repaired tensors to a backend that keeps its
+    sums, for a guarded one, and a seventh, how many of its blocks are guarded (default all of them with sums):
+    a constrained tensor's tail of 1 or 2 members is a guarded last block beside its zero-sum ones. ``push(names)`` carries repaired tensors to a backend that keeps its
     own copy (ORT).
     """
 
@@ -110,7 +112,8 @@ class ScrubTarget:
                                  "not match the tensor")
         ref = np.concatenate(refs) if refs else np.zeros((0, 2))
         self.ref0, self.ref1 = np.ascontiguousarray(ref[:, 0]), np.ascontiguousarray(ref[:, 1])
-        self.guarded = [len(b) > 5 and b[5] is not None for b in blocks]
+        # blocks with stored sums per tensor (a constrained tensor's guarded tail counts one)
+        self.guarded = [b[6] if len(b) > 6 else (len(b[1]) if len(b) > 5 and b[5] is not None else 0) for b in blocks]
         self.pos = np.ascontiguousarray(np.concatenate([b[1] for b in blocks]) if blocks else np.zeros((0, 1), np.int64))
         self.local = np.concatenate([b[2] for b in blocks]) if blocks else np.zeros((0, 1), np.int64)
         counts = [len(b[1]) for b in blocks]
@@ -277,8 +280,7 @@ class Scrubber:
         self._cursor = (0, 0)
         self.keep_events = keep_events
         self.stats = ScrubStats(blocks=sum(t.n_blocks for t in self.targets),
-                                guarded_blocks=sum(int(np.diff(t.seg)[i]) for t in self.targets
-                                                   for i, g in enumerate(t.guarded) if g))
+                                guarded_blocks=sum(sum(t.guarded) for t in self.targets))
         self.events: list[ScrubEvent] = []
 
     def _handle(self, target: ScrubTarget, flagged: np.ndarray, restore: bool,
@@ -389,6 +391,7 @@ class _Entry:
     pos: np.ndarray  # (blocks, k) flat indices into the tensor
     tol: tuple[float, float]
     sums: np.ndarray | None = None  # stored clean sums (guarded); None: constrained (both sums zero)
+    guarded: int | None = None  # blocks with stored sums (None: all where ``sums`` is given)
 
 
 def _guards(model: Any, layout: ProtectionLayout, prec: dict, key: bytes | None, inits: dict) -> list[_Entry]:
@@ -412,16 +415,36 @@ def _guards(model: Any, layout: ProtectionLayout, prec: dict, key: bytes | None,
     return out
 
 
+def _constrained(model: Any, layout: ProtectionLayout, prec: dict, key: bytes | None, t: str, inits: dict) -> _Entry:
+    """A constrained tensor's entry: its zero-sum blocks, and its tail of 1 or 2 members (too few to constrain) as a
+    last block checked against its stored clean sums (``prec["tail"]``; for a bundle protected before tails were
+    stored, sums computed now from the file, only when its checksums were verified)."""
+    o = prec["names"][t]
+    pos, tol = layout.positions(t, key), tuple(prec["tolerance"][t])
+    tail = tail_positions(int(np.prod(layout.tensors[t])), layout.k, key if layout.keyed else None, t, layout.window)
+    if tail is None:
+        return _Entry(o, t, pos, tol)
+    stored = (prec.get("tail") or {}).get(t)
+    if stored is None:
+        if not getattr(model.bundle, "checksums_verified", False):
+            return _Entry(o, t, pos, tol)  # the file may already hold the faults: its sums would hide them
+        s0, s1 = syndromes(inits[o], tail)
+        stored = [float(s0[0]), float(s1[0])]
+    sums = np.zeros((len(pos) + 1, 2))
+    sums[-1] = stored
+    return _Entry(o, t, np.concatenate([pos, tail]), tol, sums, guarded=1)
+
+
 def _entries(model: Any, layout: ProtectionLayout, prec: dict, key: bytes | None, guard: bool) -> list[_Entry]:
     inits = model.bundle.onnx(model.graph_name, model.variant).initializers
-    out = [_Entry(prec["names"][t], t, layout.positions(t, key), tuple(prec["tolerance"][t]))
-           for t in layout.tensors if t in prec["names"]]
+    out = [_constrained(model, layout, prec, key, t, inits) for t in layout.tensors if t in prec["names"]]
     return out + (_guards(model, layout, prec, key, inits) if guard else [])
 
 
 def _block(e: _Entry, where: np.ndarray) -> tuple:
     """A ScrubTarget block entry for ``e`` whose flat element ``i`` sits at ``where[i]`` of the buffer."""
-    return (e.name, np.where(e.pos >= 0, where[np.maximum(e.pos, 0)], -1), e.pos, *e.tol, e.sums)
+    return (e.name, np.where(e.pos >= 0, where[np.maximum(e.pos, 0)], -1), e.pos, *e.tol, e.sums,
+            len(e.pos) if e.guarded is None and e.sums is not None else (e.guarded or 0))
 
 
 def _pusher(model: Any, views: dict[str, np.ndarray], onnx: dict[str, str]):
@@ -461,12 +484,12 @@ def _host_targets(model: Any, entries: list[_Entry]) -> list[ScrubTarget]:
 def _arena_target(model: Any, entries: list[_Entry]) -> ScrubTarget | None:
     """The Numba backend's own arena, checked and repaired in place (no rebuild)."""
     inits = model.bundle.onnx(model.graph_name, model.variant).initializers
-    entries = [e for e in entries if e.sums is None or inits[e.onnx].dtype == np.float32]
+    entries = [e for e in entries if e.sums is None or e.guarded is not None or inits[e.onnx].dtype == np.float32]
     arena, where = model.backend.weight_locations([e.onnx for e in entries])
     blocks = []
     for e in entries:
         if np.any(where[e.onnx] < 0):
-            if e.sums is None:
+            if e.sums is None or e.guarded is not None:
                 return None  # a constrained tensor the kernels do not hold as a plain copy: use the host copy
             continue  # a guarded tensor the kernels re-lay out (folded, summed): not reachable in place
         blocks.append(_block(e, where[e.onnx].reshape(-1)))

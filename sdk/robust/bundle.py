@@ -33,6 +33,7 @@ from closedloop.runtime.protect.scrubber import (
     guardable,
     key_fingerprint,
     syndromes,
+    tail_positions,
     tolerances,
 )
 
@@ -42,12 +43,18 @@ from .quantize import int8_weight_only, quantize_blocks
 INT8_TOLERANCE = Tolerance(abs=5e-2, rel=5e-2)
 
 
-def _precision(inits: dict, plan: ProtectionPlan, key: bytes | None, names: dict[str, str]) -> dict:
-    tol = {}
+def _precision(inits: dict, plan: ProtectionPlan, key: bytes | None, names: dict[str, str],
+               tolerance: dict | None = None) -> dict:
+    tol, tail = {}, {}
     for t in plan.tensors:
         w = inits[names[t.onnx_name]]
         tol[t.onnx_name] = list(tolerances(w, block_positions(w.size, plan.k, key, t.onnx_name, plan.window)))
-    return {"dtype": str(inits[names[plan.tensors[0].onnx_name]].dtype), "names": names, "tolerance": tol}
+        tail_pos = tail_positions(w.size, plan.k, key, t.onnx_name, plan.window)
+        if tail_pos is not None:  # 1 or 2 leftover members, too few to constrain: their clean sums, stored
+            s0, s1 = syndromes(w, tail_pos)
+            tail[t.onnx_name] = [float(s0[0]), float(s1[0])]
+    return {"dtype": str(inits[names[plan.tensors[0].onnx_name]].dtype), "names": names,
+            "tolerance": tolerance if tolerance is not None else tol, "tail": tail}
 
 
 def _guard(inits: dict, protected: set[str], plan: ProtectionPlan, key: bytes | None) -> dict:
@@ -106,8 +113,9 @@ def protect_bundle(path: str | Path, plan: ProtectionPlan, key: bytes | None = N
         }
         files[rel] = data
         names = {t.onnx_name: t.onnx_name + "_q" for t in plan.tensors}
-        precisions["int8"] = {"file": rel, "dtype": "int8", "names": names,
-                              "tolerance": {t.onnx_name: [0.0, 0.0] for t in plan.tensors}}
+        q_inits = {names[t.onnx_name]: qw[t.onnx_name][0] for t in plan.tensors}
+        precisions["int8"] = {"file": rel, **_precision(q_inits, plan, key, names,
+                                                         tolerance={t.onnx_name: [0.0, 0.0] for t in plan.tensors})}
         if guard:
             from closedloop.runtime.onnx_reader import parse_onnx
 

@@ -95,3 +95,48 @@ def test_the_exact_int8_variant_carries_its_tensorrt_report(keyed_bundle):
     v = load_bundle(keyed_bundle).graph().variants["int8"]
     assert v["quantizer"].startswith("closedloop.sdk.robust") and v["tensorrt_compatibility"]["checked_without_tensorrt"]
     assert isinstance(v["tensorrt_compatibility"]["compatible"], bool)
+
+
+@pytest.fixture(scope="module")
+def tail_bundle(tmp_path_factory):
+    """An MLP whose second weight has 66 elements: four blocks of 16 and a tail of 2, too few to constrain."""
+    import torch
+
+    from closedloop.export import export_bundle
+    from closedloop.sdk.robust.bundle import protect_bundle
+    from closedloop.sdk.robust.protection import finalize, protect
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(12, 11), torch.nn.Tanh(), torch.nn.Linear(11, 6), torch.nn.Tanh(),
+                              torch.nn.Linear(6, 3)).eval()
+    plan = protect(net, torch.zeros(1, 12), kind="feedforward", k=16, key=KEY, min_numel=64)
+    finalize(net, plan, KEY)
+    path = export_bundle(net, tmp_path_factory.mktemp("tail") / "mlp", kind="feedforward",
+                         example_input=torch.zeros(1, 12), rate_hz=100.0, variants=(), tensorrt=False,
+                         report=lambda s: None)
+    return protect_bundle(path, plan, KEY, int8=False, report=lambda s: None)
+
+
+@pytest.mark.parametrize("backend", ["numba", "onnxruntime"])
+def test_the_members_left_over_by_a_constrained_tensors_last_block_are_guarded(tail_bundle, tmp_path, backend):
+    """66 elements in blocks of 16 leave 2 that no zero-sum block holds: their clean sums are stored, so a flip
+    there is found and repaired like any other (they were neither checked nor listed as unprotected)."""
+    from closedloop.runtime.protect.scrubber import tail_positions
+
+    bundle = load_bundle(tail_bundle)
+    layout = bundle.manifest.extra["robust"]
+    name = next(t for t, shape in layout["tensors"].items() if int(np.prod(shape)) == 66)
+    tail = tail_positions(66, layout["k"], KEY, name, layout["window"])
+    assert tail is not None and int((tail >= 0).sum()) == 2
+    assert name in layout["precisions"]["fp32"]["tail"]
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((5, 12)).astype(np.float32)
+    clean = np.stack([Model(bundle, backend=backend).step(r).copy() for r in x])
+    o = layout["precisions"]["fp32"]["names"][name]
+    for i, member in enumerate(tail[tail >= 0]):
+        bad = write_corrupted_copy(tail_bundle, tmp_path / f"bad{i}", None, [BitFlip(o, int(member), 30)])
+        model = Model(load_bundle(bad, verify_checksums=False), backend=backend)
+        assert not np.allclose(np.stack([model.step(r).copy() for r in x]), clean, atol=1e-3)
+        scrubber = attach_scrubber(model, key=KEY)
+        assert scrubber.stats.repaired == 1 and scrubber.stats.guarded_blocks >= 1
+        np.testing.assert_allclose(np.stack([model.step(r).copy() for r in x]), clean, atol=1e-6)
