@@ -41,6 +41,8 @@ from typing import Any
 
 import numpy as np
 
+from closedloop.common.jsonout import finite
+
 MAGIC = b"CLREC\x00" + struct.pack("<H", 1)
 _HEAD = struct.Struct("<IIBQ")  # length, crc, type, host_ns
 _CRC_HEAD = struct.Struct("<IBQ")
@@ -107,7 +109,8 @@ class RecordingWriter:
             self.records += 1
 
     def append_json(self, rtype: int, obj: Any, host_ns: int | None = None) -> None:
-        self.append(rtype, json.dumps(obj, default=_json_default).encode(), host_ns)
+        """Strict JSON (a non-finite number as null, as ``--json`` writes it), so any JSON reader takes the record."""
+        self.append(rtype, json.dumps(finite(obj), default=_json_default, allow_nan=False).encode(), host_ns)
 
     def append_output(self, step: int, input_seq: int, values: np.ndarray, host_ns: int | None = None,
                       index: int = 0) -> None:

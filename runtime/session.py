@@ -140,6 +140,12 @@ class SessionConfig:
                                  f"{'Hz' if name == 'rate_hz' else 'seconds'} (None: the default)")
         if self.max_steps is not None and self.max_steps < 1:
             raise ValueError(f"SessionConfig.max_steps {self.max_steps!r}: must be at least 1 (None: no limit)")
+        # a misspelt switch must not leave scrubbing on (scrub=False scrubbed) or fail only once the session runs
+        if self.scrub not in ("auto", "off"):
+            raise ValueError(f"SessionConfig.scrub {self.scrub!r}: expected 'auto' (scrub a protected bundle) or 'off'")
+        if self.scrub_policy not in ("fallback", "stop"):
+            raise ValueError(f"SessionConfig.scrub_policy {self.scrub_policy!r}: expected 'fallback' (restore an "
+                             "unrepairable block from the last good copy) or 'stop' (safe command, end the session)")
 
     def record_dict(self) -> dict[str, Any]:
         """The settings as a recording's META keeps them: no secret, observers by class name."""

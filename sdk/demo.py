@@ -201,7 +201,15 @@ def _robust_demo(out: Path) -> None:
     robust_demo(out / "robust")
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    argparse.ArgumentParser(
+        prog="python -m closedloop.sdk.demo",
+        description="What `make demo` runs (a few minutes): export a GRU decoder and an MLP policy and run them in the "
+                    "real-time loop, a session against the headstage emulator with a recording, a handwriting decoder "
+                    "typing, a certified observer at 1 kHz, an RL policy on the Panda emulator, weights that survive "
+                    "bit flips. Writes its bundles and recordings under ./out/demo. Takes no options.").parse_args(argv)
     print("closedloop demo: export a GRU decoder and an MLP policy, run them in the real-time loop\n")
     cfg = SpineBenchConfig.quick()
     run_spine_benchmark(cfg)

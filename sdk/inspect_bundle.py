@@ -75,6 +75,14 @@ def render_manifest(m: Manifest) -> str:
             lines.append(f"  {title}: " + ", ".join(f"{k}={_brief(v)}" for k, v in section.items()))
     if m.certificate:
         lines.append("  certificate: " + ", ".join(f"{k}={_brief(v)}" for k, v in m.certificate.items()))
+    robust = m.extra.get("robust") if isinstance(m.extra, dict) else None
+    if isinstance(robust, dict):  # weight protection (docs/robustness.md): what the scrubber checks in a session
+        precisions = robust.get("precisions") or {}
+        guarded = sum(len((p or {}).get("guard") or {}) for p in precisions.values() if isinstance(p, dict))
+        lines.append(f"  weights protected: {len(robust.get('tensors') or {})} tensors in zero-sum blocks of "
+                     f"{robust.get('k')}, {'keyed (key fingerprint ' + str(robust.get('key_fingerprint')) + ')' if robust.get('keyed') else 'not keyed'}"
+                     f"; precisions {', '.join(precisions)}; {guarded} guarded tensor records (stored sums); "
+                     "sessions scrub it (--scrub auto)")
     if m.provenance:
         lines.append("  provenance: " + ", ".join(f"{k}={_brief(v)}" for k, v in m.provenance.items()))
     made = (m.provenance.get("export") or {}) if isinstance(m.provenance, dict) else {}

@@ -51,18 +51,30 @@ def key_fingerprint(key: bytes) -> str:
 
 
 def read_key(key: bytes | str | None = None, key_file: str | Path | None = None) -> bytes | None:
-    """The weights key from an argument (bytes, or hex text), a key file, or the environment."""
+    """The weights key from an argument (bytes, or hex text), a key file, or the environment, in that order.
+
+    A key file holds hex text (surrounding whitespace and a final newline ignored) or, if its content is not hex,
+    the raw key bytes exactly as stored (not stripped: a raw key may end in a byte that looks like whitespace).
+    ``$CLOSEDLOOP_WEIGHTS_KEY_FILE`` comes before ``$CLOSEDLOOP_WEIGHTS_KEY`` (hex)."""
     if key is not None:
-        return key if isinstance(key, bytes) else bytes.fromhex(key)
+        return key if isinstance(key, bytes) else _hex_key(key, "the weights key")
     key_file = key_file or os.environ.get(KEY_FILE_ENV)
     if key_file:
-        data = Path(key_file).read_bytes().strip()
+        data = Path(key_file).read_bytes()
         try:
-            return bytes.fromhex(data.decode("ascii"))
+            return bytes.fromhex(data.decode("ascii").strip())
         except (UnicodeDecodeError, ValueError):
             return data
     env = os.environ.get(KEY_ENV)
-    return bytes.fromhex(env) if env else None
+    return _hex_key(env, f"${KEY_ENV}") if env else None
+
+
+def _hex_key(text: str, where: str) -> bytes:
+    try:
+        return bytes.fromhex(text.strip())
+    except ValueError:
+        raise ScrubError(f"{where} is not hex ({len(text.strip())} characters): give the key as hex digits (64 for a "
+                         "32-byte key), or its raw bytes in a key file (--weights-key-file)") from None
 
 
 def block_positions(n: int, k: int, key: bytes | None = None, name: str = "", window: int = 4096,
@@ -200,7 +212,8 @@ class ProtectionLayout:
             return
         if key is None:
             raise ScrubError(f"this bundle's weights are keyed (fingerprint {self.key_fingerprint}); supply the key "
-                             f"with --weights-key-file, ${KEY_FILE_ENV} or ${KEY_ENV}, or run with scrub='off'")
+                             f"with --weights-key-file, ${KEY_FILE_ENV} or ${KEY_ENV}, or run without scrubbing "
+                             "(--scrub off; SessionConfig(scrub='off'))")
         if key_fingerprint(key) != self.key_fingerprint:
             raise ScrubError(f"the weights key has fingerprint {key_fingerprint(key)}, the bundle was protected with "
                              f"{self.key_fingerprint}; use the key the bundle was exported with")

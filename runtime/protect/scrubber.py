@@ -570,4 +570,12 @@ def session_scrubber(model: Any, config: Any) -> SessionScrubber | None:
     scrubber = attach_scrubber(model, key=key, keep_last_good=config.scrub_policy == "fallback")
     if scrubber is None:
         return None
+    if config.scrub_policy == "stop" and scrubber.stats.ambiguous:
+        # "stop" runs only on weights it can vouch for: a block left as found at load (several single-bit repairs
+        # would explain it) is not one; "fallback" starts on it and checks it against its present sums
+        found = [e.format() for e in scrubber.events if e.status == "ambiguous"][:3]
+        raise WeightsCorruptedError(
+            f"{scrubber.stats.ambiguous} block(s) at load hold a fault that cannot be told apart from another "
+            f"(ambiguous, left as found), e.g. {'; '.join(found)}; under --scrub-policy stop the session does not "
+            "start on them: restore the bundle from a good copy (or run with --scrub-policy fallback)")
     return SessionScrubber(scrubber, config.scrub_budget_us, config.scrub_policy)

@@ -78,7 +78,8 @@ def protect_bundle(path: str | Path, plan: ProtectionPlan, key: bytes | None = N
         w = inits.get(t.onnx_name)
         if w is None or list(w.shape) != t.shape:
             raise ValueError(f"initializer {t.onnx_name!r} is missing or reshaped in {path}; export the model the plan "
-                             "was made for")
+                             "was made for, after finalize(model, plan, key) (before it, the export holds the "
+                             "parametrization's tensors instead of the weights)")
         s0, _ = syndromes(w, block_positions(w.size, plan.k, key, t.onnx_name, plan.window))
         if np.max(np.abs(s0)) > 1e-4 * max(1e-12, float(np.abs(w).max())) * plan.k:
             raise ValueError(f"initializer {t.onnx_name!r} does not hold the block constraints (largest block sum "

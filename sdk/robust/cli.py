@@ -31,6 +31,8 @@ def _inject(a: argparse.Namespace) -> int:
 
     from .faults import inject_faults
 
+    if a.flips < 1:
+        raise ValueError(f"--flips {a.flips}: give the number of bits to flip, 1 or more")
     out = Path(a.out) if a.out else Path(str(Path(a.bundle)).rstrip("/") + ".faulty")
     data = np.load(a.data) if a.data else None
     inject_faults(a.bundle, out, a.flips, a.mode, a.seed, None if a.variant == "fp32" else a.variant,
@@ -40,9 +42,11 @@ def _inject(a: argparse.Namespace) -> int:
 
 def _scrub_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("bundle", help="bundle folder or zip (protected with sdk.robust)")
-    p.add_argument("--variant", choices=("fp32", "fp16", "int8"), default="fp32",
-                   help="which stored precision to check and repair (default fp32)")
-    p.add_argument("--backend", default="onnxruntime", help="backend whose weights are checked (numba, onnxruntime)")
+    p.add_argument("--variant", choices=("fp32", "fp16", "int8"), default=None,
+                   help="which stored precision to check and repair (default: the one the copy's faults.json names, "
+                        "as inject-faults wrote it; else fp32)")
+    p.add_argument("--backend", default="onnxruntime",
+                   help="backend whose weights are checked (numba, onnxruntime; default onnxruntime)")
     p.add_argument("--skip-checksum", action="store_true",
                    help="load a bundle whose checksums fail (fault-injection studies only)")
     p.add_argument("--weights-key-file", help="key of a keyed layout (or $CLOSEDLOOP_WEIGHTS_KEY_FILE)")
@@ -55,15 +59,24 @@ def _scrub(a: argparse.Namespace) -> int:
     from closedloop.runtime import Model, load_bundle
     from closedloop.runtime.protect.scrubber import WeightsCorruptedError, attach_scrubber, read_key
 
+    variant = a.variant
+    faults = Path(a.bundle) / "faults.json"
+    if variant is None and faults.is_file():  # a copy inject-faults wrote: check the precision its flips are in
+        import json
+
+        variant = json.loads(faults.read_text()).get("variant") or "fp32"
+        print(f"checking the {variant} weights, where {faults} puts the flips (--variant chooses another)",
+              file=sys.stderr)
+    variant = variant or "fp32"
     bundle = load_bundle(a.bundle, verify_checksums=not a.skip_checksum)
-    model = Model(bundle, backend=a.backend, variant=None if a.variant == "fp32" else a.variant)
+    model = Model(bundle, backend=a.backend, variant=None if variant == "fp32" else variant)
     try:
         scrubber = attach_scrubber(model, key=read_key(key_file=a.weights_key_file))
     except WeightsCorruptedError as exc:
         print(f"UNREPAIRABLE: {exc}")
         return 1
     if scrubber is None:
-        print(f"error: {a.bundle} is not protected (no manifest.extra.robust), so there is nothing to scrub; protect "
+        print(f"closedloop scrub: error: {a.bundle} is not protected (no manifest.extra.robust), so there is nothing to scrub; protect "
               "it first (docs/robustness.md)", file=sys.stderr)
         return 2
     st = scrubber.stats

@@ -140,3 +140,12 @@ def test_the_members_left_over_by_a_constrained_tensors_last_block_are_guarded(t
         scrubber = attach_scrubber(model, key=KEY)
         assert scrubber.stats.repaired == 1 and scrubber.stats.guarded_blocks >= 1
         np.testing.assert_allclose(np.stack([model.step(r).copy() for r in x]), clean, atol=1e-6)
+
+
+def test_inspect_says_a_bundle_is_protected_and_how(keyed_bundle, unkeyed_bundle):
+    from closedloop.sdk.inspect_bundle import render_manifest
+
+    text = render_manifest(load_bundle(keyed_bundle).manifest)
+    fp = load_bundle(keyed_bundle).manifest.extra["robust"]["key_fingerprint"]
+    assert f"weights protected: 3 tensors in zero-sum blocks of 16, keyed (key fingerprint {fp})" in text
+    assert "not keyed" in render_manifest(load_bundle(unkeyed_bundle).manifest)

@@ -141,3 +141,21 @@ def test_a_session_restores_an_aliasing_flip_from_the_last_good_copy(unkeyed_bun
     sc = summary.scrub
     assert sc["repaired"] == 0 and sc["restored"] == 1 and "ambiguous" in sc["events"][0]
     assert summary.loop.stopped_by == "duration"
+
+
+def test_an_ambiguous_block_at_load_stops_a_stop_policy_session_before_it_starts(unkeyed_bundle, tmp_path):
+    """--scrub-policy stop runs only on weights it can vouch for: a block left as found at load is refused (exit 2
+    from the CLI, as any bundle with faults it cannot repair); fallback starts on it, checked from then on."""
+    from closedloop.runtime.protect.scrubber import WeightsCorruptedError
+
+    name, w, pos, tol, b, e, bit = _aliasing_flip(unkeyed_bundle)
+    bad = write_corrupted_copy(unkeyed_bundle, tmp_path / "bad", None, [BitFlip(name, e, bit)])
+    base = dict(device="sim://headstage?channels=12&seed=3", backend="numba", status=False, duration_s=0.3)
+    with pytest.raises(WeightsCorruptedError, match="ambiguous, left as found.*under --scrub-policy stop"):
+        Session(load_bundle(bad, verify_checksums=False), SessionConfig(scrub_policy="stop", **base))
+    with Session(load_bundle(bad, verify_checksums=False), SessionConfig(scrub_policy="fallback", **base)) as s:
+        assert s.scrubber.scrubber.stats.ambiguous == 1
+    with pytest.raises(ValueError, match="SessionConfig.scrub False: expected 'auto'"):
+        SessionConfig(scrub=False, **base)  # a misspelt switch must not leave scrubbing on
+    with pytest.raises(ValueError, match="SessionConfig.scrub_policy 'restore'"):
+        SessionConfig(scrub_policy="restore", **base)
