@@ -27,10 +27,25 @@ def fsync_dir(path: str | Path) -> None:
             os.close(fd)
 
 
+def _umask() -> int:
+    """The process's umask, read without changing it where Linux says it (``/proc/self/status``)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    old = os.umask(0o022)  # elsewhere: set and put back at once
+    os.umask(old)
+    return old
+
+
 def atomic_write_bytes(path: str | Path, data: bytes, mode: int | None = None) -> Path:
     """Write ``data`` to ``path`` so that readers see the old file or the whole new one.
 
-    ``mode`` sets the file's permission bits (a private key's ``0o600``); None keeps ``mkstemp``'s.
+    ``mode`` sets the file's permission bits (a private key's ``0o600``); None gives what ``open`` would make
+    (``0o666`` less the umask), not ``mkstemp``'s private ``0o600``.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -40,8 +55,7 @@ def atomic_write_bytes(path: str | Path, data: bytes, mode: int | None = None) -
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        if mode is not None:
-            os.chmod(tmp, mode)
+        os.chmod(tmp, mode if mode is not None else 0o666 & ~_umask())
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):

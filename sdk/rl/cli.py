@@ -7,6 +7,7 @@ in-process success curve, writes ``OUT/run.json`` and, for reach and push, the b
 from __future__ import annotations
 
 import argparse
+import sys
 
 from ..cli import command
 from .config import SHAPING_KINDS
@@ -27,7 +28,9 @@ def _rl_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", default=None, help="a FineTuneConfig as JSON (a run.json's 'config' also works); "
                                                  "the options above override it")
     p.add_argument("--out", default="out/rl", help="folder for run.json and the bundle (OUT/policy)")
-    p.add_argument("--quiet", action="store_true", help="no progress lines")
+    p.add_argument("--quiet", action="store_true", help="no progress lines (the global -q also hides warnings' "
+                                                          "neighbours: only warnings and errors)")
+    p.add_argument("--overwrite", action="store_true", help="replace OUT/run.json and OUT/policy if they exist")
 
 
 @command("rl-train", "behaviour-clone a Panda policy, fine-tune it with SAC on a success-visitation reward, export it",
@@ -35,7 +38,17 @@ def _rl_train_args(p: argparse.ArgumentParser) -> None:
 def _rl_train(a: argparse.Namespace) -> int:
     from .workflow import rl_train, rl_train_config
 
+    if a.steps is not None and a.steps < 1:
+        raise ValueError(f"--steps {a.steps}: give the fine-tuning steps, 1 or more (leave it out for the config's)")
+    from pathlib import Path
+
+    there = [str(p) for p in (Path(a.out) / "run.json", Path(a.out) / "policy") if p.exists()]
+    if there and not a.overwrite:  # before any training: exit 2, nothing replaced
+        raise FileExistsError(f"{', '.join(there)} exist(s): give another --out, or --overwrite to replace them")
     cfg = rl_train_config(a.config, task=a.task, seed=a.seed, reward=a.reward, lam=a.lam, beta=a.beta, steps=a.steps)
+    if cfg.total_steps <= cfg.actor_warmup_steps:
+        print(f"warning: {cfg.total_steps} steps do not pass the actor's warm-up ({cfg.actor_warmup_steps} steps, "
+              "the critic learns first): the policy will not change; give --steps above it", file=sys.stderr)
     if not a.quiet:
         print(f"rl-train: {cfg.task}, reward {cfg.shaping.kind} (lambda {cfg.shaping.lam}, beta {cfg.shaping.beta}), "
               f"{cfg.total_steps} steps, seed {cfg.seed}", flush=True)

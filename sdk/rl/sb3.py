@@ -226,8 +226,18 @@ class OutcomeLogger(BaseCallback):
         return rate
 
     def _on_training_start(self) -> None:
-        if self.reward_model is not None:
-            self.reward_model.bind_gamma(self.model.gamma)
+        # every reward model this training uses gets the algorithm's gamma: the one given, the replay buffer's and
+        # the training env's wrapper's (so the documented call binds it without reward_model=)
+        found = [self.reward_model, getattr(getattr(self.model, "replay_buffer", None), "reward_model", None)]
+        try:
+            found += list(self.training_env.get_attr("reward_model"))
+        except (AttributeError, TypeError):  # an env without the wrapper
+            pass
+        models = list({id(m): m for m in found if isinstance(m, VisitationReward)}.values())
+        for m in models:
+            m.bind_gamma(self.model.gamma)
+        if self.reward_model is None and len(models) == 1:
+            self.reward_model = models[0]  # and its discriminator's loss and accuracy are logged
         if self.eval_env is not None and self.num_timesteps >= self._next_eval:
             self.evaluate()
             self._next_eval = self.num_timesteps + self.eval_every

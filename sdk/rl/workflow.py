@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from closedloop.common.atomic import atomic_write_bytes
+from closedloop.common.jsonout import json_text
 
 from .config import FineTuneConfig, ShapingConfig
 
@@ -71,7 +72,7 @@ def rl_train(cfg: FineTuneConfig, out: str | Path, *, verbose: int = 1) -> RLTra
     result = fine_tune(cfg, verbose=verbose)
     record = dict(result.record)
     record.pop("train_episodes", None)
-    record_path = atomic_write_bytes(out / "run.json", json.dumps(record, indent=1, default=float).encode())
+    record_path = atomic_write_bytes(out / "run.json", json_text(record, indent=1).encode())  # strict JSON
     bundle = None
     if cfg.task in EXPORTABLE_TASKS:
         bundle = export_policy(result.model.actor, result.mean, result.std, cfg.task, out / "policy",

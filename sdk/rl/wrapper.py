@@ -14,6 +14,7 @@ standardises observations with frozen statistics (the exported bundle repeats it
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import gymnasium as gym
@@ -69,6 +70,8 @@ class SuccessVisitationWrapper(gym.Wrapper):
         self.obs_dim = flat_dim(env.observation_space)
         self.act_dim = flat_dim(env.action_space)
         self.reward_model = reward or VisitationReward(config, self.obs_dim, self.act_dim, seed=seed)
+        self._saw_success_key = False  # whether any step's info carried 'is_success' (warned once otherwise)
+        self._warned_no_success_key = False
         self._rows: dict[str, list[np.ndarray]] = {"obs": [], "actions": [], "next_obs": []}
         self._any_success = False
         self._returns = [0.0, 0.0]
@@ -106,7 +109,14 @@ class SuccessVisitationWrapper(gym.Wrapper):
     def step(self, action):
         if self._obs is None:
             raise RuntimeError("SuccessVisitationWrapper.step called before reset()")
+        if self.config.kind == "potential" and self.reward_model.gamma is None:
+            # at the first step, not at the first discriminator fit thousands of steps into training
+            raise RuntimeError("ShapingConfig.gamma is None (take it from the algorithm) and no algorithm's gamma was "
+                               "bound: train with closedloop.sdk.rl.sb3.OutcomeLogger as a callback (it binds the "
+                               "algorithm's gamma at training start), call env.reward_model.bind_gamma(model.gamma), "
+                               "or set ShapingConfig.gamma (docs/rl.md, Settings)")
         obs, reward, terminated, truncated, info = self.env.step(action)
+        self._saw_success_key |= "is_success" in info
         flat_next = self._flat(obs)
         flat_action = np.asarray(spaces.flatten(self.env.action_space, action), dtype=np.float32)
         bonus = float(self.reward_model.bonus(self._obs[None], flat_action[None], flat_next[None],
@@ -121,6 +131,12 @@ class SuccessVisitationWrapper(gym.Wrapper):
         info["outcome_reward"] = float(reward)
         info["shaping_bonus"] = bonus
         if terminated or truncated:
+            if not self._saw_success_key and not self._warned_no_success_key:
+                self._warned_no_success_key = True
+                warnings.warn("SuccessVisitationWrapper: the environment's info never has 'is_success', so every "
+                              "episode counts as a failure: the discriminator never sees a success and the bonus "
+                              "stays 0 (the reward is the sparse outcome alone); report info['is_success']",
+                              stacklevel=2)
             final = bool(info.get("is_success", False))
             success = final if self.config.success_when == "final" else self._any_success
             self.reward_model.add_episode(np.stack(self._rows["obs"]), np.stack(self._rows["actions"]),

@@ -133,3 +133,19 @@ def test_bundle_gets_ordinary_permissions(tmp_path, gru_bundle):
     finally:
         os.umask(mask)
     assert folder.stat().st_mode & 0o777 == 0o755 and zipped.stat().st_mode & 0o777 == 0o644
+
+
+def test_files_written_atomically_get_ordinary_permissions(tmp_path):
+    """A run.json, an NWB export, a results file: readable as any file the user makes (0o666 less the umask), not
+    mkstemp's private 0o600; a key asks for 0o600 itself."""
+    import os
+
+    from closedloop.common.atomic import atomic_write_bytes
+
+    mask = os.umask(0o022)
+    try:
+        plain = atomic_write_bytes(tmp_path / "run.json", b"{}")
+        key = atomic_write_bytes(tmp_path / "lab.key", b"k", mode=0o600)
+    finally:
+        os.umask(mask)
+    assert plain.stat().st_mode & 0o777 == 0o644 and key.stat().st_mode & 0o777 == 0o600

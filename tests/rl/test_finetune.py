@@ -89,6 +89,12 @@ def test_rl_train_command_writes_a_record_and_a_bundle_and_nothing_in_the_temp_f
     assert rec["config"]["task"] == "reach" and rec["config"]["shaping"]["kind"] == "potential"
     assert [s for s, _ in rec["curve"]] == [0, 60]
     assert (tmp_path / "run" / "policy" / "manifest.json").exists()
+    # the same --out again is refused before any training (exit 2 through main), --overwrite replaces it
+    with pytest.raises(FileExistsError, match="run.json, .*policy exist.*--overwrite"):
+        args.func(args)
+    args = build_parser().parse_args(["rl-train", "--steps", "0", "--out", str(tmp_path / "zero")])
+    with pytest.raises(ValueError, match="--steps 0: give the fine-tuning steps, 1 or more"):
+        args.func(args)
 
 
 def test_rl_demo_clones_exports_and_runs_against_the_emulator(tmp_path):

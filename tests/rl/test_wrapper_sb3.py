@@ -66,6 +66,53 @@ def test_sac_with_relabelling_buffer_and_outcome_logger_on_push():
     eval_env.close()
 
 
+def test_the_documented_outcome_logger_binds_gamma_and_an_unbound_potential_fails_at_the_first_step():
+    """``model.learn(..., callback=OutcomeLogger(eval_env))`` as docs/rl.md writes it (no reward_model=) gives the
+    potential form the algorithm's gamma; without any binding the first step says so, not a fit thousands of steps
+    later."""
+    pytest.importorskip("stable_baselines3")
+    from stable_baselines3 import SAC
+
+    from closedloop.sdk.rl.finetune import make_task_env
+    from closedloop.sdk.rl.sb3 import OutcomeLogger, ShapedReplayBuffer
+
+    env = SuccessVisitationWrapper(make_task_env("push"), ShapingConfig(kind="potential", updates_per_episode=2))
+    model = SAC("MlpPolicy", env, learning_starts=20, batch_size=16, policy_kwargs={"net_arch": [16, 16]},
+                replay_buffer_class=ShapedReplayBuffer, replay_buffer_kwargs={"reward_model": env.reward_model},
+                gamma=0.9, seed=0)
+    log = OutcomeLogger()
+    model.learn(30, callback=log)
+    assert env.reward_model.gamma == 0.9 and log.reward_model is env.reward_model
+    env.close()
+    unbound = SuccessVisitationWrapper(make_task_env("push"), ShapingConfig(kind="potential"))
+    unbound.reset(seed=0)
+    with pytest.raises(RuntimeError, match="no algorithm's gamma was bound: train with .*OutcomeLogger"):
+        unbound.step(unbound.action_space.sample())
+    unbound.close()
+
+
+def test_an_environment_that_never_reports_success_is_warned_about():
+    import gymnasium as gym
+
+    class Quiet(gym.Env):  # an episode of three steps whose info never says is_success
+        observation_space = gym.spaces.Box(-1.0, 1.0, (2,), np.float32)
+        action_space = gym.spaces.Box(-1.0, 1.0, (1,), np.float32)
+
+        def reset(self, *, seed=None, options=None):
+            self.t = 0
+            return np.zeros(2, np.float32), {}
+
+        def step(self, action):
+            self.t += 1
+            return np.zeros(2, np.float32), 0.0, self.t >= 3, False, {}
+
+    env = SuccessVisitationWrapper(Quiet(), ShapingConfig(kind="svm"))
+    env.reset(seed=0)
+    with pytest.warns(UserWarning, match="never has 'is_success'"):
+        for _ in range(3):
+            env.step(env.action_space.sample())
+
+
 @pytest.mark.slow
 def test_bench_tiny_writes_its_reports(tmp_path, monkeypatch):
     import subprocess
