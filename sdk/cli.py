@@ -587,18 +587,18 @@ def _generate(a: argparse.Namespace) -> int:
 
 def _certify_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("bundle", help="an observer bundle")
-    p.add_argument("--json", action="store_true", help="print {bundle, passed, report} as JSON")
+    p.add_argument("--json", action="store_true", help="print the verdicts and figures as JSON (docs/cli.md)")
 
 
 @command("certify", "re-check an observer bundle's stability certificate from its own weights and print the report",
          _certify_args)
 def _certify(a: argparse.Namespace) -> int:
-    from closedloop.runtime.families.observer.certificate import certify_bundle
+    from closedloop.runtime.families.observer.certificate_bundle import certify_bundle_record
 
-    text = certify_bundle(a.bundle)
-    passed = text.rstrip().endswith("PASS")  # the certificate holds and the bundle verifies (else FAIL / REFUSED)
-    print(json_text({"bundle": a.bundle, "passed": passed, "report": text}) if a.json else text)
-    return 0 if passed else 1
+    rec = certify_bundle_record(a.bundle)
+    print(json_text({"bundle": a.bundle, **rec}) if a.json else rec["report"])
+    # 1: the certificate does not hold; 2: the bundle does not verify (bad input, as everywhere else)
+    return 0 if rec["passed"] else 1 if not rec["certificate_holds"] or rec["bundle_verifies"] else 2
 
 
 def _keygen_args(p: argparse.ArgumentParser) -> None:

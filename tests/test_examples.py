@@ -16,6 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
     ("export_and_stream_decoder.py", "streamed vs offline (torch, whole sequence): max abs error"),
     ("run_policy_in_loop.py", "missed deadlines"),
     ("bring_your_own_model.py", "4. imported ONNX file on numba"),
+    ("observer_own_plant.py", "estimated disturbance at the end"),
 ])
 def test_an_example_runs_as_its_docstring_says(script, says, tmp_path):
     done = subprocess.run([sys.executable, str(ROOT / "examples" / script), str(tmp_path / "out")],

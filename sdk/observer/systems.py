@@ -290,13 +290,20 @@ class ObserverSystem:
     def __post_init__(self) -> None:
         for key in ("A", "B", "E", "C", "nominal_x0", "error_box", "meas_noise_std", "process_noise_std"):
             setattr(self, key, np.array(getattr(self, key), dtype=float))
-        self.poles_c = np.asarray(self.poles_c, dtype=complex)
+        self.poles_c = np.asarray(self.poles_c if self.poles_c is not None else [], dtype=complex).reshape(-1)
         if np.all(self.poles_c.imag == 0):
             self.poles_c = self.poles_c.real.copy()
-        n_x, n_u = self.B.shape
-        n_d, n_y = self.E.shape[1], self.C.shape[0]
+        if not (isinstance(self.dt, (int, float)) and np.isfinite(self.dt) and self.dt > 0):
+            raise ValueError(f"ObserverSystem {self.name!r}: dt {self.dt!r} must be the sample period in seconds, > 0")
+        # the sizes come from A (states), B (inputs), E (disturbances) and C (outputs), each checked by name
+        for key in ("A", "B", "E", "C"):
+            if getattr(self, key).ndim != 2:
+                raise ValueError(f"ObserverSystem {self.name!r}: {key} has shape {getattr(self, key).shape}; give a "
+                                 f"2-D matrix ({key} = [[...], ...]; a single column as shape (n, 1))")
+        n_x = self.A.shape[0]
+        n_u, n_d, n_y = self.B.shape[1], self.E.shape[1], self.C.shape[0]
         self.n_x, self.n_d, self.n_u, self.n_y, self.n_z = n_x, n_d, n_u, n_y, n_x + n_d
-        expected = {"A": (n_x, n_x), "E": (n_x, n_d), "C": (n_y, n_x), "nominal_x0": (n_x,),
+        expected = {"A": (n_x, n_x), "B": (n_x, n_u), "E": (n_x, n_d), "C": (n_y, n_x), "nominal_x0": (n_x,),
                     "error_box": (self.n_z,), "meas_noise_std": (n_y,), "process_noise_std": (self.n_z,)}
         for key, shape in expected.items():
             if getattr(self, key).shape != shape:
@@ -316,6 +323,13 @@ class ObserverSystem:
         self.Cd = self.Ce.copy()
         if self.gain not in GAINS:
             raise ValueError(f"ObserverSystem {self.name!r}: gain {self.gain!r} is not one of {GAINS}")
+        hidden = self._unobservable_modes()
+        if hidden:
+            raise ValueError(
+                f"ObserverSystem {self.name!r}: the disturbance-extended model (A, E; C) is not observable (modes "
+                f"{', '.join(f'{m:.4g}' for m in hidden)} 1/s do not show in the outputs): no observer gain can "
+                "estimate every state and disturbance from these outputs; measure another state (a row of C), e.g. "
+                "one the disturbance acts through, or drop a disturbance column of E")
         self.kalman_cov = None
         if self.gain == "poles":
             self.L = place_observer_gain(self.Ad, self.Cd, self.poles_c, self.dt)
@@ -390,6 +404,17 @@ class ObserverSystem:
     def with_dt(self, dt: float) -> ObserverSystem:
         """A copy discretised at another sample time (same design poles)."""
         return dataclasses.replace(self, dt=dt)
+
+    def _unobservable_modes(self, tol: float = 1e-9) -> list[complex]:
+        """Eigenvalues ``s`` of ``Ae`` at which ``[s I - Ae; Ce]`` loses rank (the PBH test on the continuous
+        extended model, which keeps its scale, unlike powers of a discretised one)."""
+        scale = max(1.0, float(np.linalg.norm(self.Ae, 2)))
+        out = []
+        for ev in np.linalg.eigvals(self.Ae):
+            m = np.vstack([ev * np.eye(self.n_z) - self.Ae, self.Ce.astype(complex)])
+            if np.linalg.svd(m, compute_uv=False).min() <= tol * scale:
+                out.append(complex(ev).real if abs(complex(ev).imag) < 1e-12 else complex(ev))
+        return out
 
     def observability_rank(self) -> int:
         """Rank of the observability matrix of ``((Ad - I)/dt, Cd)`` (``n_z``: observable)."""

@@ -250,9 +250,10 @@ def test_kernel_nonlinearities_match_the_reference(plant):
         assert np.allclose(ucmd, obs.command(), rtol=1e-9, atol=1e-6)
 
 
-def test_certify_of_a_bundle_that_does_not_verify_ends_refused_and_exits_1(observer_setup, tmp_path, capsys):
+def test_certify_of_a_bundle_that_does_not_verify_ends_refused_and_exits_2(observer_setup, tmp_path, capsys):
     """The certificate may hold for the weights while a file of the bundle changed: the report's last line says the
-    bundle is refused, and the command fails, so a script reading either is not told PASS."""
+    bundle is refused, and the command fails with exit 2 (a bundle that does not verify is bad input, docs/cli.md),
+    so a script reading either is not told PASS; --json gives the verdicts as fields."""
     from closedloop.sdk.cli import main
 
     _, _, _, _, path = observer_setup
@@ -263,7 +264,12 @@ def test_certify_of_a_bundle_that_does_not_verify_ends_refused_and_exits_1(obser
     text = certify_bundle(bad)
     assert "result              PASS" in text and text.rstrip().splitlines()[-1].strip().startswith("bundle")
     assert "REFUSED" in text.rstrip().splitlines()[-1]
-    assert main(["certify", str(bad), "--json"]) == 1
+    assert main(["certify", str(bad), "--json"]) == 2
     import json
 
-    assert json.loads(capsys.readouterr().out)["passed"] is False
+    rec = json.loads(capsys.readouterr().out)
+    assert rec["passed"] is False and rec["certificate_holds"] is True and rec["bundle_verifies"] is False
+    assert rec["rho"] > 0 and rec["max_eig"] <= -rec["margin"] and rec["fingerprint_ok"] is True
+    assert rec["bundle_problems"] and rec["report"].rstrip().endswith("it does not verify (above), whatever its "
+                                                                       "certificate says")
+    assert main(["certify", str(path), "--json"]) == 0 and json.loads(capsys.readouterr().out)["passed"] is True

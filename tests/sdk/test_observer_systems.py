@@ -184,3 +184,24 @@ def test_bad_shapes_are_named():
                        C=np.array([[1.0, 0.0]]), nonlinearity=None, poles_c=[-1, -2, -3], omega_o=1.0,
                        nominal_x0=np.zeros(2), error_box=np.ones(2), meas_noise_std=[0.1],
                        process_noise_std=np.ones(3))
+
+
+def _msd(**kw):
+    """A mass-spring-damper with a force disturbance, as a user of their own plant writes it."""
+    args = dict(name="msd", dt=1e-3, A=[[0.0, 1.0], [-3.0, -0.8]], B=[[0.0], [2.0]], E=[[0.0], [2.0]],
+                C=[[1.0, 0.0]], nonlinearity=None, poles_c=None, omega_o=5.0, nominal_x0=[0.0, 0.0],
+                error_box=[1.0, 1.0, 1.0], meas_noise_std=[0.01], process_noise_std=[0.1, 0.1, 0.1])
+    return ObserverSystem(**(args | kw))
+
+
+@pytest.mark.parametrize("change, said", [
+    ({"B": [[0.0], [2.0], [1.0]]}, "B has shape (3, 1); expected (2, 1)"),  # the argument that is wrong, by name
+    ({"E": [0.0, 2.0]}, "E has shape (2,); give a 2-D matrix"),
+    ({"dt": 0.0}, "dt 0.0 must be the sample period in seconds, > 0"),
+    ({"C": [[0.0, 1.0]]}, "is not observable (modes 0 1/s do not show in the outputs)"),  # velocity only: p and d mix
+])
+def test_a_users_own_plant_with_a_mistake_is_told_what_is_wrong(change, said):
+    assert _msd().n_z == 3  # the plant as given is fine
+    with pytest.raises(ValueError) as e:
+        _msd(**change)
+    assert said in str(e.value)

@@ -241,7 +241,8 @@ def format_certificate_report(result: BundleCertificateCheck, source: str = "") 
             f"  LMI size            {c.size} x {c.size} (error {s.get('layout', {}).get('n_error', '?')}, "
             f"neurons {len(s.get('t', []))}, nonlinearity channels {len(s.get('lam', []))})",
             f"  decay rate rho      {c.rho:.6g} per step" + (f" ({rate:.4g} 1/s at dt = {c.dt:g} s)" if rate else ""),
-            f"  largest eigenvalue  {c.max_eig:.6g} (must be <= -{c.margin:.3g}; certified {s.get('max_eig', float('nan')):.6g})",
+            f"  largest eigenvalue  {c.max_eig:.6g} (must be <= -{c.margin:.3g}: "
+            f"{'holds' if c.max_eig <= -c.margin else 'VIOLATED'}; certified {s.get('max_eig', float('nan')):.6g})",
             f"  P min eigenvalue    {c.p_min_eig:.6g}" if c.p_min_eig is not None else "  P                   NOT positive definite",
             f"  weights             {'match the certified fingerprint' if result.fingerprint_ok else 'NOT the certified ones' if result.fingerprint_ok is False else 'no fingerprint stored'}",
             f"  check time          {result.total_ms:.2f} ms (LMI {c.check_ms:.2f} ms)",
@@ -264,6 +265,16 @@ def certify_bundle(path: str | Path) -> str:
     The bundle's other checks (checksums, schema, graph) are run too and listed; the
     certificate is checked even when they fail, so a person sees both.
     """
+    return certify_bundle_record(path)["report"]
+
+
+def certify_bundle_record(path: str | Path) -> dict[str, Any]:
+    """What ``closedloop certify --json`` prints: the verdicts and figures as fields, and the report text.
+
+    ``passed`` (the certificate holds and the bundle verifies), ``certificate_holds``, ``bundle_verifies``,
+    ``rho``, ``decay_rate_per_s``, ``dt``, ``max_eig``, ``margin``, ``p_min_eig``, ``fingerprint_ok``,
+    ``problems`` (the certificate's), ``bundle_problems`` (the bundle's other checks), ``report``.
+    """
     from closedloop.runtime.bundle import Bundle, _open, _read_manifest, check_bundle
 
     root, source = _open(path)
@@ -275,4 +286,9 @@ def certify_bundle(path: str | Path) -> str:
     if others:  # the certificate may hold for these weights, but the bundle itself is refused
         text += ("\n  other bundle problems:\n" + "\n".join(f"    - {p}" for p in others)
                  + "\n  bundle              REFUSED: it does not verify (above), whatever its certificate says")
-    return text
+    c = result.check
+    return {"passed": result.passed and not others, "certificate_holds": result.passed, "bundle_verifies": not others,
+            "rho": c.rho if c else None, "decay_rate_per_s": c.decay_rate_per_s if c else None,
+            "dt": c.dt if c else None, "max_eig": c.max_eig if c else None, "margin": c.margin if c else None,
+            "p_min_eig": c.p_min_eig if c else None, "fingerprint_ok": result.fingerprint_ok,
+            "problems": list(result.problems), "bundle_problems": others, "report": text}
