@@ -135,6 +135,11 @@ class ShapedHerReplayBuffer(HerReplayBuffer):
         if reward_model is None:
             raise ValueError("ShapedHerReplayBuffer needs reward_model= (the SuccessVisitationWrapper's); without "
                              "one use stable-baselines3's HerReplayBuffer on the unwrapped environment")
+        space = kwargs.get("observation_space", args[1] if len(args) > 1 else None)
+        if space is not None and not isinstance(space, spaces.Dict):
+            raise ValueError(f"ShapedHerReplayBuffer relabels goals, so it needs a goal-conditioned Dict observation "
+                             f"space (observation, achieved_goal, desired_goal); this one is {space}: use "
+                             "ShapedReplayBuffer (no relabelling) for a flat observation")
         super().__init__(*args, **kwargs)
         self.reward_model = reward_model
         self.outcome_rewards = np.zeros((self.buffer_size, self.n_envs), dtype=np.float32)

@@ -67,6 +67,12 @@ class SuccessVisitationWrapper(gym.Wrapper):
                  seed: int = 0) -> None:
         super().__init__(env)
         self.config = config
+        space = env.observation_space
+        parts = list(space.spaces.values()) if isinstance(space, spaces.Dict) else [space]
+        if not all(isinstance(p, spaces.Box) for p in parts):
+            raise ValueError(f"SuccessVisitationWrapper: the observation space is {space}; the discriminator reads Box "
+                             "observations (any dtype) or a Dict of them: give a discrete state as a one-hot Box "
+                             "(gymnasium.wrappers.FlattenObservation does it)")
         self.obs_dim = flat_dim(env.observation_space)
         self.act_dim = flat_dim(env.action_space)
         self.reward_model = reward or VisitationReward(config, self.obs_dim, self.act_dim, seed=seed)

@@ -148,3 +148,17 @@ def test_bench_tiny_writes_its_reports(tmp_path, monkeypatch):
     assert any(f"{len(lines)} of {len(lines)} runs were finished by an earlier run" in s for s in said), said
     assert cells.read_text().splitlines() == lines
     assert json.loads((tmp_path / "rl_tiny.json").read_text())["table"] == first["table"]
+
+
+def test_observations_the_discriminator_cannot_read_and_her_on_a_flat_space_are_refused_by_name():
+    import gymnasium as gym
+
+    from closedloop.sdk.rl.sb3 import ShapedHerReplayBuffer
+
+    with pytest.raises(ValueError, match="reads Box observations .* one-hot Box"):
+        SuccessVisitationWrapper(gym.make("FrozenLake-v1"), ShapingConfig())
+    flat = gym.spaces.Box(-1.0, 1.0, (3,), np.float32)
+    env = SuccessVisitationWrapper(gym.make("Pendulum-v1"), ShapingConfig())
+    with pytest.raises(ValueError, match="needs a goal-conditioned Dict observation space .* use ShapedReplayBuffer"):
+        ShapedHerReplayBuffer(100, flat, flat, reward_model=env.reward_model, env=None)
+    env.close()
