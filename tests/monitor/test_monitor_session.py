@@ -261,8 +261,10 @@ def test_a_session_that_never_started_ends_its_page_saying_why(plant_bundle):
                 if msg.type == aiohttp.WSMsgType.TEXT:
                     received.append(msg.json())
 
-    try:
-        asyncio.run(asyncio.wait_for(client(), 30))
+    try:  # the client on a thread of its own: the browser tests' playwright holds an event loop on this one
+        reader = threading.Thread(target=lambda: asyncio.run(asyncio.wait_for(client(), 30)))
+        reader.start()
+        reader.join(40)
         starter.join(30)
     finally:
         session.close()

@@ -244,7 +244,8 @@ def test_a_family_state_is_an_outlet_of_its_own_with_its_labels_one_sample_per_s
 
 def test_an_observer_sessions_estimate_is_published_as_recorded(observer_bundle, tmp_path):
     """`--lsl-out` of an observer session: NAME-state carries each step's estimate and prediction, the same values
-    as the recording's FAMILY_STATE records, with the labels the recording's META gives."""
+    as the recording's FAMILY_STATE record of the step's last measurement (a step catching up runs the update on
+    each, and the recording keeps each), with the labels the recording's META gives."""
     from closedloop.runtime import RecordingReader, RecordType, SessionConfig
 
     record = tmp_path / "obs.clrec"
@@ -252,7 +253,11 @@ def test_an_observer_sessions_estimate_is_published_as_recorded(observer_bundle,
         device="sim://plant?model=flexible-joint&rate=1000&seed=5", duration_s=1.0, status=False,
         backend="onnxruntime", record=str(record)), ("state",))
     reader = RecordingReader(record)
-    recorded = np.array([r.output()[2] for r in reader.of_type(RecordType.FAMILY_STATE)])
+    last_of_step = {}  # step -> the state after its last measurement
+    for r in reader.of_type(RecordType.FAMILY_STATE):
+        step, _seq, values = r.output()
+        last_of_step[step] = values
+    recorded = np.array(list(last_of_step.values()))
     assert len(recorded) > 20 and obs.pushed["state"] == len(recorded) and obs.lost == 0
     np.testing.assert_array_equal(np.array(wrapped["state"].samples), recorded)
     assert obs.info["state"] == reader.meta["family_state"]
