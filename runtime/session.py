@@ -636,7 +636,10 @@ class Session:
         newest = None
         last = -1  # the newest input frame: the one a family that commands once a step commands from
         if every_frame and not self.family.command_each_frame:
-            last = max((i for i, f in enumerate(frames) if isinstance(f.message, want)), default=-1)
+            for i in range(len(frames) - 1, -1, -1):  # from the end, no generator: the loop's thread, every step
+                if isinstance(frames[i].message, want):
+                    last = i
+                    break
         for i, f in enumerate(frames):
             m = f.message
             if isinstance(m, want):

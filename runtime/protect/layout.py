@@ -107,10 +107,9 @@ def tail_positions(n: int, k: int, key: bytes | None = None, name: str = "", win
     """The members of a constrained tensor's last block when it is too small to constrain (1 or 2 of ``n mod k``,
     left out by ``block_positions``): ``(1, k)`` flat indices, ``-1`` padding, in the keyed order, or None where
     there is no such tail. Its clean sums are stored (``precisions[p]["tail"]``), as a guarded block's are."""
-    whole = block_positions(n, k, key, name, window, min_last=1)
-    if len(whole) == len(block_positions(n, k, key, name, window)):
+    if not 0 < n % k < MIN_BLOCK:  # no last row that block_positions drops
         return None
-    return whole[-1:]
+    return block_positions(n, k, key, name, window, min_last=1)[-1:]
 
 
 def syndromes(values: np.ndarray, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

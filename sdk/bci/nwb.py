@@ -349,9 +349,10 @@ def load_falcon_h2(path: str | Path, *, n_calibration: int = 3) -> Session:
     info = parse_falcon_name(path)
     when = info.date or (date.fromisoformat(notes["date"]) if "date" in notes else start)
     role = info.role or notes.get("role")
-    split_from = ("name" if info.split else "notes" if notes.get("split") else
-                  "date" if _falcon_split(when) else "default")  # "default": nothing says it, taken as held-in
-    split = info.split or notes.get("split") or _falcon_split(when) or "held_in"
+    # the first source that gives the split; "default": nothing says it, taken as held-in
+    split_from, split = next(((where, value) for where, value in (("name", info.split), ("notes", notes.get("split")),
+                                                                  ("date", _falcon_split(when))) if value),
+                             ("default", "held_in"))
     name = notes.get("name") or (when.strftime("%Y.%m.%d") if when else path.stem)
     day = float(notes["day"]) if "day" in notes else float((when - FALCON_H2_DAY0).days) if when else 0.0
     n = len(trials)
