@@ -609,17 +609,20 @@ class Session:
             if sent is not None:
                 self._tap.command(sent)
         if bad is not None:
-            self._refuse_nonfinite(bad, k)
+            self._refuse_nonfinite(bad, k, send)
 
-    def _refuse_nonfinite(self, where: str, k: int) -> None:
-        """A step with a non-finite model input, output or command: send the safe command instead, reset bad state."""
+    def _refuse_nonfinite(self, where: str, k: int, send: bool = True) -> None:
+        """A run with a non-finite model input, output or command: counted, bad state reset, and the safe command
+        sent instead, unless ``send`` is False (an older frame of a step that commands once, from its newest: that
+        frame's command, or the safe one if it is refused too, is the step's one command)."""
         counts = self.summary_counts
         counts["nonfinite_inputs" if where == "input" else "nonfinite_outputs"] += 1
         state_reset = self.family.recover_nonfinite()
         if not self._nonfinite_run:
             self._event("nonfinite", where=where, state_reset=state_reset)
         self._nonfinite_run += 1
-        self._send_safe(k)
+        if send:
+            self._send_safe(k)
 
     def step(self, k: int) -> None:
         self._t_step = time.perf_counter_ns()

@@ -12,6 +12,7 @@ came. ``Model.step`` itself does not raise and recovers from a poisoned state.
 from __future__ import annotations
 
 import threading
+import time
 import warnings
 
 import numpy as np
@@ -218,3 +219,62 @@ def test_guarded_step_and_recovery_on_the_family(gru_bundle, backend):
     assert (cmd, bad) == (None, "input") and fam.recover_nonfinite() is False  # the state never saw it
     m.inputs[m.spec.state_inputs[0].name][0, 0, 0] = np.inf
     assert fam.guarded_step(good)[1] == "output" and fam.recover_nonfinite() is True
+
+
+def test_an_observer_catching_up_sends_one_command_a_step_when_an_older_measurement_is_bad(observer_bundle):
+    """An observer step that finds several measurements runs the update on each and commands once, from the newest.
+    A non-finite measurement among the older ones is refused (counted, the state reset) without a command of its
+    own: the step's one command is the newest's, or the safe one when the newest is the bad one."""
+    from closedloop.firmware_bridge import encode_frame
+    from closedloop.runtime import load_bundle
+
+    b = load_bundle(observer_bundle)
+    rate = b.manifest.rate_hz
+    ny = Model(b, backend="onnxruntime").spec.inputs[0].shape[-1]
+    host, device = open_pty_pair()
+    link = Link(device, role="device")
+    bursts = [(0.1, np.nan, 0.2), (0.1, 0.2, np.nan)] * 4  # the bad one older, then newest
+    got: list[list[np.ndarray]] = []
+
+    def serve():
+        while (f := link.recv(5.0)) is not None and not isinstance(f.message, Hello):
+            pass
+        link.send(Hello(kind="plant", name="burst", n_channels=ny, rate_hz=rate))
+        seq = link.next_seq
+        for values in bursts:
+            link.recv(0.05)  # what the host sends before the burst is not counted
+            while link.poll():
+                pass
+            # one write: the host's next step finds the whole burst waiting
+            wire = b"".join(encode_frame(PlantMeasurement(np.full(ny, v, np.float32), np.zeros(0, np.float32)),
+                                         (seq + i) % 65536, int(time.monotonic() * 1e6)) for i, v in enumerate(values))
+            seq += len(values)
+            link.transport.write(wire)
+            deadline, cmds = time.monotonic() + 0.1, []
+            while (left := deadline - time.monotonic()) > 0:
+                f = link.recv(left)
+                if f is not None and isinstance(f.message, ActuatorCommand):
+                    cmds.append(f.message.u.copy())
+            got.append(cmds)
+
+    register_transport("nfburst", lambda url, **_: host, replace=True)
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    cfg = SessionConfig(device="nfburst://", backend="onnxruntime", duration_s=10.0, status=False, watchdog_s=30.0,
+                        overrun="skip")
+    with Session(observer_bundle, cfg) as s:
+        s.start()
+        threading.Thread(target=lambda: (thread.join(10.0), s.stop()), daemon=True).start()
+        summary = s.run()
+    link.close()
+    assert len(got) == len(bursts)
+    assert [len(c) for c in got] == [1] * len(bursts), "one command a step, not one per refused measurement"
+    fam = get_family("observer")(b, Model(b, backend="onnxruntime"))
+    safe = fam.safe_output()
+    for values, (cmd,) in zip(bursts, got, strict=True):
+        assert np.all(np.isfinite(cmd))
+        if np.isnan(values[-1]):
+            np.testing.assert_array_equal(cmd, safe)
+    assert summary.nonfinite_inputs == len(bursts)
+    assert summary.safe_commands_sent == len(bursts) // 2  # only the steps whose newest measurement was bad
+    assert summary.commands_sent == len(bursts) // 2
