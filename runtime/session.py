@@ -481,7 +481,6 @@ class Session:
         except (RuntimeError, ValueError, OSError) as exc:
             raise SessionError(f"monitor: {exc}") from None
         self.monitor_url = self._tap.monitor_url
-        self._safe_values = safe.reshape(-1).astype(np.float32)
 
     def close_tap(self, reason: str | None = None) -> None:
         if self._tap is not None:
@@ -560,9 +559,10 @@ class Session:
         if not self._send(self.family.safe_message(k)):
             return False
         self.summary_counts["safe_commands_sent"] += 1
-        self.family.on_command_sent(self.family.safe_output())
+        sent = self.family.safe_output()  # as just sent: a policy's holds the hand where it is now, not at the start
+        self.family.on_command_sent(sent)
         if self._tap is not None:
-            self._tap.command(self._safe_values)
+            self._tap.command(sent)
             self._tap.flag(FLAG_SAFE)
         return True
 

@@ -230,3 +230,65 @@ def acted_inputs():
             self.seqs.extend(batch.input_seq[acted].tolist())
 
     return ActedInputs()
+
+
+class LockstepDevice:
+    """The device end of a pty pair: answers the host's Hello (``kind``, ``rate_hz``), then sends each measurement
+    and waits for the command it produced before sending the next (so every frame is acted on); ``replies`` holds
+    each command's values (``ActuatorCommand.u``, ``JointCommand.values``), None where none came."""
+
+    def __init__(self, n_channels: int, frames: list, kind: str = "plant", rate_hz: float = 100.0):
+        import threading
+
+        from closedloop.firmware_bridge import Link, open_pty_pair
+
+        self.host, device = open_pty_pair()
+        self.link = Link(device, role="device")
+        self.n_channels, self.frames, self.kind, self.rate_hz = n_channels, frames, kind, rate_hz
+        self.replies: list = []
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _wait(self, kinds, timeout_s: float = 5.0):
+        while (f := self.link.recv(timeout_s)) is not None:
+            if isinstance(f.message, kinds):
+                return f.message
+        return None
+
+    def _serve(self) -> None:
+        import numpy as np
+
+        from closedloop.firmware_bridge import ActuatorCommand, Hello, JointCommand, PlantMeasurement
+
+        if self._wait(Hello) is None:
+            return
+        self.link.send(Hello(kind=self.kind, name="lockstep", n_channels=self.n_channels, rate_hz=self.rate_hz))
+        for y in self.frames:
+            self.link.send(PlantMeasurement(y, np.zeros(0, np.float32)))
+            reply = self._wait((ActuatorCommand, JointCommand))
+            values = None if reply is None else (reply.u if isinstance(reply, ActuatorCommand) else reply.values)
+            self.replies.append(None if values is None else values.copy())
+
+    def close(self) -> None:
+        self.thread.join(10.0)
+        self.link.close()
+
+
+@pytest.fixture
+def lockstep():
+    """``lockstep(n_channels, frames, kind="plant", rate_hz=100.0) -> (URL, device)``: a fresh lockstep device on a
+    pty pair (closed after the test)."""
+    from closedloop.firmware_bridge import register_transport
+
+    devices = []
+
+    def make(n_channels: int, frames: list, kind: str = "plant", rate_hz: float = 100.0):
+        dev = LockstepDevice(n_channels, frames, kind, rate_hz)
+        devices.append(dev)
+        scheme = f"lockstep{len(devices)}"
+        register_transport(scheme, lambda url, **_: dev.host, replace=True)
+        return f"{scheme}://", dev
+
+    yield make
+    for dev in devices:
+        dev.close()

@@ -3,6 +3,8 @@ episodes against ``sim://panda?task=push`` over the wire, reporting success per 
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 import torch
@@ -157,3 +159,39 @@ def test_wilson_interval():
     lo, hi = wilson_interval(8, 10)
     assert 0.49 < lo < 0.5 and 0.94 < hi < 0.95
     assert wilson_interval(0, 0) == (0.0, 1.0)
+
+
+def test_the_safe_command_observers_see_is_the_one_sent_holding_the_hand_where_it_is(push_bundle, lockstep):
+    """A policy's safe command holds the hand at its last finite position: the step hooks (the monitor, LSL's
+    commands outlet) get that command as sent, not the one computed when the session opened."""
+    from closedloop.runtime import Session, SessionConfig
+    from closedloop.runtime.observe import FLAG_SAFE, SessionObserver
+
+    class SafeSteps(SessionObserver):
+        def __init__(self):
+            self.commands = []
+
+        def on_steps(self, batch):
+            self.commands.extend(batch.command[(batch.flags & FLAG_SAFE) != 0].copy())
+
+    b = load_bundle(push_bundle[0])
+    ee = np.asarray(b.manifest.extra["policy"]["ee_index"])
+    env = PandaTaskEnv("push")
+    first = env.reset(seed=0)[0].astype(np.float32)
+    env.close()
+    moved = first.copy()
+    moved[ee] += np.float32([0.05, -0.04, 0.03])  # the hand elsewhere, and a non-finite goal: refused
+    moved[14] = np.nan
+    url, dev = lockstep(first.size, [first, moved], kind="panda", rate_hz=b.manifest.rate_hz)
+    obs = SafeSteps()
+    cfg = SessionConfig(device=url, duration_s=10.0, status=False, watchdog_s=30.0, overrun="skip", observers=[obs])
+    with Session(b, cfg) as s:
+        s.start()
+        threading.Thread(target=lambda: (dev.thread.join(10.0), s.stop()), daemon=True).start()
+        summary = s.run()
+    low, high = get_family("policy")(b, Model(b, backend="onnxruntime")).command_limits()
+    held = np.clip(moved[ee], low, high)
+    assert summary.nonfinite_inputs == 1 and summary.safe_commands_sent == 1
+    np.testing.assert_allclose(dev.replies[1], held, atol=1e-6)  # what the arm got
+    assert len(obs.commands) == 1
+    np.testing.assert_allclose(obs.commands[0], held, atol=1e-6)  # what the observers got

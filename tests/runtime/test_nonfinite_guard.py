@@ -75,55 +75,6 @@ def overflow_bundle(tmp_path_factory):
     )
 
 
-class LockstepDevice:
-    """The device end of a pty pair: answers the host's Hello, then sends each measurement and
-    waits for the command it produced before sending the next (so every frame is acted on)."""
-
-    def __init__(self, n_channels: int, frames: list[np.ndarray]):
-        self.host, device = open_pty_pair()
-        self.link = Link(device, role="device")
-        self.n_channels, self.frames = n_channels, frames
-        self.replies: list[np.ndarray | None] = []
-        self.thread = threading.Thread(target=self._serve, daemon=True)
-        self.thread.start()
-
-    def _wait(self, kind, timeout_s: float = 5.0):
-        while (f := self.link.recv(timeout_s)) is not None:
-            if isinstance(f.message, kind):
-                return f.message
-        return None
-
-    def _serve(self) -> None:
-        if self._wait(Hello) is None:
-            return
-        self.link.send(Hello(kind="plant", name="lockstep", n_channels=self.n_channels, rate_hz=RATE_HZ))
-        for y in self.frames:
-            self.link.send(PlantMeasurement(y, np.zeros(0, np.float32)))
-            reply = self._wait(ActuatorCommand)
-            self.replies.append(None if reply is None else reply.u.copy())
-
-    def close(self) -> None:
-        self.thread.join(10.0)
-        self.link.close()
-
-
-@pytest.fixture
-def lockstep(request):
-    """``lockstep(n_channels, frames) -> URL`` of a fresh lockstep device (closed after the test)."""
-    devices = []
-
-    def make(n_channels: int, frames: list[np.ndarray]) -> tuple[str, LockstepDevice]:
-        dev = LockstepDevice(n_channels, frames)
-        devices.append(dev)
-        scheme = f"nftest{len(devices)}"
-        register_transport(scheme, lambda url, **_: dev.host, replace=True)
-        return f"{scheme}://", dev
-
-    yield make
-    for dev in devices:
-        dev.close()
-
-
 def _run(bundle, url, backend, record, dev):
     # overrun "skip": on a loaded machine "hold" would re-send the last command for a missed period, and the
     # lockstep device would take that re-send for the reply to its next frame
