@@ -11,6 +11,7 @@ seconds since the first record; device times are the device's own clock.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,7 @@ from closedloop.firmware_bridge import (
     NeuralFrame,
     PlantMeasurement,
 )
+from closedloop.firmware_bridge.transports.lsl import STATUS_LSL_CHANNELS
 
 from .observe.record_steps import STEPS_RECORD_TYPE, decode_steps
 from .recording import RecordingReader, RecordType
@@ -83,6 +85,34 @@ class RecordingView:
     @property
     def text(self) -> str:
         return "".join(t for _, _, t in self.typed)
+
+    @property
+    def channels(self) -> dict[str, list[str]] | None:
+        """The input's channel descriptions as an LSL source gave them (``{"label", "unit", "type"}``, one string
+        per channel; the ``LSL_CHANNELS`` device statuses, docs/lsl.md), or None where the device sent none."""
+        return channels_from_events(ev for _, ev in self.events)
+
+
+def channels_from_events(events) -> dict[str, list[str]] | None:
+    """Join the parts of the first complete ``LSL_CHANNELS`` description among ``device_status`` events."""
+    got: dict[str, list[str]] = {}
+    for ev in events:
+        if ev.get("event") != "device_status" or ev.get("code") != STATUS_LSL_CHANNELS:
+            continue
+        try:
+            part = json.loads(ev.get("text", ""))
+            first, total = int(part["first"]), int(part["of"])
+        except (ValueError, KeyError, TypeError):
+            continue
+        if first == 0:
+            got = {k: [] for k in ("label", "unit", "type")}
+        if not got or len(got["label"]) != first:
+            continue  # a part out of order (a description cut short): wait for the next whole one
+        for k in got:
+            got[k].extend(str(x) for x in part.get(k, [""] * int(part["count"])))
+        if len(got["label"]) == total:
+            return got
+    return None
 
 
 def view_recording(recording: str | Path | RecordingReader) -> RecordingView:

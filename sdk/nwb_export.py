@@ -83,10 +83,14 @@ def recording_to_nwb(recording: str | Path, out: str | Path, overwrite: bool = F
     ev_kind = [str(ev.get("event", "?")) for _, ev in view.events]
     ev_detail = [json.dumps({k: v for k, v in ev.items() if k != "event"}) for _, ev in view.events]
     units = {"binned_spikes": "counts per bin"}
+    channels = view.channels  # an LSL source's channel labels, units and types, where it gave them
     for name, s in series.items():
+        described = channels is not None and len(channels["label"]) == s.values[0].size
         nwb.add_acquisition(TimeSeries(name=name, data=s.array(), timestamps=np.asarray(s.t_host_s),
                                        unit=units.get(name, "a.u."),
-                                       description="the device's frames, at the host time each was read (host clock)"))
+                                       description="the device's frames, at the host time each was read (host clock)",
+                                       comments=(json.dumps({"channels": channels}) if described
+                                                 else "no comments")))
         nwb.add_acquisition(TimeSeries(name=f"{name}_device_clock", data=np.asarray(s.t_device_s),
                                        timestamps=np.asarray(s.t_host_s), unit="seconds",
                                        description=f"the device's own timestamp of each frame of {name} (its clock, "

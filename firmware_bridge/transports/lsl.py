@@ -48,6 +48,7 @@ STATUS_LSL_STREAM_BACK = 52
 STATUS_LSL_NOT_COUNTS = 53
 STATUS_LSL_STREAM = 54  # which stream this is (name, type, channels, rate, source id, host, uid), at each HELLO
 STATUS_LSL_STREAM_CHANGED = 55  # the stream came back as another (channels, format, rate or type differ)
+STATUS_LSL_CHANNELS = 56  # the stream's channel descriptions (label, unit, type), JSON in parts, at each HELLO
 _REQUEST_REPORT, _REPORT = 1, 2
 
 #: Stream types (lower case) that open as a ``headstage`` (spike counts) when the URL gives no ``kind``; any other,
@@ -206,6 +207,44 @@ def _resolve(pylsl: Any, params: LslParams) -> Any:
         "multicast reaches this machine (docs/lsl.md)")
 
 
+def channel_descriptions(info: Any) -> dict[str, list[str]] | None:
+    """``{"label": [...], "unit": [...], "type": [...]}`` from a full stream info's ``desc/channels/channel``
+    elements (the XML meta-data convention of LSL's stream types), one string per channel ("" where a field is
+    missing); None when the stream describes no channels or not one per channel."""
+    fields = ("label", "unit", "type")
+    out: dict[str, list[str]] = {f: [] for f in fields}
+    ch = info.desc().child("channels").child("channel")
+    while not ch.empty():
+        for f in fields:
+            out[f].append(ch.child_value(f))
+        ch = ch.next_sibling()
+    n = len(out["label"])
+    if n == 0 or n != int(info.channel_count()):
+        return None
+    return out
+
+
+def channel_status_texts(desc: dict[str, list[str]], limit: int = 3900) -> list[str]:
+    """``desc`` as JSON texts of at most ``limit`` bytes, each ``{"first": i, "count": n, "of": N, "label": [...],
+    "unit": [...], "type": [...]}`` for channels ``i .. i+n-1`` of ``N``: one STATUS text holds at most 4,000 bytes,
+    so a long description goes in consecutive parts (each string cut to 200 characters, so a channel always fits)."""
+    total = len(desc["label"])
+
+    def part(a: int, b: int) -> str:
+        fields = {k: [x[:200] for x in v[a:b]] for k, v in desc.items()}
+        return json.dumps({"first": a, "count": b - a, "of": total, **fields}, ensure_ascii=False,
+                          separators=(",", ":"))
+
+    texts, first = [], 0
+    while first < total:
+        end = first + 1
+        while end < total and len(part(first, end + 1).encode()) <= limit:
+            end += 1
+        texts.append(part(first, end))
+        first = end
+    return texts
+
+
 def _layout(info: Any) -> tuple[int, int, float, str]:
     """What a session's frames depend on: channel count, channel format, nominal rate, type."""
     return (int(info.channel_count()), int(info.channel_format()), float(info.nominal_srate()), str(info.type()))
@@ -257,6 +296,9 @@ class LslTransport(Transport):
         try:
             self.inlet.open_stream(timeout=params.timeout_s)
             self.time_correction_s = float(self.inlet.time_correction(timeout=params.timeout_s))
+            # the resolved info has no meta-data; the inlet's full one has the channels, if the source gave them
+            self.channels = channel_descriptions(self.inlet.info(timeout=params.timeout_s))
+            self._channel_texts = channel_status_texts(self.channels) if self.channels is not None else []
         except Exception as exc:  # pylsl's TimeoutError / LostError
             self.inlet.close_stream()
             raise DeviceNotConnectedError(f"LSL stream {_describe(info)} was found but did not connect within "
@@ -467,6 +509,8 @@ class LslTransport(Transport):
         self._emit(self.hello())
         # which stream answered, in the recording (a device_status event): name alone may not tell two sources apart
         self._status(STATUS_LSL_STREAM, Severity.INFO, _describe(self.info) + f", uid {self.info.uid()!r}")
+        for text in self._channel_texts:
+            self._status(STATUS_LSL_CHANNELS, Severity.INFO, text)
         self._clock_status(self._lsl.local_clock())
 
     def report(self) -> dict[str, Any]:

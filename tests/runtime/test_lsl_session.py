@@ -177,3 +177,59 @@ def test_an_lsl_stream_read_as_the_wrong_kind_is_refused_with_the_url_that_reads
     family = get_family(bundle.manifest.family)(bundle, Model(bundle, backend="onnxruntime"))
     problems = family.check_device(Hello(kind="plant", name="lsl:Amp", n_channels=12, rate_hz=50.0))
     assert any("lsl://Amp?kind=headstage" in p for p in problems), problems
+
+
+def test_the_sources_channel_labels_units_and_types_reach_the_recording_and_nwb(neural_bundle, tmp_path):
+    """An LSL source that describes its channels (desc/channels/channel: label, unit, type) has them in the
+    recording as LSL_CHANNELS device statuses, in parts where they exceed one STATUS text, and in the NWB export."""
+    import pynwb
+
+    from closedloop.firmware_bridge.transports.lsl import STATUS_LSL_CHANNELS
+    from closedloop.runtime.recording_view import view_recording
+    from closedloop.sdk.nwb_export import recording_to_nwb
+
+    name = f"cltest-{uuid.uuid4().hex[:10]}"
+    labels = [f"elec-{i:02d}-" + "é" * 190 for i in range(12)]  # 12 x 390 bytes: two parts
+    info = pylsl.StreamInfo(name, "Spikes", 12, 50, "int32", f"{name}-src")
+    chans = info.desc().append_child("channels")
+    for i, label in enumerate(labels):
+        ch = chans.append_child("channel")
+        ch.append_child_value("label", label)
+        ch.append_child_value("unit", "counts")
+        if i % 2 == 0:
+            ch.append_child_value("type", "spikes")
+    outlet = pylsl.StreamOutlet(info)
+    stop = threading.Event()
+
+    def push():
+        while not stop.is_set():
+            outlet.push_sample(np.arange(12, dtype=np.int32))
+            time.sleep(0.02)
+
+    threading.Thread(target=push, daemon=True).start()
+    rec = tmp_path / "chans.clrec"
+    try:
+        run_session(neural_bundle, SessionConfig(device=f"lsl://{name}?timeout=3", duration_s=1.0, status=False,
+                                                 record=str(rec), backend="onnxruntime"))
+    finally:
+        stop.set()
+    events = [r.json() for r in RecordingReader(rec).of_type(RecordType.EVENT)]
+    parts = [e for e in events if e["event"] == "device_status" and e["code"] == STATUS_LSL_CHANNELS]
+    assert len(parts) >= 2 and all(len(p["text"].encode()) <= 4000 for p in parts)
+    want = {"label": labels, "unit": ["counts"] * 12, "type": ["spikes" if i % 2 == 0 else "" for i in range(12)]}
+    assert view_recording(rec).channels == want
+    with pynwb.NWBHDF5IO(str(recording_to_nwb(rec, tmp_path / "chans.nwb")), "r") as io:
+        assert json.loads(io.read().acquisition["binned_spikes"].comments)["channels"] == want
+
+
+def test_channel_descriptions_split_into_status_texts_and_join_back():
+    from closedloop.firmware_bridge.transports.lsl import STATUS_LSL_CHANNELS, channel_status_texts
+    from closedloop.runtime.recording_view import channels_from_events
+
+    desc = {"label": [f"ch{i:03d}" for i in range(192)], "unit": ["microvolts"] * 192, "type": ["EEG"] * 192}
+    texts = channel_status_texts(desc)
+    assert len(texts) > 1 and all(len(t.encode()) <= 3900 for t in texts)
+    events = [{"event": "device_status", "code": STATUS_LSL_CHANNELS, "text": t} for t in texts]
+    assert channels_from_events(events) == desc
+    assert channels_from_events(events[1:]) is None  # a description without its first part is not guessed
+    assert channels_from_events(events[:1] + events) == desc  # a repeat (a re-handshake) starts it again
