@@ -446,6 +446,8 @@ class Session:
         self._typed, self._typed_resets = 0, self.family.typed_resets()  # typed events count from here
         if self._tap is not None:  # observers start with the device known
             self._tap.start({"device": _hello_dict(hello)})
+        if self.scrubber is not None:  # the load pass ran before there was a recording: its findings go in now
+            self.scrubber.load_events(self._event)
         self._last_input_ns = time.monotonic_ns()
         return hello
 

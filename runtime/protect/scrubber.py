@@ -545,6 +545,7 @@ class SessionScrubber:
         if policy not in ("stop", "fallback"):
             raise ValueError(f"scrub policy {policy!r} must be 'stop' or 'fallback'")
         self.scrubber, self.budget_ns, self.policy = scrubber, int(budget_us * 1000), policy
+        self._at_load = list(scrubber.events)  # the load pass's findings (attach_scrubber ran it)
         scrubber.stats.budget_us = budget_us
 
     def on_idle(self, budget_ns: int, event=None) -> str | None:
@@ -559,6 +560,16 @@ class SessionScrubber:
 
     def summary(self) -> dict[str, Any]:
         return self.scrubber.stats.to_dict() | {"policy": self.policy}
+
+    def load_events(self, event, limit: int = 100) -> None:
+        """Report what the load pass found (repaired or ambiguous blocks) through ``event(kind, **fields)`` as
+        ``weights_<status>`` events with ``at_load=True``, the first ``limit``; past it one ``weights_at_load``
+        event with the count of the rest (the summary's ``scrub`` block has every count)."""
+        found = self._at_load
+        for e in found[:limit]:
+            event("weights_" + e.status, at_load=True, **asdict(e))
+        if len(found) > limit:
+            event("weights_at_load", not_listed=len(found) - limit, listed=limit)
 
 
 def session_scrubber(model: Any, config: Any) -> SessionScrubber | None:

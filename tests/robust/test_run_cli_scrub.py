@@ -58,8 +58,11 @@ def test_run_skip_checksum_runs_a_fault_injected_copy_loudly_and_repairs_it(unke
 
 
 def test_run_skip_checksum_with_a_device(unkeyed_bundle, tmp_path, capsys):
+    from closedloop.runtime import RecordingReader, RecordType
+
     bad, n = _faulty(unkeyed_bundle, tmp_path)
-    argv = ["run", str(bad), "--device", "sim://headstage?channels=12&seed=3", *RUN, "--json"]
+    rec = tmp_path / "faulty.clrec"
+    argv = ["run", str(bad), "--device", "sim://headstage?channels=12&seed=3", *RUN, "--json", "--record", str(rec)]
     assert main(argv) == 2
     assert main([*argv, "--skip-checksum"]) == 0
     out, err = capsys.readouterr()
@@ -67,6 +70,12 @@ def test_run_skip_checksum_with_a_device(unkeyed_bundle, tmp_path, capsys):
     summary = _json(out)
     assert summary["scrub"]["repaired"] == n and summary["inputs_used"] > 0
     assert np.isfinite(summary["loop"]["latency_p99_us"])
+    # the repairs made at load are in the recording too, each naming its tensor, element and bit
+    events = [r.json() for r in RecordingReader(rec).of_type(RecordType.EVENT)]
+    at_load = [e for e in events if e["event"] == "weights_repaired" and e.get("at_load")]
+    names = list(load_bundle(unkeyed_bundle).manifest.extra["robust"]["tensors"])
+    assert sorted((e["tensor"], e["index"], e["bit"]) for e in at_load) == sorted([(names[0], 5, 30),
+                                                                                  (names[1], 77, 29)])
 
 
 def test_scrub_policy_stop_reaches_the_session_and_its_stop_gives_exit_1(unkeyed_bundle, monkeypatch, capsys):
