@@ -119,6 +119,9 @@ class SessionConfig:
     monitor_public: bool = False
     # Publish outputs, commands and typed text as LSL outlets NAME-outputs, NAME-commands, NAME-text.
     lsl_out: str | None = None
+    # Hold the LSL outlets' publishing until each has a consumer, at most this many seconds (the steps wait in the
+    # step ring meanwhile, then go out with their own timestamps): a recorder gets the session from its first step.
+    lsl_out_wait_s: float = 0.0
     # End the session (a safety stop, stopped_by "watchdog_limit") after this many seconds without input.
     watchdog_limit_s: float | None = None
     # Real-time settings of the loop's thread for the loop's duration (runtime/realtime.py, docs/realtime.md):
@@ -143,6 +146,12 @@ class SessionConfig:
         # a misspelt switch must not leave scrubbing on (scrub=False scrubbed) or fail only once the session runs
         if self.scrub not in ("auto", "off"):
             raise ValueError(f"SessionConfig.scrub {self.scrub!r}: expected 'auto' (scrub a protected bundle) or 'off'")
+        if not (isinstance(self.lsl_out_wait_s, (int, float)) and self.lsl_out_wait_s >= 0):
+            raise ValueError(f"SessionConfig.lsl_out_wait_s {self.lsl_out_wait_s!r}: give the seconds to wait for "
+                             "LSL consumers, 0 (do not wait) or more")
+        if self.lsl_out_wait_s and not self.lsl_out:
+            raise ValueError("SessionConfig.lsl_out_wait_s (--lsl-out-wait) waits for consumers of the LSL outlets; "
+                             "give lsl_out (--lsl-out NAME) too")
         if self.scrub_policy not in ("fallback", "stop"):
             raise ValueError(f"SessionConfig.scrub_policy {self.scrub_policy!r}: expected 'fallback' (restore an "
                              "unrepairable block from the last good copy) or 'stop' (safe command, end the session)")
@@ -460,7 +469,7 @@ class Session:
         if cfg.lsl_out:
             from .observe.lsl_out import LslOutlets
 
-            observers.append(LslOutlets(cfg.lsl_out))
+            observers.append(LslOutlets(cfg.lsl_out, wait_s=cfg.lsl_out_wait_s))
         if not observers and cfg.monitor is None:
             return
         info = {

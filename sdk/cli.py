@@ -124,6 +124,9 @@ def _run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lsl-out", default=None, metavar="NAME",
                    help="publish the session as LSL outlets: NAME-outputs, NAME-commands (a command with values), "
                         "NAME-text (typed text), NAME-state (an observer's estimate) ([lsl] extra; docs/lsl.md)")
+    p.add_argument("--lsl-out-wait", type=float, default=0.0, metavar="S",
+                   help="with --lsl-out: publish nothing until every outlet has a consumer (a recorder), at most S "
+                        "seconds; the steps meanwhile are published after, with their own timestamps")
     p.add_argument("--watchdog-limit", type=float, default=None, metavar="S",
                    help="end the session (exit 1) after S seconds without input; default: wait for the device")
     p.add_argument("--wake-on-input", action="store_true",
@@ -188,7 +191,8 @@ def _run(a: argparse.Namespace) -> int:
             handshake_timeout_s=a.handshake_timeout,
             weights_key_file=a.weights_key_file, scrub=a.scrub, scrub_policy=a.scrub_policy,
             inputs=_held_inputs(a.input), trust=a.trust,
-            monitor=a.monitor, monitor_public=a.monitor_public, lsl_out=a.lsl_out, watchdog_limit_s=a.watchdog_limit,
+            monitor=a.monitor, monitor_public=a.monitor_public, lsl_out=a.lsl_out, lsl_out_wait_s=a.lsl_out_wait,
+            watchdog_limit_s=a.watchdog_limit,
             wake_on_input=a.wake_on_input, **_rt_settings(a),
         )
         from closedloop.runtime.session import DeviceChangedError
@@ -204,7 +208,7 @@ def _run(a: argparse.Namespace) -> int:
         print(json_text(summary.to_dict()) if a.json else summary.format())
         return _exit_code(summary.loop.stopped_by)
     device_only = [flag for flag, value in (("--record", a.record), ("--key", a.key), ("--monitor", a.monitor),
-                                            ("--lsl-out", a.lsl_out)) if value]
+                                            ("--lsl-out", a.lsl_out), ("--lsl-out-wait", a.lsl_out_wait)) if value]
     if device_only:
         print(f"closedloop run: error: {' and '.join(device_only)} need{'s' if len(device_only) == 1 else ''} --device: "
               "without a device the loop runs on synthetic frames, with no link to sign, nothing to record, watch or "

@@ -29,6 +29,7 @@ never the loop.
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
@@ -38,6 +39,8 @@ from closedloop.firmware_bridge.transports.lsl import import_pylsl
 
 from .hub import SessionObserver
 from .ring import RunBatch, StepBatch
+
+log = logging.getLogger("closedloop.lsl")
 
 #: what each outlet's timestamps are (its ``desc/clock``), all on ``local_clock()``
 _CLOCKS = {
@@ -76,6 +79,11 @@ class LslOutlets(SessionObserver):
     source_id : str, optional
         Prefix of the outlets' source ids (default ``closedloop:NAME``), so a consumer
         reconnects to the same streams when the session restarts.
+    wait_s : float
+        ``--lsl-out-wait``: when the outlets open, publish nothing until every one has a consumer (an inlet), for
+        at most ``wait_s`` seconds, so a recorder that resolves the streams once they appear gets the session from
+        its first step. The loop runs meanwhile; its steps wait in the step ring (8,192 steps: 8 s at 1 kHz) and are
+        then published with their own timestamps; steps beyond the ring's capacity are lost (``lost``).
 
     Attributes
     ----------
@@ -87,11 +95,20 @@ class LslOutlets(SessionObserver):
         Model-run records the ring overwrote before this observer read them (outputs not published).
     offset_s : float
         ``local_clock() - time.monotonic()`` measured at the start.
+    waited_s : float
+        How long ``wait_s`` held the publishing back (0 without it).
+    without_consumer : list of str
+        The outlets that still had no consumer when ``wait_s`` ran out.
     """
 
-    def __init__(self, name: str, source_id: str | None = None):
+    def __init__(self, name: str, source_id: str | None = None, wait_s: float = 0.0):
         if not name or any(c in name for c in "'\"\n"):
             raise ValueError(f"--lsl-out {name!r}: give a plain stream name prefix, like 'closedloop'")
+        if not wait_s >= 0:
+            raise ValueError(f"--lsl-out-wait {wait_s!r}: give the seconds to wait for consumers, 0 or more")
+        self.wait_s = float(wait_s)
+        self.waited_s = 0.0
+        self.without_consumer: list[str] = []
         self.name = name
         self.source_id = source_id or f"closedloop:{name}"
         self._lsl = import_pylsl()  # fail at construction (the CLI's argument check), not in the session
@@ -152,6 +169,26 @@ class LslOutlets(SessionObserver):
         n_out, n_cmd = info.get("n_out"), info.get("n_cmd")
         if isinstance(n_out, int) and isinstance(n_cmd, int):
             self._open(n_out, n_cmd, len(info.get("state") or []))
+            if self.wait_s > 0:
+                self._wait_for_consumers()
+
+    def _wait_for_consumers(self) -> None:
+        """Hold publishing back until every outlet has an inlet, at most ``wait_s`` (this observer's thread: the
+        loop's steps wait in the ring)."""
+        names = ", ".join(f"{self.name}-{w}" for w in self.outlets)
+        log.warning("lsl-out: waiting up to %g s for a consumer of %s", self.wait_s, names)
+        t0 = time.monotonic()
+        for which, outlet in self.outlets.items():
+            left = t0 + self.wait_s - time.monotonic()
+            if not outlet.wait_for_consumers(max(0.0, left)):
+                self.without_consumer.append(f"{self.name}-{which}")
+        self.waited_s = time.monotonic() - t0
+        if self.without_consumer:
+            log.warning("lsl-out: no consumer of %s after %g s; publishing anyway",
+                        ", ".join(self.without_consumer), self.wait_s)
+        else:
+            log.warning("lsl-out: every outlet has a consumer after %.2f s; publishing from the first step",
+                        self.waited_s)
 
     def _push(self, which: str, values: np.ndarray, stamps: np.ndarray) -> None:
         outlet = self.outlets.get(which)

@@ -233,3 +233,56 @@ def test_channel_descriptions_split_into_status_texts_and_join_back():
     assert channels_from_events(events) == desc
     assert channels_from_events(events[1:]) is None  # a description without its first part is not guessed
     assert channels_from_events(events[:1] + events) == desc  # a repeat (a re-handshake) starts it again
+
+
+def test_lsl_out_wait_holds_publishing_until_a_recorder_connects_so_it_gets_every_step(neural_bundle):
+    """``--lsl-out-wait``: a recorder that finds the outlets a second after they appear still gets the session's
+    commands from its first step (they waited in the step ring), each once, with the step's own timestamps."""
+    from closedloop.runtime.observe import FLAG_COMMAND, LslOutlets, SessionObserver
+
+    class CommandSteps(SessionObserver):  # NAME-commands has a sample per step that sent a command
+        n = 0
+
+        def on_steps(self, batch):
+            self.n += int(np.count_nonzero(batch.flags & FLAG_COMMAND))
+
+    name = f"cltest-{uuid.uuid4().hex[:10]}"
+    src = _Source(name, gone_at_s=1e9, gone_s=0.0, run_s=4.0)
+    src.start()
+    obs = LslOutlets(f"{name}-out", wait_s=5.0)
+    got: dict[str, list] = {"commands": [], "outputs": []}
+
+    def record() -> None:
+        found = {which: pylsl.resolve_byprop("name", f"{name}-out-{which}", 1, 10.0) for which in got}
+        time.sleep(1.0)  # a recorder that takes a second after the streams appear to connect
+        inlets = {}
+        for which in got:
+            inlets[which] = pylsl.StreamInlet(found[which][0])
+            inlets[which].open_stream(timeout=5.0)
+        connected.append(pylsl.local_clock())
+        end = time.monotonic() + 5.0
+        while time.monotonic() < end:
+            for which, inlet in inlets.items():
+                got[which] += inlet.pull_chunk(timeout=0.05)[1]
+
+    connected: list[float] = []
+    recorder = threading.Thread(target=record, daemon=True)
+    recorder.start()
+    s = run_session(neural_bundle, SessionConfig(device=f"lsl://{name}?timeout=3", duration_s=2.0, status=False,
+                                                 backend="onnxruntime", observers=[obs, steps := CommandSteps()]))
+    recorder.join()
+    src.join()
+    assert obs.without_consumer == [] and 0.8 < obs.waited_s < 5.0
+    assert obs.lost == 0 and s.commands_sent > 40
+    # every command the session sent, and the stop's, from the first step on: none lost to the late recorder
+    assert len(got["commands"]) == obs.pushed["commands"] == steps.n + s.stop_commands_sent
+    assert len(got["outputs"]) == obs.pushed["outputs"] == s.inputs_used
+    # stamped when each was sent, the first ones before the recorder connected
+    assert got["commands"][0] < connected[0] - 0.5 and got["commands"][-1] > connected[0]
+
+
+def test_lsl_out_wait_needs_lsl_out():
+    with pytest.raises(ValueError, match="give lsl_out"):
+        SessionConfig(device="sim://headstage", lsl_out_wait_s=2.0)
+    with pytest.raises(ValueError, match="0 .do not wait. or more"):
+        SessionConfig(device="sim://headstage", lsl_out="x", lsl_out_wait_s=-1.0)
