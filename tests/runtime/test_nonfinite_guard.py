@@ -22,6 +22,7 @@ import torch
 from closedloop.export import export_bundle
 from closedloop.firmware_bridge import (
     ActuatorCommand,
+    FrameParser,
     Hello,
     Link,
     PlantMeasurement,
@@ -229,3 +230,23 @@ def test_an_observer_catching_up_sends_one_command_a_step_when_an_older_measurem
     assert summary.nonfinite_inputs == len(bursts)
     assert summary.safe_commands_sent == len(bursts) // 2  # only the steps whose newest measurement was bad
     assert summary.commands_sent == len(bursts) // 2
+
+
+def test_a_safe_output_outside_the_limits_is_sent_clipped_to_them(tmp_path, lockstep):
+    """docs/protocol.md: the safe command is ``postprocess.safe_output`` clipped to the limits, like every command;
+    a bundle that states safe_output 5 with limits [-1, 1] sends 1, at a refused frame and at the stop."""
+    net = MLPPolicy(1, 1, (4,)).eval()
+    bundle = export_bundle(
+        net, tmp_path / "safe5", kind="feedforward", example_input=torch.zeros(1, 1), rate_hz=RATE_HZ,
+        name="safe5", postprocess={"low": [-1.0], "high": [1.0], "safe_output": [5.0]},
+        extra={"session": {"input": "plant_measurement", "command": "actuator_command"}},
+        variants=(), tensorrt=False, report=lambda s: None,
+    )
+    frames = [np.array([x], np.float32) for x in (0.1, np.nan, 0.2)]
+    url, dev = lockstep(1, frames)
+    s = _run(bundle, url, "onnxruntime", tmp_path / "safe5.clrec", dev)
+    dev.thread.join(10.0)
+    assert float(dev.replies[1][0]) == 1.0 and s.safe_commands_sent == 1
+    stop = [f.message.u for r in RecordingReader(tmp_path / "safe5.clrec").of_type(RecordType.TX)
+            for f in FrameParser().feed(r.payload) if isinstance(f.message, ActuatorCommand)][-1]
+    assert s.stop_commands_sent == 1 and float(stop[0]) == 1.0

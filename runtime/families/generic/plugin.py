@@ -100,7 +100,8 @@ class GenericFamily(FamilyPlugin):
         self._offset = _vec(post, "offset", n_out, 0.0)
         self._low = _vec(post, "low", n_out, -np.inf)
         self._high = _vec(post, "high", n_out, np.inf)
-        self._safe = _vec(post, "safe_output", n_out, 0.0)
+        # the safe command obeys the limits like any other (docs/protocol.md): a safe_output outside them is clipped
+        self._safe = np.clip(_vec(post, "safe_output", n_out, 0.0), self._low, self._high).astype(np.float32)
         self._cmd = np.zeros(self._y.shape, dtype=np.float32)
 
     def preprocess(self, frame: np.ndarray) -> None:
