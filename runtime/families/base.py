@@ -85,6 +85,9 @@ class FamilyPlugin:
         #: the stream when the manifest gives it one
         self.measurement = measurement_input(model.spec)
         self._frame = np.zeros(int(np.prod(self.measurement.frame_shape)), dtype=np.float32)
+        #: the newest input frame's own bin number (a NEURAL_FRAME's bin_index), None for a stream without one:
+        #: a DECODER_OUTPUT answers that bin, not the loop's step (a step catching up answers several)
+        self._frame_bin: int | None = None
         self._command_mask = np.zeros(0, dtype=bool)
         #: whether this frame's step ran the model (a windowed input runs it every ``hop`` frames)
         self._due = True
@@ -115,6 +118,7 @@ class FamilyPlugin:
     def reset(self) -> None:
         """Start of a session or trial: clear per-session state."""
         self.model.reset()
+        self._frame_bin = None
 
     def preprocess(self, frame: np.ndarray) -> None:
         """Write the model input for this step from the newest device frame."""
@@ -231,6 +235,7 @@ class FamilyPlugin:
     def on_message(self, message: Message) -> None:
         """Turn one input message into the model input (``preprocess``)."""
         self.input.to_vector(message, self._frame)
+        self._frame_bin = getattr(message, "bin_index", None)
         self.preprocess(self._frame)
 
     # --- inputs the device does not stream ---------------------------------------------
@@ -337,7 +342,9 @@ class FamilyPlugin:
         return self.model.reset_nonfinite_state()
 
     def command_message(self, command: np.ndarray, step: int) -> Message | None:
-        return self.command.build(command, step)
+        """The message carrying ``command``; a DECODER_OUTPUT's ``bin_index`` is the input frame's own bin where
+        the stream numbers its bins (docs/protocol.md), the loop step otherwise."""
+        return self.command.build(command, (self._frame_bin if self._frame_bin is not None else step) & 0xFFFFFFFF)
 
     def safe_message(self, step: int) -> Message | None:
         return self.command.build(np.ascontiguousarray(self.safe_output()), step)

@@ -204,7 +204,6 @@ class BCIHandwritingFamily(FamilyPlugin):
         self._warm_sums = np.zeros((2, n), dtype=np.float64)
         self._warm_count = np.zeros(1, dtype=np.int64)
         self._normalize_warmup = normalize_warmup
-        self._frame_bin: int | None = None
         self.bins = 0  # bins decoded since the last reset
         self.text_resets = 0  # resets of the typed text so far
         # Compile (or load from Numba's cache) both kernels for the exact array types of
@@ -236,7 +235,6 @@ class BCIHandwritingFamily(FamilyPlugin):
         """Start of a session or trial: zero the recurrent state and the decoded text."""
         super().reset()
         self.ctc.reset()
-        self._frame_bin = None
         self.bins = 0
         self.text_resets += 1  # a new trial or a re-handshake: typed events say the text starts again
 
@@ -321,10 +319,6 @@ class BCIHandwritingFamily(FamilyPlugin):
         return {"chars": self.ctc.count, "text": self.display_text()}
 
     # --- session hooks ---------------------------------------------------------------
-
-    def on_message(self, message: Message) -> None:
-        self._frame_bin = getattr(message, "bin_index", None)
-        super().on_message(message)
 
     def command_message(self, command: np.ndarray, step: int) -> Message | None:
         if self.command.message is None:
