@@ -180,6 +180,7 @@ class SessionSummary:
     watchdog_trips: int = 0
     nonfinite_inputs: int = 0  # model inputs (after preprocessing) with a NaN/inf: safe command sent instead
     nonfinite_outputs: int = 0  # model outputs or commands with a NaN/inf: safe command sent instead
+    inputs_refused: int = 0  # input frames of another size than the device's HELLO said: safe command sent instead
     disconnects: int = 0
     reconnects: int = 0
     link: dict[str, Any] = field(default_factory=dict)
@@ -217,7 +218,8 @@ class SessionSummary:
             f"  link: lost {lk.get('lost', 0)}, crc errors {lk.get('crc_errors', 0)}, duplicates {lk.get('duplicate', 0)}, "
             f"out of order {lk.get('out_of_order', 0)}, bad tag {lk.get('bad_tag', 0)}",
             f"  watchdog trips {self.watchdog_trips}, disconnects {self.disconnects}, reconnects {self.reconnects}",
-            f"  non-finite inputs {self.nonfinite_inputs}, outputs {self.nonfinite_outputs} (safe command sent instead)",
+            f"  non-finite inputs {self.nonfinite_inputs}, outputs {self.nonfinite_outputs} (safe command sent instead)"
+            + (f"; inputs of the wrong size {self.inputs_refused}" if self.inputs_refused else ""),
         ]
         for k, v in self.family.items():  # 4 significant digits, as people read them (--json keeps every digit)
             lines.append(f"  {k}: {v:.4g}" if isinstance(v, float) else f"  {k}: {v}")
@@ -331,7 +333,7 @@ class Session:
         self.summary_counts: dict[str, Any] = dict(
             frames_received=0, inputs_used=0, inputs_skipped=0, commands_sent=0, safe_commands_sent=0,
             commands_resent=0, stop_commands_sent=0,
-            watchdog_trips=0, nonfinite_inputs=0, nonfinite_outputs=0, disconnects=0, reconnects=0,
+            watchdog_trips=0, nonfinite_inputs=0, nonfinite_outputs=0, inputs_refused=0, disconnects=0, reconnects=0,
         )
         self._last_input_ns = 0
         self._safe = False
@@ -588,6 +590,9 @@ class Session:
             if send:
                 self._send_safe(k)
             return
+        if bad == "size":  # not the frame the handshake promised: refused like a non-finite one, the model not run
+            self._refuse_nonfinite(bad, k, send)
+            return
         # the outputs are ready (the observers' run record and a typed event say so); only observers read it
         t_ready = time.monotonic_ns() if self._tap is not None else 0
         sent = None  # the command values sent, for the observers
@@ -627,10 +632,17 @@ class Session:
         sent instead, unless ``send`` is False (an older frame of a step that commands once, from its newest: that
         frame's command, or the safe one if it is refused too, is the step's one command)."""
         counts = self.summary_counts
-        counts["nonfinite_inputs" if where == "input" else "nonfinite_outputs"] += 1
-        state_reset = self.family.recover_nonfinite()
-        if not self._nonfinite_run:
-            self._event("nonfinite", where=where, state_reset=state_reset)
+        if where == "size":
+            counts["inputs_refused"] += 1
+            if not self._nonfinite_run:
+                self._event("input_refused", reason=self.family.refused_reason)
+            if counts["inputs_refused"] == 1:  # the first of the session on stderr too: a device's bug
+                self.out.write(f"\nwarning: {self.family.refused_reason}; the safe command went out instead\n")
+        else:
+            counts["nonfinite_inputs" if where == "input" else "nonfinite_outputs"] += 1
+            state_reset = self.family.recover_nonfinite()
+            if not self._nonfinite_run:
+                self._event("nonfinite", where=where, state_reset=state_reset)
         self._nonfinite_run += 1
         if send:
             self._send_safe(k)

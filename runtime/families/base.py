@@ -88,6 +88,8 @@ class FamilyPlugin:
         #: the newest input frame's own bin number (a NEURAL_FRAME's bin_index), None for a stream without one:
         #: a DECODER_OUTPUT answers that bin, not the loop's step (a step catching up answers several)
         self._frame_bin: int | None = None
+        #: why ``guarded_step`` last returned ``"size"``
+        self.refused_reason = ""
         self._command_mask = np.zeros(0, dtype=bool)
         #: whether this frame's step ran the model (a windowed input runs it every ``hop`` frames)
         self._due = True
@@ -313,9 +315,14 @@ class FamilyPlugin:
         preprocessing) is not finite, and ``(None, "output")`` when the model output or the
         command is not. Then nothing of this step may be acted on: send the safe command
         and call ``recover_nonfinite``. ``postprocess`` never sees a non-finite model output
-        (its clip would turn +inf into the high limit, a command that looks fine).
+        (its clip would turn +inf into the high limit, a command that looks fine). ``(None, "size")``: the frame
+        does not have the size the device's HELLO said (``refused_reason`` says how); nothing of it was used.
         """
-        self.on_message(message)
+        try:
+            self.on_message(message)
+        except ValueError as exc:  # a frame of another size than the handshake's (numpy's broadcast, or a family's)
+            self.refused_reason = f"{type(message).__name__} refused: {exc}"
+            return None, "size"
         if not self._due:
             return None, None
         unset = self.model.unset_inputs  # checked without building a set: this is the hot path

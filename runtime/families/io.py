@@ -43,19 +43,28 @@ class CommandKind:
     build: Callable[[np.ndarray, int], Message | None]
 
 
+def _sized(values: np.ndarray, out: np.ndarray, what: str) -> None:
+    """Copy ``values`` into the frame ``out``, refusing another size (numpy would broadcast a single value)."""
+    if values.size != out.size:
+        raise ValueError(f"{values.size} {what} where the device's HELLO said {out.size}")
+    np.copyto(out.reshape(-1), values, casting="unsafe")
+
+
 def _counts(m: NeuralFrame, out: np.ndarray) -> None:
-    np.copyto(out.reshape(-1), m.counts, casting="unsafe")
+    _sized(m.counts, out, "channels")
 
 
 def _plant_y(m: PlantMeasurement, out: np.ndarray) -> None:
-    np.copyto(out.reshape(-1), m.y, casting="unsafe")
+    _sized(m.y, out, "measured outputs (ny)")
 
 
 def _joint_q_dq(m: JointState, out: np.ndarray) -> None:
     flat = out.reshape(-1)
     n = m.q.size
+    if 2 * n != flat.size:
+        raise ValueError(f"{n} joints (positions and velocities: {2 * n} values) where the bundle takes {flat.size}")
     flat[:n] = m.q
-    flat[n : 2 * n] = m.dq
+    flat[n:] = m.dq
 
 
 INPUT_KINDS: dict[str, InputKind[Any]] = {

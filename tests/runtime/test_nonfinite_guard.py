@@ -250,3 +250,32 @@ def test_a_safe_output_outside_the_limits_is_sent_clipped_to_them(tmp_path, lock
     stop = [f.message.u for r in RecordingReader(tmp_path / "safe5.clrec").of_type(RecordType.TX)
             for f in FrameParser().feed(r.payload) if isinstance(f.message, ActuatorCommand)][-1]
     assert s.stop_commands_sent == 1 and float(stop[0]) == 1.0
+
+
+def test_a_frame_of_another_size_than_the_hello_is_refused_and_the_session_goes_on(gru_bundle, lockstep, tmp_path):
+    """One glitched frame (3 values, or a single value numpy would broadcast, on a 4-channel link) is refused like a
+    non-finite one: the safe command instead, counted, an event and a warning; the session goes on, the state
+    untouched, and replay still reproduces every output."""
+    rng = np.random.default_rng(1)
+    frames = [rng.normal(size=N_IN).astype(np.float32) for _ in range(6)]
+    frames[2] = frames[2][:3]
+    frames[4] = frames[4][:1]
+    url, dev = lockstep(N_IN, frames)
+    record = tmp_path / "size.clrec"
+    s = _run(gru_bundle, url, "onnxruntime", record, dev)
+    dev.thread.join(10.0)
+    ref = Model(gru_bundle, backend="onnxruntime")
+    for i, (y, got) in enumerate(zip(frames, dev.replies, strict=True)):
+        if y.size != N_IN:
+            np.testing.assert_array_equal(got, np.full(N_OUT, SAFE, np.float32))
+        else:
+            np.testing.assert_allclose(got, ref.step(y[None]).reshape(-1), rtol=0, atol=1e-6)
+    assert s.inputs_refused == 2 and s.safe_commands_sent == 2 and s.commands_sent == 4
+    assert s.loop.stopped_by != "error" and "inputs of the wrong size 2" in s.format()
+    events = [r.json() for r in RecordingReader(record).of_type(RecordType.EVENT)]
+    refused = [e for e in events if e["event"] == "input_refused"]
+    assert [e["reason"] for e in refused] == [
+        "PlantMeasurement refused: 3 measured outputs (ny) where the device's HELLO said 4",
+        "PlantMeasurement refused: 1 measured outputs (ny) where the device's HELLO said 4"]
+    rep = replay_recording(record, gru_bundle, backend="onnxruntime")
+    assert rep.outputs_compared == 4 and rep.max_abs_diff <= 1e-6
