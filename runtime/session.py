@@ -389,11 +389,11 @@ class Session:
         raise SessionError(f"no Hello from {self._device_shown} within {timeout_s:g} s; " + _no_hello_reason(link)
                            + self._kept_recording())
 
-    def _mismatch(self, problems: list[str]) -> DeviceMismatchError:
-        return DeviceMismatchError(
-            f"device at {self._device_shown} does not match bundle {self.bundle.source}:\n  - " + "\n  - ".join(problems)
-            + self._kept_recording()
-        )
+    def _mismatch(self, problems: list[str], mid_session: bool = False) -> DeviceMismatchError:
+        text = f"device at {self._device_shown} does not match bundle {self.bundle.source}:\n  - " + "\n  - ".join(problems)
+        if mid_session:  # the session ran: its recording holds it all, nothing to retry
+            return DeviceChangedError(text)
+        return DeviceMismatchError(text + self._kept_recording())
 
     def _kept_recording(self) -> str:
         """For a session refused before it ran: the recording it leaves (its handshake's bytes), and how to retry."""
@@ -737,7 +737,7 @@ class Session:
         if problems:
             # Another device came back on this port: refuse it as the first handshake would, unanswered, so it
             # never streams to a session that will not act on it (the safe command goes out on the way out).
-            raise DeviceChangedError(str(self._mismatch(problems)))
+            raise self._mismatch(problems, mid_session=True)
         self.hello = hello
         self.family.reset()
         if not answer:
@@ -863,6 +863,8 @@ class Session:
                         raise
                     error = exc  # the recording still ends with a SUMMARY that says why
                     loop_summary = self._loop.last_summary
+                    if isinstance(exc, DeviceChangedError):  # a safety stop, named as one (exit 1)
+                        loop_summary.stopped_by = "device_changed"
         finally:
             # the stop's safe command is on the wire and in the recording: counted on its own, so that
             # safe_commands_sent still says how often a safety rule acted during the session

@@ -153,6 +153,8 @@ def test_a_device_that_comes_back_as_another_is_refused(recurrent_plant_bundle, 
     assert f"device at {port_end.path} does not match bundle" in msg and expect in msg, msg
     # the exception carries the session's summary (what `closedloop run --json` prints before exit 1)
     assert e.value.summary.error.startswith("DeviceChangedError: ") and e.value.summary.inputs_used > 0
+    assert e.value.summary.loop.stopped_by == "device_changed"  # a safety stop, named as one
+    assert "give --record another path" not in msg  # that advice is for a session refused before it ran
     reader = RecordingReader(cfg.record)
     # the first handshake passed (META is written after it) and the session acted on the first board
     assert reader.meta["device"]["kind"] == "plant" and reader.meta["device"]["n_channels"] == 1
@@ -165,6 +167,6 @@ def test_a_device_that_comes_back_as_another_is_refused(recurrent_plant_bundle, 
     last = _tx(cfg.record, ActuatorCommand)[-1]
     assert last[0] > t_refused and last[1].u[0] == 0.0  # the safe command went out on the way out
     # and the recording still ends with a SUMMARY that says why the session stopped
-    assert reader.summary["loop"]["stopped_by"] == "error" and reader.summary["stop_commands_sent"] == 1
+    assert reader.summary["loop"]["stopped_by"] == "device_changed" and reader.summary["stop_commands_sent"] == 1
     assert reader.summary["error"].startswith("DeviceChangedError: ") and expect in reader.summary["error"]
     assert reader.summary["inputs_used"] == len(list(reader.of_type(RecordType.OUTPUT)))
