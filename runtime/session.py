@@ -39,6 +39,7 @@ from closedloop.firmware_bridge import (
     Hello,
     Link,
     Message,
+    ParserStats,
     Status,
     Transport,
     open_transport,
@@ -340,6 +341,7 @@ class Session:
         self._nonfinite_run = 0  # consecutive steps refused for a non-finite value (0: acting normally)
         self._disconnected = False
         self._next_reconnect_ns = 0
+        self._past_link_stats = ParserStats()  # the counters of connections closed during the session
         self._next_status_ns = 0
         self._status_tty = bool(getattr(self.out, "isatty", lambda: False)())
         self._next_report_ns = 0
@@ -526,8 +528,7 @@ class Session:
                 counts["disconnects"] += 1
                 self._event("disconnected", reason=str(exc))
             if not self.link.transport.is_open:
-                self.link.close()
-                self.link = None
+                self._drop_link()
             return []
         if self._disconnected:
             self._on_reconnect()
@@ -544,6 +545,16 @@ class Session:
                 pass
         time.sleep(timeout_s)
         return False
+
+    def _drop_link(self) -> None:
+        """Close a link whose transport closed itself, keeping its parser's counters: the summary's ``link`` covers
+        every connection of the session, not only the last."""
+        assert self.link is not None
+        past, now = self._past_link_stats, self.link.parser.stats
+        for f in fields(past):
+            setattr(past, f.name, getattr(past, f.name) + getattr(now, f.name))
+        self.link.close()
+        self.link = None
 
     def _on_reconnect(self) -> None:
         self._disconnected = False
@@ -563,8 +574,7 @@ class Session:
                 self.summary_counts["disconnects"] += 1
                 self._event("disconnected", reason=str(exc))
             if not self.link.transport.is_open:
-                self.link.close()
-                self.link = None
+                self._drop_link()
             return False
 
     def _send_safe(self, k: int) -> bool:
@@ -875,12 +885,15 @@ class Session:
                                      "values": np.asarray(self.family.safe_output(), dtype=float).ravel().tolist()})
         if cfg.status and self._status_tty:
             self.out.write("\n")
-        stats = self.link.parser.stats if self.link is not None else None
+        stats = self._past_link_stats
+        if self.link is not None:  # the connection open at the end, with those closed during the session
+            stats = ParserStats(**{f.name: getattr(stats, f.name) + getattr(self.link.parser.stats, f.name)
+                                   for f in fields(stats)})
         summary = SessionSummary(
             loop=loop_summary,
             device=_hello_dict(self.hello) if self.hello else {},
             backend=self.model.backend_name,
-            link=asdict(stats) if stats is not None else {},
+            link=asdict(stats),
             family=dict(self.family.summary_metrics()),
             recording=str(cfg.record) if cfg.record else None,
             scrub=self.scrubber.summary() if self.scrubber is not None else {},

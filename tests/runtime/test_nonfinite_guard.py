@@ -265,7 +265,7 @@ def test_a_frame_of_another_size_than_the_hello_is_refused_and_the_session_goes_
     s = _run(gru_bundle, url, "onnxruntime", record, dev)
     dev.thread.join(10.0)
     ref = Model(gru_bundle, backend="onnxruntime")
-    for i, (y, got) in enumerate(zip(frames, dev.replies, strict=True)):
+    for y, got in zip(frames, dev.replies, strict=True):
         if y.size != N_IN:
             np.testing.assert_array_equal(got, np.full(N_OUT, SAFE, np.float32))
         else:

@@ -29,6 +29,7 @@ from closedloop.firmware_bridge import (
     JointState,
     Link,
     NeuralFrame,
+    PlantMeasurement,
     open_pty_pair,
     open_transport,
 )
@@ -546,3 +547,44 @@ def test_a_recording_that_cannot_be_made_or_is_left_by_a_refusal_is_said_with_wh
     with pytest.raises(DeviceMismatchError) as e:
         run_session(plant_bundle, _cfg("sim://headstage?channels=1&rate=200", record=str(rec)))
     assert f"the recording {rec} keeps the handshake's bytes" in str(e.value) and "give --record another path" in str(e.value)
+
+
+def test_the_summarys_link_counters_cover_every_connection_of_a_session(plant_bundle):
+    """A TCP device that drops the connection and is reconnected: the summary's ``link`` counts the frames of both
+    connections (before, only the last one's: ``frames_received`` 274 beside ``link.accepted`` 222)."""
+    import socket
+    import threading
+
+    from closedloop.firmware_bridge import encode_frame
+
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+    sent = []
+
+    def serve():
+        for n in (40, 30):  # two connections, each a HELLO then n measurements at 200 Hz
+            conn, _ = server.accept()
+            conn.settimeout(5.0)
+            conn.recv(4096)  # the host's HELLO first, as a device answers it
+            seq = 0
+            conn.sendall(b"\x00" + encode_frame(Hello(kind="plant", name="tcp", n_channels=1, rate_hz=200.0), seq, 0))
+            for i in range(n):
+                seq += 1
+                conn.sendall(encode_frame(PlantMeasurement(np.array([0.1 * i], np.float32),
+                                                           np.zeros(0, np.float32)), seq, 1000 * i) + b"\x00")
+                time.sleep(0.005)
+            sent.append(n + 1)
+            conn.settimeout(0.1)
+            try:  # read what the host sent (its commands) before closing: unread data would reset the connection
+                while conn.recv(65536):
+                    pass
+            except TimeoutError:
+                pass
+            conn.close()
+        server.close()
+
+    threading.Thread(target=serve, daemon=True).start()
+    s = run_session(plant_bundle, _cfg(f"socket://127.0.0.1:{port}", duration_s=2.0, watchdog_s=5.0))
+    assert sent == [41, 31] and s.reconnects == 1
+    assert s.link["accepted"] == sum(sent) and s.link["crc_errors"] == 0
+    assert s.frames_received == s.link["accepted"] - 1  # all but the first handshake's HELLO, read before the loop
