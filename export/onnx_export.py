@@ -115,7 +115,8 @@ class _Step(nn.Module):
         return flat
 
 
-def _run_batches(run: Callable[[int], Any], probe: Callable[[], None], module: nn.Module, kind: str) -> tuple[Any, Any]:
+def _run_batches(run: Callable[[int], Any], probe: Callable[[], None], module: nn.Module, kind: str,
+                 as_given: Callable[[], Any] | None = None, shapes: Sequence[Sequence[int]] = ()) -> tuple[Any, Any]:
     """``run(2)`` and ``run(3)`` (which axis changes is the batch); a module that fails there is explained: one that
     works at batch 1 only is told how to take any batch, one that fails at batch 1 too is shown its error. A module
     whose buffers change when it runs (``probe``: random inputs) keeps state the graph cannot carry, and is refused;
@@ -146,7 +147,19 @@ def _run_batches(run: Callable[[int], Any], probe: Callable[[], None], module: n
         try:
             run(1)
         except Exception:
-            raise ExportError(f"{what} fails on the example input(s): {type(exc).__name__}: {first}") from exc
+            try:  # the examples exactly as given: a module written for unbatched input runs on them
+                if as_given is None:
+                    raise
+                as_given()
+            except Exception:
+                raise ExportError(f"{what} fails on the example input(s): {type(exc).__name__}: {first}") from exc
+            given = ", ".join(str(tuple(s)) for s in shapes)
+            raise ExportError(
+                f"{what} runs on the example input(s) as given ({given}) but not on their first row, which is how "
+                "the exporter reads them: axis 0 of every example is the batch. The module takes unbatched input; "
+                f"give the example and forward a batch axis first: an example of shape (1, {_dims(shapes)}) and a "
+                f"forward over (batch, {_dims(shapes)}) ({type(exc).__name__} at batch 2: {first})"
+            ) from exc
         raise ExportError(
             f"{what} runs at batch 1 but fails at batch 2 ({type(exc).__name__}: {first}). The exporter runs it at "
             "batch sizes 2 and 3 to find which axis is the batch (the bundle's graph takes any batch; parity is "
@@ -155,6 +168,10 @@ def _run_batches(run: Callable[[int], Any], probe: Callable[[], None], module: n
         ) from exc
     finally:
         _restore_buffers(module, before)  # the runs above leave the caller's module as it was
+
+
+def _dims(shapes: Sequence[Sequence[int]]) -> str:
+    return ", ".join(map(str, shapes[0])) if shapes else "..."
 
 
 def _layout_hint(module: nn.Module) -> str:
@@ -449,7 +466,13 @@ def export_onnx(
         with torch.no_grad():
             fn(*xs, *states)
 
-    (ins2, outs2), (ins3, outs3) = _run_batches(run, probe, module, kind)
+    def as_given() -> None:
+        states = tuple(s.to(device) for s in initial_states(module, 1)) if kind == "recurrent" else ()
+        with torch.no_grad():
+            fn(*examples, *states)
+
+    (ins2, outs2), (ins3, outs3) = _run_batches(run, probe, module, kind, as_given,
+                                                [tuple(ex.shape) for ex in examples])
     n_states = len(ins2) - n_data
     n_data_out = len(outs2) - n_states
     if n_data_out < 1:

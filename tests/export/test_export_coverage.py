@@ -422,6 +422,24 @@ def test_a_batch_of_one_or_state_in_buffers_is_explained_and_the_module_left_as_
     assert torch.equal(module.mean, torch.zeros(FEATURES)) and module.cache.numel() == 0  # as before the export
 
 
+class ChannelsByTime(nn.Module):
+    """Written for unbatched (channels, time) input, as torch's Conv1d allows."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv1d(6, 4, 3)
+
+    def forward(self, x):
+        return self.conv(x).mean(-1)
+
+
+def test_a_module_for_unbatched_input_is_told_that_axis_0_is_the_batch(tmp_path):
+    # it runs on its example (6, 20); the exporter read axis 0 as the batch and ran it on (2, 20)
+    with pytest.raises(ExportError, match=r"ChannelsByTime.forward runs on the example input\(s\) as given \(\(6, 20\)\)"
+                                          r".* axis 0 of every example is the batch.* \(1, 6, 20\)"):
+        _export(ChannelsByTime().eval(), tmp_path / "ct", "feedforward", torch.zeros(6, 20))
+
+
 @pytest.mark.parametrize("opset", [17, 18])
 def test_rmsnorm_is_written_with_onnx_ops_that_every_backend_runs(opset, tmp_path):
     from closedloop.export import ExportOptions
