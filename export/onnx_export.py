@@ -170,6 +170,52 @@ def _run_batches(run: Callable[[int], Any], probe: Callable[[], None], module: n
         _restore_buffers(module, before)  # the runs above leave the caller's module as it was
 
 
+#: The export warning for a Python ``if`` on a tensor's value, which tracing freezes.
+BRANCH_FROZEN = (
+    "the module branches on a tensor's value in Python (if x.abs().max() > t: ...): the trace kept the branch the "
+    "example input took, and the bundle takes it for every input. Parity runs standard-normal inputs (and "
+    "recorded_sequence=), so a branch taken only beyond them (an artefact threshold) is not tested. Write the "
+    "branch with torch.where(cond, a, b), which every backend runs, or export a torch.jit.script-ed module (an If "
+    "node: ONNX Runtime runs it, Numba refuses it)"
+)
+
+
+def stable_log_sigmoid(data: bytes) -> tuple[bytes, int]:
+    """Rewrite every ``Log(Sigmoid(x))`` (how torch exports ``F.logsigmoid``) as ``Neg(Softplus(Neg(x)))``.
+
+    Both backends compute the logistic function to an absolute error of about 2e-7, fine for a gate but not in its
+    tail: ``log`` of it was -16.6 for x = -16 on ONNX Runtime and -17.3 for every x below -18 on Numba, and
+    -inf on ONNX Runtime below about -17 (a finite torch output refused as non-finite), where
+    ``-softplus(-x)`` is accurate everywhere. A Sigmoid that feeds nothing else is dropped. Returns the graph and
+    how many were rewritten.
+    """
+    import onnx
+    from onnx import helper
+
+    model = onnx.load_from_string(data)
+    graph = model.graph
+    standard = ("", "ai.onnx")
+    producer = {out: n for n in graph.node for out in n.output}
+    nodes, rewritten = [], 0
+    for node in graph.node:
+        src = producer.get(node.input[0]) if node.op_type == "Log" and node.domain in standard else None
+        if src is None or src.op_type != "Sigmoid" or src.domain not in standard:
+            nodes.append(node)
+            continue
+        tag = f"closedloop_logsigmoid_{rewritten}"
+        nodes += [helper.make_node("Neg", [src.input[0]], [f"{tag}_neg"], name=f"{tag}_neg"),
+                  helper.make_node("Softplus", [f"{tag}_neg"], [f"{tag}_softplus"], name=f"{tag}_softplus"),
+                  helper.make_node("Neg", [f"{tag}_softplus"], list(node.output), name=f"{tag}_out")]
+        rewritten += 1
+    if not rewritten:
+        return data, 0
+    used = {i for n in nodes for i in n.input} | {o.name for o in graph.output}
+    nodes = [n for n in nodes if n.op_type != "Sigmoid" or any(o in used for o in n.output)]
+    del graph.node[:]
+    graph.node.extend(nodes)
+    return model.SerializeToString(), rewritten
+
+
 def _dims(shapes: Sequence[Sequence[int]]) -> str:
     return ", ".join(map(str, shapes[0])) if shapes else "..."
 
@@ -529,9 +575,13 @@ def export_onnx(
         for w in caught
         if not issubclass(w.category, DeprecationWarning) and not str(w.filename).startswith(torch_dir)
     ]
-    if noted:
+    branches = [w for w in noted if w.startswith("TracerWarning") and "Python boolean" in w]
+    if branches:  # an if on a tensor's value: the trace keeps the branch the example took, whatever the input
+        noted.insert(0, BRANCH_FROZEN + f" (torch: {branches[0][:160]})")
+        report("WARNING: " + noted[0])
+    elif noted:
         report(f"torch.onnx.export: {len(noted)} warning(s), first: {noted[0][:160]} (parity checks below test the result)")
-    data = buf.getvalue()
+    data, log_sigmoids = stable_log_sigmoid(buf.getvalue())
     try:
         onnx.checker.check_model(onnx.load_from_string(data), full_check=True)
     except onnx.checker.ValidationError as exc:
@@ -580,6 +630,8 @@ def export_onnx(
     checks.update(check_batchnorm_nodes(model, module))
     checks["opset"] = model.opset.get("ai.onnx", opset)
     checks["nodes"] = len(model.nodes)
+    if log_sigmoids:
+        checks["log_sigmoid_rewritten"] = log_sigmoids  # Log(Sigmoid(x)) -> -Softplus(-x): exact in the tail
     spec = GraphSpec(file=file, kind=kind, inputs=inputs, outputs=outputs)
     return ExportedGraph(onnx_bytes=data, spec=spec, torch_fn=fn, model=model, checks=checks, warnings=noted)
 

@@ -93,6 +93,8 @@ def render_manifest(m: Manifest) -> str:
                      f"{settings.get('batch')}): {made.get('exporter')}")
     elif made.get("exporter"):
         lines.append(f"  exported by {made['exporter']} on {made.get('exported_utc', '?')} (torch {made.get('torch')})")
+    for w in settings.get("export_warnings") or []:  # what the export said about the module (a frozen branch...)
+        lines.append(f"  export warning: {w}")
     lines.append("  files:")
     for rel, meta in m.files.items():
         lines.append(f"    {rel:<32} {meta.get('bytes', 0):>10} B  sha256 {str(meta.get('sha256'))[:16]}...")

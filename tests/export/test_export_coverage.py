@@ -807,3 +807,68 @@ def test_a_size_that_depends_on_the_input_values_is_refused(tmp_path):
 
     with pytest.raises(GraphCheckError, match="NonZero.*depends on the input values"):
         _export(KeepsThePositive().eval(), tmp_path / "b", "feedforward", torch.tensor([[1.0, -1.0, 2.0, -3.0]]))
+
+
+class LogSigmoidHead(nn.Module):
+    """A click detector's log-probability, log sigmoid(w x + b): large negative logits are its normal range."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(1, 2)
+        with torch.no_grad():
+            self.lin.weight.copy_(torch.tensor([[1.0], [-1.0]]))
+            self.lin.bias.zero_()
+
+    def forward(self, x):
+        return torch.nn.functional.logsigmoid(self.lin(x))
+
+
+@pytest.mark.parametrize("backend", ["onnxruntime", "numba"])
+def test_logsigmoid_is_exact_in_its_tail_on_every_backend(tmp_path, backend):
+    """torch exports F.logsigmoid as Log(Sigmoid(x)); both backends' logistic is accurate to ~2e-7 absolute, so its
+    log was -16.6 at x = -16 (ONNX Runtime), -17.3 for any x below -18 (Numba) and -inf below about -17 (ONNX
+    Runtime). The exporter writes it as -Softplus(-x): relative error 1e-6 from -40 to 40."""
+    from closedloop.runtime import Model
+
+    bundle = _export(LogSigmoidHead().eval(), tmp_path / "ls", "feedforward", torch.zeros(1, 1))
+    manifest, ops = _graph_record(bundle)
+    assert "Softplus" in ops and "Log" not in ops and "Sigmoid" not in ops
+    m = Model(bundle, backend=backend)
+    xs = np.linspace(-40, 40, 81, dtype=np.float32)
+    ref = torch.nn.functional.logsigmoid(torch.from_numpy(np.stack([xs, -xs], 1))).numpy()
+    got = np.stack([m.step(np.array([[x]], np.float32)).reshape(-1).copy() for x in xs])
+    np.testing.assert_allclose(got, ref, rtol=1e-6, atol=1e-30)
+
+
+class RejectsArtefacts(nn.Module):
+    """Artefact rejection written as a Python if on the input's values: tracing freezes the branch."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(FEATURES, 2)
+
+    def forward(self, x):
+        if x.abs().max() > 6:
+            return torch.zeros(x.shape[0], 2)
+        return self.lin(x)
+
+
+def test_a_python_branch_on_a_tensor_value_is_a_loud_export_warning_that_inspect_shows(tmp_path, capsys):
+    """The traced graph always takes the example's branch; parity's standard-normal inputs never cross 6, so it
+    passes. The export says so plainly (not "parity checks below test the result"), the manifest keeps it first,
+    and `closedloop inspect` prints it."""
+    from closedloop.export.onnx_export import BRANCH_FROZEN
+    from closedloop.sdk.cli import main
+
+    lines: list[str] = []
+    bundle = export_bundle(RejectsArtefacts().eval(), tmp_path / "branch", kind="feedforward",
+                           example_input=torch.zeros(1, FEATURES), rate_hz=50.0, variants=(), tensorrt=False,
+                           report=lines.append)
+    assert any(line.startswith("WARNING: " + BRANCH_FROZEN) for line in lines)
+    warned = _graph_record(bundle)[0]["provenance"]["export"]["settings"]["export_warnings"]
+    assert warned[0].startswith(BRANCH_FROZEN) and "torch.where" in warned[0]
+    # what the warning is about: a saturated frame still goes through the linear layer in the bundle
+    saturated = np.full((1, FEATURES), 10.0, np.float32)
+    assert np.abs(Model(bundle, backend="onnxruntime").step(saturated)).max() > 0
+    assert main(["inspect", str(bundle)]) == 0
+    assert "export warning: " + BRANCH_FROZEN[:40] in capsys.readouterr().out
