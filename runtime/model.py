@@ -152,6 +152,16 @@ class Model:
     def _assign(self, args: tuple, kwargs: dict) -> None:
         if len(args) > len(self._data_names):
             raise TypeError(f"step() takes {len(self._data_names)} input(s) {self._data_names}, got {len(args)}")
+        if len(args) == 1 and not kwargs:
+            roles = {t.name: self.spec.role_of(t) for t in self.spec.data_inputs}
+            first = self._data_names[0]
+            measured = [n for n, r in roles.items() if r == "measurement"]
+            if roles[first] != "measurement" and len(measured) == 1:
+                # a loop that holds a goal and calls step(obs) would write the observation into the goal silently
+                raise TypeError(
+                    f"step() got one input by position: it would set {first!r} (role {roles[first]!r}), the graph's "
+                    f"first data input, not its measurement {measured[0]!r}, which a session feeds. Name it: "
+                    f"step({measured[0]}=x), with {first!r} set by set_input({first!r}, value) or by name")
         for name, value in zip(self._data_names, args, strict=False):
             if name in kwargs:
                 raise TypeError(f"step() got input {name!r} both by position and by name")
@@ -204,7 +214,8 @@ class Model:
         """Copy the inputs in, step, and return the first data output.
 
         ``step(x)`` sets the first data input; a graph with several takes them by position
-        (in ``input_names`` order) or by name, and an input left out keeps its last value.
+        (in ``input_names`` order) or by name, and an input left out keeps its last value. One value by
+        position where the first data input is not the measurement (``forward(goal, obs)``) is refused: name it.
         A windowed input takes its whole window here (offline use); ``feed`` streams frames.
         The returned array is the backend's buffer: it is overwritten by the next step.
         A non-finite input does not raise: the graph is not run, the state is kept, and

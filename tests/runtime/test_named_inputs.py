@@ -245,3 +245,29 @@ def test_a_second_message_type_sets_the_held_goal(tmp_path):
         want = float(module(torch.tensor([[0.25]]), torch.tensor([[3.0]]))[0, 0])
     assert abs(sent[-2] - want) < 1e-5  # the last is the closing safe command
     assert replay_recording(tmp_path / "side.clrec", bundle, backend="onnxruntime").max_abs_diff < 1e-6
+
+
+def test_one_positional_input_is_refused_where_the_first_input_is_not_the_measurement(tmp_path):
+    """forward(goal, obs): step(obs) would write the observation into the goal and leave obs as it was (a held-goal
+    loop silently wrong); it is refused, naming the measurement to pass by name."""
+
+    class GoalFirst(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(2, 1)
+
+        def forward(self, goal, obs):
+            return self.lin(torch.cat([goal, obs], dim=-1))
+
+    module = GoalFirst().eval()
+    bundle = export_bundle(module, tmp_path / "gf", kind="feedforward",
+                           example_input={"goal": torch.zeros(1, 1), "obs": torch.zeros(1, 1)},
+                           input_roles={"goal": "goal", "obs": "measurement"}, rate_hz=50.0, variants=(), tensorrt=False,
+                           report=lambda s: None)
+    m = Model(bundle, backend="onnxruntime")
+    goal, obs = np.array([[0.5]], np.float32), np.array([[-1.0]], np.float32)
+    m.set_input("goal", goal)
+    with pytest.raises(TypeError, match=r"would set 'goal' \(role 'goal'\).* measurement 'obs'.* step\(obs=x\)"):
+        m.step(obs)
+    want = module(torch.from_numpy(goal), torch.from_numpy(obs)).detach().numpy()
+    np.testing.assert_allclose(m.step(obs=obs), want, atol=1e-6)  # by name: the goal held
