@@ -47,6 +47,8 @@ from pathlib import Path
 
 import numpy as np
 
+from closedloop.common.jsonout import write_json
+
 RESULTS = "bench/results/rl"
 CELLS = f"{RESULTS}/cells/cells.jsonl"
 REWARDS = ("sparse", "svm", "potential", "gail")
@@ -387,7 +389,7 @@ def report(path: Path, out: Path) -> dict:
     (out / "cells.md").write_text("\n".join(lines) + "\n")
     _plot_cells(groups, out / "cells_success.png")
     result = {"cells": len(recs), "table": table}
-    (out / "cells_report.json").write_text(json.dumps(result, indent=1))
+    write_json(out / "cells_report.json", result)
     print("\n".join(lines))
     return result
 

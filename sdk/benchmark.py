@@ -12,7 +12,6 @@ short version. ``bench/bench_spine.py`` writes ``spine.json`` and ``spine_latenc
 
 from __future__ import annotations
 
-import json
 import platform
 import tempfile
 from collections.abc import Callable
@@ -22,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from closedloop.common.jsonout import write_json
 from closedloop.export import export_bundle
 from closedloop.runtime import LoopConfig, Model, RealTimeLoop, load_bundle
 from closedloop.runtime.timing import _cpu_name, time_back_to_back
@@ -222,7 +222,7 @@ def run_spine_benchmark(cfg: SpineBenchConfig | None = None, report: Callable[[s
     if cfg.out_dir:
         out = Path(cfg.out_dir)
         out.mkdir(parents=True, exist_ok=True)
-        (out / f"{cfg.name}.json").write_text(json.dumps(results, indent=2) + "\n")
+        write_json(out / f"{cfg.name}.json", results, indent=2)
         _plot(samples, results, out / f"{cfg.name}_latency.png")
         report(f"wrote {out / (cfg.name + '.json')} and {out / (cfg.name + '_latency.png')}")
     return results

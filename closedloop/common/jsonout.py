@@ -31,4 +31,11 @@ def json_text(value: Any, indent: int | None = 2) -> str:
     return json.dumps(finite(value), indent=indent, default=str, allow_nan=False)  # numpy values: finite()
 
 
-__all__ = ["finite", "json_text"]
+def write_json(path: Any, value: Any, indent: int | None = 1) -> Any:
+    """Write ``value`` to ``path`` as strict JSON (non-finite numbers as null), atomically; return the path."""
+    from .atomic import atomic_write_text
+
+    return atomic_write_text(path, json_text(value, indent=indent) + "\n")
+
+
+__all__ = ["finite", "json_text", "write_json"]

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
+
+from closedloop.common.jsonout import write_json
 
 from .decoding import DECODERS
 from .metrics import edit_distance, to_words
@@ -114,10 +115,12 @@ def paired_bootstrap(runs: Sequence[dict], method: str, against: str, decoder: s
 
 
 def _percentiles(x: np.ndarray) -> np.ndarray:
-    """2.5th and 97.5th percentiles of ratios that may be inf (a replicate over a zero error rate): where a
-    percentile reaches the inf replicates it is inf or NaN (no finite bound), without numpy's warning."""
-    with np.errstate(invalid="ignore"):
+    """2.5th and 97.5th percentiles of ratios that may be inf (a replicate over a zero error rate). With inf among
+    them each bound is a replicate itself (no interpolation, which would make inf - inf a NaN): inf where the bound
+    reaches those replicates (no finite bound: "inf" in tables, null in JSON)."""
+    if np.isfinite(x).all():
         return np.percentile(x, [2.5, 97.5])
+    return np.percentile(x, [2.5, 97.5], method="inverted_cdf")
 
 
 def _pct(block: dict | None, key: str) -> str:
@@ -258,7 +261,7 @@ def write_results(summary: dict, runs: Sequence[dict], folder: str | Path, stem:
     folder.mkdir(parents=True, exist_ok=True)
     slim = [{k: v for k, v in r.items() if k != "logs"} | {"loss_curves": _thin(r.get("logs", {}))} for r in runs]
     paths = {"json": folder / f"{stem}.json", "md": folder / f"{stem}.md", "png": folder / f"{stem}_wer_vs_days.png"}
-    paths["json"].write_text(json.dumps({"summary": summary, "runs": slim, **(extra or {})}, indent=1))
+    write_json(paths["json"], {"summary": summary, "runs": slim, **(extra or {})})
     paths["md"].write_text(markdown_table(summary))
     plot_wer_vs_days(summary, paths["png"])
     return paths

@@ -6,12 +6,13 @@ number's definition: the module notes of ``closedloop.sdk.observer.benchmark`` a
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+from closedloop.common.jsonout import write_json
 
 from .simulate import SimResult
 
@@ -205,7 +206,7 @@ def write_results(record: dict[str, Any], traces: dict[str, dict[str, np.ndarray
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = [out / f"{cfg.stem}.json", out / f"{cfg.stem}.md"]
-    paths[0].write_text(json.dumps(_jsonable(record), indent=1))
+    write_json(paths[0], _jsonable(record))
     text = markdown(record)
     paths[1].write_text(text)
     paths += _plots(record, traces, runs0, cfg, out)

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
+from closedloop.common.jsonout import write_json
+
 KINDS = ("sparse", "svm", "potential", "gail")
 
 
@@ -270,7 +272,7 @@ def run_rl_benchmark(cfg: dict, out: Path, stem: str = "rl", tiny: bool = False,
         r.pop("actor", None)
     result = {"tiny": tiny, "config": cfg, "table": summarise(runs, cfg), "deployment": deployment, "runs": runs,
               "wall_s": time.perf_counter() - t0}
-    (out / f"{stem}.json").write_text(json.dumps(result, indent=1, default=float))
+    write_json(out / f"{stem}.json", result)
     write_markdown(result, out / f"{stem}.md")
     plot(runs, cfg, out / f"{stem}_success.png")
     return result

@@ -9,12 +9,13 @@ finds and repairs each one. The same is then done without scrubbing, for contras
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 from pathlib import Path
 
 import numpy as np
+
+from closedloop.common.jsonout import write_json
 
 
 class FlipInjector(threading.Thread):
@@ -105,5 +106,5 @@ def robust_demo(out_dir: str | Path = "out/robust_demo", duration_s: float = 3.0
                 report(f"  {line}")
         else:
             report(f"without scrubbing: {len(inj.done)} flips injected; weights still wrong at the end: {wrong}")
-    (out_dir / "robust_demo.json").write_text(json.dumps(results, indent=1, default=float) + "\n")
+    write_json(out_dir / "robust_demo.json", results)
     return results

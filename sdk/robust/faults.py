@@ -11,13 +11,13 @@ after a verified load. The flips are listed in ``faults.json`` beside the manife
 
 from __future__ import annotations
 
-import json
 import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 
+from closedloop.common.jsonout import write_json
 from closedloop.runtime.bundle import load_bundle
 
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
@@ -99,7 +99,7 @@ def write_corrupted_copy(bundle_path: str | Path, out: str | Path, variant: str 
     (out / rel).write_bytes(replace_initializers(path.read_bytes(), apply_flips(inits, flips)))
     record = {"source": str(bundle_path), "graph_file": str(rel), "variant": variant or "fp32",
               "flips": [asdict(f) for f in flips], **(meta or {})}
-    (out / "faults.json").write_text(json.dumps(record, indent=1) + "\n")
+    write_json(out / "faults.json", record)
     return out
 
 

@@ -7,11 +7,12 @@ the reduced-precision variants, the rows that could not run (with why), and the 
 
 from __future__ import annotations
 
-import json
 import platform
 from pathlib import Path
 
 import numpy as np
+
+from closedloop.common.jsonout import write_json
 
 METHODS = ("torch-eager", "onnxruntime", "numba")
 
@@ -155,7 +156,7 @@ def plot(results: dict, samples: dict[str, np.ndarray], path: Path) -> None:
 def write_zoo_results(results: dict, samples: dict[str, np.ndarray], out: Path, name: str) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     paths = [out / f"{name}.json", out / f"{name}.md", out / f"{name}.png"]
-    paths[0].write_text(json.dumps(results, indent=2, default=float) + "\n")
+    write_json(paths[0], results, indent=2)
     paths[1].write_text(markdown(results))
     plot(results, samples, paths[2])
     return paths

@@ -183,3 +183,29 @@ def test_a_device_the_machine_lacks_is_refused_before_any_data_are_generated(tmp
                         str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 1 and "bench_bci.py: error: device 'cuda': no CUDA GPU is available" in r.stderr
     assert "Traceback" not in r.stderr and not any(tmp_path.iterdir())
+
+
+def test_a_baseline_without_errors_in_some_resamples_gives_an_unbounded_interval_not_nan(tmp_path):
+    """Paired bootstrap of a ratio whose baseline has 0 errors in some replicates: the upper bound is inf (no finite
+    bound; "inf" in the table, null in the JSON), never NaN, and the results file is strict JSON."""
+    import json as _json
+
+    import numpy as np
+
+    from closedloop.common.jsonout import write_json
+    from closedloop.sdk.bci.report import paired_bootstrap
+
+    refs = ["ab", "cd", "ef", "gh"]
+
+    def run(texts):
+        return {"methods": {m: {"sessions": {"s1": {"texts": {"reference": refs, "beam": t}}}}
+                            for m, t in texts.items()}}
+
+    # the baseline errs on one trial of four: a quarter of the resamples or so leave it out (0 errors)
+    runs = [run({"two_stage": ["ab", "xd", "ef", "gh"], "base": ["ab", "cd", "ef", "gx"]})]
+    p = paired_bootstrap(runs, "two_stage", "base", decoder="beam", metric="CER", n_boot=400)
+    lo, hi = p["ratio_95"]
+    assert not np.isnan(lo) and not np.isnan(hi) and hi == np.inf
+    write_json(tmp_path / "r.json", p)
+    text = (tmp_path / "r.json").read_text()
+    assert "NaN" not in text and "Infinity" not in text and _json.loads(text)["ratio_95"][1] is None

@@ -9,6 +9,8 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+from closedloop.common.jsonout import write_json
+
 from .config import BitflipBenchConfig
 from .evaluate_bci import BciEvaluator
 from .evaluate_observer import ObserverEvaluator
@@ -47,7 +49,7 @@ def run_bitflip_benchmark(cfg: BitflipBenchConfig, report=print) -> dict:
     results["targets"] = targets(results)
     results["wall_s"] = time.perf_counter() - t0
     results["machine"] = {"cpus": os.cpu_count(), "torch_threads": 1}
-    (out / f"{cfg.stem}.json").write_text(json.dumps(results, indent=1, default=float) + "\n")
+    write_json(out / f"{cfg.stem}.json", results)
     (out / f"{cfg.stem}.md").write_text(markdown(results))
     results["plots"] = plots(results, out, cfg.stem)
     for line in results["targets"]:
