@@ -162,7 +162,8 @@ def _evaluate_args(p: argparse.ArgumentParser) -> None:
                         "of wordfreq with their frequencies as prior: for comparisons with published numbers) or a "
                         "file of words")
     p.add_argument("--sentence-end", default=None, metavar="MARKS|none",
-                   help="the marks a sentence must end with for greedy_end and beam, e.g. '~?' (default: the rule the "
+                   help="the marks a sentence ends with: greedy_end appends the likeliest where a text ends with none of them, "
+                        "beam prefers hypotheses ending with one, e.g. '~?' (default: the rule the "
                         "bundle stored from its training sentences; 'none': no rule)")
     p.add_argument("--word-weight", type=float, default=None,
                    help="weight of the beam's unigram word prior (default 0.5 for open, 0 for closed or a file)")

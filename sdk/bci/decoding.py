@@ -83,8 +83,8 @@ def end_completion(logp: np.ndarray, sentence_end: str = "") -> tuple[int, float
         ``""``: append the character with the largest odds if they exceed 1 (more probable
         than nothing). Otherwise the characters a sentence must end with (``"~?"`` for
         FALCON's prompts, :attr:`Lexicon.sentence_end`): when the greedy text does not end
-        with one of them, append the one with the largest odds, whatever they are (the
-        rule the lexicon beam search applies).
+        with one of them, append the one with the largest odds, whatever they are (the lexicon
+        beam search prefers the hypotheses that end with one of them, and appends nothing).
 
     Returns
     -------

@@ -405,6 +405,12 @@ def evaluate_bundle(
         raise ValueError(f"bundle {bundle} is family {b.manifest.family!r}; evaluate scores 'bci_handwriting' bundles")
     if beam_width < 1:
         raise ValueError(f"--beam-width {beam_width}: the beam keeps at least 1 prefix")
+    if open_words is not None and (open_words < 1 or not beam or lexicon != "open"):
+        raise ValueError(f"--open-words {open_words}: " + (
+            "the open vocabulary's size is a number of words, 1 or more (default 50000)" if open_words < 1 else
+            "it sizes the open vocabulary: give --beam --lexicon open with it"))
+    if word_weight is not None and not (np.isfinite(word_weight) and word_weight >= 0):
+        raise ValueError(f"--word-weight {word_weight:g}: the word prior's weight is 0 (none) or more")
     bci = b.manifest.extra["bci"]
     stored = bci.get("decoding")
     rule, rule_source = resolve_sentence_end(sentence_end, stored, (bci.get("end_completion") or {}).get("sentence_end"))
@@ -568,8 +574,9 @@ def format_evaluation(result: dict) -> str:
                      + "".join(f"{m[d]['CER']:>{width[d]}.2%}{m[d]['WER']:>{width[d]}.2%}" for d in decs))
     rule = result.get("sentence_end")
     if rule is not None:
-        lines.append(f"greedy_end and beam: sentences end with {rule!r} ({result['sentence_end_source']})" if rule else
-                     f"greedy_end and beam: no sentence-end rule ({result['sentence_end_source']})")
+        which = "greedy_end and beam" if "beam" in decs else "greedy_end"
+        lines.append(f"{which}: sentences end with {rule!r} ({result['sentence_end_source']})" if rule else
+                     f"{which}: no sentence-end rule ({result['sentence_end_source']})")
     if result.get("runtime_decoder"):
         lines.append(f"the bundle's runtime text is {result['runtime_decoder']}; normalisation: {result['normalization']}")
     lex = result.get("lexicon")

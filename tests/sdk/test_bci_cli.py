@@ -500,6 +500,19 @@ def test_evaluate_open_lexicon_uses_english_word_frequencies(calibrated, held_ou
         assert all(w.strip(",~?") in vocab for w in t.split(">")[:-1])
 
 
+@pytest.mark.parametrize(("options", "message"), [
+    ({"beam": True, "lexicon": "open", "open_words": 0}, r"--open-words 0: .* 1 or more"),
+    ({"beam": True, "lexicon": "open", "open_words": -5}, r"--open-words -5: .* 1 or more"),
+    ({"beam": True, "open_words": 100}, r"--open-words 100: it sizes the open vocabulary: give --beam --lexicon open"),
+    ({"beam": True, "lexicon": "open", "word_weight": -1.0}, r"--word-weight -1: .* 0 \(none\) or more"),
+])
+def test_evaluate_refuses_decoding_options_that_mean_nothing(calibrated, held_out_file, options, message):
+    """A vocabulary of 0 or -5 words ran silently (as 50,000 words, or 1), and --open-words without the open
+    lexicon was ignored: each is refused, saying what the option is for."""
+    with pytest.raises(ValueError, match=message):
+        evaluate_bundle(calibrated[0], held_out_file, backend="numba", **options)
+
+
 def _shifted(session, gain, baseline, name):
     """``session`` as another day whose counts have another gain and baseline (a new array's day)."""
     import copy
