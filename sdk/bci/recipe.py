@@ -517,9 +517,10 @@ def train_recipe(sessions: Sequence[Any], harness: Any, out: str | Path, *, reci
 
     A decoder that has not learned is still written; the result's ``problems`` say why it is not usable.
     """
-    from .workflow import export_pooled_bundle
+    from .workflow import end_completion_marks, export_pooled_bundle
 
     refuse_existing(out, overwrite)  # before the training, not after it
+    end_completion_marks(sessions, end_completion)  # so is a cue that breaks the sentence-end rule
     recipe = recipe or Recipe()
     fit = fit_recipe(sessions, harness, recipe=recipe, keep=keep, progress=progress)
     log, meta_log = fit.models.logs["backbone"], fit.models.logs["meta"]

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -265,6 +266,28 @@ def calibrate_bundle(
 # --- train ----------------------------------------------------------------------------------
 
 
+def end_completion_marks(sessions: Sequence[Any], end_completion: str | None) -> str | None:
+    """The bundle's end-of-trial completion for ``end_completion``: None (off), ``""`` (``"plain"``) or the marks the
+    held-in sentences end with (``"sentence-end"``: every one must end with ``~`` or ``?``, else a ValueError naming
+    those that do not). Checked before any training, and again on the sentences the bundle is exported from."""
+    from .decoding import Lexicon
+
+    if end_completion is None:
+        return None
+    if end_completion == "plain":
+        return ""
+    if end_completion != "sentence-end":
+        raise ValueError(f"end_completion {end_completion!r}: expected None, 'plain' or 'sentence-end'")
+    sentences = [t.sentence for s in sessions if s.split == "held_in" for t in s.trials]
+    marks = Lexicon.from_sentences(sentences).sentence_end
+    if not marks:
+        odd = [s for s in sentences if not s or s[-1] not in "~?"]
+        raise ValueError(f"--end-completion sentence-end: {len(odd)} of the {len(sentences)} held-in sentences do "
+                         f"not end with '~' or '?' (e.g. {odd[:3]!r}), so there is no sentence-end rule to apply; "
+                         "use 'plain' or 'off'")
+    return marks
+
+
 def train_pooled_bundle(sessions: list, harness: Any, out: str | Path, *, provenance: dict | None = None,
                         end_completion: str | None = None, overwrite: bool = False, report=print) -> Path:
     """Stage 1 (pooled backbone) and stage 2 (meta-learned alignment) on the held-in sessions; a calibratable bundle.
@@ -281,6 +304,7 @@ def train_pooled_bundle(sessions: list, harness: Any, out: str | Path, *, proven
     if not held_in:
         raise ValueError(f"none of the {len(sessions)} sessions is held-in: training needs held-in sessions "
                          "(FALCON H2's held-in files, or `closedloop generate-data`)")
+    end_completion_marks(sessions, end_completion)  # a cue that breaks the rule is refused before training
     models = train_models(sessions, harness, {"backbone", "meta"})
     report(f"stage 1 (pooled backbone) {models.logs['backbone'].wall_s:.1f} s, stage 2 (meta-learned alignment) "
            f"{models.logs['meta'].wall_s:.1f} s")
@@ -294,24 +318,13 @@ def export_pooled_bundle(models: Any, sessions: list, harness: Any, out: str | P
                          end_completion: str | None = None, overwrite: bool = False) -> Path:
     """The calibratable bundle of trained ``models`` (backbone and meta): :func:`train_pooled_bundle`'s export step,
     also used by :func:`closedloop.sdk.bci.recipe.train_recipe`."""
-    from .charset import PUNCTUATION
     from .data import session_normalization
-    from .decoding import Lexicon
     from .deploy import export_bci_bundle
     from .lexicon import pooled_bundle_defaults
     from .models import AlignedDecoder
 
     held_in = [s for s in sessions if s.split == "held_in"]
-    marks = None
-    if end_completion == "plain":
-        marks = ""
-    elif end_completion == "sentence-end":
-        marks = Lexicon.from_sentences([t.sentence for s in held_in for t in s.trials]).sentence_end
-        if not marks:
-            raise ValueError("--end-completion sentence-end: the held-in sentences do not all end with one of "
-                             f"{PUNCTUATION!r}, so there is no sentence-end rule to apply; use 'plain' or 'off'")
-    elif end_completion is not None:
-        raise ValueError(f"end_completion {end_completion!r}: expected None, 'plain' or 'sentence-end'")
+    marks = end_completion_marks(held_in, end_completion)
     norm = session_normalization(held_in[-1])  # a placeholder until calibration replaces it
     return export_bci_bundle(
         AlignedDecoder(models.meta.new_alignment(), models.backbone), out, n_channels=held_in[0].n_channels,

@@ -379,6 +379,23 @@ def test_bci_train_then_calibrate_from_the_shell(sessions, tmp_path, capsys):
     assert not curve.exists()  # nothing was trained
 
 
+def test_a_cue_that_breaks_the_sentence_end_rule_is_refused_before_any_training(sessions, tmp_path, monkeypatch):
+    """--end-completion sentence-end needs every held-in sentence to end with '~' or '?': one that ends with ','
+    (or with no mark) is named before training starts, not after both stages (30 minutes at the default budget)."""
+    import copy
+
+    import closedloop.sdk.bci.recipe as recipe
+    from closedloop.sdk.bci.recipe import train_recipe
+
+    odd = copy.deepcopy(sessions)
+    held_in = next(s for s in odd if s.split == "held_in")
+    held_in.trials[0].sentence = held_in.trials[0].sentence[:-1] + ","
+    monkeypatch.setattr(recipe, "fit_recipe", lambda *a, **k: pytest.fail("trained before the cues were checked"))
+    with pytest.raises(ValueError, match=r"sentence-end: 1 of the \d+ held-in sentences do not end with '~' or "
+                                         r"'\?' \(e.g. \['.*,'\]\).*'plain' or 'off'"):
+        train_recipe(odd, None, tmp_path / "never", end_completion="sentence-end")
+
+
 def test_a_partial_config_changes_only_its_settings_over_the_tiny_or_default_base(tmp_path):
     from closedloop.sdk.bci import train_harness
     from closedloop.sdk.bci.benchmark import BciBenchConfig
