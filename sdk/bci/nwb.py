@@ -276,6 +276,24 @@ def _check_charset(path: Path, cues: list[str]) -> None:
                               f"{CHARSET!r}, with '>' for a space and '~' for a period")
 
 
+def _check_trials(path: Path, trials: list[Trial]) -> None:
+    """Every trial prompts a sentence, and has the bins to write it: CTC needs one bin per character and one more
+    between two equal characters (a trial shorter than that cannot be trained on, and scores as noise)."""
+    empty = [i for i, t in enumerate(trials) if not t.sentence]
+    if empty:
+        raise _fail(path, f"trial(s) {empty[:5]} have an empty cue: every trial prompts a sentence; give its cue or "
+                          "leave the trial out of the file")
+    short = []
+    for i, t in enumerate(trials):
+        need = len(t.sentence) + sum(a == b for a, b in zip(t.sentence, t.sentence[1:], strict=False))
+        if len(t.spikes) < need:
+            short.append(f"trial {i}: {len(t.spikes)} bins for {t.sentence!r} ({need} needed)")
+    if short:
+        raise _fail(path, f"{len(short)} trial(s) are shorter than their sentence ({'; '.join(short[:3])}): a trial "
+                          f"needs a {BIN_S * 1000:g} ms bin per character and one between repeated characters; check "
+                          "the timestamps (a gap over the trial gap cuts a trial) and the cue rows' order")
+
+
 def _falcon_split(day: date | None) -> str | None:
     if day is None:
         return None
@@ -344,6 +362,7 @@ def load_falcon_h2(path: str | Path, *, n_calibration: int = 3) -> Session:
     cues, blocks = [cues[i] for i in order], blocks[order]
     trials = [Trial(spikes=spikes[a:b], sentence=cue, block=int(blk))
               for a, b, cue, blk in zip(bounds[:-1], bounds[1:], cues, blocks, strict=True)]
+    _check_trials(path, trials)
     scored = [i for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)) if mask[a:b].any()]
 
     info = parse_falcon_name(path)

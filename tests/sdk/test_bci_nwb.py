@@ -192,6 +192,18 @@ def test_cues_outside_the_character_set_are_refused_naming_file_and_trial(tmp_pa
     assert str(path) in str(e.value)
 
 
+def test_empty_cues_and_trials_shorter_than_their_sentence_are_refused_naming_them(tmp_path):
+    """A trial with no sentence, or with fewer bins than CTC needs to write its sentence (one per character, one
+    more between repeats), cannot be trained on and scores as noise: refused, naming the trial."""
+    with pytest.raises(FalconFileError, match=r"trial\(s\) \[1\] have an empty cue"):
+        load_falcon_h2(_write_raw(tmp_path / "empty.nwb", cues=("ab~", "")))
+    # trial 1 has 3 bins: 'aa' needs 3 (a blank between the two a's), 'abcd' needs 4
+    assert load_falcon_h2(_write_raw(tmp_path / "fits.nwb", cues=("ab~", "aa"))).trials[1].sentence == "aa"
+    with pytest.raises(FalconFileError, match=r"1 trial\(s\) are shorter than their sentence \(trial 1: 3 bins for "
+                                              r"'abcd' \(4 needed\)\)"):
+        load_falcon_h2(_write_raw(tmp_path / "short.nwb", cues=("ab~", "abcd")))
+
+
 def test_negative_counts_are_refused(tmp_path):
     counts = np.zeros((8, 4), dtype=np.int64)
     counts[2, 1] = -1
