@@ -102,9 +102,10 @@ class StageProgress:
                 self.done = max(self.done, step)
                 self._line()
 
-    def restart(self, attempt: int, seed: int) -> None:
-        """The run was abandoned on the CTC plateau; attempt ``attempt`` starts from seed ``seed``."""
-        self.parent.note(f"{self.name}: no characters learned yet, restart {attempt} from seed {seed}")
+    def restart(self, attempt: int, seed: int, why: str = "still on the CTC plateau") -> None:
+        """The run was abandoned on the CTC plateau (``why``: what showed it); attempt ``attempt`` starts from seed
+        ``seed``."""
+        self.parent.note(f"{self.name}: {why}; restart {attempt} from seed {seed}")
         self.done, self.t0 = 0, time.perf_counter()
         self.last_val = self.best_val = None
         if self.bar is not None:

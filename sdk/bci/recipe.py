@@ -387,8 +387,10 @@ def end_mark_warning(scores: dict, share: float = 0.5) -> str | None:
 
 def still_improving(log: Any) -> bool:
     """Stage 1 stopped by its time budget or ceiling with its best evaluation among the last ``patience``: the
-    run had not converged (:attr:`~closedloop.sdk.bci.train.TrainingLog.converged`)."""
-    return log.converged is False
+    run had not converged (:attr:`~closedloop.sdk.bci.train.TrainingLog.converged`), and it had improved on its
+    first evaluation (a run whose first was its best never improved: nothing says a longer one would)."""
+    steps = [v["step"] for v in getattr(log, "validation", [])]
+    return log.converged is False and len(steps) >= 2 and log.best_step != steps[0]
 
 
 @dataclass
@@ -498,7 +500,9 @@ def fit_recipe(sessions: Sequence[Any], harness: Any, *, recipe: Recipe | None =
             problems.append(f"{what} validation greedy CER {_pct(row['CER'])} is above the {threshold:.0%} "
                             "threshold")
     if problems:
-        hint = ("raise --steps or --time-budget" if log.stop_reason != "patience" else
+        # a run stopped early may need more steps, unless its validation loss rose for good (more will not help)
+        longer = log.stop_reason != "patience" and rising_validation_loss(log.validation) is None
+        hint = ("raise --steps or --time-budget" if longer else
                 "check the data (channels carry the signal, sentences match the trials) or a larger model "
                 "(--config train.backbone)")
         problems[-1] += f"; {hint}"

@@ -496,6 +496,16 @@ def fit_ctc(
     return log
 
 
+def _plateau_reason(log: TrainingLog, config: TrainConfig) -> str:
+    """What made a run count as on the CTC plateau at its check step, for the restart's note."""
+    cers = [v["CER"] for v in log.validation if "CER" in v]
+    if cers:
+        return (f"no validation CER below {STARTED_CER:.0%} by step {log.steps_run} (best {min(cers):.0%}): "
+                "still on the CTC plateau")
+    return (f"the training loss had not fallen below {config.plateau_fraction:g} of its early level by step "
+            f"{log.steps_run}: still on the CTC plateau")
+
+
 def fit_ctc_restarting(build: Callable[[], tuple[nn.Module, Callable, dict[int, float] | None]],
                        examples: Sequence[Example], config: TrainConfig, what: str,
                        validation: Sequence[Example] | None = None, progress: Any = None,
@@ -516,7 +526,7 @@ def fit_ctc_restarting(build: Callable[[], tuple[nn.Module, Callable, dict[int, 
         module, forward, scales = build()
         last = attempt == config.max_restarts
         if progress is not None and attempt:
-            progress.restart(attempt, seed)
+            progress.restart(attempt, seed, _plateau_reason(runs[-1][1], config))
         log = fit_ctc(module, forward, examples, config, what, scales, seed=seed, stop_on_plateau=not last,
                       validation=validation, progress=progress, deadline=deadline)
         runs.append((module, log))
