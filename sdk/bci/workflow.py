@@ -241,7 +241,8 @@ def calibrate_bundle(
     provenance = {k: v for k, v in m.provenance.items() if k != "export"}
     provenance["calibrated_from"] = {"bundle": m.name, "path": str(src.source),
                                      "main_sha256": m.files[spec.file]["sha256"]}
-    info = {"method": method, "trials": idx, "data": data_name, "chosen": adapted.info, "bins": int(sum(
+    info = {"method": method, "trials": idx, "data": data_name, "data_session": session.name,  # the day, as loaded
+            "chosen": adapted.info, "bins": int(sum(
         t.spikes.shape[0] for t in calib)), "loss_given": loss_given, "loss_start": loss_start, "loss_after": loss_after}
     path = export_bci_bundle(
         model, out, n_channels=c, mean=norm.mean, std=norm.std, session_name=name, calibration_info=info,
@@ -454,7 +455,9 @@ def evaluate_bundle(
                           f"each session's own: its first {norm['warmup_bins']} bins "
                           f"({norm['warmup_bins'] * float(bci.get('bin_s', 0.02)):.0f} s) of evaluation trials"),
         "calibrated_for": calibrated_for,
-        "other_sessions": [] if norm is not None else _other_sessions(calibrated_for, [s.name for s in scored]),
+        # which day the calibration data were (the name given with --session may be the lab's own)
+        "other_sessions": [] if norm is not None else _other_sessions(
+            (bci.get("calibration") or {}).get("data_session") or calibrated_for, [s.name for s in scored]),
     }
     try:
         for s in scored:

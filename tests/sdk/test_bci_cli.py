@@ -306,6 +306,15 @@ def test_evaluate_scores_match_falcon_metrics_and_offline_decoding(calibrated, h
     assert r["calibrated_for"] == "2023.04.17" and r["other_sessions"] == [] and "note:" not in text
 
 
+def test_a_calibration_named_by_the_lab_is_still_known_as_that_days(bundle, held_out_file, tmp_path):
+    """calibrate --session mylab-day1 names the bundle's session; scoring the same day is no "other session"."""
+    out = tmp_path / "named"
+    calibrate_bundle(bundle, held_out_file, n_sentences=3, out=out, session_name="mylab-day1", report=lambda s: None)
+    r = evaluate_bundle(out, held_out_file, backend="numba")
+    assert r["calibrated_for"] == "mylab-day1" and r["other_sessions"] == []
+    assert "note:" not in format_evaluation(r)
+
+
 def test_evaluate_a_folder_scores_every_session_with_evaluation_trials(bundle, sessions, tmp_path):
     write_falcon_h2_dir(sessions, tmp_path / "data")
     r = evaluate_bundle(bundle, tmp_path / "data", backend="numba")
