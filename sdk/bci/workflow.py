@@ -365,6 +365,8 @@ def load_sessions(data: str | Path) -> list:
     from .nwb import load_falcon_h2, load_falcon_h2_dir
 
     path = Path(data)
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: no such file or folder (expected a FALCON H2 .nwb file, or a folder of them)")
     return load_falcon_h2_dir(path) if path.is_dir() else [load_falcon_h2(path)]
 
 
