@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from closedloop.common.jsonout import json_text
 
@@ -15,6 +16,7 @@ from ..cli import command
 from .workflow import (
     calibrate_bundle,
     compare_evaluations,
+    describe_session,
     evaluate_bundle,
     format_comparison,
     format_evaluation,
@@ -22,6 +24,32 @@ from .workflow import (
     train_harness,
     unlearned_warning,
 )
+
+
+def _data_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("data", help="a FALCON H2-layout NWB file or a folder of them")
+    p.add_argument("--json", action="store_true", help="print the sessions as JSON")
+
+
+@command("bci-data", "list the sessions of FALCON H2-layout NWB data as bci-train, calibrate and evaluate read them",
+         _data_args)
+def _bci_data(a: argparse.Namespace) -> int:
+    rows = [describe_session(s) for s in load_sessions(a.data)]
+    if a.json:
+        print(json_text({"data": str(a.data), "sessions": rows}))
+        return 0
+    print(f"{'session':<14}{'date':<12}{'day':>6}  {'split':<9}{'from':<8}{'ch':>5}{'trials':>8}{'calib':>7}"
+          f"{'eval':>6}{'bins':>9}{'chars':>8}  files")
+    for r in rows:
+        print(f"{r['name']:<14}{r['date'] or '-':<12}{r['day']:>6g}  {r['split']:<9}{r['split_from']:<8}"
+              f"{r['n_channels']:>5}{r['trials']:>8}{r['calibration']:>7}{r['evaluation']:>6}{r['bins']:>9}"
+              f"{r['characters']:>8}  {', '.join(Path(f).name for f in r['files'])}")
+    held = {k: sum(r["split"] == k for r in rows) for k in ("held_in", "held_out")}
+    print(f"{len(rows)} sessions: {held['held_in']} held-in, {held['held_out']} held-out. from: where the split came "
+          "from (name, notes, date; default: nothing said it, taken as held-in). calib: trials offered for "
+          "calibration (a held-out day: FALCON's first 3 of its calibration file; calibrate --sentences N reads the "
+          "file's); eval: trials scored")
+    return 0
 
 
 def _calibrate_args(p: argparse.ArgumentParser) -> None:

@@ -360,6 +360,16 @@ def _merged(base: dict, over: dict) -> dict:
 # --- evaluate -------------------------------------------------------------------------------
 
 
+def describe_session(s: Any) -> dict:
+    """One loaded session as ``closedloop bci-data`` lists it: name, date, day, split and where it came from,
+    channels, trials (all, offered for calibration, scored), bins, characters and the files it came from."""
+    return {"name": s.name, "date": s.meta.get("date"), "day": float(s.day), "split": s.split,
+            "split_from": s.meta.get("split_from", "-"), "n_channels": s.n_channels, "trials": len(s.trials),
+            "calibration": len(s.calibration), "evaluation": len(s.evaluation),
+            "bins": int(sum(t.n_bins for t in s.trials)), "characters": int(sum(len(t.sentence) for t in s.trials)),
+            "files": list(s.meta.get("files", []))}
+
+
 def load_sessions(data: str | Path) -> list:
     """One NWB file (one session) or every session of a folder (``load_falcon_h2_dir``)."""
     from .nwb import load_falcon_h2, load_falcon_h2_dir

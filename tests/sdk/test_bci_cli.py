@@ -306,6 +306,23 @@ def test_evaluate_scores_match_falcon_metrics_and_offline_decoding(calibrated, h
     assert r["calibrated_for"] == "2023.04.17" and r["other_sessions"] == [] and "note:" not in text
 
 
+def test_bci_data_lists_the_sessions_as_the_commands_read_them(sessions, tmp_path, capsys):
+    data = tmp_path / "data"
+    write_falcon_h2_dir(sessions, data)
+    assert main(["bci-data", str(data), "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["sessions"]
+    assert [r["name"] for r in rows] == [s.name for s in sessions]
+    for r, s in zip(rows, sessions, strict=True):
+        assert (r["split"], r["trials"], r["evaluation"], r["n_channels"]) == (
+            s.split, len(s.trials), len(s.evaluation), s.n_channels)
+        assert r["split_from"] == "name" and r["bins"] == sum(t.n_bins for t in s.trials) and r["files"]
+    assert main(["bci-data", str(data)]) == 0
+    text = capsys.readouterr().out
+    assert f"{len(sessions)} sessions:" in text and sessions[0].name in text
+    assert main(["bci-data", str(tmp_path / "nothing")]) == 2
+    assert "no such file or folder" in capsys.readouterr().err
+
+
 def test_a_calibration_named_by_the_lab_is_still_known_as_that_days(bundle, held_out_file, tmp_path):
     """calibrate --session mylab-day1 names the bundle's session; scoring the same day is no "other session"."""
     out = tmp_path / "named"
