@@ -965,6 +965,12 @@ def _no_hello_reason(link: Link) -> str:
         return (f"{st.bad_tag} frames arrived but were refused: bad tag (the HMAC tag does not verify); the device "
                 "signs with another key: give both ends the same --key (SessionConfig.key) (docs/protocol.md section 7)")
     garbled = st.crc_errors + st.malformed + st.oversize
+    last = link.parser.last_rejection
+    if st.malformed and not st.crc_errors and not st.oversize:  # the bytes arrive intact: the layout is wrong
+        return (f"{st.malformed} frames arrived intact (their CRC-32C checks, so the baud rate is right) but "
+                f"malformed" + (f" (the last: {last[1]})" if last else "") + ": check each message's layout "
+                "against docs/protocol.md, field by field (a HELLO takes exactly its fields: extra bytes make it "
+                "malformed)")
     if garbled:
         return (f"{garbled} frames arrived but were refused (crc errors {st.crc_errors}, malformed {st.malformed}, "
                 f"oversize {st.oversize}): check the baud rate and that the device speaks closedloop protocol "

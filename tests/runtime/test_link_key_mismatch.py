@@ -92,3 +92,38 @@ def test_the_cli_says_it_too(bundle, capsys):
     assert rc == 2 and time.monotonic() - t < 20
     assert "within 1.5 s" in err
     assert "closedloop run: error: no Hello from" in err and "unsigned frame on a link that requires signing" in err
+
+
+def test_a_hello_with_a_field_too_many_is_named_malformed_not_a_baud_rate_problem(bundle):
+    """A firmware author who adds a field to their HELLO: the frames arrive intact (their CRC checks) but do not
+    parse; the timeout says so, with the parser's own reason, rather than "check the baud rate"."""
+
+    class LongHello(Hello):
+        def encode_payload(self) -> bytes:
+            return super().encode_payload() + b"\x01\x02"
+
+    board_end, port_end = open_pty_pair()
+    stop = threading.Event()
+
+    def board():
+        link = Link(board_end, role="device")
+        while not stop.is_set():
+            link.poll()
+            link.send(LongHello(kind="plant", n_channels=1, rate_hz=100.0))
+            stop.wait(0.3)
+
+    t = threading.Thread(target=board, daemon=True)
+    t.start()
+    try:
+        cfg = SessionConfig(device=port_end.path, handshake_timeout_s=1.5, duration_s=0.5, status=False,
+                            backend="onnxruntime")
+        with pytest.raises(SessionError) as e:
+            run_session(bundle, cfg)
+    finally:
+        stop.set()
+        t.join(2)
+        board_end.close()
+        port_end.close()
+    msg = str(e.value)
+    assert "arrived intact (their CRC-32C checks, so the baud rate is right) but malformed (the last: " in msg, msg
+    assert "check the baud rate" not in msg and "a HELLO takes exactly its fields" in msg
