@@ -292,3 +292,30 @@ def lockstep():
     yield make
     for dev in devices:
         dev.close()
+
+
+@pytest.fixture
+def pty_board():
+    """``pty_board(serve) -> port path``: ``serve(board_end, stop)`` runs on a thread at the board's end of a fresh
+    pty pair (a device of the test's own) until ``stop`` is set; the host opens the returned path. Stopped and both
+    ends closed after the test."""
+    import threading
+
+    from closedloop.firmware_bridge import open_pty_pair
+
+    started = []
+
+    def start(serve) -> str:
+        board_end, port_end = open_pty_pair()
+        stop = threading.Event()
+        thread = threading.Thread(target=serve, args=(board_end, stop), daemon=True)
+        thread.start()
+        started.append((board_end, port_end, stop, thread))
+        return port_end.path
+
+    yield start
+    for board_end, port_end, stop, thread in started:
+        stop.set()
+        thread.join(2)
+        board_end.close()
+        port_end.close()

@@ -22,7 +22,6 @@ from closedloop.firmware_bridge import (
     Hello,
     Link,
     PlantMeasurement,
-    open_pty_pair,
 )
 from closedloop.runtime import (
     DeviceMismatchError,
@@ -130,27 +129,18 @@ def _board(port, first: Hello, again: Hello, stop: threading.Event, reset_after_
     ("acme-plant", 1, "kind changed from 'plant' to 'acme-plant'"),
 ])
 def test_a_device_that_comes_back_as_another_is_refused(recurrent_plant_bundle, tmp_path, kind, n_channels,
-                                                         expect):
+                                                         expect, pty_board):
     limits = dict(rate_hz=RATE_HZ, command_low=np.array([-5.0]), command_high=np.array([5.0]))
     first = Hello(kind="plant", name="board", n_channels=1, **limits)
     again = Hello(kind=kind, name="board", n_channels=n_channels, **limits)
-    board_end, port_end = open_pty_pair()
-    stop = threading.Event()
-    t = threading.Thread(target=_board, args=(board_end, first, again, stop, 0.5), daemon=True)
-    t.start()
-    cfg = SessionConfig(device=port_end.path, duration_s=3.0, record=str(tmp_path / "other.clrec"), status=False,
+    port = pty_board(lambda end, stop: _board(end, first, again, stop, 0.5))
+    cfg = SessionConfig(device=port, duration_s=3.0, record=str(tmp_path / "other.clrec"), status=False,
                         backend="onnxruntime")
-    try:
-        with pytest.raises(DeviceMismatchError) as e:
-            run_session(recurrent_plant_bundle, cfg)
-    finally:
-        stop.set()
-        t.join(2)
-        board_end.close()
-        port_end.close()
+    with pytest.raises(DeviceMismatchError) as e:
+        run_session(recurrent_plant_bundle, cfg)
     msg = str(e.value)
-    # the first handshake's refusal: the port, the bundle, and each problem naming both values
-    assert f"device at {port_end.path} does not match bundle" in msg and expect in msg, msg
+    # the refusal names the port, the bundle, and each problem with both values
+    assert f"device at {port} does not match bundle" in msg and expect in msg, msg
     # the exception carries the session's summary (what `closedloop run --json` prints before exit 1)
     assert e.value.summary.error.startswith("DeviceChangedError: ") and e.value.summary.inputs_used > 0
     assert e.value.summary.loop.stopped_by == "device_changed"  # a safety stop, named as one

@@ -7,14 +7,13 @@ both keyed with different keys.
 
 from __future__ import annotations
 
-import threading
 import time
 
 import pytest
 import torch
 
 from closedloop.export import export_bundle
-from closedloop.firmware_bridge import Heartbeat, Hello, Link, open_pty_pair
+from closedloop.firmware_bridge import Heartbeat, Hello, Link
 from closedloop.runtime import SessionConfig, SessionError, run_session
 from closedloop.sdk.models import MLPPolicy
 
@@ -34,8 +33,8 @@ def bundle(tmp_path_factory):
     )
 
 
-def _refused(bundle, device: str, key: str | None) -> str:
-    cfg = SessionConfig(device=device, key=key, handshake_timeout_s=2.5, duration_s=0.5, status=False,
+def _refused(bundle, device: str, key: str | None, handshake_timeout_s: float = 2.5) -> str:
+    cfg = SessionConfig(device=device, key=key, handshake_timeout_s=handshake_timeout_s, duration_s=0.5, status=False,
                         backend="onnxruntime")
     with pytest.raises(SessionError) as e:
         run_session(bundle, cfg)
@@ -55,29 +54,18 @@ def test_host_and_device_keyed_with_different_keys(bundle):
     assert "frames arrived but were refused: bad tag" in msg and "signs with another key" in msg, msg
 
 
-def test_host_unkeyed_device_signs(bundle):
+def test_host_unkeyed_device_signs(bundle, pty_board):
     # a board that signs (sim:// would hand the host its key, so this one is on a bare pty): it says HELLO
     # and HEARTBEAT once a second until a host HELLO it can verify arrives, which never happens here
-    board_end, port_end = open_pty_pair()
-    stop = threading.Event()
-
-    def board():
-        link = Link(board_end, role="device", shared_secret=bytes.fromhex(KEY_A))
+    def board(end, stop):
+        link = Link(end, role="device", shared_secret=bytes.fromhex(KEY_A))
         while not stop.is_set():
             link.poll()
             link.send(Hello(kind="plant", n_channels=1, rate_hz=100.0))
             link.send(Heartbeat())
             stop.wait(0.5)
 
-    t = threading.Thread(target=board, daemon=True)
-    t.start()
-    try:
-        msg = _refused(bundle, port_end.path, None)
-    finally:
-        stop.set()
-        t.join(2)
-        board_end.close()
-        port_end.close()
+    msg = _refused(bundle, pty_board(board), None)
     assert "frames arrived but were refused: bad tag" in msg and "the device signs its frames" in msg, msg
     assert "give the host its key with --key" in msg
 
@@ -94,7 +82,7 @@ def test_the_cli_says_it_too(bundle, capsys):
     assert "closedloop run: error: no Hello from" in err and "unsigned frame on a link that requires signing" in err
 
 
-def test_a_hello_with_a_field_too_many_is_named_malformed_not_a_baud_rate_problem(bundle):
+def test_a_hello_with_a_field_too_many_is_named_malformed_not_a_baud_rate_problem(bundle, pty_board):
     """A firmware author who adds a field to their HELLO: the frames arrive intact (their CRC checks) but do not
     parse; the timeout says so, with the parser's own reason, rather than "check the baud rate"."""
 
@@ -102,28 +90,13 @@ def test_a_hello_with_a_field_too_many_is_named_malformed_not_a_baud_rate_proble
         def encode_payload(self) -> bytes:
             return super().encode_payload() + b"\x01\x02"
 
-    board_end, port_end = open_pty_pair()
-    stop = threading.Event()
-
-    def board():
-        link = Link(board_end, role="device")
+    def board(end, stop):
+        link = Link(end, role="device")
         while not stop.is_set():
             link.poll()
             link.send(LongHello(kind="plant", n_channels=1, rate_hz=100.0))
             stop.wait(0.3)
 
-    t = threading.Thread(target=board, daemon=True)
-    t.start()
-    try:
-        cfg = SessionConfig(device=port_end.path, handshake_timeout_s=1.5, duration_s=0.5, status=False,
-                            backend="onnxruntime")
-        with pytest.raises(SessionError) as e:
-            run_session(bundle, cfg)
-    finally:
-        stop.set()
-        t.join(2)
-        board_end.close()
-        port_end.close()
-    msg = str(e.value)
+    msg = _refused(bundle, pty_board(board), None, handshake_timeout_s=1.5)
     assert "arrived intact (their CRC-32C checks, so the baud rate is right) but malformed (the last: " in msg, msg
     assert "check the baud rate" not in msg and "a HELLO takes exactly its fields" in msg
