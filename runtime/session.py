@@ -550,9 +550,7 @@ class Session:
         """Close a link whose transport closed itself, keeping its parser's counters: the summary's ``link`` covers
         every connection of the session, not only the last."""
         assert self.link is not None
-        past, now = self._past_link_stats, self.link.parser.stats
-        for f in fields(past):
-            setattr(past, f.name, getattr(past, f.name) + getattr(now, f.name))
+        self._past_link_stats = _sum_stats(self._past_link_stats, self.link.parser.stats)
         self.link.close()
         self.link = None
 
@@ -601,7 +599,7 @@ class Session:
                 self._send_safe(k)
             return
         if bad == "size":  # not the frame the handshake promised: refused like a non-finite one, the model not run
-            self._refuse_nonfinite(bad, k, send)
+            self._refuse(bad, k, send)
             return
         # the outputs are ready (the observers' run record and a typed event say so); only observers read it
         t_ready = time.monotonic_ns() if self._tap is not None else 0
@@ -635,11 +633,11 @@ class Session:
             if sent is not None:
                 self._tap.command(sent)
         if bad is not None:
-            self._refuse_nonfinite(bad, k, send)
+            self._refuse(bad, k, send)
 
-    def _refuse_nonfinite(self, where: str, k: int, send: bool = True) -> None:
-        """A run with a non-finite model input, output or command: counted, bad state reset, and the safe command
-        sent instead, unless ``send`` is False (an older frame of a step that commands once, from its newest: that
+    def _refuse(self, where: str, k: int, send: bool = True) -> None:
+        """A run refused (``where``: ``"input"`` or ``"output"``, not finite; ``"size"``, an input frame of another
+        size than the HELLO's): counted, bad state reset, and the safe command sent instead, unless ``send`` is False (an older frame of a step that commands once, from its newest: that
         frame's command, or the safe one if it is refused too, is the step's one command)."""
         counts = self.summary_counts
         if where == "size":
@@ -885,10 +883,9 @@ class Session:
                                      "values": np.asarray(self.family.safe_output(), dtype=float).ravel().tolist()})
         if cfg.status and self._status_tty:
             self.out.write("\n")
-        stats = self._past_link_stats
-        if self.link is not None:  # the connection open at the end, with those closed during the session
-            stats = ParserStats(**{f.name: getattr(stats, f.name) + getattr(self.link.parser.stats, f.name)
-                                   for f in fields(stats)})
+        stats = self._past_link_stats  # the connections closed during the session, and the one open at its end
+        if self.link is not None:
+            stats = _sum_stats(stats, self.link.parser.stats)
         summary = SessionSummary(
             loop=loop_summary,
             device=_hello_dict(self.hello) if self.hello else {},
@@ -947,6 +944,11 @@ def _warn_unwritable_numba_cache(out: TextIO) -> None:
         out.write(f"warning: NUMBA_CACHE_DIR={folder} is not writable ({why}): Numba's kernels compile afresh in every "
                   "session (up to a minute or two on a board) and are not kept; give the session's user a writable "
                   "folder (closedloop doctor checks it)\n")
+
+
+def _sum_stats(a: ParserStats, b: ParserStats) -> ParserStats:
+    """Two connections' parser counters added up."""
+    return ParserStats(**{f.name: getattr(a, f.name) + getattr(b, f.name) for f in fields(a)})
 
 
 def _no_hello_reason(link: Link) -> str:
