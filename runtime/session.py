@@ -351,6 +351,7 @@ class Session:
         self._step = 0
         self._unused_type: type[Message] | None = None
         self._unused, self._warned_unused = 0, False  # frames not of the input's type
+        self._unused_ns = 0  # when the last of them came
         self._tap: SessionTap | None = None  # per-step hooks: made in start() when anything listens
         self._typed = 0  # characters the family had typed at the last "typed" event (idle time)
         self._typed_ns = 0  # when the output of the last run that typed was ready
@@ -587,20 +588,21 @@ class Session:
             self._tap.flag(FLAG_SAFE)
         return True
 
-    def _act(self, frame: Frame, k: int, send: bool = True) -> None:
+    def _act(self, frame: Frame, k: int, send: bool = True) -> bool:
         """Run the family on one input frame; ``send``: also send its command (False: an older frame of a step whose
-        family commands only from the newest, ``command_each_frame``: its run updates the state and is recorded)."""
+        family commands only from the newest, ``command_each_frame``: its run updates the state and is recorded).
+        False for a frame refused for its size (not used: ``inputs_refused`` counts it)."""
         fam = self.family
         cmd, bad = fam.guarded_step(frame.message)
         if cmd is None and bad is None:  # the model did not run on this frame (a window not yet due)
-            return
+            return True
         if bad == "held":  # a held input (a goal) has no value yet: the safe command until it comes
             if send:
                 self._send_safe(k)
-            return
+            return True
         if bad == "size":  # not the frame the handshake promised: refused like a non-finite one, the model not run
             self._refuse(bad, k, send)
-            return
+            return False
         # the outputs are ready (the observers' run record and a typed event say so); only observers read it
         t_ready = time.monotonic_ns() if self._tap is not None else 0
         sent = None  # the command values sent, for the observers
@@ -634,6 +636,7 @@ class Session:
                 self._tap.command(sent)
         if bad is not None:
             self._refuse(bad, k, send)
+        return True
 
     def _refuse(self, where: str, k: int, send: bool = True) -> None:
         """A run refused (``where``: ``"input"`` or ``"output"``, not finite; ``"size"``, an input frame of another
@@ -678,8 +681,7 @@ class Session:
             m = f.message
             if isinstance(m, want):
                 if every_frame:
-                    self._act(f, k, send=last < 0 or i == last)
-                    counts["inputs_used"] += 1
+                    counts["inputs_used"] += self._act(f, k, send=last < 0 or i == last)
                 else:
                     if newest is not None:
                         counts["inputs_skipped"] += 1
@@ -696,9 +698,9 @@ class Session:
             elif not isinstance(m, Heartbeat):
                 self._unused += 1  # data the bundle does not read (a panda's joint states beside its task observation)
                 self._unused_type = type(m)
+                self._unused_ns = time.monotonic_ns()
         if newest is not None:
-            self._act(newest, k)
-            counts["inputs_used"] += 1
+            counts["inputs_used"] += self._act(newest, k)
         now = time.monotonic_ns()
         if now - self._last_input_ns > self.config.watchdog_s * 1e9:
             if not self._safe:
@@ -707,9 +709,10 @@ class Session:
                 other = self._unused_type.__name__ if self._unused and self._unused_type is not None else ""
                 self._event("watchdog", silent_s=(now - self._last_input_ns) / 1e9, other_frames=self._unused,
                             other_type=other)
-                if self._unused and not self._warned_unused:
+                still_talking = now - self._unused_ns < self.config.watchdog_s * 0.5e9
+                if self._unused and still_talking and not self._warned_unused:
                     # Frames keep coming but none is the bundle's input: say so once, or the session looks
-                    # like a silent device.
+                    # like a silent device (one that fell silent altogether is not told its input may not match).
                     self._warned_unused = True
                     self.out.write(f"\nwarning: no {self.family.input.message.__name__} from the device for "
                                    f"{self.config.watchdog_s:g} s, but it sent {self._unused} {other} "
@@ -737,9 +740,17 @@ class Session:
         hello = frame.message
         assert isinstance(hello, Hello)  # step() routes only HELLOs here
         problems = self.family.check_device(hello)
-        if self.hello is not None and hello.kind != self.hello.kind:
-            problems.insert(0, f"device kind changed from {self.hello.kind!r} to {hello.kind!r} mid-session; "
+        first = self.hello
+        if first is not None and hello.kind != first.kind:
+            problems.insert(0, f"device kind changed from {first.kind!r} to {hello.kind!r} mid-session; "
                                "the session was set up for the first")
+        if first is not None:  # the same kind with another shape is another device too (a 3-axis arm back as 8)
+            if hello.n_channels != first.n_channels:
+                problems.append(f"device n_channels changed from {first.n_channels} to {hello.n_channels} "
+                                "mid-session")
+            if hello.command_low.size != first.command_low.size:
+                problems.append(f"device command limits changed from {first.command_low.size} to "
+                                f"{hello.command_low.size} values mid-session")
         answer = time.monotonic_ns() - self._hello_sent_ns < HELLO_ANSWER_S * 1e9
         self._event("device_hello", device=_hello_dict(hello), problems=problems, answer=answer)
         if problems:

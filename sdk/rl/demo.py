@@ -22,6 +22,10 @@ from torch import nn
 __all__ = ["rl_demo"]
 
 
+def _interval(v: Any) -> str:
+    return f"[{v[0]:.3f}, {v[1]:.3f}]" if isinstance(v, list | tuple) and len(v) == 2 else str(v)
+
+
 def _clone(x: np.ndarray, y: np.ndarray, hidden: int, epochs: int, seed: int) -> nn.Module:
     from .finetune import fit_actions
 
@@ -79,7 +83,7 @@ def rl_demo(out_dir: str | Path, task: str = "push", demos: int = 20, episodes: 
     d = summary.to_dict()
     fam = d.get("family", {})
     say(f"deployed: {fam.get('successes')} of {fam.get('episodes')} episodes succeeded "
-        f"(success rate {fam.get('success_rate', float('nan')):.2f}, Wilson 95% {fam.get('success_rate_wilson95')}); "
+        f"(success rate {fam.get('success_rate', float('nan')):.2f}, Wilson 95% {_interval(fam.get('success_rate_wilson95'))}); "
         f"demo took {time.perf_counter() - t0:.0f} s. Fine-tune it: closedloop rl-train --task {task}")
     return {"demo_success": demo_rate, "inprocess_success": inproc, "bundle": str(bundle), "family": fam,
             "loop": d.get("loop", {})}

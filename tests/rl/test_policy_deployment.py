@@ -94,6 +94,17 @@ def test_pick_and_place_policy_sends_the_gripper_channel_and_the_emulator_follow
         again = JointCommand.decode_payload(msg.encode_payload())  # the wire carries it
         np.testing.assert_allclose(again.values, cmd)
         assert fam.safe_output()[3] == pytest.approx(cmd[3])  # holding keeps the last opening: no dropped cube
+        # an arm that states 3 end-effector limits takes no gripper; one whose gripper opens less is refused
+        from closedloop.firmware_bridge import Hello
+
+        low, high = fam.command_limits()
+        rate = bundle.manifest.rate_hz
+        (no_grip,) = fam.check_device(Hello(kind="arm", rate_hz=rate, command_low=low[:3], command_high=high[:3]))
+        assert "no gripper" in no_grip
+        small = high.copy()
+        small[3] = GRIPPER_MAX_M / 2
+        assert fam.check_device(Hello(kind="arm", rate_hz=rate, command_low=low, command_high=small)) == [
+            f"command 3 (gripper): bundle high limit {high[3]:g} is above the device's {small[3]:g}"]
     finally:
         env.close()
         model.close()
@@ -195,3 +206,46 @@ def test_the_safe_command_observers_see_is_the_one_sent_holding_the_hand_where_i
     np.testing.assert_allclose(dev.replies[1], held, atol=1e-6)  # what the arm got
     assert len(obs.commands) == 1
     np.testing.assert_allclose(obs.commands[0], held, atol=1e-6)  # what the observers got
+
+
+def test_no_safe_command_before_the_hand_is_seen_and_none_after_a_re_handshake(push_bundle):
+    """The safe command holds the hand where it was last seen; before this stream's first observation (the start,
+    or a device's re-handshake after a reboot) there is none to hold, and the bundle's fixed safe_position would
+    make the arm jump: no safe command then."""
+    from closedloop.firmware_bridge import PlantMeasurement
+
+    b = load_bundle(push_bundle[0])
+    fam = get_family("policy")(b, Model(b, backend="onnxruntime"))
+    assert fam.safe_message(0) is None
+    env = PandaTaskEnv("push")
+    obs = env.reset(seed=0)[0].astype(np.float32)
+    env.close()
+    ee = np.asarray(b.manifest.extra["policy"]["ee_index"])
+    fam.on_message(PlantMeasurement(obs, np.zeros(5, np.float32)))
+    low, high = fam.command_limits()
+    np.testing.assert_allclose(fam.safe_message(1).values, np.clip(obs[ee], low, high), atol=1e-6)
+    fam.reset()  # what a re-handshake does
+    assert fam.safe_message(2) is None
+    blind = obs.copy()
+    blind[ee[0]] = np.nan  # an observation without a finite hand position does not make it known either
+    fam.on_message(PlantMeasurement(blind, np.zeros(5, np.float32)))
+    assert fam.safe_message(3) is None
+
+
+def test_the_policy_checks_the_devices_kind_and_the_end_effector_limits_it_states(push_bundle):
+    from closedloop.firmware_bridge import Hello
+
+    b = load_bundle(push_bundle[0])
+    fam = get_family("policy")(b, Model(b, backend="onnxruntime"))
+    rate = b.manifest.rate_hz
+    low, high = fam.command_limits()
+    assert fam.check_device(Hello(kind="panda", n_channels=8, rate_hz=rate)) == []
+    # the panda emulator's 8 joint-space limits are not end-effector limits: not compared
+    assert fam.check_device(Hello(kind="panda", n_channels=8, rate_hz=rate, command_low=np.full(8, -0.1),
+                                  command_high=np.full(8, 0.1))) == []
+    (kind,) = fam.check_device(Hello(kind="headstage", n_channels=21, rate_hz=rate))
+    assert "streams neural_frame" in kind
+    narrow = fam.check_device(Hello(kind="arm", rate_hz=rate, command_low=low, command_high=high - 0.1))
+    assert narrow == [f"command {i} ({n}): bundle high limit {high[i]:g} is above the device's {high[i] - 0.1:g}"
+                      for i, n in enumerate("xyz")]
+    assert fam.check_device(Hello(kind="arm", rate_hz=rate, command_low=low - 1, command_high=high + 1)) == []

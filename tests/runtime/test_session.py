@@ -588,3 +588,32 @@ def test_the_summarys_link_counters_cover_every_connection_of_a_session(plant_bu
     assert sent == [41, 31] and s.reconnects == 1
     assert s.link["accepted"] == sum(sent) and s.link["crc_errors"] == 0
     assert s.frames_received == s.link["accepted"] - 1  # all but the first handshake's HELLO, read before the loop
+
+
+@pytest.mark.parametrize("silent_after_s", [None, 0.3])
+def test_the_wrong_input_warning_is_for_a_device_still_talking_not_one_gone_silent(plant_bundle, pty_board,
+                                                                                  silent_after_s):
+    """A device that keeps sending frames the bundle does not read (JOINT_STATE to a PLANT_MEASUREMENT bundle) is
+    told its input may not match; one that sent both and then fell silent is not (it was only silent)."""
+    import io
+
+    def board(end, stop):
+        link = Link(end, role="device")
+        t0, hello = time.monotonic(), Hello(kind="myboard", n_channels=1, rate_hz=200.0)
+        while not stop.is_set():
+            for f in link.poll():
+                if isinstance(f.message, Hello):
+                    link.send(hello)
+            t = time.monotonic() - t0
+            if silent_after_s is None:
+                link.send(JointState(q=np.zeros(2, np.float32), dq=np.zeros(2, np.float32)))
+            elif t < silent_after_s:
+                link.send(PlantMeasurement(np.array([0.1], np.float32), np.zeros(0, np.float32)))
+                link.send(JointState(q=np.zeros(2, np.float32), dq=np.zeros(2, np.float32)))
+            stop.wait(0.005)
+
+    out = io.StringIO()
+    s = run_session(plant_bundle, _cfg(pty_board(board), duration_s=1.0), out=out)
+    assert s.watchdog_trips == 1
+    warned = "may not match this device" in out.getvalue()
+    assert warned == (silent_after_s is None), out.getvalue()

@@ -122,11 +122,27 @@ class PolicyFamily(FamilyPlugin):
         self._seen = False
 
     def check_device(self, hello: Hello) -> list[str]:
+        """The device's kind must stream the task observation; its rate must be the policy's; limits it states for
+        the end-effector command (as many as the policy sends: x, y, z and the gripper) must hold the bundle's.
+        Limits of another size (the panda emulator's 7 joints and gripper) are in another space and not compared;
+        a device that states 3 (no gripper) does not take a gripper policy."""
         rate = self.bundle.manifest.rate_hz
-        problems = []
+        problems = self._kind_problems(hello)
         if hello.rate_hz and abs(hello.rate_hz - rate) > 0.01 * rate:
             problems.append(f"device streams at {hello.rate_hz:g} Hz, the policy was trained at {rate:g} Hz "
                             f"(for the emulator: sim://panda?task=...&rate={rate:g})")
+        n = hello.command_low.size
+        if n == 3 and self._gripper:
+            problems.append("device states 3 end-effector limits (x, y, z: no gripper), the policy also sends a "
+                            "gripper opening (n_actions 4)")
+        elif n == self._low.size:
+            names = ("x", "y", "z", "gripper")
+            for i in np.flatnonzero(self._low < hello.command_low - 1e-6):
+                problems.append(f"command {i} ({names[i]}): bundle low limit {self._low[i]:g} is below the device's "
+                                f"{hello.command_low[i]:g}")
+            for i in np.flatnonzero(self._high > hello.command_high + 1e-6):
+                problems.append(f"command {i} ({names[i]}): bundle high limit {self._high[i]:g} is above the "
+                                f"device's {hello.command_high[i]:g}")
         return problems
 
     @property
@@ -151,7 +167,7 @@ class PolicyFamily(FamilyPlugin):
         ee = self._obs[self._ee_index]
         if np.isfinite(ee).all():  # the safe command holds the last finite position, never a NaN one
             self._ee[:] = ee
-        self._seen = True
+            self._seen = True  # the hand's position is known: a safe command can hold it
         x = self._x.reshape(-1)
         np.subtract(self._obs, self._mean, out=x)
         np.multiply(x, self._inv_std, out=x)
@@ -179,6 +195,10 @@ class PolicyFamily(FamilyPlugin):
         return JointCommand(JointMode.END_EFFECTOR, command)
 
     def safe_message(self, step: int) -> Message | None:
+        """Hold the hand where it was last seen. None before this stream's first observation (the session's start,
+        or a device's re-handshake, which may follow a reboot that moved the arm): a fixed position would move it."""
+        if not self._seen:
+            return None
         return JointCommand(JointMode.END_EFFECTOR, np.ascontiguousarray(self.safe_output()))
 
     def episodes(self) -> tuple[int, int]:
@@ -194,4 +214,4 @@ class PolicyFamily(FamilyPlugin):
         lo, hi = wilson_interval(won, done)
         rate = won / done if done else float("nan")
         return {"episodes": done, "successes": won, "success_rate": rate,
-                "success_rate_wilson95": f"[{lo:.3f}, {hi:.3f}]"}
+                "success_rate_wilson95": [round(lo, 4), round(hi, 4)]}
