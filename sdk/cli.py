@@ -769,6 +769,10 @@ def _package_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--priority", type=int, default=80, help="the service's SCHED_FIFO priority (1-99)")
     p.add_argument("--user", default="closedloop", help="the user the service runs as")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out folder")
+    p.add_argument("--trust", action="append", default=[], metavar="KEY.pub|DIR",
+                   help="public key (or folder of *.pub keys): every bundle must be signed by one; the keys go into "
+                        "the package and the service runs with --trust (repeatable; without it nothing checks "
+                        "signatures on the board)")
 
 
 @command("package", "bundles and their runtime for a board: wheelhouse, install.sh, systemd unit", _package_args)
@@ -779,7 +783,7 @@ def _package(a: argparse.Namespace) -> int:
         raise ValueError(f"--priority {a.priority}: SCHED_FIFO priorities are 1 to 99")
     opts = PackageOptions(target=a.target, extras=a.extras, ort_only=a.ort_only, find_links=a.find_links,
                           no_index=a.no_index, from_installed=a.from_installed, prefix=a.prefix, device=a.device,
-                          cpu=a.cpu, priority=a.priority, user=a.user, overwrite=a.overwrite)
+                          cpu=a.cpu, priority=a.priority, user=a.user, overwrite=a.overwrite, trust=a.trust)
     package(a.bundles, a.out, opts, report=lambda s: print(s, file=sys.stderr))
     return 0
 

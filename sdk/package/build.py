@@ -1,10 +1,12 @@
 """``closedloop package``: bundles and their runtime, as one folder to copy to a board and install offline.
 
-The folder: ``bundles/`` (each verified first), ``wheelhouse/`` (closedloop's wheel and every
-wheel the runtime needs on the target), ``constraints.txt`` (the target's tested pins),
-``install.sh`` (an offline install into a venv, then the Numba cache warmed for the bundles),
-``closedloop.service`` (a systemd unit running ``closedloop run --rt``), ``README.md`` and
-``manifest.json`` (the target, each wheel's sha256, the footprint).
+The folder: ``bundles/`` (each verified first: checksums, and with ``trust`` a signature by one of those keys),
+``trust/`` (those public keys), ``wheelhouse/`` (closedloop's wheel and every wheel the runtime needs on the target),
+``requirements.lock`` (every wheel pinned with its sha256, what pip installs), ``constraints.txt`` (the target's
+tested pins), ``install.sh`` (checks ``SHA256SUMS``, installs offline into a venv, then warms the Numba cache for
+the bundles), ``closedloop.service`` (a systemd unit running ``closedloop run --rt``, with ``--trust`` when keys
+were given), ``README.md``, ``manifest.json`` (the target, each wheel's sha256, the footprint) and ``SHA256SUMS``
+(every other file's sha256, in ``sha256sum`` format).
 """
 
 from __future__ import annotations
@@ -46,6 +48,9 @@ class PackageOptions:
     priority: int = 80
     user: str = "closedloop"
     overwrite: bool = False
+    #: public key files or folders of ``*.pub`` files: each bundle must be signed by one, and the board's service
+    #: runs with them (``--trust``); empty: bundles are checked for their checksums only
+    trust: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -75,7 +80,7 @@ def _unpacked_bytes(wheel: Path) -> int:
 NUMBA_FAMILIES = {"observer": "the observer family's step (runtime/families/observer) is a Numba kernel"}
 
 
-def _copy_bundles(paths: list[str], dest: Path, ort_only: bool = False) -> list[str]:
+def _copy_bundles(paths: list[str], dest: Path, ort_only: bool = False, trust: list[str] | None = None) -> list[str]:
     from closedloop.runtime import load_bundle
 
     names: list[str] = []
@@ -85,7 +90,7 @@ def _copy_bundles(paths: list[str], dest: Path, ort_only: bool = False) -> list[
         if not src.exists():
             raise PackageError(f"bundle {p} does not exist: give a bundle folder or zip (closedloop export writes one)")
         try:
-            bundle = load_bundle(src)
+            bundle = load_bundle(src, trust=trust or None)
         except ValueError as exc:
             raise PackageError(f"bundle {p} does not verify, so it is not packaged (closedloop inspect {p} says "
                                f"why):\n{exc}") from None
@@ -100,15 +105,42 @@ def _copy_bundles(paths: list[str], dest: Path, ort_only: bool = False) -> list[
     return names
 
 
-def _install_sh(target: Target, opts: PackageOptions, bundles: list[str], spec: str, reqs_file: str | None) -> str:
+def _copy_keys(trust: list[str], dest: Path) -> list[str]:
+    """The trusted public keys (files, or the ``*.pub`` regular files of folders) copied into ``dest``."""
+    names: list[str] = []
+    for given in trust:
+        p = Path(given)
+        keys = sorted(k for k in p.glob("*.pub") if k.is_file()) if p.is_dir() else [p]
+        for k in keys:
+            if k.name in names:
+                raise PackageError(f"two trusted keys are named {k.name!r}: rename one, trust/ holds them by name")
+            dest.mkdir(exist_ok=True)
+            shutil.copy2(k, dest / k.name)
+            names.append(k.name)
+    return names
+
+
+def _lock(wheels: list[Path]) -> str:
+    """``requirements.lock``: every wheel of the wheelhouse, pinned, with its sha256: pip installs exactly these
+    (``--require-hashes --no-deps``), refusing a wheel whose bytes changed."""
+    from packaging.utils import parse_wheel_filename
+
+    lines = ["# closedloop package: every wheel of wheelhouse/ with its sha256 (pip --require-hashes)"]
+    for w in wheels:
+        name, version, _b, _t = parse_wheel_filename(w.name)
+        lines.append(f"{name}=={version} --hash=sha256:{_sha256(w)}")
+    return "\n".join(lines) + "\n"
+
+
+def _install_sh(target: Target, opts: PackageOptions, bundles: list[str], trusted: bool) -> str:
     q = shlex.quote
-    if reqs_file:  # without Numba: the dependencies from the list, then closedloop itself without its own
-        pip = (f'"$PREFIX/venv/bin/pip" install --no-index --find-links "$HERE/wheelhouse" -c "$HERE/constraints.txt" '
-               f'-r "$HERE/{reqs_file}"\n'
-               f'"$PREFIX/venv/bin/pip" install --no-index --no-deps "$HERE"/wheelhouse/closedloop-*.whl\n')
-    else:
-        pip = (f'"$PREFIX/venv/bin/pip" install --no-index --find-links "$HERE/wheelhouse" -c "$HERE/constraints.txt" '
-               f'{q(spec)}\n')
+    # exactly the locked wheels, each checked against its sha256, reinstalled over an older install of the same
+    # version; --isolated: no pip.conf or PIP_* variables of the board take part
+    pip = ('"$PREFIX/venv/bin/pip" install --isolated --no-index --find-links "$HERE/wheelhouse" --no-deps '
+           '--require-hashes --force-reinstall -r "$HERE/requirements.lock"\n')
+    trust = ' --trust "$PREFIX/trust"' if trusted else ""
+    keys = ('rm -rf "$PREFIX/trust" && mkdir -p "$PREFIX/trust" && cp "$HERE"/trust/*.pub "$PREFIX/trust/"\n'
+            if trusted else "")
     return f"""#!/bin/sh
 # Offline install of closedloop for target {target.name}: {target.description}.
 # A venv in $CLOSEDLOOP_PREFIX (default {opts.prefix}) from ./wheelhouse only (no network), the
@@ -117,6 +149,12 @@ def _install_sh(target: Target, opts: PackageOptions, bundles: list[str], spec: 
 # same folder by default), so the service's first session compiles nothing.
 set -eu
 HERE=$(cd "$(dirname "$0")" && pwd)
+# every file as packaged (SHA256SUMS; check SHA256SUMS itself against the digest the package command printed)
+if ! (cd "$HERE" && sha256sum --quiet --strict -c SHA256SUMS); then
+    echo "install.sh: the package's files do not match SHA256SUMS (changed or damaged since packaging): copy the" >&2
+    echo "  package again from the machine that built it; nothing was installed." >&2
+    exit 2
+fi
 PREFIX=${{CLOSEDLOOP_PREFIX:-{opts.prefix}}}
 PYTHON=${{PYTHON:-python3}}
 export NUMBA_CACHE_DIR=${{NUMBA_CACHE_DIR:-/var/cache/closedloop}}
@@ -134,17 +172,18 @@ if [ "$have" != "{target.python_version}" ]; then
     exit 2
 fi
 "$PYTHON" -m venv "$PREFIX/venv"
-{pip}mkdir -p "$PREFIX/bundles" "$NUMBA_CACHE_DIR" "$CLOSEDLOOP_CACHE_DIR"
+{pip}{keys}mkdir -p "$PREFIX/bundles" "$NUMBA_CACHE_DIR" "$CLOSEDLOOP_CACHE_DIR"
 cp -R "$HERE/bundles/." "$PREFIX/bundles/"
-"$PREFIX/venv/bin/python" -m closedloop.sdk.package.warm {' '.join(f'"$PREFIX/bundles/{b}"' for b in bundles)}
+"$PREFIX/venv/bin/python" -m closedloop.sdk.package.warm{trust} {' '.join(f'"$PREFIX/bundles/{b}"' for b in bundles)}
 if id {q(opts.user)} >/dev/null 2>&1; then chown -R {q(opts.user)} "$NUMBA_CACHE_DIR" "$CLOSEDLOOP_CACHE_DIR" 2>/dev/null || true; fi
 echo "installed closedloop in $PREFIX/venv; bundles in $PREFIX/bundles; Numba cache in $NUMBA_CACHE_DIR; C library cache in $CLOSEDLOOP_CACHE_DIR"
 """
 
 
-def _unit(opts: PackageOptions, bundle: str) -> str:
+def _unit(opts: PackageOptions, bundle: str, trusted: bool) -> str:
     run = (f"{opts.prefix}/venv/bin/closedloop run {opts.prefix}/bundles/{bundle} --device {opts.device} "
-           f"--rt --cpu {opts.cpu} --priority {opts.priority} --quiet")
+           f"--rt --cpu {opts.cpu} --priority {opts.priority} --quiet"
+           + (f" --trust {opts.prefix}/trust" if trusted else ""))
     return f"""[Unit]
 Description=closedloop session: {bundle} on {opts.device}
 StartLimitIntervalSec=60
@@ -198,7 +237,7 @@ def emulator_url(bundle: str | Path) -> str | None:
 
 
 def _readme(target: Target, opts: PackageOptions, bundles: list[str], installed_mb: float,
-            emulator: str | None) -> str:
+            emulator: str | None, keys: list[str]) -> str:
     first = f"{opts.prefix}/bundles/{bundles[0]}"
     cache = "NUMBA_CACHE_DIR=/var/cache/closedloop CLOSEDLOOP_CACHE_DIR=/var/cache/closedloop"
     run_check = (f"{cache} {opts.prefix}/venv/bin/closedloop run {first} --device '{emulator}' --duration 2   "
@@ -226,6 +265,17 @@ without them a session compiles its kernels afresh into the user's own cache fir
 runs `{bundles[0]}` on `{opts.device}` with `--rt --cpu {opts.cpu} --priority {opts.priority}` and reads the
 Numba cache from /var/cache/closedloop: edit it if you change these. `manifest.json` lists every wheel
 with its sha256.
+
+Integrity: `install.sh` first checks every file against `SHA256SUMS` and refuses a package that changed; check
+`SHA256SUMS` itself first (`sha256sum SHA256SUMS`) against the digest `closedloop package` printed. pip installs
+exactly the wheels of `requirements.lock`, each against its sha256, ignoring the board's pip settings, and a
+re-install replaces what an earlier package installed.
+{"Signatures: each bundle was verified against the trusted keys in trust/ (" + ", ".join(keys) + "), which "
+ "install.sh copies to " + opts.prefix + "/trust; the service runs with --trust " + opts.prefix + "/trust, so a "
+ "bundle that no trusted key signed is refused. Run other commands with the same --trust." if keys else
+ "Signatures: none checked. This package was built without --trust: the service runs its bundles after "
+ "their checksums, without a signature check. Package with --trust LAB.pub for a board that must run only "
+ "signed bundles."}
 """
 
 
@@ -250,8 +300,11 @@ def package(bundles: list[str], out: str | Path, opts: PackageOptions, report=pr
 
 
 def _build(work: Path, bundles: list[str], target: Target, opts: PackageOptions, report) -> PackageResult:
-    names = _copy_bundles(bundles, work / "bundles", opts.ort_only)
-    report(f"bundles: {', '.join(names)} (verified)")
+    names = _copy_bundles(bundles, work / "bundles", opts.ort_only, opts.trust)
+    keys = _copy_keys(opts.trust, work / "trust")
+    report(f"bundles: {', '.join(names)} (" + (f"verified: checksums, and signed by a trusted key of {len(keys)}"
+                                               if keys else "checksums verified; signatures not checked: no --trust, "
+                                               "so the service will not check them either") + ")")
     house = work / "wheelhouse"
     house.mkdir()
     own = build_project_wheel(house)
@@ -277,28 +330,34 @@ def _build(work: Path, bundles: list[str], target: Target, opts: PackageOptions,
         (work / "constraints.txt").write_text(f"# host ({target.description}): the wheels in wheelhouse/\n"
                                              + "\n".join(pins) + "\n")
     spec = "closedloop" + (f"[{','.join(opts.extras)}]" if opts.extras else "")
-    reqs_file = None
-    if opts.ort_only:
-        reqs_file = "requirements.txt"
-        (work / reqs_file).write_text("\n".join(reqs) + "\n")
+    (work / "requirements.lock").write_text(_lock(wheels))
     sh = work / "install.sh"
-    sh.write_text(_install_sh(target, opts, names, spec, reqs_file))
+    sh.write_text(_install_sh(target, opts, names, bool(keys)))
     sh.chmod(0o755)
-    (work / "closedloop.service").write_text(_unit(opts, names[0]))
+    (work / "closedloop.service").write_text(_unit(opts, names[0], bool(keys)))
     rows = [{"file": w.name, "sha256": _sha256(w), "bytes": w.stat().st_size, "installed_bytes": _unpacked_bytes(w)}
             for w in wheels]
     result = PackageResult(work, target.name, names, [w.name for w in wheels], sum(r["bytes"] for r in rows),
                            sum(r["installed_bytes"] for r in rows))
     (work / "README.md").write_text(_readme(target, opts, names, result.installed_bytes / 1e6,
-                                            emulator_url(work / "bundles" / names[0])))
+                                            emulator_url(work / "bundles" / names[0]), keys))
     manifest = {
         "target": target.name, "description": target.description, "python_version": target.python_version,
         "machine": target.machine, "glibc": target.glibc, "platforms": list(target.platforms),
-        "ort_only": opts.ort_only, "extras": opts.extras, "install": spec if not reqs_file else reqs,
-        "bundles": names, "wheels": rows,
+        "ort_only": opts.ort_only, "extras": opts.extras, "install": spec if not opts.ort_only else reqs,
+        "bundles": names, "trusted_keys": keys, "wheels": rows,
         # which closedloop code the wheel holds: version, and for a checkout its commit and uncommitted changes
         "closedloop": source_provenance(),
         "footprint": {"wheelhouse_bytes": result.wheelhouse_bytes, "installed_bytes": result.installed_bytes},
     }
     (work / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    sums = _sha256sums(work)
+    (work / "SHA256SUMS").write_text(sums)
+    report(f"SHA256SUMS sha256 {hashlib.sha256(sums.encode()).hexdigest()}: check it on the board before install.sh")
     return result
+
+
+def _sha256sums(root: Path) -> str:
+    """Every regular file under ``root`` (but SHA256SUMS) as ``sha256sum`` writes it: ``HEX  ./PATH`` lines."""
+    files = sorted(p for p in root.rglob("*") if p.is_file() and p.name != "SHA256SUMS")
+    return "".join(f"{_sha256(p)}  ./{p.relative_to(root).as_posix()}\n" for p in files)

@@ -20,14 +20,15 @@ import sys
 import time
 
 
-def warm(paths: list[str], report=print) -> int:
-    """Load and run each bundle's graphs on Numba; return how many graph variants were compiled."""
+def warm(paths: list[str], report=print, trust: str | None = None) -> int:
+    """Load and run each bundle's graphs on Numba; return how many graph variants were compiled. With ``trust`` (a
+    key file or folder) each bundle must be signed by one of its keys, as the service will check."""
     from closedloop.runtime import Model, load_bundle
     from closedloop.runtime.errors import BackendUnavailableError
 
     done = 0
     for path in paths:
-        bundle = load_bundle(path)
+        bundle = load_bundle(path, trust=[trust] if trust else None)
         t0 = time.perf_counter()
         for graph, spec in bundle.manifest.graphs.items():
             for variant in [None, *spec.variants]:
@@ -42,7 +43,8 @@ def warm(paths: list[str], report=print) -> int:
         # and a short session on synthetic frames: what a session compiles beyond the graph's kernels
         from closedloop.sdk.cli import main as cli_main
 
-        if cli_main(["run", str(path), "--backend", "numba", "--duration", "0.3", "--quiet", "--json"]) != 0:
+        if cli_main(["run", str(path), "--backend", "numba", "--duration", "0.3", "--quiet", "--json",
+                     *(["--trust", trust] if trust else [])]) != 0:
             report(f"  {path}: the warm-up session did not end cleanly; the first real session may compile")
         report(f"warmed {path} on Numba in {time.perf_counter() - t0:.1f} s")
     return done
@@ -62,9 +64,12 @@ def build_scanner(report=print) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    argv = list(sys.argv[1:] if argv is None else argv)
+    trust = None
+    if argv[:1] == ["--trust"] and len(argv) > 1:
+        trust, argv = argv[1], argv[2:]
     if any(a.startswith("-") for a in argv):
-        print("usage: python -m closedloop.sdk.package.warm [BUNDLE...]", file=sys.stderr)
+        print("usage: python -m closedloop.sdk.package.warm [--trust KEYS] [BUNDLE...]", file=sys.stderr)
         return 2
     build_scanner()
     try:
@@ -77,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"Numba cache: {os.environ.get('NUMBA_CACHE_DIR') or '(NUMBA_CACHE_DIR unset: beside the sources)'}")
     seconds = compile_plan_runner()
     print(f"plan runner ready in {seconds:.1f} s (compiled, or loaded from the cache)")
-    warm(argv)
+    warm(argv, trust=trust)
     return 0
 
 

@@ -66,7 +66,11 @@ def test_the_package_folder_holds_what_a_board_needs(installed):
     out, prefix, _log = installed
     names = {p.name for p in out.iterdir()}
     assert {"bundles", "wheelhouse", "constraints.txt", "install.sh", "closedloop.service", "README.md",
-            "manifest.json", "requirements.txt"} <= names
+            "manifest.json", "requirements.lock", "SHA256SUMS"} <= names
+    # every wheel pinned with its own sha256 (what pip --require-hashes checks on the board)
+    lock = (out / "requirements.lock").read_text()
+    for w in json.loads((out / "manifest.json").read_text())["wheels"]:
+        assert f"--hash=sha256:{w['sha256']}" in lock
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["target"] == "host" and manifest["ort_only"] is True
     wheels = {w["file"].split("-")[0].lower() for w in manifest["wheels"]}
@@ -125,6 +129,53 @@ def test_the_unit_verifies(installed):
     r = subprocess.run(["systemd-analyze", "verify", str(out / "closedloop.service")], capture_output=True, text=True,
                        timeout=60)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_install_sh_refuses_a_package_changed_since_it_was_built(installed, tmp_path):
+    """A wheel or a bundle file changed after packaging (a tampered wheel's code would run on the board): install.sh
+    checks SHA256SUMS first and installs nothing."""
+    out, _prefix, _log = installed
+    for victim in ("wheelhouse", "bundles"):
+        copy = tmp_path / victim
+        shutil.copytree(out, copy)
+        target = next(p for p in sorted((copy / victim).rglob("*")) if p.is_file())
+        target.write_bytes(target.read_bytes() + b"\0")
+        r = subprocess.run([str(copy / "install.sh")], capture_output=True, text=True, timeout=60,
+                           env={"PATH": "/usr/bin:/bin", "PYTHON": sys.executable,
+                                "CLOSEDLOOP_PREFIX": str(tmp_path / f"p-{victim}")})
+        assert r.returncode == 2 and "do not match SHA256SUMS" in r.stderr, r.stdout + r.stderr
+        assert target.name in r.stdout + r.stderr and not (tmp_path / f"p-{victim}").exists()
+
+
+def test_a_package_with_trust_verifies_each_signature_and_its_service_checks_them(decoder, tmp_path, capsys):
+    from closedloop.runtime.signing import generate_key_pair, sign_bundle
+
+    key, pub, _ = generate_key_pair(tmp_path / "lab")
+    signed = tmp_path / "signed"
+    shutil.copytree(decoder, signed)
+    sign_bundle(signed, key)
+    out, prefix = tmp_path / "pkg", "/opt/cl"
+    assert main(["package", str(signed), "--target", "host", "--out", str(out), "--from-installed", "--ort-only",
+                 "--prefix", prefix, "--trust", str(pub)]) == 0
+    err = capsys.readouterr().err
+    assert "signed by a trusted key" in err and "SHA256SUMS sha256 " in err
+    assert (out / "trust" / pub.name).read_bytes() == pub.read_bytes()
+    assert f"--trust {prefix}/trust" in (out / "closedloop.service").read_text()
+    assert 'cp "$HERE"/trust/*.pub "$PREFIX/trust/"' in (out / "install.sh").read_text()
+    assert json.loads((out / "manifest.json").read_text())["trusted_keys"] == [pub.name]
+    # an unsigned bundle, or one whose signature no longer holds, is not packaged for a board that trusts keys
+    other_key, other_pub, _ = generate_key_pair(tmp_path / "other")
+    assert main(["package", str(decoder), "--target", "host", "--out", str(tmp_path / "x"), "--from-installed",
+                 "--ort-only", "--trust", str(pub)]) == 2
+    assert "does not verify" in capsys.readouterr().err and not (tmp_path / "x").exists()
+    assert main(["package", str(signed), "--target", "host", "--out", str(tmp_path / "y"), "--from-installed",
+                 "--ort-only", "--trust", str(other_pub)]) == 2
+    # without --trust the package says plainly that nothing will check signatures
+    assert main(["package", str(signed), "--target", "host", "--out", str(tmp_path / "z"), "--from-installed",
+                 "--ort-only"]) == 0
+    assert "signatures not checked" in capsys.readouterr().err
+    assert "--trust" not in (tmp_path / "z" / "closedloop.service").read_text()
+    assert "Signatures: none checked" in (tmp_path / "z" / "README.md").read_text()
 
 
 def test_install_sh_refuses_another_python(installed, tmp_path):
