@@ -209,6 +209,7 @@ def _collect_problems(root: Path, manifest: Manifest, verify_checksums: bool) ->
     if MANIFEST_NAME in manifest.files:
         problems.append(f"files lists {MANIFEST_NAME} itself; the manifest cannot hold its own checksum (its "
                         "integrity block and signature cover it): re-export the bundle")
+    failed: set[str] = set()  # files whose size or checksum is wrong: never parsed (their bytes are not the bundle's)
     for rel, meta in manifest.files.items():
         p = root / rel
         if not p.is_file():
@@ -218,6 +219,7 @@ def _collect_problems(root: Path, manifest: Manifest, verify_checksums: bool) ->
         if meta.get("bytes") is not None and meta.get("bytes") != size:
             problems.append(f"file {rel}: {size} bytes, the manifest says {meta.get('bytes')!r}; the file changed "
                             "after export (truncated, appended or replaced); re-export or restore it")
+            failed.add(rel)
             continue
         if not verify_checksums:
             continue
@@ -228,6 +230,7 @@ def _collect_problems(root: Path, manifest: Manifest, verify_checksums: bool) ->
                 f"file {rel}: SHA-256 is {got[:16]}..., the manifest says {str(want)[:16]}...; "
                 "the file changed after export (corruption or tampering); re-export or restore it"
             )
+            failed.add(rel)
     if not verify_checksums:
         notes.append("checksums NOT verified (asked to skip); do not run this bundle on hardware")
     for gname, spec in manifest.graphs.items():
@@ -248,7 +251,7 @@ def _collect_problems(root: Path, manifest: Manifest, verify_checksums: bool) ->
         _check_state_pairs(where, spec, problems)
         for variant, f in [(None, spec.file)] + [(k, v["file"]) for k, v in spec.variants.items()]:
             path = root / f
-            if not path.is_file():
+            if not path.is_file() or f in failed:
                 continue
             try:
                 model = read_onnx(path)

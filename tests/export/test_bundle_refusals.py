@@ -103,6 +103,18 @@ def test_paths_that_leave_the_bundle_are_refused_before_anything_is_read(bundle,
     assert "SHA-256" not in msg and "missing" not in msg  # refused on the path alone
 
 
+def test_a_replaced_graph_is_refused_on_its_size_or_checksum_without_being_parsed(bundle):
+    """A model file whose bytes are not the bundle's is refused on its size or checksum alone: the replacement is
+    never parsed (a 512 MB file was read whole by the ONNX reader, 2 minutes, before the refusal; its parse errors
+    were listed beside it)."""
+    graph = bundle / "main.onnx"
+    graph.write_bytes(b"\x08" * 4096)  # not ONNX at all, another size
+    with pytest.raises(BundleError) as info:
+        load_bundle(bundle)
+    msg = str(info.value)
+    assert "file main.onnx: 4096 bytes, the manifest says" in msg and "graph 'main'" not in msg, msg
+
+
 def test_a_file_whose_size_differs_from_the_manifest_is_refused(bundle):
     _edit_manifest(bundle, lambda d: d["files"]["main.onnx"].update(bytes=d["files"]["main.onnx"]["bytes"] + 1))
     with pytest.raises(BundleError, match=r"file main.onnx: \d+ bytes, the manifest says \d+"):
