@@ -97,6 +97,11 @@ def _unpack_zip(path: Path) -> Path:
     _TEMP_DIRS.append(tmp)
     try:
         with zipfile.ZipFile(path) as zf:
+            names = [i.filename for i in zf.infolist()]
+            twice = sorted({n for n in names if names.count(n) > 1})
+            if twice:  # readers differ on which copy counts (the last one here): none is taken
+                raise _Refused(path, f"zip members {twice} appear more than once; a bundle holds each file once "
+                                     "(zip the folder again)")
             for info in zf.infolist():
                 member = info.filename
                 # Refuse path traversal: a bundle is something someone may hand you.

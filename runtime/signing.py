@@ -153,7 +153,7 @@ class TrustedKeys:
         keys: list[TrustedKey] = []
         for p in (Path(x) for x in paths):
             if p.is_dir():
-                found = sorted(p.glob("*.pub"))
+                found = sorted(f for f in p.glob("*.pub") if f.is_file())  # a folder named x.pub is no key
                 if not found:
                     raise SigningError(f"trusted-keys folder {p} holds no *.pub file, so it would refuse every bundle; "
                                        "copy the lab's public key (NAME.pub from closedloop keygen) into it")
@@ -196,8 +196,14 @@ def signed_message(digest: str, manifest_sha256: str) -> bytes:
 
 def read_signatures(path: Path) -> list[dict[str, Any]]:
     """The entries of a ``manifest.sig`` file; ``BundleError`` if it is not one, exactly."""
+    def no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        keys = [k for k, _ in pairs]
+        if len(set(keys)) != len(keys):  # which copy a reader keeps differs between JSON libraries
+            raise json.JSONDecodeError(f"duplicate key {sorted({k for k in keys if keys.count(k) > 1})}", "", 0)
+        return dict(pairs)
+
     try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
+        doc = json.loads(path.read_text(encoding="utf-8"), object_pairs_hook=no_duplicates)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise BundleError(f"{SIGNATURE_NAME} is not UTF-8 JSON ({exc}); the signature file was altered or damaged: "
                           "sign the bundle again") from None
@@ -254,6 +260,9 @@ def signature_problem(root: Path, manifest: dict[str, Any], manifest_sha256: str
     sig_path = root / SIGNATURE_NAME
     if sig_path.is_symlink():
         return f"{SIGNATURE_NAME} is a symbolic link; a bundle's files must be regular files inside its folder", None
+    if sig_path.exists() and not sig_path.is_file():
+        return (f"{SIGNATURE_NAME} is not a regular file (a folder or a device); a bundle's files must be regular "
+                "files: remove it and sign the bundle again"), None
     if not sig_path.is_file():
         return (f"unsigned: no {SIGNATURE_NAME}, and a board with trusted keys ({trusted.describe()}) runs only signed "
                 "bundles; sign it: closedloop sign BUNDLE --key LAB.key"), None
@@ -269,8 +278,13 @@ def signature_problem(root: Path, manifest: dict[str, Any], manifest_sha256: str
             return None, key
         why.append(problem)
     why = why or [f"{SIGNATURE_NAME} holds no signature"]
-    return (f"not signed by a trusted key: {'; '.join(str(w) for w in why)}. Trusted: {trusted.describe()}; sign the "
-            "bundle with a trusted key, or trust its signer's public key"), None
+    # a trusted key's signature that does not hold means the bundle or the signature changed: not a key to trust
+    tampered = any(trusted.find(str(s.get("key_id"))) is not None for s in entries)
+    advice = ("a trusted key's signature does not hold, so the bundle or its signature changed after signing: "
+              "restore the bundle from the lab's copy (or re-sign it there after checking it)" if tampered else
+              "sign the bundle with a trusted key, or trust its signer's public key")
+    return (f"not signed by a trusted key: {'; '.join(str(w) for w in why)}. Trusted: {trusted.describe()}; "
+            f"{advice}"), None
 
 
 @dataclass

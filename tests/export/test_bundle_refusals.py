@@ -240,6 +240,8 @@ def _zip_with(bundle: Path, out: Path, extra: zipfile.ZipInfo, data: bytes) -> P
 @pytest.mark.parametrize(("member", "link", "message"), [
     ("../outside.txt", False, "zip member '../outside.txt' escapes the bundle folder"),
     ("main.fp16.onnx.link", True, "zip member 'main.fp16.onnx.link' is a symbolic link"),
+    # a second main.onnx after the good one: the last copy would win where another reader takes the first
+    ("main.onnx", False, "zip members ['main.onnx'] appear more than once"),
 ])
 def test_a_zip_member_that_escapes_or_links_is_refused_as_the_bundle_is(bundle, tmp_path, member, link, message):
     """Refused like any other fault of the bundle (``inspect`` prints REFUSED and exits 1), naming the member."""

@@ -222,6 +222,36 @@ def test_a_bundle_signed_by_another_key_is_refused_naming_both(signed, keys):
     assert f"signed by key {signer}, which is not trusted here" in msg and other.keys[0].key_id in msg
 
 
+def test_a_signature_file_that_is_ambiguous_or_no_file_or_forged_is_refused_saying_what_it_is(signed, keys, tmp_path):
+    # the same key twice in manifest.sig: JSON readers differ on which copy counts
+    dup = _copy(signed, tmp_path, "dup")
+    text = (dup / SIGNATURE_NAME).read_text()
+    (dup / SIGNATURE_NAME).write_text(text.replace('"version"', '"version": 99, "version"', 1))
+    with pytest.raises(BundleError, match="duplicate key \\['version'\\]"):
+        load_bundle(dup, trust=keys["pub"])
+    # a folder where manifest.sig should be is not "unsigned"
+    folder = _copy(signed, tmp_path, "folder")
+    (folder / SIGNATURE_NAME).unlink()
+    (folder / SIGNATURE_NAME).mkdir()
+    with pytest.raises(BundleError, match="manifest.sig is not a regular file"):
+        load_bundle(folder, trust=keys["pub"])
+    # the trusted key's own signature, flipped: the bundle changed, trusting more keys is not the answer
+    forged = _copy(signed, tmp_path, "forged")
+    doc = json.loads((forged / SIGNATURE_NAME).read_text())
+    sig = doc["signatures"][0]["signature"]
+    doc["signatures"][0]["signature"] = ("A" if sig[0] != "A" else "B") + sig[1:]
+    (forged / SIGNATURE_NAME).write_text(json.dumps(doc))
+    with pytest.raises(BundleError) as err:
+        load_bundle(forged, trust=keys["pub"])
+    assert "restore the bundle from the lab's copy" in str(err.value) and "trust its signer" not in str(err.value)
+    # a folder named like a key among the trusted keys is not read as one
+    (keys["folder"] / "dir.pub").mkdir(exist_ok=True)
+    try:
+        assert TrustedKeys.from_paths([keys["folder"]]).key_ids == TrustedKeys.from_paths([keys["pub"]]).key_ids
+    finally:
+        (keys["folder"] / "dir.pub").rmdir()
+
+
 def test_co_signing_keeps_both_signatures(signed, keys, tmp_path):
     path = _copy(signed, tmp_path)
     assert sign_bundle(path, keys["other_key"]).kept == 1
