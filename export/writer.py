@@ -147,6 +147,7 @@ def write_bundle(
     """
     out_path = Path(out_path)
     refuse_existing(out_path, overwrite)
+    zip = zip or out_path.suffix == ".zip"  # a bundle named like a zip is written as one (not a folder "x.zip")
     if zip and out_path.is_dir():
         raise ExportError(f"{out_path} is a folder; a zipped bundle needs a file path (e.g. {out_path}.zip)")
     if not zip and out_path.is_file():

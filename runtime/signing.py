@@ -123,6 +123,8 @@ def generate_key_pair(prefix: str | Path, *, overwrite: bool = False) -> tuple[P
     """Write ``PREFIX.key`` (private, mode 0600) and ``PREFIX.pub``; return both paths and the key id."""
     ed, ser, _ = _crypto()
     prefix = Path(prefix)
+    if prefix.suffix in (".key", ".pub"):  # "keygen lab.key" means the pair lab.key / lab.pub, not lab.key.key
+        prefix = prefix.with_suffix("")
     key_path, pub_path = prefix.with_name(prefix.name + ".key"), prefix.with_name(prefix.name + ".pub")
     for p in (key_path, pub_path):
         if p.exists() and not overwrite:

@@ -64,6 +64,12 @@ def test_mlp_zip_bundle_loads(tmp_path, mlp_module, quiet):
     assert g.parity["checks"]["sequence_as_batch"]["steps"] == 64
 
 
+def test_an_output_path_ending_in_zip_writes_a_zip(tmp_path, mlp_module, quiet):
+    out = export_bundle(mlp_module, tmp_path / "named.zip", kind="feedforward", example_input=torch.zeros(1, 6),
+                        rate_hz=1000.0, variants=(), report=quiet)
+    assert out.is_file() and load_bundle(out).manifest.graphs["main"].kind == "feedforward"  # not a folder "named.zip"
+
+
 def test_same_zip_bytes_for_the_same_content(tmp_path, mlp_module, quiet):
     import zipfile
 

@@ -413,3 +413,8 @@ def test_openssh_ed25519_keys_sign_and_verify(mlp_bundle, tmp_path):
     path = _copy(mlp_bundle, tmp_path)
     sign_bundle(path, tmp_path / "id_ed25519")
     assert load_bundle(path, trust=tmp_path / "id_ed25519.pub").signed_by
+
+
+def test_keygen_given_a_key_file_name_writes_that_pair(tmp_path):
+    key, pub, _ = generate_key_pair(tmp_path / "site.key")
+    assert (key.name, pub.name) == ("site.key", "site.pub")
