@@ -338,6 +338,8 @@ def sign_bundle(path: str | Path, key_file: str | Path) -> SignResult:
         text = (json.dumps(seal_manifest(raw), indent=2) + "\n").encode("utf-8")
     old: list[dict[str, Any]] = []
     sig_path = bundle.root / SIGNATURE_NAME
+    if sig_path.exists() and not sig_path.is_file() and not sig_path.is_symlink():
+        raise SigningError(f"{sig_path} is not a regular file (a folder or a device): remove it, then sign again")
     if sig_path.is_file() and not sealed:
         try:
             old = read_signatures(sig_path)

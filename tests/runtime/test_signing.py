@@ -235,6 +235,8 @@ def test_a_signature_file_that_is_ambiguous_or_no_file_or_forged_is_refused_sayi
     (folder / SIGNATURE_NAME).mkdir()
     with pytest.raises(BundleError, match="manifest.sig is not a regular file"):
         load_bundle(folder, trust=keys["pub"])
+    with pytest.raises(SigningError, match="is not a regular file .* remove it, then sign again"):
+        sign_bundle(folder, keys["key"])
     # the trusted key's own signature, flipped: the bundle changed, trusting more keys is not the answer
     forged = _copy(signed, tmp_path, "forged")
     doc = json.loads((forged / SIGNATURE_NAME).read_text())
