@@ -141,9 +141,9 @@ class FamilyPlugin:
     def live_metrics(self) -> dict[str, float | str]:
         return {}
 
-    def summary_metrics(self) -> dict[str, float | str]:
+    def summary_metrics(self) -> dict[str, float | str | list[float]]:
         """What the session summary reports for this family (default: the live metrics)."""
-        return self.live_metrics()
+        return dict(self.live_metrics())
 
     def typed_count(self) -> int:
         """Characters of text this family has typed since its last reset; -1 for a family that types none."""

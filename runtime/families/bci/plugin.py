@@ -314,7 +314,7 @@ class BCIHandwritingFamily(FamilyPlugin):
     def typed_tail(self, n: int) -> str:
         return self.display_text(n) if n > 0 else ""
 
-    def summary_metrics(self) -> dict[str, float | str]:
+    def summary_metrics(self) -> dict[str, float | str | list[float]]:
         # the whole decoded text (as far as the ring holds it), not the status line's tail
         return {"chars": self.ctc.count, "text": self.display_text()}
 

@@ -209,7 +209,7 @@ class PolicyFamily(FamilyPlugin):
         done, won = self.episodes()
         return {"episode": int(self._counters[0]), "success": f"{won}/{done}"}
 
-    def summary_metrics(self) -> dict[str, float | str]:
+    def summary_metrics(self) -> dict[str, float | str | list[float]]:
         done, won = self.episodes()
         lo, hi = wilson_interval(won, done)
         rate = won / done if done else float("nan")
