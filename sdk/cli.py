@@ -601,8 +601,9 @@ def _certify(a: argparse.Namespace) -> int:
 
     rec = certify_bundle_record(a.bundle)
     print(json_text({"bundle": a.bundle, **rec}) if a.json else rec["report"])
-    # 1: the certificate does not hold; 2: the bundle does not verify (bad input, as everywhere else)
-    return 0 if rec["passed"] else 1 if not rec["certificate_holds"] or rec["bundle_verifies"] else 2
+    # 2: the bundle does not verify (bad input, as everywhere else; whatever its certificate's check gave on bytes
+    # that are not the bundle's); 1: it verifies and its certificate does not hold
+    return 0 if rec["passed"] else 2 if not rec["bundle_verifies"] else 1
 
 
 def _keygen_args(p: argparse.ArgumentParser) -> None:
@@ -908,10 +909,10 @@ def _build() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser
         # -v / -q also after the command (closedloop run B -q), where people put them; absent there, the top
         # level's value stands (SUPPRESS); given in both places, the one after the command counts
         if not {"-v", "--verbose"} & set(p._option_string_actions):
-            p.add_argument("-v", "--verbose", action="count", default=argparse.SUPPRESS,
+            p.add_argument("-v", "--verbose", dest="after_verbose", action="count", default=argparse.SUPPRESS,
                            help="more log messages on stderr (-vv: debug); also before the command")
         if "-q" not in p._option_string_actions:
-            p.add_argument("-q", dest="global_quiet", action="store_true", default=argparse.SUPPRESS,
+            p.add_argument("-q", dest="after_quiet", action="store_true", default=argparse.SUPPRESS,
                            help="only warnings and errors on stderr (and no live status line); also before the command")
         p.set_defaults(func=fn)
         subparsers[name] = p
@@ -922,6 +923,13 @@ def _build() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser
 
 def build_parser() -> argparse.ArgumentParser:
     return _build()[0]
+
+
+def verbosity(args: argparse.Namespace) -> tuple[int, bool]:
+    """``(verbose, quiet)``: the -v/-q given after the command where any was, else those before it."""
+    if hasattr(args, "after_verbose") or hasattr(args, "after_quiet"):
+        return getattr(args, "after_verbose", 0), getattr(args, "after_quiet", False)
+    return args.verbose, args.global_quiet
 
 
 def _configure_logging(verbose: int, quiet: bool) -> None:
@@ -951,6 +959,7 @@ def main(argv: list[str] | None = None) -> int:
     args, extra = parser.parse_known_args(argv)
     if extra:  # a subcommand's unknown flag: that subcommand's usage, not the top level's
         subparsers[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
+    args.verbose, args.global_quiet = verbosity(args)
     _configure_logging(args.verbose, args.global_quiet)
     if args.global_quiet and hasattr(args, "quiet"):
         args.quiet = True

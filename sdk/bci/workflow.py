@@ -28,6 +28,8 @@ from typing import Any
 
 import numpy as np
 
+from closedloop.common.atomic import refuse_existing
+
 __all__ = ["CalibrationReport", "calibrate_bundle", "compare_evaluations", "evaluate_bundle", "export_pooled_bundle",
            "format_comparison", "format_evaluation", "load_sessions", "train_harness", "train_pooled_bundle"]
 
@@ -193,6 +195,9 @@ def calibrate_bundle(
         raise ValueError(f"{data_name}: session {session.name} has {len(idx)} calibration trials; "
                          f"{n_sentences} needed ({why})")
     calib = [session.trials[i] for i in idx]
+    name = session_name or session.name
+    out = Path(out) if out is not None else Path(str(src.source).removesuffix(".zip") + f"-{name}")
+    refuse_existing(out, overwrite)  # before the fit, not after it
     c = int(state["n_channels"])
     if calib[0].spikes.shape[1] != c:
         raise ValueError(f"{data_name} has {calib[0].spikes.shape[1]} channels; bundle {bundle} takes {c}")
@@ -235,8 +240,6 @@ def calibrate_bundle(
             {f"backbone.{k}": v.numpy() for k, v in model.backbone.state_dict().items()}) != before:
         raise RuntimeError("calibration changed the backbone; only the alignment layer may change (a bug: report it)")
 
-    name = session_name or session.name
-    out = Path(out) if out is not None else Path(str(src.source).removesuffix(".zip") + f"-{name}")
     spec = src.graph()
     provenance = {k: v for k, v in m.provenance.items() if k != "export"}
     provenance["calibrated_from"] = {"bundle": m.name, "path": str(src.source),

@@ -273,3 +273,11 @@ def test_certify_of_a_bundle_that_does_not_verify_ends_refused_and_exits_2(obser
     assert rec["bundle_problems"] and rec["report"].rstrip().endswith("it does not verify (above), whatever its "
                                                                        "certificate says")
     assert main(["certify", str(path), "--json"]) == 0 and json.loads(capsys.readouterr().out)["passed"] is True
+    # a model file changed in place (its bytes, not only the size the manifest states): the weights the check reads
+    # are not the bundle's, so whatever the certificate check gives there, the exit is 2, not 1
+    flipped = _copy(path, tmp_path / "flipped")
+    data = bytearray((flipped / "main.onnx").read_bytes())
+    data[-20] ^= 0xFF
+    (flipped / "main.onnx").write_bytes(bytes(data))
+    assert main(["certify", str(flipped), "--json"]) == 2
+    assert json.loads(capsys.readouterr().out)["bundle_verifies"] is False

@@ -184,7 +184,8 @@ def test_calibrate_command_prints_what_it_did(bundle, held_out_file, tmp_path, c
     assert "meta-learned" in text and "backbone bit-identical: yes" in text and "calibration CTC loss" in text
     assert load_bundle(out).manifest.extra["bci"]["session"] == "2023.04.17"
     assert main(["calibrate", str(bundle), "--data", str(held_out_file), "--out", str(out)]) == 2  # exists
-    assert "already exists" in capsys.readouterr().err
+    out_text, err = capsys.readouterr()
+    assert "already exists" in err and "calibrating on" not in out_text  # refused before the fit, not after
 
 
 @pytest.mark.parametrize("flags", [[], ["-q"], ["--json"]])

@@ -31,14 +31,16 @@ def test_a_subcommands_bad_flag_shows_that_subcommands_usage(mlp_bundle):
 
 
 def test_v_and_q_work_before_or_after_the_command():
-    from closedloop.sdk.cli import build_parser
+    from closedloop.sdk.cli import build_parser, verbosity
 
     parser = build_parser()
     for argv, verbose, quiet in ((["-q", "inspect", "B"], 0, True), (["inspect", "B", "-q"], 0, True),
                                  (["-vv", "run", "B"], 2, False), (["run", "B", "-v"], 1, False),
-                                 (["inspect", "B"], 0, False)):
+                                 (["inspect", "B"], 0, False),
+                                 # given in both places, the one after the command counts (docs/cli.md)
+                                 (["-q", "run", "B", "-v"], 1, False), (["-vv", "inspect", "B", "-q"], 0, True)):
         args, extra = parser.parse_known_args(argv)
-        assert (args.verbose, args.global_quiet, extra) == (verbose, quiet, []), argv
+        assert (*verbosity(args), extra) == (verbose, quiet, []), argv
 
 
 def test_a_synthetic_run_of_a_window_over_channels_and_time_runs(tmp_path):
