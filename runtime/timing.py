@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import platform
+import signal
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -155,7 +156,12 @@ def time_back_to_back(step: Callable[[], None], steps: int) -> np.ndarray:
 
 def _paced(step: Callable[[], None], rate_hz: float, seconds: float, prewarm: Callable[[], None] | None) -> np.ndarray:
     loop = RealTimeLoop(LoopConfig(rate_hz=rate_hz, duration_s=seconds))
-    loop.run(lambda k: step(), prewarm=prewarm)
+    summary = loop.run(lambda k: step(), prewarm=prewarm)
+    # the loop turns Ctrl-C and SIGTERM into a clean stop of itself; a benchmark stops altogether (130, 143)
+    if summary.stopped_by == "interrupt":
+        raise KeyboardInterrupt
+    if summary.stopped_by == "terminated":
+        signal.raise_signal(signal.SIGTERM)  # the loop's handler is gone: the caller's own handling applies
     return loop.latency.samples()
 
 

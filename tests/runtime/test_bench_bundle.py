@@ -181,3 +181,23 @@ def test_a_variant_outside_its_parity_tolerance_is_marked_in_the_verdict(gru_bun
     assert "variant fp16 differ from fp32 beyond its parity tolerance" in text
     rows = json.loads((tmp_path / "b.json").read_text())["bundles"][0]["rows"]
     assert [(r["variant"], r.get("within_tolerance")) for r in rows] == [("fp32", None), ("fp16", False)]
+
+
+@pytest.mark.parametrize(("sig", "code"), [("SIGTERM", -15), ("SIGINT", 130)])
+def test_a_signal_during_the_paced_timing_stops_the_benchmark(mlp_bundle, sig, code):
+    """The paced part runs the real-time loop, which turns Ctrl-C and SIGTERM into a clean stop of itself: the
+    benchmark then stops too (it went on and printed its table, exit 0): 130 for Ctrl-C, and for SIGTERM it ends by
+    the signal itself (a shell's 143, docs/cli.md), saying so on stderr."""
+    import signal
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-m", "closedloop.sdk", "bench", str(mlp_bundle), "--backend",
+                             "onnxruntime", "--variant", "fp32", "--steps", "50", "--paced-seconds", "20"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(6.0)  # imports and the back-to-back part are done; the 20 s paced part is running
+    proc.send_signal(getattr(signal, sig))
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == code, (out, err)
+    assert "internal error" not in err and out == ""
+    if sig == "SIGTERM":
+        assert "closedloop bench: terminated (SIGTERM)" in err
