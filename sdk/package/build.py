@@ -88,7 +88,7 @@ def _copy_bundles(paths: list[str], dest: Path, ort_only: bool = False, trust: l
     for p in paths:
         src = Path(p)
         if not src.exists():
-            raise PackageError(f"bundle {p} does not exist: give a bundle folder or zip (closedloop export writes one)")
+            raise PackageError(f"bundle {p} does not exist: give a bundle folder or zip (export_bundle or closedloop import-onnx writes one)")
         try:
             bundle = load_bundle(src, trust=trust or None)
         except ValueError as exc:
