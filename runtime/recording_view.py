@@ -152,6 +152,8 @@ def view_recording(recording: str | Path | RecordingReader) -> RecordingView:
                     commands.add(t_host, float("nan"), m.values)
                 elif isinstance(m, DecoderOutput):
                     typed.append((t_host, int(m.bin_index), m.text))
+                    if m.char_probs is not None and m.char_probs.size:  # a decoder that sends its outputs (a generic one): those are its commands
+                        commands.add(t_host, float("nan"), m.char_probs)
         elif rec.type in (RecordType.OUTPUT, RecordType.MORE_OUTPUT, RecordType.FAMILY_STATE):
             _, seq, values = rec.output()
             if rec.type == RecordType.OUTPUT:

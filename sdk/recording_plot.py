@@ -43,7 +43,7 @@ def plot_recording(recording: str | Path, out: str | Path) -> Path:
         _state(axes[f"state{i}"], v, *group)
     title = (f"{v.meta.get('bundle_name') or v.meta.get('bundle', '?')} on {v.meta.get('device_url', '?')} "
              f"({v.meta.get('family', '?')}, {rate:g} Hz, backend {v.meta.get('backend', '?')})")
-    if v.typed:
+    if v.text:  # a decoder that types (a generic decoder's DECODER_OUTPUTs carry values, no text)
         text = v.text
         title += "\ntyped: " + (text if len(text) <= 110 else "..." + text[-107:])
     fig.suptitle(title, fontsize=11)
@@ -163,11 +163,11 @@ def _state(ax, v: RecordingView, group: str, cols: list[int], names: list[str]) 
 
 def _commands(ax, v: RecordingView) -> None:
     ax.set_title("commands sent (shaded: safe command) and events")
-    if len(v.commands):
+    if len(v.commands) and not v.text:
         vals = v.commands.array()
         for j in range(min(vals.shape[1], 8)):
             ax.plot(v.commands.t_host_s, vals[:, j], lw=0.8)
-    elif v.typed:
+    elif v.text:  # a typing decoder: its text as it grew
         t = [x[0] for x in v.typed]
         ax.plot(t, np.cumsum([len(x[2]) for x in v.typed]), lw=1.0, label="characters typed")
         ax.legend(fontsize=8, loc="upper left")

@@ -132,3 +132,25 @@ def test_a_recording_is_served_beyond_this_machine_only_with_public_and_its_toke
         p.terminate()
         _, err = p.communicate(timeout=10)
     assert "warning: serving" in err
+
+
+def test_a_generic_decoders_outputs_are_its_commands_in_the_view_and_the_figure(tmp_path):
+    """A generic decoder sends DECODER_OUTPUTs with values and no text: the view's commands are those values (its
+    figure draws them, under a title without 'typed:'), not a flat 'characters typed' line."""
+    from closedloop.sdk.models import GRUDecoder
+    from closedloop.sdk.recording_plot import plot_recording
+
+    torch.manual_seed(0)
+    bundle = export_bundle(
+        GRUDecoder(12, 8, 1, 5).eval(), tmp_path / "dec", kind="recurrent", example_input=torch.zeros(1, 12),
+        rate_hz=50.0, extra={"session": {"input": "neural_frame", "command": "decoder_output"}},
+        variants=(), tensorrt=False, report=lambda s: None,
+    )
+    rec = tmp_path / "dec.clrec"
+    s = run_session(bundle, SessionConfig(device="sim://headstage?channels=12&seed=2", duration_s=1.0, status=False,
+                                          backend="onnxruntime", record=str(rec)))
+    v = view_recording(rec)
+    assert v.text == "" and len(v.commands) == s.commands_sent + s.stop_commands_sent > 10
+    assert v.commands.array().shape[1] == 5
+    out = plot_recording(rec, tmp_path / "dec.png")
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
