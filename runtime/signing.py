@@ -102,6 +102,8 @@ def read_private_key(path: str | Path) -> Any:
     """Read an Ed25519 private key: unencrypted PEM PKCS#8 (what ``keygen`` writes) or OpenSSH."""
     ed, ser, _ = _crypto()
     path = Path(path)
+    if not path.is_file():
+        raise SigningError(f"private key {path}: no such file (make a key pair with closedloop keygen NAME)")
     data = path.read_bytes()
     if b"PUBLIC KEY" in data or data.lstrip().startswith(b"ssh-"):
         raise SigningError(f"{path} is a public key; signing needs the private key (NAME.key from closedloop keygen)")

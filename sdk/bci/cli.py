@@ -72,11 +72,12 @@ def _calibrate(a: argparse.Namespace) -> int:
         if line.startswith("warning") or not quiet:
             print(line, file=sys.stderr)
 
-    if (w := unlearned_warning(a.bundle)) is not None:
-        report(f"warning: {w}")
+    if (unlearned := unlearned_warning(a.bundle)) is not None:
+        report(f"warning: {unlearned}")
     r = calibrate_bundle(a.bundle, a.data, n_sentences=a.sentences, out=a.out, session_name=a.session,
                          device=a.device, overwrite=a.overwrite, report=report)
-    print(json_text(r.to_dict()) if a.json else r.format())
+    # "warning" is the calibration's own (it made the CER worse); "unlearned" the given bundle's (bci-train's verdict)
+    print(json_text({**r.to_dict(), "unlearned": unlearned}) if a.json else r.format())
     return 0
 
 

@@ -209,6 +209,7 @@ def test_calibrates_warnings_go_to_stderr_whatever_the_flags_and_progress_only_w
     assert "fitting the alignment layer" not in out
     if flags == ["--json"]:
         assert json.loads(out)["warning"].startswith("calibration made")
+        assert json.loads(out)["unlearned"] is None  # "B" records no bci-train verdict
 
 
 def test_a_bundle_trained_not_learned_is_named_so_by_calibrate_and_evaluate(bundle, held_out_file, tmp_path, capsys):
