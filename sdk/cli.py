@@ -956,6 +956,10 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] in _PASSTHROUGH:
         return _PASSTHROUGH[argv[0]][1](argv[1:])
     parser, subparsers = _build()
+    before = argv[: next((i for i, a in enumerate(argv) if not a.startswith("-")), len(argv))]
+    unknown = [a for a in before if a.split("=")[0] not in parser._option_string_actions and not a.startswith("-v")]
+    if unknown:  # an unknown flag before the command: name it (argparse would only say COMMAND is missing)
+        parser.error(f"unrecognized arguments: {' '.join(unknown)} (options of a command go after it)")
     args, extra = parser.parse_known_args(argv)
     if extra:  # a subcommand's unknown flag: that subcommand's usage, not the top level's
         subparsers[args.command].error(f"unrecognized arguments: {' '.join(extra)}")

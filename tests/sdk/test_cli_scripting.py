@@ -30,6 +30,14 @@ def test_a_subcommands_bad_flag_shows_that_subcommands_usage(mlp_bundle):
     assert "usage: closedloop inspect" in r.stderr and "--no-such-flag" in r.stderr
 
 
+def test_an_unknown_flag_before_the_command_is_named(capsys):
+    from closedloop.sdk.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--frob", "inspect", "B"])
+    assert e.value.code == 2 and "unrecognized arguments: --frob" in capsys.readouterr().err
+
+
 def test_v_and_q_work_before_or_after_the_command():
     from closedloop.sdk.cli import build_parser, verbosity
 
