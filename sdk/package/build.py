@@ -112,11 +112,12 @@ def _copy_keys(trust: list[str], dest: Path) -> list[str]:
         p = Path(given)
         keys = sorted(k for k in p.glob("*.pub") if k.is_file()) if p.is_dir() else [p]
         for k in keys:
-            if k.name in names:
-                raise PackageError(f"two trusted keys are named {k.name!r}: rename one, trust/ holds them by name")
+            name = k.name if k.suffix == ".pub" else k.stem + ".pub"  # the board reads trust/*.pub
+            if name in names:
+                raise PackageError(f"two trusted keys are named {name!r}: rename one, trust/ holds them by name")
             dest.mkdir(exist_ok=True)
-            shutil.copy2(k, dest / k.name)
-            names.append(k.name)
+            shutil.copy2(k, dest / name)
+            names.append(name)
     return names
 
 
@@ -302,7 +303,8 @@ def package(bundles: list[str], out: str | Path, opts: PackageOptions, report=pr
 def _build(work: Path, bundles: list[str], target: Target, opts: PackageOptions, report) -> PackageResult:
     names = _copy_bundles(bundles, work / "bundles", opts.ort_only, opts.trust)
     keys = _copy_keys(opts.trust, work / "trust")
-    report(f"bundles: {', '.join(names)} (" + (f"verified: checksums, and signed by a trusted key of {len(keys)}"
+    report(f"bundles: {', '.join(names)} (" + (f"verified: checksums, and each signed by one of the {len(keys)} "
+                                               "trusted keys"
                                                if keys else "checksums verified; signatures not checked: no --trust, "
                                                "so the service will not check them either") + ")")
     house = work / "wheelhouse"

@@ -158,7 +158,7 @@ def test_a_package_with_trust_verifies_each_signature_and_its_service_checks_the
     assert main(["package", str(signed), "--target", "host", "--out", str(out), "--from-installed", "--ort-only",
                  "--prefix", prefix, "--trust", str(pub)]) == 0
     err = capsys.readouterr().err
-    assert "signed by a trusted key" in err and "SHA256SUMS sha256 " in err
+    assert "each signed by one of the 1 trusted keys" in err and "SHA256SUMS sha256 " in err
     assert (out / "trust" / pub.name).read_bytes() == pub.read_bytes()
     assert f"--trust {prefix}/trust" in (out / "closedloop.service").read_text()
     assert 'cp "$HERE"/trust/*.pub "$PREFIX/trust/"' in (out / "install.sh").read_text()
@@ -170,6 +170,13 @@ def test_a_package_with_trust_verifies_each_signature_and_its_service_checks_the
     assert "does not verify" in capsys.readouterr().err and not (tmp_path / "x").exists()
     assert main(["package", str(signed), "--target", "host", "--out", str(tmp_path / "y"), "--from-installed",
                  "--ort-only", "--trust", str(other_pub)]) == 2
+    # a key file named otherwise travels as NAME.pub: the board reads trust/*.pub
+    pem = tmp_path / "lab-key.pem"
+    shutil.copy(pub, pem)
+    assert main(["package", str(signed), "--target", "host", "--out", str(tmp_path / "w"), "--from-installed",
+                 "--ort-only", "--trust", str(pem)]) == 0
+    assert (tmp_path / "w" / "trust" / "lab-key.pub").read_bytes() == pub.read_bytes()
+    capsys.readouterr()
     # without --trust the package says plainly that nothing will check signatures
     assert main(["package", str(signed), "--target", "host", "--out", str(tmp_path / "z"), "--from-installed",
                  "--ort-only"]) == 0
