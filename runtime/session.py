@@ -670,6 +670,7 @@ class Session:
         want = self.family.input.message
         every_frame = self.family.consume == "all"  # once per period, not per frame (a family may derive it)
         side = self._side_messages
+        unused_now = False  # a frame the bundle does not read came this step (its time: the step's clock read below)
         newest = None
         last = -1  # the newest input frame: the one a family that commands once a step commands from
         if every_frame and not self.family.command_each_frame:
@@ -698,10 +699,12 @@ class Session:
             elif not isinstance(m, Heartbeat):
                 self._unused += 1  # data the bundle does not read (a panda's joint states beside its task observation)
                 self._unused_type = type(m)
-                self._unused_ns = time.monotonic_ns()
+                unused_now = True
         if newest is not None:
             counts["inputs_used"] += self._act(newest, k)
         now = time.monotonic_ns()
+        if unused_now:
+            self._unused_ns = now
         if now - self._last_input_ns > self.config.watchdog_s * 1e9:
             if not self._safe:
                 self._safe = True

@@ -40,6 +40,18 @@ def measurement_input(spec: GraphSpec) -> TensorSpec:
 _NO_STATE = np.zeros(0, dtype=np.float32)
 
 
+def limit_problems(low: np.ndarray, high: np.ndarray, hello: Hello, names: tuple[str, ...] = ()) -> list[str]:
+    """Each command value whose bundle limit lies outside the device's (HELLO ``command_low/high``, same size), named
+    ``command i`` (with ``names[i]`` beside it where given)."""
+    def what(i: Any) -> str:
+        return f"command {i} ({names[i]})" if names else f"command {i}"
+
+    return ([f"{what(i)}: bundle low limit {low[i]:g} is below the device's {hello.command_low[i]:g}"
+             for i in np.flatnonzero(low < hello.command_low - 1e-6)]
+            + [f"{what(i)}: bundle high limit {high[i]:g} is above the device's {hello.command_high[i]:g}"
+               for i in np.flatnonzero(high > hello.command_high + 1e-6)])
+
+
 def _window_hint(spec: Any, frame_size: int) -> str:
     """An input exported without a window whose shape holds the device's frame along one axis beside another:
     likely a window over the stream exported as one tensor; say how to export it."""
@@ -222,12 +234,7 @@ class FamilyPlugin:
                     f"device takes {hello.command_low.size} command values within limits, the bundle "
                     + ("states no command limits (postprocess.low/high)" if low is None else f"sends {low.size}"))
             else:
-                lo_bad = np.flatnonzero(low < hello.command_low - 1e-6)
-                hi_bad = np.flatnonzero(high > hello.command_high + 1e-6)
-                for i in lo_bad:
-                    problems.append(f"command {i}: bundle low limit {low[i]:g} is below the device's {hello.command_low[i]:g}")
-                for i in hi_bad:
-                    problems.append(f"command {i}: bundle high limit {high[i]:g} is above the device's {hello.command_high[i]:g}")
+                problems += limit_problems(low, high, hello)
         return problems
 
     def command_limits(self) -> tuple[np.ndarray | None, np.ndarray | None]:

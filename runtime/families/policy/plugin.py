@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, cast
 import numpy as np
 
 from closedloop.firmware_bridge import JointCommand, JointMode, PlantMeasurement
-from closedloop.runtime.families.base import FamilyPlugin
+from closedloop.runtime.families.base import FamilyPlugin, limit_problems
 from closedloop.runtime.families.registry import register_family
 
 if TYPE_CHECKING:
@@ -136,13 +136,7 @@ class PolicyFamily(FamilyPlugin):
             problems.append("device states 3 end-effector limits (x, y, z: no gripper), the policy also sends a "
                             "gripper opening (n_actions 4)")
         elif n == self._low.size:
-            names = ("x", "y", "z", "gripper")
-            for i in np.flatnonzero(self._low < hello.command_low - 1e-6):
-                problems.append(f"command {i} ({names[i]}): bundle low limit {self._low[i]:g} is below the device's "
-                                f"{hello.command_low[i]:g}")
-            for i in np.flatnonzero(self._high > hello.command_high + 1e-6):
-                problems.append(f"command {i} ({names[i]}): bundle high limit {self._high[i]:g} is above the "
-                                f"device's {hello.command_high[i]:g}")
+            problems += limit_problems(self._low, self._high, hello, ("x", "y", "z", "gripper"))
         return problems
 
     @property
