@@ -73,17 +73,18 @@ class RealtimeGrant:
     memory_locked: bool
     thread_id: int  # the kernel's id of the thread that got the settings (threading.get_native_id)
     gc_frozen: bool = False  # set by the caller: whether its loop freezes the collector (LoopConfig.freeze_gc)
+    #: set by the caller: what a local device emulator got (``emulator_realtime``); empty for a real device
+    emulator: dict[str, Any] = field(default_factory=dict)
     _saved: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def to_dict(self) -> dict[str, Any]:
         return {"asked": self.asked, "granted": {"policy": self.policy, "priority": self.priority, "cpus": self.cpus,
                                                  "memory_locked": self.memory_locked, "gc_frozen": self.gc_frozen,
-                                                 "thread_id": self.thread_id}}
+                                                 "thread_id": self.thread_id}} | (
+            {"emulator": self.emulator} if self.emulator else {})
 
     def format(self) -> str:
-        cpus = ",".join(map(str, self.cpus))
-        return (f"real time: {self.policy} priority {self.priority} on CPU {cpus}, memory "
-                f"{'locked' if self.memory_locked else 'not locked'}, gc {'frozen' if self.gc_frozen else 'running'}")
+        return format_grant(self.to_dict())
 
     def restore(self) -> None:
         """Put back the policy, priority and affinity the thread had, and unlock memory (idempotent)."""
@@ -96,6 +97,20 @@ class RealtimeGrant:
             os.sched_setaffinity(0, saved["cpus"])
         if saved.get("locked"):
             _libc().munlockall()
+
+
+def format_grant(grant: dict[str, Any]) -> str:
+    """One line from ``RealtimeGrant.to_dict()`` (also as a session summary or a recording keeps it)."""
+    g = grant["granted"]
+    text = (f"real time: {g['policy']} priority {g['priority']} on CPU {','.join(map(str, g['cpus']))}, memory "
+            f"{'locked' if g['memory_locked'] else 'not locked'}, gc {'frozen' if g['gc_frozen'] else 'running'}")
+    emu = grant.get("emulator") or {}
+    if emu.get("refused"):
+        text += f"; the device emulator (pid {emu['pid']}) kept its scheduling: {emu['refused']}"
+    elif emu:
+        text += (f"; the device emulator (pid {emu['pid']}) {emu['policy']} priority {emu['priority']} on CPU "
+                 + ",".join(map(str, emu["cpus"])))
+    return text
 
 
 def policy_name(policy: int) -> str:
@@ -173,6 +188,60 @@ def realtime(cfg: RealtimeConfig) -> Iterator[RealtimeGrant]:
         yield grant
     finally:
         grant.restore()
+
+
+#: SCHED_FIFO priority of a local device emulator under --rt: above every normal task, far under the loop's
+EMULATOR_PRIORITY = 1
+
+
+def _threads(pid: int) -> list[int]:
+    try:
+        return sorted(int(t) for t in os.listdir(f"/proc/{pid}/task"))
+    except OSError:
+        return [pid]
+
+
+@contextmanager
+def emulator_realtime(pid: int | None, loop_cpu: int | None,
+                      priority: int = EMULATOR_PRIORITY) -> Iterator[dict[str, Any]]:
+    """Run a device emulator started on this machine (``sim://``) as a device's own clock runs, for the loop only.
+
+    A hardware device keeps its rate whatever the host does; an emulator is a process at normal priority, so a
+    monitor's server, a browser or a compile on the same CPUs delays its frames, they arrive bunched, and the loop
+    pays for it as catching-up steps. Under ``--rt`` each of the emulator's threads gets ``SCHED_FIFO`` at
+    ``priority`` (above every normal task, far under the loop's) and, where the machine has another CPU, the CPUs
+    other than the loop's. Yields what was granted (``pid``, ``policy``, ``priority``, ``cpus``) or, where the
+    kernel refused, ``refused`` with its answer: the emulator then runs as it was, and the session goes on. The
+    old settings come back on leaving."""
+    if pid is None or not hasattr(os, "sched_setscheduler"):
+        yield {}
+        return
+    saved: list[tuple[int, int, int, set[int]]] = []
+    info: dict[str, Any] = {"pid": pid}
+    try:
+        for tid in _threads(pid):
+            try:
+                old = (tid, os.sched_getscheduler(tid), os.sched_getparam(tid).sched_priority, os.sched_getaffinity(tid))
+                others = old[3] - {loop_cpu} if loop_cpu is not None else old[3]
+                if others and others != old[3]:
+                    os.sched_setaffinity(tid, others)
+                saved.append(old)
+                os.sched_setscheduler(tid, os.SCHED_FIFO, os.sched_param(priority))
+            except ProcessLookupError:
+                continue  # a thread that ended meanwhile
+        info |= {"policy": policy_name(os.sched_getscheduler(pid)), "priority": os.sched_getparam(pid).sched_priority,
+                 "cpus": sorted(os.sched_getaffinity(pid))}
+    except (OSError, OverflowError) as exc:
+        info["refused"] = f"{type(exc).__name__}: {exc}"
+    try:
+        yield info
+    finally:
+        for tid, policy, prio, cpus in saved:
+            try:
+                os.sched_setscheduler(tid, policy, os.sched_param(prio))
+                os.sched_setaffinity(tid, cpus)
+            except OSError:
+                pass  # the emulator ended first
 
 
 def _ranges(cpus: set[int]) -> str:

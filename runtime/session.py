@@ -55,7 +55,14 @@ from .model import Model
 from .observe.record_steps import StepRecorder
 from .observe.ring import FLAG_DISCONNECTED, FLAG_SAFE, FLAG_WATCHDOG
 from .observe.tap import SessionTap
-from .realtime import DEFAULT_PRIORITY, RealtimeConfig, RealtimeGrant, realtime
+from .realtime import (
+    DEFAULT_PRIORITY,
+    RealtimeConfig,
+    RealtimeGrant,
+    emulator_realtime,
+    format_grant,
+    realtime,
+)
 from .recording import RecordingWriter, RecordType
 from .stats import LoopSummary, RingRecorder
 
@@ -229,10 +236,7 @@ class SessionSummary:
             lines.append(f"  weights scrubbed: {sc['full_passes']} full passes, repaired {sc['repaired']}, restored "
                          f"{sc['restored']}, unrepairable {sc['unrepairable']} (full scrub {sc['full_scrub_us']:.0f} us)")
         if self.realtime:
-            g = self.realtime["granted"]
-            lines.append(f"  real time: {g['policy']} priority {g['priority']} on CPU {','.join(map(str, g['cpus']))}, "
-                         f"memory {'locked' if g['memory_locked'] else 'not locked'}, "
-                         f"gc {'frozen' if g['gc_frozen'] else 'running'}")
+            lines.append(f"  {format_grant(self.realtime)}")
         if self.recording:
             lines.append(f"  recorded to {self.recording}")
         return "\n".join(lines)
@@ -267,6 +271,9 @@ class _Tap(Transport):
 
     def fileno(self) -> int | None:
         return self.inner.fileno()
+
+    def emulator_pid(self) -> int | None:
+        return self.inner.emulator_pid()
 
 
 def recorded_outputs(spec: GraphSpec) -> list[dict[str, Any]]:
@@ -868,10 +875,14 @@ class Session:
         error: Exception | None = None
         try:
             # the loop's thread gets the real-time settings for the loop only; they are restored when it ends
+            # and a device emulator this session started (sim://) runs as a device's own clock would, off the
+            # loop's CPU, for the loop only (realtime.emulator_realtime)
+            emulator_pid = self.link.transport.emulator_pid() if cfg.rt and self.link is not None else None
             with (realtime(RealtimeConfig(priority=cfg.rt_priority, cpu=cfg.rt_cpu)) if cfg.rt
-                  else contextlib.nullcontext()) as grant:
+                  else contextlib.nullcontext()) as grant, emulator_realtime(emulator_pid, cfg.rt_cpu) as emulator:
                 if grant is not None:
                     grant.gc_frozen = self._loop.config.freeze_gc
+                    grant.emulator = emulator
                     self._event("realtime", **grant.to_dict())
                 try:
                     loop_summary = self._loop.run(

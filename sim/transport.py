@@ -115,6 +115,9 @@ class SimTransport(FdTransport):
         """Whether the emulator process is still alive."""
         return self.process.poll() is None
 
+    def emulator_pid(self) -> int | None:
+        return self.process.pid if self.process.poll() is None else None
+
     def emulator_log(self) -> str:
         """The tail of the emulator's stderr (errors, and everything with ``verbose``)."""
         return _tail(self._stderr)

@@ -71,6 +71,11 @@ class Transport(ABC):
         """A file descriptor that select() can wait on, or ``None``."""
         return None
 
+    def emulator_pid(self) -> int | None:
+        """The process id of a device emulator this transport started on this machine (``sim://``), so that a
+        real-time session can schedule it as a device's own clock would run; ``None`` for a real device."""
+        return None
+
     def _check_open(self, action: str) -> None:
         if not self._open:
             raise DeviceNotConnectedError(f"cannot {action} {self.url}: the transport is closed; "

@@ -12,7 +12,14 @@ import threading
 import pytest
 
 from closedloop.runtime import RecordingReader, RecordType, SessionConfig, run_session
-from closedloop.runtime.realtime import RealtimeConfig, RealtimeError, apply_realtime, realtime
+from closedloop.runtime.realtime import (
+    EMULATOR_PRIORITY,
+    RealtimeConfig,
+    RealtimeError,
+    apply_realtime,
+    emulator_realtime,
+    realtime,
+)
 
 pytestmark = [pytest.mark.skipif(not hasattr(os, "sched_setscheduler"), reason="SCHED_FIFO needs Linux"),
               pytest.mark.timing]  # wall-clock bounds: make test runs this file alone, after the parallel part
@@ -115,6 +122,11 @@ def test_session_records_what_was_asked_and_granted(plant_bundle, tmp_path):
     assert g["policy"] == "SCHED_FIFO" and g["priority"] == 20 and g["cpus"] == [0]
     assert g["memory_locked"] and g["gc_frozen"] and g["thread_id"] == threading.get_native_id()
     assert "real time: SCHED_FIFO priority 20 on CPU 0, memory locked, gc frozen" in s.format()
+    # the sim:// emulator stands for a device: its frames keep their clock whatever else runs on the machine
+    emu = s.realtime["emulator"]
+    assert emu["policy"] == "SCHED_FIFO" and emu["priority"] == EMULATOR_PRIORITY
+    assert emu["cpus"] == (sorted(os.sched_getaffinity(0) - {0}) or sorted(os.sched_getaffinity(0)))
+    assert f"the device emulator (pid {emu['pid']}) SCHED_FIFO priority {EMULATOR_PRIORITY}" in s.format()
     assert s.commands_sent > 0
     r = RecordingReader(rec)
     assert r.meta["config"]["rt"] is True and r.meta["config"]["rt_cpu"] == 0
@@ -123,6 +135,29 @@ def test_session_records_what_was_asked_and_granted(plant_bundle, tmp_path):
     rt_events = [e for e in events if e["event"] == "realtime"]
     assert len(rt_events) == 1 and rt_events[0]["granted"] == g
     assert r.summary["realtime"] == s.realtime
+
+
+@pytest.mark.skipif(not IS_ROOT, reason="granting SCHED_FIFO needs root here")
+def test_a_device_emulator_runs_as_a_device_for_the_loop_only_and_a_refusal_keeps_it_going():
+    p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        before = os.sched_getscheduler(p.pid), os.sched_getparam(p.pid).sched_priority, os.sched_getaffinity(p.pid)
+        loop_cpu = min(os.sched_getaffinity(0))
+        with emulator_realtime(p.pid, loop_cpu) as got:
+            assert os.sched_getscheduler(p.pid) == os.SCHED_FIFO
+            assert got == {"pid": p.pid, "policy": "SCHED_FIFO", "priority": EMULATOR_PRIORITY,
+                           "cpus": sorted(os.sched_getaffinity(p.pid))}
+            if len(before[2]) > 1:
+                assert loop_cpu not in os.sched_getaffinity(p.pid)  # never on the loop's CPU where there is another
+        after = os.sched_getscheduler(p.pid), os.sched_getparam(p.pid).sched_priority, os.sched_getaffinity(p.pid)
+        assert after == before
+    finally:
+        p.kill()
+        p.wait()
+    with emulator_realtime(p.pid, loop_cpu) as got:  # the process is gone: said, and nothing raises
+        assert got["pid"] == p.pid and "refused" in got and "ProcessLookupError" in got["refused"]
+    with emulator_realtime(None, loop_cpu) as got:  # a real device: nothing to schedule
+        assert got == {}
 
 
 def test_session_without_rt_records_nothing_and_a_refusal_names_the_part(plant_bundle):
