@@ -5,8 +5,10 @@ three in a fresh random order, so drift of the machine and order effects do not 
 without the monitor; with the monitor and a WebSocket client in another process that reads
 every push (a browser on another machine: only the server's cost lands on the board; the stand-in client
 runs here at nice 19, and under ``--rt`` off the loop's CPU, to keep its own cost out as far as one machine
-can); with
-the monitor and a headless Chromium page on this machine (the page's drawing too):
+can); with the monitor and a headless Chromium page on this machine (the page's drawing too; under ``--rt``
+its processes run off the loop's CPU, as a user who opens the page on the board itself would start it with
+``taskset``). Under ``--rt`` the sessions' emulators run as devices do (``SCHED_FIFO`` 1, off the loop's CPU:
+docs/realtime.md):
 
 - a certified flexible-joint observer at 1 kHz against ``sim://plant``;
 - a 192-channel GRU decoder (2 x 256, random weights: latency does not depend on them)
@@ -31,6 +33,7 @@ Writes bench/results/monitor/{monitor.json, monitor.md, monitor.png}.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -63,8 +66,13 @@ def build_bundles(root: Path) -> dict[str, tuple[Path, str]]:
             "decoder_50Hz": (Path(decoder), "sim://headstage?channels=192&seed=3")}
 
 
+# The stand-in client sets its own priority and CPUs: a preexec_fn would make subprocess fork the session's
+# whole process (its memory locked under --rt) while the loop runs, and that stall is no remote client's cost.
 _CLIENT = """
-import asyncio, sys, aiohttp
+import asyncio, json, os, sys, aiohttp
+os.nice(19)
+if hasattr(os, "sched_setaffinity") and json.loads(sys.argv[2]):
+    os.sched_setaffinity(0, json.loads(sys.argv[2]))
 async def main():
     async with aiohttp.ClientSession() as s:
         async with s.ws_connect(sys.argv[1]) as ws:
@@ -74,17 +82,29 @@ asyncio.run(main())
 """
 
 
-def _stand_in_for_a_remote_client(rt: bool):
-    """The WebSocket client stands in for a browser on another machine, whose CPU the board does not pay for; on
-    this machine it runs at the lowest priority (nice 19) and, under ``--rt``, off the loop's CPU, so that what
-    it costs here is as little of the measurement as one machine allows."""
-    def setup() -> None:
-        os.nice(19)
-        if rt and hasattr(os, "sched_setaffinity"):
-            others = set(range(os.cpu_count() or 1)) - {1}
-            if others:
-                os.sched_setaffinity(0, others)
-    return setup
+LOOP_CPU = 1  # the loop's CPU under --rt
+
+
+def _off_the_loop_cpu(rt: bool) -> list[int]:
+    """Under ``--rt``, the CPUs other than the loop's (empty: leave the affinity as it is)."""
+    if not rt or not hasattr(os, "sched_getaffinity"):
+        return []
+    return sorted(os.sched_getaffinity(0) - {LOOP_CPU})
+
+
+@contextlib.contextmanager
+def _children_off_the_loop_cpu(rt: bool):
+    """Processes started inside run off the loop's CPU under ``--rt`` (they inherit this thread's CPUs)."""
+    others = _off_the_loop_cpu(rt)
+    if not others:
+        yield
+        return
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, others)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
 
 
 def one_run(bundle: Path, device: str, duration_s: float, mode: str, browser, rt: bool) -> dict:
@@ -101,8 +121,10 @@ def one_run(bundle: Path, device: str, duration_s: float, mode: str, browser, rt
     t.start()
     page_stats = None
     if mode == "client":
-        client = subprocess.Popen([sys.executable, "-c", _CLIENT, s.monitor_url.replace("http://", "ws://") + "ws"],
-                                  preexec_fn=_stand_in_for_a_remote_client(rt))
+        # stands in for a browser on another machine, whose CPU the board does not pay for: here at nice 19 and,
+        # under --rt, off the loop's CPU, so that its own cost is as little of the measurement as one machine allows
+        client = subprocess.Popen([sys.executable, "-c", _CLIENT, s.monitor_url.replace("http://", "ws://") + "ws",
+                                   json.dumps(_off_the_loop_cpu(rt))])
         t.join()
         client.terminate()
         client.wait(10)
@@ -147,9 +169,12 @@ def main() -> int:
     results: dict = {"host": {"machine": platform.machine(), "processor": _cpu_name(), "python": platform.python_version(),
                               "load_before": os.getloadavg()},
                      "repeats": a.repeats, "duration_s": a.duration, "rt": a.rt, "order_seed": a.seed, "sessions": {}}
-    with tempfile.TemporaryDirectory() as tmp, sync_playwright() as pw:
+    with contextlib.ExitStack() as stack:
+        tmp = stack.enter_context(tempfile.TemporaryDirectory())
         bundles = build_bundles(Path(tmp))
-        browser = pw.chromium.launch(executable_path=chromium_path(), headless=True, args=CHROMIUM_FLAGS)
+        with _children_off_the_loop_cpu(a.rt):  # the browser's processes, like the client, off the loop's CPU
+            pw = stack.enter_context(sync_playwright())  # its driver starts the browser: both inherit the CPUs
+            browser = pw.chromium.launch(executable_path=chromium_path(), headless=True, args=CHROMIUM_FLAGS)
         for name, (bundle, device) in bundles.items():
             one_run(bundle, device, 1.0, "off", None, a.rt)  # warm: compile caches, emulator start-up
             runs = []

@@ -143,6 +143,20 @@ def run_validation_session(config: dict, seed: int) -> dict:
             "session_wall_s": round(time.perf_counter() - started, 3)}
 
 
+def _check_the_device_fits(cfg: ValidateConfig) -> None:
+    """One handshake with the device before the batch: a bundle that does not fit it (another kind of device,
+    channel count, rate or limits) is bad input, said once with the reasons (``DeviceMismatchError``, exit 2),
+    not a "misbehaved" session per seed after the whole batch has run."""
+    from closedloop.runtime import Session, SessionConfig
+
+    s = Session(cfg.bundle, SessionConfig(device=session_url(cfg.device, (), cfg.duration_s, 0), status=False,
+                                          duration_s=cfg.duration_s, backend=cfg.backend))
+    try:
+        s.start()
+    finally:
+        s.close()
+
+
 def validate(cfg: ValidateConfig, address: str | None = None, workers: int | None = None, progress: bool = True,
              backend: str = "auto") -> dict:
     """Run the batch; write ``out_dir/sessions.jsonl`` (one line per session) and ``out_dir/validate.json``."""
@@ -151,6 +165,7 @@ def validate(cfg: ValidateConfig, address: str | None = None, workers: int | Non
     # the bundle is checked here, once, before any session (a bundle that does not verify is bad input, exit 2);
     # its manifest's digest is part of each session's key, so a changed bundle is validated afresh, never resumed
     checked = load_bundle(cfg.bundle)
+    _check_the_device_fits(cfg)
     manifest_sha = hashlib.sha256((checked.root / "manifest.json").read_bytes()).hexdigest()
     out = Path(cfg.out_dir).resolve()
     out.mkdir(parents=True, exist_ok=True)

@@ -43,7 +43,16 @@ def rl_train_config(config_file: str | Path | None = None, *, task: str | None =
     """
     base: dict[str, Any] = {}
     if config_file:
-        base = json.loads(Path(config_file).read_text())
+        path = Path(config_file)
+        try:
+            base = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise ValueError(f"--config {path}: no such file; give a FineTuneConfig as JSON (or a run.json)") from None
+        except (OSError, UnicodeDecodeError, ValueError) as exc:
+            raise ValueError(f"--config {path}: not a JSON file we could read ({exc}); give a FineTuneConfig as "
+                             "JSON (or a run.json)") from None
+        if not isinstance(base, dict):
+            raise ValueError(f"--config {path}: holds a JSON {type(base).__name__}, not an object of settings")
         base = base.get("config", base)
     cfg = FineTuneConfig.from_dict(base) if base else FineTuneConfig()
     cfg.task, cfg.seed = task or cfg.task, seed

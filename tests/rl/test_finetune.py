@@ -95,6 +95,14 @@ def test_rl_train_command_writes_a_record_and_a_bundle_and_nothing_in_the_temp_f
     args = build_parser().parse_args(["rl-train", "--steps", "0", "--out", str(tmp_path / "zero")])
     with pytest.raises(ValueError, match="--steps 0: give the fine-tuning steps, 1 or more"):
         args.func(args)
+    # a --config that is missing, not JSON or not an object is named, with what to give (exit 2 through main)
+    (tmp_path / "list.json").write_text("[1, 2]")
+    (tmp_path / "bad.json").write_text("{task: reach")
+    for name, words in (("nope.json", "no such file"), ("bad.json", "not a JSON file"),
+                        ("list.json", "holds a JSON list, not an object")):
+        args = build_parser().parse_args(["rl-train", "--config", str(tmp_path / name), "--out", str(tmp_path / "c")])
+        with pytest.raises(ValueError, match=f"--config .*{name}: {words}"):
+            args.func(args)
 
 
 def test_rl_demo_clones_exports_and_runs_against_the_emulator(tmp_path):

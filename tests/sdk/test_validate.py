@@ -78,6 +78,17 @@ def test_bad_input_is_refused_saying_what_to_give(gru_bundle, tmp_path, capsys, 
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("device", ["sim://headstage?channels=16", "sim://plant?model=msd"])
+def test_a_device_the_bundle_does_not_fit_is_bad_input_said_once_before_the_batch(gru_bundle, tmp_path, capsys,
+                                                                                 device):
+    out = tmp_path / "v"
+    code = main(["validate", str(gru_bundle), "--device", device, "--sessions", "3", "--duration", "1", "--no-ray",
+                 "--out", str(out), "--backend", "onnxruntime"])
+    err = capsys.readouterr().err
+    assert code == 2 and "does not match bundle" in err, err  # the reasons, as closedloop run gives them
+    assert not (out / "sessions.jsonl").exists()  # no session ran
+
+
 def test_session_urls_get_their_own_seed_and_the_faults_without_overriding_what_the_url_gives():
     url = session_url("sim://plant?model=msd&drop=0.5", ("drops", "resets"), 2.0, 4)
     assert url == "sim://plant?model=msd&drop=0.5&seed=4&reset_at=0.6&reset_s=0.2"
