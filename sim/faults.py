@@ -8,19 +8,24 @@ written) and detached (disconnect: the port is closed; the runner reopens it).  
 scheduled device reset (``reset_at``) is played by the runner, which restarts its link.
 Sequence numbers are assigned before this layer, so a dropped or muted frame shows up
 at the host as a sequence gap, exactly as a frame lost on a real wire would.
+
+:func:`misbehave` plays the faults of a misbehaving device rather than a wire: well-framed data frames whose
+contents are wrong (a value too few or too many, a NaN or an infinity), which only the host's checks of the
+contents can catch.
 """
 
 from __future__ import annotations
 
+import copy
 import heapq
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from closedloop.firmware_bridge import Transport
+from closedloop.firmware_bridge import JointState, Message, NeuralFrame, PlantMeasurement, Transport
 
-__all__ = ["FaultConfig", "FaultCounters", "FaultyTransport", "corrupt_one_bit"]
+__all__ = ["FaultConfig", "FaultCounters", "FaultyTransport", "corrupt_one_bit", "misbehave"]
 
 
 @dataclass(frozen=True)
@@ -32,6 +37,8 @@ class FaultConfig:
     duplicate: float = 0.0
     delay_ms: float = 0.0
     jitter_ms: float = 0.0
+    glitch: float = 0.0
+    nonfinite: float = 0.0
     silence_at: float | None = None
     silence_s: float = 1.0
     disconnect_at: float | None = None
@@ -46,7 +53,7 @@ class FaultConfig:
     def active(self) -> dict[str, float]:
         """The faults that are switched on, by name (for a Status line)."""
         on: dict[str, float] = {}
-        for name in ("drop", "corrupt", "duplicate", "delay_ms", "jitter_ms"):
+        for name in ("drop", "corrupt", "duplicate", "delay_ms", "jitter_ms", "glitch", "nonfinite"):
             if getattr(self, name):
                 on[name] = getattr(self, name)
         if self.silence_at is not None:
@@ -69,9 +76,41 @@ class FaultCounters:
     delayed: int = 0
     muted: int = 0
     while_disconnected: int = 0
+    glitched: int = 0  # data frames sent with a value too few or too many
+    nonfinite: int = 0  # data frames sent with a NaN or an infinity
 
     def as_dict(self) -> dict[str, int]:
         return dict(self.__dict__)
+
+
+#: the data field of each streamed message that the message-level faults (``glitch``, ``nonfinite``) touch
+_DATA_FIELDS = {NeuralFrame: "counts", PlantMeasurement: "y", JointState: "q"}
+
+
+def misbehave(message: Message, config: FaultConfig, rng: np.random.Generator, counters: FaultCounters) -> Message:
+    """``message`` as a misbehaving device would send it: well framed (the CRC passes), wrong inside.
+
+    With probability ``glitch`` a data frame's values lose their last one or gain a copy of it (so the frame no
+    longer has the HELLO's ``n_channels``); with probability ``nonfinite`` one of its values becomes NaN, +inf or
+    -inf (float data only). Other messages pass as they are. The draws come from their own generator, so these
+    faults never shift the wire faults' draws."""
+    name = _DATA_FIELDS.get(type(message))
+    if name is None or not (config.glitch or config.nonfinite):
+        return message
+    u_glitch, u_nonfinite, u_which, u_kind = rng.random(4)
+    values = getattr(message, name)
+    if u_glitch < config.glitch:
+        counters.glitched += 1
+        values = values[:-1] if values.size > 1 and u_kind < 0.5 else np.append(values, values[-1:])
+    if u_nonfinite < config.nonfinite and values.dtype.kind == "f" and values.size:
+        counters.nonfinite += 1
+        values = values.copy()
+        values[int(u_which * values.size)] = (np.nan, np.inf, -np.inf)[int(u_kind * 3)]
+    if values is getattr(message, name):
+        return message
+    out = copy.copy(message)
+    setattr(out, name, values)
+    return out
 
 
 def corrupt_one_bit(data: bytes, rng: np.random.Generator) -> bytes:

@@ -163,6 +163,10 @@ FAULT_PARAMS: tuple[Param, ...] = (
     Param("duplicate", float, 0.0, "probability that a frame is sent twice", 0.0, 1.0),
     Param("delay_ms", float, 0.0, "extra latency added to every frame (order is kept)", 0.0, 10_000.0),
     Param("jitter_ms", float, 0.0, "uniform +- jitter on delay_ms", 0.0, 10_000.0),
+    Param("glitch", float, 0.0, "probability that a data frame carries one value too few or too many (a firmware "
+                                "bug the CRC cannot see)", 0.0, 1.0),
+    Param("nonfinite", float, 0.0, "probability that one value of a data frame is NaN or +-inf (a sensor driver's "
+                                   "fault; devices with float data: plant, panda)", 0.0, 1.0),
     Param("silence_at", float, None, "go silent this many seconds after streaming starts", 0.0),
     Param("silence_s", float, 1.0, "how long the silence lasts", 0.0),
     Param("disconnect_at", float, None, "close the port this many seconds after streaming starts", 0.0),

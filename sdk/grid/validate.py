@@ -1,7 +1,7 @@
 """``closedloop validate``: a batch of simulator-in-the-loop sessions with faults, before a live session.
 
 Each session runs a bundle against an emulator (``sim://NAME?...``, docs/devices.md) with the
-faults asked for (drops, corruption, silences, resets), records itself, and is judged on the
+faults asked for (drops, corruption, silences, resets, glitched or non-finite frames), records itself, and is judged on the
 worker that ran it: a session that misbehaved (:func:`misbehaviour`) keeps its recording, the
 others' are deleted unless ``keep_all``. The sessions are cells of one grid
 (:func:`closedloop.sdk.grid.run_grid`), so they run in parallel on Ray (locally or on a cluster)
@@ -33,6 +33,9 @@ FAULTS: dict[str, Any] = {
     "corruption": lambda d: {"corrupt": 0.01},
     "silences": lambda d: {"silence_at": round(0.6 * d, 3), "silence_s": round(min(0.5, 0.15 * d), 3)},
     "resets": lambda d: {"reset_at": round(0.3 * d, 3), "reset_s": round(min(0.3, 0.1 * d), 3)},
+    # a misbehaving device: well-framed frames of the wrong size, or with a NaN or an infinity (float data only)
+    "glitches": lambda d: {"glitch": 0.01},
+    "nonfinite": lambda d: {"nonfinite": 0.01},
 }
 
 
@@ -85,8 +88,11 @@ def session_url(device: str, faults: tuple[str, ...], duration_s: float, index: 
     return urlunsplit(parts._replace(query=urlencode(params, safe=",")))
 
 
-def misbehaviour(s: dict, max_miss: float, max_safe: float) -> list[str]:
-    """What was wrong with a session, from its summary (empty: it behaved). docs/grid.md lists the rules."""
+def misbehaviour(s: dict, max_miss: float, max_safe: float, nonfinite_injected: bool = False) -> list[str]:
+    """What was wrong with a session, from its summary (empty: it behaved). docs/grid.md lists the rules.
+
+    ``nonfinite_injected``: the device was told to send non-finite values (the ``nonfinite`` fault), so non-finite
+    inputs are what it was asked for; a non-finite output still counts."""
     from closedloop.runtime.stats import SAFETY_STOPS
 
     why = []
@@ -100,7 +106,7 @@ def misbehaviour(s: dict, max_miss: float, max_safe: float) -> list[str]:
     steps = max(1, loop["steps"])
     if s["safe_commands_sent"] > max_safe * steps:
         why.append(f"safe command in {s['safe_commands_sent']} of {steps} periods (limit {100 * max_safe:g}%)")
-    if s["nonfinite_inputs"] or s["nonfinite_outputs"]:
+    if (s["nonfinite_inputs"] and not nonfinite_injected) or s["nonfinite_outputs"]:
         why.append(f"non-finite values: {s['nonfinite_inputs']} inputs, {s['nonfinite_outputs']} outputs")
     if s["inputs_used"] == 0:
         why.append("never acted on an input frame")
@@ -120,7 +126,9 @@ def run_validation_session(config: dict, seed: int) -> dict:
     s = run_session(config["bundle"], SessionConfig(device=config["device"], duration_s=config["duration_s"],
                                                     record=str(record), backend=config["backend"], status=False))
     d = s.to_dict()
-    why = misbehaviour(d, config["max_miss"], config["max_safe"])
+    # the device asked to send non-finite values (the nonfinite fault, or nonfinite= in the URL itself)
+    asked = float(dict(parse_qsl(urlsplit(config["device"]).query)).get("nonfinite") or 0) > 0
+    why = misbehaviour(d, config["max_miss"], config["max_safe"], nonfinite_injected=asked)
     try:
         reader = RecordingReader(str(record))
         records = sum(1 for _ in reader)
@@ -140,6 +148,7 @@ def run_validation_session(config: dict, seed: int) -> dict:
             "safe_commands_sent": d["safe_commands_sent"], "watchdog_trips": d["watchdog_trips"],
             "reconnects": d["reconnects"], "link": {k: v for k, v in d["link"].items() if isinstance(v, int | float)},
             "frames_received": d["frames_received"], "inputs_used": d["inputs_used"],
+            "inputs_refused": d["inputs_refused"], "nonfinite_inputs": d["nonfinite_inputs"],
             "session_wall_s": round(time.perf_counter() - started, 3)}
 
 
@@ -149,7 +158,9 @@ def _check_the_device_fits(cfg: ValidateConfig) -> None:
     not a "misbehaved" session per seed after the whole batch has run."""
     from closedloop.runtime import Session, SessionConfig
 
-    s = Session(cfg.bundle, SessionConfig(device=session_url(cfg.device, (), cfg.duration_s, 0), status=False,
+    # session 0's own URL, faults and all: a fault the device cannot take is refused here too (its first timed
+    # fault plays well after the handshake)
+    s = Session(cfg.bundle, SessionConfig(device=session_url(cfg.device, cfg.faults, cfg.duration_s, 0), status=False,
                                           duration_s=cfg.duration_s, backend=cfg.backend))
     try:
         s.start()

@@ -70,6 +70,9 @@ class Device(ABC):
     PARAMS: ClassVar[tuple[Param, ...]] = ()
     #: Registry name, set by :func:`register_device`.
     NAME: ClassVar[str] = ""
+    #: Whether its data frames carry floats (a plant's measurements) rather than integers (spike counts): only
+    #: float data can take the ``nonfinite`` fault.
+    FLOAT_DATA: ClassVar[bool] = True
 
     def __init__(self, params: Mapping[str, Any], log: Callable[[str], None] | None = None) -> None:
         self.params = dict(params)
@@ -166,4 +169,8 @@ def device_params(name: str, raw: Mapping[str, str]) -> tuple[type[Device], dict
     if clash:
         raise ParamError(f"{where}: parameter name(s) {clash} are declared twice (device and plug-in); "
                          "rename the plug-in's parameter")
-    return cls, parse_params(where, specs + extra, raw)
+    values = parse_params(where, specs + extra, raw)
+    if values.get("nonfinite") and not cls.FLOAT_DATA:
+        raise ParamError(f"{where}: nonfinite={values['nonfinite']:g}: this device's data are integers (a "
+                         f"{cls.KIND}'s counts), which cannot be NaN or infinite; glitch= and corrupt= fault them")
+    return cls, values

@@ -28,6 +28,7 @@ class Headstage(Device):
     """A multi-channel spike-count headstage."""
 
     KIND = "headstage"
+    FLOAT_DATA = False  # spike counts
     PARAMS = (
         Param("rate", float, 50.0, "bins per second (50: 20 ms bins)", low=0.1, high=10_000.0),
         Param("channels", int, 192, "channels per NEURAL_FRAME", low=1, high=2045),

@@ -42,7 +42,7 @@ from closedloop.firmware_bridge import (
     open_transport,
 )
 
-from ..faults import FaultConfig, FaultyTransport
+from ..faults import FaultConfig, FaultyTransport, misbehave
 from .base import Device, StatusCode
 
 __all__ = ["DeviceRunner", "PortGoneError", "stderr_log"]
@@ -90,6 +90,8 @@ class DeviceRunner:
         self._log = log
         self._t0_ns = time.monotonic_ns()
         self._fault_rng = np.random.default_rng(np.random.SeedSequence([seed, 0xFA17]))
+        self._misbehave_rng = np.random.default_rng(np.random.SeedSequence([seed, 0xBAD]))  # glitch, nonfinite
+        self._misbehaves = bool(self.faults.glitch or self.faults.nonfinite)
         self.faulty: FaultyTransport | None = None
         self.link: Link | None = None
         self.streaming = False
@@ -247,7 +249,8 @@ class DeviceRunner:
                 break
             t_tick = self._tick_time(self.tick_index)
             for message in self.device.tick(self.tick_index, t_tick):
-                self.send(message, t_tick)
+                self.send(misbehave(message, self.faults, self._misbehave_rng, self.faulty.counters)  # type: ignore[union-attr]
+                          if self._misbehaves else message, t_tick)
             self.tick_index += 1
             self._flush_outbox()
 

@@ -78,6 +78,25 @@ def test_bad_input_is_refused_saying_what_to_give(gru_bundle, tmp_path, capsys, 
     assert message in capsys.readouterr().err
 
 
+def test_a_misbehaving_device_is_refused_frame_by_frame_and_asked_for_nonfinite_inputs_are_not_misbehaviour(
+        observer_bundle, tmp_path, capsys):
+    out = tmp_path / "v"
+    code = main(["validate", str(observer_bundle), "--device", "sim://plant?model=flexible-joint&rate=1000",
+                 "--sessions", "1", "--duration", "2", "--faults", "glitches,nonfinite", "--no-ray", "--out", str(out),
+                 "--max-miss", "1", "--json"])
+    report = json.loads(capsys.readouterr().out)
+    (s,) = report["session_summaries"]
+    assert "glitch=0.01" in s["device"] and "nonfinite=0.01" in s["device"]
+    assert s["inputs_refused"] > 0 and s["nonfinite_inputs"] > 0  # each refused, and the session went on
+    assert s["stopped_by"] == "duration"
+    assert not any("non-finite" in why for why in s["misbehaved"])  # what was asked for is not a finding
+    assert code == (1 if report["misbehaved"] else 0)
+    # a headstage's counts are integers: asking it for non-finite values is bad input, said before the batch
+    assert main(["validate", str(observer_bundle), "--device", "sim://headstage", "--sessions", "1", "--duration",
+                 "1", "--faults", "nonfinite", "--no-ray", "--out", str(tmp_path / "h")]) == 2
+    assert "nonfinite=0.01: this device's data are integers" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("device", ["sim://headstage?channels=16", "sim://plant?model=msd"])
 def test_a_device_the_bundle_does_not_fit_is_bad_input_said_once_before_the_batch(gru_bundle, tmp_path, capsys,
                                                                                  device):

@@ -59,6 +59,28 @@ def test_corrupt_shows_as_crc_rejections_and_no_bad_frame_gets_through(host):
     assert bins == sorted(set(bins)) and all(f.message.n_channels == 4 for _, f in frames)
 
 
+def test_a_misbehaving_device_sends_well_framed_frames_of_the_wrong_size_or_with_nonfinite_values(host):
+    h = host("sim://plant?model=msd&rate=200&seed=2&glitch=0.3&nonfinite=0.3")
+    hello = h.handshake()
+    frames = [f.message for _, f in h.collect(1.0, PlantMeasurement)]
+    assert h.stats.crc_errors == 0 and h.stats.malformed == 0  # the wire is clean: only the contents are wrong
+    sizes = np.array([m.y.size for m in frames])
+    finite = np.array([bool(np.isfinite(m.y).all()) for m in frames])
+    assert set(sizes) <= {hello.n_channels - 1, hello.n_channels, hello.n_channels + 1} and hello.n_channels > 0
+    assert 0.15 < np.mean(sizes != hello.n_channels) < 0.45  # about 30% glitched
+    assert 0.15 < np.mean(~finite) < 0.45  # about 30% with a NaN or an infinity
+    faults = h.report()["faults"]
+    assert faults["glitched"] >= np.sum(sizes != hello.n_channels) and faults["nonfinite"] >= np.sum(~finite)
+
+
+def test_nonfinite_is_refused_for_a_device_whose_data_are_integers():
+    from closedloop.firmware_bridge import open_transport
+    from closedloop.sim.params import ParamError
+
+    with pytest.raises(ParamError, match="nonfinite=0.1: this device's data are integers .*headstage"):
+        open_transport(FAST + "&nonfinite=0.1")
+
+
 def test_duplicate_shows_as_duplicates(host):
     h = host(FAST + "&duplicate=0.2")
     h.handshake()

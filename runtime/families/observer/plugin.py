@@ -22,6 +22,7 @@ graph gives the recorded output ``N(r)``. Manifest fields (written by
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -181,7 +182,8 @@ class ObserverFamily(FamilyPlugin):
         self._reset_estimate()
 
     def recover_nonfinite(self) -> bool:
-        """A NaN measurement makes the estimate NaN, and every later step would stay NaN: restart it at ``z0``."""
+        """A non-finite measurement never reaches the estimate (``_advance`` holds it); should the estimate or the
+        command still turn non-finite (a network that diverged), every later step would stay so: restart at ``z0``."""
         reset = super().recover_nonfinite()
         if np.isfinite(self.z_hat).all() and np.isfinite(self._cmd).all():
             return reset
@@ -249,6 +251,12 @@ class ObserverFamily(FamilyPlugin):
         np.copyto(self._sent, values.reshape(-1)[: self._sent.size], casting="unsafe")
 
     def _advance(self) -> None:
+        # A measurement with a NaN or an infinity never enters the update: the estimate keeps its value (the frame
+        # counts as one not received), and the model's input is made non-finite so that the session refuses this
+        # run (counted, the safe command sent). Summing is the cheap check: any NaN or inf makes the sum one.
+        if not math.isfinite(float(self._y.sum()) + float(self._u.sum())):
+            self._x.fill(np.nan)
+            return
         self.step(self._y, self._u)
         np.copyto(self._state_z, self.z_hat)
         np.subtract(self._y, self.r, out=self._state_y)  # C z_hat before the update: y - r
