@@ -388,8 +388,8 @@ def test_disconnect_and_reconnect(plant_bundle, tmp_path):
     assert away.size > 50 and np.sum(away > 1e6 / 200) <= 1 + away.size // 20, np.sort(away)[-10:]
 
 
-def test_panda_session_clips_joint_commands(tmp_path, watchdog_rule):
-    pytest.importorskip("pybullet")
+def _panda_position_bundle(tmp_path, **post):
+    """A joint-position policy for sim://panda (joint_state in), its limits from the emulator's HELLO."""
     t = open_transport("sim://panda?rate=50")
     try:
         link = Link(t)
@@ -409,16 +409,77 @@ def test_panda_session_clips_joint_commands(tmp_path, watchdog_rule):
     bundle = export_bundle(
         MLPPolicy(2 * n, n, (16,)).eval(), tmp_path / "pol", kind="feedforward", example_input=torch.zeros(1, 2 * n),
         rate_hz=50.0, postprocess={"scale": (high - low).tolist(), "offset": ((high + low) / 2).tolist(),
-                                   "low": low.tolist(), "high": high.tolist()},
+                                   "low": low.tolist(), "high": high.tolist(), **post},
         extra={"session": {"input": "joint_state", "command": "joint_position"}},
         variants=(), tensorrt=False, report=lambda s: None,
     )
+    return bundle, low, high
+
+
+def test_panda_session_clips_joint_commands(tmp_path, watchdog_rule):
+    pytest.importorskip("pybullet")
+    torch.manual_seed(2)
+    bundle, low, high = _panda_position_bundle(tmp_path)
     cfg = _cfg("sim://panda?rate=50", tmp_path, duration_s=1.5)
     s = run_session(bundle, cfg)
     assert s.commands_sent > 40
     watchdog_rule(cfg.record, cfg.watchdog_s, JointState, s.watchdog_trips)  # a trip only on a real silence
     cmds = np.array([m.values for _, m in _commands_sent(cfg.record, JointCommand)])
     assert np.all(cmds >= low - 1e-6) and np.all(cmds <= high + 1e-6)
+
+
+def _received(path, kind):
+    p = FrameParser()
+    out = []
+    for rec in RecordingReader(path).of_type(RecordType.RX):
+        out += [(rec.host_ns, f.message) for f in p.feed(rec.payload) if isinstance(f.message, kind)]
+    return out
+
+
+def test_a_joint_position_command_without_a_safe_pose_holds_the_measured_one(tmp_path):
+    """Zeros, the default safe command, would drive every joint of an arm to 0 rad: a joint-position bundle that
+    states no safe pose holds the joints where they were last measured, and sends none before it has seen them."""
+    pytest.importorskip("pybullet")
+    from closedloop.runtime import load_bundle
+    from closedloop.runtime.families import get_family
+    from closedloop.runtime.model import Model
+
+    torch.manual_seed(2)
+    bundle, low, high = _panda_position_bundle(tmp_path)
+    b = load_bundle(bundle)
+    fam = get_family("generic")(b, Model(b, backend="onnxruntime"))
+    assert fam.safe_message(0) is None  # nothing measured yet: no pose to hold
+    n = low.size
+    q = np.linspace(low, high, 3)[1] + 0.1
+    fam.on_message(JointState(q=q.astype(np.float32), dq=np.zeros(n, np.float32)))
+    np.testing.assert_allclose(fam.safe_message(0).values, np.clip(q, low, high), rtol=0, atol=1e-6)
+    fam.reset()  # a re-handshake: the arm may have moved while the board rebooted
+    assert fam.safe_message(0) is None
+
+    # live: a silence trips the watchdog; every safe command and the stop command hold the last measured pose
+    cfg = _cfg("sim://panda?rate=50&silence_at=0.6&silence_s=0.8", tmp_path, duration_s=2.0, watchdog_s=0.2)
+    s = run_session(bundle, cfg)
+    assert s.watchdog_trips >= 1 and s.safe_commands_sent >= 1
+    states = _received(cfg.record, JointState)
+    sent = _commands_sent(cfg.record, JointCommand)
+    last_q = None
+    held = 0
+    i = 0
+    for t, m in sent:
+        while i < len(states) and states[i][0] <= t:
+            last_q = states[i][1].q
+            i += 1
+        assert last_q is not None  # no command before the first measurement
+        if np.allclose(m.values, np.clip(last_q, low, high), atol=1e-6):
+            held += 1
+    assert held >= s.safe_commands_sent + s.stop_commands_sent  # each of them held the pose; none went to zeros
+    assert not any(np.allclose(m.values, 0.0) for _, m in sent)
+
+    # a bundle that states its safe pose gets it
+    bundle2, _, _ = _panda_position_bundle(tmp_path / "stated", safe_output=((low + high) / 2).tolist())
+    b2 = load_bundle(bundle2)
+    fam2 = get_family("generic")(b2, Model(b2, backend="onnxruntime"))
+    np.testing.assert_allclose(fam2.safe_message(0).values, (low + high) / 2, atol=1e-6)
 
 
 HOST = """

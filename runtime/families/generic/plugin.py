@@ -5,7 +5,9 @@ Manifest fields it reads (all optional):
 - ``preprocess.mean`` / ``preprocess.std``: per-feature normalisation ``(x - mean) / std``.
 - ``postprocess.scale`` / ``postprocess.offset``: ``y * scale + offset`` (action scaling).
 - ``postprocess.low`` / ``postprocess.high``: clip limits of the command actually sent.
-- ``postprocess.safe_output``: the safe command (default zeros).
+- ``postprocess.safe_output``: the safe command (default zeros). A joint-*position* command on a ``joint_state``
+  stream that states none holds the joints where they were last measured instead (zeros would drive every joint
+  to 0 rad), and sends no safe command before the stream's first finite positions.
 - ``postprocess.output``: which graph output is the command (default the first data output).
 - ``extra.session.input`` / ``extra.session.command``: what the device streams and what
   is sent back (see ``closedloop.runtime.families.io``). Unstated, they follow the device's HELLO
@@ -103,6 +105,26 @@ class GenericFamily(FamilyPlugin):
         # the safe command obeys the limits like any other (docs/protocol.md): a safe_output outside them is clipped
         self._safe = np.clip(_vec(post, "safe_output", n_out, 0.0), self._low, self._high).astype(np.float32)
         self._cmd = np.zeros(self._y.shape, dtype=np.float32)
+        # a position command with no stated safe pose holds the measured one: the joints' positions come first in a
+        # joint_state frame (docs/bundle.md); None where this does not apply
+        self._hold: np.ndarray | None = None
+        if (self.command_name == "joint_position" and self.input_name == "joint_state" and "safe_output" not in post
+                and self._frame.size == 2 * n_out):
+            self._hold = np.zeros(n_out, dtype=np.float32)
+        self._seen = False
+
+    def reset(self) -> None:
+        super().reset()
+        self._seen = False  # a device's re-handshake may follow a reboot that moved the arm
+
+    def on_message(self, message) -> None:
+        super().on_message(message)
+        hold = self._hold
+        if hold is not None:
+            q = self._frame.reshape(-1)[: hold.size]
+            if np.isfinite(q).all():  # the safe command holds the last finite positions, never a NaN
+                np.clip(q, self._low, self._high, out=hold)
+                self._seen = True
 
     def preprocess(self, frame: np.ndarray) -> None:
         np.subtract(frame, self._mean, out=self._x)
@@ -117,7 +139,15 @@ class GenericFamily(FamilyPlugin):
         return self._cmd
 
     def safe_output(self) -> np.ndarray:
-        return np.broadcast_to(self._safe, self._cmd.shape)
+        return np.broadcast_to(self._safe if self._hold is None else self._hold, self._cmd.shape)
+
+    def safe_message(self, step: int):
+        """The safe command; for a joint-position command that holds the measured pose, None until the stream's
+        first finite positions (the session's start, or a device's re-handshake): any fixed pose would move the
+        arm."""
+        if self._hold is not None and not self._seen:
+            return None
+        return super().safe_message(step)
 
     def command_limits(self) -> tuple[np.ndarray | None, np.ndarray | None]:
         post = self.bundle.manifest.postprocess
