@@ -39,7 +39,7 @@ def _jsonable(obj: object) -> object:
     return dataclasses.asdict(obj) if dataclasses.is_dataclass(obj) and not isinstance(obj, type) else obj
 
 
-def _trust_arg(p: argparse.ArgumentParser) -> None:
+def trust_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trust", action="append", default=[], metavar="PATH",
                    help="a trusted public key (NAME.pub from closedloop keygen) or a folder of them; repeatable. "
                         "Given, a bundle must be signed by one of these keys (docs/bundle.md)")
@@ -48,7 +48,7 @@ def _trust_arg(p: argparse.ArgumentParser) -> None:
 def _inspect_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("bundle", help="bundle folder or zip")
     p.add_argument("--json", action="store_true", help="print the manifest and problems as JSON")
-    _trust_arg(p)
+    trust_arg(p)
 
 
 @command("inspect", "print a bundle's manifest and verify it", _inspect_args)
@@ -141,7 +141,7 @@ def _run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic frames when there is no --device")
     p.add_argument("--quiet", action="store_true", help="no live status line")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
-    _trust_arg(p)
+    trust_arg(p)
 
 
 def _held_inputs(given: list[str]) -> dict[str, list[float]]:

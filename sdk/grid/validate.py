@@ -22,7 +22,7 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from closedloop.common.jsonout import json_text
 from closedloop.firmware_bridge.transports import redact_device_url
-from closedloop.sdk.cli import command
+from closedloop.sdk.cli import command, trust_arg
 
 from .runner import Cell, read_results, run_grid
 
@@ -57,6 +57,8 @@ class ValidateConfig:
     max_miss: float = 0.02
     max_safe: float = 0.5
     keep_all: bool = False
+    #: trusted public keys (or folders of them): given, the bundle must be signed by one of them (docs/bundle.md)
+    trust: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.sessions < 1:
@@ -124,7 +126,8 @@ def run_validation_session(config: dict, seed: int) -> dict:
     record.parent.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     s = run_session(config["bundle"], SessionConfig(device=config["device"], duration_s=config["duration_s"],
-                                                    record=str(record), backend=config["backend"], status=False))
+                                                    record=str(record), backend=config["backend"], status=False,
+                                                    trust=config.get("trust", [])))
     d = s.to_dict()
     # the device asked to send non-finite values (the nonfinite fault, or nonfinite= in the URL itself)
     asked = float(dict(parse_qsl(urlsplit(config["device"]).query)).get("nonfinite") or 0) > 0
@@ -161,7 +164,7 @@ def _check_the_device_fits(cfg: ValidateConfig) -> None:
     # session 0's own URL, faults and all: a fault the device cannot take is refused here too (its first timed
     # fault plays well after the handshake)
     s = Session(cfg.bundle, SessionConfig(device=session_url(cfg.device, cfg.faults, cfg.duration_s, 0), status=False,
-                                          duration_s=cfg.duration_s, backend=cfg.backend))
+                                          duration_s=cfg.duration_s, backend=cfg.backend, trust=list(cfg.trust)))
     try:
         s.start()
     finally:
@@ -175,7 +178,7 @@ def validate(cfg: ValidateConfig, address: str | None = None, workers: int | Non
 
     # the bundle is checked here, once, before any session (a bundle that does not verify is bad input, exit 2);
     # its manifest's digest is part of each session's key, so a changed bundle is validated afresh, never resumed
-    checked = load_bundle(cfg.bundle)
+    checked = load_bundle(cfg.bundle, trust=list(cfg.trust) or None)
     _check_the_device_fits(cfg)
     manifest_sha = hashlib.sha256((checked.root / "manifest.json").read_bytes()).hexdigest()
     out = Path(cfg.out_dir).resolve()
@@ -185,7 +188,8 @@ def validate(cfg: ValidateConfig, address: str | None = None, workers: int | Non
                    "device": session_url(cfg.device, cfg.faults, cfg.duration_s, i),
                    "duration_s": cfg.duration_s, "record": str(out / f"session-{i:04d}.clrec"), "index": i,
                    "backend": cfg.backend, "max_miss": cfg.max_miss, "max_safe": cfg.max_safe,
-                   "keep_all": cfg.keep_all}, seed=i) for i in range(cfg.sessions)]
+                   "keep_all": cfg.keep_all} | ({"trust": list(cfg.trust)} if cfg.trust else {}),
+                   seed=i) for i in range(cfg.sessions)]
     stored = read_results(out / "sessions.jsonl")
     reused = sum(1 for c in cells if stored.get(c.key, {}).get("status") == "ok")
     t0 = time.perf_counter()
@@ -258,6 +262,7 @@ def _validate_args(p: argparse.ArgumentParser) -> None:
                                                                 "which a session misbehaved (default 0.5)")
     p.add_argument("--keep-all", action="store_true", help="keep every session's recording, not only misbehaving ones")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
+    trust_arg(p)
 
 
 @command("validate", "run a batch of simulator-in-the-loop sessions with faults; exit 1 if any misbehaved",
@@ -265,7 +270,7 @@ def _validate_args(p: argparse.ArgumentParser) -> None:
 def _validate(a: argparse.Namespace) -> int:
     faults = tuple(f.strip() for f in a.faults.split(",") if f.strip())
     cfg = ValidateConfig(a.bundle, a.device, a.sessions, a.duration, faults, a.out, a.backend, a.max_miss,
-                         a.max_safe, a.keep_all)
+                         a.max_safe, a.keep_all, tuple(a.trust))
     report = validate(cfg, address=a.address, workers=a.workers, progress=not a.json and sys.stderr.isatty(),
                       backend="inprocess" if a.no_ray else "auto")
     print(json_text(report) if a.json else format_report(report))

@@ -97,6 +97,22 @@ def test_a_misbehaving_device_is_refused_frame_by_frame_and_asked_for_nonfinite_
     assert "nonfinite=0.01: this device's data are integers" in capsys.readouterr().err
 
 
+def test_with_trust_only_a_bundle_signed_by_a_trusted_key_is_validated(gru_bundle, tmp_path, capsys):
+    import shutil
+
+    bundle = shutil.copytree(gru_bundle, tmp_path / "b")
+    assert main(["keygen", str(tmp_path / "lab")]) == 0
+    argv = ["validate", str(bundle), "--device", HEADSTAGE, "--sessions", "1", "--duration", "1", "--no-ray",
+            "--backend", "onnxruntime", "--max-miss", "1", "--trust", str(tmp_path / "lab.pub"), "--json"]
+    assert main(argv + ["--out", str(tmp_path / "v1")]) == 2  # not signed: refused before any session
+    assert "signed" in capsys.readouterr().err and not (tmp_path / "v1" / "sessions.jsonl").exists()
+    assert main(["sign", str(bundle), "--key", str(tmp_path / "lab.key")]) == 0
+    capsys.readouterr()
+    main(argv + ["--out", str(tmp_path / "v2")])
+    (s,) = json.loads(capsys.readouterr().out)["session_summaries"]
+    assert s["steps"] > 0
+
+
 @pytest.mark.parametrize("device", ["sim://headstage?channels=16", "sim://plant?model=msd"])
 def test_a_device_the_bundle_does_not_fit_is_bad_input_said_once_before_the_batch(gru_bundle, tmp_path, capsys,
                                                                                  device):
