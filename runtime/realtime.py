@@ -233,15 +233,21 @@ def emulator_realtime(pid: int | None, loop_cpu: int | None,
                  "cpus": sorted(os.sched_getaffinity(pid))}
     except (OSError, OverflowError) as exc:
         info["refused"] = f"{type(exc).__name__}: {exc}"
+        _restore(saved)  # all or nothing: the threads already changed go back now
+        saved = []
     try:
         yield info
     finally:
-        for tid, policy, prio, cpus in saved:
-            try:
-                os.sched_setscheduler(tid, policy, os.sched_param(prio))
-                os.sched_setaffinity(tid, cpus)
-            except OSError:
-                pass  # the emulator ended first
+        _restore(saved)
+
+
+def _restore(saved: list[tuple[int, int, int, set[int]]]) -> None:
+    for tid, policy, prio, cpus in saved:
+        try:
+            os.sched_setscheduler(tid, policy, os.sched_param(prio))
+            os.sched_setaffinity(tid, cpus)
+        except OSError:
+            pass  # the emulator ended first
 
 
 def _ranges(cpus: set[int]) -> str:
