@@ -600,6 +600,7 @@ class Session:
         family commands only from the newest, ``command_each_frame``: its run updates the state and is recorded).
         False for a frame refused for its size (not used: ``inputs_refused`` counts it)."""
         fam = self.family
+        fam.frame_time_us = frame.timestamp_us
         cmd, bad = fam.guarded_step(frame.message)
         if cmd is None and bad is None:  # the model did not run on this frame (a window not yet due)
             return True

@@ -68,6 +68,9 @@ class FamilyPlugin:
     """Base class; subclasses register with ``@register_family``."""
 
     name: ClassVar[str]
+    #: The device clock (microseconds) of the input frame being acted on: the session sets it before each
+    #: ``guarded_step`` (the frame header's ``timestamp_us``, docs/protocol.md); None outside a session.
+    frame_time_us: int | None = None
     #: Session defaults, overridable per bundle in ``manifest.extra["session"]``.
     default_input: ClassVar[str] = "plant_measurement"
     default_command: ClassVar[str] = "actuator_command"
@@ -133,6 +136,7 @@ class FamilyPlugin:
         """Start of a session or trial: clear per-session state."""
         self.model.reset()
         self._frame_bin = None
+        self.frame_time_us = None
 
     def preprocess(self, frame: np.ndarray) -> None:
         """Write the model input for this step from the newest device frame."""

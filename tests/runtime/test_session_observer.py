@@ -141,3 +141,43 @@ def test_the_observers_estimate_is_published_recorded_and_is_the_estimate_it_act
         fs = io.read().processing["closedloop"]["family_state"]
         np.testing.assert_array_equal(fs.data[:], recorded)
         assert ", ".join(want_labels) in fs.description
+
+
+def test_through_lost_measurements_the_estimate_is_carried_by_the_model(observer_bundle):
+    """Frames lost on the link (or refused) leave periods without a measurement, which the device's clock shows.
+    The estimate is carried through them by the model, so the next measurement finds it where the plant is, not
+    one period on from where it was before the gap (a 100 ms gap at 1 kHz: 100 periods)."""
+    from closedloop.runtime import load_bundle
+    from closedloop.runtime.families import get_family
+    from closedloop.runtime.model import Model
+
+    b = load_bundle(observer_bundle)
+    fam = lambda: get_family("observer")(b, Model(b, backend="onnxruntime"))  # noqa: E731
+    truth, with_clock, without_clock = fam(), fam(), fam()
+    a = truth.arrays
+    period_us = int(round(1e6 / b.manifest.rate_hz))
+    # the plant starts where the estimates do (z0) and is driven away from it: with the model as the plant, an
+    # estimate that sees every measurement stays on it, so the error after the gap is the gap's alone
+    u = np.clip(np.full(a.nu, 0.3), a.u_low, a.u_high)
+    gap = range(300, 400)
+    errors: dict[str, list[float]] = {"with": [], "without": []}
+    for k in range(500):
+        y = a.Cd @ truth.z_hat  # the plant: the model itself, from a state the observers do not know
+        truth.step(y, u)
+        if k in gap:
+            continue  # lost on the link
+        m = PlantMeasurement(y.astype(np.float32), u.astype(np.float32))
+        for name, f, t in (("with", with_clock, k * period_us), ("without", without_clock, None)):
+            f.frame_time_us = t
+            cmd, why = f.guarded_step(m)
+            assert why is None
+            f.on_command_sent(u.astype(np.float32))  # what the plant applied, through the gap too
+            if k == gap.stop:
+                errors[name].append(float(np.linalg.norm(f.z_hat - truth.z_hat)))
+    assert with_clock.summary_metrics()["measurement_gaps"] == 1
+    assert with_clock.summary_metrics()["predicted_steps"] == len(gap)
+    assert without_clock.summary_metrics()["predicted_steps"] == 0
+    moved = float(np.linalg.norm(truth.z_hat - a.z0))
+    assert moved > 1e-3  # the plant did move
+    assert errors["with"][0] < 1e-4 * moved  # carried through the gap by the model (here the plant): on it
+    assert errors["without"][0] > 1e-3 * moved and errors["without"][0] > 1e3 * errors["with"][0]

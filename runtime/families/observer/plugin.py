@@ -174,12 +174,22 @@ class ObserverFamily(FamilyPlugin):
         self._x = model.inputs[model.spec.data_inputs[0].name]
         self._kernel = _kernel()
         self.step(self._y, self._u)  # compile (or load from Numba's cache) before the loop
+        # through a gap in the measurements (frames lost on the link, refused ones) the estimate is carried by the
+        # model alone, one sample period at a time, for at most MAX_PREDICT_S of them
+        rate_hz = float(bundle.manifest.rate_hz)  # 1 / dt (problems() checks it)
+        self._period_us = 1e6 / rate_hz
+        self._max_predict = max(1, int(round(MAX_PREDICT_S * rate_hz)))
+        self._y_pred, self._u_pred = np.zeros(arr.ny), np.zeros(arr.nu)
         self.reset()
 
     def reset(self) -> None:
         """Start of a session: the estimate back to ``z0``, the command to ``-K z0`` (clipped)."""
         super().reset()
         self._reset_estimate()
+        self._last_t_us: int | None = None  # device time of the last measurement that entered the update
+        self.predicted_steps = 0  # sample periods the estimate was carried by the model alone (gaps)
+        self.gaps = 0  # gaps in the measurements (periods without one, by the device's clock)
+        self.gap_steps_beyond = 0  # periods of gaps longer than MAX_PREDICT_S, not predicted
 
     def recover_nonfinite(self) -> bool:
         """A non-finite measurement never reaches the estimate (``_advance`` holds it); should the estimate or the
@@ -196,6 +206,21 @@ class ObserverFamily(FamilyPlugin):
         self._cmd[:] = self.u_cmd
         self._sent[:] = self._cmd  # before a first command: the one the estimate at z0 asks for
         self.r[:] = 0.0
+
+    def _predict(self, missing: int) -> None:
+        """``missing`` sample periods passed without a measurement (by the device's clock): carry the estimate
+        through them on the model alone, with the last command sent as the applied input. The update is run with
+        the measurement it predicts (``y = C z``), so the residual is 0 and so is the bias-free network's correction
+        and the gain's: what remains is the model's own step. The certificate bounds how the error then shrinks
+        again, not how it grows through the gap (docs/observer.md, "Lost measurements")."""
+        self.gaps += 1
+        n = min(missing, self._max_predict)
+        self.gap_steps_beyond += missing - n
+        self.predicted_steps += n
+        np.copyto(self._u_pred, self._sent, casting="unsafe")
+        for _ in range(n):
+            np.matmul(self.arrays.Cd, self.z_hat, out=self._y_pred)
+            self.step(self._y_pred, self._u_pred)
 
     def step(self, y: np.ndarray, u: np.ndarray) -> np.ndarray:
         """One observer + controller step on float64 ``y``, ``u``; returns ``z_hat_{k+1}`` (the live buffer)."""
@@ -257,6 +282,13 @@ class ObserverFamily(FamilyPlugin):
         if not math.isfinite(float(self._y.sum()) + float(self._u.sum())):
             self._x.fill(np.nan)
             return
+        t = self.frame_time_us
+        if t is not None:
+            if self._last_t_us is not None:
+                missing = int(round((t - self._last_t_us) / self._period_us)) - 1
+                if missing > 0:
+                    self._predict(missing)
+            self._last_t_us = t
         self.step(self._y, self._u)
         np.copyto(self._state_z, self.z_hat)
         np.subtract(self._y, self.r, out=self._state_y)  # C z_hat before the update: y - r
@@ -275,6 +307,10 @@ class ObserverFamily(FamilyPlugin):
     def live_metrics(self) -> dict[str, float | str]:
         return {"|r|": float(np.sqrt(self.r @ self.r)), "u": float(self._cmd[0]) if self._cmd.size else 0.0}
 
+    def summary_metrics(self) -> dict[str, float | str | list[float]]:
+        return {**self.live_metrics(), "measurement_gaps": self.gaps, "predicted_steps": self.predicted_steps,
+                "gap_steps_not_predicted": self.gap_steps_beyond}
+
 
 def _kernel() -> Any:
     """The compiled kernel (Numba imported only when an observer is built)."""
@@ -283,6 +319,10 @@ def _kernel() -> Any:
         _OBSERVER_STEP = _compile()
     return _OBSERVER_STEP
 
+
+#: the longest gap in the measurements the estimate is carried through on the model alone (seconds); beyond it the
+#: estimate jumps to the next measurement's time unpredicted (a session's watchdog has long sent the safe command)
+MAX_PREDICT_S = 1.0
 
 _OBSERVER_STEP = None
 # fastmath without nnan/ninf (as in runtime.kernels): a NaN measurement must show up as a
