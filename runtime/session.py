@@ -219,8 +219,8 @@ class SessionSummary:
             self.loop.format(),
             f"  device {self.device.get('kind')} {self.device.get('name', '')!r} on backend {self.backend}",
             f"  frames received {self.frames_received}, used {self.inputs_used}, skipped for newer {self.inputs_skipped}; "
-            f"commands sent {self.commands_sent} (safe {self.safe_commands_sent}, re-sent on overrun {self.commands_resent}, "
-            f"safe at stop {self.stop_commands_sent})"
+            f"commands sent: from the model {self.commands_sent}, safe {self.safe_commands_sent}, re-sent on overrun "
+            f"{self.commands_resent}, safe at stop {self.stop_commands_sent} ({self.commands_sent + self.safe_commands_sent + self.commands_resent + self.stop_commands_sent} in all)"
             + (f"; each out p50 {self.command_latency_p50_us:.0f} us, p99 {self.command_latency_p99_us:.0f} us "
                "after its step began" if self.command_latency_p99_us is not None else ""),
             f"  link: lost {lk.get('lost', 0)}, crc errors {lk.get('crc_errors', 0)}, duplicates {lk.get('duplicate', 0)}, "

@@ -107,9 +107,15 @@ class CertificateReport:
         }
 
     def summary(self) -> str:
-        lines = [f"certified: {'yes' if self.certified else 'NO'} ({self.form} form, {self.solver})",
-                 f"  decay rate rho {self.rho:.6g} per step = {self.decay_rate_per_s:.4g} 1/s (dt {self.dt:g} s)",
-                 f"  max eig {self.max_eig:.4g} <= -margin {self.margin:.3g}; numpy check {self.check_ms:.2f} ms"]
+        lines = [f"certified: {'yes' if self.certified else 'NO'} ({self.form} form, {self.solver})"]
+        if self.certified:
+            lines += [f"  decay rate rho {self.rho:.6g} per step = {self.decay_rate_per_s:.4g} 1/s (dt {self.dt:g} s)",
+                      f"  max eig {self.max_eig:.4g} <= -margin {self.margin:.3g}; numpy check {self.check_ms:.2f} ms"]
+        else:  # no rate is proven, and the inequality does not hold: say so rather than print it as if it did
+            lines += [f"  no decay rate is proven (the largest rho tried, {self.rho:.6g} per step, failed; dt "
+                      f"{self.dt:g} s)",
+                      f"  max eig {self.max_eig:.4g} > -margin {self.margin:.3g}: the LMI is VIOLATED; numpy check "
+                      f"{self.check_ms:.2f} ms"]
         if self.local and self.local.feasible:
             lo = self.local
             lines.append(f"  local (|v| <= {lo.vbar:g}): rho {lo.rho:.6g} in V(e) <= {lo.level:.4g}, ball radius "

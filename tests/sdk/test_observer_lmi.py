@@ -52,6 +52,10 @@ def test_small_gain_network_is_certified_and_scaled_up_is_not(fj, small_net, sma
     big.scale_(10.0)
     sol = solve_lmi(em, big.lft(), RHO, margin=1e-4)
     assert not sol.feasible and sol.max_eig > 0
+    rep = certify(fj, big, iters=3)
+    text = rep.summary()  # says it failed, never prints the failed inequality as if it held
+    assert not rep.certified and "certified: NO" in text and "VIOLATED" in text and "<= -margin" not in text
+    assert "no decay rate is proven" in text
 
 
 def test_numpy_matrix_equals_cvxpy_and_torch(fj, small_net, small_cert):
