@@ -170,7 +170,7 @@ def test_a_stored_largest_eigenvalue_the_weights_do_not_give_is_refused(observer
     _rehash(bad, lambda m: m["certificate"].update(max_eig=-0.5))
     with pytest.raises(BundleError) as err:
         load_bundle(bad)
-    assert f"certificate.max_eig is -0.5, but the LMI rebuilt from the bundle's weights has largest eigenvalue " \
+    assert f"certificate.max_eig is -0.5, but the LMI rebuilt from the bundle's network and its observer matrices (extra.observer: Ad, Cd, L, Fd, the nonlinearity) has largest eigenvalue " \
            f"{report.max_eig:.6g}" in str(err.value)
 
 

@@ -226,9 +226,11 @@ def _claim_problems(cert: dict[str, Any], margin: float, max_eig: float) -> list
         stored = float("nan")
     if abs(stored - max_eig) <= 1e-6 * max(1.0, abs(max_eig)):
         return []
-    return [f"certificate.max_eig is {cert['max_eig']!r}, but the LMI rebuilt from the bundle's weights has largest "
-            f"eigenvalue {max_eig:.6g} (a margin of {-max_eig:.6g}; stored margin {margin:.6g}): the certificate does "
-            "not belong to these weights; re-certify and re-export the bundle"]
+    return [f"certificate.max_eig is {cert['max_eig']!r}, but the LMI rebuilt from the bundle's network and its "
+            f"observer matrices (extra.observer: Ad, Cd, L, Fd, the nonlinearity) has largest eigenvalue {max_eig:.6g} "
+            f"(a margin of {-max_eig:.6g}; stored margin {margin:.6g}): the certificate was not made for this network "
+            "with these matrices (closedloop certify's weights line says whether the network is the certified one); "
+            "re-certify and re-export the bundle"]
 
 
 def format_certificate_report(result: BundleCertificateCheck, source: str = "") -> str:
