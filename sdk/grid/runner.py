@@ -12,12 +12,14 @@ It sits in ``sdk/`` and is never imported by the runtime: the deployed footprint
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import os
 import signal
 import socket
+import sys
 import threading
 import time
 import traceback
@@ -49,22 +51,40 @@ class Cell:
     seed: int = 0
     name: str | None = None
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.config, dict):
+            raise TypeError(f"Cell config is a {type(self.config).__name__}; give a dict of JSON values")
+        problem = json_problem(jsonable(self.config), "config")
+        if problem:
+            raise TypeError(f"Cell {problem}: a cell's config must be JSON values (dicts with string keys, lists, "
+                            "numbers, strings, booleans, None; NumPy values are converted), so that its key is the "
+                            "same on every run and its record can be read back")
+        if isinstance(self.seed, bool) or not isinstance(jsonable(self.seed), int):
+            raise TypeError(f"Cell seed {self.seed!r} is a {type(self.seed).__name__}; give an int")
+
     @property
     def key(self) -> str:
         if self.name is not None:
             return self.name
-        text = json.dumps({"config": self.config, "seed": self.seed}, sort_keys=True, default=str)
+        # NumPy values as the numbers they are: the key is the one the stored record's config gives again
+        text = json.dumps({"config": jsonable(self.config), "seed": jsonable(self.seed)}, sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def grid(seeds: Iterable[int], **axes: Sequence[Any]) -> list[Cell]:
-    """Every combination of ``axes`` (name -> values) for every seed, as cells.
+    """Every combination of ``axes`` (name -> values) for every seed, as cells: the seed varies fastest, then the
+    last axis, and the first axis slowest.
 
     >>> [(c.config, c.seed) for c in grid([0, 1], method=["a"])]
     [({'method': 'a'}, 0), ({'method': 'a'}, 1)]
     """
     import itertools
 
+    for n, values in axes.items():
+        if isinstance(values, (str, bytes, dict)) or not hasattr(values, "__iter__"):
+            raise TypeError(f"grid axis {n}={values!r} is a {type(values).__name__}, not a list of values: give "
+                            f"{n}=[{values!r}] for one value")
+    seeds = list(seeds)
     names = list(axes)
     return [Cell(dict(zip(names, values, strict=True)), seed)
             for values in itertools.product(*(axes[n] for n in names)) for seed in seeds]
@@ -106,7 +126,12 @@ def _call(fn: Callable, args: tuple) -> tuple[Any, str, str, int, float, float, 
     started = time.time()
     t0 = time.perf_counter()
     try:
-        result = fn(*args)
+        try:
+            result = fn(*args)
+        except SystemExit as exc:
+            if isinstance(exc, Terminated):  # the driver's SIGTERM (in-process): the grid ends, not the cell
+                raise
+            raise RuntimeError(f"the cell called sys.exit({exc.code!r}); a cell returns its result or raises") from None
     except Exception as exc:  # a cell's failure is its record, never the grid's end
         import pickle
 
@@ -120,9 +145,26 @@ def _call(fn: Callable, args: tuple) -> tuple[Any, str, str, int, float, float, 
     return result, node, host, pid, started, time.perf_counter() - t0, None
 
 
+class Terminated(SystemExit):
+    """SIGTERM reached the driver while a runner was open: ``SystemExit(143)``, never taken for a cell's own exit."""
+
+
 def _error_text(exc: BaseException) -> str:
     text = f"{type(exc).__name__}: {exc}"
     return text if len(text) < 4000 else text[:4000] + " ..."
+
+
+def _check_listening(address: str, timeout_s: float = 5.0) -> None:
+    """A ``HOST:PORT`` cluster address where nothing listens is refused at once (Ray itself retries for minutes,
+    printing only its own connection errors); other forms (``auto``, ``ray://...``) are left to Ray."""
+    host, sep, port = address.rpartition(":")
+    if not sep or "/" in address or not port.isdigit() or not host:
+        return
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except OSError as exc:
+        raise RuntimeError(f"address {address}: nothing answers there ({exc.strerror or exc}); start the head with "
+                           f"`ray start --head --port {port}` on {host}, or check the address it printed") from None
 
 
 def resolve_backend(backend: str, workers: int | None, address: str | None) -> str:
@@ -174,6 +216,8 @@ class GridRunner:
                              "pip install 'closedloop[scale]'")
         if self.backend == "ray":
             self._start_ray()
+        else:
+            self._own_sigterm()
 
     def _start_ray(self) -> None:
         try:
@@ -184,6 +228,8 @@ class GridRunner:
         if not ray.is_initialized():
             kwargs: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False,
                                       "configure_logging": False}
+            if self.address:
+                _check_listening(self.address)
             try:
                 if self.address:
                     ray.init(address=self.address, **kwargs)
@@ -208,7 +254,7 @@ class GridRunner:
 
         def stop(signum: int, frame: object) -> None:
             self._terminated = True
-            raise SystemExit(128 + signum)
+            raise Terminated(128 + signum)
 
         previous = signal.signal(signal.SIGTERM, stop)
         if self._previous_sigterm is None:
@@ -280,6 +326,8 @@ class GridRunner:
                     self._started_ray = False
             finally:
                 self._restore_sigterm()
+        else:
+            self._restore_sigterm()
         self._queue.clear()
 
     def __enter__(self) -> GridRunner:
@@ -295,13 +343,22 @@ def read_results(path: str | os.PathLike) -> dict[str, dict]:
     p = Path(path)
     if not p.exists():
         return records
-    for line in p.read_text().splitlines():
+    lines = p.read_text().splitlines()
+    bad = []
+    for n, line in enumerate(lines, 1):
         try:
             rec = json.loads(line)
-        except json.JSONDecodeError:  # a driver killed mid-write leaves at most one torn line
+        except json.JSONDecodeError:
+            bad.append(n)
             continue
         if isinstance(rec, dict) and "key" in rec:
             records[rec["key"]] = rec
+        elif line.strip():
+            bad.append(n)
+    # a driver killed mid-write leaves one torn last line (the next append cuts it off); anything else is damage
+    if bad and bad != [len(lines)]:
+        log.warning("results file %s: %d line(s) that are not records were skipped (line %s): the file was "
+                    "changed by something other than the grid runner", p, len(bad), ", ".join(map(str, bad[:5])))
     return records
 
 
@@ -312,8 +369,8 @@ def jsonable(value: Any) -> Any:
     >>> jsonable({"n": np.int64(3), "ok": np.bool_(True), "x": np.arange(2), "t": (1, 2)})
     {'n': 3, 'ok': True, 'x': [0, 1], 't': [1, 2]}
     """
-    if isinstance(value, dict):
-        return {k: jsonable(v) for k, v in value.items()}
+    if isinstance(value, dict):  # keys as JSON writes them (1 -> "1", True -> "true"): the same on a rerun's read
+        return {k if isinstance(k, str) else _json_key(k): jsonable(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [jsonable(v) for v in value]
     if isinstance(value, (set, frozenset)):
@@ -329,6 +386,33 @@ def jsonable(value: Any) -> Any:
     return value
 
 
+def _json_key(k: Any) -> Any:
+    k = jsonable(k)
+    return json.dumps(k) if isinstance(k, (int, float, bool)) or k is None else k  # other keys: json_problem names
+
+
+def json_problem(value: Any, where: str) -> str | None:
+    """Where ``value`` (after ``jsonable``) holds something JSON cannot store, as ``where[...]: what``; None if
+    nothing. NaN and infinities are allowed (docs/grid.md)."""
+    if isinstance(value, dict):
+        for k, v in value.items():
+            if not isinstance(k, str):
+                return f"{where}: key {k!r} is a {type(k).__name__} (JSON keys are strings)"
+            p = json_problem(v, f"{where}[{k!r}]")
+            if p:
+                return p
+        return None
+    if isinstance(value, list):
+        for i, v in enumerate(value):
+            p = json_problem(v, f"{where}[{i}]")
+            if p:
+                return p
+        return None
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return None
+    return f"{where} is a {type(value).__module__}.{type(value).__qualname__}"
+
+
 def append_record(path: str | os.PathLike, record: dict) -> None:
     """One line, one ``write`` on an ``O_APPEND`` descriptor, flushed to disk: a kill leaves whole lines.
 
@@ -341,18 +425,38 @@ def append_record(path: str | os.PathLike, record: dict) -> None:
         raise TypeError(f"cell {record['key']}: its {part} cannot be stored as JSON in {path} ({exc}); give and "
                         "return dicts, lists, numbers, strings, booleans and None (NumPy values are converted), or "
                         "pass results=None") from None
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
     try:
-        with open(path, "rb") as f:  # a torn last line from a killed run: start on a fresh line
-            size = f.seek(0, os.SEEK_END)
-            if size:
-                f.seek(size - 1)
-                if f.read(1) != b"\n":
-                    line = "\n" + line
+        _drop_torn_tail(fd)
         os.write(fd, line.encode())
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _drop_torn_tail(fd: int) -> None:
+    """A last line without its newline is one a killed run did not finish: cut it off, so that the file keeps
+    whole lines only (a complete record that lacks only its newline gets one)."""
+    size = os.lseek(fd, 0, os.SEEK_END)
+    if not size or os.pread(fd, 1, size - 1) == b"\n":
+        return
+    start = max(0, size - (1 << 20))
+    while True:  # the last newline before the end (lines can be long: read back in 1 MiB pieces)
+        chunk = os.pread(fd, size - start, start)
+        i = chunk.rfind(b"\n")
+        if i >= 0 or start == 0:
+            cut = start + i + 1 if i >= 0 else 0
+            break
+        start = max(0, start - (1 << 20))
+    tail = os.pread(fd, size - cut, cut)
+    try:
+        json.loads(tail)
+    except ValueError:
+        os.ftruncate(fd, cut)
+        log.warning("results file: dropped a torn last line (%d bytes) left by a run that was killed mid-write",
+                    size - cut)
+        return
+    os.write(fd, b"\n")
 
 
 def _dumps_ok(value: Any) -> bool:
@@ -364,8 +468,42 @@ def _dumps_ok(value: Any) -> bool:
 
 
 def fn_name(fn: Callable) -> str:
-    """``module.qualname`` of a cell function, as records store it (``__main__.fit`` for a script's own)."""
-    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', type(fn).__name__)}"
+    """``module.qualname`` of a cell function, as records store it; a script's own function is named by the
+    script's file, ``train.py:fit`` (every script's module is ``__main__``: two scripts' ``fit`` are two functions)."""
+    module = getattr(fn, "__module__", "?")
+    qualname = getattr(fn, "__qualname__", type(fn).__name__)
+    if module == "__main__":
+        main_file = getattr(sys.modules.get("__main__"), "__file__", None)
+        if main_file:
+            return f"{os.path.basename(main_file)}:{qualname}"
+    return f"{module}.{qualname}"
+
+
+def _same_fn(stored: str, name: str) -> bool:
+    """Whether records of ``stored`` are this function's: the same name, or a script's function recorded before
+    records named its script (``__main__.fit`` for ``train.py:fit``)."""
+    return stored == name or (":" in name and stored == "__main__." + name.split(":", 1)[1])
+
+
+@contextlib.contextmanager
+def _results_lock(path: Path):
+    """One driver at a time per results file: a second one is refused while the first runs (both would run every
+    cell the file does not hold yet, and append twice). An advisory ``flock`` on Linux and macOS; elsewhere none."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    with open(path, "a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise RuntimeError(f"results file {path} is being written by another run of this grid (its lock is "
+                               "held); wait for it to end, or give this run a results file of its own") from None
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def run_grid(fn: Callable[[dict, int], Any], cells: Sequence[Cell], results: str | os.PathLike | None = None,
@@ -386,11 +524,21 @@ def run_grid(fn: Callable[[dict, int], Any], cells: Sequence[Cell], results: str
         raise ValueError(f"two cells have the key {dup!r}: give each cell a distinct config, seed or name")
     path = Path(results) if results is not None else None
     name = fn_name(fn)
+    if path is not None and "<lambda>" in name:
+        raise ValueError(f"{name}: a lambda has no name that tells its records from another lambda's in {path}; "
+                         "define the cell function with def")
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.touch()  # there from the start: an interrupted start-up still leaves the file a rerun names
+    with _results_lock(path) if path is not None else contextlib.nullcontext():
+        return _run_grid(fn, name, cells, keys, path, address, workers, retries, progress, backend, desc)
+
+
+def _run_grid(fn: Callable, name: str, cells: Sequence[Cell], keys: list[str], path: Path | None,
+              address: str | None, workers: int | None, retries: int, progress: bool, backend: str,
+              desc: str) -> list[dict]:
     stored = read_results(path) if path else {}
-    others = sorted({r["fn"] for r in stored.values() if r.get("fn") not in (None, name)})
+    others = sorted({r["fn"] for r in stored.values() if r.get("fn") is not None and not _same_fn(r["fn"], name)})
     if others:
         raise ValueError(f"results file {path} holds cells of {', '.join(others)}; this grid runs {name}, whose "
                          "results would be taken for theirs: give it a results file of its own")
@@ -410,9 +558,16 @@ def run_grid(fn: Callable[[dict, int], Any], cells: Sequence[Cell], results: str
                 while len(runner):
                     d = runner.next_done()
                     cell = d.tag
+                    error, result = d.error, None
+                    if error is None:
+                        result = jsonable(d.result)
+                        problem = json_problem(result, "result")
+                        if problem:  # the cell's own failure, recorded as such: the grid goes on
+                            error = (f"TypeError: its {problem}, which JSON cannot store; return dicts with string "
+                                     "keys, lists, numbers, strings, booleans and None (NumPy values are converted)")
                     rec = {"key": cell.key, "fn": name, "config": jsonable(cell.config), "seed": jsonable(cell.seed),
-                           "status": "failed" if d.error else "ok"}
-                    rec |= {"error": d.error} if d.error else {"result": jsonable(d.result)}
+                           "status": "failed" if error else "ok"}
+                    rec |= {"error": error} if error else {"result": result}
                     rec |= {"node": d.node, "host": d.host, "pid": d.pid, "started": d.started,
                             "wall_s": round(d.wall_s, 4)}
                     if path is not None:
@@ -420,8 +575,8 @@ def run_grid(fn: Callable[[dict, int], Any], cells: Sequence[Cell], results: str
                     out[cell.key] = rec
                     if bar is not None:
                         bar.update(1)
-                    if d.error:
-                        said = f"{desc}: cell {cell.key} failed: {d.error.splitlines()[0]}"
+                    if error:
+                        said = f"{desc}: cell {cell.key} failed: {error.splitlines()[0]}"
                         bar.write(said) if bar is not None else log.warning(said)
     finally:
         if bar is not None:

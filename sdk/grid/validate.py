@@ -124,6 +124,11 @@ def run_validation_session(config: dict, seed: int) -> dict:
 
     record = Path(config["record"])
     record.parent.mkdir(parents=True, exist_ok=True)
+    if record.exists():  # an earlier attempt at this session that never finished (its worker died, Ctrl-C):
+        n = 1            # kept beside, never overwritten, and this attempt records afresh
+        while (kept := record.with_name(f"{record.name}.attempt{n}")).exists():
+            n += 1
+        record.rename(kept)
     started = time.perf_counter()
     s = run_session(config["bundle"], SessionConfig(device=config["device"], duration_s=config["duration_s"],
                                                     record=str(record), backend=config["backend"], status=False,
@@ -191,7 +196,8 @@ def validate(cfg: ValidateConfig, address: str | None = None, workers: int | Non
                    "keep_all": cfg.keep_all} | ({"trust": list(cfg.trust)} if cfg.trust else {}),
                    seed=i) for i in range(cfg.sessions)]
     stored = read_results(out / "sessions.jsonl")
-    reused = sum(1 for c in cells if stored.get(c.key, {}).get("status") == "ok")
+    reused_keys = {c.key for c in cells if stored.get(c.key, {}).get("status") == "ok"}
+    reused = len(reused_keys)
     t0 = time.perf_counter()
     recs = run_grid(run_validation_session, cells, results=out / "sessions.jsonl", address=address, workers=workers,
                     progress=progress, backend=backend, desc="validate")
@@ -212,7 +218,8 @@ def validate(cfg: ValidateConfig, address: str | None = None, workers: int | Non
         "bundle": bundle, "device": redact_device_url(cfg.device), "faults": list(cfg.faults), "sessions": cfg.sessions,
         "duration_s": cfg.duration_s, "wall_s": round(time.perf_counter() - t0, 2),
         "reused": reused,  # sessions taken from sessions.jsonl, run before with this bundle and these settings
-        "nodes": sorted({s["node"] for s in sessions if s.get("node")}),
+        # the nodes this run's sessions ran on (sessions taken from an earlier run ran where that run put them)
+        "nodes": sorted({r.get("node") for r in recs if r.get("node") and r["key"] not in reused_keys}),
         "success_rate": (len(sessions) - len(bad)) / len(sessions),
         "deadline_miss_rate": {"mean": sum(miss) / len(miss) if miss else None, "max": max(miss, default=None)},
         "safe_command_periods": {"total": sum(s["safe_commands_sent"] for s in ran),

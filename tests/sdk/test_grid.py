@@ -90,7 +90,7 @@ def test_cells_with_the_same_key_are_refused():
         run_grid(square, [Cell({"x": 1}), Cell({"x": 1})], backend="inprocess", progress=False)
 
 
-def test_a_torn_last_line_is_ignored_and_the_next_record_starts_a_fresh_line(tmp_path):
+def test_a_torn_last_line_is_ignored_and_cut_off_before_the_next_record(tmp_path):
     out = tmp_path / "r.jsonl"
     cells = grid([0], x=[1, 2])
     run_grid(square, cells[:1], results=out, backend="inprocess", progress=False)
@@ -98,6 +98,8 @@ def test_a_torn_last_line_is_ignored_and_the_next_record_starts_a_fresh_line(tmp
         f.write('{"key": "torn", "sta')  # a driver killed in the middle of a write
     run_grid(square, cells, results=out, backend="inprocess", progress=False)
     assert set(read_results(out)) == {c.key for c in cells}
+    # the torn line was cut off, not left in the middle of the file: every line is a whole record
+    assert all(json.loads(line)["key"] for line in out.read_text().splitlines())
 
 
 def test_resume_after_the_driver_is_killed_skips_the_finished_cells(tmp_path):
@@ -248,3 +250,103 @@ def test_a_killed_worker_is_retried_once_then_its_cell_fails_with_the_error(loop
     assert recs[0]["status"] == "ok" and recs[0]["result"] == {"survived": True}
     assert recs[1]["status"] == "failed" and "WorkerCrashedError" in recs[1]["error"], recs[1]
     assert json.loads((tmp_path / "r.jsonl").read_text().splitlines()[-1])["status"] in ("ok", "failed")
+
+
+def awkward(config: dict, seed: int):
+    kind = config["kind"]
+    if kind == "object":
+        return {"model": object()}
+    if kind == "int_keys":
+        return {1: 0.5, 2: 0.7}
+    if kind == "exit":
+        sys.exit(4)
+    return {"ok": True}
+
+
+def test_a_result_json_cannot_hold_or_a_sys_exit_fails_its_cell_and_the_grid_goes_on(tmp_path):
+    out = tmp_path / "r.jsonl"
+    cells = grid([0], kind=["ok", "object", "int_keys", "exit", "ok2"])
+    recs = run_grid(awkward, cells, results=out, backend="inprocess", progress=False)
+    assert [r["status"] for r in recs] == ["ok", "failed", "ok", "failed", "ok"]
+    assert "result['model'] is a builtins.object, which JSON cannot store" in recs[1]["error"]
+    assert "the cell called sys.exit(4)" in recs[3]["error"]
+    # JSON's keys are strings: the same on the first run as from the file on a rerun
+    assert recs[2]["result"] == {"1": 0.5, "2": 0.7} == read_results(out)[cells[2].key]["result"]
+    assert len(out.read_text().splitlines()) == 5
+
+
+def test_cell_configs_are_json_values_and_numpy_values_give_the_stored_configs_key():
+    import hashlib
+
+    import numpy as np
+
+    with pytest.raises(TypeError, match=r"config\['a'\] is a builtins.object"):
+        Cell({"a": object()})
+    with pytest.raises(TypeError, match="grid axis a='ab' is a str, not a list of values"):
+        grid([0], a="ab")
+    a, b = grid(np.arange(2), n=np.arange(10, 12)), grid([0, 1], n=[10, 11])
+    assert [c.key for c in a] == [c.key for c in b]
+    # the key is what the stored record's config and seed give again (docs/grid.md's formula)
+    c = a[3]
+    text = json.dumps({"config": {"n": 11}, "seed": 1}, sort_keys=True, default=str)
+    assert c.key == hashlib.sha256(text.encode()).hexdigest()[:16]
+    # the seed varies fastest, then the last axis; the first axis slowest
+    assert [(c.config["p"], c.config["q"], c.seed) for c in grid([0, 1], p=[1, 2], q=["x", "y"])][:4] == [
+        (1, "x", 0), (1, "x", 1), (1, "y", 0), (1, "y", 1)]
+
+
+def test_two_scripts_cell_functions_of_one_name_do_not_share_a_results_file(tmp_path):
+    out = tmp_path / "shared.jsonl"
+    for script, value in (("train_a.py", "A"), ("train_b.py", "B")):
+        (tmp_path / script).write_text(textwrap.dedent(f"""
+            from closedloop.sdk.grid import grid, run_grid
+            def fit(config, seed):
+                return {{"script": {value!r}}}
+            print(run_grid(fit, grid([0], x=[1]), results={str(out)!r}, backend="inprocess", progress=False))
+            """))
+    a = subprocess.run([sys.executable, str(tmp_path / "train_a.py")], capture_output=True, text=True, timeout=60)
+    assert a.returncode == 0 and "'script': 'A'" in a.stdout
+    b = subprocess.run([sys.executable, str(tmp_path / "train_b.py")], capture_output=True, text=True, timeout=60)
+    assert b.returncode != 0 and "holds cells of train_a.py:fit; this grid runs train_b.py:fit" in b.stderr
+    with pytest.raises(ValueError, match="a lambda has no name"):
+        run_grid(lambda c, s: 1, grid([0], x=[1]), results=tmp_path / "l.jsonl", backend="inprocess", progress=False)
+
+
+def test_a_second_driver_on_a_results_file_in_use_is_refused(tmp_path):
+    import threading
+
+    out = tmp_path / "r.jsonl"
+    first = threading.Thread(target=run_grid, args=(square, grid([0], x=[1], sleep=[1.5])),
+                             kwargs={"results": out, "backend": "inprocess", "progress": False})
+    first.start()
+    time.sleep(0.5)
+    try:
+        with pytest.raises(RuntimeError, match="is being written by another run of this grid"):
+            run_grid(square, grid([0], x=[2]), results=out, backend="inprocess", progress=False)
+    finally:
+        first.join()
+    assert run_grid(square, grid([0], x=[2]), results=out, backend="inprocess", progress=False)[0]["status"] == "ok"
+
+
+def test_sigterm_ends_an_in_process_driver_with_143_and_a_rerun_resumes(tmp_path):
+    out = tmp_path / "r.jsonl"
+    driver = textwrap.dedent(f"""
+        import time
+        from closedloop.sdk.grid import grid, run_grid
+        def slow(config, seed):
+            time.sleep(0.3)
+            return config["x"]
+        try:
+            run_grid(slow, grid([0], x=list(range(20))), results={str(out)!r}, backend="inprocess", progress=False)
+        except BaseException as exc:
+            print("left through", type(exc).__name__, flush=True)
+            raise
+        """)
+    p = subprocess.Popen([sys.executable, "-c", driver], stdout=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and (not out.exists() or len(out.read_text().splitlines()) < 2):
+        time.sleep(0.05)
+    p.send_signal(signal.SIGTERM)
+    stdout, _ = p.communicate(timeout=30)
+    assert p.returncode == 143 and "left through Terminated" in stdout
+    assert 2 <= len(read_results(out)) < 20

@@ -127,3 +127,18 @@ def test_a_device_the_bundle_does_not_fit_is_bad_input_said_once_before_the_batc
 def test_session_urls_get_their_own_seed_and_the_faults_without_overriding_what_the_url_gives():
     url = session_url("sim://plant?model=msd&drop=0.5", ("drops", "resets"), 2.0, 4)
     assert url == "sim://plant?model=msd&drop=0.5&seed=4&reset_at=0.6&reset_s=0.2"
+
+
+def test_a_session_run_again_keeps_the_unfinished_attempts_recording_beside_its_own(gru_bundle, tmp_path, capsys):
+    """A session whose earlier attempt never finished (its worker killed, the driver stopped) left its recording:
+    the next attempt keeps it as .attemptN and records afresh, rather than failing on a file it may not
+    overwrite."""
+    out = tmp_path / "v"
+    out.mkdir()
+    (out / "session-0000.clrec").write_bytes(b"CLREC\x00\x01\x02")  # what a killed attempt leaves
+    code = main(["validate", str(gru_bundle), "--device", HEADSTAGE, "--sessions", "1", "--duration", "1",
+                 "--no-ray", "--out", str(out), "--backend", "onnxruntime", "--max-miss", "1", "--keep-all", "--json"])
+    (s,) = json.loads(capsys.readouterr().out)["session_summaries"]
+    assert code == 0 and s["steps"] > 0 and not s["misbehaved"]
+    assert (out / "session-0000.clrec.attempt1").read_bytes() == b"CLREC\x00\x01\x02"
+    assert (out / "session-0000.clrec").stat().st_size > 100
