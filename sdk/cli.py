@@ -153,8 +153,8 @@ def _held_inputs(given: list[str]) -> dict[str, list[float]]:
             if not eq or not name:
                 raise ValueError
             values[name] = [float(v) for v in text.split(",")]
-        except ValueError:
-            raise SystemExit(f"error: --input {item!r}: expected NAME=V1,V2,... (numbers separated by commas)") from None
+        except ValueError:  # bad input: exit 2 through main, with the command's name
+            raise ValueError(f"--input {item!r}: expected NAME=V1,V2,... (numbers separated by commas)") from None
     return values
 
 

@@ -52,6 +52,23 @@ def limit_problems(low: np.ndarray, high: np.ndarray, hello: Hello, names: tuple
                for i in np.flatnonzero(high > hello.command_high + 1e-6)])
 
 
+def limit_order_problems(low: Any, high: Any, low_name: str = "postprocess.low",
+                         high_name: str = "postprocess.high") -> list[str]:
+    """Each command value whose low limit is not below its high one (equal, reversed or NaN): clipped to such
+    limits, every command, the safe one included, would be one value, of the wrong sign where they are reversed."""
+    try:
+        lo, hi = np.broadcast_arrays(np.asarray(low, dtype=np.float64).ravel(), np.asarray(high, dtype=np.float64).ravel())
+    except (TypeError, ValueError):
+        return []  # the shapes or types are another check's to name
+    bad = np.flatnonzero(~(lo < hi))
+    out = [f"{low_name}[{i}] {lo[i]:g} is not below {high_name}[{i}] {hi[i]:g}: clipped to them every command "
+           "(the safe one too) would be one value" + (", of the wrong sign" if lo[i] > hi[i] else "")
+           + "; give low < high for each command value" for i in bad[:3]]
+    if bad.size > 3:
+        out.append(f"... and {bad.size - 3} more command values with low not below high")
+    return out
+
+
 def _window_hint(spec: Any, frame_size: int) -> str:
     """An input exported without a window whose shape holds the device's frame along one axis beside another:
     likely a window over the stream exported as one tensor; say how to export it."""
@@ -290,6 +307,11 @@ class FamilyPlugin:
                              + (f" (its input {self.measurement.name!r} comes from the device)" if
                                 self.measurement.name in unknown else ""))
         for name, value in values.items():
+            with np.errstate(over="ignore"):
+                as_f32 = np.asarray(value, dtype=np.float64).astype(np.float32)
+            if not np.isfinite(as_f32).all():  # every step would be refused, the safe command only, with no word why
+                raise ValueError(f"session input {name!r} = {value!r}: every value must be a finite number a float32 "
+                                 "holds (NaN, inf and values beyond 3.4e38 are not)")
             self.model.set_input(name, value)
         by_message = {name for name, _, _ in self._side.values()}
         missing = [n for n in held if n not in values and n not in by_message]

@@ -143,6 +143,21 @@ def test_a_session_refuses_a_value_for_an_input_the_bundle_does_not_hold(goal_bu
                                                inputs={"goal": [0.0], "obs": [1.0]}))
 
 
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), 1e40])
+def test_a_held_value_that_is_not_a_finite_float32_is_refused_before_the_session(goal_bundle, value, capsys):
+    """Held for the whole session, a NaN goal made every step refused (the safe command only) with no word why."""
+    with pytest.raises(SessionError, match=r"session input 'goal' = .*must be a finite number a float32 holds"):
+        run_session(goal_bundle, SessionConfig(device="sim://plant?model=msd&rate=200", duration_s=0.5, status=False,
+                                               inputs={"goal": [value]}))
+    from closedloop.sdk.cli import main
+
+    assert main(["run", str(goal_bundle), "--device", "sim://plant?model=msd&rate=200", "--duration", "0.3",
+                 "--input", f"goal={value}"]) == 2
+    assert "must be a finite number" in capsys.readouterr().err
+    assert main(["run", str(goal_bundle), "--input", "goal=abc"]) == 2  # a malformed one: bad input too
+    assert "closedloop run: error: --input 'goal=abc': expected NAME=V1,V2" in capsys.readouterr().err
+
+
 def test_a_version_1_manifest_still_loads_with_default_roles(tmp_path, mlp_bundle):
     copy = shutil.copytree(mlp_bundle, tmp_path / "v1")
     raw = json.loads((copy / MANIFEST_NAME).read_text())

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from closedloop.runtime.families.base import FamilyPlugin, measurement_input
+from closedloop.runtime.families.base import FamilyPlugin, limit_order_problems, measurement_input
 from closedloop.runtime.families.registry import register_family
 
 
@@ -40,6 +40,10 @@ def _vec(d: dict, key: str, n: int, default: float) -> np.ndarray:
     if v.shape != (n,):
         raise ValueError(f"{key} has shape {v.shape}, expected ({n},) to match the graph")
     return v
+
+
+#: the postprocess fields the generic family reads
+POSTPROCESS_KEYS = ("scale", "offset", "low", "high", "safe_output", "output")
 
 
 @register_family
@@ -70,6 +74,31 @@ class GenericFamily(FamilyPlugin):
             return [f"generic family: output {y.name!r} has shape {y.shape}, one value per batch row and no feature "
                     "axis; a command is (batch, n): return y.unsqueeze(-1) (or y.reshape(y.shape[0], -1)) from forward"]
         n_out = y.shape[-1]
+        post = bundle.manifest.postprocess
+        unknown = sorted(set(post) - set(POSTPROCESS_KEYS))
+        if unknown:
+            out.append(f"generic family: postprocess.{', postprocess.'.join(unknown)}: not a field this family reads "
+                       f"({', '.join(POSTPROCESS_KEYS)}); a misspelt limit would leave the command unclipped")
+        names = [t.name for t in spec.data_outputs]
+        if "output" in post and post["output"] not in names:
+            state = [t.name for t in spec.outputs if t.name not in names]
+            out.append(f"generic family: postprocess.output {post['output']!r} is not one of the graph's data outputs "
+                       f"({', '.join(names)})" + (f"; {', '.join(state)} carry the recurrent state, not a command"
+                                                  if post["output"] in state else ""))
+            return out
+        if "output" in post:
+            y = next(t for t in spec.data_outputs if t.name == post["output"])
+            if len(y.shape) < 2:
+                return out + [f"generic family: output {y.name!r} has shape {y.shape}: no feature axis for a command"]
+            n_out = y.shape[-1]
+        for k in ("scale", "offset", "low", "high", "safe_output"):
+            v = post.get(k)
+            items = v if isinstance(v, list) else [v]
+            if k in post and not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in items):
+                out.append(f"generic family: postprocess.{k} is {v!r}: give a number or a list of numbers (nothing is "
+                           "coerced: a string or a boolean is not read as a number)")
+        if "low" in post and "high" in post and not out:
+            out += [f"generic family: {p}" for p in limit_order_problems(post["low"], post["high"])]
         for section, keys, n in (
             (bundle.manifest.preprocess, ("mean", "std"), n_in),
             (bundle.manifest.postprocess, ("scale", "offset", "low", "high", "safe_output"), n_out),

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from closedloop.runtime.families.base import FamilyPlugin
+from closedloop.runtime.families.base import FamilyPlugin, limit_order_problems
 from closedloop.runtime.families.observer.certificate import (
     CertificateError,
     check_bundle_certificate,
@@ -144,6 +144,8 @@ class ObserverFamily(FamilyPlugin):
             if n_in != arr.ny or n_out != arr.nz:
                 out.append(f"observer: the graph maps {n_in} -> {n_out} values; the observer needs N: r ({arr.ny}) -> "
                            f"correction ({arr.nz})")
+            out += [f"observer: {p}" for p in limit_order_problems(arr.u_low, arr.u_high, f"extra.{BLOCK}.u_low",
+                                                                    f"extra.{BLOCK}.u_high")]
         except (CertificateError, IndexError) as exc:
             out.append(f"observer: {exc}")
         out += _sample_time_problems(bundle, obs)

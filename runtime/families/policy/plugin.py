@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, cast
 import numpy as np
 
 from closedloop.firmware_bridge import JointCommand, JointMode, PlantMeasurement
-from closedloop.runtime.families.base import FamilyPlugin, limit_problems
+from closedloop.runtime.families.base import FamilyPlugin, limit_order_problems, limit_problems
 from closedloop.runtime.families.registry import register_family
 
 if TYPE_CHECKING:
@@ -80,6 +80,8 @@ class PolicyFamily(FamilyPlugin):
                 out.append(f"policy: {'preprocess' if section is pre else 'postprocess'}.{key} must hold {n} values")
         if "std" in pre and np.any(np.asarray(pre["std"], dtype=float) <= 0):
             out.append("policy: preprocess.std has values <= 0")
+        if not out:
+            out += [f"policy: {p}" for p in limit_order_problems(post["low"], post["high"])]
         if len(pol.get("safe_position", [])) != 3:
             out.append("policy: extra.policy.safe_position must be [x, y, z]")
         n_act = int(pol.get("n_actions", 3))
