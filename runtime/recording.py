@@ -70,6 +70,23 @@ def _crc(length: int, rtype: int, host_ns: int, payload: bytes | memoryview) -> 
     return zlib.crc32(payload, zlib.crc32(_CRC_HEAD.pack(length, rtype, host_ns)))
 
 
+#: how far past a bad record the reader looks for intact ones (to tell damage from a file cut short)
+_RESYNC_BYTES = 4 << 20  # a few seconds of scanning at worst; records are a few kB
+
+
+def _next_intact(data: bytes, start: int, after_ns: int) -> int | None:
+    """The offset of the first intact record at or after ``start`` (a header whose length fits, whose host time is
+    not before ``after_ns`` nor a day after it, and whose checksum holds), within ``_RESYNC_BYTES``; None if none."""
+    stop = min(len(data) - _HEAD.size, start + _RESYNC_BYTES)
+    for q in range(start, stop + 1):
+        n, crc, rtype, host_ns = _HEAD.unpack_from(data, q)
+        if n > MAX_RECORD or q + _HEAD.size + n > len(data) or not after_ns <= host_ns <= after_ns + 86_400 * 10**9:
+            continue
+        if _crc(n, rtype, host_ns, memoryview(data)[q + _HEAD.size : q + _HEAD.size + n]) == crc:
+            return q
+    return None
+
+
 def encode_record(rtype: int, payload: bytes | memoryview, host_ns: int) -> bytes:
     n = len(payload)
     return _HEAD.pack(n, _crc(n, rtype, host_ns, payload), rtype, host_ns) + bytes(payload)
@@ -204,7 +221,10 @@ class RecordingReader:
         data = self.path.read_bytes()
         if not data.startswith(MAGIC[:6]):
             raise RecordingError(f"{self.path} is not a closedloop recording (bad magic {data[:8]!r})")
-        version = struct.unpack_from("<H", data, 6)[0] if len(data) >= 8 else None
+        if len(data) < len(MAGIC):
+            raise RecordingError(f"{self.path} is not a recording: {len(data)} bytes, shorter than the "
+                                 f"{len(MAGIC)}-byte file header (a file cut short as it was created)")
+        version = struct.unpack_from("<H", data, 6)[0]
         if version != 1:
             raise RecordingError(f"{self.path}: recording format version {version} is not supported (this reads 1)")
         self.records: list[Record] = []
@@ -218,8 +238,16 @@ class RecordingReader:
             n, crc, rtype, host_ns = _HEAD.unpack_from(data, pos)
             end = pos + _HEAD.size + n
             if n > MAX_RECORD or end > len(data):
+                # a crash cuts the last record short; a length no writer writes, or intact records further on,
+                # say the file was damaged here instead
+                later = _next_intact(data, pos + 1, self.records[-1].host_ns if self.records else 0)
+                self.damaged = n > MAX_RECORD or later is not None
                 self.tail_problem = (f"record length {n} over the {MAX_RECORD}-byte limit" if n > MAX_RECORD
                                      else "torn record (length runs past the end of the file)")
+                if self.damaged:
+                    self.tail_problem += (f" at byte {pos}, with {len(data) - pos} more bytes after it"
+                                          + (f" and intact records again from byte {later}" if later is not None else "")
+                                          + ": the file was damaged there (a disk or copy error), not cut short")
                 break
             payload = data[pos + _HEAD.size : end]
             if _crc(n, rtype, host_ns, payload) != crc:
@@ -254,6 +282,21 @@ class RecordingReader:
     def summary(self) -> dict | None:
         s = self.of_type(RecordType.SUMMARY)
         return s[-1].json() if s else None
+
+    def problems(self) -> list[str]:
+        """What a reader of this recording should know before trusting it: bytes dropped at a bad record (damage
+        or a session cut short), a session that never ended (no SUMMARY) or never ran (no META). Empty for a whole
+        recording of a session that ended."""
+        out = []
+        if self.dropped_bytes:
+            out.append(f"{self.dropped_bytes} bytes were dropped at a bad record ({self.tail_problem})"
+                       + ("" if self.damaged else ": the session did not end cleanly"))
+        elif self.summary is None and self.meta:
+            out.append("no SUMMARY record: the session did not end (its process was killed, or the machine "
+                       "stopped); what it recorded until then is here")
+        if not self.meta:
+            out.append("no META record: the session was refused before it ran (its handshake's bytes only)")
+        return out
 
     def describe(self) -> str:
         counts: dict[str, int] = {}

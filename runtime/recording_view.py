@@ -53,6 +53,23 @@ class Series:
     def array(self) -> np.ndarray:
         return np.stack(self.values) if self.values else np.zeros((0, 0))
 
+    def drop_odd_sizes(self) -> int:
+        """Keep the samples of the stream's own width (the most common one) and drop the others, returning how
+        many: frames of another size than the HELLO's, which the session refused (``input_refused`` events), would
+        make the stream's samples no table."""
+        if not self.values:
+            return 0
+        sizes = np.array([v.size for v in self.values])
+        values, counts = np.unique(sizes, return_counts=True)
+        width = values[np.argmax(counts)]
+        keep = np.flatnonzero(sizes == width)
+        dropped = len(self.values) - keep.size
+        if dropped:
+            for name in ("t_host_s", "t_device_s", "values", "seq"):
+                old = getattr(self, name)
+                setattr(self, name, [old[i] for i in keep])
+        return int(dropped)
+
     def __len__(self) -> int:
         return len(self.values)
 
@@ -81,6 +98,18 @@ class RecordingView:
     state_labels: list[str] = field(default_factory=list)
     #: host seconds of the META record since the first record (the handshake's TX and RX come before it)
     meta_host_s: float = 0.0
+    #: frames left out of a stream by name, because their size was not the stream's (the session refused them)
+    odd_frames: dict[str, int] = field(default_factory=dict)
+    #: what the reader found wrong with the file (``RecordingReader.problems``)
+    file_problems: list[str] = field(default_factory=list)
+
+    def problems(self) -> list[str]:
+        """What a reader of this recording should know before trusting what it shows: the file's problems (data
+        dropped, a session that never ended or never ran) and frames left out of a stream. Empty for a whole,
+        clean recording."""
+        return self.file_problems + [
+            f"{n} frame(s) of {name} had another size than the stream's and are left out (the session refused "
+            "them: input_refused events)" for name, n in self.odd_frames.items()]
 
     @property
     def text(self) -> str:
@@ -168,6 +197,7 @@ def view_recording(recording: str | Path | RecordingReader) -> RecordingView:
             events.append((t_host, rec.json()))
         elif rec.type == STEPS_RECORD_TYPE:
             steps_payloads.append(bytes(rec.payload))
+    odd = {name: n for name, series in inputs.items() if (n := series.drop_odd_sizes())}
     raw = decode_steps(steps_payloads)
     steps = {
         "step": raw["step"],
@@ -182,4 +212,4 @@ def view_recording(recording: str | Path | RecordingReader) -> RecordingView:
                          described=reader.describe(), more_outputs=more, state=state,
                          state_labels=[str(x) for x in reader.meta.get("family_state") or []],
                          meta_host_s=next(((r.host_ns - t0) / 1e9 for r in reader.records if r.type == RecordType.META),
-                                          0.0))
+                                          0.0), odd_frames=odd, file_problems=reader.problems())

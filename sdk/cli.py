@@ -388,12 +388,16 @@ def _recording_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print what it holds, its META and SUMMARY as JSON")
     p.add_argument("--plot", default=None, metavar="OUT.png",
                    help="draw latency over time, its histogram, the input stream, the commands and the events")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --plot file")
 
 
 @command("recording", "summarise a recording (records, torn tail, session summary); --plot draws it", _recording_args)
 def _recording(a: argparse.Namespace) -> int:
+    from closedloop.common.atomic import refuse_existing
     from closedloop.runtime import RecordingReader
 
+    if a.plot:
+        refuse_existing(a.plot, a.overwrite)
     r = RecordingReader(a.recording)
     plotted = None
     if a.plot:
@@ -406,11 +410,14 @@ def _recording(a: argparse.Namespace) -> int:
             name = rec.type.name if hasattr(rec.type, "name") else f"type{rec.type}"
             counts[name] = counts.get(name, 0) + 1
         print(json_text({"path": str(r.path), "records": counts, "dropped_bytes": r.dropped_bytes,
-                          "tail_problem": r.tail_problem, "damaged": r.damaged, "meta": r.meta, "summary": r.summary, "plot": plotted}))
+                          "tail_problem": r.tail_problem, "damaged": r.damaged, "problems": r.problems(),
+                          "meta": r.meta, "summary": r.summary, "plot": plotted}))
         return 0
     if plotted:
         print(f"wrote {plotted}")
     print(r.describe())
+    for problem in r.problems()[1 if r.dropped_bytes else 0:]:  # describe() has said the first already
+        print(f"  {problem}")
     if r.meta:
         bundle = r.meta.get("bundle_name") or r.meta.get("bundle")
         print(f"device {r.meta.get('device_url')}, bundle {bundle}, started {r.meta.get('started_utc')}")

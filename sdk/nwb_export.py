@@ -26,7 +26,9 @@ nanosecond where the recording has META ``started_unix_ns``, else to the second.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -34,6 +36,8 @@ import numpy as np
 
 from closedloop.common.atomic import atomic_write_bytes, refuse_existing
 from closedloop.runtime.recording_view import view_recording
+
+log = logging.getLogger("closedloop.nwb")
 
 
 def _nwb_name(name: str) -> str:
@@ -59,16 +63,25 @@ def recording_to_nwb(recording: str | Path, out: str | Path, overwrite: bool = F
     from pynwb import NWBHDF5IO, NWBFile, TimeSeries
 
     out = Path(out)
+    if out.exists() and Path(recording).exists() and out.resolve() == Path(recording).resolve():
+        raise ValueError(f"{out} is the recording itself: give the NWB file another path (recordings are never "
+                         "overwritten)")
     refuse_existing(out, overwrite)
     view = view_recording(recording)
+    for problem in view.problems():  # said where the user looks, not only inside the file's notes
+        log.warning("%s: %s", recording, problem)
     meta = view.meta
     start_dt = _first_record_utc(view)
+    bundle = meta.get("bundle_name") or Path(str(meta.get("bundle") or "?")).name
+    # one identifier per session, never shared by two recordings that happen to have one file name
+    ident = hashlib.sha256(json.dumps([meta, view.t0_ns], sort_keys=True, default=str).encode()).hexdigest()[:16]
     nwb = NWBFile(
-        session_description=f"closedloop session: bundle {meta.get('bundle_name', '?')} on device "
+        session_description=f"closedloop session: bundle {bundle} on device "
         f"{meta.get('device', {}).get('kind', '?')} ({meta.get('device_url', '?')})",
-        identifier=f"closedloop-{Path(recording).stem}",
+        identifier=f"closedloop-{Path(recording).stem}-{ident}",
         session_start_time=start_dt,
         notes=json.dumps({"meta": meta, "summary": view.summary, "recording": view.described,
+                          "frames_left_out": view.odd_frames, "problems": view.problems(),
                           "t0_host_ns": view.t0_ns,
                           "clock": "every timestamp: host monotonic seconds since t0_host_ns (the first record)"}),
         timestamps_reference_time=start_dt,
@@ -111,13 +124,23 @@ def recording_to_nwb(recording: str | Path, out: str | Path, overwrite: bool = F
                                                     f"(FAMILY_STATE records), columns: {', '.join(view.state_labels)}; "
                                                     "host clock"))
     if cmds:
-        mod.add(TimeSeries(name="commands_sent", data=np.stack(cmds), timestamps=np.asarray(cmd_t), unit="a.u."))
+        mod.add(TimeSeries(name="commands_sent", data=np.stack(cmds), timestamps=np.asarray(cmd_t),
+                           unit="the device's command units",
+                           description="every command frame the session wrote to the device (the model's, the safe "
+                                       "command, one re-sent after an overrun and the stop command), at the host time "
+                                       "it was written; step_flags says which steps sent the safe command and which "
+                                       "had the link down (a frame written then did not reach the device); host clock"))
     steps = view.steps
     if steps["step"].size:
         mod.add(TimeSeries(name="step_timing", data=np.stack([steps["latency_us"], steps["lateness_us"]], axis=1),
                            timestamps=steps["t_s"], unit="microseconds",
                            description="per loop step (STEPS records): column 0 its latency, column 1 its lateness "
                                        "(start minus deadline); timestamps are the steps' starts, host clock"))
+        mod.add(TimeSeries(name="step_flags", data=np.asarray(steps["flags"], dtype=np.int64),
+                           timestamps=steps["t_s"], unit="bit flags",
+                           description="per loop step (STEPS records), OR of: 1 the model ran on a device frame, 2 a "
+                                       "model command was sent, 4 the safe command was sent, 8 the link was down, 16 "
+                                       "the watchdog had tripped (docs/recording.md); host clock"))
     if dec_t:
         mod.add(
             DynamicTable(
@@ -144,8 +167,10 @@ def recording_to_nwb(recording: str | Path, out: str | Path, overwrite: bool = F
             )
         )
     tmp = out.with_name(f".{out.stem}.tmp.nwb")  # pynwb warns about a name without the .nwb suffix
-    with NWBHDF5IO(str(tmp), "w") as io:
-        io.write(nwb)
-    atomic_write_bytes(out, tmp.read_bytes())
-    tmp.unlink()
+    try:
+        with NWBHDF5IO(str(tmp), "w") as io:
+            io.write(nwb)
+        atomic_write_bytes(out, tmp.read_bytes())
+    finally:
+        tmp.unlink(missing_ok=True)  # a failed write (OUT a folder, a full disk) leaves no partial file behind
     return out

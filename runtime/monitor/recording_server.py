@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -88,6 +89,8 @@ async def serve_recording(path: str | Path, host: str, port: int, ready: Any = p
     from .server import MAX_CLIENT_MESSAGE, _asset, authorised, monitor_urls
 
     view = view_recording(path)
+    for problem in view.problems():  # on the terminal that started it, before the page shows what is left
+        print(f"warning: {path}: {problem}", file=sys.stderr)
     info = recording_info(view)
     payload = json.dumps(recording_message(view), default=str)
 

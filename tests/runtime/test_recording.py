@@ -92,13 +92,37 @@ def test_a_record_longer_than_the_limit_ends_the_valid_part_and_says_so(tmp_path
     struct.pack_into("<I", data, len(MAGIC) + 37, (16 << 20) + 1)  # record 2 claims 16 MiB + 1 byte
     p.write_bytes(bytes(data) + bytes(1 << 10))
     r = RecordingReader(p)
-    assert len(r.records) == 1 and r.tail_problem == f"record length {(16 << 20) + 1} over the {16 << 20}-byte limit"
+    assert len(r.records) == 1
+    assert r.tail_problem.startswith(f"record length {(16 << 20) + 1} over the {16 << 20}-byte limit at byte 45")
+    assert r.damaged and "did not end cleanly" not in r.describe()  # no writer writes such a length: damage
+
+
+def test_a_damaged_length_in_the_middle_is_damage_not_a_session_cut_short(tmp_path):
+    """A flipped bit in a record's length makes it run past the end of the file, as a torn last record does; the
+    intact records after it say the file was damaged there, and a session that ended is not called cut short."""
+    import struct
+
+    p = _rx_recording(tmp_path / "s.clrec", 6)
+    data = bytearray(p.read_bytes())
+    struct.pack_into("<I", data, len(MAGIC) + 2 * 37, 20 | (1 << 16))  # record 3's length: 65,556 bytes
+    p.write_bytes(bytes(data))
+    r = RecordingReader(p)
+    assert len(r.records) == 2 and r.damaged and r.dropped_bytes == 4 * 37
+    assert "intact records again from byte 119" in r.tail_problem and "not cut short" in r.tail_problem
+    assert "did not end cleanly" not in r.describe() and "did not end cleanly" not in " ".join(r.problems())
+    # the same length in the last record, with nothing after it: a session cut short
+    p.write_bytes(bytes(data[:len(MAGIC) + 3 * 37]))
+    r = RecordingReader(p)
+    assert not r.damaged and r.tail_problem == "torn record (length runs past the end of the file)"
 
 
 def test_not_a_recording(tmp_path):
     p = tmp_path / "x.clrec"
     p.write_bytes(b"hello world")
     with pytest.raises(RecordingError, match="not a closedloop recording"):
+        RecordingReader(p)
+    p.write_bytes(MAGIC[:7])  # a file cut short as it was created: not "version None"
+    with pytest.raises(RecordingError, match="is not a recording: 7 bytes, shorter than the 8-byte file header"):
         RecordingReader(p)
 
 

@@ -84,6 +84,51 @@ def test_run_record_replay_nwb(decoder_bundle, tmp_path, capsys):
     assert "its device does not fit bundle" in err and "replay it with the bundle that ran the session" in err
 
 
+def test_a_recording_with_refused_frames_exports_plots_and_says_what_it_left_out(decoder_bundle, tmp_path, capsys,
+                                                                                   caplog):
+    """Frames of another size (a glitching device) are refused by the session; the recording of it still exports,
+    plots and opens, leaving them out and saying so (they made every tool fail on a ragged array)."""
+    rec = tmp_path / "g.clrec"
+    assert main(["run", str(decoder_bundle), "--device", "sim://headstage?channels=12&seed=2&glitch=0.2",
+                 "--duration", "1.2", "--record", str(rec), "--backend", "onnxruntime", "--quiet", "--json"]) == 0
+    refused = json.loads(capsys.readouterr().out)["inputs_refused"]
+    assert refused > 0
+    nwb_path = tmp_path / "g.nwb"
+    with caplog.at_level("WARNING"):
+        assert main(["export-nwb", str(rec), str(nwb_path)]) == 0
+    assert f"{refused} frame(s) of binned_spikes had another size" in caplog.text
+    from pynwb import NWBHDF5IO
+
+    with NWBHDF5IO(str(nwb_path), "r") as io:
+        f = io.read()
+        assert f.acquisition["binned_spikes"].data.shape[1] == 12
+        notes = json.loads(f.notes)
+        assert notes["frames_left_out"] == {"binned_spikes": refused}
+        assert f.processing["closedloop"]["step_flags"].data.shape[0] > 0
+        ident = f.identifier
+    plot = tmp_path / "g.png"
+    assert main(["recording", str(rec), "--plot", str(plot)]) == 0 and plot.stat().st_size > 10_000
+    assert main(["recording", str(rec), "--plot", str(plot)]) == 2  # an existing file is not replaced...
+    assert "already exists" in capsys.readouterr().err
+    assert main(["recording", str(rec), "--plot", str(plot), "--overwrite"]) == 0  # ...unless asked
+    # the recording itself is never the NWB file's path, --overwrite or not
+    assert main(["export-nwb", str(rec), str(rec), "--overwrite"]) == 2
+    assert "is the recording itself" in capsys.readouterr().err and rec.read_bytes().startswith(b"CLREC")
+    # a copy under the same file name elsewhere is another session's file: another identifier
+    other = tmp_path / "d2"
+    other.mkdir()
+    assert main(["run", str(decoder_bundle), "--device", "sim://headstage?channels=12&seed=3", "--duration", "0.3",
+                 "--record", str(other / "g.clrec"), "--backend", "onnxruntime", "--quiet"]) == 0
+    assert main(["export-nwb", str(other / "g.clrec"), str(other / "g.nwb")]) == 0
+    with NWBHDF5IO(str(other / "g.nwb"), "r") as io:
+        assert io.read().identifier != ident
+    # a failed write (the path is a folder) leaves no partial file behind
+    folder = tmp_path / "afolder"
+    folder.mkdir()
+    assert main(["export-nwb", str(rec), str(folder), "--overwrite"]) == 2
+    assert not list(tmp_path.glob(".*.tmp.nwb"))
+
+
 def test_device_command_serves_a_pty(tmp_path):
     host, dev = open_pty_pair()
     proc = subprocess.Popen(
