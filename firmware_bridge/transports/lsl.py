@@ -21,10 +21,13 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
+from urllib.parse import unquote
 
 import numpy as np
 
@@ -49,6 +52,8 @@ STATUS_LSL_NOT_COUNTS = 53
 STATUS_LSL_STREAM = 54  # which stream this is (name, type, channels, rate, source id, host, uid), at each HELLO
 STATUS_LSL_STREAM_CHANGED = 55  # the stream came back as another (channels, format, rate or type differ)
 STATUS_LSL_CHANNELS = 56  # the stream's channel descriptions (label, unit, type), JSON in parts, at each HELLO
+STATUS_LSL_OTHER_SOURCE = 57  # while the stream is lost, another source of its name is on the network: not taken
+STATUS_LSL_BAD_TIMESTAMP = 58  # the source stamped a sample with a time that is not finite, or before 0
 _REQUEST_REPORT, _REPORT = 1, 2
 
 #: Stream types (lower case) that open as a ``headstage`` (spike counts) when the URL gives no ``kind``; any other,
@@ -124,6 +129,7 @@ class LslParams:
         LslParams(name='BioSemi', type='EEG', source_id='', kind='', timeout_s=2.0, buffer_s=2, lost_s=0.5, clock_s=1.0)
         """
         scheme, name, q = split_device_url(url)
+        name = unquote(name)  # lsl://OpenBCI%232 is the stream "OpenBCI#2" ('#', '?', '&' and '%' are the URL's own)
         if scheme != "lsl" or not name:
             raise ValueError(f"{url!r} is not an LSL device URL; expected lsl://NAME?type=...&kind=... "
                              "with NAME the stream's name")
@@ -169,11 +175,25 @@ class LslStats:
     losses: int = 0  # times the stream went silent for lost_s
     inlets_reopened: int = 0  # a new inlet after liblsl gave the stream up, or on a restarted source
     streams_changed: int = 0  # reopened on a stream of another layout (channels, format, rate, type)
+    other_sources: int = 0  # streams of the name from another source seen while the stream was lost (not taken)
+    bad_timestamps: int = 0  # samples stamped NaN/inf (the last good time used) or before 0 (recorded as 0)
+
+
+_PENDING = object()  # a channel description being fetched
+
+_FORMATS = {1: "float32", 2: "float64", 3: "string", 4: "int32", 5: "int16", 6: "int8", 7: "int64"}
 
 
 def _describe(info: Any) -> str:
-    return (f"{info.name()!r} (type {info.type()!r}, {info.channel_count()} channels at "
+    fmt = _FORMATS.get(int(info.channel_format()), f"format {info.channel_format()}")
+    return (f"{info.name()!r} (type {info.type()!r}, {info.channel_count()} {fmt} channels at "
             f"{info.nominal_srate():g} Hz, source_id {info.source_id()!r}, host {info.hostname()!r})")
+
+
+def _same_source(a: Any, b: Any) -> bool:
+    """Whether stream ``a`` can be the source ``b`` was: the same source id, and where the source gives none, the
+    same host (two amplifiers under one name are told apart by their source ids; without one, by their hosts)."""
+    return a.source_id() == b.source_id() and (bool(a.source_id()) or a.hostname() == b.hostname())
 
 
 #: After a first stream answers, how long to listen for a second one with the same name (a duplicate).
@@ -288,6 +308,11 @@ class LslTransport(Transport):
         self._said_not_counts = False
         self._empty = np.zeros(0, dtype=np.float32)
         self._is_lost = False
+        self._last_ts_us = 0  # the last finite, non-negative sample time (a bad one's stand-in)
+        self._said_other = ""  # the uid of another source last said (while lost), so each is said once
+        self._need_channels = False  # the stream came back: its channel descriptions are to be read again
+        self._channel_fetch: threading.Thread | None = None
+        self._fetched: Any = None
         self._last_sample_s = 0.0
         self._next_clock_s = 0.0
         self._resolver: Any = None  # a ContinuousResolver while the stream is lost: a restarted source shows there
@@ -351,7 +376,12 @@ class LslTransport(Transport):
         n = len(stamps)
         self.stats.samples += n
         for i in range(n):
-            ts_us = max(0, round(float(stamps[i]) * 1e6))
+            t = float(stamps[i])
+            if not (t >= 0.0 and math.isfinite(t)):  # a source's clock gone wrong: one sample, never the session
+                ts_us = self._bad_timestamp(t)
+            else:
+                ts_us = round(t * 1e6)
+                self._last_ts_us = ts_us
             x = samples[i]
             if self.kind == "headstage":
                 if x.dtype.kind == "f":
@@ -377,6 +407,19 @@ class LslTransport(Transport):
             else:
                 msg = PlantMeasurement(y=x.astype(np.float32), u=self._empty)
             self._emit(msg, ts_us)
+
+    def _bad_timestamp(self, t: float) -> int:
+        """A frame's time for a sample stamped ``t`` that is not finite (the last good time) or before 0 (0: the
+        frame header's time is unsigned); counted, and said once, because the device clock is then not the
+        source's."""
+        self.stats.bad_timestamps += 1
+        if self.stats.bad_timestamps == 1:
+            text = (f"LSL stream {self.params.name!r} stamped a sample {t!r} (its clock is wrong: not finite, or before "
+                    "LSL's zero); such samples get the last good time, or 0, as their device time, and are counted in "
+                    "the REPORT's bad_timestamps; the host's read times are exact")
+            log.warning(text)
+            self._status(STATUS_LSL_BAD_TIMESTAMP, Severity.WARNING, text)
+        return self._last_ts_us if not math.isfinite(t) else 0
 
     def _not_counts(self, sample: np.ndarray) -> None:
         """Once per transport: a headstage stream whose values are not spike counts (EEG in microvolts, say) is
@@ -431,7 +474,18 @@ class LslTransport(Transport):
     def _try_reopen(self) -> None:
         # another outlet than the one this inlet is on (a restarted source: a new uid); the inlet's own stream,
         # back after a pause, resumes by itself
-        found = [i for i in self._resolver.results() if i.uid() != self.info.uid()]
+        results = [i for i in self._resolver.results() if i.uid() != self.info.uid()]
+        found = [i for i in results if _same_source(i, self.info)]
+        other = next((i for i in results if not _same_source(i, self.info)), None)
+        if other is not None and not found and other.uid() != self._said_other:
+            # a second amplifier under the same name, a test outlet: never switched to in the middle of a session
+            self._said_other = other.uid()
+            self.stats.other_sources += 1
+            text = (f"LSL stream {self.params.name!r} is lost, and another source of that name is on the network: "
+                    f"{_describe(other)}; it is not taken, since it is not the source this session started with "
+                    f"({_describe(self.info)}); the session waits for that one (name it with source_id= to be sure)")
+            log.warning(text)
+            self._status(STATUS_LSL_OTHER_SOURCE, Severity.WARNING, text)
         if not found:
             return
         self.inlet.close_stream()
@@ -454,6 +508,51 @@ class LslTransport(Transport):
             self._status(STATUS_LSL_STREAM_CHANGED, Severity.WARNING, text)
             self._emit(self.hello())
         self._status(STATUS_LSL_STREAM, Severity.INFO, _describe(info) + f", uid {info.uid()!r}")
+        self._need_channels = True  # the restarted source may describe its channels anew (another montage)
+
+    def _read_channels_again(self) -> None:
+        """After the stream came back (a new inlet, or liblsl's own recovery of a restarted source), its channel
+        descriptions as the source now gives them: fetched on a thread of their own (a fresh inlet's full info,
+        which can take a while: never on the loop's thread), then sent again, and said where they differ."""
+        if self._channel_fetch is None:
+            self._fetched = _PENDING
+            self._channel_fetch = threading.Thread(target=self._fetch_channels, args=(self.info,), daemon=True,
+                                                   name="closedloop-lsl-channels")
+            self._channel_fetch.start()
+            return
+        fetched = self._fetched
+        if fetched is _PENDING:
+            return
+        self._channel_fetch, self._need_channels = None, False
+        if not isinstance(fetched, dict):
+            return  # the source gave no description, or it could not be read: the last one stands
+        if self.channels is not None and fetched != self.channels:
+            changed = sum(1 for a, b in zip(fetched["label"], self.channels["label"], strict=False) if a != b)
+            text = (f"LSL stream {self.params.name!r} came back with other channel descriptions ({changed} labels "
+                    f"differ, e.g. {self.channels['label'][0]!r} -> {fetched['label'][0]!r}): the frames from here "
+                    "on are the new channels'")
+            log.warning(text)
+            self._status(STATUS_LSL_STREAM_CHANGED, Severity.WARNING, text)
+        self.channels = fetched
+        self._channel_texts = channel_status_texts(fetched)
+        for text in self._channel_texts:
+            self._status(STATUS_LSL_CHANNELS, Severity.INFO, text)
+
+    def _fetch_channels(self, info: Any) -> None:
+        """On its own thread: the channel descriptions of this source's stream now on the network, or None."""
+        fetched: Any = None
+        try:
+            streams = [i for i in self._lsl.resolve_bypred(self.params.predicate(), 1, self.params.timeout_s)
+                       if _same_source(i, info)]
+            if streams:
+                inlet = self._lsl.StreamInlet(streams[0])
+                try:
+                    fetched = channel_descriptions(inlet.info(timeout=self.params.timeout_s))
+                finally:
+                    inlet.close_stream()
+        except Exception:  # noqa: BLE001  (the source went again, a timeout: the last description stands)
+            fetched = None
+        self._fetched = fetched
 
     # --- Transport ----------------------------------------------------------------------------
 
@@ -462,6 +561,8 @@ class LslTransport(Transport):
         if self._streaming and not self._out:
             if self._resolver is not None:
                 self._try_reopen()
+            if self._need_channels:
+                self._read_channels_again()
             if not self._inlet_dead:
                 got = self._pull(0.0)
                 if not got and timeout != 0:
@@ -473,7 +574,8 @@ class LslTransport(Transport):
                     if self._is_lost:
                         self._is_lost = False
                         back = f"LSL stream {self.params.predicate()} is back"
-                        log.warning(back)  # said as loudly as its loss was
+                        log.info(back)  # routine: the loss was the warning
+                        self._need_channels = True  # a restarted source (liblsl's own recovery) may describe anew
                         self._status(STATUS_LSL_STREAM_BACK, Severity.INFO, back)
                 elif now - self._last_sample_s > self.params.lost_s:
                     self._mark_lost("")

@@ -65,6 +65,9 @@ def clock_offset_s(pylsl: Any, reads: int = 9) -> tuple[float, float]:
     return best
 
 
+#: How long ``--lsl-out NAME`` looks on the network for outlets of that name already there (another session's).
+NAME_CHECK_S = 0.3
+
 #: How long the outlets stay after the session's last sample when an inlet is connected, so it is delivered.
 END_LINGER_S = 0.1
 
@@ -112,6 +115,7 @@ class LslOutlets(SessionObserver):
         self.name = name
         self.source_id = source_id or f"closedloop:{name}"
         self._lsl = import_pylsl()  # fail at construction (the CLI's argument check), not in the session
+        self._refuse_a_name_in_use()
         self.offset_s, self.offset_uncertainty_s = clock_offset_s(self._lsl)
         self.info: dict[str, Any] = {}
         self.outlets: dict[str, Any] = {}
@@ -119,6 +123,17 @@ class LslOutlets(SessionObserver):
         self.lost = 0
         self.lost_outputs = 0
         self._stop_command: dict[str, Any] | None = None
+
+    def _refuse_a_name_in_use(self) -> None:
+        """Outlets of this name already on the network (another session's ``--lsl-out`` of the same name): a
+        consumer could not tell the two sessions' streams apart (same names, same source ids), so it is refused."""
+        pred = " or ".join(f"name='{self.name}-{w}'" for w in ("outputs", "commands", "text", "state"))
+        found = self._lsl.resolve_bypred(pred, 1, NAME_CHECK_S)
+        if found:
+            i = found[0]
+            raise ValueError(f"--lsl-out {self.name}: the LSL stream {i.name()!r} is already on the network (source_id "
+                             f"{i.source_id()!r}, host {i.hostname()!r}): another session publishes under this name, "
+                             "and a consumer could not tell the two apart; give --lsl-out another name")
 
     # --- outlets ----------------------------------------------------------------------------
 
@@ -176,7 +191,7 @@ class LslOutlets(SessionObserver):
         """Hold publishing back until every outlet has an inlet, at most ``wait_s`` (this observer's thread: the
         loop's steps wait in the ring)."""
         names = ", ".join(f"{self.name}-{w}" for w in self.outlets)
-        log.warning("lsl-out: waiting up to %g s for a consumer of %s", self.wait_s, names)
+        log.info("lsl-out: waiting up to %g s for a consumer of %s", self.wait_s, names)
         t0 = time.monotonic()
         for which, outlet in self.outlets.items():
             left = t0 + self.wait_s - time.monotonic()
@@ -187,8 +202,16 @@ class LslOutlets(SessionObserver):
             log.warning("lsl-out: no consumer of %s after %g s; publishing anyway",
                         ", ".join(self.without_consumer), self.wait_s)
         else:
-            log.warning("lsl-out: every outlet has a consumer after %.2f s; publishing from the first step",
-                        self.waited_s)
+            # the loop's steps waited in the step ring, which keeps its newest ring_capacity: beyond, the first are lost
+            rate, capacity = float(self.info.get("rate_hz") or 0.0), int(self.info.get("ring_capacity") or 0)
+            over = int(self.waited_s * rate) - capacity if rate and capacity else 0
+            if over > 0:
+                log.warning("lsl-out: every outlet has a consumer after %.2f s; the step ring holds the last %d steps, "
+                            "so about the first %d steps (%.1f s) are not published (counted as lost)",
+                            self.waited_s, capacity, over, over / rate)
+            else:
+                log.info("lsl-out: every outlet has a consumer after %.2f s; publishing from the first step",
+                         self.waited_s)
 
     def _push(self, which: str, values: np.ndarray, stamps: np.ndarray) -> None:
         outlet = self.outlets.get(which)

@@ -38,6 +38,7 @@ class SessionTap:
         self.info = dict(info, t0_ns=time.monotonic_ns())
         self.ring = StepRing.create(n_in, n_out, n_cmd, capacity=capacity, n_state=n_state)
         self.info["ring"] = self.ring.name  # /dev/shm/NAME, for readers in other processes (docs/monitor.md)
+        self.info["ring_capacity"] = capacity  # step records it holds: an observer further behind loses the oldest
         log.info("step ring: /dev/shm/%s (%d records, %d inputs, %d outputs, %d command values, %d state values "
                  "per record)", self.ring.name, capacity, n_in, n_out, n_cmd, n_state)
         self.hub = ObserverHub(self.ring, observers or [])

@@ -216,7 +216,7 @@ def test_a_source_restarted_with_another_layout_answers_as_the_device_it_now_is(
     link.send(Hello(kind="host", name="test", rate_hz=100))
     first = _poll(link, 0.3, lambda: out.push_sample([1.0, 2.0, 3.0]))
     said = [f.message.text for f in first if isinstance(f.message, Status) and f.message.code == STATUS_LSL_STREAM]
-    assert said and "3 channels" in said[0] and "uid" in said[0]  # which stream answered, in the recording
+    assert said and "3 float32 channels" in said[0] and "uid" in said[0]  # which stream answered, in the recording
     del out
     _poll(link, 0.6)
     out = pylsl.StreamOutlet(pylsl.StreamInfo(name, "SpikeCounts", 2, 100, "float32", sid))
@@ -228,7 +228,7 @@ def test_a_source_restarted_with_another_layout_answers_as_the_device_it_now_is(
     changed = [f.message.text for f in after
                if isinstance(f.message, Status) and f.message.code == STATUS_LSL_STREAM_CHANGED]
     hello = [f.message for f in after if isinstance(f.message, Hello)]
-    assert changed and "3 channels" in changed[0] and "is now" in changed[0] and "2 channels" in changed[0]
+    assert changed and "3 float32 channels" in changed[0] and "is now" in changed[0] and "2 float32 channels" in changed[0]
     assert hello and hello[0].n_channels == 2
     counts = [list(f.message.counts) for f in after if isinstance(f.message, NeuralFrame)]
     at = next(i for i, f in enumerate(after) if isinstance(f.message, Hello))
@@ -273,3 +273,81 @@ def test_liblsl_says_only_warnings_unless_the_user_configured_it_or_asked_for_de
     cfg = tmp_path / "mine.cfg"  # a user's own liblsl configuration decides
     cfg.write_text("[log]\nlevel = 0\n")
     assert "mine.cfg" in stderr(LSLAPICFG=str(cfg))
+
+
+def test_while_its_stream_is_lost_another_source_of_the_name_is_never_switched_to():
+    """Amplifier A goes silent while amplifier B of the same name is on the network: the session stays with A
+    (it says once that B is there, and takes nothing of it), and takes A again when it comes back."""
+    from closedloop.firmware_bridge.transports.lsl import STATUS_LSL_OTHER_SOURCE
+
+    name = _name()
+    a = _outlet(name, 2, 100, source_id=f"{name}-A")
+    t = open_transport(f"lsl://{name}?timeout=3&lost_s=0.2")
+    link = Link(t)
+    link.send(Hello(kind="host", name="test", rate_hz=100))
+    _poll(link, 0.3, lambda: a.push_sample([1.0, 1.0]))
+    b = _outlet(name, 2, 100, source_id=f"{name}-B")  # a second amplifier, same name, same layout
+    frames = _poll(link, 2.0, lambda: b.push_sample([9.0, 9.0]))  # A silent: only B pushes
+    said = [f.message.text for f in frames if isinstance(f.message, Status) and f.message.code == STATUS_LSL_OTHER_SOURCE]
+    values = [list(f.message.y) for f in frames if isinstance(f.message, PlantMeasurement)]
+    assert said and f"{name}-B" in said[0] and "not taken" in said[0]
+    assert [9.0, 9.0] not in values and t.info.source_id() == f"{name}-A"
+    back = _poll(link, 3.0, lambda: (a.push_sample([2.0, 2.0]), b.push_sample([9.0, 9.0])),
+                 until=lambda fr: any(isinstance(f.message, PlantMeasurement) for f in fr))
+    got = [list(f.message.y) for f in back if isinstance(f.message, PlantMeasurement)]
+    assert got and all(v == [2.0, 2.0] for v in got)  # A's samples, never B's
+    assert t.stats.other_sources == 1
+    link.close()
+
+
+def test_a_sample_stamped_nan_or_before_zero_is_counted_and_the_stream_goes_on():
+    from closedloop.firmware_bridge.transports.lsl import STATUS_LSL_BAD_TIMESTAMP
+
+    name = _name()
+    out = _outlet(name, 2, 100)
+    t = open_transport(f"lsl://{name}?timeout=3")
+    link = Link(t)
+    link.send(Hello(kind="host", name="test", rate_hz=100))
+    _poll(link, 0.3, lambda: out.push_sample([1.0, 1.0]))
+    stamps = iter([pylsl.local_clock(), float("nan"), -5.0, pylsl.local_clock() + 0.01])
+    frames = _poll(link, 1.0, lambda: out.push_sample([3.0, 3.0], next(stamps, pylsl.local_clock())))
+    said = [f.message.text for f in frames if isinstance(f.message, Status) and f.message.code == STATUS_LSL_BAD_TIMESTAMP]
+    data = [f for f in frames if isinstance(f.message, PlantMeasurement)]
+    assert len(said) == 1 and "nan" in said[0] and t.stats.bad_timestamps == 2
+    assert len(data) >= 4 and all(f.timestamp_us >= 0 for f in data)  # every sample went on as a frame
+    link.close()
+
+
+def test_a_stream_name_with_the_urls_own_characters_is_written_percent_encoded():
+    assert LslParams.from_url("lsl://OpenBCI%232?type=EEG").name == "OpenBCI#2"
+    assert LslParams.from_url("lsl://Amp%3FA%26B").name == "Amp?A&B"
+    assert LslParams.from_url("lsl://BrainAmp Series 1").name == "BrainAmp Series 1"
+
+
+def test_a_source_restarted_with_other_channel_labels_sends_its_new_descriptions():
+    from closedloop.firmware_bridge.transports.lsl import STATUS_LSL_CHANNELS
+
+    name, sid = _name(), f"{_name()}-src"
+
+    def labelled(labels):
+        info = pylsl.StreamInfo(name, "EEG", 2, 100, "float32", sid)
+        chans = info.desc().append_child("channels")
+        for label in labels:
+            chans.append_child("channel").append_child_value("label", label)
+        return pylsl.StreamOutlet(info)
+
+    out = labelled(["Fz", "Cz"])
+    t = open_transport(f"lsl://{name}?timeout=3&lost_s=0.2")
+    link = Link(t)
+    link.send(Hello(kind="host", name="test", rate_hz=100))
+    _poll(link, 0.3, lambda: out.push_sample([1.0, 1.0]))
+    del out
+    _poll(link, 0.8)
+    out = labelled(["C3", "C4"])  # the same source, another montage
+    after = _poll(link, 10.0, lambda: out.push_sample([2.0, 2.0]),
+                  until=lambda fr: any(isinstance(f.message, Status) and f.message.code == STATUS_LSL_CHANNELS
+                                       for f in fr))
+    texts = {f.message.code: f.message.text for f in after if isinstance(f.message, Status)}
+    assert '"C3"' in texts.get(STATUS_LSL_CHANNELS, "") and t.channels["label"] == ["C3", "C4"]
+    assert "other channel descriptions" in texts.get(STATUS_LSL_STREAM_CHANGED, "")
+    link.close()

@@ -158,6 +158,20 @@ def test_a_bad_name_is_refused_with_what_to_give():
         LslOutlets("")
 
 
+def test_a_name_whose_outlets_another_session_publishes_is_refused():
+    """Two sessions under one --lsl-out NAME would publish streams of the same names and source ids, which no
+    consumer can tell apart: the second is refused, naming the stream it found."""
+    name = f"cltest-{uuid.uuid4().hex[:10]}"
+    pylsl = pytest.importorskip("pylsl")
+    other = pylsl.StreamOutlet(pylsl.StreamInfo(f"{name}-commands", "Command", 1, 100, "float32",  # noqa: F841
+                                                f"closedloop:{name}:commands"))
+    time.sleep(0.3)
+    with pytest.raises(ValueError, match=rf"--lsl-out {name}: the LSL stream '{name}-commands' is already on the "
+                                         "network.*give --lsl-out another name"):
+        LslOutlets(name)
+    LslOutlets(f"{name}-2")  # another name is free
+
+
 def test_a_session_publishes_every_output_a_step_that_ran_several_frames_included(gru_bundle, tmp_path):
     """A decoder consumes every frame; a step that finds two (frames bunched by the link's jitter) runs the model
     on both. A lab's LSL recorder must get each output, as the session's recording does (its OUTPUT records)."""
