@@ -781,6 +781,9 @@ def _package_args(p: argparse.ArgumentParser) -> None:
                    help="public key (or folder of *.pub keys): every bundle must be signed by one; the keys go into "
                         "the package and the service runs with --trust (repeatable; without it nothing checks "
                         "signatures on the board)")
+    p.add_argument("--input", action="append", default=[], metavar="NAME=V1,V2,...",
+                   help="the value of an input the device does not stream (a goal), passed to the service's "
+                        "closedloop run as --input (repeatable); a bundle that needs one and has none is refused")
 
 
 @command("package", "bundles and their runtime for a board: wheelhouse, install.sh, systemd unit", _package_args)
@@ -791,7 +794,8 @@ def _package(a: argparse.Namespace) -> int:
         raise ValueError(f"--priority {a.priority}: SCHED_FIFO priorities are 1 to 99")
     opts = PackageOptions(target=a.target, extras=a.extras, ort_only=a.ort_only, find_links=a.find_links,
                           no_index=a.no_index, from_installed=a.from_installed, prefix=a.prefix, device=a.device,
-                          cpu=a.cpu, priority=a.priority, user=a.user, overwrite=a.overwrite, trust=a.trust)
+                          cpu=a.cpu, priority=a.priority, user=a.user, overwrite=a.overwrite, trust=a.trust,
+                          inputs=_held_inputs(a.input))
     package(a.bundles, a.out, opts, report=lambda s: print(s, file=sys.stderr))
     return 0
 

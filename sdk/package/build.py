@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import shlex
 import shutil
 import tempfile
@@ -51,6 +52,8 @@ class PackageOptions:
     #: public key files or folders of ``*.pub`` files: each bundle must be signed by one, and the board's service
     #: runs with them (``--trust``); empty: bundles are checked for their checksums only
     trust: list[str] = field(default_factory=list)
+    #: the values of inputs the device does not stream (a goal), by input name: the service's ``--input`` options
+    inputs: dict[str, list[float]] = field(default_factory=dict)
 
 
 @dataclass
@@ -80,7 +83,40 @@ def _unpacked_bytes(wheel: Path) -> int:
 NUMBA_FAMILIES = {"observer": "the observer family's step (runtime/families/observer) is a Numba kernel"}
 
 
-def _copy_bundles(paths: list[str], dest: Path, ort_only: bool = False, trust: list[str] | None = None) -> list[str]:
+def held_inputs(bundle) -> list[str]:
+    """The inputs of ``bundle`` that neither the device's stream nor a message type sets: a value must be given."""
+    from closedloop.runtime.families.base import measurement_input
+
+    spec = bundle.graph()
+    mapped = set((bundle.manifest.extra.get("session") or {}).get("inputs") or {})
+    try:
+        streamed = measurement_input(spec).name
+    except ValueError:
+        return []  # the family's own checks refuse such a graph
+    return [t.name for t in spec.data_inputs if t.name != streamed and t.name not in mapped]
+
+
+def _check_held_inputs(path: str, bundle, inputs: dict[str, list[float]]) -> None:
+    """A bundle whose service could never start (an input with no value: `closedloop run` refuses it, and systemd
+    would restart it in a loop) is refused here, saying how to give the value."""
+    held = held_inputs(bundle)
+    unknown = sorted(set(inputs) - set(held))
+    if unknown:
+        raise PackageError(f"--input {', '.join(unknown)}: not an input bundle {path} (the service's) holds; it holds "
+                           f"{held or 'none'} besides what the device streams")
+    bad = [n for n, v in inputs.items() if not all(math.isfinite(x) and abs(x) <= 3.4028234663852886e38 for x in v)]
+    if bad:
+        raise PackageError(f"--input {', '.join(bad)}: every value must be a finite number a float32 holds")
+    missing = [n for n in held if n not in inputs]
+    if missing:
+        raise PackageError(f"bundle {path} holds input(s) {missing} that the device does not stream, so its service "
+                           "could not start without their values: give each with --input NAME=V1,V2,... (the "
+                           "service's closedloop run gets it), or map a message type to it at export "
+                           "(extra={'session': {'inputs': {NAME: 'plant_measurement'}}})")
+
+
+def _copy_bundles(paths: list[str], dest: Path, ort_only: bool = False, trust: list[str] | None = None,
+                  inputs: dict[str, list[float]] | None = None) -> list[str]:
     from closedloop.runtime import load_bundle
 
     names: list[str] = []
@@ -94,6 +130,8 @@ def _copy_bundles(paths: list[str], dest: Path, ort_only: bool = False, trust: l
         except ValueError as exc:
             raise PackageError(f"bundle {p} does not verify, so it is not packaged (closedloop inspect {p} says "
                                f"why):\n{exc}") from None
+        if not names:  # the service runs the first bundle: its inputs must be given, and only its
+            _check_held_inputs(p, bundle, inputs or {})
         family = bundle.manifest.family
         if ort_only and family in NUMBA_FAMILIES:
             raise PackageError(f"bundle {p} cannot run without Numba ({NUMBA_FAMILIES[family]}): leave out --ort-only")
@@ -184,7 +222,9 @@ echo "installed closedloop in $PREFIX/venv; bundles in $PREFIX/bundles; Numba ca
 def _unit(opts: PackageOptions, bundle: str, trusted: bool) -> str:
     run = (f"{opts.prefix}/venv/bin/closedloop run {opts.prefix}/bundles/{bundle} --device {opts.device} "
            f"--rt --cpu {opts.cpu} --priority {opts.priority} --quiet"
-           + (f" --trust {opts.prefix}/trust" if trusted else ""))
+           + (f" --trust {opts.prefix}/trust" if trusted else "")
+           + "".join(f" --input {name}={','.join(repr(float(v)) for v in values)}"
+                     for name, values in sorted(opts.inputs.items())))
     return f"""[Unit]
 Description=closedloop session: {bundle} on {opts.device}
 StartLimitIntervalSec=60
@@ -301,7 +341,7 @@ def package(bundles: list[str], out: str | Path, opts: PackageOptions, report=pr
 
 
 def _build(work: Path, bundles: list[str], target: Target, opts: PackageOptions, report) -> PackageResult:
-    names = _copy_bundles(bundles, work / "bundles", opts.ort_only, opts.trust)
+    names = _copy_bundles(bundles, work / "bundles", opts.ort_only, opts.trust, opts.inputs)
     keys = _copy_keys(opts.trust, work / "trust")
     report(f"bundles: {', '.join(names)} (" + (f"verified: checksums, and each signed by one of the {len(keys)} "
                                                "trusted keys"

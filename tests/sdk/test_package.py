@@ -296,3 +296,31 @@ def test_each_targets_constraints_resolve(name, tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     got = {i["metadata"]["name"].lower() for i in json.loads((tmp_path / "r.json").read_text())["install"]}
     assert set(deps) <= got
+
+
+def test_a_bundle_with_an_input_the_device_does_not_stream_is_packaged_only_with_its_value(tmp_path, capsys):
+    """The service runs closedloop run with no way to give a goal: without --input it could never start (and
+    systemd would restart it in a loop), so package refuses it; with it, the unit passes the value on."""
+    torch = pytest.importorskip("torch")
+    from closedloop.export import export_bundle
+
+    class GoalPolicy(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(2, 1)
+
+        def forward(self, obs, goal):
+            return self.lin(torch.cat([obs, goal], dim=-1))
+
+    torch.manual_seed(0)
+    bundle = export_bundle(GoalPolicy().eval(), tmp_path / "goal", kind="feedforward",
+                           example_input={"obs": torch.zeros(1, 1), "goal": torch.zeros(1, 1)}, rate_hz=200.0,
+                           postprocess={"low": [-2.0], "high": [2.0]}, variants=(), tensorrt=False,
+                           report=lambda s: None)
+    base = ["package", str(bundle), "--target", "host", "--from-installed", "--ort-only"]
+    assert main(base + ["--out", str(tmp_path / "a")]) == 2
+    assert "holds input(s) ['goal'] that the device does not stream" in capsys.readouterr().err
+    assert main(base + ["--out", str(tmp_path / "b"), "--input", "speed=1"]) == 2  # not one of its inputs
+    assert "--input speed: not an input" in capsys.readouterr().err
+    assert main(base + ["--out", str(tmp_path / "c"), "--input", "goal=0.5"]) == 0
+    assert " --input goal=0.5" in (tmp_path / "c" / "closedloop.service").read_text()
