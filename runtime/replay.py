@@ -218,8 +218,12 @@ def _replay_model(b: Bundle, meta: dict, backend: str, variant: str | None) -> t
     want = variant or ran_variant
     notes = []
     if want != "fp32" and want not in b.graph("main").variants:
-        notes.append(f"the session ran variant {want}, which this bundle does not hold: re-ran fp32")
+        notes.append(f"{'the session ran' if want == ran_variant else 'asked for'} variant {want}, which this bundle "
+                     "does not hold: re-ran fp32")
         want = "fp32"
+    if want != ran_variant:  # its outputs differ from the session's by what the variant changes
+        notes.append(f"re-ran variant {want} where the session ran {ran_variant}: outputs differ by what the "
+                     "variant changes, not by rounding alone")
     # "fp32" given to auto rules out its automatic variant choice: the session's variant is the one compared
     if not ran_on:
         model = Model(b, backend="auto", variant=want)
@@ -229,7 +233,7 @@ def _replay_model(b: Bundle, meta: dict, backend: str, variant: str | None) -> t
     except BackendUnavailableError as exc:
         model = Model(b, backend="auto", variant=want)
         notes.append(f"the session ran on {ran_on}, which cannot run here ({exc}): re-ran on {model.backend_name}, "
-                     "so outputs differ by the backends' rounding (about 1e-6 on float32)")
+                     "so outputs also differ by the backends' rounding (about 1e-6 on float32)")
     return model, "; ".join(notes)
 
 

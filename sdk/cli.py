@@ -361,6 +361,10 @@ def _replay(a: argparse.Namespace) -> int:
         print(f"error: none of the {report.missing_inputs} recorded outputs could be re-run: their input frames are "
               "not the bundle's session input (manifest extra.session.input, docs/bundle.md)", file=sys.stderr)
         return 1
+    if report.outputs_compared == 0:  # nothing was compared: no verdict either way, the recording holds no run
+        print(f"error: {a.recording} holds no model output to re-run (no OUTPUT record: a session refused before it "
+              "ran, or one that ended before its first step); nothing was compared", file=sys.stderr)
+        return 2
     if a.tolerance is not None and not report.max_abs_diff <= a.tolerance:
         print(f"outputs differ by more than {a.tolerance:g}", file=sys.stderr if a.json else sys.stdout)
         return 1

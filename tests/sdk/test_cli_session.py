@@ -129,6 +129,15 @@ def test_a_recording_with_refused_frames_exports_plots_and_says_what_it_left_out
     assert not list(tmp_path.glob(".*.tmp.nwb"))
 
 
+def test_replay_of_a_recording_without_outputs_compares_nothing_and_says_so(decoder_bundle, tmp_path, capsys):
+    from closedloop.runtime.recording import MAGIC
+
+    empty = tmp_path / "empty.clrec"
+    empty.write_bytes(MAGIC)  # a session refused before it ran leaves no OUTPUT record
+    assert main(["replay", str(empty), "--bundle", str(decoder_bundle), "--tolerance", "0"]) == 2
+    assert "holds no model output to re-run" in capsys.readouterr().err
+
+
 def test_device_command_serves_a_pty(tmp_path):
     host, dev = open_pty_pair()
     proc = subprocess.Popen(
