@@ -106,6 +106,25 @@ def _histogram(ax, v: RecordingView, period_us: float | None) -> None:
     ax.legend(fontsize=8)
 
 
+def _gaps(t, values: np.ndarray, period_s: float | None) -> tuple[np.ndarray, np.ndarray]:
+    """``t`` and ``values`` with a NaN row inserted wherever samples stop for more than 5 periods (or 0.1 s), so
+    a silence is drawn as a gap, not as a straight line across it."""
+    t = np.asarray(t, dtype=float)
+    values = np.asarray(values, dtype=float)
+    if t.size < 2:
+        return t, values
+    at = np.flatnonzero(np.diff(t) > max(5 * (period_s or 0.0), 0.1)) + 1
+    if not at.size:
+        return t, values
+    return (np.insert(t, at, np.nan),
+            np.insert(values, at, np.full((at.size,) + values.shape[1:], np.nan), axis=0))
+
+
+def _period_s(v: RecordingView) -> float | None:
+    rate = float(v.meta.get("rate_hz") or 0.0)
+    return 1.0 / rate if rate else None
+
+
 def _inputs(ax, v: RecordingView) -> None:
     if "binned_spikes" in v.inputs:
         s = v.inputs["binned_spikes"]
@@ -125,8 +144,9 @@ def _inputs(ax, v: RecordingView) -> None:
         s = v.inputs[name]
         vals = s.array()
         ax.set_title(f"input: {name} ({vals.shape[1]} value{'' if vals.shape[1] == 1 else 's'})")
+        t_in, vals = _gaps(s.t_host_s, vals, _period_s(v))
         for j in range(min(vals.shape[1], 8)):
-            ax.plot(s.t_host_s, vals[:, j], lw=0.8, label=f"{name}[{j}]")
+            ax.plot(t_in, vals[:, j], lw=0.8, label=f"{name}[{j}]")
         predicted = next((g for g in _state_groups(v) if g[0] == "predicted"), None)
         if predicted is not None and len(v.state):
             st = v.state.array()
@@ -168,9 +188,9 @@ def _state(ax, v: RecordingView, group: str, cols: list[int], names: list[str]) 
 def _commands(ax, v: RecordingView) -> None:
     ax.set_title("commands sent (shaded: safe command) and events")
     if len(v.commands) and not v.text:
-        vals = v.commands.array()
+        t_cmd, vals = _gaps(v.commands.t_host_s, v.commands.array(), _period_s(v))
         for j in range(min(vals.shape[1], 8)):
-            ax.plot(v.commands.t_host_s, vals[:, j], lw=0.8)
+            ax.plot(t_cmd, vals[:, j], lw=0.8)
     elif v.text:  # a typing decoder: its text as it grew
         t = [x[0] for x in v.typed]
         ax.plot(t, np.cumsum([len(x[2]) for x in v.typed]), lw=1.0, label="characters typed")
