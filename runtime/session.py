@@ -312,6 +312,11 @@ class Session:
         self.bundle = bundle if isinstance(bundle, Bundle) else load_bundle(bundle, trust=config.trust or None)
         self.model = Model(self.bundle, backend=config.backend, variant=config.variant, trust=config.trust or None)
         self.family: FamilyPlugin = get_family(self.bundle.manifest.family)(self.bundle, self.model)
+        recipe = self.bundle.manifest.provenance.get("recipe") if isinstance(self.bundle.manifest.provenance, dict) else None
+        if isinstance(recipe, dict) and recipe.get("learned") is False:  # informational, never a check: said loudly
+            self.out.write(f"warning: {self.bundle.source} was written NOT LEARNED by its training ("
+                           + "; ".join(str(p) for p in (recipe.get("problems") or [])[:2])
+                           + "): its outputs are not usable; the session runs it as asked\n")
         try:
             self.family.set_held_inputs(dict(config.inputs))
         except (ValueError, KeyError) as exc:

@@ -85,6 +85,10 @@ def render_manifest(m: Manifest) -> str:
                      "sessions scrub it (--scrub auto)")
     if m.provenance:
         lines.append("  provenance: " + ", ".join(f"{k}={_brief(v)}" for k, v in m.provenance.items()))
+    recipe = m.provenance.get("recipe") if isinstance(m.provenance, dict) else None
+    if isinstance(recipe, dict) and recipe.get("learned") is False:  # bci-train's verdict, said where it is read
+        lines.append("  NOT LEARNED: the training that wrote it ended without learning ("
+                     + "; ".join(str(p) for p in (recipe.get("problems") or [])[:2]) + "): its outputs are not usable")
     made = (m.provenance.get("export") or {}) if isinstance(m.provenance, dict) else {}
     settings = made.get("settings") or {}
     if settings.get("source") == "import_onnx":  # what a reader of an imported bundle asks first: from which file

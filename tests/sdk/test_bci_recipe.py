@@ -340,6 +340,15 @@ def test_bci_train_json_summary_progress_lines_and_curve(trained_bundle):
     curve = bundle.parent / "pooled.curve.png"
     assert summary["curve"] == str(curve) and curve.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert load_bundle(bundle).manifest.provenance["validation"]["fraction"] == 0.1
+    # the verdict travels with the bundle: inspect shows it, and a live session says it before it runs
+    from closedloop.runtime import Session, SessionConfig
+    from closedloop.sdk.inspect_bundle import inspect_bundle
+
+    text, ok = inspect_bundle(str(bundle))
+    assert ok and "NOT LEARNED: the training that wrote it ended without learning" in text
+    said = io.StringIO()
+    Session(bundle, SessionConfig(device="sim://headstage", status=False), out=said)
+    assert "was written NOT LEARNED by its training" in said.getvalue()
 
 
 def test_bci_train_that_has_not_learned_exits_1_and_quiet_shows_only_the_error(data, tmp_path, capsys):
