@@ -75,15 +75,44 @@ def nonlinearity_for(system: ObserverSystem, y_max: float | None = None) -> dict
         spec = {"name": "output_scaled", "E": E.tolist(), "H": H.tolist(), "index": [0], "a": [0.0], "b": [-mu],
                 "y_max": [ymax]}
     else:
-        raise ValueError(f"no runtime nonlinearity is known for plant {system.name!r}; add one to "
-                         "closedloop.runtime.families.observer.certificate.NONLINEARITIES and map it here")
+        raise ValueError(
+            f"plant {system.name!r} has a nonlinearity f(x, u) that the runtime must run as one of its own forms: "
+            "give it to ObserverModel.from_system(system, nonlinearity={'name': 'sin', 'E': E, 'H': H}) for "
+            "f = E sin(H z) (E shape (n_x, c), H shape (c, n_z)), or {'name': 'output_scaled', 'E', 'H', 'index', "
+            "'a', 'b', 'y_max'} for f = E ((a + b y[index]^2) * (H z)) (docs/observer_plants.md, step 2)")
+    check_nonlinearity(spec, system)
+    return spec
+
+
+def check_nonlinearity(spec: dict[str, Any], system: ObserverSystem) -> None:
+    """Refuse a runtime nonlinearity spec that is malformed or does not reproduce ``system.f`` on random states
+    (the certified observer would run another model than the one it was trained and certified on)."""
+    nx, nz = system.n_x, system.n_z
+    name = spec.get("name", "none")
+    if name == "none":
+        if system.nonlinearity is not None and system.name != "cartpole":
+            raise ValueError(f"nonlinearity 'none' for plant {system.name!r}, whose f is not zero: the runtime would "
+                             "run a linear model; give the nonlinearity's form (docs/observer_plants.md, step 2)")
+        return
+    if name not in ("sin", "output_scaled"):
+        raise ValueError(f"nonlinearity {name!r}: the runtime knows 'sin', 'output_scaled' and 'none'")
+    try:
+        E, H = np.asarray(spec["E"], dtype=float), np.asarray(spec["H"], dtype=float)
+    except KeyError as exc:
+        raise ValueError(f"nonlinearity {name!r} needs {exc.args[0]!r}") from None
+    if E.ndim != 2 or H.ndim != 2 or E.shape[0] != nx or H.shape[1] != nz or E.shape[1] != H.shape[0]:
+        raise ValueError(f"nonlinearity {name!r}: E has shape {E.shape} and H {H.shape}; they must be (n_x, c) = "
+                         f"({nx}, c) and (c, n_z) = (c, {nz}), c the number of channels")
     rng = np.random.default_rng(0)
     x = rng.uniform(-1, 1, (16, nx))
     z = np.hstack([x, np.zeros((16, nz - nx))])
     got = eval_nonlinearity(spec, z, z @ system.Cd.T)
-    if not np.allclose(got, system.f(x), atol=1e-9):
-        raise ValueError(f"runtime nonlinearity {spec['name']!r} does not reproduce {system.name}'s f")
-    return spec
+    want = system.f(x, np.zeros((16, system.n_u)))
+    if not np.allclose(got, want, atol=1e-9):
+        diff = float(np.max(np.abs(np.asarray(got) - np.asarray(want))))
+        raise ValueError(f"runtime nonlinearity {name!r} as given does not reproduce {system.name}'s f (largest "
+                         f"difference {diff:.3g} on 16 random states): the bundle would run another model than the "
+                         "one it was trained and certified on; give the E and H that make them agree")
 
 
 def eval_nonlinearity(spec: dict[str, Any], z: Any, y: Any) -> Any:
@@ -160,6 +189,8 @@ class ObserverModel:
         if u_max is None:
             u_max = _plant_u_max(system.name)
         spec = nonlinearity or nonlinearity_for(system)
+        if nonlinearity is not None:
+            check_nonlinearity(spec, system)
         try:
             K = _lqr_gain(system, u_max) if K is None else np.asarray(K, dtype=float)
         except (np.linalg.LinAlgError, ValueError):

@@ -205,3 +205,25 @@ def test_a_users_own_plant_with_a_mistake_is_told_what_is_wrong(change, said):
     with pytest.raises(ValueError) as e:
         _msd(**change)
     assert said in str(e.value)
+
+
+def test_a_users_nonlinear_plant_gets_its_runtime_form_checked_against_its_f():
+    """The runtime runs the nonlinearity in a form of its own (E sin(H z), ...): a plant of the user's needs it
+    given, and a form that does not reproduce the plant's f (a sign, a gain) is refused, since the certified
+    observer would then run another model than the one it was trained and certified on."""
+    from closedloop.sdk.observer.neural import ObserverModel
+
+    def pendulum(x, u, xp):  # gravity on the angle: -2 sin(x1) in the velocity's equation
+        return xp.stack([x[..., 0] * 0, -2.0 * xp.sin(x[..., 0])], -1)
+
+    s = _msd(name="my-pendulum", nonlinearity=pendulum)
+    with pytest.raises(ValueError, match=r"give it to ObserverModel.from_system\(system, nonlinearity=\{'name': 'sin'"):
+        ObserverModel.from_system(s, u_max=2.0)
+    right = {"name": "sin", "E": [[0.0], [-2.0]], "H": [[1.0, 0.0, 0.0]]}
+    assert ObserverModel.from_system(s, u_max=2.0, nonlinearity=right).nonlinearity == right
+    with pytest.raises(ValueError, match="does not reproduce my-pendulum's f .*largest difference"):
+        ObserverModel.from_system(s, u_max=2.0, nonlinearity=right | {"E": [[0.0], [-20.0]]})
+    with pytest.raises(ValueError, match=r"E has shape \(2, 1\) and H \(1, 2\); they must be \(n_x, c\)"):
+        ObserverModel.from_system(s, u_max=2.0, nonlinearity=right | {"H": [[1.0, 0.0]]})
+    with pytest.raises(ValueError, match="would run a linear model"):
+        ObserverModel.from_system(s, u_max=2.0, nonlinearity={"name": "none"})
