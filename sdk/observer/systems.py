@@ -309,6 +309,15 @@ class ObserverSystem:
             if getattr(self, key).shape != shape:
                 raise ValueError(f"ObserverSystem {self.name!r}: {key} has shape {getattr(self, key).shape}; "
                                  f"expected {shape}")
+        for key in expected:
+            if not np.all(np.isfinite(getattr(self, key))):
+                raise ValueError(f"ObserverSystem {self.name!r}: {key} holds a NaN or an infinity; give finite values")
+        if not np.all(self.error_box > 0):
+            raise ValueError(f"ObserverSystem {self.name!r}: error_box {self.error_box.tolist()} must be half-widths "
+                             "> 0, one per extended state (the estimation error the certificate covers)")
+        if np.any(self.meas_noise_std < 0) or np.any(self.process_noise_std < 0):
+            raise ValueError(f"ObserverSystem {self.name!r}: meas_noise_std and process_noise_std are standard "
+                             "deviations, >= 0")
         nz = self.n_z
         self.Ae = np.zeros((nz, nz))
         self.Ae[:n_x, :n_x], self.Ae[:n_x, n_x:] = self.A, self.E

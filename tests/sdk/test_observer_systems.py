@@ -199,6 +199,8 @@ def _msd(**kw):
     ({"E": [0.0, 2.0]}, "E has shape (2,); give a 2-D matrix"),
     ({"dt": 0.0}, "dt 0.0 must be the sample period in seconds, > 0"),
     ({"C": [[0.0, 1.0]]}, "is not observable (modes 0 1/s do not show in the outputs)"),  # velocity only: p and d mix
+    ({"A": [[0.0, 1.0], [float("nan"), -0.8]]}, "A holds a NaN or an infinity"),  # not numpy's SVD failure
+    ({"error_box": [1.0, -1.0, 1.0]}, "error_box [1.0, -1.0, 1.0] must be half-widths > 0"),
 ])
 def test_a_users_own_plant_with_a_mistake_is_told_what_is_wrong(change, said):
     assert _msd().n_z == 3  # the plant as given is fine
