@@ -270,7 +270,7 @@ def replay_recording(recording: str | Path, bundle: Bundle | str | Path, backend
     fam.reset()
     verifier = _replay_verifier(key)
     parser = make_parser(verifier)  # the C-backed one where it builds: same frames, faster on 1 kHz recordings
-    inputs: dict[int, Message] = {}
+    inputs: dict[int, tuple[Message, int]] = {}  # by sequence number: the frame's message and device time
     want, side = fam.input.message, fam.side_messages
     # A window over the stream saw every frame in order, outputs recorded only when it was due: replay feeds
     # every frame and compares the outputs of those steps.
@@ -296,8 +296,9 @@ def replay_recording(recording: str | Path, bundle: Bundle | str | Path, backend
                         fam.reset()
                 elif isinstance(f.message, want):
                     if not windowed:
-                        inputs[f.seq] = f.message
+                        inputs[f.seq] = (f.message, f.timestamp_us)
                         continue
+                    fam.frame_time_us = f.timestamp_us  # as the session set it (an observer's gaps: its clock)
                     cmd, bad = fam.guarded_step(f.message)
                     if bad == "held":
                         continue
@@ -317,10 +318,12 @@ def replay_recording(recording: str | Path, bundle: Bundle | str | Path, backend
                     continue
                 current = (seq, *found)
             else:
-                msg = inputs.pop(seq, None)
-                if msg is None:
+                found_input = inputs.pop(seq, None)
+                if found_input is None:
                     missing += 1
                     continue
+                msg, frame_time_us = found_input
+                fam.frame_time_us = frame_time_us
                 _, bad = fam.guarded_step(msg)  # as the session did: a non-finite step is refused, bad state reset
                 state = fam.state_vector.astype(np.float32)  # before a refused step's recovery, as recorded
                 if bad is not None and bad != "held":

@@ -211,7 +211,8 @@ class ObserverFamily(FamilyPlugin):
 
     def _predict(self, missing: int) -> None:
         """``missing`` sample periods passed without a measurement (by the device's clock): carry the estimate
-        through them on the model alone, with the last command sent as the applied input. The update is run with
+        through them on the model alone, with the input the device says it applied at the measurement after the gap
+        (what it held through it; the last command sent where the device reports none). The update is run with
         the measurement it predicts (``y = C z``), so the residual is 0 and so is the bias-free network's correction
         and the gain's: what remains is the model's own step. The certificate bounds how the error then shrinks
         again, not how it grows through the gap (docs/observer.md, "Lost measurements")."""
@@ -219,7 +220,7 @@ class ObserverFamily(FamilyPlugin):
         n = min(missing, self._max_predict)
         self.gap_steps_beyond += missing - n
         self.predicted_steps += n
-        np.copyto(self._u_pred, self._sent, casting="unsafe")
+        np.copyto(self._u_pred, self._u)  # the frame after the gap's u: from the recorded frames alone, so replay agrees
         for _ in range(n):
             np.matmul(self.arrays.Cd, self.z_hat, out=self._y_pred)
             self.step(self._y_pred, self._u_pred)
