@@ -95,12 +95,17 @@ def _cfg(url, tmp_path=None, **kw):
     return SessionConfig(device=url, **kw)
 
 
-def _commands_sent(path, kind):
+def _frames(path, kind, direction=RecordType.TX):
+    """``(host_ns, message)`` of every ``kind`` frame a recording holds in one direction (TX: sent, RX: read)."""
     p = FrameParser()
     out = []
-    for rec in RecordingReader(path).of_type(RecordType.TX):
+    for rec in RecordingReader(path).of_type(direction):
         out += [(rec.host_ns, f.message) for f in p.feed(rec.payload) if isinstance(f.message, kind)]
     return out
+
+
+def _commands_sent(path, kind):
+    return _frames(path, kind, RecordType.TX)
 
 
 def test_headstage_session_decodes_records_and_replays(neural_bundle, tmp_path, watchdog_rule):
@@ -428,14 +433,6 @@ def test_panda_session_clips_joint_commands(tmp_path, watchdog_rule):
     assert np.all(cmds >= low - 1e-6) and np.all(cmds <= high + 1e-6)
 
 
-def _received(path, kind):
-    p = FrameParser()
-    out = []
-    for rec in RecordingReader(path).of_type(RecordType.RX):
-        out += [(rec.host_ns, f.message) for f in p.feed(rec.payload) if isinstance(f.message, kind)]
-    return out
-
-
 def test_a_joint_position_command_without_a_safe_pose_holds_the_measured_one(tmp_path):
     """Zeros, the default safe command, would drive every joint of an arm to 0 rad: a joint-position bundle that
     states no safe pose holds the joints where they were last measured, and sends none before it has seen them."""
@@ -460,7 +457,7 @@ def test_a_joint_position_command_without_a_safe_pose_holds_the_measured_one(tmp
     cfg = _cfg("sim://panda?rate=50&silence_at=0.6&silence_s=0.8", tmp_path, duration_s=2.0, watchdog_s=0.2)
     s = run_session(bundle, cfg)
     assert s.watchdog_trips >= 1 and s.safe_commands_sent >= 1
-    states = _received(cfg.record, JointState)
+    states = _frames(cfg.record, JointState, RecordType.RX)
     sent = _commands_sent(cfg.record, JointCommand)
     last_q = None
     held = 0
