@@ -177,21 +177,22 @@ def test_through_lost_measurements_the_estimate_is_carried_by_the_model(observer
 
     b = load_bundle(observer_bundle)
     fam = lambda: get_family("observer")(b, Model(b, backend="onnxruntime"))  # noqa: E731
-    truth, with_clock, without_clock = fam(), fam(), fam()
+    truth, with_clock, without_clock, ns_clock = fam(), fam(), fam(), fam()
     a = truth.arrays
     period_us = int(round(1e6 / b.manifest.rate_hz))
     # the plant starts where the estimates do (z0) and is driven away from it: with the model as the plant, an
     # estimate that sees every measurement stays on it, so the error after the gap is the gap's alone
     u = np.clip(np.full(a.nu, 0.3), a.u_low, a.u_high)
     gap = range(300, 400)
-    errors: dict[str, list[float]] = {"with": [], "without": []}
+    errors: dict[str, list[float]] = {"with": [], "without": [], "ns": []}
     for k in range(500):
         y = a.Cd @ truth.z_hat  # the plant: the model itself, from a state the observers do not know
         truth.step(y, u)
         if k in gap:
             continue  # lost on the link
         m = PlantMeasurement(y.astype(np.float32), u.astype(np.float32))
-        for name, f, t in (("with", with_clock, k * period_us), ("without", without_clock, None)):
+        for name, f, t in (("with", with_clock, k * period_us), ("without", without_clock, None),
+                           ("ns", ns_clock, k * period_us * 1000)):  # a device that stamps nanoseconds
             f.frame_time_us = t
             cmd, why = f.guarded_step(m)
             assert why is None
@@ -201,6 +202,10 @@ def test_through_lost_measurements_the_estimate_is_carried_by_the_model(observer
     assert with_clock.summary_metrics()["measurement_gaps"] == 1
     assert with_clock.summary_metrics()["predicted_steps"] == len(gap)
     assert without_clock.summary_metrics()["predicted_steps"] == 0
+    # a clock in another unit shows no single-period interval: nothing is predicted from it, and the summary says so
+    assert ns_clock.summary_metrics()["predicted_steps"] == 0
+    assert "no prediction through gaps" in ns_clock.summary_metrics()["device_clock"]
+    assert with_clock.summary_metrics()["device_clock"] == "microseconds at the bundle's rate"
     moved = float(np.linalg.norm(truth.z_hat - a.z0))
     assert moved > 1e-3  # the plant did move
     assert errors["with"][0] < 1e-4 * moved  # carried through the gap by the model (here the plant): on it

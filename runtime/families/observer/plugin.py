@@ -192,6 +192,10 @@ class ObserverFamily(FamilyPlugin):
         self.predicted_steps = 0  # sample periods the estimate was carried by the model alone (gaps)
         self.gaps = 0  # gaps in the measurements (periods without one, by the device's clock)
         self.gap_steps_beyond = 0  # periods of gaps longer than MAX_PREDICT_S, not predicted
+        # whether the device's clock counts microseconds at the bundle's rate: known once two measurements in a row
+        # are one period apart; a device whose first intervals never are (another unit) gets no prediction
+        self._clock_ok: bool | None = None
+        self._clock_checks = 0
 
     def recover_nonfinite(self) -> bool:
         """A non-finite measurement never reaches the estimate (``_advance`` holds it); should the estimate or the
@@ -289,7 +293,13 @@ class ObserverFamily(FamilyPlugin):
         if t is not None:
             if self._last_t_us is not None:
                 missing = int(round((t - self._last_t_us) / self._period_us)) - 1
-                if missing > 0:
+                if self._clock_ok is None:
+                    self._clock_checks += 1
+                    if missing == 0:
+                        self._clock_ok = True
+                    elif self._clock_checks >= CLOCK_CHECKS:
+                        self._clock_ok = False
+                if missing > 0 and self._clock_ok:
                     self._predict(missing)
             self._last_t_us = t
         self.step(self._y, self._u)
@@ -312,7 +322,10 @@ class ObserverFamily(FamilyPlugin):
 
     def summary_metrics(self) -> dict[str, float | str | list[float]]:
         return {**self.live_metrics(), "measurement_gaps": self.gaps, "predicted_steps": self.predicted_steps,
-                "gap_steps_not_predicted": self.gap_steps_beyond}
+                "gap_steps_not_predicted": self.gap_steps_beyond,
+                "device_clock": {True: "microseconds at the bundle's rate", False: "not one period between "
+                                 f"measurements in the first {CLOCK_CHECKS}: no prediction through gaps",
+                                 None: "not yet known"}[self._clock_ok]}
 
 
 def _kernel() -> Any:
@@ -326,6 +339,9 @@ def _kernel() -> Any:
 #: the longest gap in the measurements the estimate is carried through on the model alone (seconds); beyond it the
 #: estimate jumps to the next measurement's time unpredicted (a session's watchdog has long sent the safe command)
 MAX_PREDICT_S = 1.0
+#: intervals between a session's first measurements in which one must be a single period for the device's clock
+#: to be taken as microseconds at the bundle's rate (docs/protocol.md); otherwise gaps are not predicted through
+CLOCK_CHECKS = 8
 
 _OBSERVER_STEP = None
 # fastmath without nnan/ninf (as in runtime.kernels): a NaN measurement must show up as a
