@@ -134,6 +134,15 @@ def run_validation_session(config: dict, seed: int) -> dict:
                                                     record=str(record), backend=config["backend"], status=False,
                                                     trust=config.get("trust", [])))
     d = s.to_dict()
+    # Ctrl-C or SIGTERM reached a session running in the driver's own process (--no-ray): the session's loop took the
+    # signal to end itself cleanly (its recording is whole); the batch ends too, as the signal asked, and a rerun
+    # runs this session again
+    if d["loop"]["stopped_by"] == "interrupt":
+        raise KeyboardInterrupt
+    if d["loop"]["stopped_by"] == "terminated":
+        from .runner import Terminated
+
+        raise Terminated(143)
     # the device asked to send non-finite values (the nonfinite fault, or nonfinite= in the URL itself)
     asked = float(dict(parse_qsl(urlsplit(config["device"]).query)).get("nonfinite") or 0) > 0
     why = misbehaviour(d, config["max_miss"], config["max_safe"], nonfinite_injected=asked)

@@ -142,3 +142,27 @@ def test_a_session_run_again_keeps_the_unfinished_attempts_recording_beside_its_
     assert code == 0 and s["steps"] > 0 and not s["misbehaved"]
     assert (out / "session-0000.clrec.attempt1").read_bytes() == b"CLREC\x00\x01\x02"
     assert (out / "session-0000.clrec").stat().st_size > 100
+
+
+@pytest.mark.parametrize("sig, code", [("SIGTERM", 143), ("SIGINT", 130)])
+def test_a_signal_during_an_in_process_session_ends_the_batch_not_only_that_session(gru_bundle, tmp_path, sig, code):
+    """With --no-ray the sessions run in the driver's process, whose loop takes Ctrl-C and SIGTERM to end itself
+    cleanly; the batch ends with it (it went on to the next session), and a rerun picks it up."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "v"
+    p = subprocess.Popen([sys.executable, "-m", "closedloop.sdk.cli", "validate", str(gru_bundle), "--device", HEADSTAGE,
+                          "--sessions", "4", "--duration", "4", "--no-ray", "--out", str(out), "--backend",
+                          "onnxruntime"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not (out / "session-0000.clrec").exists():
+        time.sleep(0.1)
+    time.sleep(1.5)  # inside the first session's loop
+    t0 = time.monotonic()
+    p.send_signal(getattr(signal, sig))
+    p.communicate(timeout=60)
+    assert p.returncode == code and time.monotonic() - t0 < 10  # not three more sessions of 4 s
+    assert not (out / "sessions.jsonl").read_text().strip()  # the interrupted session has no record: a rerun runs it
