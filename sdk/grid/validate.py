@@ -173,12 +173,19 @@ def _check_the_device_fits(cfg: ValidateConfig) -> None:
     """One handshake with the device before the batch: a bundle that does not fit it (another kind of device,
     channel count, rate or limits) is bad input, said once with the reasons (``DeviceMismatchError``, exit 2),
     not a "misbehaved" session per seed after the whole batch has run."""
-    from closedloop.runtime import Session, SessionConfig
+    from closedloop.runtime import BackendUnavailableError, Session, SessionConfig
 
-    # session 0's own URL, faults and all: a fault the device cannot take is refused here too (its first timed
-    # fault plays well after the handshake)
-    s = Session(cfg.bundle, SessionConfig(device=session_url(cfg.device, cfg.faults, cfg.duration_s, 0), status=False,
-                                          duration_s=cfg.duration_s, backend=cfg.backend, trust=list(cfg.trust)))
+    def session(backend: str) -> Session:
+        # session 0's own URL, faults and all: a fault the device cannot take is refused here too (its first timed
+        # fault plays well after the handshake)
+        return Session(cfg.bundle, SessionConfig(device=session_url(cfg.device, cfg.faults, cfg.duration_s, 0),
+                                                 status=False, duration_s=cfg.duration_s, backend=backend,
+                                                 trust=list(cfg.trust)))
+
+    try:
+        s = session(cfg.backend)
+    except BackendUnavailableError:  # the workers' backend (a cluster's GPUs): the fit is the same on any
+        s = session("auto")
     try:
         s.start()
     finally:
