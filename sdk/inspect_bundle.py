@@ -70,6 +70,10 @@ def render_manifest(m: Manifest) -> str:
     ]
     for name, g in m.graphs.items():
         lines += _graph_lines(name, g)
+    if m.family == "observer":  # its graph's roles read as a plain model's; what the session does with them
+        lines.append("  observer family: the graph is the network N(r): its input is the residual r = y - C z_hat, its "
+                     "output the correction to the estimate; the command sent is clip(-K z_hat), computed by the "
+                     "family from the estimate (docs/observer.md)")
     for title, section in (("preprocess", m.preprocess), ("postprocess", m.postprocess)):
         if section:
             lines.append(f"  {title}: " + ", ".join(f"{k}={_brief(v)}" for k, v in section.items()))

@@ -210,3 +210,11 @@ def test_through_lost_measurements_the_estimate_is_carried_by_the_model(observer
     assert moved > 1e-3  # the plant did move
     assert errors["with"][0] < 1e-4 * moved  # carried through the gap by the model (here the plant): on it
     assert errors["without"][0] > 1e-3 * moved and errors["without"][0] > 1e3 * errors["with"][0]
+
+
+def test_inspect_says_what_an_observer_bundles_graph_is_and_what_it_sends(observer_bundle):
+    """The graph's roles read as a plain model's (its output 'command'); the command is the family's clip(-K z)."""
+    from closedloop.sdk.inspect_bundle import inspect_bundle
+
+    text, ok = inspect_bundle(str(observer_bundle))
+    assert ok and "the command sent is clip(-K z_hat), computed by the family" in text
