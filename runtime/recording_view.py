@@ -105,9 +105,14 @@ class RecordingView:
 
     def problems(self) -> list[str]:
         """What a reader of this recording should know before trusting what it shows: the file's problems (data
-        dropped, a session that never ended or never ran) and frames left out of a stream. Empty for a whole,
-        clean recording."""
-        return self.file_problems + [
+        dropped, a session that never ended or never ran), frames left out of a stream, and an LSL source whose
+        channel descriptions changed mid-session. Empty for a whole, clean recording."""
+        described = channel_descriptions_over_time(ev for _, ev in self.events)
+        times = [t for t, ev in self.events if ev.get("event") == "device_status" and ev.get("code") == STATUS_LSL_CHANNELS]
+        changed = ([f"the LSL source's channel descriptions changed during the session ({len(described)} different "
+                    f"ones, the last from {max(times):.1f} s): `channels` and the NWB comments hold the first"]
+                   if len(described) > 1 and times else [])
+        return self.file_problems + changed + [
             f"{n} frame(s) of {name} had another size than the stream's and are left out (the session refused "
             "them: input_refused events)" for name, n in self.odd_frames.items()]
 
@@ -122,8 +127,22 @@ class RecordingView:
         return channels_from_events(ev for _, ev in self.events)
 
 
+def channel_descriptions_over_time(events) -> list[dict[str, list[str]]]:
+    """Every complete ``LSL_CHANNELS`` description among ``device_status`` events that differs from the one before,
+    in order (one for a source that never changed its channels)."""
+    out: list[dict[str, list[str]]] = []
+    for desc in _complete_descriptions(events):
+        if not out or desc != out[-1]:
+            out.append(desc)
+    return out
+
+
 def channels_from_events(events) -> dict[str, list[str]] | None:
     """Join the parts of the first complete ``LSL_CHANNELS`` description among ``device_status`` events."""
+    return next(_complete_descriptions(events), None)
+
+
+def _complete_descriptions(events):
     got: dict[str, list[str]] = {}
     for ev in events:
         if ev.get("event") != "device_status" or ev.get("code") != STATUS_LSL_CHANNELS:
@@ -140,8 +159,8 @@ def channels_from_events(events) -> dict[str, list[str]] | None:
         for k in got:
             got[k].extend(str(x) for x in part.get(k, [""] * int(part["count"])))
         if len(got["label"]) == total:
-            return got
-    return None
+            yield got
+            got = {}
 
 
 def view_recording(recording: str | Path | RecordingReader) -> RecordingView:

@@ -527,10 +527,11 @@ class LslTransport(Transport):
         if not isinstance(fetched, dict):
             return  # the source gave no description, or it could not be read: the last one stands
         if self.channels is not None and fetched != self.channels:
-            changed = sum(1 for a, b in zip(fetched["label"], self.channels["label"], strict=False) if a != b)
-            text = (f"LSL stream {self.params.name!r} came back with other channel descriptions ({changed} labels "
-                    f"differ, e.g. {self.channels['label'][0]!r} -> {fetched['label'][0]!r}): the frames from here "
-                    "on are the new channels'")
+            pairs = [(i, a, b) for i, (a, b) in enumerate(zip(self.channels["label"], fetched["label"], strict=False))
+                     if a != b]
+            example = f", e.g. channel {pairs[0][0]} {pairs[0][1]!r} -> {pairs[0][2]!r}" if pairs else ""
+            text = (f"LSL stream {self.params.name!r} came back with other channel descriptions ({len(pairs)} labels "
+                    f"differ{example}): the frames from here on are the new channels'")
             log.warning(text)
             self._status(STATUS_LSL_STREAM_CHANGED, Severity.WARNING, text)
         self.channels = fetched

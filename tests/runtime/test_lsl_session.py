@@ -6,6 +6,7 @@ import json
 import threading
 import time
 import uuid
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -233,6 +234,17 @@ def test_channel_descriptions_split_into_status_texts_and_join_back():
     assert channels_from_events(events) == desc
     assert channels_from_events(events[1:]) is None  # a description without its first part is not guessed
     assert channels_from_events(events[:1] + events) == desc  # a repeat (a re-handshake) starts it again
+    # a source restarted with another montage mid-session: both descriptions are seen, and the view says so
+    from closedloop.runtime.recording_view import RecordingView, Series, channel_descriptions_over_time
+
+    other = desc | {"label": [f"new{i:03d}" for i in range(192)]}
+    later = [{"event": "device_status", "code": STATUS_LSL_CHANNELS, "text": t} for t in channel_status_texts(other)]
+    assert channel_descriptions_over_time(events + events + later) == [desc, other]  # a repeat is not a change
+    view = RecordingView(path=Path("x.clrec"), meta={"x": 1}, summary={}, t0_ns=0, inputs={}, commands=Series(),
+                         outputs=Series(), typed=[], events=[(float(i), e) for i, e in enumerate(events + later)],
+                         steps={})
+    assert view.channels == desc
+    assert any("channel descriptions changed during the session" in p for p in view.problems())
 
 
 def test_lsl_out_wait_holds_publishing_until_a_recorder_connects_so_it_gets_every_step(neural_bundle):
