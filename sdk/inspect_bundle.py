@@ -77,6 +77,7 @@ def render_manifest(m: Manifest) -> str:
     for title, section in (("preprocess", m.preprocess), ("postprocess", m.postprocess)):
         if section:
             lines.append(f"  {title}: " + ", ".join(f"{k}={_brief(v)}" for k, v in section.items()))
+    lines += _safe_output_note(m.postprocess)
     if m.certificate:
         lines.append("  certificate: " + ", ".join(f"{k}={_brief(v)}" for k, v in m.certificate.items()))
     robust = m.extra.get("robust") if isinstance(m.extra, dict) else None
@@ -107,6 +108,25 @@ def render_manifest(m: Manifest) -> str:
     for rel, meta in m.files.items():
         lines.append(f"    {rel:<32} {meta.get('bytes', 0):>10} B  sha256 {str(meta.get('sha256'))[:16]}...")
     return "\n".join(lines)
+
+
+def _safe_output_note(post: dict) -> list[str]:
+    """A safe command stated outside the limits is sent clipped to them (docs/bundle.md): say what goes out."""
+    import numpy as np
+
+    if "safe_output" not in post or not ("low" in post or "high" in post):
+        return []
+    try:
+        safe = np.atleast_1d(np.asarray(post["safe_output"], dtype=float))
+        lo = np.asarray(post.get("low", -np.inf), dtype=float)
+        hi = np.asarray(post.get("high", np.inf), dtype=float)
+        sent = np.clip(safe, lo, hi)
+    except (TypeError, ValueError):
+        return []  # the family's checks name a malformed one
+    if np.array_equal(sent, np.broadcast_to(safe, sent.shape)):
+        return []
+    return [f"  note: postprocess.safe_output {_brief(safe.tolist())} lies outside [low, high]: the safe command goes "
+            f"out clipped, as {_brief(sent.tolist())}"]
 
 
 def _brief(v) -> str:

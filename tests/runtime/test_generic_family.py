@@ -87,3 +87,18 @@ def test_an_output_without_a_feature_axis_is_refused_at_export_with_the_fix(tmp_
                       rate_hz=200.0, variants=(), tensorrt=False, report=lambda s: None,
                       postprocess={"low": [-1.0], "high": [1.0]})
     assert not (tmp_path / "b").exists()
+
+
+def test_inspect_says_a_safe_output_outside_the_limits_goes_out_clipped(tmp_path):
+    import torch
+
+    from closedloop.export import export_bundle
+    from closedloop.sdk.inspect_bundle import inspect_bundle
+    from closedloop.sdk.models import MLPPolicy
+
+    torch.manual_seed(0)
+    b = export_bundle(MLPPolicy(1, 1, (8,)).eval(), tmp_path / "p", kind="feedforward", example_input=torch.zeros(1, 1),
+                      rate_hz=100.0, postprocess={"low": [-2.0], "high": [2.0], "safe_output": [5.0]},
+                      variants=(), tensorrt=False, report=lambda s: None)
+    text, ok = inspect_bundle(str(b))
+    assert ok and "postprocess.safe_output [5.0] lies outside [low, high]: the safe command goes out clipped, as [2.0]" in text
