@@ -52,6 +52,23 @@ def limit_problems(low: np.ndarray, high: np.ndarray, hello: Hello, names: tuple
                for i in np.flatnonzero(high > hello.command_high + 1e-6)])
 
 
+def held_input_names(spec: GraphSpec) -> list[str]:
+    """The graph's data inputs a session holds (set from its config or by a message type), not streamed."""
+    streamed = measurement_input(spec).name
+    return [t.name for t in spec.data_inputs if t.name != streamed]
+
+
+def held_value_problem(name: str, value: Any) -> str | None:
+    """Why ``value`` cannot be held input ``name`` for a session (a NaN, an infinity, beyond float32), or None: held
+    for the whole session, such a value would make every step refused, the safe command only, with no word why."""
+    with np.errstate(over="ignore"):
+        as_f32 = np.asarray(value, dtype=np.float64).astype(np.float32)
+    if np.isfinite(as_f32).all():
+        return None
+    return (f"session input {name!r} = {value!r}: every value must be a finite number a float32 holds (NaN, inf "
+            "and values beyond 3.4e38 are not)")
+
+
 def limit_order_problems(low: Any, high: Any, low_name: str = "postprocess.low",
                          high_name: str = "postprocess.high") -> list[str]:
     """Each command value whose low limit is not below its high one (equal, reversed or NaN): clipped to such
@@ -295,7 +312,7 @@ class FamilyPlugin:
 
     def held_inputs(self) -> list[str]:
         """Data inputs the session holds (set from its config or a side message), not streamed."""
-        return [t.name for t in self.model.spec.data_inputs if t.name != self.measurement.name]
+        return held_input_names(self.model.spec)
 
     def set_held_inputs(self, values: dict[str, Any]) -> None:
         """Give held inputs their values (``SessionConfig.inputs``); refuse unknown names and any held
@@ -307,11 +324,9 @@ class FamilyPlugin:
                              + (f" (its input {self.measurement.name!r} comes from the device)" if
                                 self.measurement.name in unknown else ""))
         for name, value in values.items():
-            with np.errstate(over="ignore"):
-                as_f32 = np.asarray(value, dtype=np.float64).astype(np.float32)
-            if not np.isfinite(as_f32).all():  # every step would be refused, the safe command only, with no word why
-                raise ValueError(f"session input {name!r} = {value!r}: every value must be a finite number a float32 "
-                                 "holds (NaN, inf and values beyond 3.4e38 are not)")
+            problem = held_value_problem(name, value)
+            if problem:
+                raise ValueError(problem)
             self.model.set_input(name, value)
         by_message = {name for name, _, _ in self._side.values()}
         missing = [n for n in held if n not in values and n not in by_message]

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import shlex
 import shutil
 import tempfile
@@ -83,31 +82,24 @@ def _unpacked_bytes(wheel: Path) -> int:
 NUMBA_FAMILIES = {"observer": "the observer family's step (runtime/families/observer) is a Numba kernel"}
 
 
-def held_inputs(bundle) -> list[str]:
-    """The inputs of ``bundle`` that neither the device's stream nor a message type sets: a value must be given."""
-    from closedloop.runtime.families.base import measurement_input
-
-    spec = bundle.graph()
-    mapped = set((bundle.manifest.extra.get("session") or {}).get("inputs") or {})
-    try:
-        streamed = measurement_input(spec).name
-    except ValueError:
-        return []  # the family's own checks refuse such a graph
-    return [t.name for t in spec.data_inputs if t.name != streamed and t.name not in mapped]
-
-
 def _check_held_inputs(path: str, bundle, inputs: dict[str, list[float]]) -> None:
     """A bundle whose service could never start (an input with no value: `closedloop run` refuses it, and systemd
     would restart it in a loop) is refused here, saying how to give the value."""
-    held = held_inputs(bundle)
+    from closedloop.runtime.families.base import held_input_names, held_value_problem
+
+    try:
+        held = held_input_names(bundle.graph())
+    except ValueError:
+        return  # no measurement input: the family's own checks refuse such a graph
     unknown = sorted(set(inputs) - set(held))
     if unknown:
         raise PackageError(f"--input {', '.join(unknown)}: not an input bundle {path} (the service's) holds; it holds "
                            f"{held or 'none'} besides what the device streams")
-    bad = [n for n, v in inputs.items() if not all(math.isfinite(x) and abs(x) <= 3.4028234663852886e38 for x in v)]
+    bad = [p for n, v in inputs.items() if (p := held_value_problem(n, v))]
     if bad:
-        raise PackageError(f"--input {', '.join(bad)}: every value must be a finite number a float32 holds")
-    missing = [n for n in held if n not in inputs]
+        raise PackageError(f"--input: {'; '.join(bad)}")
+    mapped = set((bundle.manifest.extra.get("session") or {}).get("inputs") or {})  # set by a message type
+    missing = [n for n in held if n not in inputs and n not in mapped]
     if missing:
         raise PackageError(f"bundle {path} holds input(s) {missing} that the device does not stream, so its service "
                            "could not start without their values: give each with --input NAME=V1,V2,... (the "

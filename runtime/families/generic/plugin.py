@@ -146,16 +146,13 @@ class GenericFamily(FamilyPlugin):
         super().reset()
         self._seen = False  # a device's re-handshake may follow a reboot that moved the arm
 
-    def on_message(self, message) -> None:
-        super().on_message(message)
+    def preprocess(self, frame: np.ndarray) -> None:
         hold = self._hold
-        if hold is not None:
-            q = self._frame.reshape(-1)[: hold.size]
+        if hold is not None:  # the raw frame: a joint_state's positions come first
+            q = frame.reshape(-1)[: hold.size]
             if np.isfinite(q).all():  # the safe command holds the last finite positions, never a NaN
                 np.clip(q, self._low, self._high, out=hold)
                 self._seen = True
-
-    def preprocess(self, frame: np.ndarray) -> None:
         np.subtract(frame, self._mean, out=self._x)
         np.multiply(self._x, self._inv_std, out=self._x)
         if self._window is not None:
