@@ -22,7 +22,7 @@ from .families import FamilyPlugin, get_family, register_family
 from .loop import LoopConfig, OverrunPolicy, RealTimeLoop
 from .manifest import SCHEMA_VERSION, GraphSpec, Manifest, TensorSpec, Window
 from .model import Model
-from .observe import RunBatch, SessionObserver, StepBatch
+from .observe import CommandBatch, RunBatch, SessionObserver, StepBatch
 from .realtime import RealtimeConfig, RealtimeError, RealtimeGrant, apply_realtime
 from .recording import RecordingReader, RecordingWriter, RecordType
 from .replay import ReplayReport, replay_recording
@@ -68,6 +68,7 @@ __all__ = [
     "Session",
     "SessionObserver",
     "RunBatch",
+    "CommandBatch",
     "StepBatch",
     "SessionConfig",
     "SessionError",

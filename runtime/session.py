@@ -53,7 +53,7 @@ from .loop import LoopConfig, OverrunPolicy, RealTimeLoop
 from .manifest import GraphSpec
 from .model import Model
 from .observe.record_steps import StepRecorder
-from .observe.ring import FLAG_DISCONNECTED, FLAG_SAFE, FLAG_WATCHDOG
+from .observe.ring import FLAG_DISCONNECTED, FLAG_WATCHDOG
 from .observe.tap import SessionTap
 from .realtime import (
     DEFAULT_PRIORITY,
@@ -592,12 +592,12 @@ class Session:
         """Send the safe command (counted, and marked in the step record)."""
         if not self._send(self.family.safe_message(k)):
             return False
+        t_sent = time.monotonic_ns() if self._tap is not None else 0
         self.summary_counts["safe_commands_sent"] += 1
         sent = self.family.safe_output()  # as just sent: a policy's holds the hand where it is now, not at the start
         self.family.on_command_sent(sent)
         if self._tap is not None:
-            self._tap.command(sent)
-            self._tap.flag(FLAG_SAFE)
+            self._tap.command(sent, t_sent, safe=True)
         return True
 
     def _act(self, frame: Frame, k: int, send: bool = True) -> bool:
@@ -618,7 +618,7 @@ class Session:
             return False
         # the outputs are ready (the observers' run record and a typed event say so); only observers read it
         t_ready = time.monotonic_ns() if self._tap is not None else 0
-        sent = None  # the command values sent, for the observers
+        sent, t_sent = None, 0  # the command values sent and when, for the observers
         if bad is None and send:
             assert cmd is not None  # guarded_step: no problem, so a command
             # the command goes out first: the recording and the observers' copies of this run come after it,
@@ -628,6 +628,7 @@ class Session:
                 self._nonfinite_run = 0
             out = fam.command_message(cmd, k)
             if self._send(out):
+                t_sent = time.monotonic_ns() if self._tap is not None else 0
                 self.command_latency.add(time.perf_counter_ns() - self._t_step)
                 self.summary_counts["commands_sent"] += 1
                 self._last_cmd = out
@@ -646,7 +647,7 @@ class Session:
             if fam.typed_last():  # this run typed: its output's time stamps the "typed" event (idle time)
                 self._typed_ns = t_ready
             if sent is not None:
-                self._tap.command(sent)
+                self._tap.command(sent, t_sent)
         if bad is not None:
             self._refuse(bad, k, send)
         return True

@@ -8,12 +8,14 @@ from .ring import (
     FLAG_DISCONNECTED,
     FLAG_SAFE,
     FLAG_WATCHDOG,
+    CommandBatch,
     RunBatch,
     StepBatch,
     StepRing,
 )
 
 __all__ = [
+    "CommandBatch",
     "FLAG_ACTED",
     "FLAG_COMMAND",
     "FLAG_DISCONNECTED",

@@ -2,7 +2,8 @@
 
 A ``SessionObserver`` receives the session's start information, batches of step
 records (``StepBatch``: step index, time, latency, lateness, the input used, the
-model output, the command sent, flags), events and the summary. The loop only writes
+model output, the command sent, flags), of model runs (``RunBatch``) and of commands
+sent (``CommandBatch``) where it asks for them, events and the summary. The loop only writes
 records into a ``StepRing``; an ``ObserverHub`` gives every in-process observer a thread
 of its own that drains the ring at ``interval_s``, so a slow observer loses records
 (counted in ``lost``) and never delays the loop or another observer.
@@ -28,7 +29,7 @@ import threading
 import traceback
 from typing import Any
 
-from .ring import RunBatch, StepBatch, StepRing
+from .ring import CommandBatch, RunBatch, StepBatch, StepRing
 
 
 class SessionObserver:
@@ -48,6 +49,11 @@ class SessionObserver:
         the model on several frames gives a run each, where ``on_steps`` gets the step's last. Only called for an
         observer that overrides it."""
 
+    def on_commands(self, batch: CommandBatch) -> None:
+        """Every command written to the device since the last call (step, time, flags, values), oldest first, the
+        safe command included: a step that sent several (a decoder answering each frame of a backlog) gives one
+        each, where ``on_steps`` gets the step's last. Only called for an observer that overrides it."""
+
     def on_event(self, event: dict[str, Any]) -> None:
         """A session event (watchdog, reconnect, device HELLO, scrub repair...), as recorded."""
 
@@ -63,9 +69,12 @@ class _Runner(threading.Thread):
         self.cursor = hub.ring.published
         self.event_cursor = hub.ring.events_published
         self.run_cursor = hub.ring.runs_published
+        self.sent_cursor = hub.ring.commands_published
         self.wants_runs = type(observer).on_runs is not SessionObserver.on_runs
+        self.wants_commands = type(observer).on_commands is not SessionObserver.on_commands
         self.lost = 0
         self.runs_lost = 0
+        self.commands_lost = 0
         self.delivered = 0
         self.error: str | None = None
         self._wake = threading.Event()
@@ -85,6 +94,11 @@ class _Runner(threading.Thread):
             self.runs_lost += runs.lost
             if len(runs) or runs.lost:
                 self.observer.on_runs(runs)
+        if self.wants_commands:
+            sent, self.sent_cursor = ring.read_commands(self.sent_cursor, self.observer.max_batch)
+            self.commands_lost += sent.lost
+            if len(sent) or sent.lost:
+                self.observer.on_commands(sent)
 
     def run(self) -> None:
         try:
@@ -136,4 +150,6 @@ class ObserverHub:
                             "still_running": r.is_alive()}
             if r.wants_runs:
                 report[name]["runs_lost"] = r.runs_lost
+            if r.wants_commands:
+                report[name]["commands_lost"] = r.commands_lost
         return report

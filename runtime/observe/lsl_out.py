@@ -7,7 +7,7 @@ pipeline) can follow a live session next to the streams it already records:
 outlet             type         channels                     one sample per
 =================  ===========  ===========================  ====================================
 ``NAME-outputs``   ModelOutput  every data output, in order  model run (every frame the model ran on)
-``NAME-commands``  Command      the command's values         step that sent a command (safe too)
+``NAME-commands``  Command      the command's values         command sent (safe too)
 ``NAME-text``      Markers      one string (irregular rate)  step that typed text (its characters)
 ``NAME-state``     State        the family's state values    step that ran the model (an observer's
                                 (``info["state"]`` labels)   estimate; absent for other families)
@@ -18,8 +18,8 @@ A graph with several data outputs (a click head beside a velocity) puts them one
 XDF convention LabRecorder and pyxdf read.
 
 An output sample's LSL timestamp is when the model's output was ready (the ring's run record);
-a command's is the end of the step that sent it (``t_ns + latency_ns``, at most the step's
-latency after the command was written), and a state sample's the end of the step that computed it. Both are the loop's monotonic clock mapped onto
+a command's is when it was written to the device (the ring's sent record), and a state sample's the end of the
+step that computed it. All are the loop's monotonic clock mapped onto
 ``pylsl.local_clock()`` with an offset measured once at the start, so outputs and commands line
 up with the input stream's timestamps on one clock.
 On Linux both clocks are ``CLOCK_MONOTONIC`` and the offset is about a microsecond.
@@ -38,14 +38,14 @@ import numpy as np
 from closedloop.firmware_bridge.transports.lsl import import_pylsl
 
 from .hub import SessionObserver
-from .ring import RunBatch, StepBatch
+from .ring import CommandBatch, RunBatch, StepBatch
 
 log = logging.getLogger("closedloop.lsl")
 
 #: what each outlet's timestamps are (its ``desc/clock``), all on ``local_clock()``
 _CLOCKS = {
     "outputs": "when the model output was ready (the step ring's run record), on local_clock()",
-    "commands": "end of the session step that sent the command, on local_clock()",
+    "commands": "when the command was written to the device, on local_clock()",
     "state": "end of the session step whose model run computed the state, on local_clock()",
     "text": "when the model output that typed the sample's last character was ready (a reset: when the session "
             "noticed it), on local_clock()",
@@ -93,9 +93,11 @@ class LslOutlets(SessionObserver):
     pushed : dict
         Samples pushed per outlet (``outputs``, ``commands``, ``text``, ``state``).
     lost : int
-        Step records the ring overwrote before this observer read them (commands not published).
+        Step records the ring overwrote before this observer read them (states not published).
     lost_outputs : int
         Model-run records the ring overwrote before this observer read them (outputs not published).
+    lost_commands : int
+        Sent-command records the ring overwrote before this observer read them (commands not published).
     offset_s : float
         ``local_clock() - time.monotonic()`` measured at the start.
     waited_s : float
@@ -122,6 +124,7 @@ class LslOutlets(SessionObserver):
         self.pushed = {"outputs": 0, "commands": 0, "text": 0, "state": 0}
         self.lost = 0
         self.lost_outputs = 0
+        self.lost_commands = 0
         self._stop_command: dict[str, Any] | None = None
 
     def _refuse_a_name_in_use(self) -> None:
@@ -227,9 +230,15 @@ class LslOutlets(SessionObserver):
         if not len(batch):
             return
         self._open(batch.outputs.shape[1], batch.command.shape[1], batch.state.shape[1])
-        end = self.lsl_time(batch.t_ns + batch.latency_ns)
-        self._push("commands", batch.command, end)
-        self._push("state", batch.state, end)
+        self._push("state", batch.state, self.lsl_time(batch.t_ns + batch.latency_ns))
+
+    def on_commands(self, batch: CommandBatch) -> None:
+        """Every command sent, several in one step included, stamped when it was written to the device."""
+        self.lost_commands += batch.lost
+        if not len(batch):
+            return
+        self._open(int(self.info.get("n_out") or 0), batch.command.shape[1])
+        self._push("commands", batch.command, self.lsl_time(batch.t_ns))
 
     def on_runs(self, batch: RunBatch) -> None:
         """Every model output, a step that ran the model on several frames included, stamped when it was ready."""

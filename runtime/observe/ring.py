@@ -15,13 +15,14 @@ header of ``_HEADER`` int64 words, then the step arrays, then the event slots.
 word     meaning
 =======  ===================================================================
 0        magic ``0x434C4F4F50524E47`` ("CLOOPRNG")
-1        layout version (3)
+1        layout version (4)
 2        capacity C (step records)
 3        n_in (input values per step), 4: n_out, 5: n_cmd
 6        steps published (monotonic count; slot of step record j is j mod C)
 7        event capacity E, 8: event slot size in bytes, 9: events published
 10       run capacity R (model-run records), 11: runs published (slot of run j is j mod R)
 12       n_state (the family's state values per step; 0 for a family that publishes none)
+13       sent capacity S (command records), 14: commands sent (slot of command j is j mod S)
 =======  ===================================================================
 
 Step arrays, each C long: int64 ``step``, ``t_ns`` (``time.monotonic_ns`` at the step's
@@ -32,7 +33,11 @@ step's last model run, named by the session info's ``state`` labels: an observer
 did not run). Run arrays, each R long: int64 ``run_step``, ``run_input_seq``,
 ``run_t_ns`` (``time.monotonic_ns`` when the output was ready); float32 ``run_outputs[R, n_out]``:
 one record per model run, so a step that ran the model on several frames (a decoder catching up)
-has a run record for each, where its step record holds the last. Event slots: E slots of
+has a run record for each, where its step record holds the last. Sent arrays, each S long: int64
+``sent_step``, ``sent_t_ns`` (``time.monotonic_ns`` right after the command was written to the device),
+``sent_flags`` (``FLAG_COMMAND`` or ``FLAG_SAFE``); float32 ``sent_command[S, n_cmd]``: one record per command
+sent, so a step that sent several (a decoder answering each frame of a backlog) has one for each, where its step
+record holds the last. Event slots: E slots of
 ``slot`` bytes, each a u32 length then that many bytes of UTF-8 JSON.
 
 A record is written in full before the published count moves past it; a reader
@@ -50,10 +55,10 @@ from typing import Any
 import numpy as np
 
 MAGIC = 0x434C4F4F50524E47
-LAYOUT_VERSION = 3
+LAYOUT_VERSION = 4
 _HEADER = 16
 _W_CAP, _W_NIN, _W_NOUT, _W_NCMD, _W_HEAD, _W_ECAP, _W_ESLOT, _W_EHEAD = 2, 3, 4, 5, 6, 7, 8, 9
-_W_RCAP, _W_RHEAD, _W_NSTATE = 10, 11, 12
+_W_RCAP, _W_RHEAD, _W_NSTATE, _W_SCAP, _W_SHEAD = 10, 11, 12, 13, 14
 
 FLAG_ACTED = 1  # the model ran on a device frame this step
 FLAG_COMMAND = 2  # a model command was sent
@@ -63,6 +68,7 @@ FLAG_WATCHDOG = 16  # the watchdog was tripped (no input for watchdog_s)
 
 _INT_FIELDS = ("step", "t_ns", "latency_ns", "lateness_ns", "input_seq", "flags")
 _RUN_FIELDS = ("step", "input_seq", "t_ns")
+_SENT_FIELDS = ("step", "t_ns", "flags")
 
 
 @dataclass
@@ -102,10 +108,27 @@ class RunBatch:
         return int(self.step.size)
 
 
+@dataclass
+class CommandBatch:
+    """Copies of sent-command records, oldest first: every command written to the device, a step that sent several
+    (a decoder answering each frame of a backlog) included (``StepBatch`` holds a step's last), and how many the
+    ring overwrote before this read."""
+
+    step: np.ndarray
+    t_ns: np.ndarray  # time.monotonic_ns() right after the command was written to the device
+    flags: np.ndarray  # FLAG_COMMAND (the model's) or FLAG_SAFE (the safe command)
+    command: np.ndarray
+    lost: int = 0
+
+    def __len__(self) -> int:
+        return int(self.step.size)
+
+
 def _nbytes(capacity: int, n_in: int, n_out: int, n_cmd: int, event_capacity: int, event_slot: int,
-            run_capacity: int, n_state: int = 0) -> int:
+            run_capacity: int, n_state: int = 0, sent_capacity: int = 0) -> int:
     return (8 * _HEADER + capacity * (8 * len(_INT_FIELDS) + 4 * (n_in + n_out + n_cmd + n_state))
-            + run_capacity * (8 * len(_RUN_FIELDS) + 4 * n_out) + event_capacity * event_slot)
+            + run_capacity * (8 * len(_RUN_FIELDS) + 4 * n_out)
+            + sent_capacity * (8 * len(_SENT_FIELDS) + 4 * n_cmd) + event_capacity * event_slot)
 
 
 def _copy_span(head_now: Any, capacity: int, head: int, cursor: int, max_records: int | None,
@@ -159,6 +182,9 @@ class StepRing:
             carve((cap, n), "<f4") for n in (n_in, n_out, n_cmd, self.n_state))
         self._run_ints: dict[str, np.ndarray] = {name: carve((rcap,), "<i8") for name in _RUN_FIELDS}
         self.run_outputs = carve((rcap, n_out), "<f4")
+        self.sent_capacity = scap = int(h[_W_SCAP])
+        self._sent_ints: dict[str, np.ndarray] = {name: carve((scap,), "<i8") for name in _SENT_FIELDS}
+        self.sent_command = carve((scap, n_cmd), "<f4")
         self._events = np.ndarray((self.event_capacity, self.event_slot), dtype=np.uint8, buffer=buf, offset=off)
         # Per-slot row views made once, so the writer's copies create no array objects per step.
         self._in_rows = list(self.inputs)
@@ -166,30 +192,35 @@ class StepRing:
         self._cmd_rows = list(self.command)
         self._state_rows = list(self.state)
         self._run_out_rows = list(self.run_outputs)
+        self._sent_rows = list(self.sent_command)
         self._slot = 0  # writer: slot of the record being filled
 
     # --- lifecycle ----------------------------------------------------------------
 
     @classmethod
     def create(cls, n_in: int, n_out: int, n_cmd: int, capacity: int = 4096, event_capacity: int = 256,
-               event_slot: int = 2048, run_capacity: int | None = None, n_state: int = 0) -> StepRing:
-        """``run_capacity``: model-run records (default ``capacity``); ``n_state``: the family's state values per
-        step (``FamilyPlugin.state_vector``)."""
+               event_slot: int = 2048, run_capacity: int | None = None, n_state: int = 0,
+               sent_capacity: int | None = None) -> StepRing:
+        """``run_capacity``: model-run records and ``sent_capacity``: sent-command records (each default
+        ``capacity``); ``n_state``: the family's state values per step (``FamilyPlugin.state_vector``)."""
         run_capacity = capacity if run_capacity is None else run_capacity
+        sent_capacity = capacity if sent_capacity is None else sent_capacity
         for what, v in (("n_in", n_in), ("n_out", n_out), ("n_cmd", n_cmd), ("n_state", n_state)):
             if v < 0:
                 raise ValueError(f"{what} must be >= 0, got {v}")
-        if capacity < 2 or run_capacity < 2 or event_capacity < 1 or event_slot < 64:
-            raise ValueError(f"ring capacity {capacity} (>= 2), run capacity {run_capacity} (>= 2), event capacity "
-                             f"{event_capacity} (>= 1) and event slot {event_slot} bytes (>= 64) are too small")
-        size = _nbytes(capacity, n_in, n_out, n_cmd, event_capacity, event_slot, run_capacity, n_state)
+        if capacity < 2 or run_capacity < 2 or sent_capacity < 2 or event_capacity < 1 or event_slot < 64:
+            raise ValueError(f"ring capacity {capacity} (>= 2), run capacity {run_capacity} (>= 2), sent capacity "
+                             f"{sent_capacity} (>= 2), event capacity {event_capacity} (>= 1) and event slot "
+                             f"{event_slot} bytes (>= 64) are too small")
+        size = _nbytes(capacity, n_in, n_out, n_cmd, event_capacity, event_slot, run_capacity, n_state,
+                       sent_capacity)
         shm = shared_memory.SharedMemory(create=True, size=size)
         h = np.ndarray((_HEADER,), dtype="<i8", buffer=shm.buf)
         h[:] = 0
         h[0], h[1] = MAGIC, LAYOUT_VERSION
         h[_W_CAP], h[_W_NIN], h[_W_NOUT], h[_W_NCMD] = capacity, n_in, n_out, n_cmd
         h[_W_ECAP], h[_W_ESLOT] = event_capacity, event_slot
-        h[_W_RCAP], h[_W_NSTATE] = run_capacity, n_state
+        h[_W_RCAP], h[_W_NSTATE], h[_W_SCAP] = run_capacity, n_state, sent_capacity
         del h
         return cls(shm, owner=True)
 
@@ -260,6 +291,22 @@ class StepRing:
     def set_command(self, values: np.ndarray) -> None:
         _fill(self._cmd_rows[self._slot], values)
 
+    def publish_command(self, values: np.ndarray, t_ns: int, flags: int) -> None:
+        """A command went to the device at ``t_ns``: write it into the current record's command row (the step's
+        last), add ``flags`` (``FLAG_COMMAND`` or ``FLAG_SAFE``) and publish a sent record of its own."""
+        _fill(self._cmd_rows[self._slot], values)
+        self._ints["flags"][self._slot] |= flags
+        j = int(self._header[_W_SHEAD])
+        i = j % self.sent_capacity
+        sent = self._sent_ints
+        sent["step"][i] = self._ints["step"][self._slot]
+        sent["t_ns"][i] = t_ns
+        sent["flags"][i] = flags
+        row = self._sent_rows[i]
+        row.fill(np.nan)
+        _fill(row, values)
+        self._header[_W_SHEAD] = j + 1
+
     def set_state(self, values: np.ndarray) -> None:
         """The family's state after this step's model run (its first ``n_state`` values)."""
         _fill(self._state_rows[self._slot], values)
@@ -311,6 +358,10 @@ class StepRing:
     def runs_published(self) -> int:
         return int(self._header[_W_RHEAD])
 
+    @property
+    def commands_published(self) -> int:
+        return int(self._header[_W_SHEAD])
+
     def read(self, cursor: int, max_records: int | None = None) -> tuple[StepBatch, int]:
         """Copies of the records from ``cursor`` on; returns them and the cursor to pass next time."""
         head = self.published
@@ -324,6 +375,13 @@ class StepRing:
         arrays = dict(self._run_ints, outputs=self.run_outputs)
         got, lost = _copy_span(lambda: self.runs_published, self.run_capacity, head, cursor, max_records, arrays)
         return RunBatch(**got, lost=lost), head
+
+    def read_commands(self, cursor: int, max_records: int | None = None) -> tuple[CommandBatch, int]:
+        """Copies of the sent-command records from ``cursor`` on; returns them and the cursor to pass next time."""
+        head = self.commands_published
+        arrays = dict(self._sent_ints, command=self.sent_command)
+        got, lost = _copy_span(lambda: self.commands_published, self.sent_capacity, head, cursor, max_records, arrays)
+        return CommandBatch(**got, lost=lost), head
 
     def read_events(self, cursor: int) -> tuple[list[dict[str, Any]], int, int]:
         """Events from ``cursor`` on: (events, next cursor, number lost to overwriting)."""

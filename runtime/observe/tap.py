@@ -20,7 +20,7 @@ from typing import Any, TextIO
 import numpy as np
 
 from .hub import ObserverHub, SessionObserver
-from .ring import FLAG_ACTED, FLAG_COMMAND, StepRing
+from .ring import FLAG_ACTED, FLAG_COMMAND, FLAG_SAFE, StepRing
 
 log = logging.getLogger("closedloop.session")
 
@@ -90,9 +90,10 @@ class SessionTap:
         self.last_run_ns = time.monotonic_ns() if t_ns is None else t_ns
         r.publish_run(self.last_run_ns)
 
-    def command(self, values: np.ndarray) -> None:
-        self.ring.set_command(values)
-        self.ring.add_flags(FLAG_COMMAND)
+    def command(self, values: np.ndarray, t_ns: int, safe: bool = False) -> None:
+        """A command went to the device at ``t_ns`` (monotonic, right after the write): the model's, or with
+        ``safe`` the safe command."""
+        self.ring.publish_command(values, t_ns, FLAG_SAFE if safe else FLAG_COMMAND)
 
     def flag(self, flags: int) -> None:
         self.ring.add_flags(flags)

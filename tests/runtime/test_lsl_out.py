@@ -55,7 +55,7 @@ class Recorded:
         self.outlet, self.samples, self.stamps = outlet, [], []
 
     def push_sample(self, x, stamp):
-        self.samples.append(x[0])
+        self.samples.append(x[0] if isinstance(x[0], str) else list(x))  # a text marker, or a sample's values
         self.stamps.append(stamp)
         self.outlet.push_sample(x, stamp)
 
@@ -63,6 +63,9 @@ class Recorded:
         self.samples += list(x)
         self.stamps += list(stamps)
         self.outlet.push_chunk(x, stamps)
+
+    def __getattr__(self, name):  # the rest of the outlet (channel_count, have_consumers) as it is
+        return getattr(self.outlet, name)
 
 
 def _run_recording_outlets(bundle, config, which: tuple[str, ...]):
@@ -91,7 +94,7 @@ def test_the_clock_offset_is_small_on_one_machine():
     assert abs(offset) < 0.05  # Linux: both CLOCK_MONOTONIC
 
 
-def test_an_inlet_receives_every_output_each_command_and_the_text_each_stamped():
+def test_an_inlet_receives_every_output_every_command_and_the_text_each_stamped():
     name = f"cltest-{uuid.uuid4().hex[:10]}"
     obs = LslOutlets(name)
     ring = StepRing.create(n_in=3, n_out=2, n_cmd=1, capacity=256, event_capacity=8, event_slot=256)
@@ -108,24 +111,28 @@ def test_an_inlet_receives_every_output_each_command_and_the_text_each_stamped()
         assert outs.info().type() == "ModelOutput" and outs.info().channel_count() == 2
         assert _labels(outs.info(timeout=5.0)) == ["click", "speed"]  # the XDF channel labels LabRecorder keeps
         assert cmds.info().channel_count() == 1 and text.info().type() == "Markers"
-        steps, runs, typed = [], [], []
+        steps, runs, typed, sent = [], [], [], []
         for k in range(40):
             t_ns = time.monotonic_ns()
             ring.begin(k, t_ns)
             acted = k % 4 != 3  # every fourth step: no frame, the safe command on odd ones of those
             if acted:
-                # every fifth step runs the model on two frames (a decoder catching up): both outputs are published
+                # every fifth step runs the model on two frames and answers each (a decoder catching up): both
+                # outputs and both commands are published
                 for frame in ((k, k + 0.5) if k % 5 == 0 else (k,)):
                     ring.set_input_seq(k)
                     ring.set_output(np.array([frame, -0.5 * frame], dtype=np.float32))
                     t_run = time.monotonic_ns()
                     ring.publish_run(t_run)
                     runs.append((frame, t_run))
-                ring.set_command(np.array([0.25 * k], dtype=np.float32))
-                ring.add_flags(FLAG_ACTED | FLAG_COMMAND)
+                    ring.add_flags(FLAG_ACTED)
+                    t_sent = time.monotonic_ns()
+                    ring.publish_command(np.array([0.25 * frame], dtype=np.float32), t_sent, FLAG_COMMAND)
+                    sent.append((0.25 * frame, t_sent))
             elif k % 8 == 7:
-                ring.set_command(np.array([0.0], dtype=np.float32))
-                ring.add_flags(FLAG_SAFE)
+                t_sent = time.monotonic_ns()
+                ring.publish_command(np.array([0.0], dtype=np.float32), t_sent, FLAG_SAFE)
+                sent.append((0.0, t_sent))
             ring.publish(latency_ns=50_000, lateness_ns=1_000)
             steps.append((k, t_ns + 50_000, acted, k % 8 == 7))
             if k in (10, 30):  # the session's "typed" event: what the step typed, when its output was ready
@@ -134,23 +141,22 @@ def test_an_inlet_receives_every_output_each_command_and_the_text_each_stamped()
             ring.event({"event": "status", "step": k, "text": "hello"})  # the status line's text is not published
             time.sleep(0.002)
         acted_steps = [s for s in steps if s[2]]
-        sent_steps = [s for s in steps if s[2] or s[3]]
         x, ts = _pull_all(outs, len(runs))
         np.testing.assert_array_equal(np.array(x), [[f, -0.5 * f] for f, _ in runs])
         want = np.array([t for _, t in runs]) / 1e9 + obs.offset_s
         np.testing.assert_allclose(ts, want, atol=1e-6)  # when each output was ready, on the LSL clock
-        c, cts = _pull_all(cmds, len(sent_steps))
-        np.testing.assert_array_equal(np.array(c)[:, 0], [0.25 * k if a else 0.0 for k, _, a, _ in sent_steps])
-        np.testing.assert_allclose(cts, np.array([t for _, t, *_ in sent_steps]) / 1e9 + obs.offset_s, atol=1e-6)
+        c, cts = _pull_all(cmds, len(sent))
+        np.testing.assert_array_equal(np.array(c)[:, 0], [v for v, _ in sent])  # each command, two in a step too
+        np.testing.assert_allclose(cts, np.array([t for _, t in sent]) / 1e9 + obs.offset_s, atol=1e-6)  # when sent
         words, wts = _pull_all(text, 2)
         assert [w[0] for w in words] == ["he", "llo"]
         np.testing.assert_allclose(wts, np.array(typed) / 1e9 + obs.offset_s, atol=1e-6)  # its output's stamp
     finally:
         hub.stop({})
         ring.close()
-    assert len(runs) > len(acted_steps)
-    assert obs.pushed == {"outputs": len(runs), "commands": len(sent_steps), "text": 2, "state": 0}
-    assert obs.lost == 0 and obs.lost_outputs == 0 and not obs.outlets
+    assert len(runs) > len(acted_steps) and len(sent) > len([s for s in steps if s[2] or s[3]])
+    assert obs.pushed == {"outputs": len(runs), "commands": len(sent), "text": 2, "state": 0}
+    assert obs.lost == 0 and obs.lost_outputs == 0 and obs.lost_commands == 0 and not obs.outlets
 
 
 def test_a_bad_name_is_refused_with_what_to_give():
@@ -172,21 +178,34 @@ def test_a_name_whose_outlets_another_session_publishes_is_refused():
     LslOutlets(f"{name}-2")  # another name is free
 
 
-def test_a_session_publishes_every_output_a_step_that_ran_several_frames_included(gru_bundle, tmp_path):
+def test_a_session_publishes_every_output_and_command_a_step_that_ran_several_frames_included(gru_bundle, tmp_path):
     """A decoder consumes every frame; a step that finds two (frames bunched by the link's jitter) runs the model
-    on both. A lab's LSL recorder must get each output, as the session's recording does (its OUTPUT records)."""
+    on both and answers each. A lab's LSL recorder must get each output and each command sent, as the session's
+    recording does (its OUTPUT and TX records), each command stamped when it was written."""
+    from closedloop.firmware_bridge import FrameParser
+    from closedloop.firmware_bridge.messages import DecoderOutput
     from closedloop.runtime import RecordingReader, RecordType, SessionConfig
 
     record = tmp_path / "s.clrec"
     obs, wrapped, _ = _run_recording_outlets(gru_bundle, SessionConfig(
         device="sim://headstage?channels=12&delay_ms=10&jitter_ms=10&seed=2", duration_s=3.0, status=False,
-        backend="onnxruntime", record=str(record)), ("outputs",))
+        backend="onnxruntime", record=str(record)), ("outputs", "commands"))
     recorded = [rec.payload for rec in RecordingReader(record).of_type(RecordType.OUTPUT)]
     steps = [int.from_bytes(p[:4], "little") for p in recorded]
     assert len(steps) > len(set(steps)), "no step ran the model on two frames: the test shows nothing"
     values = np.array([np.frombuffer(p[8:], dtype="<f4") for p in recorded])
     assert obs.pushed["outputs"] == len(recorded) and obs.lost_outputs == 0
     np.testing.assert_array_equal(np.array(wrapped["outputs"].samples), values)
+    parser = FrameParser()
+    tx = [(rec.host_ns, f.message) for rec in RecordingReader(record).of_type(RecordType.TX)
+          for f in parser.feed(rec.payload) if isinstance(f.message, DecoderOutput)]
+    assert obs.pushed["commands"] == len(tx) and obs.lost_commands == 0  # the model's and the stop's safe one
+    np.testing.assert_array_equal(np.array(wrapped["commands"].samples),
+                                  np.array([m.char_probs for _, m in tx], dtype=np.float32))
+    # stamped right after each write, the TX record's time taken just before it (the same clock, CLOCK_MONOTONIC)
+    written = np.array([t for t, _ in tx]) / 1e9 + obs.offset_s
+    gap = np.array(wrapped["commands"].stamps) - written
+    assert np.all(gap > -1e-4) and np.median(gap) < 2e-3, gap
 
 
 def test_typed_text_is_published_when_it_is_typed_with_the_stamp_of_the_output_that_typed_it(typing_bundle):

@@ -9,7 +9,14 @@ import time
 import numpy as np
 import pytest
 
-from closedloop.runtime.observe import FLAG_ACTED, FLAG_SAFE, ObserverHub, SessionObserver, StepRing
+from closedloop.runtime.observe import (
+    FLAG_ACTED,
+    FLAG_COMMAND,
+    FLAG_SAFE,
+    ObserverHub,
+    SessionObserver,
+    StepRing,
+)
 
 pytestmark = pytest.mark.timing  # wall-clock bounds: make test runs this file alone, after the parallel part
 
@@ -79,10 +86,10 @@ def test_writing_a_step_allocates_nothing(bytes_allocated):
         ring.set_output(out)
         for offset, values in more:
             ring.set_output(values, offset)
-        ring.set_command(cmd)
         ring.set_state(state)
         ring.add_flags(FLAG_ACTED)
         ring.publish_run(k[0])
+        ring.publish_command(cmd, k[0], FLAG_COMMAND)
         ring.publish(1, 1)
         k[0] += 1
 
@@ -117,18 +124,49 @@ def test_every_model_run_is_a_run_record_where_the_step_record_keeps_the_last(ri
     assert len(runs) == 15 and runs.lost == 25 and runs.t_ns.tolist() == list(range(25, 40))
 
 
+def test_every_command_sent_is_a_sent_record_where_the_step_record_keeps_the_last(ring):
+    """A step that answered two frames (a decoder catching up) sent two commands: one step record (the last command,
+    both flags) and a sent record each, with the time it went out; a reader further behind than S loses the oldest."""
+    for k in range(4):
+        ring.begin(k, 1000 * k)
+        for j in range(2 if k == 2 else 1):
+            ring.publish_command(np.array([k + 0.25 * j], dtype=np.float32), 1000 * k + 10 * (j + 1),
+                                 FLAG_SAFE if k == 3 else FLAG_COMMAND)
+        ring.publish(1, 1)
+    steps, _ = ring.read(0)
+    sent, cursor = ring.read_commands(0)
+    assert steps.command[:, 0].tolist() == [0.0, 1.0, 2.25, 3.0] and steps.flags.tolist() == [2, 2, 2, 4]
+    assert cursor == 5 and sent.lost == 0
+    assert sent.step.tolist() == [0, 1, 2, 2, 3] and sent.command[:, 0].tolist() == [0.0, 1.0, 2.0, 2.25, 3.0]
+    assert sent.t_ns.tolist() == [10, 1010, 2010, 2020, 3010] and sent.flags.tolist() == [2, 2, 2, 2, 4]
+    for k in range(40):  # 16 sent slots: the one being written is never read
+        ring.begin(k, 0)
+        ring.publish_command(np.zeros(1, dtype=np.float32), k, FLAG_COMMAND)
+        ring.publish(1, 1)
+    sent, cursor = ring.read_commands(cursor)
+    assert len(sent) == 15 and sent.lost == 25 and sent.t_ns.tolist() == list(range(25, 40))
+
+
 def test_the_block_has_the_size_the_documented_layout_gives(ring):
-    """docs/monitor.md: 8 * 16 + C * (48 + 4 * (n_in + n_out + n_cmd + n_state)) + R * (24 + 4 * n_out) + E * slot."""
-    c, r, e, slot = 16, 16, 4, 256
-    events_at = 8 * 16 + c * (48 + 4 * (3 + 2 + 1)) + r * (24 + 4 * 2)
+    """docs/monitor.md: 8 * 16 + C * (48 + 4 * (n_in + n_out + n_cmd + n_state)) + R * (24 + 4 * n_out)
+    + S * (24 + 4 * n_cmd) + E * slot; a sent record where the sent arrays are."""
+    c, r, sc, e, slot = 16, 16, 16, 4, 256
+    sent_at = 8 * 16 + c * (48 + 4 * (3 + 2 + 1)) + r * (24 + 4 * 2)
+    events_at = sent_at + sc * (24 + 4 * 1)
     assert ring._shm.size >= events_at + e * slot
     ring.event({"event": "x", "step": 1})
     raw = bytes(ring._shm.buf[events_at:events_at + 64])
     n = int.from_bytes(raw[:4], "little")
     assert raw[4:4 + n] == b'{"event":"x","step":1}'
+    ring.begin(7, 0)
+    ring.publish_command(np.array([1.5], dtype=np.float32), 123, 4)
+    words = np.ndarray((3 * sc,), dtype="<i8", buffer=ring._shm.buf, offset=sent_at)
+    assert words[0] == 7 and words[sc] == 123 and words[2 * sc] == 4  # sent_step, sent_t_ns, sent_flags: slot 0
+    assert np.ndarray((1,), dtype="<f4", buffer=ring._shm.buf, offset=sent_at + 24 * sc)[0] == 1.5
     header = np.ndarray((16,), dtype="<i8", buffer=ring._shm.buf)
-    assert header[1] == 3 and header[10] == r and header[11] == 0 and not header[12:].any()  # n_state 0
-    del header
+    assert header[1] == 4 and header[10] == r and header[11] == 0 and header[12] == 0  # n_state 0
+    assert header[13] == sc and header[14] == 1 and header[15] == 0
+    del header, words
 
 
 def test_a_family_state_goes_where_the_layout_says_and_reads_back_with_its_step():
@@ -156,7 +194,7 @@ def test_a_family_state_goes_where_the_layout_says_and_reads_back_with_its_step(
         assert batch.state.shape == (3, n_state)
         np.testing.assert_array_equal(batch.state[[0, 2]], [[0, 0, 0, 0.5], [2, 20, -2, 0.5]])
         assert np.isnan(batch.state[1]).all()
-        events_at = state_at + 4 * c * n_state + c * (24 + 4 * n_out)
+        events_at = state_at + 4 * c * n_state + c * (24 + 4 * n_out) + c * (24 + 4 * n_cmd)  # runs, sent: C each
         ring.event({"event": "x", "step": 1})
         n = int.from_bytes(bytes(ring._shm.buf[events_at:events_at + 4]), "little")
         assert bytes(ring._shm.buf[events_at + 4:events_at + 4 + n]) == b'{"event":"x","step":1}'
@@ -205,9 +243,9 @@ def test_attach_refuses_a_block_that_is_not_a_ring():
         with pytest.raises(ValueError, match="not a closedloop step ring"):
             StepRing.attach(shm.name)
         header = np.ndarray((16,), dtype="<i8", buffer=shm.buf)
-        header[0], header[1] = 0x434C4F4F50524E47, 2  # a ring of an older layout
+        header[0], header[1] = 0x434C4F4F50524E47, 3  # a ring of an older layout
         del header
-        with pytest.raises(ValueError, match="is a step ring of layout 2; this closedloop reads layout 3"):
+        with pytest.raises(ValueError, match="is a step ring of layout 3; this closedloop reads layout 4"):
             StepRing.attach(shm.name)
     finally:
         shm.close()
