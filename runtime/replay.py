@@ -286,10 +286,31 @@ def replay_recording(recording: str | Path, bundle: Bundle | str | Path, backend
     missing = 0
     unmatched = 0  # MORE_OUTPUT records with no output of this bundle (or no re-run OUTPUT) to compare with
     in_loop = False  # the RX before META is the handshake; a HELLO after it reset the family (re-handshake)
+    # The commands the session sent (TX records), given to the family where the session gave them (an observer of
+    # a device that does not report its applied input takes the last one sent as applied): those written before
+    # a run's input arrived, before the run; the one written just before a run's OUTPUT record, after the run
+    # (the session sends a run's command and then records the run).
+    tx_parser, sent_values = make_parser(None), fam.command.values
+    pending: list[np.ndarray] = []
+    just_sent = False  # the previous record was a TX holding a command: the next OUTPUT's own, if one follows
+
+    def give_sent(upto: int) -> None:
+        for values in pending[:upto]:
+            fam.on_command_sent(values)
+        del pending[:upto]
+
     for rec in reader:
+        after_tx, just_sent = just_sent, False
         if rec.type == RecordType.META:
             in_loop = True
+        elif rec.type == RecordType.TX:
+            for f in tx_parser.feed(rec.payload):
+                values = sent_values(f.message) if in_loop else None
+                if values is not None:
+                    pending.append(np.asarray(values, dtype=np.float32))
+                    just_sent = True
         elif rec.type == RecordType.RX:
+            give_sent(len(pending))
             for f in parser.feed(rec.payload):
                 if isinstance(f.message, Hello):
                     if in_loop:
@@ -324,10 +345,12 @@ def replay_recording(recording: str | Path, bundle: Bundle | str | Path, backend
                     continue
                 msg, frame_time_us = found_input
                 fam.frame_time_us = frame_time_us
+                give_sent(len(pending) - 1 if after_tx else len(pending))  # all but this run's own command
                 _, bad = fam.guarded_step(msg)  # as the session did: a non-finite step is refused, bad state reset
                 state = fam.state_vector.astype(np.float32)  # before a refused step's recovery, as recorded
                 if bad is not None and bad != "held":
                     fam.recover_nonfinite()
+                give_sent(len(pending))
                 current = (seq, ys, state)
             diffs.append(per_name[names[0]].add(current[1][0], recorded, names[0]))
         elif rec.type == RecordType.MORE_OUTPUT:

@@ -41,6 +41,9 @@ class InputKind(Generic[_M]):
 class CommandKind:
     message: type[Message] | None
     build: Callable[[np.ndarray, int], Message | None]
+    #: The values a sent message of this kind carries (what ``build`` was given), or None for a message that is
+    #: not this kind's (another joint mode): replay reads the commands a recording's TX records hold with it.
+    values: Callable[[Message], np.ndarray | None] = lambda m: None
 
 
 def _sized(values: np.ndarray, out: np.ndarray, what: str) -> None:
@@ -73,11 +76,19 @@ INPUT_KINDS: dict[str, InputKind[Any]] = {
     "joint_state": InputKind(JointState, _joint_q_dq, size_field=None),
 }
 
+def _joint_values(mode: JointMode) -> Callable[[Message], np.ndarray | None]:
+    return lambda m: m.values if isinstance(m, JointCommand) and m.mode == mode else None
+
+
 COMMAND_KINDS: dict[str, CommandKind] = {
-    "actuator_command": CommandKind(ActuatorCommand, lambda v, k: ActuatorCommand(u=v.reshape(-1))),
-    "joint_position": CommandKind(JointCommand, lambda v, k: JointCommand(JointMode.POSITION, v.reshape(-1))),
-    "joint_velocity": CommandKind(JointCommand, lambda v, k: JointCommand(JointMode.VELOCITY, v.reshape(-1))),
-    "decoder_output": CommandKind(DecoderOutput, lambda v, k: DecoderOutput(bin_index=k, char_probs=v.reshape(-1))),
+    "actuator_command": CommandKind(ActuatorCommand, lambda v, k: ActuatorCommand(u=v.reshape(-1)),
+                                    lambda m: m.u if isinstance(m, ActuatorCommand) else None),
+    "joint_position": CommandKind(JointCommand, lambda v, k: JointCommand(JointMode.POSITION, v.reshape(-1)),
+                                  _joint_values(JointMode.POSITION)),
+    "joint_velocity": CommandKind(JointCommand, lambda v, k: JointCommand(JointMode.VELOCITY, v.reshape(-1)),
+                                  _joint_values(JointMode.VELOCITY)),
+    "decoder_output": CommandKind(DecoderOutput, lambda v, k: DecoderOutput(bin_index=k, char_probs=v.reshape(-1)),
+                                  lambda m: m.char_probs if isinstance(m, DecoderOutput) else None),
     "none": CommandKind(None, lambda v, k: None),
 }
 

@@ -6,7 +6,8 @@ it sends ``y = h(x) + noise`` together with the input ``u`` being applied.  An
 ACTUATOR_COMMAND takes effect when it arrives (zero-order hold: the plant is first
 integrated up to that instant with the old input), clipped to the plant's limits
 (reported by STATUS).  With no command for ``hold_s`` the plant applies zero input,
-its own safety, until the next command.
+its own safety, until the next command. ``report_u=0`` sends ``y`` alone (an empty ``u``), as a device that
+does not report what it applied: an observer then takes the last command it sent as applied.
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ class PlantDevice(Device):
         Param("internal_hz", float, 5000.0, "RK4 integration rate in Hz", low=1.0, high=1e6),
         Param("noise", float, 0.0, "measurement noise standard deviation (output units)", low=0.0),
         Param("hold_s", float, 0.1, "apply zero input after this long without a command", low=0.0),
+        Param("report_u", int, 1, "1: each measurement carries the input being applied; 0: y alone, as a device "
+              "that does not report it", low=0, high=1),
     )
 
     @classmethod
@@ -92,7 +95,7 @@ class PlantDevice(Device):
         y = np.asarray(self.plant.h(self.x), dtype=float)
         if self.params["noise"]:
             y = y + self._noise_rng.normal(0.0, self.params["noise"], y.shape)
-        return [PlantMeasurement(y, self.u)]
+        return [PlantMeasurement(y, self.u if self.params["report_u"] else np.zeros(0))]
 
     def on_message(self, message: Message, t_s: float) -> None:
         if not isinstance(message, ActuatorCommand):

@@ -167,6 +167,22 @@ def test_a_session_with_lost_measurements_replays_to_the_bit(observer_bundle, tm
     assert rep.family_state["compared"] > 100 and rep.family_state["max_abs_diff"] == 0.0 and rep.max_abs_diff == 0.0
 
 
+def test_a_device_that_does_not_report_its_input_replays_to_the_bit(observer_bundle, tmp_path):
+    """A plant that sends y alone (nu = 0): the observer takes the last command it sent as applied, safe commands
+    included (a watchdog trip mid-session), so replay must feed it the commands the recording's TX records hold,
+    each where the session sent it, to find the same estimate."""
+    from closedloop.runtime.replay import replay_recording
+
+    rec = tmp_path / "no_u.clrec"
+    s = run_session(observer_bundle, SessionConfig(
+        device="sim://plant?model=flexible-joint&rate=1000&seed=5&report_u=0&silence_at=0.3&silence_s=0.4",
+        duration_s=0.8, status=False, backend="onnxruntime", record=str(rec)))
+    assert s.commands_sent > 100 and s.safe_commands_sent > 0  # the watchdog's safe commands are among them
+    rep = replay_recording(rec, observer_bundle)
+    assert rep.family_state["compared"] > 100 and rep.missing_inputs == 0
+    assert rep.family_state["max_abs_diff"] == 0.0 and rep.max_abs_diff == 0.0, rep.format()
+
+
 def test_through_lost_measurements_the_estimate_is_carried_by_the_model(observer_bundle):
     """Frames lost on the link (or refused) leave periods without a measurement, which the device's clock shows.
     The estimate is carried through them by the model, so the next measurement finds it where the plant is, not
