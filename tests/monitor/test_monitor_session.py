@@ -115,6 +115,27 @@ def test_a_typing_session_shows_text_growing_and_steps_rising(typing_bundle, pag
     assert np.all(np.diff(view.steps["step"]) > 0)
 
 
+def test_a_silence_in_a_neural_stream_is_marked_on_the_heat_map(typing_bundle, page, screenshot_dir):
+    """The heat map's columns are frames: a headstage that went silent for a while shows a pause there, with the
+    time without frames, not the two sides drawn as if they touched."""
+    bg = Background(typing_bundle, device=f"sim://headstage?channels={C}&seed=3&silence_at=1.5&silence_s=0.4",
+                    duration_s=6.0, monitor="0")
+    page.goto(bg.session.monitor_url)
+    page.wait_for_function("() => { const m = /([0-9.]+) s without frames/.exec("
+                           "document.getElementById('input-legend').textContent); return m && +m[1] >= 0.3; }",
+                           timeout=30_000)
+    legend = page.text_content("#input-legend")
+    silent = float(legend.split(" s without frames")[0].split()[-1])
+    assert "pause" in legend and silent <= 0.6, legend  # the 0.4 s silence (and a late step or two at most)
+    orange = page.evaluate("""() => { const c = document.getElementById('input'), d = c.getContext('2d')
+        .getImageData(0, 0, c.width, c.height).data; let n = 0;
+        for (let i = 0; i < d.length; i += 4) if (d[i] === 255 && d[i + 1] === 159 && d[i + 2] === 28) n++; return n; }""")
+    assert orange >= 2 * 20, orange  # a line at least 2 pixels wide down the map
+    page.screenshot(path=str(screenshot_dir / "monitor_neural_break.png"))
+    bg.session.stop()
+    bg.join()
+
+
 def test_the_page_shows_the_prompt_the_device_reports(typing_bundle, page):
     # the handwriting source reports the sentence it is playing; the session asks for REPORTs when monitored
     bg = Background(typing_bundle, device=f"sim://headstage?channels={C}&source=handwriting&session=1&seed=2",

@@ -9,7 +9,7 @@
   const S = window.monitorState = {
     info: null, connected: false, everConnected: false, ended: false, updates: 0, step: -1, state: "connecting", text: "",
     prompt: "", events: [], counts: { watchdog: 0, reconnects: 0, missed: 0, lost: 0, dropped: 0 },
-    t: [], lat: [], late: [], missed: [], flags: [], cmd: [], inp: [], inpSeq: [], inpOut: [], inpSt: [], out: [], st: [], stepsSeen: 0, status: null,
+    t: [], lat: [], late: [], missed: [], flags: [], cmd: [], inp: [], inpSeq: [], inpT: [], inpOut: [], inpSt: [], out: [], st: [], stepsSeen: 0, status: null,
     typedChars: 0,
   };
   let updatesThisSecond = 0;
@@ -123,6 +123,7 @@
     const acted = m.flags.map((f, j) => j).filter((j) => m.flags[j] & FLAG.ACTED);
     push(S.inp, acted.map((j) => m.inputs[j]), RASTER_ROWS);
     push(S.inpSeq, acted.map((j) => m.input_seq[j]), RASTER_ROWS);
+    push(S.inpT, acted.map((j) => m.t_s[j]), RASTER_ROWS);
     push(S.inpOut, acted.map((j) => m.outputs[j]), RASTER_ROWS);
     push(S.inpSt, acted.map((j) => m.state[j] || []), RASTER_ROWS);  // the family's state after reading each
     push(S.st, acted.map((j) => m.state[j] || []), KEEP);
@@ -157,6 +158,7 @@
     };
     const shown = []; for (let i = i0; i < ni; i++) shown.push(i);
     S.inpSeq = shown.map((i) => r.inputs.seq[i]);
+    S.inpT = shown.map((i) => r.inputs.t_s[i]);
     S.inpOut = shown.map((i) => readBy(r.outputs, i));
     const st = r.state || { t_s: [], rows: [], seq: [] }, ns = upTo(st.t_s, T);  // the family's state: the runs up
     S.st = st.rows.slice(Math.max(0, ns - KEEP), ns);                             // to T, and each frame's
@@ -246,8 +248,10 @@
 
   // rows (oldest first, at most RASTER_ROWS) as columns of n cells, row j's value at height j from the bottom, its
   // brightness level(v) in [0, 1]: one pixel per cell in an ImageData, scaled up by drawImage, so a 192 x 200 map is one blit.
+  // breaks: indices of the rows that come after a pause in the stream: an orange line before each, as the columns
+  // are frames, not equal steps of time.
   const heats = {};
-  function heatmap(id, rows, n, level) {
+  function heatmap(id, rows, n, level, breaks) {
     const [g, w, h] = canvas(id);
     let c = heats[id];
     if (!c || c.width !== RASTER_ROWS || c.height !== n) {
@@ -262,6 +266,23 @@
     hg.putImageData(img, 0, 0);
     g.imageSmoothingEnabled = false;
     g.drawImage(c, 0, 0, w, h);
+    if (breaks && breaks.length) {
+      const cw = w / RASTER_ROWS, lw = Math.max(2, Math.round(window.devicePixelRatio || 1));
+      g.fillStyle = "#ff9f1c";
+      for (const i of breaks) g.fillRect(Math.round((off + i) * cw) - lw / 2, 0, lw, h);
+    }
+  }
+
+  // Where the frames drawn paused: the rows that come more than five periods and 50 ms after the row before them
+  // (times t in seconds: when the loop acted on each), and the time without frames in all (a device that went
+  // silent, frames lost on the link, a loop that fell behind and drew only the newest of the frames it caught up on).
+  function streamPauses(t) {
+    const period = 1 / ((S.info && S.info.rate_hz) || 1), at = []; let silent = 0;
+    for (let i = 1; i < t.length; i++) {
+      const d = t[i] - t[i - 1];
+      if (d > Math.max(5 * period, 0.05)) { at.push(i); silent += d - period; }
+    }
+    return { at, silent };
   }
 
   // the output rows of the steps where the model ran (the others are all null)
@@ -282,8 +303,11 @@
     if (neural) {
       let hi = 0; for (const r of rows) for (const v of r) if (v > hi) hi = v;
       hi = hi || 1;
-      heatmap("input", rows, nch, (v) => (v === null || !(v > 0) ? 0 : Math.min(1, v / hi)));
-      $("input-legend").textContent = `${nch} channels x last ${rows.length} frames; brightest = ${hi} counts`;
+      const ps = streamPauses(S.inpT.slice(-rows.length));
+      heatmap("input", rows, nch, (v) => (v === null || !(v > 0) ? 0 : Math.min(1, v / hi)), ps.at);
+      $("input-legend").textContent = `${nch} channels x last ${rows.length} frames; brightest = ${hi} counts` +
+        (ps.at.length ? `; orange: ${ps.at.length} pause${ps.at.length === 1 ? "" : "s"}, ` +
+          `${ps.silent.toFixed(2)} s without frames (columns are frames, not time)` : "");
     } else {
       const [g, w, h] = canvas("input");
       const cols = []; for (let j = 0; j < Math.min(nch, 8); j++) cols.push(column(rows, j));
