@@ -110,6 +110,8 @@ def format_grant(grant: dict[str, Any]) -> str:
     elif emu:
         text += (f"; the device emulator (pid {emu['pid']}) {emu['policy']} priority {emu['priority']} on CPU "
                  + ",".join(map(str, emu["cpus"])))
+        if set(emu["cpus"]) & set(g["cpus"]):
+            text += " (the loop's too: the process may use no other CPU, as under a unit's CPUAffinity=)"
     return text
 
 

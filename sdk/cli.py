@@ -788,6 +788,12 @@ def _package_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--input", action="append", default=[], metavar="NAME=V1,V2,...",
                    help="the value of an input the device does not stream (a goal), passed to the service's "
                         "closedloop run as --input (repeatable); a bundle that needs one and has none is refused")
+    p.add_argument("--overrun", choices=("skip", "hold", "stop"), default=None,
+                   help="the service's closedloop run --overrun (default: run's own); stop ends the session at an "
+                        "overrun with exit 1, which the unit does not restart")
+    p.add_argument("--watchdog-limit", type=float, default=None, metavar="S",
+                   help="the service's closedloop run --watchdog-limit: stop the session (exit 1, not restarted) after "
+                        "S seconds without input")
 
 
 @command("package", "bundles and their runtime for a board: wheelhouse, install.sh, systemd unit", _package_args)
@@ -799,7 +805,7 @@ def _package(a: argparse.Namespace) -> int:
     opts = PackageOptions(target=a.target, extras=a.extras, ort_only=a.ort_only, find_links=a.find_links,
                           no_index=a.no_index, from_installed=a.from_installed, prefix=a.prefix, device=a.device,
                           cpu=a.cpu, priority=a.priority, user=a.user, overwrite=a.overwrite, trust=a.trust,
-                          inputs=_held_inputs(a.input))
+                          inputs=_held_inputs(a.input), overrun=a.overrun, watchdog_limit_s=a.watchdog_limit)
     package(a.bundles, a.out, opts, report=lambda s: print(s, file=sys.stderr))
     return 0
 

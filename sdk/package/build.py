@@ -13,6 +13,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
+import os
+import re
 import shlex
 import shutil
 import tempfile
@@ -53,6 +56,9 @@ class PackageOptions:
     trust: list[str] = field(default_factory=list)
     #: the values of inputs the device does not stream (a goal), by input name: the service's ``--input`` options
     inputs: dict[str, list[float]] = field(default_factory=dict)
+    #: the service's ``--overrun`` policy and ``--watchdog-limit`` seconds (None: closedloop run's defaults)
+    overrun: str | None = None
+    watchdog_limit_s: float | None = None
 
 
 @dataclass
@@ -105,6 +111,57 @@ def _check_held_inputs(path: str, bundle, inputs: dict[str, list[float]]) -> Non
                            "could not start without their values: give each with --input NAME=V1,V2,... (the "
                            "service's closedloop run gets it), or map a message type to it at export "
                            "(extra={'session': {'inputs': {NAME: 'plant_measurement'}}})")
+
+
+_USER = re.compile(r"[a-z_][a-z0-9_-]{0,31}")
+_UNSAFE = re.compile(r"[\s'\"\\`]|[\x00-\x1f\x7f]")  # whitespace, quotes, backslash, control characters
+
+
+def check_service_options(opts: PackageOptions, target: Target) -> None:
+    """Refuse what would write a broken unit or install.sh (a device with a space became extra arguments of the
+    service's command; a relative prefix, a negative CPU or a user name with a space are not valid there)."""
+    if not opts.prefix.startswith("/") or _UNSAFE.search(opts.prefix) or any(c in opts.prefix for c in "%$"):
+        raise PackageError(f"--prefix {opts.prefix!r}: give an absolute folder without spaces, quotes, % or $ "
+                           "(the unit and install.sh name it), like /opt/closedloop")
+    if not _USER.fullmatch(opts.user):
+        raise PackageError(f"--user {opts.user!r}: give a plain user name (lower-case letters, digits, _ and -, "
+                           "starting with a letter or _), like closedloop")
+    cpus = (os.cpu_count() or 1) if not target.foreign else 1024
+    if not 0 <= opts.cpu < cpus:
+        raise PackageError(f"--cpu {opts.cpu}: give the number of a CPU of the board, 0 to {cpus - 1}"
+                           + (" (this machine's)" if not target.foreign else ""))
+    dev = opts.device
+    if not dev or _UNSAFE.search(dev):
+        raise PackageError(f"--device {dev!r}: give one device path or URL, without spaces or quotes (the service's "
+                           "closedloop run opens it), like /dev/ttyACM0 or serial:///dev/ttyUSB0?baud=921600")
+    if "://" not in dev and not dev.startswith("/"):
+        raise PackageError(f"--device {dev!r}: give the device's absolute path (/dev/ttyACM0, a /dev/serial/by-id/ "
+                           "link) or a URL (serial://, tcp://, sim://NAME?...)")
+    from closedloop.firmware_bridge.transports.base import split_device_url
+
+    scheme, name, raw = split_device_url(dev)
+    if scheme == "sim":
+        from closedloop.sim.devices import device_params
+        from closedloop.sim.params import ParamError
+
+        try:
+            device_params(name.strip("/"), raw)
+        except (ParamError, ValueError) as exc:
+            raise PackageError(f"--device {dev}: {exc}") from None
+    if opts.overrun is not None and opts.overrun not in ("skip", "hold", "stop"):
+        raise PackageError(f"--overrun {opts.overrun!r}: one of skip, hold, stop (closedloop run --help)")
+    if opts.watchdog_limit_s is not None and not (opts.watchdog_limit_s > 0 and math.isfinite(opts.watchdog_limit_s)):
+        raise PackageError(f"--watchdog-limit {opts.watchdog_limit_s}: give the seconds of silence after which the "
+                           "service's session stops, more than 0")
+
+
+def _unit_arg(value: str) -> str:
+    """``value`` as one argument of a systemd ``ExecStart=`` line: ``%`` and ``$`` escaped (systemd expands
+    specifiers and variables there), double-quoted unless it is plain (a path, a flag, a URL)."""
+    escaped = value.replace("%", "%%").replace("$", "$$")
+    if re.fullmatch(r"[A-Za-z0-9_./:=,+@?&%$-]+", value):
+        return escaped
+    return '"' + escaped.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
 def _copy_bundles(paths: list[str], dest: Path, ort_only: bool = False, trust: list[str] | None = None,
@@ -165,25 +222,39 @@ def _lock(wheels: list[Path]) -> str:
 
 def _install_sh(target: Target, opts: PackageOptions, bundles: list[str], trusted: bool) -> str:
     q = shlex.quote
-    # exactly the locked wheels, each checked against its sha256, reinstalled over an older install of the same
-    # version; --isolated: no pip.conf or PIP_* variables of the board take part
+    # exactly the locked wheels (less WITHOUT's), each checked against its sha256; --isolated: no pip.conf or PIP_*
+    # variables of the board take part
     pip = ('"$PREFIX/venv/bin/pip" install --isolated --no-index --find-links "$HERE/wheelhouse" --no-deps '
-           '--require-hashes --force-reinstall -r "$HERE/requirements.lock"\n')
+           '--require-hashes -r "$LOCK"\n')
     trust = ' --trust "$PREFIX/trust"' if trusted else ""
-    keys = ('rm -rf "$PREFIX/trust" && mkdir -p "$PREFIX/trust" && cp "$HERE"/trust/*.pub "$PREFIX/trust/"\n'
-            if trusted else "")
+    keys = ('mkdir "$PREFIX/trust" && cp "$HERE"/trust/*.pub "$PREFIX/trust/"\n' if trusted else "")
     return f"""#!/bin/sh
 # Offline install of closedloop for target {target.name}: {target.description}.
-# A venv in $CLOSEDLOOP_PREFIX (default {opts.prefix}) from ./wheelhouse only (no network), the
+# A fresh venv in $CLOSEDLOOP_PREFIX (default {opts.prefix}) from ./wheelhouse only (no network), the
 # bundles copied beside it, then the Numba cache ($NUMBA_CACHE_DIR, default /var/cache/closedloop)
 # filled for them and the wire protocol's C scanner library built into $CLOSEDLOOP_CACHE_DIR (the
-# same folder by default), so the service's first session compiles nothing.
+# same folder by default), so the service's first session compiles nothing. What the prefix held
+# (venv, bundles, trust) is set aside first and put back if anything fails.
+#   PYTHON=python3.X                 the interpreter of the venv (default python3)
+#   SYSTEM_SITE_PACKAGES=1           a venv that sees the system's packages (JetPack's onnxruntime-gpu, tensorrt);
+#                                    kept from the venv this install replaces where that one had it
+#   WITHOUT="onnxruntime ..."        wheels of the package not to install (the system's are used instead)
 set -eu
 HERE=$(cd "$(dirname "$0")" && pwd)
-# every file as packaged (SHA256SUMS; check SHA256SUMS itself against the digest the package command printed)
+# every file as packaged (SHA256SUMS; check SHA256SUMS itself against the digest the package command printed),
+# and no file that SHA256SUMS does not list (a key added to trust/ would be trusted)
 if ! (cd "$HERE" && sha256sum --quiet --strict -c SHA256SUMS); then
     echo "install.sh: the package's files do not match SHA256SUMS (changed or damaged since packaging): copy the" >&2
     echo "  package again from the machine that built it; nothing was installed." >&2
+    exit 2
+fi
+listed=$(cd "$HERE" && sed -n 's/^[0-9a-f]*  //p' SHA256SUMS | LC_ALL=C sort)
+added=$(cd "$HERE" && find . ! -type d ! -path ./SHA256SUMS | LC_ALL=C sort | while IFS= read -r f; do
+    printf '%s\n' "$listed" | grep -qxF -- "$f" || printf '  %s\n' "$f"; done)
+if [ -n "$added" ]; then
+    echo "install.sh: the package holds files that SHA256SUMS does not list (added since packaging):" >&2
+    printf '%s\n' "$added" >&2
+    echo "  copy the package again from the machine that built it; nothing was installed." >&2
     exit 2
 fi
 PREFIX=${{CLOSEDLOOP_PREFIX:-{opts.prefix}}}
@@ -196,31 +267,73 @@ if [ "$machine" != "{target.machine}" ]; then
     echo "  Package again with --target host on this machine, or copy the package to a {target.machine} board." >&2
     exit 2
 fi
+if ! command -v "$PYTHON" >/dev/null 2>&1; then
+    echo "install.sh: no $PYTHON here: install Python {target.python_version}, or set PYTHON to its path; nothing was installed." >&2
+    exit 2
+fi
 have=$("$PYTHON" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
 if [ "$have" != "{target.python_version}" ]; then
     echo "install.sh: this package is for Python {target.python_version} (target {target.name}); $PYTHON is $have." >&2
     echo "  Set PYTHON=python{target.python_version}, or package again with --target host on this machine." >&2
     exit 2
 fi
-"$PYTHON" -m venv "$PREFIX/venv"
-{pip}{keys}mkdir -p "$PREFIX/bundles" "$NUMBA_CACHE_DIR" "$CLOSEDLOOP_CACHE_DIR"
+if command -v systemctl >/dev/null 2>&1 && systemctl is-active --quiet closedloop 2>/dev/null; then
+    echo "install.sh: the closedloop service is running: stop it first (sudo systemctl stop closedloop), then run" >&2
+    echo "  install.sh again; nothing was installed." >&2
+    exit 2
+fi
+SITE=""
+if [ "${{SYSTEM_SITE_PACKAGES:-0}}" = 1 ] || grep -qs '^include-system-site-packages *= *true' "$PREFIX/venv/pyvenv.cfg"; then
+    SITE=--system-site-packages
+fi
+mkdir -p "$PREFIX" "$NUMBA_CACHE_DIR" "$CLOSEDLOOP_CACHE_DIR"
+LOCK=$(mktemp)
+cp "$HERE/requirements.lock" "$LOCK"
+for name in ${{WITHOUT:-}}; do
+    grep -qi "^$name==" "$LOCK" || {{ echo "install.sh: WITHOUT names $name, which the package does not hold" >&2; rm -f "$LOCK"; exit 2; }}
+    grep -vi "^$name==" "$LOCK" > "$LOCK.tmp" && mv "$LOCK.tmp" "$LOCK"
+done
+# what the prefix held, set aside until the new install has passed its checks, then removed; put back on failure
+OLD="$PREFIX/.replaced"
+rm -rf "$OLD" && mkdir "$OLD"
+for d in venv bundles trust; do if [ -e "$PREFIX/$d" ]; then mv "$PREFIX/$d" "$OLD/$d"; fi; done
+installed=0
+finish() {{
+    rm -f "$LOCK"
+    if [ "$installed" = 1 ]; then rm -rf "$OLD"; return; fi
+    rm -rf "$PREFIX/venv" "$PREFIX/bundles" "$PREFIX/trust"
+    for d in venv bundles trust; do if [ -e "$OLD/$d" ]; then mv "$OLD/$d" "$PREFIX/$d"; fi; done
+    rm -rf "$OLD"
+    echo "install.sh: the install failed (above); $PREFIX holds what it held before." >&2
+}}
+trap finish EXIT
+trap 'exit 130' INT TERM
+"$PYTHON" -m venv $SITE "$PREFIX/venv"
+{pip}{keys}mkdir "$PREFIX/bundles"
 cp -R "$HERE/bundles/." "$PREFIX/bundles/"
 "$PREFIX/venv/bin/python" -m closedloop.sdk.package.warm{trust} {' '.join(f'"$PREFIX/bundles/{b}"' for b in bundles)}
 if id {q(opts.user)} >/dev/null 2>&1; then chown -R {q(opts.user)} "$NUMBA_CACHE_DIR" "$CLOSEDLOOP_CACHE_DIR" 2>/dev/null || true; fi
+installed=1
 echo "installed closedloop in $PREFIX/venv; bundles in $PREFIX/bundles; Numba cache in $NUMBA_CACHE_DIR; C library cache in $CLOSEDLOOP_CACHE_DIR"
 """
 
 
 def _unit(opts: PackageOptions, bundle: str, trusted: bool) -> str:
-    run = (f"{opts.prefix}/venv/bin/closedloop run {opts.prefix}/bundles/{bundle} --device {opts.device} "
-           f"--rt --cpu {opts.cpu} --priority {opts.priority} --quiet"
-           + (f" --trust {opts.prefix}/trust" if trusted else "")
-           + "".join(f" --input {name}={','.join(repr(float(v)) for v in values)}"
-                     for name, values in sorted(opts.inputs.items())))
+    args = [f"{opts.prefix}/bundles/{bundle}", "--device", opts.device, "--rt", "--cpu", str(opts.cpu),
+            "--priority", str(opts.priority), "--quiet"]
+    if trusted:
+        args += ["--trust", f"{opts.prefix}/trust"]
+    for name, values in sorted(opts.inputs.items()):
+        args += ["--input", f"{name}={','.join(repr(float(v)) for v in values)}"]
+    if opts.overrun is not None:
+        args += ["--overrun", opts.overrun]
+    if opts.watchdog_limit_s is not None:
+        args += ["--watchdog-limit", repr(float(opts.watchdog_limit_s))]
+    run = f"{opts.prefix}/venv/bin/closedloop run " + " ".join(_unit_arg(a) for a in args)
     return f"""[Unit]
-Description=closedloop session: {bundle} on {opts.device}
-StartLimitIntervalSec=60
-StartLimitBurst=5
+Description=closedloop session: {bundle} on {opts.device.replace("%", "%%")}
+# retried without limit (a device not there yet at boot, a crash); a session a safety rule stopped is not: below
+StartLimitIntervalSec=0
 
 [Service]
 Type=simple
@@ -228,7 +341,10 @@ User={opts.user}
 SupplementaryGroups=dialout
 ExecStart={run}
 Restart=on-failure
-RestartSec=2
+RestartSec=5
+# exit 1: a safety rule stopped the session (overrun policy stop, device changed, watchdog limit, unrepairable
+# weights: docs/cli.md). A person looks before it runs again: systemctl restart closedloop
+RestartPreventExitStatus=1
 # real time: the loop's thread on CPU {opts.cpu} under SCHED_FIFO {opts.priority}, memory locked (closedloop run --rt asks
 # for them; these limits let it). No CPUSchedulingPolicy=: that would put every thread of the service, the monitor's
 # and the recorder's included, under SCHED_FIFO (docs/realtime.md)
@@ -286,11 +402,20 @@ On the board (Python {target.python_version}; no network needed):
 
     sudo useradd --system --no-create-home --groups dialout {opts.user}   # once; the service runs as this user
     sudo ./install.sh                      # venv in {opts.prefix}/venv, bundles in {opts.prefix}/bundles, Numba cache warmed
-    {cache} {opts.prefix}/venv/bin/closedloop doctor   # ready for a real-time session? (the cache install.sh warmed)
+    sudo -u {opts.user} env {cache} {opts.prefix}/venv/bin/closedloop doctor   # ready for a real-time session, as the service's user?
     {opts.prefix}/venv/bin/closedloop inspect {opts.prefix}/bundles/{bundles[0]}
-    {run_check}
+    sudo -u {opts.user} env {run_check}
     sudo cp closedloop.service /etc/systemd/system/ && sudo systemctl daemon-reload
     sudo systemctl enable --now closedloop && journalctl -u closedloop -f
+
+A newer package: `sudo systemctl stop closedloop`, `sudo ./install.sh` from the new package (a fresh venv;
+what {opts.prefix} held is put back if anything fails), copy its `closedloop.service` again, `sudo systemctl
+daemon-reload && sudo systemctl start closedloop`. To remove: `sudo systemctl disable --now closedloop`, then
+delete /etc/systemd/system/closedloop.service, {opts.prefix} and /var/cache/closedloop.
+
+The service: systemd starts it again 5 s after it fails (a device not there yet at boot, a crash), without limit,
+but not after exit 1, a session a safety rule stopped (docs/cli.md): a person looks, then `sudo systemctl restart
+closedloop`.
 
 The cache variables point the commands at the kernels `install.sh` compiled (the service sets them too);
 without them a session compiles its kernels afresh into the user's own cache first (about a minute on a board).
@@ -320,6 +445,14 @@ def package(bundles: list[str], out: str | Path, opts: PackageOptions, report=pr
     if opts.from_installed and target.foreign:
         raise PackageError(f"--from-installed rebuilds wheels from this machine's packages, which do not run on "
                            f"{target.name}: leave it out (pip fetches the target's wheels)")
+    check_service_options(opts, target)
+    if opts.trust:  # each key must read as a public key before any bundle is checked against them
+        from closedloop.runtime.signing import SigningError, as_trusted_keys
+
+        try:
+            as_trusted_keys(opts.trust)
+        except (SigningError, OSError, ValueError) as exc:
+            raise PackageError(f"--trust: {exc}") from None
     out = Path(out)
     if out.exists() and any(out.iterdir()) and not opts.overwrite:
         raise PackageError(f"{out} exists and is not empty: give a new --out folder, or --overwrite")

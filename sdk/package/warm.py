@@ -28,7 +28,7 @@ def warm(paths: list[str], report=print, trust: str | None = None) -> int:
 
     done = 0
     for path in paths:
-        bundle = load_bundle(path, trust=[trust] if trust else None)
+        bundle = load_bundle(path, trust=[trust] if trust else None)  # a bundle that does not verify: ValueError
         t0 = time.perf_counter()
         for graph, spec in bundle.manifest.graphs.items():
             for variant in [None, *spec.variants]:
@@ -41,10 +41,15 @@ def warm(paths: list[str], report=print, trust: str | None = None) -> int:
                 model.close()
                 done += 1
         # and a short session on synthetic frames: what a session compiles beyond the graph's kernels
+        import contextlib
+        import io
+
         from closedloop.sdk.cli import main as cli_main
 
-        if cli_main(["run", str(path), "--backend", "numba", "--duration", "0.3", "--quiet", "--json",
-                     *(["--trust", trust] if trust else [])]) != 0:
+        with contextlib.redirect_stdout(io.StringIO()):  # its summary is not the install's to print
+            rc = cli_main(["run", str(path), "--backend", "numba", "--duration", "0.3", "--quiet", "--json",
+                           *(["--trust", trust] if trust else [])])
+        if rc != 0:
             report(f"  {path}: the warm-up session did not end cleanly; the first real session may compile")
         report(f"warmed {path} on Numba in {time.perf_counter() - t0:.1f} s")
     return done
@@ -71,6 +76,14 @@ def main(argv: list[str] | None = None) -> int:
     if any(a.startswith("-") for a in argv):
         print("usage: python -m closedloop.sdk.package.warm [--trust KEYS] [BUNDLE...]", file=sys.stderr)
         return 2
+    from closedloop.runtime import load_bundle
+
+    for path in argv:  # every bundle verifies (checksums, and with --trust a trusted signature), Numba or not
+        try:
+            load_bundle(path, trust=[trust] if trust else None)
+        except ValueError as exc:
+            print(f"warm: {exc}", file=sys.stderr)
+            return 2
     build_scanner()
     try:
         import numba  # noqa: F401
@@ -82,7 +95,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"Numba cache: {os.environ.get('NUMBA_CACHE_DIR') or '(NUMBA_CACHE_DIR unset: beside the sources)'}")
     seconds = compile_plan_runner()
     print(f"plan runner ready in {seconds:.1f} s (compiled, or loaded from the cache)")
-    warm(argv, trust=trust)
+    try:
+        warm(argv, trust=trust)
+    except ValueError as exc:  # a bundle that does not verify (checksums, signature) or cannot load
+        print(f"warm: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 

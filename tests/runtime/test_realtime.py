@@ -18,6 +18,7 @@ from closedloop.runtime.realtime import (
     RealtimeError,
     apply_realtime,
     emulator_realtime,
+    format_grant,
     realtime,
 )
 
@@ -127,6 +128,9 @@ def test_session_records_what_was_asked_and_granted(plant_bundle, tmp_path):
     assert emu["policy"] == "SCHED_FIFO" and emu["priority"] == EMULATOR_PRIORITY
     assert emu["cpus"] == (sorted(os.sched_getaffinity(0) - {0}) or sorted(os.sched_getaffinity(0)))
     assert f"the device emulator (pid {emu['pid']}) SCHED_FIFO priority {EMULATOR_PRIORITY}" in s.format()
+    # an emulator that can only share the loop's CPU (a session pinned to it, as a unit's CPUAffinity= pins) says so
+    assert ("the loop's too" in s.format()) == (0 in emu["cpus"])
+
     assert s.commands_sent > 0
     r = RecordingReader(rec)
     assert r.meta["config"]["rt"] is True and r.meta["config"]["rt_cpu"] == 0
@@ -159,6 +163,14 @@ def test_a_device_emulator_runs_as_a_device_for_the_loop_only_and_a_refusal_keep
     with emulator_realtime(None, loop_cpu) as got:  # a real device: nothing to schedule
         assert got == {}
 
+
+def test_the_line_says_when_the_emulator_shares_the_loops_cpu():
+    grant = {"granted": {"policy": "SCHED_FIFO", "priority": 80, "cpus": [1], "memory_locked": True,
+                         "gc_frozen": True},
+             "emulator": {"pid": 7, "policy": "SCHED_FIFO", "priority": 1, "cpus": [1]}}
+    assert "on CPU 1 (the loop's too: the process may use no other CPU" in format_grant(grant)
+    grant["emulator"]["cpus"] = [0]
+    assert "the loop's too" not in format_grant(grant)
 
 def test_session_without_rt_records_nothing_and_a_refusal_names_the_part(plant_bundle):
     base = dict(device="sim://plant?model=msd&rate=200&seed=2", duration_s=0.3, status=False, backend="onnxruntime")

@@ -10,6 +10,8 @@ targets' constraints are resolved against the index for their platform where it 
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
 import os
 import shutil
@@ -25,6 +27,7 @@ from closedloop.sdk.package import PackageError, PackageOptions, get_target, pac
 from closedloop.sdk.package.wheels import check_tags, wheel_requirements
 
 DEVICE = "sim://headstage?channels=12&seed=2"
+_no_raise = contextlib.nullcontext
 
 
 @pytest.fixture(scope="module")
@@ -84,8 +87,10 @@ def test_the_package_folder_holds_what_a_board_needs(installed):
     for line in ("LimitRTPRIO=80", "LimitMEMLOCK=infinity", "CPUAffinity=0",
                  "Environment=NUMBA_CACHE_DIR=/var/cache/closedloop",
                  "Environment=CLOSEDLOOP_CACHE_DIR=/var/cache/closedloop", "Restart=on-failure",
-                 "SupplementaryGroups=dialout"):
+                 "SupplementaryGroups=dialout", "StartLimitIntervalSec=0"):
         assert line in unit, line
+    # a session a safety rule stopped (exit 1: docs/cli.md) is not started again by systemd: a person looks first
+    assert "\nRestartPreventExitStatus=1\n" in unit
     assert f"ExecStart={prefix}/venv/bin/closedloop run {prefix}/bundles/decoder --device {DEVICE} --rt" in unit
     # which closedloop the wheel holds, and a README whose commands run as written (the bundle's own emulator)
     assert manifest["closedloop"]["version"] and manifest["closedloop"]["source"] in ("checkout", "installed")
@@ -145,6 +150,89 @@ def test_install_sh_refuses_a_package_changed_since_it_was_built(installed, tmp_
                                 "CLOSEDLOOP_PREFIX": str(tmp_path / f"p-{victim}")})
         assert r.returncode == 2 and "do not match SHA256SUMS" in r.stderr, r.stdout + r.stderr
         assert target.name in r.stdout + r.stderr and not (tmp_path / f"p-{victim}").exists()
+
+
+def _resum(folder: Path) -> None:
+    """Write ``folder``'s SHA256SUMS again for what it holds now (a package changed and re-summed consistently)."""
+    files = sorted(p for p in folder.rglob("*") if p.is_file() and p.name != "SHA256SUMS")
+    (folder / "SHA256SUMS").write_text("".join(
+        f"{hashlib.sha256(p.read_bytes()).hexdigest()}  ./{p.relative_to(folder).as_posix()}\n" for p in files))
+
+
+def test_install_sh_refuses_a_file_added_to_the_package(installed, tmp_path):
+    """A public key dropped into trust/ (or any file SHA256SUMS does not list) would be installed, and a key
+    trusted: install.sh refuses a package holding a file it was not built with, naming it, and installs nothing."""
+    out, _prefix, _log = installed
+    copy = tmp_path / "pkg"
+    shutil.copytree(out, copy)
+    (copy / "trust").mkdir(exist_ok=True)
+    (copy / "trust" / "zz-other.pub").write_text("-----BEGIN PUBLIC KEY-----\n")
+    r = subprocess.run([str(copy / "install.sh")], capture_output=True, text=True, timeout=60,
+                       env={"PATH": "/usr/bin:/bin", "PYTHON": sys.executable, "CLOSEDLOOP_PREFIX": str(tmp_path / "p")})
+    assert r.returncode == 2 and "files that SHA256SUMS does not list" in r.stderr, r.stdout + r.stderr
+    assert "./trust/zz-other.pub" in r.stderr and not (tmp_path / "p").exists()
+
+
+def test_a_failed_reinstall_leaves_the_install_it_replaced(installed, tmp_path):
+    """A newer package whose bundle does not verify (changed, its SHA256SUMS written again): install.sh makes the
+    new venv, finds the bundle bad and puts back what the prefix held, which still runs; no traceback."""
+    out, prefix, _log = installed
+    before = {p.relative_to(prefix): p.read_bytes() for p in (prefix / "bundles").rglob("*") if p.is_file()}
+    bad = tmp_path / "bad"
+    shutil.copytree(out, bad)
+    manifest = bad / "bundles" / "decoder" / "manifest.json"
+    manifest.write_text(manifest.read_text().replace('"rate_hz": 50.0', '"rate_hz": 100.0'))
+    _resum(bad)
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "CLOSEDLOOP_PREFIX": str(prefix), "PYTHON": sys.executable,
+           "NUMBA_CACHE_DIR": str(prefix.parent / "cache"), "PIP_NO_INDEX": "1", "PIP_CONFIG_FILE": os.devnull}
+    r = subprocess.run([str(bad / "install.sh")], capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "does not verify" in r.stderr or "changed" in r.stderr, r.stderr[-2000:]
+    assert "Traceback" not in r.stderr and f"{prefix} holds what it held before" in r.stderr
+    after = {p.relative_to(prefix): p.read_bytes() for p in (prefix / "bundles").rglob("*") if p.is_file()}
+    assert after == before and not (prefix / ".replaced").exists()
+    r = _venv_run(prefix, "inspect", str(prefix / "bundles" / "decoder"), "--json")
+    assert r.returncode == 0 and json.loads(r.stdout)["problems"] == [], r.stderr
+
+
+def test_service_options_that_would_break_the_unit_are_refused(decoder, tmp_path, capsys):
+    """A device with a space became extra arguments of the service's command (it ran 1 s and exited 0); a relative
+    prefix, a negative CPU, a user name with a space, an unknown emulator model and a private key given as a
+    trusted key are each refused before anything is built, saying what to give."""
+    base = ["package", str(decoder), "--target", "host", "--out", str(tmp_path / "o"), "--from-installed",
+            "--ort-only"]
+    for extra, said in ((["--device", "/dev/ttyACM0 --duration 1"], "without spaces or quotes"),
+                        (["--device", "ttyACM0"], "absolute path"),
+                        (["--device", "sim://plant?model=nosuch"], "--device sim://plant?model=nosuch"),
+                        (["--prefix", "relative/dir"], "absolute folder"),
+                        (["--cpu", "-1"], "--cpu -1"),
+                        (["--cpu", str((os.cpu_count() or 1) + 3)], "this machine's"),
+                        (["--user", "bad user"], "plain user name"),
+                        (["--overrun", "never"], "invalid choice")):
+        with pytest.raises(SystemExit) if extra[0] == "--overrun" else _no_raise():
+            assert main(base + extra) == 2, extra
+        assert said in capsys.readouterr().err, extra
+        assert not (tmp_path / "o").exists()
+    from closedloop.runtime.signing import generate_key_pair
+
+    key, _pub, _ = generate_key_pair(tmp_path / "lab")
+    assert main(base + ["--trust", str(key)]) == 2
+    err = capsys.readouterr().err
+    assert "--trust" in err and "is a private key" in err and "does not verify" not in err, err
+
+
+def test_the_services_safety_options_and_device_url_reach_its_command(decoder, installed, tmp_path):
+    out, prefix = tmp_path / "o", installed[1]  # an installed prefix: systemd-analyze checks the command exists
+    assert main(["package", str(decoder), "--target", "host", "--out", str(out), "--from-installed", "--ort-only",
+                 "--prefix", str(prefix), "--device", "sim://headstage?channels=12&rate=50&seed=1", "--cpu", "0",
+                 "--overrun", "stop",
+                 "--watchdog-limit", "2"]) == 0
+    line = next(x for x in (out / "closedloop.service").read_text().splitlines() if x.startswith("ExecStart="))
+    assert line.endswith(" --overrun stop --watchdog-limit 2.0") and "--device sim://headstage?channels=12&rate=50&seed=1 " in line
+    if shutil.which("systemd-analyze"):
+        r = subprocess.run(["systemd-analyze", "verify", str(out / "closedloop.service")], capture_output=True,
+                           text=True, timeout=60)
+        assert r.returncode == 0, r.stdout + r.stderr
 
 
 def test_a_package_with_trust_verifies_each_signature_and_its_service_checks_them(decoder, tmp_path, capsys):
