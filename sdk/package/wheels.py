@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import os
 import re
 import shutil
 import subprocess
@@ -53,12 +54,28 @@ def build_project_wheel(out: Path) -> Path:
     with tempfile.TemporaryDirectory(prefix="closedloop-wheel-") as tmp:
         src = Path(tmp) / "src"
         shutil.copytree(root, src, ignore=_SOURCE_IGNORE, symlinks=True)
+        # the zip members' times from the commit, not the clock: the same checkout packs the same bytes
+        env = dict(os.environ, SOURCE_DATE_EPOCH=str(_source_epoch(root)))
         r = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--quiet",
-                            "-w", str(out), str(src)], capture_output=True, text=True, timeout=600)
+                            "-w", str(out), str(src)], capture_output=True, text=True, timeout=600, env=env)
     if r.returncode != 0:
         raise PackageError(f"pip wheel of the closedloop checkout {root} failed:\n{r.stderr[-2000:]}")
     (wheel,) = sorted(out.glob("closedloop-*.whl"))
     return wheel
+
+
+#: The time a wheel's zip members carry where nothing better is known: zip's earliest (1980-01-01).
+_ZIP_EPOCH = 315532800
+
+
+def _source_epoch(root: Path) -> int:
+    """``SOURCE_DATE_EPOCH`` for a checkout's wheel: its HEAD commit's time (the zip's earliest where there is none)."""
+    try:
+        r = subprocess.run(["git", "-C", str(root), "log", "-1", "--format=%ct"], capture_output=True, text=True,
+                           timeout=30)
+        return max(int(r.stdout.strip()), _ZIP_EPOCH) if r.returncode == 0 else _ZIP_EPOCH
+    except (OSError, ValueError, subprocess.TimeoutExpired):
+        return _ZIP_EPOCH
 
 
 def source_provenance() -> dict[str, object]:
@@ -201,8 +218,8 @@ def repack(dist: metadata.Distribution, out: Path) -> Path:
             if not src.is_file():
                 continue
             data = src.read_bytes()
-            z.writestr(rel, data)
+            z.writestr(zipfile.ZipInfo(rel, date_time=(1980, 1, 1, 0, 0, 0)), data)  # no clock: the same bytes again
             record.append(f"{rel},{_record_hash(data)},{len(data)}")
         record.append(f"{dist_info}/RECORD,,")
-        z.writestr(f"{dist_info}/RECORD", "\n".join(record) + "\n")
+        z.writestr(zipfile.ZipInfo(f"{dist_info}/RECORD", date_time=(1980, 1, 1, 0, 0, 0)), "\n".join(record) + "\n")
     return path

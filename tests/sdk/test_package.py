@@ -101,6 +101,16 @@ def test_the_package_folder_holds_what_a_board_needs(installed):
     assert "NUMBA_CACHE_DIR=/var/cache/closedloop CLOSEDLOOP_CACHE_DIR=/var/cache/closedloop" in readme
 
 
+def test_packaging_again_gives_the_same_bytes(decoder, installed, tmp_path):
+    """The same checkout, bundles and options pack the same files (no clock in the wheels' zip members), so the
+    digest of SHA256SUMS identifies a package: a lab can build it again to check what a board holds."""
+    out, prefix, _log = installed
+    again = tmp_path / "again"
+    assert main(["package", str(decoder), "--target", "host", "--out", str(again), "--from-installed", "--ort-only",
+                 "--prefix", str(prefix), "--device", DEVICE, "--cpu", "0"]) == 0
+    assert (again / "SHA256SUMS").read_text() == (out / "SHA256SUMS").read_text()
+
+
 def test_the_install_builds_the_c_frame_scanner_where_the_service_looks(installed):
     # the service's first session against a device must neither compile it nor fall back to the Python parser
     out, prefix, log = installed
