@@ -794,6 +794,9 @@ def _package_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--watchdog-limit", type=float, default=None, metavar="S",
                    help="the service's closedloop run --watchdog-limit: stop the session (exit 1, not restarted) after "
                         "S seconds without input")
+    p.add_argument("--sign", default=None, metavar="KEY",
+                   help="a lab's private key: sign SHA256SUMS with it (SHA256SUMS.sig); a board that already trusts "
+                        "its public key installs only packages so signed")
 
 
 @command("package", "bundles and their runtime for a board: wheelhouse, install.sh, systemd unit", _package_args)
@@ -805,7 +808,8 @@ def _package(a: argparse.Namespace) -> int:
     opts = PackageOptions(target=a.target, extras=a.extras, ort_only=a.ort_only, find_links=a.find_links,
                           no_index=a.no_index, from_installed=a.from_installed, prefix=a.prefix, device=a.device,
                           cpu=a.cpu, priority=a.priority, user=a.user, overwrite=a.overwrite, trust=a.trust,
-                          inputs=_held_inputs(a.input), overrun=a.overrun, watchdog_limit_s=a.watchdog_limit)
+                          inputs=_held_inputs(a.input), overrun=a.overrun, watchdog_limit_s=a.watchdog_limit,
+                          sign_key=a.sign)
     package(a.bundles, a.out, opts, report=lambda s: print(s, file=sys.stderr))
     return 0
 

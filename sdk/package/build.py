@@ -59,6 +59,9 @@ class PackageOptions:
     #: the service's ``--overrun`` policy and ``--watchdog-limit`` seconds (None: closedloop run's defaults)
     overrun: str | None = None
     watchdog_limit_s: float | None = None
+    #: a lab's private key: SHA256SUMS is signed with it (``SHA256SUMS.sig``), so a board that already trusts the
+    #: key installs this package as an upgrade (install.sh refuses an unsigned one there)
+    sign_key: str | None = None
 
 
 @dataclass
@@ -192,8 +195,31 @@ def _copy_bundles(paths: list[str], dest: Path, ort_only: bool = False, trust: l
     return names
 
 
+def _pem(public_raw: bytes) -> bytes:
+    """An Ed25519 public key as PEM SubjectPublicKeyInfo: what closedloop and openssl (install.sh) both read."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
+    return Ed25519PublicKey.from_public_bytes(public_raw).public_bytes(
+        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+
+
+def _public_raw_of_key(private_key) -> bytes:
+    from cryptography.hazmat.primitives import serialization
+
+    return private_key.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+
+
+def _public_raw_of_file(path: Path) -> bytes:
+    from closedloop.runtime.signing import read_public_key
+
+    return read_public_key(path).public_raw
+
+
 def _copy_keys(trust: list[str], dest: Path) -> list[str]:
-    """The trusted public keys (files, or the ``*.pub`` regular files of folders) copied into ``dest``."""
+    """The trusted public keys (files, or the ``*.pub`` regular files of folders) written into ``dest`` as PEM."""
+    from closedloop.runtime.signing import read_public_key
+
     names: list[str] = []
     for given in trust:
         p = Path(given)
@@ -203,7 +229,7 @@ def _copy_keys(trust: list[str], dest: Path) -> list[str]:
             if name in names:
                 raise PackageError(f"two trusted keys are named {name!r}: rename one, trust/ holds them by name")
             dest.mkdir(exist_ok=True)
-            shutil.copy2(k, dest / name)
+            (dest / name).write_bytes(_pem(read_public_key(k).public_raw))  # an OpenSSH key too, for openssl
             names.append(name)
     return names
 
@@ -249,7 +275,7 @@ if ! (cd "$HERE" && sha256sum --quiet --strict -c SHA256SUMS); then
     exit 2
 fi
 listed=$(cd "$HERE" && sed -n 's/^[0-9a-f]*  //p' SHA256SUMS | LC_ALL=C sort)
-added=$(cd "$HERE" && find . ! -type d ! -path ./SHA256SUMS | LC_ALL=C sort | while IFS= read -r f; do
+added=$(cd "$HERE" && find . ! -type d ! -path ./SHA256SUMS ! -path ./SHA256SUMS.sig | LC_ALL=C sort | while IFS= read -r f; do
     printf '%s\n' "$listed" | grep -qxF -- "$f" || printf '  %s\n' "$f"; done)
 if [ -n "$added" ]; then
     echo "install.sh: the package holds files that SHA256SUMS does not list (added since packaging):" >&2
@@ -258,6 +284,34 @@ if [ -n "$added" ]; then
     exit 2
 fi
 PREFIX=${{CLOSEDLOOP_PREFIX:-{opts.prefix}}}
+# a board that already trusts keys (its install's, or $CLOSEDLOOP_TRUST's) installs only a package whose SHA256SUMS
+# one of them signed (closedloop package --sign KEY): an upgrade cannot come from anyone else
+TRUSTED=${{CLOSEDLOOP_TRUST:-$PREFIX/trust}}
+if ls "$TRUSTED"/*.pub >/dev/null 2>&1; then
+    if [ ! -f "$HERE/SHA256SUMS.sig" ]; then
+        echo "install.sh: this board trusts the keys in $TRUSTED, and this package is not signed: package it with" >&2
+        echo "  --sign KEY (a private key whose .pub is there); nothing was installed." >&2
+        exit 2
+    fi
+    if ! command -v openssl >/dev/null 2>&1; then
+        echo "install.sh: checking the package's signature needs openssl (3.0 or later); nothing was installed." >&2
+        exit 2
+    fi
+    signer=""
+    for k in "$TRUSTED"/*.pub; do
+        if openssl pkeyutl -verify -pubin -inkey "$k" -rawin -in "$HERE/SHA256SUMS" -sigfile "$HERE/SHA256SUMS.sig" \
+            >/dev/null 2>&1; then signer=$k; break; fi
+    done
+    if [ -z "$signer" ]; then
+        echo "install.sh: SHA256SUMS.sig is not a signature of this package's SHA256SUMS by a key in $TRUSTED;" >&2
+        echo "  nothing was installed." >&2
+        exit 2
+    fi
+    echo "package signed by $signer"
+elif [ -f "$HERE/SHA256SUMS.sig" ]; then
+    echo "install.sh: no key on this board yet ($TRUSTED): the signature is not checked; check SHA256SUMS's digest"
+    echo "  against the one closedloop package printed. Later packages must be signed by a key this one installs."
+fi
 PYTHON=${{PYTHON:-python3}}
 export NUMBA_CACHE_DIR=${{NUMBA_CACHE_DIR:-/var/cache/closedloop}}
 export CLOSEDLOOP_CACHE_DIR=${{CLOSEDLOOP_CACHE_DIR:-$NUMBA_CACHE_DIR}}
@@ -424,8 +478,10 @@ runs `{bundles[0]}` on `{opts.device}` with `--rt --cpu {opts.cpu} --priority {o
 Numba cache from /var/cache/closedloop: edit it if you change these. `manifest.json` lists every wheel
 with its sha256.
 
-Integrity: `install.sh` first checks every file against `SHA256SUMS` and refuses a package that changed; check
-`SHA256SUMS` itself first (`sha256sum SHA256SUMS`) against the digest `closedloop package` printed. pip installs
+Integrity: `install.sh` first checks every file against `SHA256SUMS` and refuses a package that changed or holds a
+file it does not list; check `SHA256SUMS` itself first (`sha256sum SHA256SUMS`) against the digest `closedloop
+package` printed. A board whose install trusts keys ({opts.prefix}/trust) installs only a package signed by one of
+them (`SHA256SUMS.sig`: `closedloop package --sign KEY`); this package is {"signed" if opts.sign_key else "not signed"}. pip installs
 exactly the wheels of `requirements.lock`, each against its sha256, ignoring the board's pip settings, and a
 re-install replaces what an earlier package installed.
 {"Signatures: each bundle was verified against the trusted keys in trust/ (" + ", ".join(keys) + "), which "
@@ -446,6 +502,13 @@ def package(bundles: list[str], out: str | Path, opts: PackageOptions, report=pr
         raise PackageError(f"--from-installed rebuilds wheels from this machine's packages, which do not run on "
                            f"{target.name}: leave it out (pip fetches the target's wheels)")
     check_service_options(opts, target)
+    if opts.sign_key is not None:
+        from closedloop.runtime.signing import SigningError, read_private_key
+
+        try:
+            read_private_key(opts.sign_key)
+        except SigningError as exc:
+            raise PackageError(f"--sign: {exc}") from None
     if opts.trust:  # each key must read as a public key before any bundle is checked against them
         from closedloop.runtime.signing import SigningError, as_trusted_keys
 
@@ -521,7 +584,24 @@ def _build(work: Path, bundles: list[str], target: Target, opts: PackageOptions,
     sums = _sha256sums(work)
     (work / "SHA256SUMS").write_text(sums)
     report(f"SHA256SUMS sha256 {hashlib.sha256(sums.encode()).hexdigest()}: check it on the board before install.sh")
+    if opts.sign_key is not None:
+        _sign_sums(work, opts.sign_key, keys, report)
     return result
+
+
+def _sign_sums(work: Path, key_file: str, keys: list[str], report) -> None:
+    """``SHA256SUMS.sig``: the raw 64-byte Ed25519 signature of SHA256SUMS's bytes (``openssl pkeyutl -verify
+    -rawin`` checks it), for a board whose trusted keys hold the key's public half."""
+    from closedloop.runtime.signing import key_id, read_private_key
+
+    key = read_private_key(key_file)
+    (work / "SHA256SUMS.sig").write_bytes(key.sign((work / "SHA256SUMS").read_bytes()))
+    kid = key_id(_public_raw_of_key(key))
+    shipped = [n for n in keys if key_id(_public_raw_of_file(work / "trust" / n)) == kid]
+    report(f"SHA256SUMS signed with key {kid}" + (f" (trust/{shipped[0]}: a board this package installs takes "
+                                                  "later packages signed with it)" if shipped else
+                                                  "; its public key is not among --trust: a board this package "
+                                                  "installs will refuse later packages signed with it"))
 
 
 def _sha256sums(root: Path) -> str:

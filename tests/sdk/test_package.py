@@ -283,6 +283,53 @@ def test_a_package_with_trust_verifies_each_signature_and_its_service_checks_the
     assert "Signatures: none checked" in (tmp_path / "z" / "README.md").read_text()
 
 
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="install.sh checks a package's signature with openssl")
+def test_a_board_that_trusts_keys_installs_only_a_package_one_of_them_signed(decoder, tmp_path, capsys):
+    """--sign KEY signs SHA256SUMS; install.sh on a board whose install trusts keys (PREFIX/trust) refuses a package
+    not signed, or signed by another key, or whose SHA256SUMS changed after signing, and goes on with one its key
+    signed. A board with no key yet says the signature was not checked."""
+    from closedloop.runtime.signing import generate_key_pair, sign_bundle
+
+    key, pub, kid = generate_key_pair(tmp_path / "lab")
+    other_key, _other_pub, _ = generate_key_pair(tmp_path / "other")
+    signed = tmp_path / "signed"
+    shutil.copytree(decoder, signed)
+    sign_bundle(signed, key)
+    base = ["package", str(signed), "--target", "host", "--from-installed", "--ort-only", "--cpu", "0", "--trust",
+            str(pub)]
+    assert main(base + ["--out", str(tmp_path / "good"), "--sign", str(key)]) == 0
+    err = capsys.readouterr().err
+    assert f"SHA256SUMS signed with key {kid} (trust/lab.pub" in err
+    assert main(base + ["--out", str(tmp_path / "unsigned")]) == 0
+    assert main(base + ["--out", str(tmp_path / "theirs"), "--sign", str(other_key)]) == 0
+    assert "its public key is not among --trust" in capsys.readouterr().err
+    assert main(base + ["--out", str(tmp_path / "x"), "--sign", str(pub)]) == 2  # a public key cannot sign
+    assert "--sign" in capsys.readouterr().err
+    changed = tmp_path / "changed"
+    shutil.copytree(tmp_path / "good", changed)
+    (changed / "README.md").write_text("changed\n")
+    _resum(changed)  # SHA256SUMS written again: its signature no longer holds
+    board = tmp_path / "board"
+    (board / "trust").mkdir(parents=True)
+    shutil.copy(pub, board / "trust" / "lab.pub")  # what an earlier install of a --trust package left
+    fake = tmp_path / "python3"  # past the signature check, install.sh stops at the interpreter's version
+    fake.write_text("#!/bin/sh\necho 2.7\n")
+    fake.chmod(0o755)
+
+    def install(pkg, prefix=board):
+        return subprocess.run([str(tmp_path / pkg / "install.sh")], capture_output=True, text=True, timeout=60,
+                              env={"PATH": "/usr/bin:/bin", "PYTHON": str(fake), "CLOSEDLOOP_PREFIX": str(prefix)})
+
+    for pkg, said in (("unsigned", "this package is not signed"), ("theirs", "is not a signature"),
+                      ("changed", "is not a signature")):
+        r = install(pkg)
+        assert r.returncode == 2 and said in r.stderr, (pkg, r.stdout + r.stderr)
+    r = install("good")
+    assert f"package signed by {board}/trust/lab.pub" in r.stdout and "this package is for Python" in r.stderr, r
+    r = install("good", tmp_path / "new-board")
+    assert "the signature is not checked" in r.stdout and "this package is for Python" in r.stderr, r
+
+
 def test_install_sh_refuses_another_python(installed, tmp_path):
     out, _prefix, _log = installed
     fake = tmp_path / "python3"
