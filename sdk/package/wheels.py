@@ -141,7 +141,7 @@ def pip_download(reqs: list[str], target: Target, constraints: Path, out: Path,
     if missing:
         tag = f"{target.abi}-{target.platforms[0]}" if target.foreign else "this interpreter's tags"
         raise PackageError(f"{missing[0]} has no wheel for target {target.name} ({tag} or an older compatible "
-                           f"tag) under the constraints {constraints}: choose a version with such a wheel in "
+                           f"tag) under the target's pins (the package's constraints.txt): choose a version with such a wheel in "
                            f"the target's constraints, or leave out the extra that needs it"
                            + ("; offline (--no-index), give --find-links a folder that holds it" if no_index else ""))
     conflict = re.search(r"Cannot install (.+?) because", r.stderr)
@@ -150,7 +150,7 @@ def pip_download(reqs: list[str], target: Target, constraints: Path, out: Path,
         raise PackageError(f"pip found no set of wheels for target {target.name} ({tag}) in {', '.join(find_links)} "
                            f"that installs {conflict.group(1)}: a wheel of one of them (or of what it needs) for "
                            "that tag is missing from the folder, or the folder's version is outside the target's "
-                           f"constraints {constraints}\n{r.stderr[-1000:]}")
+                           f"pins (the package's constraints.txt)\npip said:\n{r.stderr[-1000:]}")
     raise PackageError(f"pip download for target {target.name} failed:\n{r.stderr[-2000:]}")
 
 
