@@ -76,6 +76,7 @@ INPUT_KINDS: dict[str, InputKind[Any]] = {
     "joint_state": InputKind(JointState, _joint_q_dq, size_field=None),
 }
 
+
 def _joint_values(mode: JointMode) -> Callable[[Message], np.ndarray | None]:
     return lambda m: m.values if isinstance(m, JointCommand) and m.mode == mode else None
 
