@@ -13,6 +13,7 @@ from pathlib import Path
 from closedloop.common.jsonout import json_text
 
 from ..cli import command
+from .checks import check_training_sessions, data_warnings
 from .workflow import (
     calibrate_bundle,
     compare_evaluations,
@@ -34,21 +35,28 @@ def _data_args(p: argparse.ArgumentParser) -> None:
 @command("bci-data", "list the sessions of FALCON H2-layout NWB data as bci-train, calibrate and evaluate read them",
          _data_args)
 def _bci_data(a: argparse.Namespace) -> int:
-    rows = [describe_session(s) for s in load_sessions(a.data)]
+    sessions = load_sessions(a.data)
+    rows = [describe_session(s) for s in sessions]
+    warnings = data_warnings(sessions)
     if a.json:
-        print(json_text({"data": str(a.data), "sessions": rows}))
-        return 0
-    print(f"{'session':<14}{'date':<12}{'day':>6}  {'split':<9}{'from':<8}{'ch':>5}{'trials':>8}{'calib':>7}"
-          f"{'eval':>6}{'bins':>9}{'chars':>8}  files")
-    for r in rows:
-        print(f"{r['name']:<14}{r['date'] or '-':<12}{r['day']:>6g}  {r['split']:<9}{r['split_from']:<8}"
-              f"{r['n_channels']:>5}{r['trials']:>8}{r['calibration']:>7}{r['evaluation']:>6}{r['bins']:>9}"
-              f"{r['characters']:>8}  {', '.join(Path(f).name for f in r['files'])}")
-    held = {k: sum(r["split"] == k for r in rows) for k in ("held_in", "held_out")}
-    print(f"{len(rows)} sessions: {held['held_in']} held-in, {held['held_out']} held-out. from: where the split came "
-          "from (name, notes, date; default: nothing said it, taken as held-in). calib: trials offered for "
-          "calibration (a held-out day: FALCON's first 3 of its calibration file; calibrate --sentences N reads the "
-          "file's); eval: trials scored")
+        print(json_text({"data": str(a.data), "sessions": rows, "warnings": warnings}))
+    else:
+        print(f"{'session':<14}{'date':<12}{'day':>6}  {'split':<9}{'from':<8}{'ch':>5}{'silent':>7}{'trials':>8}"
+              f"{'calib':>7}{'eval':>6}{'bins':>9}{'bin ms':>7}{'chars':>8}  files")
+        for r in rows:
+            silent = "ALL" if r["trials"] and not r["counts"] else str(len(r["silent_channels"]))
+            print(f"{r['name']:<14}{r['date'] or '-':<12}{r['day']:>6g}  {r['split']:<9}{r['split_from']:<8}"
+                  f"{r['n_channels']:>5}{silent:>7}{r['trials']:>8}{r['calibration']:>7}{r['evaluation']:>6}"
+                  f"{r['bins']:>9}{r['bin_ms']:>7g}{r['characters']:>8}  {', '.join(Path(f).name for f in r['files'])}"
+                  + ("  NO COUNTS" if r["trials"] and not r["counts"] else ""))
+        held = {k: sum(r["split"] == k for r in rows) for k in ("held_in", "held_out")}
+        print(f"{len(rows)} sessions: {held['held_in']} held-in, {held['held_out']} held-out. from: where the split "
+              "came from (name, notes, date; default: nothing said it, taken as held-in). silent: channels with no "
+              "count in any bin (ALL: the session holds no counts). calib: trials offered for calibration (a held-out "
+              "day: FALCON's first 3 of its calibration file; calibrate --sentences N reads the file's); eval: trials "
+              "scored")
+    for w in warnings:
+        print(f"warning: {w}", file=sys.stderr)
     return 0
 
 
@@ -153,6 +161,8 @@ def _train(a: argparse.Namespace) -> int:
         harness = dataclasses.replace(harness, train=dataclasses.replace(harness.train, steps=a.steps))
     progress = Progress(quiet=getattr(a, "global_quiet", False))
     sessions = load_sessions(a.data)
+    for w in check_training_sessions(sessions):  # a held-in session without counts is refused (exit 2)
+        print(f"warning: {w}", file=sys.stderr)
     progress.note(f"{len(sessions)} sessions from {a.data} ({sum(s.split == 'held_in' for s in sessions)} held-in)")
     unnamed = [s.name for s in sessions if s.meta.get("split_from") == "default"]
     if unnamed:
@@ -214,6 +224,8 @@ def _evaluate(a: argparse.Namespace) -> int:
         if b is not None and (w := unlearned_warning(b)) is not None:
             print(f"warning: {w}", file=sys.stderr)
     r = evaluate_bundle(a.bundle, a.data, **options)
+    for w in r["warnings"]:
+        print(f"warning: {w}", file=sys.stderr)
     if a.against is None:
         print(json_text(r) if a.json else format_evaluation(r))
         return 0

@@ -156,8 +156,10 @@ def resolve_lexicon(option: str | Path | None, stored: Mapping[str, Any] | None,
         return LexiconChoice(lex, "open", f"wordfreq {version('wordfreq')} en, top {open_words} words",
                              OPEN_WORD_WEIGHT if word_weight is None else word_weight, sentence_end_source)
     path = Path(mode)
+    if not path.exists():
+        raise ValueError(f"--lexicon {mode}: no such file; give 'closed', 'open' or the path of a word file")
     if not path.is_file():
-        raise ValueError(f"--lexicon {mode!r}: not 'closed', 'open' or a word file")
+        raise ValueError(f"--lexicon {mode}: not a file (a folder?); give 'closed', 'open' or the path of a word file")
     counts = sentence_words([path.read_text()])
     if not counts:
         raise ValueError(f"--lexicon {path}: the file holds no words")

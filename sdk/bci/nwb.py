@@ -33,12 +33,15 @@ from closedloop.common.handwriting import BIN_S, CHARSET, Session, Trial
 from closedloop.sim.handwriting.config import FALCON_H2_HELD_IN_DATES, FALCON_H2_HELD_OUT_DATES
 
 __all__ = ["write_falcon_h2", "write_falcon_h2_dir", "load_falcon_h2", "load_falcon_h2_dir",
-           "parse_falcon_name", "FalconFileInfo", "FalconFileError", "TRIAL_SPACING_S", "TRIAL_GAP_S"]
+           "parse_falcon_name", "FalconFileInfo", "FalconFileError", "TRIAL_SPACING_S", "TRIAL_GAP_S",
+           "BIN_TOLERANCE_S"]
 
 #: Time between the last bin of a trial and the first bin of the next, as in FALCON H2 files.
 TRIAL_SPACING_S = 10.0
 #: A timestamp step above this ends a trial (FALCON's loader: ``np.diff(time) > 0.021``).
 TRIAL_GAP_S = 0.021
+#: How far the bins' width (the median timestamp step within trials) may be from 20 ms.
+BIN_TOLERANCE_S = 0.001
 #: Day 0 of FALCON H2 (its first held-in session); real files get ``day`` relative to it.
 FALCON_H2_DAY0 = date.fromisoformat(FALCON_H2_HELD_IN_DATES[0])
 _NOTES_KEY = "closedloop_handwriting"
@@ -200,15 +203,34 @@ def _fail(path: Path, what: str) -> FalconFileError:
 def _as_counts(path: Path, spikes: np.ndarray) -> np.ndarray:
     if spikes.ndim != 2:
         raise _fail(path, f"binned_spikes has shape {spikes.shape}, expected (bins, channels)")
-    if spikes.dtype.kind in "uif" and spikes.size and np.nanmax(spikes) > 65535:
-        raise _fail(path, f"binned_spikes holds a count of {np.nanmax(spikes):g}, over 65535: counts per bin are "
+    finite = spikes[np.isfinite(spikes)] if spikes.dtype.kind == "f" else spikes
+    if spikes.dtype.kind in "uif" and finite.size and finite.max() > 65535:
+        raise _fail(path, f"binned_spikes holds a count of {finite.max():g}, over 65535: counts per bin are "
                           "u16 (a NEURAL_FRAME's), so such a value is not a spike count")
     if spikes.dtype.kind == "u" or (spikes.dtype.kind == "i" and spikes.min(initial=0) >= 0):
         return spikes
     if spikes.dtype.kind == "f" and np.all(np.isfinite(spikes)) and np.all(spikes == np.round(spikes)) \
             and spikes.min(initial=0) >= 0:
         return spikes.astype(np.uint8 if spikes.max(initial=0) <= 255 else np.uint16)
-    raise _fail(path, f"binned_spikes holds {spikes.dtype} values that are not non-negative counts")
+    if spikes.dtype.kind not in "uif":
+        raise _fail(path, f"binned_spikes holds {spikes.dtype} values, not counts; store non-negative integer "
+                          "counts per bin and channel")
+    raise FalconFileError(f"{path}: binned_spikes must hold non-negative whole counts, but {_first_bad(spikes)}; "
+                          "write each bin's threshold-crossing count per channel (an integer >= 0), with no "
+                          "NaN or inf for missing data (leave such bins out of the file)")
+
+
+def _first_bad(spikes: np.ndarray) -> str:
+    """Which values of a float or signed array are not counts, and where the first one is (bin, channel)."""
+    values = spikes.astype(float)
+    kinds = [("NaN", np.isnan(values)), ("inf", np.isinf(values)), ("negative", values < 0),
+             ("fractional", np.isfinite(values) & (values != np.round(values)))]
+    parts = []
+    for name, bad in kinds:
+        if bad.any():
+            b, c = (int(i) for i in np.argwhere(bad)[0])
+            parts.append(f"{int(bad.sum())} {name} value(s) (the first at bin {b}, channel {c}: {values[b, c]:g})")
+    return ", ".join(parts) + f" in its {spikes.dtype} data"
 
 
 def _read(path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[str], np.ndarray, dict, date | None,
@@ -265,6 +287,28 @@ def _check_time_resolution(path: Path, stored: np.ndarray) -> None:
         raise _fail(path, f"binned_spikes timestamps are {stored.dtype} and reach {top:.0f} s, where that type "
                           f"resolves only {resolution:.3g} s: too coarse to tell a {BIN_S} s bin from a trial gap "
                           f"(> {TRIAL_GAP_S} s); store the timestamps as float64")
+
+
+def _bin_width(path: Path, timestamps: np.ndarray) -> float:
+    """The bins' width: the median step between consecutive timestamps under 1 s (a trial gap is longer).
+
+    closedloop's decoders take FALCON H2's 20 ms bins: any other width (give or take :data:`BIN_TOLERANCE_S`) is
+    refused, as the counts would be read at the wrong rate."""
+    steps = np.diff(timestamps)
+    steps = steps[(steps > 0) & (steps < 1.0)]
+    if not steps.size:  # one bin per trial: nothing to measure (the trial checks say what is wrong)
+        return BIN_S
+    width = float(np.median(steps))
+    if abs(width - BIN_S) > BIN_TOLERANCE_S:
+        finer = BIN_S / width
+        how = (f" (sum each channel's counts over every {finer:.0f} consecutive bins)"
+               if width < BIN_S and abs(finer - round(finer)) < 0.05 else
+               " (from the spike times or a finer binning: a coarser bin cannot be split)" if width > BIN_S else "")
+        raise FalconFileError(f"{path}: binned_spikes timestamps are {width * 1000:.3g} ms apart, so its bins are "
+                              f"{width * 1000:.3g} ms wide; closedloop's decoders take {BIN_S * 1000:g} ms bins "
+                              f"(FALCON H2's): re-bin the counts into {BIN_S * 1000:g} ms bins{how} and write the "
+                              f"file again, with timestamps {BIN_S} s apart within a trial")
+    return width
 
 
 def _check_charset(path: Path, cues: list[str]) -> None:
@@ -345,6 +389,7 @@ def load_falcon_h2(path: str | Path, *, n_calibration: int = 3) -> Session:
     path = Path(path)
     spikes, timestamps, mask, cues, blocks, notes, start, row_starts = _read(path)
     _check_charset(path, cues)
+    bin_s = _bin_width(path, timestamps)
     ends = np.flatnonzero(np.diff(timestamps) > TRIAL_GAP_S) + 1
     bounds = np.concatenate([[0], ends, [len(timestamps)]]) if len(timestamps) else np.zeros(1, dtype=int)
     if len(bounds) - 1 != len(cues):
@@ -364,6 +409,8 @@ def load_falcon_h2(path: str | Path, *, n_calibration: int = 3) -> Session:
               for a, b, cue, blk in zip(bounds[:-1], bounds[1:], cues, blocks, strict=True)]
     _check_trials(path, trials)
     scored = [i for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)) if mask[a:b].any()]
+    partly = [(i, int(mask[a:b].sum()), int(b - a)) for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:], strict=True))
+              if mask[a:b].any() and not mask[a:b].all()]
 
     info = parse_falcon_name(path)
     when = info.date or (date.fromisoformat(notes["date"]) if "date" in notes else start)
@@ -384,7 +431,14 @@ def load_falcon_h2(path: str | Path, *, n_calibration: int = 3) -> Session:
         candidates = [i for i in range(n) if i not in set(scored)]
     calibration = candidates[:n_calibration] if split == "held_out" else candidates
     meta = dict(notes.get("meta", {}))
-    meta.update({"date": when.isoformat() if when else None, "role": role, "files": [str(path)], "split_from": split_from})
+    meta.update({"date": when.isoformat() if when else None, "role": role, "files": [str(path)], "split_from": split_from,
+                 "bin_s": round(bin_s, 6)})
+    if partly and role is None:  # a calib or eval file's role decides, not its mask
+        meta["warnings"] = [
+            f"{path}: eval_mask is set on only some bins of {len(partly)} trial(s) ("
+            + "; ".join(f"trial {i}: {k} of {n} bins" for i, k, n in partly[:3]) + (" ..." if len(partly) > 3 else "")
+            + "): each such trial is scored whole, as an evaluation trial; set eval_mask on all of a trial's bins "
+            "or none of them"]
     meta.setdefault("source", "falcon")
     return Session(name=name, day=day, split=split, trials=trials, calibration=calibration,
                    evaluation=evaluation, meta=meta)
@@ -434,6 +488,8 @@ def load_falcon_h2_dir(folder: str | Path, *, n_calibration: int = 3) -> list[Se
             merged.calibration.extend(i + offset for i in extra.calibration)
             merged.evaluation.extend(i + offset for i in extra.evaluation)
             merged.meta["files"].extend(extra.meta["files"])
+            if extra.meta.get("warnings"):
+                merged.meta.setdefault("warnings", []).extend(extra.meta["warnings"])
         if merged.split == "held_out":
             merged.calibration = merged.calibration[:n_calibration]
         merged.meta["role"] = None if len(parts) > 1 else merged.meta.get("role")

@@ -32,6 +32,17 @@ def format_seconds(s: float) -> str:
     return f"{m}m{s:02d}s" if m < 60 else f"{m // 60}h{m % 60:02d}m"
 
 
+def _terminal_size(stream: IO[str]) -> tuple[int, int]:
+    """``(columns, rows)`` of the terminal behind ``stream``; 0 where it reports none or is not one."""
+    import os
+
+    try:
+        size = os.get_terminal_size(stream.fileno())
+    except (AttributeError, OSError, ValueError):
+        return 0, 0
+    return size.columns, size.lines
+
+
 class StageProgress:
     """One stage's bar or log lines; :class:`Progress` makes them."""
 
@@ -45,7 +56,12 @@ class StageProgress:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         if parent.enabled and parent.tty:
-            self.bar = tqdm(total=total, desc=name, file=parent.stream, leave=True, dynamic_ncols=True)
+            size = _terminal_size(parent.stream)
+            # a terminal that reports no size (a pseudo-terminal under `script`, some CI runners) would get no bar
+            # from tqdm (it hides bars below the screen's 0 rows): give it a fixed 100 x 20
+            self.bar = (tqdm(total=total, desc=name, file=parent.stream, leave=True, dynamic_ncols=True) if all(size)
+                        else tqdm(total=total, desc=name, file=parent.stream, leave=True, ncols=size[0] or 100,
+                                  nrows=size[1] or 20))
         elif parent.enabled:  # a step can outlast the interval (the first one compiles kernels): a clock keeps time
             threading.Thread(target=self._heartbeat, name=f"progress: {name}", daemon=True).start()
 

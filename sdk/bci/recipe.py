@@ -179,7 +179,8 @@ class RecipeResult:
         s1, s2 = s["stage1"], s["stage2"]
         lines = [
             f"stage 1 (pooled backbone {s['model']['n_hidden']}x{s['model']['n_layers']}): {s1['steps_run']} of "
-            f"{s1['ceiling']} steps, stopped by {s1['stop_reason']}; best validation greedy CER "
+            f"{s1['ceiling']} steps, {stop_text(s1['stop_reason'], s1.get('run_stop_reason'), s1['other_runs'])}; "
+            "best validation greedy CER "
             f"{_pct(s1['best_val_CER'])} / WER {_pct(s1['best_val_WER'])} at step {s1['best_step']} "
             f"({s['validation']['trials']} validation trials); {format_seconds(s1['wall_s'])}"
             + (f" (and {format_seconds(s1['other_runs_wall_s'])} in {len(s1['other_runs'])} other run(s), not kept: "
@@ -304,6 +305,7 @@ class RecipeFit:
                            "trials": len(self.validation_examples),
                            "per_session": {k: len(v) for k, v in self.validation.items()}},
             "stage1": {"steps_run": log.steps_run, "ceiling": tc.steps, "stop_reason": log.stop_reason,
+                       "run_stop_reason": getattr(log, "run_stop_reason", "") or log.stop_reason,
                        "best_step": log.best_step, "best_val_CER": self.best["CER"], "best_val_WER": self.best["WER"],
                        "eval_every": tc.eval_every, "patience": tc.patience, "lr_reductions": log.lr_reductions,
                        "decay_step": log.decay_step, "final_lr": log.final_lr, "restarts": len(log.restarts),
@@ -342,7 +344,8 @@ class RecipeFit:
         elif still_improving(log):
             limit = "time budget" if log.stop_reason == "time_budget" else "step ceiling"
             flag = "--time-budget" if limit == "time budget" else "--steps"
-            out.append(f"stage 1 was still improving when its {limit} ended it (best validation CER at step "
+            out.append(("the decoder has NOT LEARNED (below), though " if self.problems else "")
+                       + f"stage 1 was still improving when its {limit} ended it (best validation CER at step "
                        f"{log.best_step} of {log.steps_run}): a longer run (--budget 2, or a larger {flag}) may fit "
                        "the held-in days better; the validation trials come from those days, so judge a longer run "
                        "on a later day of your own (closedloop evaluate LONGER --against THIS): where days drift apart "
@@ -385,12 +388,39 @@ def end_mark_warning(scores: dict, share: float = 0.5) -> str | None:
             "500 with few trials per session)")
 
 
-def still_improving(log: Any) -> bool:
-    """Stage 1 stopped by its time budget or ceiling with its best evaluation among the last ``patience``: the
-    run had not converged (:attr:`~closedloop.sdk.bci.train.TrainingLog.converged`), and it had improved on its
-    first evaluation (a run whose first was its best never improved: nothing says a longer one would)."""
-    steps = [v["step"] for v in getattr(log, "validation", [])]
-    return log.converged is False and len(steps) >= 2 and log.best_step != steps[0]
+def _reason(reason: str) -> str:
+    from .train import STARTED_CER
+
+    return {"ceiling": "the step ceiling", "time_budget": "the time budget", "patience": "patience",
+            "plateau_restart": f"the plateau-restart rule (no validation CER below {STARTED_CER:.0%} by its check "
+                               "step)"}.get(reason, reason)
+
+
+def stop_text(reason: str, run_reason: str | None = None, others: list | None = None) -> str:
+    """``stopped by ...``: what ended stage 1 (``reason``) and, where the run kept is an earlier one than the last
+    (restarts), what ended that one (``run_reason``)."""
+    text = f"stopped by {_reason(reason)}"
+    if run_reason and run_reason != reason:
+        seed = f" from seed {others[-1]['seed']}" if others else ""
+        text += (f" in its last restart{seed} (not kept); the run kept, the one with the best validation CER, had "
+                 f"been ended by {_reason(run_reason)}")
+    return text
+
+
+def still_improving(log: Any, margin: float = 0.01) -> bool:
+    """Stage 1 stopped by its time budget or ceiling while its validation CER was still coming down: the run had not
+    converged (:attr:`~closedloop.sdk.bci.train.TrainingLog.converged`), its best evaluation is among its last
+    ones (the last third of its evaluations, at least the last one and at most the last 6) and that best is at
+    least ``margin`` (1 percentage point) below every evaluation before them. A run whose CER sat still for most of
+    its evaluations, or that the plateau-restart rule ended, was not still improving: nothing says a longer one
+    would do better."""
+    rows = [v for v in getattr(log, "validation", []) if "CER" in v]
+    if log.converged is not False or len(rows) < 2 or getattr(log, "run_stop_reason", "") == "plateau_restart":
+        return False
+    recent = max(1, min(6, len(rows) // 3))
+    before, last = rows[:-recent], rows[-recent:]
+    best = min(v["CER"] for v in last)
+    return log.best_step in {v["step"] for v in last} and best <= min(v["CER"] for v in before) - margin
 
 
 @dataclass
@@ -473,7 +503,8 @@ def fit_recipe(sessions: Sequence[Any], harness: Any, *, recipe: Recipe | None =
     bar = progress.stage("stage 1: pooled backbone", tc.steps, plan.stage1_deadline)
     backbone, log = train_backbone(train_sessions, tc, val_ex, bar, plan.stage1_deadline)
     best = log.best() or {"CER": float("nan"), "WER": float("nan"), "chars": 0}
-    bar.close(f"{log.steps_run} steps, stopped by {log.stop_reason}, best validation CER {_pct(best['CER'])} at "
+    bar.close(f"{log.steps_run} steps, {stop_text(log.stop_reason, log.run_stop_reason, log.restarts)}, best "
+              f"validation CER {_pct(best['CER'])} at "
               f"step {log.best_step} (restored)")
     meta_cfg = harness.meta
     t_meta = time.perf_counter()

@@ -148,7 +148,11 @@ class TrainingLog:
     # scores, characters emitted), the best row's step (its weights are the ones kept), why the run ended
     validation: list[dict] = field(default_factory=list)
     best_step: int = 0
-    stop_reason: str = "ceiling"  # "ceiling" (ran every step), "patience", "time_budget"
+    # what ended the training: "ceiling" (ran every step), "patience", "time_budget"; after restarts, what ended the
+    # last run, which need not be the run kept (``run_stop_reason``); "plateau_restart" for a run the plateau check
+    # ended to restart from a new seed
+    stop_reason: str = "ceiling"
+    run_stop_reason: str = ""  # what ended the run kept ("" : the same as ``stop_reason``)
     final_lr: float = 0.0  # the learning rate of the last step (the cosine decay's progress when the run ended)
     # with validation: whether the run ended with its stopping rule met (a plateau at the rate's floor), None without;
     # False for a run that its time budget or ceiling ended while it was still improving
@@ -168,6 +172,7 @@ class TrainingLog:
         return {"what": self.what, "loss": self.loss, "wall_s": self.wall_s, "device": self.device,
                 "n_trials": self.n_trials, "seed": self.seed, "restarts": self.restarts, "on_plateau": self.on_plateau,
                 "validation": self.validation, "best_step": self.best_step, "stop_reason": self.stop_reason,
+                "run_stop_reason": self.run_stop_reason or self.stop_reason,
                 "steps_run": self.steps_run, "final_lr": self.final_lr, "converged": self.converged,
                 "decay_step": self.decay_step, "lr_reductions": self.lr_reductions}
 
@@ -459,6 +464,7 @@ def fit_ctc(
             if stuck:
                 log.on_plateau = True
                 if stop_on_plateau:
+                    log.stop_reason = "plateau_restart"
                     break
         if not validated:
             if out_of_time:
@@ -534,8 +540,12 @@ def fit_ctc_restarting(build: Callable[[], tuple[nn.Module, Callable, dict[int, 
             # with validation, the run kept is the one with the best validation CER (a restart can do worse than
             # the run it replaced); without, the last one
             best = log.best()
+            last_reason = log.stop_reason
             if best is not None:
                 module, log = min(runs, key=lambda run: b["CER"] if (b := run[1].best()) is not None else math.inf)
+            # the summary's stop_reason says what ended the training (the last run); the run kept may be an earlier
+            # one that the plateau check ended to restart
+            log.run_stop_reason, log.stop_reason = log.stop_reason, last_reason
             log.restarts = [{"seed": r.seed, "loss": r.loss, "wall_s": r.wall_s, "validation": r.validation}
                             for _, r in runs if r is not log]
             return module, log

@@ -30,6 +30,8 @@ import numpy as np
 
 from closedloop.common.atomic import refuse_existing
 
+from .checks import data_warnings, has_no_counts, session_counts, where
+
 __all__ = ["CalibrationReport", "calibrate_bundle", "compare_evaluations", "evaluate_bundle", "export_pooled_bundle",
            "format_comparison", "format_evaluation", "load_sessions", "train_harness", "train_pooled_bundle"]
 
@@ -83,8 +85,10 @@ class CalibrationReport:
             f"  method: {self.method}; chosen {self.chosen}",
             f"  calibration CTC loss per char: given bundle {self.loss_given:.3f}, fit start {self.loss_start:.3f}, "
             f"after {self.loss_after:.3f}",
-            f"  greedy CER on {on}: before {self.cer_given:.1%}, after {self.cer_after:.1%} "
-            f"(WER {self.wer_given:.1%} -> {self.wer_after:.1%})",
+            f"  greedy CER on {on}: before (the given bundle's alignment with this session's normalisation from "
+            f"the calibration sentences: not the bundle uncalibrated as a live session runs it) {self.cer_given:.1%}, "
+            f"after {self.cer_after:.1%} (WER {self.wer_given:.1%} -> {self.wer_after:.1%}); to see what calibrating "
+            "gains, score both on the day's evaluation trials (closedloop evaluate NEW --data DAY --against GIVEN)",
             *([f"  warning: {self.warning}"] if self.warning else []),
             f"  backbone bit-identical: {'yes' if self.backbone_identical else 'NO'}; fit {self.fit_s:.1f} s, "
             f"total {self.wall_s:.1f} s",
@@ -195,6 +199,13 @@ def calibrate_bundle(
         raise ValueError(f"{data_name}: session {session.name} has {len(idx)} calibration trials; "
                          f"{n_sentences} needed ({why})")
     calib = [session.trials[i] for i in idx]
+    if has_no_counts(session, idx):
+        raise ValueError(f"{data_name}: the {len(idx)} calibration sentence(s) (trials {idx}) of session "
+                         f"{session.name} hold no counts at all (every bin of every channel is 0): an alignment "
+                         "fitted to them decodes nothing; check the recording and the export that wrote the file "
+                         "(closedloop bci-data shows what it holds)")
+    for w in session.meta.get("warnings", []):  # the loader's notes (an eval_mask set on part of a trial)
+        report(f"warning: {w}")
     name = session_name or session.name
     out = Path(out) if out is not None else Path(str(src.source).removesuffix(".zip") + f"-{name}")
     refuse_existing(out, overwrite)  # before the fit, not after it
@@ -365,11 +376,15 @@ def _merged(base: dict, over: dict) -> dict:
 
 def describe_session(s: Any) -> dict:
     """One loaded session as ``closedloop bci-data`` lists it: name, date, day, split and where it came from,
-    channels, trials (all, offered for calibration, scored), bins, characters and the files it came from."""
+    channels, trials (all, offered for calibration, scored), bins and their width, characters, the total count and
+    the channels silent throughout (:mod:`closedloop.sdk.bci.checks`) and the files it came from."""
+    counts = session_counts(s) if s.trials else np.zeros(0, dtype=np.int64)
     return {"name": s.name, "date": s.meta.get("date"), "day": float(s.day), "split": s.split,
             "split_from": s.meta.get("split_from", "-"), "n_channels": s.n_channels, "trials": len(s.trials),
             "calibration": len(s.calibration), "evaluation": len(s.evaluation),
-            "bins": int(sum(t.n_bins for t in s.trials)), "characters": int(sum(len(t.sentence) for t in s.trials)),
+            "bins": int(sum(t.n_bins for t in s.trials)), "bin_ms": round(1000 * float(s.meta.get("bin_s", 0.02)), 3),
+            "characters": int(sum(len(t.sentence) for t in s.trials)), "counts": int(counts.sum()),
+            "silent_channels": [int(c) for c in np.flatnonzero(counts == 0)],
             "files": list(s.meta.get("files", []))}
 
 
@@ -438,6 +453,9 @@ def evaluate_bundle(
         raise ValueError(f"--open-words {open_words}: " + (
             "the open vocabulary's size is a number of words, 1 or more (default 50000)" if open_words < 1 else
             "it sizes the open vocabulary: give --beam --lexicon open with it"))
+    if lexicon is not None and not beam:
+        raise ValueError(f"--lexicon {lexicon}: the lexicon is the beam search's vocabulary, and greedy decoding uses "
+                         "none; add --beam to score the beam search with it")
     if word_weight is not None and not (np.isfinite(word_weight) and word_weight >= 0):
         raise ValueError(f"--word-weight {word_weight:g}: the word prior's weight is 0 (none) or more")
     bci = b.manifest.extra["bci"]
@@ -459,6 +477,15 @@ def evaluate_bundle(
     decoders = ["greedy", "greedy_end"] + (["beam"] if beam else [])
     calibrated_for = bci.get("session")
     norm = bci.get("normalization")
+    warnings = data_warnings(scored) + [
+        f"{where(s)}: its {len(s.evaluation)} evaluation trial(s) hold no counts at all (every bin of every channel "
+        "is 0): its scores say nothing about the decoder; check the recording and the export that wrote the file"
+        for s in scored if not has_no_counts(s) and has_no_counts(s, s.evaluation)]
+    warmup = int(norm["warmup_bins"]) if norm is not None else 0
+    bin_s = float(bci.get("bin_s", 0.02))
+    # the statistics of a warm-up bundle come from each session's first bins: all of them where it has fewer
+    used = {s.name: min(warmup, int(sum(s.trials[i].n_bins for i in s.evaluation))) for s in scored}
+    short = {k: n for k, n in used.items() if n < warmup}
     out: dict[str, Any] = {
         "bundle": str(bundle), "data": str(data), "backend": model.backend_name, "decoders": decoders,
         "sessions": {}, "skipped": skipped, "end_completion": fam.sentence_end,
@@ -467,8 +494,11 @@ def evaluate_bundle(
         "sentence_end": rule, "sentence_end_source": rule_source,
         "lexicon": choice.describe() if choice is not None else None,
         "normalization": ("calibration statistics" if norm is None else
-                          f"each session's own: its first {norm['warmup_bins']} bins "
-                          f"({norm['warmup_bins'] * float(bci.get('bin_s', 0.02)):.0f} s) of evaluation trials"),
+                          f"each session's own: its first {warmup} bins ({warmup * bin_s:.0f} s) of evaluation trials"
+                          + ("; " + ", ".join(f"session {k} has only {n} ({n * bin_s:.1f} s), all of them used"
+                                              for k, n in short.items()) if short else "")),
+        "normalization_bins": used if norm is not None else None,
+        "warnings": warnings,
         "calibrated_for": calibrated_for,
         # which day the calibration data were (the name given with --session may be the lab's own)
         "other_sessions": [] if norm is not None else _other_sessions(

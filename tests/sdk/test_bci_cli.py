@@ -482,7 +482,7 @@ def test_evaluate_options_choose_the_lexicon_and_sentence_end(calibrated, held_o
     assert main(["evaluate", str(out), "--data", str(held_out_file), "--beam", "--sentence-end", "x"]) == 2
     assert "--sentence-end 'x'" in capsys.readouterr().err
     assert main(["evaluate", str(out), "--data", str(held_out_file), "--beam", "--lexicon", str(tmp_path / "no")]) == 2
-    assert "not 'closed', 'open' or a word file" in capsys.readouterr().err
+    assert f"--lexicon {tmp_path / 'no'}: no such file" in capsys.readouterr().err
 
 
 def test_evaluate_against_another_bundle_compares_them_trial_for_trial(calibrated, bundle, held_out_file, capsys):
@@ -609,3 +609,83 @@ def test_a_pooled_bundle_on_a_new_day_normalises_with_that_days_own_first_bins(l
     fam.restart_warmup()
     assert not fam.warmed_up
     fam.model.close()
+
+
+# --- dead data, and what evaluate says about its options and its normalisation -------------------------------------
+
+
+def _silenced(session, channels=None, name=None):
+    """A copy of ``session`` with ``channels`` (None: all) at zero counts throughout."""
+    import copy
+
+    s = copy.deepcopy(session)
+    for t in s.trials:
+        t.spikes[:, slice(None) if channels is None else channels] = 0
+    if name is not None:
+        s.name, s.meta["date"] = name.replace("-", "."), name
+    return s
+
+
+def test_bci_data_flags_a_session_without_counts_and_counts_silent_channels(sessions, tmp_path, capsys):
+    folder = tmp_path / "d"
+    write_falcon_h2_dir([_silenced(sessions[0]), _silenced(sessions[1], [0, 3]), sessions[2]], folder)
+    assert main(["bci-data", str(folder), "--json"]) == 0
+    out, err = capsys.readouterr()
+    rows = json.loads(out)["sessions"]
+    assert [r["counts"] == 0 for r in rows] == [True, False, False]
+    assert [r["silent_channels"] for r in rows] == [list(range(C)), [0, 3], []]
+    assert {r["bin_ms"] for r in rows} == {20}
+    assert "session 2022.05.18 (" in err and "holds no counts at all" in err
+    assert "session 2022.06.22 (" in err and "2 of 8 channels are silent throughout (no count in any bin: channel(s) " \
+                                             "0, 3)" in err
+    assert main(["bci-data", str(folder)]) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert "bin ms" in table[0] and "silent" in table[0]
+    assert table[1].endswith("NO COUNTS") and " ALL " in table[1] and "NO COUNTS" not in table[2]
+
+
+def test_bci_train_refuses_a_held_in_session_without_counts_naming_its_file(sessions, tmp_path, capsys):
+    folder = tmp_path / "d"
+    paths = write_falcon_h2_dir([_silenced(sessions[0]), *sessions[1:]], folder)
+    assert main(["bci-train", str(folder), "--out", str(tmp_path / "b"), "--tiny", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert str(paths[0]) in err and "1 held-in session(s) hold no counts at all" in err and "Traceback" not in err
+    assert not (tmp_path / "b").exists()  # refused before any training
+
+
+def test_calibrate_refuses_calibration_sentences_without_counts(bundle, sessions, tmp_path, capsys):
+    f = write_falcon_h2(_silenced(sessions[3]), tmp_path / "sub-SIM-held-out_ses-20230417.nwb")
+    assert main(["calibrate", str(bundle), "--data", str(f), "--out", str(tmp_path / "c")]) == 2
+    err = capsys.readouterr().err
+    assert f"{f}: the 3 calibration sentence(s) (trials [0, 1, 2]) of session 2023.04.17 hold no counts at all" in err
+    assert not (tmp_path / "c").exists()
+
+
+def test_evaluate_warns_about_a_scored_session_without_counts(calibrated, sessions, tmp_path, capsys):
+    out, _ = calibrated
+    f = write_falcon_h2(_silenced(sessions[3]), tmp_path / "sub-SIM-held-out_ses-20230417.nwb")
+    assert main(["evaluate", str(out), "--data", str(f)]) == 0
+    assert "holds no counts at all" in capsys.readouterr().err
+    live = _silenced(sessions[3])  # calibration trials with counts, evaluation trials without
+    for i in live.calibration:
+        live.trials[i].spikes[:] = sessions[3].trials[i].spikes
+    f = write_falcon_h2(live, tmp_path / "sub-SIM-held-out_ses-20230418.nwb")
+    r = evaluate_bundle(out, f, backend="numba")
+    assert any("evaluation trial(s) hold no counts at all" in w and str(f) in w for w in r["warnings"])
+
+
+def test_evaluate_says_a_lexicon_needs_the_beam(calibrated, held_out_file, capsys):
+    out, _ = calibrated
+    assert main(["evaluate", str(out), "--data", str(held_out_file), "--lexicon", "open"]) == 2
+    assert "--lexicon open: the lexicon is the beam search's vocabulary" in capsys.readouterr().err
+
+
+def test_zero_shot_normalisation_says_how_many_bins_a_short_session_gave(two_stage, sessions, held_out_file, tmp_path):
+    backbone, meta = two_stage
+    warm = _export(AlignedDecoder(meta.new_alignment(), backbone), tmp_path / "warm", sessions, meta=meta,
+                   warmup_bins=100000)
+    r = evaluate_bundle(warm, held_out_file, backend="numba")
+    s = sessions[3]
+    n = sum(s.trials[i].n_bins for i in s.evaluation)
+    assert r["normalization_bins"] == {s.name: n}
+    assert r["normalization"].endswith(f"session {s.name} has only {n} ({n * 0.02:.1f} s), all of them used")

@@ -207,7 +207,7 @@ def test_empty_cues_and_trials_shorter_than_their_sentence_are_refused_naming_th
 def test_negative_counts_are_refused(tmp_path):
     counts = np.zeros((8, 4), dtype=np.int64)
     counts[2, 1] = -1
-    with pytest.raises(FalconFileError, match="not non-negative counts"):
+    with pytest.raises(FalconFileError, match=r"1 negative value\(s\) \(the first at bin 2, channel 1: -1\)"):
         load_falcon_h2(_write_raw(tmp_path / "neg.nwb", counts=counts))
     for dtype in (np.float64, np.int64):  # a count past u16 is not a spike count (it used to wrap: 70000 -> 4464)
         big = np.zeros((8, 4), dtype=dtype)
@@ -259,3 +259,45 @@ def test_falcons_own_loader_reads_our_files(recording, tmp_path):
     ends = np.flatnonzero(trial_change)
     assert list(ends + 1) == list(np.cumsum([t.n_bins for t in s.trials]))
     assert eval_mask.sum() == sum(s.trials[i].n_bins for i in s.evaluation)
+
+
+def test_bins_other_than_20_ms_are_refused_saying_the_width_found_and_to_rebin(tmp_path):
+    # 10 ms bins used to load silently (a decoder trained on them runs at the wrong rate); 50 ms ones were refused
+    # as "bins with imprecise timestamps"
+    for ms, how in ((10, "sum each channel's counts over every 2 consecutive bins"), (50, "from the spike times or a finer binning: a coarser bin cannot")):
+        step = ms / 1000
+        ts = np.concatenate([np.arange(5) * step, 10.0 + np.arange(3) * step])
+        with pytest.raises(FalconFileError, match=rf"timestamps are {ms} ms apart, so its bins are {ms} ms wide; "
+                                                  r"closedloop's decoders take 20 ms bins \(FALCON H2's\): re-bin the "
+                                                  rf"counts into 20 ms bins \({how}"):
+            load_falcon_h2(_write_raw(tmp_path / f"b{ms}.nwb", timestamps=ts))
+    # FALCON's timestamps wander a little around 20 ms: within the tolerance, and the width is kept
+    jitter = np.concatenate([np.arange(5) * 0.0203, 10.0 + np.arange(3) * 0.0203])
+    assert load_falcon_h2(_write_raw(tmp_path / "j.nwb", timestamps=jitter)).meta["bin_s"] == pytest.approx(0.0203)
+    assert load_falcon_h2(_write_raw(tmp_path / "ok.nwb")).meta["bin_s"] == pytest.approx(0.02)
+
+
+@pytest.mark.parametrize("value, what", [(np.nan, r"1 NaN value\(s\) \(the first at bin 5, channel 3: nan\)"),
+                                         (np.inf, r"1 inf value\(s\) \(the first at bin 5, channel 3: inf\)"),
+                                         (0.5, r"1 fractional value\(s\) \(the first at bin 5, channel 3: 0.5\)"),
+                                         (-2.0, r"1 negative value\(s\) \(the first at bin 5, channel 3: -2\)")])
+def test_values_that_are_not_counts_are_named_with_their_first_bin_and_channel(tmp_path, value, what):
+    counts = np.ones((8, 4), dtype=np.float32)
+    counts[5, 3] = value
+    with pytest.raises(FalconFileError, match=rf"binned_spikes must hold non-negative whole counts, but {what} in its "
+                                              "float32 data"):
+        load_falcon_h2(_write_raw(tmp_path / "bad.nwb", counts=counts))
+
+
+def test_an_eval_mask_set_on_part_of_a_trial_is_scored_whole_with_a_warning_naming_file_and_trial(tmp_path):
+    from pynwb import NWBHDF5IO
+
+    path = _write_raw(tmp_path / "sub-T5-held-in_ses-20220518.nwb")
+    with NWBHDF5IO(str(path), "a") as io:  # trial 0's five bins: the mask set on two of them; trial 1's on none
+        io.read().acquisition["eval_mask"].data[:] = np.array([0, 0, 0, 1, 1, 0, 0, 0], dtype=bool)
+    s = load_falcon_h2(path)
+    assert s.evaluation == [0] and s.calibration == [1]
+    (w,) = s.meta["warnings"]
+    assert w.startswith(f"{path}: eval_mask is set on only some bins of 1 trial(s) (trial 0: 2 of 5 bins)")
+    assert "scored whole" in w
+    assert "warnings" not in load_falcon_h2(_write_raw(tmp_path / "sub-T5-held-in_ses-20220523.nwb")).meta

@@ -178,10 +178,12 @@ def test_validation_counts_the_sentence_end_marks_and_a_decoder_that_leaves_them
     assert replace(fit, problems=["stage 1 emits no characters"]).warnings() == []
     # not learned and its time budget ended it: "a longer run may help" only where the validation loss still falls;
     # where it rose while training went on (nothing to learn: noise), more steps will not help, and it says so
-    def log_of(losses):
-        return SimpleNamespace(warning=lambda: None, converged=False, stop_reason="time_budget", best_step=60,
-                               steps_run=20 * len(losses), validation=[{"step": 20 * (i + 1), "loss": v, "CER": 1.0}
-                                                                       for i, v in enumerate(losses)])
+    def log_of(losses):  # the CER came down at the last evaluation, after sitting at 100%
+        cers = [1.0] * (len(losses) - 1) + [0.8]
+        return SimpleNamespace(warning=lambda: None, converged=False, stop_reason="time_budget",
+                               best_step=20 * len(losses), steps_run=20 * len(losses),
+                               validation=[{"step": 20 * (i + 1), "loss": v, "CER": c}
+                                           for i, (v, c) in enumerate(zip(losses, cers, strict=True))])
 
     unlearned = RecipeFit(SimpleNamespace(logs={"backbone": log_of([3.1, 3.2, 3.3, 3.5, 3.6, 3.9])}), [], {}, [],
                           None, {}, {}, no_end, ["stage 1: best validation greedy CER 100.0%"], 0.0, 0.0, None)
@@ -190,7 +192,9 @@ def test_validation_counts_the_sentence_end_marks_and_a_decoder_that_leaves_them
     # a loss that falls, or one with early ups and downs that is low again at the end, is still learning
     for losses in ([4.0, 3.8, 3.5, 3.3, 3.0, 2.8], [3.2, 3.0, 3.4, 3.1, 2.9, 2.95], [3.0, 3.3, 3.2]):
         (only,) = replace(unlearned, models=SimpleNamespace(logs={"backbone": log_of(losses)})).warnings()
-        assert only.startswith("stage 1 was still improving when its time budget ended it"), losses
+        # not learned: the warning says so before it says "still improving"
+        assert only.startswith("the decoder has NOT LEARNED (below), though stage 1 was still improving when its "
+                               "time budget ended it"), losses
 
 
 def test_a_falling_validation_loss_is_progress_while_the_cer_sits_still():
@@ -388,7 +392,9 @@ def test_calibrate_reports_greedy_cer_before_and_after(trained_bundle, held_out_
     r = calibrate_bundle(bundle, held_out_file, n_sentences=3, out=tmp_path / "c", report=lambda s: None)
     assert r.scored_on == "held_out" and r.scored_trials and not set(r.scored_trials) & set(r.trials)
     assert r.cer_given >= 0 and r.cer_after >= 0
-    assert f"before {r.cer_given:.1%}, after {r.cer_after:.1%}" in r.format() and "(not fitted)" in r.format()
+    assert (f"before (the given bundle's alignment with this session's normalisation from the calibration "
+            f"sentences: not the bundle uncalibrated as a live session runs it) {r.cer_given:.1%}, after "
+            f"{r.cer_after:.1%}") in r.format() and "(not fitted)" in r.format()
     assert (r.warning is not None) == (r.cer_after > r.cer_given)
     n = len(load_falcon_h2(held_out_file, n_calibration=100).calibration)
     fitted = calibrate_bundle(bundle, held_out_file, n_sentences=n, out=tmp_path / "all", report=lambda s: None)
@@ -513,3 +519,70 @@ def test_a_run_is_still_improving_only_if_it_improved_on_its_first_evaluation():
     assert not still_improving(TrainingLog(validation=flat, best_step=50, converged=False, stop_reason="ceiling"))
     assert not still_improving(TrainingLog(validation=rows[:1], best_step=50, converged=False))  # one evaluation
     assert not still_improving(TrainingLog(validation=rows, best_step=150, converged=True))  # patience met
+
+
+def test_a_restart_cut_off_by_the_time_budget_is_what_stop_reason_says(split, monkeypatch):
+    """The first run fails the plateau check (no validation CER below 75% by its check step) and restarts; the time
+    budget ends the restart at once. The run kept is the first (its CER is lower), but what ended the training is the
+    time budget: stop_reason says so, and run_stop_reason says the plateau-restart rule ended the run kept (it used to
+    say "ceiling", a limit neither run reached)."""
+    from types import SimpleNamespace
+
+    from closedloop.sdk.bci import train as train_mod
+    from closedloop.sdk.bci.recipe import still_improving, stop_text
+
+    train, _, val_ex = split
+    real, jump = time.perf_counter, [0.0]
+    monkeypatch.setattr(train_mod.time, "perf_counter", lambda: real() + jump[0])
+    monkeypatch.setattr(train_mod, "validation_scores", lambda *a, **k: {  # never learns; the restart scores worse
+        "CER": 0.99 if jump[0] else 0.9, "WER": 1.0, "chars": 3, "loss": 3.0, "ends_missed": 0, "ends_of": 0})
+
+    def restart(attempt, seed, why):
+        jump[0] = 1e6  # the budget runs out as the restart begins
+
+    progress = SimpleNamespace(step=lambda *a: None, validated=lambda *a: None, restart=restart)
+    config = replace(TINY, steps=400, plateau_steps=100, eval_every=20, max_restarts=1, patience=6)
+    _, log = train_backbone(train, config, val_ex, progress, deadline=real() + 3600)
+    assert log.seed == 0 and log.steps_run == 100 and [r["seed"] for r in log.restarts] == [1000]
+    assert (log.stop_reason, log.run_stop_reason) == ("time_budget", "plateau_restart")
+    assert log.to_dict()["run_stop_reason"] == "plateau_restart"
+    assert not still_improving(log)
+    text = stop_text(log.stop_reason, log.run_stop_reason, log.restarts)
+    assert text.startswith("stopped by the time budget in its last restart from seed 1000 (not kept); the run kept")
+    assert "ended by the plateau-restart rule" in text
+    assert stop_text("ceiling", "ceiling", []) == "stopped by the step ceiling"
+
+
+def test_a_run_whose_cer_sat_still_after_an_early_best_is_not_still_improving():
+    """The outside report: best validation CER 92.9% at step 20 of 60, flat after; no "still improving" for it."""
+    from closedloop.sdk.bci.recipe import still_improving
+    from closedloop.sdk.bci.train import TrainingLog
+
+    flat = [{"step": s, "CER": c} for s, c in ((10, 0.95), (20, 0.929), (30, 0.93), (40, 0.93), (50, 0.93), (60, 0.93))]
+    assert not still_improving(TrainingLog(validation=flat, best_step=20, converged=False, stop_reason="time_budget"))
+    # best at the last evaluation but by a hair (under a percentage point): not coming down meaningfully
+    hair = flat[:5] + [{"step": 60, "CER": 0.925}]
+    assert not still_improving(TrainingLog(validation=hair, best_step=60, converged=False, stop_reason="ceiling"))
+    falling = flat[:5] + [{"step": 60, "CER": 0.80}]
+    assert still_improving(TrainingLog(validation=falling, best_step=60, converged=False, stop_reason="ceiling"))
+
+
+def test_the_bar_shows_on_a_terminal_that_reports_no_size(monkeypatch):
+    """A pseudo-terminal under `script` reports 0 x 0: tqdm then drew nothing; the bar gets a fixed size instead."""
+    import os
+
+    monkeypatch.setattr(os, "get_terminal_size", lambda fd: os.terminal_size((0, 0)))
+
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+        def fileno(self):
+            return 2
+
+    out = Tty()
+    stage = Progress(stream=out).stage("stage 1", 10)
+    for k in range(1, 11):
+        stage.step(k, 2.0)
+    stage.close()
+    assert "stage 1" in out.getvalue() and "10/10" in out.getvalue()
