@@ -51,7 +51,8 @@ def _bci_data(a: argparse.Namespace) -> int:
                   + ("  NO COUNTS" if r["trials"] and not r["counts"] else ""))
         held = {k: sum(r["split"] == k for r in rows) for k in ("held_in", "held_out")}
         print(f"{len(rows)} sessions: {held['held_in']} held-in, {held['held_out']} held-out. from: where the split "
-              "came from (name, notes, date; default: nothing said it, taken as held-in). silent: channels with no "
+              "came from (name, notes, date: the date is one of FALCON H2's held-in or held-out days, so the day is "
+              "split as T5's was; default: nothing said it, taken as held-in). silent: channels with no "
               "count in any bin (ALL: the session holds no counts). calib: trials offered for calibration (a held-out "
               "day: FALCON's first 3 of its calibration file; calibrate --sentences N reads the file's); eval: trials "
               "scored")
@@ -169,6 +170,12 @@ def _train(a: argparse.Namespace) -> int:
         progress.note(f"  {len(unnamed)} of them held-in because nothing names their split ({', '.join(unnamed[:3])}"
                       f"{' ...' if len(unnamed) > 3 else ''}): a new day a decoder must not train on is named "
                       "held-out (sub-X-held-out-calib_ses-YYYYMMDD.nwb; docs/handwriting_data.md)")
+    by_date = [s for s in sessions if s.meta.get("split_from") == "date"]
+    if by_date:
+        progress.note(f"  {len(by_date)} of them split by their date alone, a day of FALCON H2's own lists "
+                      f"({', '.join(f'{s.name} {s.split}' for s in by_date[:3])}{' ...' if len(by_date) > 3 else ''}): "
+                      "a recording of yours on such a date is split as that day of T5 was; name the split in the "
+                      "file name to decide it yourself (held-in / held-out, docs/handwriting_data.md)")
     result = train_recipe(sessions, harness, a.out, recipe=recipe, keep=_explicit_train_settings(a.config, a.steps),
                           progress=progress, provenance={"data": str(a.data)}, overwrite=a.overwrite,
                           end_completion=None if a.end_completion == "off" else a.end_completion)

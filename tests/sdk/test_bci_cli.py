@@ -653,6 +653,20 @@ def test_bci_train_refuses_a_held_in_session_without_counts_naming_its_file(sess
     assert not (tmp_path / "b").exists()  # refused before any training
 
 
+def test_bci_train_says_which_sessions_only_their_date_split(sessions, tmp_path, capsys):
+    """A lab's file named without a split, recorded on a date that is one of FALCON H2's held-out days, is held out
+    by that date: bci-train says so before anything else, naming the session and how to decide it."""
+    folder = tmp_path / "d"
+    write_falcon_h2_dir(sessions[:3], folder)
+    write_falcon_h2(sessions[3], folder / "monkeyJ_rec3.nwb", metadata=False)  # its date: 2023.04.17, a held-out day
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "x").write_text("")  # an --out that exists: refused after the notes, before any training
+    assert main(["bci-train", str(folder), "--out", str(tmp_path / "b"), "--tiny", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert f"1 of them split by their date alone, a day of FALCON H2's own lists ({sessions[3].name} held_out)" in err
+    assert "name the split in the file name" in err
+
+
 def test_calibrate_refuses_calibration_sentences_without_counts(bundle, sessions, tmp_path, capsys):
     f = write_falcon_h2(_silenced(sessions[3]), tmp_path / "sub-SIM-held-out_ses-20230417.nwb")
     assert main(["calibrate", str(bundle), "--data", str(f), "--out", str(tmp_path / "c")]) == 2
