@@ -400,7 +400,30 @@ def _writable(folder: Path) -> tuple[bool, str]:
             pass
         return True, ""
     except OSError as exc:
-        return False, exc.strerror or str(exc)
+        why = exc.strerror or str(exc)
+        owner = _owner(folder)
+        if owner is not None and owner != _owner_of_me():  # a service's cache checked as another user
+            why += (f"; it belongs to user {owner}: run doctor as that user (sudo -u {owner} env "
+                    f"NUMBA_CACHE_DIR=... closedloop doctor), whose rights the service has")
+        return False, why
+
+
+def _owner(folder: Path) -> str | None:
+    try:
+        import pwd
+
+        return pwd.getpwuid(folder.stat().st_uid).pw_name
+    except (ImportError, KeyError, OSError):
+        return None
+
+
+def _owner_of_me() -> str | None:
+    try:
+        import pwd
+
+        return pwd.getpwuid(os.geteuid()).pw_name
+    except (ImportError, KeyError, OSError):
+        return None
 
 
 # --- the loop ---------------------------------------------------------------------------------------------------

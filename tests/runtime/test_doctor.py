@@ -124,3 +124,18 @@ def test_the_c_scanner_check_finds_a_built_library_and_names_a_missing_one(tmp_p
     monkeypatch.setenv("CLOSEDLOOP_CACHE_DIR", str(tmp_path / "built"))
     found = run_doctor(DoctorConfig(only=["c_scanner"])).checks[0]
     assert found.status == PASS and found.data["library"].startswith(str(tmp_path / "built"))
+
+
+def test_a_cache_another_user_owns_says_to_check_as_that_user(tmp_path, monkeypatch):
+    """The service's cache belongs to its user: doctor run by someone else finds it not writable, and says whose it
+    is and how to check as that user (whose rights the service has), rather than a bare permission error."""
+    from closedloop.runtime import doctor
+
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    monkeypatch.setattr(doctor, "_owner", lambda folder: "closedloop")
+    monkeypatch.setattr(doctor, "_owner_of_me", lambda: "alice")
+    ok, why = doctor._writable(blocked / "cache")  # not a folder that can be made: an OSError, as a denied one is
+    assert not ok and "it belongs to user closedloop: run doctor as that user (sudo -u closedloop" in why
+    monkeypatch.setattr(doctor, "_owner_of_me", lambda: "closedloop")
+    assert "belongs to" not in doctor._writable(blocked / "cache")[1]  # one's own folder: the error alone
