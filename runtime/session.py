@@ -196,6 +196,8 @@ class SessionSummary:
     recording: str | None = None
     scrub: dict[str, Any] = field(default_factory=dict)
     monitor_url: str | None = None
+    # the monitor server's exit status where it ended mid-session (killed, crashed: its page stopped updating there)
+    monitor_exit: int | None = None
     # per observer (class name): records delivered, records lost to a slow observer, its error if it failed
     observers: dict[str, Any] = field(default_factory=dict)
     # with SessionConfig.rt: {"asked": ..., "granted": ...} (RealtimeGrant.to_dict); empty without
@@ -430,11 +432,12 @@ class Session:
         # a test suite) can take a second: frames pile up unread, and timed device events pass unseen.
         gc.collect()
         self._open_tap()  # the monitor's server starts here, not once the device streams
-        self.link = self._open_link()
         try:
+            self.link = self._open_link()
             hello = self._handshake(self.link, self.config.handshake_timeout_s)
-        except BaseException as exc:
-            self.link.close()
+        except BaseException as exc:  # the device could not be opened, or did not answer: the page says why
+            if self.link is not None:
+                self.link.close()
             self.close_tap(f"no session: {type(exc).__name__}: {exc}")
             raise
         self.family.adopt_device(hello.kind)
@@ -927,6 +930,7 @@ class Session:
             recording=str(cfg.record) if cfg.record else None,
             scrub=self.scrubber.summary() if self.scrubber is not None else {},
             monitor_url=redact_device_url(self.monitor_url) if self.monitor_url else None,  # token=***: the session is over
+            monitor_exit=self._tap.monitor_exit if self._tap is not None else None,
             realtime=grant.to_dict() if grant is not None else {},
             error=f"{type(error).__name__}: {error}" if error is not None else None,
             **self.summary_counts,

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from closedloop.runtime.monitor.server import rounded_rows
+from closedloop.runtime.monitor.server import ignore_client, rounded_rows
 from closedloop.runtime.recording_view import RecordingView, Series, view_recording
 
 #: Rows per series sent to the page at most (longer series are decimated evenly).
@@ -41,16 +41,44 @@ def _all_outputs(v: RecordingView) -> Series:
     return out
 
 
+def missed_so_far(steps: dict[str, np.ndarray], period_us: float) -> np.ndarray:
+    """The loop's missed deadlines up to and including each step, as a live session counts them (its status's
+    ``missed``): steps that overran their period, plus the periods skipped after them (step indices jump)."""
+    step = np.asarray(steps["step"], dtype=np.int64)
+    if not step.size:
+        return np.zeros(0, dtype=np.int64)
+    over = (np.asarray(steps["latency_us"]) + np.maximum(np.asarray(steps["lateness_us"]), 0.0)) > period_us
+    skipped = np.maximum(np.diff(step, prepend=step[0]) - 1, 0)
+    return np.cumsum(over.astype(np.int64) + skipped)
+
+
+def command_delays_us(steps: dict[str, np.ndarray], command_t_s: np.ndarray) -> np.ndarray:
+    """How long after its step began each command went out (the live status's ``command_p99_us`` is the p99 of
+    these): a command's time less the start of the latest step that began at or before it (NaN before the first)."""
+    t = np.asarray(steps["t_s"], dtype=float)
+    c = np.asarray(command_t_s, dtype=float)
+    if not t.size or not c.size:
+        return np.full(c.size, np.nan)
+    i = np.searchsorted(t, c, side="right") - 1
+    return np.where(i >= 0, (c - t[np.maximum(i, 0)]) * 1e6, np.nan)
+
+
 def recording_message(v: RecordingView) -> dict[str, Any]:
     s = v.steps
     idx = _decimate(s["step"].size)
+    period_us = 1e6 / float(v.meta.get("rate_hz") or 1.0)
     msg: dict[str, Any] = {
         "type": "recording",
         "steps": {"step": s["step"][idx].tolist(), "t_s": s["t_s"][idx].round(4).tolist(),
                   "latency_us": s["latency_us"][idx].round(1).tolist(),
-                  "lateness_us": s["lateness_us"][idx].round(1).tolist(), "flags": s["flags"][idx].tolist()},
+                  "lateness_us": s["lateness_us"][idx].round(1).tolist(), "flags": s["flags"][idx].tolist(),
+                  "missed_total": missed_so_far(s, period_us)[idx].tolist()},
         "typed": [[round(t, 4), text] for t, _, text in v.typed if text],
         "events": [dict(ev, t_s=round(t, 4)) for t, ev in v.events],
+        # how the session ended (its SUMMARY's loop.stopped_by; null: the file has no SUMMARY) and what a viewer
+        # should know before trusting the file (RecordingView.problems: data dropped, a session that never ended)
+        "stopped_by": ((v.summary or {}).get("loop") or {}).get("stopped_by") if v.summary else None,
+        "problems": v.problems(),
     }
     name = next((n for n in ("binned_spikes", "plant_output_y", "joint_positions") if n in v.inputs), None)
     for key, series in (("inputs", v.inputs.get(name) if name else None), ("commands", v.commands),
@@ -61,6 +89,9 @@ def recording_message(v: RecordingView) -> dict[str, Any]:
         j = _decimate(len(series))
         msg[key] = {"t_s": np.round(np.asarray(series.t_host_s)[j], 4).tolist(), "rows": rounded_rows(series.array()[j]),
                     "seq": np.asarray(series.seq)[j].tolist()}
+        if key == "commands":
+            delays = command_delays_us(s, np.asarray(series.t_host_s))[j]
+            msg[key]["delay_us"] = [None if not np.isfinite(d) else round(float(d), 1) for d in delays]
     times = [msg[k]["t_s"][-1] for k in ("inputs", "commands", "outputs") if msg[k]["t_s"]]
     times += msg["steps"]["t_s"][-1:]
     msg["duration_s"] = max(times) if times else 0.0
@@ -72,7 +103,7 @@ def recording_info(v: RecordingView) -> dict[str, Any]:
     return {"family": m.get("family"), "bundle_name": m.get("bundle_name") or m.get("bundle"),
             "rate_hz": m.get("rate_hz"), "backend": m.get("backend"), "device": m.get("device"),
             "device_url": m.get("device_url"), "mode": "recording", "recording": str(v.path),
-            "described": v.described, "has_steps": bool(v.steps["step"].size),
+            "described": v.described, "has_steps": bool(v.steps["step"].size), "problems": v.problems(),
             "outputs": m.get("outputs") or [], "state": v.state_labels}
 
 
@@ -84,7 +115,7 @@ async def serve_recording(path: str | Path, host: str, port: int, ready: Any = p
     With ``token`` the page and its WebSocket answer only a request carrying ``?token=...``
     (the URL given to ``ready`` carries it), as the live monitor does on a public address.
     """
-    from aiohttp import WSMsgType, web
+    from aiohttp import web
 
     from .server import MAX_CLIENT_MESSAGE, _asset, authorised, monitor_urls
 
@@ -114,9 +145,7 @@ async def serve_recording(path: str | Path, host: str, port: int, ready: Any = p
         await ws.prepare(request)
         await ws.send_str(json.dumps({"type": "hello", "info": info, "events": []}, default=str))
         await ws.send_str(payload)
-        async for msg in ws:  # nothing from the page is acted on
-            if msg.type in (WSMsgType.ERROR, WSMsgType.CLOSE):
-                break
+        await ignore_client(ws)  # nothing from the page is acted on
         return ws
 
     app = web.Application()

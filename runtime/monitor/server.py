@@ -41,15 +41,47 @@ END_GRACE_S = 1.0
 #: The largest message a client may send (bytes): the server ignores what clients send, and a larger message
 #: closes that client's socket with code 1009 (message too big); the page sends none
 MAX_CLIENT_MESSAGE = 4096
+#: Messages a client may send in one second: the page sends none, and a client that floods the server (which would
+#: take the CPU a session may need) is closed with code 1008 (policy violation)
+MAX_CLIENT_MESSAGES_PER_S = 50
+
+
+async def ignore_client(ws: Any) -> None:
+    """Read what a client sends until it closes, acting on none of it; close a client that sends more than
+    ``MAX_CLIENT_MESSAGES_PER_S`` messages in a second (1008)."""
+    import time
+
+    from aiohttp import WSMsgType
+
+    window, count = time.monotonic(), 0
+    async for msg in ws:
+        if msg.type in (WSMsgType.ERROR, WSMsgType.CLOSE):
+            return
+        now = time.monotonic()
+        if now - window >= 1.0:
+            window, count = now, 0
+        count += 1
+        if count > MAX_CLIENT_MESSAGES_PER_S:
+            await ws.close(code=1008, message=b"too many messages: this socket sends, the client does not")
+            return
 
 
 def is_loopback(host: str) -> bool:
+    """Whether binding ``host`` serves this machine only: a loopback address, or a name every address of which is one
+    (``localhost``, a name /etc/hosts gives 127.0.0.1); a name that does not resolve is not."""
     if host == "localhost":
         return True
     try:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
+        pass
+    import socket
+
+    try:
+        found = {info[4][0] for info in socket.getaddrinfo(host, None)}
+    except (OSError, UnicodeError):
         return False
+    return bool(found) and all(ipaddress.ip_address(str(a).split("%")[0]).is_loopback for a in found)
 
 
 def authorised(request: Any, token: str | None) -> bool:
@@ -178,7 +210,7 @@ class MonitorApp:
                                   "events": [e for e in self.events if e.get("event") != "status"][-50:]})
 
     async def websocket(self, request: Any) -> Any:
-        from aiohttp import WSMsgType, web
+        from aiohttp import web
 
         if not authorised(request, self.token):
             return web.Response(status=403, text="token required\n")
@@ -194,9 +226,7 @@ class MonitorApp:
         self.clients.add(client)
         sender = asyncio.ensure_future(self._send_loop(client))
         try:
-            async for msg in ws:  # the page sends nothing we act on; a malformed message is simply ignored
-                if msg.type in (WSMsgType.ERROR, WSMsgType.CLOSE):
-                    break
+            await ignore_client(ws)  # the page sends nothing we act on; a malformed message is simply ignored
         finally:
             self.clients.discard(client)
             sender.cancel()
@@ -380,6 +410,10 @@ class MonitorProcess:
         self.pid = self._proc.pid
         #: remote_url: for a monitor on every address (0.0.0.0, ::), the URL with this machine's name, for others
         self.url, self.remote_url = monitor_urls(host, self.port, token)
+
+    def exit_code(self) -> int | None:
+        """The server's exit status once it has ended (a crash, a kill), None while it serves."""
+        return self._proc.poll()
 
     def stop(self) -> None:
         """After the session's ``session_end`` event the server ends by itself once its clients have the last

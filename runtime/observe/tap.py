@@ -47,6 +47,7 @@ class SessionTap:
         self._next_status_ns = 0
         self._closed = False
         self.last_run_ns = 0  # when the newest model output was ready (the last run record's time)
+        self.monitor_exit: int | None = None  # the monitor server's exit status, had it ended mid-session
         try:
             if monitor is not None:
                 self.monitor = _start_monitor(self.ring, monitor, monitor_public, self.info, self.out,
@@ -109,7 +110,21 @@ class SessionTap:
         if now < self._next_status_ns:
             return False
         self._next_status_ns = now + self.status_interval_ns
+        self._check_monitor()
         return True
+
+    def _check_monitor(self) -> None:
+        """A monitor server that ended mid-session (killed, crashed) is said once: its page stops updating, and the
+        session goes on without it."""
+        mon = self.monitor
+        if mon is None or self.monitor_exit is not None:
+            return
+        code = mon.exit_code()
+        if code is not None:
+            self.monitor_exit = code
+            self.ring.event({"event": "monitor_gone", "step": -1, "exit_code": code})
+            self.out.write(f"\nwarning: the monitor's server (pid {mon.pid}) exited (status {code}): {mon.url} no "
+                           "longer updates; the session goes on without it\n")
 
     # --- end --------------------------------------------------------------------------------
 

@@ -153,6 +153,42 @@ def test_state_api_and_a_malformed_websocket_message_change_nothing(monitored, p
     assert state["status"]["event"] == "status"
 
 
+def test_what_a_client_sends_is_ignored_within_the_documented_limits(monitored):
+    """docs/monitor.md: a message under 4,096 bytes is ignored; one of 4,096 or more closes that socket with 1009; a
+    client that sends more than 50 messages in a second is closed with 1008 (it would take the CPU a session needs);
+    other clients stream on."""
+    import asyncio
+
+    import aiohttp
+
+    mon, _, _ = monitored
+
+    async def close_code(messages, pause_s=0.0):
+        async with aiohttp.ClientSession() as http, http.ws_connect(mon.url + "ws") as ws:
+            for m in messages:
+                await ws.send_str(m)
+                if pause_s:
+                    await asyncio.sleep(pause_s)
+            end = asyncio.get_running_loop().time() + 3
+            while not ws.closed and asyncio.get_running_loop().time() < end:
+                try:
+                    await asyncio.wait_for(ws.receive(), 0.5)
+                except asyncio.TimeoutError:
+                    break
+            return ws.close_code if ws.closed else None
+
+    async def all_cases():
+        return (await close_code(["x" * 4095, "{not json"]), await close_code(["x" * 4096]),
+                await close_code(["hi"] * 200), await close_code(["hi"] * 20, pause_s=0.06))
+
+    got: list = []  # on a thread of its own: the browser tests' playwright holds an event loop on this one
+    t = threading.Thread(target=lambda: got.extend(asyncio.run(all_cases())))
+    t.start()
+    t.join(60)
+    small, big, flood, slow = got
+    assert small is None and big == 1009 and flood == 1008 and slow is None, (small, big, flood, slow)
+
+
 def test_a_non_loopback_monitor_needs_its_token():
     ring = StepRing.create(n_in=1, n_out=1, n_cmd=1, capacity=8)
     mon = MonitorProcess(ring, "127.0.0.1", 0, "s3cret-token", INFO)
@@ -167,6 +203,26 @@ def test_a_non_loopback_monitor_needs_its_token():
     finally:
         mon.stop()
         ring.close()
+
+
+def test_only_addresses_of_this_machine_alone_count_as_loopback(monkeypatch):
+    """A host name is loopback only where every address it resolves to is (/etc/hosts naming the machine 127.0.0.1);
+    an address other machines reach, or a name that does not resolve, is not, and then needs --monitor-public."""
+    import socket
+
+    from closedloop.runtime.monitor.server import is_loopback
+
+    assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost") and is_loopback("127.0.0.2")
+    assert not is_loopback("0.0.0.0") and not is_loopback("192.168.1.5")
+    table = {"vm": ["127.0.0.1"], "both": ["127.0.0.1", "10.0.0.7"]}
+
+    def resolve(host, port, *a, **k):
+        if host not in table:
+            raise socket.gaierror("unknown")
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (ip, 0)) for ip in table[host]]
+
+    monkeypatch.setattr(socket, "getaddrinfo", resolve)
+    assert is_loopback("vm") and not is_loopback("both") and not is_loopback("no-such-host")
 
 
 def test_a_port_in_use_is_a_clear_error():

@@ -75,12 +75,22 @@ def test_monitor_shows_a_recording_with_a_time_slider(plant_recording, page, scr
         at_end = page.evaluate("() => monitorState.step")
         assert at_end == int(view_recording(rec).steps["step"][-1])  # the slider starts at the end
         assert page.is_visible("#slider")
+        # at the end, the session's own counts (every missed deadline, not those of the steps drawn), how long after
+        # its step each command went out, and that the session ended (how, among the events)
+        end = page.evaluate("() => ({missed: document.getElementById('missed').textContent,"
+                            " cmd: document.getElementById('cmdp99').textContent,"
+                            " state: document.getElementById('state').textContent,"
+                            " events: monitorState.events.map((e) => [e.event, e.stopped_by])})")
+        assert int(end["missed"]) == s.loop.missed_deadlines and end["cmd"].endswith(" us"), end
+        assert end["state"] == "ended" and ["recording_end", "duration"] in end["events"], end
         page.evaluate("() => { const s = document.getElementById('slider'); s.value = '1.3'; "
                       "s.dispatchEvent(new Event('input')); }")  # inside the silence
         time.sleep(0.3)
         mid = page.evaluate("() => ({step: monitorState.step, state: document.getElementById('state').textContent,"
-                            " watchdog: document.getElementById('watchdog').textContent})")
+                            " watchdog: document.getElementById('watchdog').textContent,"
+                            " missed: +document.getElementById('missed').textContent})")
         assert 0 < mid["step"] < at_end and mid["state"] == "SAFE" and mid["watchdog"] == "1"
+        assert mid["missed"] <= int(end["missed"])
         # each input frame shown has beside it the output of the run that read it (the same frame sequence number),
         # and none where the loop skipped the frame for a newer one
         paired = page.evaluate("() => ({inp: monitorState.inp.length, seq: monitorState.inpSeq,"
@@ -132,6 +142,28 @@ def test_a_recording_is_served_beyond_this_machine_only_with_public_and_its_toke
         p.terminate()
         _, err = p.communicate(timeout=10)
     assert "warning: serving" in err
+
+
+def test_the_recordings_own_counts_as_a_live_session_gives_them():
+    """Missed deadlines: steps over their period plus the periods skipped after them, counted from the start; a
+    command's delay: from the start of the latest step that began before it."""
+    from closedloop.runtime.monitor.recording_server import command_delays_us, missed_so_far
+
+    steps = {"step": np.array([0, 1, 2, 5, 6]), "t_s": np.array([0.0, 0.01, 0.02, 0.05, 0.06]),
+             "latency_us": np.array([100.0, 12_000.0, 100.0, 100.0, 100.0]),
+             "lateness_us": np.array([0.0, 0.0, -50.0, 9_950.0, 0.0])}
+    assert missed_so_far(steps, 10_000.0).tolist() == [0, 1, 1, 3 + 1, 4]  # step 1 overran; 3, 4 skipped; 5 late
+    np.testing.assert_allclose(command_delays_us(steps, np.array([-0.001, 0.0003, 0.0551])), [np.nan, 300.0, 5100.0])
+
+
+def test_a_port_outside_the_range_is_bad_input(plant_recording, capsys):
+    from closedloop.sdk.cli import main
+
+    rec, _ = plant_recording
+    for port in ("70000", "-1"):
+        assert main(["monitor", str(rec), "--port", port]) == 2
+        err = capsys.readouterr().err
+        assert f"--port {port} is outside 0..65535" in err and "Traceback" not in err
 
 
 def test_a_generic_decoders_outputs_are_its_commands_in_the_view_and_the_figure(tmp_path):

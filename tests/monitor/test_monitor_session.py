@@ -44,10 +44,10 @@ def plant_bundle(tmp_path_factory):
 class Background:
     """A session running on a thread, its monitor URL known once it started."""
 
-    def __init__(self, bundle, **cfg):
+    def __init__(self, bundle, out=None, **cfg):
         cfg.setdefault("status", False)
         cfg.setdefault("backend", "onnxruntime")
-        self.session = Session(bundle, SessionConfig(**cfg))
+        self.session = Session(bundle, SessionConfig(**cfg), out=out)
         self.session.start()
         self.summary = None
         self.error: BaseException | None = None
@@ -294,6 +294,45 @@ def test_a_session_that_never_started_ends_its_page_saying_why(plant_bundle):
     end = received[-1]
     assert end["event"] == "session_end" and end["reason"].startswith("no session: SessionError: no Hello from")
     assert failed and "no Hello from" in str(failed[0])
+
+
+def test_a_device_that_cannot_be_opened_ends_the_page_saying_why(plant_bundle, monkeypatch):
+    """No device at the path (or an emulator URL it refuses): the session's session_end carries the reason, as for a
+    device that never answers, not a bare end a client cannot tell from a session that ran its course."""
+    from closedloop.runtime.observe.tap import SessionTap
+
+    reasons: list = []
+    close = SessionTap.close
+
+    def spy(self, summary=None, reason=None):
+        reasons.append(reason)
+        return close(self, summary, reason)
+
+    monkeypatch.setattr(SessionTap, "close", spy)
+    for device in ("/dev/closedloop-no-such-port", "sim://headstage?channels=4&bogus=1"):
+        reasons.clear()
+        session = Session(plant_bundle, SessionConfig(device=device, status=False, backend="onnxruntime", monitor="0"))
+        try:
+            with pytest.raises((SessionError, ValueError, OSError)):
+                session.start()
+        finally:
+            session.close()
+        assert reasons and reasons[0] and reasons[0].startswith("no session: "), (device, reasons)
+
+
+def test_a_monitor_server_that_dies_is_said_and_the_session_goes_on(plant_bundle):
+    import io
+    import os
+    import signal
+
+    out = io.StringIO()
+    bg = Background(plant_bundle, device="sim://plant?model=msd&rate=200&seed=3", duration_s=2.0, monitor="0", out=out)
+    time.sleep(0.5)
+    os.kill(bg.session._tap.monitor.pid, signal.SIGKILL)
+    s = bg.join()
+    assert s.loop.stopped_by == "duration" and s.commands_sent > 100  # the session ran its course
+    assert s.monitor_exit == -signal.SIGKILL
+    assert "warning: the monitor's server" in out.getvalue() and "the session goes on without it" in out.getvalue()
 
 
 def test_a_monitor_on_a_public_address_needs_the_flag(plant_bundle):

@@ -19,7 +19,7 @@
   function onHello(m) {
     S.info = m.info;
     const i = m.info;
-    $("bundle").textContent = i.bundle_name || "-";
+    $("bundle").textContent = i.bundle_name || i.bundle || "-";  // a bundle exported without a name: its path
     $("family").textContent = i.family || "-";
     $("device").textContent = (i.device && (i.device.kind + " " + (i.device.name || ""))) || i.device_url || "-";
     $("backend").textContent = i.backend || "-";
@@ -175,13 +175,24 @@
     for (const e of reports) { try { S.prompt = JSON.parse(e.text).source.sentence || S.prompt; } catch { /* not JSON */ } }
     S.counts.watchdog = S.events.filter((e) => e.event === "watchdog").length;
     S.counts.reconnects = S.events.filter((e) => e.event === "reconnected").length;
-    S.counts.missed = S.missed.reduce((x, y) => x + y, 0);
+    // the session's own counts at T: every missed deadline since its start (not only the steps drawn), and the p99
+    // of how long after its step began each of the last 2,048 commands went out, as the live status gives them
+    const mt = r.steps.missed_total;
+    S.counts.missed = mt && n ? mt[n - 1] : S.missed.reduce((x, y) => x + y, 0);
+    const dl = (r.commands.delay_us || []).slice(Math.max(0, nc - 2048), nc).filter((d) => d !== null).sort((x, y) => x - y);
+    $("cmdp99").textContent = dl.length ? Math.round(dl[Math.min(dl.length - 1, Math.floor(0.99 * dl.length))]) + " us" : "-";
+    S.ended = T >= r.duration_s - 1e-6;  // the end of the file: the session's end (how, in the events)
     renderEvents();
     render();
   }
 
   function onRecording(m) {
     REC = m;
+    // how it ended and what the file lacks, first in the events panel whatever the slider says
+    const notes = (m.problems || []).map((text) => ({ event: "file_problem", step: null, t_s: -1, text }));
+    notes.push({ event: "recording_end", step: null, t_s: -1,
+                 stopped_by: m.stopped_by === null || m.stopped_by === undefined ? "no SUMMARY: the session did not end normally (killed, refused or cut short)" : m.stopped_by });
+    m.events = notes.concat(m.events);
     S.status = { state: null };
     const sl = $("slider");
     sl.max = m.duration_s.toFixed(2); sl.value = sl.max;
