@@ -308,6 +308,12 @@ if ls "$TRUSTED"/*.pub >/dev/null 2>&1; then
         exit 2
     fi
     echo "package signed by $signer"
+    if ! ls "$HERE"/trust/*.pub >/dev/null 2>&1; then
+        echo "install.sh: this board trusts keys ($TRUSTED), and this package has none (built without --trust): its" >&2
+        echo "  service would run bundles no one signed. Package with --trust; to stop checking on purpose, remove" >&2
+        echo "  $TRUSTED first. Nothing was installed." >&2
+        exit 2
+    fi
 elif [ -f "$HERE/SHA256SUMS.sig" ]; then
     echo "install.sh: no key on this board yet ($TRUSTED): the signature is not checked; check SHA256SUMS's digest"
     echo "  against the one closedloop package printed. Later packages must be signed by a key this one installs."

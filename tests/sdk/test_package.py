@@ -301,6 +301,8 @@ def test_a_board_that_trusts_keys_installs_only_a_package_one_of_them_signed(dec
     err = capsys.readouterr().err
     assert f"SHA256SUMS signed with key {kid} (trust/lab.pub" in err
     assert main(base + ["--out", str(tmp_path / "unsigned")]) == 0
+    assert main(["package", str(signed), "--target", "host", "--from-installed", "--ort-only", "--cpu", "0",
+                 "--out", str(tmp_path / "keyless"), "--sign", str(key)]) == 0  # signed, but trusting no key
     assert main(base + ["--out", str(tmp_path / "theirs"), "--sign", str(other_key)]) == 0
     assert "its public key is not among --trust" in capsys.readouterr().err
     assert main(base + ["--out", str(tmp_path / "x"), "--sign", str(pub)]) == 2  # a public key cannot sign
@@ -321,7 +323,7 @@ def test_a_board_that_trusts_keys_installs_only_a_package_one_of_them_signed(dec
                               env={"PATH": "/usr/bin:/bin", "PYTHON": str(fake), "CLOSEDLOOP_PREFIX": str(prefix)})
 
     for pkg, said in (("unsigned", "this package is not signed"), ("theirs", "is not a signature"),
-                      ("changed", "is not a signature")):
+                      ("changed", "is not a signature"), ("keyless", "this package has none (built without --trust)")):
         r = install(pkg)
         assert r.returncode == 2 and said in r.stderr, (pkg, r.stdout + r.stderr)
     r = install("good")
