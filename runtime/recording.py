@@ -294,7 +294,10 @@ class RecordingReader:
         elif self.summary is None and self.meta:
             out.append("no SUMMARY record: the session did not end (its process was killed, or the machine "
                        "stopped); what it recorded until then is here")
-        if not self.meta:
+        if not self.meta and self.dropped_bytes:  # cut before or inside its META: whether it ran cannot be told
+            out.append("no META record: the file ends before it (cut inside the first records), so whether the "
+                       "session ran cannot be told from it")
+        elif not self.meta:
             out.append("no META record: the session was refused before it ran (its handshake's bytes only)")
         return out
 

@@ -66,6 +66,21 @@ def test_torn_tail_keeps_everything_before_it(tmp_path, cut):
     assert "did not end cleanly" in r.describe()
 
 
+def test_a_file_cut_before_its_meta_does_not_say_the_session_was_refused(tmp_path):
+    """A session refused at the handshake leaves no META; a file cut short before its META (a crash at the start,
+    a copy that stopped) cannot tell whether the session ran, and says that instead."""
+    refused = _rx_recording(tmp_path / "refused.clrec", 3)
+    assert any("refused before it ran" in p for p in RecordingReader(refused).problems())
+    cut = tmp_path / "cut.clrec"
+    with RecordingWriter(cut) as w:
+        w.append(RecordType.RX, b"hello")
+        w.append_json(RecordType.META, {"rate_hz": 50, "pad": "x" * 200})
+    cut.write_bytes(cut.read_bytes()[:-40])  # inside the META record
+    problems = RecordingReader(cut).problems()
+    assert any("whether the session ran cannot be told" in p for p in problems), problems
+    assert not any("refused before it ran" in p for p in problems)
+
+
 def test_corrupt_record_stops_reading_there(tmp_path):
     p = _rx_recording(tmp_path / "s.clrec", 5)
     data = bytearray(p.read_bytes())
