@@ -27,6 +27,12 @@ from torch import nn
 
 from closedloop import Model, SequenceStep, export_bundle, import_onnx
 
+if len(sys.argv) > 1 and sys.argv[1].startswith("-"):  # -h / --help: what it does; it takes one folder
+
+    print(__doc__)
+
+    sys.exit(0 if sys.argv[1] in ("-h", "--help") else 2)
+
 out = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(tempfile.mkdtemp())
 torch.manual_seed(0)
 quiet = {"variants": (), "tensorrt": False, "overwrite": True, "report": lambda line: None}

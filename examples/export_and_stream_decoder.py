@@ -19,6 +19,12 @@ from closedloop.export import export_bundle
 from closedloop.runtime import Model
 from closedloop.sdk.models import GRUDecoder
 
+if len(sys.argv) > 1 and sys.argv[1].startswith("-"):  # -h / --help: what it does; it takes one folder
+
+    print(__doc__)
+
+    sys.exit(0 if sys.argv[1] in ("-h", "--help") else 2)
+
 out = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(tempfile.mkdtemp()) / "decoder"
 torch.manual_seed(0)
 decoder = GRUDecoder(n_inputs=32, n_hidden=64, n_layers=2, n_outputs=8).eval()

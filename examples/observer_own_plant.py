@@ -59,6 +59,12 @@ def main() -> None:
     from closedloop.sdk.observer.systems import ObserverSystem
     from closedloop.sdk.observer.train import TrainConfig, train_observer
 
+    if len(sys.argv) > 1 and sys.argv[1].startswith("-"):  # -h / --help: what it does; it takes one folder
+
+        print(__doc__)
+
+        sys.exit(0 if sys.argv[1] in ("-h", "--help") else 2)
+
     out = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(tempfile.mkdtemp()) / "observer"
     system = ObserverSystem(
         name="own-msd", dt=1e-3, A=A, B=B, E=E, C=C, nonlinearity=None, poles_c=None, omega_o=5.0,

@@ -18,6 +18,12 @@ from closedloop.export import export_bundle
 from closedloop.runtime import LoopConfig, Model, RealTimeLoop, backend_report, get_family, load_bundle
 from closedloop.sdk.models import MLPPolicy
 
+if len(sys.argv) > 1 and sys.argv[1].startswith("-"):  # -h / --help: what it does; it takes one folder
+
+    print(__doc__)
+
+    sys.exit(0 if sys.argv[1] in ("-h", "--help") else 2)
+
 out = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(tempfile.mkdtemp()) / "policy"
 policy = MLPPolicy(n_obs=10, n_actions=4, hidden=(64, 64)).eval()
 bundle_path = export_bundle(

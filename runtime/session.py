@@ -631,8 +631,8 @@ class Session:
                 self._nonfinite_run = 0
             out = fam.command_message(cmd, k)
             if self._send(out):
-                t_sent = time.monotonic_ns() if self._tap is not None else 0
-                self.command_latency.add(time.perf_counter_ns() - self._t_step)
+                t_sent = time.monotonic_ns()  # the step record's clock: sent_t_ns - t_ns is this latency exactly
+                self.command_latency.add(t_sent - self._t_step)
                 self.summary_counts["commands_sent"] += 1
                 self._last_cmd = out
                 sent = cmd
@@ -676,11 +676,11 @@ class Session:
             self._send_safe(k)
 
     def step(self, k: int) -> None:
-        self._t_step = time.perf_counter_ns()
+        self._t_step = time.monotonic_ns()
         self._step = k
         tap = self._tap
         if tap is not None:
-            tap.begin(k)
+            tap.begin(k, self._t_step)
         frames = self._poll()
         counts = self.summary_counts
         counts["frames_received"] += len(frames)

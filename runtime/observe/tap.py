@@ -59,8 +59,8 @@ class SessionTap:
     def start(self, more_info: dict[str, Any]) -> None:
         """The session is about to run (the device answered): start the observers; tell the monitor."""
         self.info.update(more_info)
+        self.hub.start(self.info)  # the observers' cursors start here: session_info is their first event
         self.ring.event({"event": "session_info", "step": -1, **more_info})
-        self.hub.start(self.info)
 
     @property
     def monitor_url(self) -> str | None:
@@ -68,8 +68,9 @@ class SessionTap:
 
     # --- per step (the loop's thread) -------------------------------------------------------
 
-    def begin(self, step: int) -> None:
-        self.ring.begin(step, time.monotonic_ns())
+    def begin(self, step: int, t_ns: int | None = None) -> None:
+        """A step starts at ``t_ns`` (``time.monotonic_ns``; default now)."""
+        self.ring.begin(step, time.monotonic_ns() if t_ns is None else t_ns)
 
     def acted(self, seq: int, frame: np.ndarray, output: np.ndarray,
               more: Sequence[tuple[int, np.ndarray]] = (), state: np.ndarray | None = None,

@@ -252,10 +252,10 @@ def test_lsl_out_wait_holds_publishing_until_a_recorder_connects_so_it_gets_ever
     commands from its first step (they waited in the step ring), each once, with the step's own timestamps."""
     from closedloop.runtime.observe import FLAG_COMMAND, LslOutlets, SessionObserver
 
-    class CommandSteps(SessionObserver):  # NAME-commands has a sample per step that sent a command
+    class CommandSteps(SessionObserver):  # NAME-commands has a sample per command sent (several in a step catching up)
         n = 0
 
-        def on_steps(self, batch):
+        def on_commands(self, batch):
             self.n += int(np.count_nonzero(batch.flags & FLAG_COMMAND))
 
     name = f"cltest-{uuid.uuid4().hex[:10]}"
@@ -288,6 +288,7 @@ def test_lsl_out_wait_holds_publishing_until_a_recorder_connects_so_it_gets_ever
     assert obs.lost == 0 and s.commands_sent > 40
     # every command the session sent, and the stop's, from the first step on: none lost to the late recorder
     assert len(got["commands"]) == obs.pushed["commands"] == steps.n + s.stop_commands_sent
+    assert steps.n == s.commands_sent
     assert len(got["outputs"]) == obs.pushed["outputs"] == s.inputs_used
     # stamped when each was sent, the first ones before the recorder connected
     assert got["commands"][0] < connected[0] - 0.5 and got["commands"][-1] > connected[0]

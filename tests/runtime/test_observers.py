@@ -252,6 +252,44 @@ def test_attach_refuses_a_block_that_is_not_a_ring():
         shm.unlink()
 
 
+def test_a_sessions_observer_sees_session_info_and_each_commands_time_after_its_step(tmp_path):
+    """docs/monitor.md: on_event gets session_info (the device's HELLO) first; a sent record's t_ns less its step
+    record's t_ns is how long after its step began the command went out, the summary's command latency exactly."""
+    import torch
+
+    from closedloop.export import export_bundle
+    from closedloop.runtime import SessionConfig, run_session
+    from closedloop.sdk.models import MLPPolicy
+
+    torch.manual_seed(1)
+    bundle = export_bundle(MLPPolicy(1, 1, (8,)).eval(), tmp_path / "b", kind="feedforward",
+                           example_input=torch.zeros(1, 1), rate_hz=200.0, postprocess={"low": [-2.0], "high": [2.0]},
+                           extra={"session": {"input": "plant_measurement", "command": "actuator_command"}},
+                           variants=(), tensorrt=False, report=lambda s: None)
+
+    class Sent(SessionObserver):
+        def __init__(self):
+            self.events, self.step_t, self.delays = [], {}, []
+
+        def on_event(self, event):
+            self.events.append(event["event"])
+
+        def on_steps(self, batch):
+            self.step_t.update(zip(batch.step.tolist(), batch.t_ns.tolist(), strict=True))
+
+        def on_commands(self, batch):
+            self.delays += [(k, t) for k, t, f in zip(batch.step.tolist(), batch.t_ns.tolist(), batch.flags.tolist(),
+                                                     strict=True) if f & FLAG_COMMAND]
+
+    obs = Sent()
+    s = run_session(bundle, SessionConfig(device="sim://plant?model=msd&rate=200&seed=2", duration_s=1.0, status=False,
+                                          backend="onnxruntime", observers=[obs]))
+    assert obs.events[0] == "session_info" and obs.events[-1] == "session_end"
+    delays_us = [(t - obs.step_t[k]) / 1e3 for k, t in obs.delays]
+    assert len(delays_us) == s.commands_sent > 100
+    assert abs(max(delays_us) - s.command_latency_max_us) < 1e-3
+
+
 class _Collect(SessionObserver):
     def __init__(self, delay_s: float = 0.0):
         self.steps: list[int] = []
