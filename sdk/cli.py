@@ -447,6 +447,9 @@ def _monitor(a: argparse.Namespace) -> int:
 
     from closedloop.runtime.monitor.server import is_loopback
 
+    if not 0 <= a.port <= 65535:
+        print(f"closedloop monitor: error: --port {a.port} is outside 0..65535 (0 picks a free one)", file=sys.stderr)
+        return 2
     try:
         import aiohttp  # noqa: F401
     except ImportError:
