@@ -660,20 +660,24 @@ class Session:
         size than the HELLO's): counted, bad state reset, and the safe command sent instead, unless ``send`` is False (an older frame of a step that commands once, from its newest: that
         frame's command, or the safe one if it is refused too, is the step's one command)."""
         counts = self.summary_counts
+        first_size = False
         if where == "size":
             counts["inputs_refused"] += 1
             if not self._nonfinite_run:
                 self._event("input_refused", reason=self.family.refused_reason)
-            if counts["inputs_refused"] == 1:  # the first of the session on stderr too: a device's bug
-                self.out.write(f"\nwarning: {self.family.refused_reason}; the safe command went out instead\n")
+            first_size = counts["inputs_refused"] == 1  # the first of the session on stderr too: a device's bug
         else:
             counts["nonfinite_inputs" if where == "input" else "nonfinite_outputs"] += 1
             state_reset = self.family.recover_nonfinite()
             if not self._nonfinite_run:
                 self._event("nonfinite", where=where, state_reset=state_reset)
         self._nonfinite_run += 1
-        if send:
-            self._send_safe(k)
+        sent = self._send_safe(k) if send else False
+        if first_size:
+            what = ("the safe command went out instead" if sent else
+                    "no command went out: the bundle's safe command holds what it last measured, and it has measured "
+                    "nothing yet" if send else "the step's command comes from its newest frame")
+            self.out.write(f"\nwarning: {self.family.refused_reason}; {what}\n")
 
     def step(self, k: int) -> None:
         self._t_step = time.monotonic_ns()

@@ -96,8 +96,25 @@ def from_dict(cls: type[T], data: dict[str, Any], where: str | None = None) -> T
             v = from_dict(t, v, f"{where}.{k}")
         elif isinstance(v, list) and typing.get_origin(t) is tuple:
             v = tuple(v)
+        if not (v is None and type(None) in typing.get_args(hints.get(k))):  # an optional field may be null
+            _check_scalar(f"{where}.{k}", t, v)
         kwargs[k] = v
     return cls(**kwargs)
+
+
+_SCALAR_NAMES = {int: "a whole number", float: "a number", str: "a string", bool: "true or false"}
+
+
+def _check_scalar(where: str, t: Any, v: Any) -> None:
+    """A JSON value of the wrong kind for a plain ``int``/``float``/``str``/``bool`` field is refused by name
+    (``"total_steps": "abc"`` failed deep inside a run); other fields are checked by their class."""
+    if t not in _SCALAR_NAMES:
+        return
+    ok = (isinstance(v, bool) if t is bool else
+          isinstance(v, int) and not isinstance(v, bool) if t is int else
+          isinstance(v, int | float) and not isinstance(v, bool) if t is float else isinstance(v, str))
+    if not ok:
+        raise ValueError(f"{where}: {json.dumps(v, default=repr)} is not {_SCALAR_NAMES[t]}")
 
 
 def _field_types(cls: type) -> dict[str, Any]:

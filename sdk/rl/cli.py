@@ -17,12 +17,13 @@ __all__: list[str] = []
 
 def _rl_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--task", default=None, choices=["reach", "push", "pick_and_place"], help="default: push")
-    p.add_argument("--reward", default="svm", choices=SHAPING_KINDS,
+    p.add_argument("--reward", default=None, choices=SHAPING_KINDS,
                    help="sparse outcome reward, success visitation matching (svm), its potential-based variant, or "
-                        "the success-only discriminator (gail)")
+                        "the success-only discriminator (gail); default: the config's (svm)")
     p.add_argument("--steps", type=int, default=None, help="fine-tuning environment steps (default: the config's)")
-    p.add_argument("--seed", type=int, default=0,
-                   help="seeds the demonstrations, the cloning, SAC and the evaluation episodes (default 0)")
+    p.add_argument("--seed", type=int, default=None,
+                   help="seeds the demonstrations, the cloning, SAC and the evaluation episodes (default: the config's, "
+                        "0)")
     p.add_argument("--lam", type=float, default=None, help="lambda, the weight of the discriminator term")
     p.add_argument("--beta", type=float, default=None, help="logit clip")
     p.add_argument("--config", default=None, help="a FineTuneConfig as JSON (a run.json's 'config' also works); "

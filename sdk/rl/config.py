@@ -19,6 +19,16 @@ __all__ = ["ShapingConfig", "FineTuneConfig", "SHAPING_KINDS"]
 #: ``potential``: r + lambda (gamma Phi(s') - Phi(s)), Phi = clip_beta(logit g(s)), g state-only.
 #: ``gail``: like ``svm`` but f from successful trajectories vs the policy's own recent data (no failure labels).
 SHAPING_KINDS = ("sparse", "svm", "potential", "gail")
+#: the Panda tasks a fine-tuning run takes
+TASKS = ("reach", "push", "pick_and_place")
+
+
+def _at_least(where: str, floors: dict[str, int], cfg: object) -> None:
+    """Each named setting of ``cfg`` must be a whole number at or above its floor."""
+    for name, floor in floors.items():
+        v = getattr(cfg, name)
+        if isinstance(v, bool) or not isinstance(v, int) or v < floor:
+            raise ValueError(f"{where}.{name}={v!r}: give a whole number, {floor} or more")
 
 
 @dataclass
@@ -36,7 +46,8 @@ class ShapingConfig(JsonConfig):
     gamma : float or None
         Discount in the potential-based form.  None (default): the RL algorithm's, bound by
         :meth:`VisitationReward.bind_gamma` at training start; a set value that differs from
-        the algorithm's is an error for ``potential`` (exact invariance needs the same discount).
+        the algorithm's is an error for ``potential`` (exact invariance needs the same discount) where the
+        algorithm is known (``OutcomeLogger`` at training start, ``fine_tune``, ``rl-train``).
     hidden : tuple of int
         Discriminator hidden widths (ReLU MLP).
     lr, weight_decay : float
@@ -77,7 +88,15 @@ class ShapingConfig(JsonConfig):
         if self.beta <= 0 or self.lam < 0 or (self.gamma is not None and not 0 < self.gamma <= 1):
             raise ValueError(f"ShapingConfig needs beta > 0, lam >= 0, 0 < gamma <= 1; got beta={self.beta}, "
                              f"lam={self.lam}, gamma={self.gamma}")
+        # each would leave the discriminator untrained (no data kept, no batch, no update): a bonus that never moves
+        _at_least("ShapingConfig", {"batch_size": 1, "capacity": 1, "policy_window": 1, "updates_per_episode": 0},
+                  self)
+        if not (self.lr > 0 and self.weight_decay >= 0):
+            raise ValueError(f"ShapingConfig needs lr > 0 and weight_decay >= 0; got lr={self.lr}, "
+                             f"weight_decay={self.weight_decay}")
         self.hidden = tuple(int(h) for h in self.hidden)
+        if not self.hidden or min(self.hidden) < 1:
+            raise ValueError(f"ShapingConfig.hidden={self.hidden}: give one or more layer widths, each 1 or more")
 
 
 @dataclass
@@ -158,3 +177,13 @@ class FineTuneConfig(JsonConfig):
         self.net = tuple(int(h) for h in self.net)
         if isinstance(self.shaping, dict):
             self.shaping = ShapingConfig.from_dict(self.shaping)
+        if self.task not in TASKS:
+            raise ValueError(f"FineTuneConfig.task={self.task!r}: one of {', '.join(TASKS)}")
+        _at_least("FineTuneConfig", {"total_steps": 1, "demos": 1, "bc_epochs": 0, "prior_episodes": 0,
+                                     "batch_size": 1, "gradient_steps": 1, "train_freq": 1, "critic_pretrain_steps": 0,
+                                     "actor_warmup_steps": 0, "eval_every": 1, "eval_episodes": 1}, self)
+        if not (self.learning_rate > 0 and 0 < self.gamma <= 1 and self.demo_noise >= 0 and self.actor_lr_scale >= 0
+                and self.prior_weight >= 0):
+            raise ValueError(f"FineTuneConfig needs learning_rate > 0, 0 < gamma <= 1, demo_noise, actor_lr_scale and "
+                             f"prior_weight >= 0; got {self.learning_rate}, {self.gamma}, {self.demo_noise}, "
+                             f"{self.actor_lr_scale}, {self.prior_weight}")

@@ -44,8 +44,20 @@ __all__ = ["ShapedReplayBuffer", "ShapedDictReplayBuffer", "ShapedHerReplayBuffe
            "evaluate_success"]
 
 
-def _outcomes(infos, reward) -> list[float]:
-    return [info.get("outcome_reward", r) for info, r in zip(infos, reward, strict=True)]
+def _outcomes(infos, reward, model: VisitationReward, buffer: str) -> list[float]:
+    """Each transition's outcome, as the SuccessVisitationWrapper put it in ``info`` (or a caller seeding the replay
+    did); a transition from an environment without the wrapper, or whose wrapper trains another reward model than
+    the buffer's, is refused: the bonus would come from a discriminator nothing trains."""
+    for info in infos:
+        if "outcome_reward" not in info:
+            raise ValueError(f"{buffer}: the environment's step info has no outcome_reward: wrap the environment in "
+                             "closedloop.sdk.rl.SuccessVisitationWrapper (it trains the discriminator and reports the "
+                             "outcome), and pass its reward_model to the buffer")
+        if info.get("reward_model_id", id(model)) != id(model):  # a wrapper's step says which model it trains
+            raise ValueError(f"{buffer}: its reward_model is not the one the environment's SuccessVisitationWrapper "
+                             "trains, so its bonus would come from a discriminator that never learns: pass "
+                             "replay_buffer_kwargs={'reward_model': env.reward_model} with that wrapper's")
+    return [info["outcome_reward"] for info in infos]
 
 
 def _numpy_obs(obs) -> Any:
@@ -69,19 +81,22 @@ class _ShapedSamples:
     rewards are that outcome + the reward model's current bonus (one environment)."""
 
     def _init_shaping(self, reward_model: VisitationReward | None) -> None:
+        name = type(self).__name__
         if self.n_envs != 1:
-            raise ValueError(f"{type(self).__name__} relabels one environment's transitions; got n_envs={self.n_envs}")
+            raise ValueError(f"{name} relabels one environment's transitions; got n_envs={self.n_envs}")
+        if not isinstance(reward_model, VisitationReward):
+            raise ValueError(f"{name} needs reward_model= (the SuccessVisitationWrapper's: replay_buffer_kwargs="
+                             "{'reward_model': env.reward_model}); without one it would be a plain buffer, so use "
+                             "stable-baselines3's own")
         self.reward_model = reward_model
         self.outcome_rewards = np.zeros((self.buffer_size, 1), dtype=np.float32)
 
     def add(self, obs, next_obs, action, reward, done, infos) -> None:
-        self.outcome_rewards[self.pos] = _outcomes(infos, reward)
+        self.outcome_rewards[self.pos] = _outcomes(infos, reward, self.reward_model, type(self).__name__)
         super().add(obs, next_obs, action, reward, done, infos)
 
     def _get_samples(self, batch_inds: np.ndarray, env=None):
         samples = super()._get_samples(batch_inds, env)
-        if self.reward_model is None:
-            return samples
         _refuse_normaliser(env)
         return _shaped(samples, self.outcome_rewards[batch_inds, 0], self.reward_model, self.observation_space)
 
@@ -141,11 +156,13 @@ class ShapedHerReplayBuffer(HerReplayBuffer):
                              f"space (observation, achieved_goal, desired_goal); this one is {space}: use "
                              "ShapedReplayBuffer (no relabelling) for a flat observation")
         super().__init__(*args, **kwargs)
+        if self.n_envs != 1:
+            raise ValueError(f"ShapedHerReplayBuffer relabels one environment's transitions; got n_envs={self.n_envs}")
         self.reward_model = reward_model
         self.outcome_rewards = np.zeros((self.buffer_size, self.n_envs), dtype=np.float32)
 
     def add(self, obs, next_obs, action, reward, done, infos) -> None:  # type: ignore[override]
-        self.outcome_rewards[self.pos] = _outcomes(infos, reward)
+        self.outcome_rewards[self.pos] = _outcomes(infos, reward, self.reward_model, "ShapedHerReplayBuffer")
         super().add(obs, next_obs, action, reward, done, infos)
 
     def _get_real_samples(self, batch_indices, env_indices, env=None):

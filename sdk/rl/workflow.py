@@ -34,12 +34,14 @@ class RLTrainResult:
     bundle: Path | None
 
 
-def rl_train_config(config_file: str | Path | None = None, *, task: str | None = None, seed: int = 0,
-                    reward: str = "svm", lam: float | None = None, beta: float | None = None,
+def rl_train_config(config_file: str | Path | None = None, *, task: str | None = None, seed: int | None = None,
+                    reward: str | None = None, lam: float | None = None, beta: float | None = None,
                     steps: int | None = None) -> FineTuneConfig:
-    """The run's configuration: ``config_file`` (if any) with each given setting over it.
+    """The run's configuration: ``config_file`` (if any) with each given setting (not None) over it, so a run.json
+    repeats its run, reward and seed included.
 
-    The reward's discount is the SAC discount, so the potential-based form keeps its invariance.
+    The reward's discount is the SAC discount, so the potential-based form keeps its invariance; a config whose
+    ``shaping.gamma`` is set to another is refused for that form.
     """
     base: dict[str, Any] = {}
     if config_file:
@@ -54,12 +56,21 @@ def rl_train_config(config_file: str | Path | None = None, *, task: str | None =
         if not isinstance(base, dict):
             raise ValueError(f"--config {path}: holds a JSON {type(base).__name__}, not an object of settings")
         base = base.get("config", base)
-    cfg = FineTuneConfig.from_dict(base) if base else FineTuneConfig()
-    cfg.task, cfg.seed = task or cfg.task, seed
-    shaping = cfg.shaping.to_dict() | {"kind": reward}
+    where = f"--config {config_file}" if config_file else "rl-train"
+    try:
+        cfg = FineTuneConfig.from_dict(base) if base else FineTuneConfig()
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{where}: {exc}") from None
+    cfg.task = task or cfg.task
+    cfg.seed = cfg.seed if seed is None else seed
+    shaping = cfg.shaping.to_dict() | ({"kind": reward} if reward else {})
     for key, value in (("lam", lam), ("beta", beta)):
         if value is not None:
             shaping[key] = value
+    if shaping["kind"] == "potential" and shaping.get("gamma") not in (None, cfg.gamma):
+        raise ValueError(f"{where}: shaping.gamma {shaping['gamma']} is not SAC's discount gamma {cfg.gamma}: the "
+                         "potential form keeps the optimal policy only with the algorithm's discount; leave "
+                         "shaping.gamma out (null) or set gamma")
     shaping["gamma"] = cfg.gamma
     cfg.shaping = ShapingConfig.from_dict(shaping)
     if steps is not None:

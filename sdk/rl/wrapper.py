@@ -136,6 +136,7 @@ class SuccessVisitationWrapper(gym.Wrapper):
         info = dict(info)
         info["outcome_reward"] = float(reward)
         info["shaping_bonus"] = bonus
+        info["reward_model_id"] = id(self.reward_model)  # a shaped buffer checks it relabels with this model
         if terminated or truncated:
             if not self._saw_success_key and not self._warned_no_success_key:
                 self._warned_no_success_key = True

@@ -105,6 +105,30 @@ def test_rl_train_command_writes_a_record_and_a_bundle_and_nothing_in_the_temp_f
             args.func(args)
 
 
+def test_a_config_repeats_its_run_and_bad_settings_are_named(tmp_path):
+    """A run.json's config gives the same run again: its reward and seed are kept unless an option says otherwise
+    (--reward's default replaced a config's gail with svm); a setting that cannot mean anything is refused by name,
+    before any training, instead of failing inside it (exit 70) or training a discriminator that never learns."""
+    from closedloop.sdk.rl.workflow import rl_train_config
+
+    cfg = FineTuneConfig(task="reach", seed=7, shaping=ShapingConfig(kind="gail", lam=0.2, beta=2.0))
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps({"config": cfg.to_dict()}))
+    again = rl_train_config(path)
+    assert (again.shaping.kind, again.shaping.lam, again.shaping.beta, again.seed) == ("gail", 0.2, 2.0, 7)
+    assert rl_train_config(path, reward="sparse", seed=1).shaping.kind == "sparse"
+    for change, words in (({"total_steps": "abc"}, "FineTuneConfig.total_steps: \"abc\" is not a whole number"),
+                          ({"task": "stack"}, "FineTuneConfig.task='stack': one of reach, push, pick_and_place"),
+                          ({"total_steps": 0}, "total_steps=0: give a whole number, 1 or more"),
+                          ({"shaping": {"capacity": 0}}, "ShapingConfig.capacity=0: give a whole number, 1 or more"),
+                          ({"shaping": {"updates_per_episode": -1}}, "updates_per_episode=-1"),
+                          ({"shaping": {"kind": "potential", "gamma": 0.5}}, "shaping.gamma 0.5 is not SAC's discount")):
+        bad = tmp_path / "bad.json"
+        bad.write_text(json.dumps(cfg.to_dict() | change))
+        with pytest.raises(ValueError, match=f"--config .*bad.json: .*{words}"):
+            rl_train_config(bad)
+
+
 def test_rl_demo_clones_exports_and_runs_against_the_emulator(tmp_path):
     from closedloop.sdk.rl.demo import rl_demo
 

@@ -95,3 +95,43 @@ def test_plain_her_and_flat_buffers_refuse_a_shaped_dict_env():
             model.learn(12)
     finally:
         env.close()
+
+
+def test_no_combination_silently_loses_the_bonus():
+    """A shaped buffer without a reward model, with another wrapper's, over an unwrapped environment, or shaped HER
+    over two environments: each refused with what to give, never a buffer whose bonus nothing trains."""
+    import gymnasium as gym
+    from stable_baselines3 import SAC
+    from stable_baselines3.common.vec_env import DummyVecEnv
+
+    from closedloop.sdk.rl.finetune import make_task_env
+    from closedloop.sdk.rl.sb3 import ShapedHerReplayBuffer, ShapedReplayBuffer
+
+    env = SuccessVisitationWrapper(make_task_env("reach"), ShapingConfig(kind="svm"))
+    other = SuccessVisitationWrapper(make_task_env("reach"), ShapingConfig(kind="svm"))
+    small = {"learning_starts": 5, "batch_size": 4, "buffer_size": 200, "policy_kwargs": {"net_arch": [8]},
+             "device": "cpu"}
+    try:
+        with pytest.raises(ValueError, match="needs reward_model="):
+            SAC("MlpPolicy", env, replay_buffer_class=ShapedReplayBuffer, **small)
+        model = SAC("MlpPolicy", env, replay_buffer_class=ShapedReplayBuffer,
+                    replay_buffer_kwargs={"reward_model": other.reward_model}, **small)
+        with pytest.raises(ValueError, match="not the one the environment's SuccessVisitationWrapper trains"):
+            model.learn(10)
+        bare = make_task_env("reach")
+        model = SAC("MlpPolicy", bare, replay_buffer_class=ShapedReplayBuffer,
+                    replay_buffer_kwargs={"reward_model": env.reward_model}, **small)
+        with pytest.raises(ValueError, match="no outcome_reward: wrap the environment"):
+            model.learn(10)
+        bare.close()
+    finally:
+        env.close()
+        other.close()
+    two = DummyVecEnv([lambda: SuccessVisitationWrapper(gym.make("PandaReach-v3", max_episode_steps=5),
+                                                        ShapingConfig(kind="svm"))] * 2)
+    try:
+        with pytest.raises(ValueError, match="relabels one environment's transitions; got n_envs=2"):
+            SAC("MultiInputPolicy", two, replay_buffer_class=ShapedHerReplayBuffer,
+                replay_buffer_kwargs={"reward_model": two.envs[0].reward_model}, **small)
+    finally:
+        two.close()
