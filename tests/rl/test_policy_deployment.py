@@ -249,3 +249,21 @@ def test_the_policy_checks_the_devices_kind_and_the_end_effector_limits_it_state
     assert narrow == [f"command {i} ({n}): bundle high limit {high[i]:g} is above the device's {high[i] - 0.1:g}"
                       for i, n in enumerate("xyz")]
     assert fam.check_device(Hello(kind="arm", rate_hz=rate, command_low=low - 1, command_high=high + 1)) == []
+
+
+def test_a_device_running_another_task_is_said_and_gets_no_command(push_bundle):
+    """A push policy against a reach emulator: every observation has another size, the warning says it (both sizes,
+    the task) and that no command went out, since the policy has no hand position to hold yet; none is sent."""
+    import io
+
+    from closedloop.runtime import Session, SessionConfig
+
+    out = io.StringIO()
+    with Session(push_bundle[0], SessionConfig(device="sim://panda?task=reach&seed=1", duration_s=1.0, status=False,
+                                               backend="onnxruntime"), out=out) as s:
+        s.start()
+        summary = s.run()
+    said = out.getvalue()
+    assert summary.inputs_refused > 5 and summary.inputs_used == 0 and summary.commands_sent == 0
+    assert summary.safe_commands_sent == 0 and "is the device running the same task?" in said
+    assert "no command went out" in said and "the safe command went out instead" not in said
