@@ -50,9 +50,10 @@ class SessionObserver:
         observer that overrides it."""
 
     def on_commands(self, batch: CommandBatch) -> None:
-        """Every command written to the device since the last call (step, time, flags, values), oldest first, the
-        safe command included: a step that sent several (a decoder answering each frame of a backlog) gives one
-        each, where ``on_steps`` gets the step's last. Only called for an observer that overrides it."""
+        """Every command a step sent since the last call (step, time, flags, values), oldest first, the safe command
+        included: a step that sent several (a decoder answering each frame of a backlog) gives one each, where
+        ``on_steps`` gets the step's last (the loop's re-sends under ``--overrun hold`` and the stop's safe command,
+        a ``stop_command`` event, have none). Only called for an observer that overrides it."""
 
     def on_event(self, event: dict[str, Any]) -> None:
         """A session event (watchdog, reconnect, device HELLO, scrub repair...), as recorded."""

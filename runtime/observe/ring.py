@@ -36,7 +36,7 @@ one record per model run, so a step that ran the model on several frames (a deco
 has a run record for each, where its step record holds the last. Sent arrays, each S long: int64
 ``sent_step``, ``sent_t_ns`` (``time.monotonic_ns`` right after the command was written to the device),
 ``sent_flags`` (``FLAG_COMMAND`` or ``FLAG_SAFE``); float32 ``sent_command[S, n_cmd]``: one record per command
-sent, so a step that sent several (a decoder answering each frame of a backlog) has one for each, where its step
+a step sent, so a step that sent several (a decoder answering each frame of a backlog) has one for each, where its step
 record holds the last. Event slots: E slots of
 ``slot`` bytes, each a u32 length then that many bytes of UTF-8 JSON.
 
@@ -110,9 +110,10 @@ class RunBatch:
 
 @dataclass
 class CommandBatch:
-    """Copies of sent-command records, oldest first: every command written to the device, a step that sent several
-    (a decoder answering each frame of a backlog) included (``StepBatch`` holds a step's last), and how many the
-    ring overwrote before this read."""
+    """Copies of sent-command records, oldest first: every command a step sent, the model's and the safe one, a step
+    that sent several (a decoder answering each frame of a backlog) included (``StepBatch`` holds a step's last;
+    the loop's re-sends under ``--overrun hold`` and the stop's safe command have none), and how many the ring
+    overwrote before this read."""
 
     step: np.ndarray
     t_ns: np.ndarray  # time.monotonic_ns() right after the command was written to the device
