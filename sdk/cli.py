@@ -323,8 +323,9 @@ def _doctor_args(p: argparse.ArgumentParser) -> None:
 def _doctor(a: argparse.Namespace) -> int:
     from closedloop.runtime.doctor import DoctorConfig, run_doctor
 
-    if not a.jitter_seconds > 0:
-        raise ValueError(f"--jitter-seconds {a.jitter_seconds:g}: the loop-jitter probe needs a positive length")
+    if not 0 < a.jitter_seconds <= 600:
+        raise ValueError(f"--jitter-seconds {a.jitter_seconds:g}: the loop-jitter probe needs a length in seconds, "
+                         "above 0 and at most 600")
     report = run_doctor(DoctorConfig(jitter_s=a.jitter_seconds, only=a.check))
     print(json_text(report.to_dict()) if a.json else report.format())
     return EXIT_FAILED if report.failed else EXIT_OK
@@ -351,6 +352,8 @@ def _replay_args(p: argparse.ArgumentParser) -> None:
 def _replay(a: argparse.Namespace) -> int:
     from closedloop.runtime import replay_recording
 
+    if a.tolerance is not None and not a.tolerance >= 0:  # NaN too: no difference would pass or fail it
+        raise ValueError(f"--tolerance {a.tolerance:g}: the largest |difference| allowed, 0 or more")
     report = replay_recording(a.recording, a.bundle, backend=a.backend, key=a.key, variant=a.variant)
     print(json_text(_jsonable(report)) if a.json else report.format())
     if report.outputs_compared == 0 and report.signed_frames_refused:
@@ -401,6 +404,13 @@ def _recording(a: argparse.Namespace) -> int:
     from closedloop.runtime import RecordingReader
 
     if a.plot:
+        from pathlib import Path
+
+        if Path(a.plot).resolve() == Path(a.recording).resolve():
+            raise ValueError(f"--plot {a.plot} is the recording itself: recordings are never overwritten; give the "
+                             "figure another path")
+        if Path(a.plot).is_dir():
+            raise ValueError(f"--plot {a.plot} is a folder: give the figure's file, like {Path(a.plot) / 'session.png'}")
         refuse_existing(a.plot, a.overwrite)
     r = RecordingReader(a.recording)
     plotted = None
@@ -820,7 +830,11 @@ def _package(a: argparse.Namespace) -> int:
 def _device_passthrough(argv: list[str]) -> int:
     from closedloop.sim import cli_main
 
-    return int(cli_main(argv) or 0)
+    try:
+        return int(cli_main(argv) or 0)
+    except (ValueError, OSError) as exc:  # a port that cannot be opened, a parameter that means nothing
+        print(f"closedloop device: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
 
 
 # Commands whose arguments belong to another parser (the emulators') are handed over whole.
@@ -981,8 +995,13 @@ def _quiet_broken_pipe() -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] in _PASSTHROUGH:
-        return _PASSTHROUGH[argv[0]][1](argv[1:])
+    lead = next((i for i, a in enumerate(argv) if not a.startswith("-")), len(argv))
+    if lead < len(argv) and argv[lead] in _PASSTHROUGH and all(
+            a in ("-q", "--quiet", "--verbose") or (a.startswith("-v") and set(a[1:]) == {"v"}) for a in argv[:lead]):
+        # -v / -q before a command that parses its own arguments (closedloop device): they set the logging here
+        verbose = sum(a.count("v") if a.startswith("-v") else 1 for a in argv[:lead] if a != "-q" and a != "--quiet")
+        _configure_logging(verbose, any(a in ("-q", "--quiet") for a in argv[:lead]))
+        return _PASSTHROUGH[argv[lead]][1](argv[lead + 1:])
     parser, subparsers = _build()
     before = argv[: next((i for i, a in enumerate(argv) if not a.startswith("-")), len(argv))]
     unknown = [a for a in before if a.split("=")[0] not in parser._option_string_actions and not a.startswith("-v")]

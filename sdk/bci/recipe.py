@@ -77,8 +77,14 @@ class Recipe(JsonConfig):
                              "(0.1 withholds a tenth of each held-in session's trials)")
         if self.patience < 1:
             raise ValueError(f"patience {self.patience}: at least 1 evaluation")
-        if self.time_budget_s < 0:
+        if not (math.isfinite(self.time_budget_s) and self.time_budget_s >= 0):
             raise ValueError(f"time budget {self.time_budget_s} s: use a positive number of seconds, or 0 for none")
+        if self.eval_every < 0:
+            raise ValueError(f"eval_every {self.eval_every}: steps between validation evaluations, 1 or more (0: an "
+                             "eightieth of the step ceiling)")
+        if not 0.0 < self.unlearned_cer <= 1.0 or not math.isfinite(self.unlearned_cer):
+            raise ValueError(f"unlearned_cer {self.unlearned_cer}: a validation greedy CER above which the decoder "
+                             "has not learned, between 0 and 1 (0.4 is the default)")
         if not 0.0 <= self.stage2_share < 1.0:
             raise ValueError(f"stage2_share {self.stage2_share}: the fraction of the time budget kept for stage 2, "
                              "from 0 up to (not including) 1")
@@ -86,8 +92,9 @@ class Recipe(JsonConfig):
             raise ValueError(f"min_patience_steps {self.min_patience_steps}: a number of steps, 0 for no floor")
         if not 1 <= self.min_steps <= MAX_STEPS:
             raise ValueError(f"min_steps {self.min_steps}: the scaled ceiling's floor, from 1 to {MAX_STEPS} steps")
-        if not self.budget > 0:
-            raise ValueError(f"budget {self.budget}: a positive multiple of the default budget (1 is the default)")
+        if not (self.budget > 0 and self.budget <= 1000):
+            raise ValueError(f"budget {self.budget}: a positive multiple of the default budget, up to 1000 (1 is the "
+                             "default; 4 the robustness benchmark's longer run)")
 
 
 def split_validation(sessions: Sequence[Any], fraction: float, seed: int = 0) -> tuple[list, dict[str, list[int]]]:

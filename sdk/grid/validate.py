@@ -73,6 +73,15 @@ class ValidateConfig:
                              "(closedloop device --list names them)")
         if not Path(self.bundle).exists():
             raise ValueError(f"bundle {self.bundle!r} does not exist: give a bundle folder or zip")
+        for flag, v in (("--max-miss", self.max_miss), ("--max-safe", self.max_safe)):
+            if not 0.0 <= v <= 1.0:  # NaN too: a limit nothing could exceed
+                raise ValueError(f"{flag} {v}: a fraction of the session's steps, from 0 to 1")
+        from closedloop.runtime import backend_names
+
+        names = backend_names()
+        if self.backend != "auto" and self.backend not in names:
+            raise ValueError(f"--backend {self.backend!r}: unknown; choose auto or one of {', '.join(names)} "
+                             "(closedloop backends)")
 
 
 def session_url(device: str, faults: tuple[str, ...], duration_s: float, index: int) -> str:

@@ -139,18 +139,23 @@ def check_service_options(opts: PackageOptions, target: Target) -> None:
                            "closedloop run opens it), like /dev/ttyACM0 or serial:///dev/ttyUSB0?baud=921600")
     if "://" not in dev and not dev.startswith("/"):
         raise PackageError(f"--device {dev!r}: give the device's absolute path (/dev/ttyACM0, a /dev/serial/by-id/ "
-                           "link) or a URL (serial://, tcp://, sim://NAME?...)")
+                           "link) or a URL (serial://, socket://, sim://NAME?...)")
+    from closedloop.firmware_bridge.transports import registered_schemes
     from closedloop.firmware_bridge.transports.base import split_device_url
 
     scheme, name, raw = split_device_url(dev)
+    if scheme not in registered_schemes():
+        raise PackageError(f"--device {dev}: no transport for scheme {scheme!r}; known schemes: "
+                           f"{', '.join(registered_schemes())} (docs/devices.md)")
     if scheme == "sim":
         from closedloop.sim.devices import device_params
+        from closedloop.sim.devices.base import UnknownDeviceError
         from closedloop.sim.params import ParamError
 
         try:
             device_params(name.strip("/"), raw)
-        except (ParamError, ValueError) as exc:
-            raise PackageError(f"--device {dev}: {exc}") from None
+        except (ParamError, ValueError, UnknownDeviceError) as exc:
+            raise PackageError(f"--device {dev}: {exc.args[0] if exc.args else exc}") from None
     if opts.overrun is not None and opts.overrun not in ("skip", "hold", "stop"):
         raise PackageError(f"--overrun {opts.overrun!r}: one of skip, hold, stop (closedloop run --help)")
     if opts.watchdog_limit_s is not None and not (opts.watchdog_limit_s > 0 and math.isfinite(opts.watchdog_limit_s)):

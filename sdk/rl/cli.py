@@ -43,6 +43,8 @@ def _rl_train(a: argparse.Namespace) -> int:
         raise ValueError(f"--steps {a.steps}: give the fine-tuning steps, 1 or more (leave it out for the config's)")
     from pathlib import Path
 
+    if not a.out or (Path(a.out).exists() and not Path(a.out).is_dir()):
+        raise ValueError(f"--out {a.out!r}: give a folder for run.json and the bundle (it is made if missing)")
     there = [str(p) for p in (Path(a.out) / "run.json", Path(a.out) / "policy") if p.exists()]
     if there and not a.overwrite:  # before any training: exit 2, nothing replaced
         raise FileExistsError(f"{', '.join(there)} exist(s): give another --out, or --overwrite to replace them")

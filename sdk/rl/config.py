@@ -8,6 +8,7 @@ reproducible from its record (``bench/results/rl/rl.json`` stores them).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from closedloop.common.config import JsonConfig
@@ -85,7 +86,8 @@ class ShapingConfig(JsonConfig):
             raise ValueError(f"ShapingConfig.kind={self.kind!r}; expected one of {SHAPING_KINDS}")
         if self.success_when not in ("final", "any"):
             raise ValueError(f"ShapingConfig.success_when={self.success_when!r}; expected 'final' or 'any'")
-        if self.beta <= 0 or self.lam < 0 or (self.gamma is not None and not 0 < self.gamma <= 1):
+        if not (math.isfinite(self.beta) and self.beta > 0 and math.isfinite(self.lam) and self.lam >= 0) or (
+                self.gamma is not None and not 0 < self.gamma <= 1):
             raise ValueError(f"ShapingConfig needs beta > 0, lam >= 0, 0 < gamma <= 1; got beta={self.beta}, "
                              f"lam={self.lam}, gamma={self.gamma}")
         # each would leave the discriminator untrained (no data kept, no batch, no update): a bonus that never moves
@@ -179,6 +181,8 @@ class FineTuneConfig(JsonConfig):
             self.shaping = ShapingConfig.from_dict(self.shaping)
         if self.task not in TASKS:
             raise ValueError(f"FineTuneConfig.task={self.task!r}: one of {', '.join(TASKS)}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**32:
+            raise ValueError(f"FineTuneConfig.seed={self.seed!r}: a whole number from 0 to 2**32 - 1")
         _at_least("FineTuneConfig", {"total_steps": 1, "demos": 1, "bc_epochs": 0, "prior_episodes": 0,
                                      "batch_size": 1, "gradient_steps": 1, "train_freq": 1, "critic_pretrain_steps": 0,
                                      "actor_warmup_steps": 0, "eval_every": 1, "eval_episodes": 1}, self)

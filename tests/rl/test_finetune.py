@@ -122,7 +122,9 @@ def test_a_config_repeats_its_run_and_bad_settings_are_named(tmp_path):
                           ({"total_steps": 0}, "total_steps=0: give a whole number, 1 or more"),
                           ({"shaping": {"capacity": 0}}, "ShapingConfig.capacity=0: give a whole number, 1 or more"),
                           ({"shaping": {"updates_per_episode": -1}}, "updates_per_episode=-1"),
-                          ({"shaping": {"kind": "potential", "gamma": 0.5}}, "shaping.gamma 0.5 is not SAC's discount")):
+                          ({"shaping": {"kind": "potential", "gamma": 0.5}}, "shaping.gamma 0.5 is not SAC's discount"),
+                          ({"seed": -1}, "seed=-1: a whole number from 0"),
+                          ({"shaping": {"lam": float("inf")}}, "ShapingConfig needs beta > 0, lam >= 0")):
         bad = tmp_path / "bad.json"
         bad.write_text(json.dumps(cfg.to_dict() | change))
         with pytest.raises(ValueError, match=f"--config .*bad.json: .*{words}"):

@@ -586,3 +586,15 @@ def test_the_bar_shows_on_a_terminal_that_reports_no_size(monkeypatch):
         stage.step(k, 2.0)
     stage.close()
     assert "stage 1" in out.getvalue() and "10/10" in out.getvalue()
+
+
+@pytest.mark.parametrize("field, value, said", [("budget", float("inf"), "budget inf"),
+                                                ("time_budget_s", float("nan"), "time budget nan"),
+                                                ("eval_every", -5, "eval_every -5"),
+                                                ("unlearned_cer", float("nan"), "unlearned_cer nan")])
+def test_recipe_settings_that_cannot_mean_anything_are_refused(field, value, said):
+    """--budget inf ended bci-train in an OverflowError (exit 70); a NaN budget printed 'time budget ?' and ran."""
+    from closedloop.sdk.bci.recipe import Recipe
+
+    with pytest.raises(ValueError, match=said):
+        Recipe(**{field: value})

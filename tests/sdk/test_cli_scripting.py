@@ -190,3 +190,39 @@ def test_a_killed_session_leaves_no_monitor_behind(mlp_bundle):
         p.kill()
         p.communicate(timeout=60)
         assert _port_closes(port, within_s=10.0)
+
+
+def test_values_a_script_might_produce_are_bad_input_not_tracebacks(tmp_path, capsys):
+    """Found by a scripting pass over every command: each was a traceback (exit 1 or 70), a crash after the work, or
+    a number that cannot mean anything taken as given. Each is exit 2 now, saying what was wrong."""
+    from closedloop.sdk.cli import main
+
+    assert main(["-v", "device", "--list"]) == 0  # -v before a command that parses its own arguments
+    capsys.readouterr()
+    assert main(["-q", "device", "headstage", "--port", ""]) == 2
+    assert "closedloop device: error: '' names no port" in capsys.readouterr().err
+    assert main(["doctor", "--jitter-seconds", "inf"]) == 2
+    assert "--jitter-seconds inf" in capsys.readouterr().err
+    import torch
+
+    from closedloop.export import export_bundle
+    from closedloop.sdk.models import MLPPolicy
+
+    plant = export_bundle(MLPPolicy(1, 1, (8,)).eval(), tmp_path / "plant", kind="feedforward",
+                          example_input=torch.zeros(1, 1), rate_hz=50.0, postprocess={"low": [-2.0], "high": [2.0]},
+                          extra={"session": {"input": "plant_measurement", "command": "actuator_command"}},
+                          variants=(), tensorrt=False, report=lambda s: None)
+    rec = tmp_path / "s.clrec"
+    assert main(["run", str(plant), "--device", "sim://plant?model=msd&rate=50", "--duration", "0.5",
+                 "--record", str(rec), "--quiet"]) == 0
+    capsys.readouterr()
+    for tol in ("nan", "-1"):
+        assert main(["replay", str(rec), "--bundle", str(plant), "--tolerance", tol]) == 2
+        assert f"--tolerance {tol}" in capsys.readouterr().err.replace("nan", "nan")
+    assert main(["recording", str(rec), "--plot", str(rec), "--overwrite"]) == 2
+    assert "is the recording itself" in capsys.readouterr().err and rec.read_bytes().startswith(b"CLREC")
+    for flag, value, said in (("--max-miss", "nan", "--max-miss nan"), ("--max-safe", "2", "--max-safe 2"),
+                              ("--backend", "bogus", "--backend 'bogus': unknown")):
+        assert main(["validate", str(plant), "--device", "sim://plant?model=msd&rate=50", "--sessions", "1",
+                     "--duration", "1", "--no-ray", "--out", str(tmp_path / "v"), flag, value]) == 2, flag
+        assert said in capsys.readouterr().err, flag

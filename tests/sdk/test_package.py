@@ -214,6 +214,8 @@ def test_service_options_that_would_break_the_unit_are_refused(decoder, tmp_path
     for extra, said in ((["--device", "/dev/ttyACM0 --duration 1"], "without spaces or quotes"),
                         (["--device", "ttyACM0"], "absolute path"),
                         (["--device", "sim://plant?model=nosuch"], "--device sim://plant?model=nosuch"),
+                        (["--device", "sim://nothing"], "no device emulator named 'nothing'"),
+                        (["--device", "bogus://x"], "no transport for scheme 'bogus'"),
                         (["--prefix", "relative/dir"], "absolute folder"),
                         (["--cpu", "-1"], "--cpu -1"),
                         (["--cpu", str((os.cpu_count() or 1) + 3)], "this machine's"),
