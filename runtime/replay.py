@@ -217,6 +217,8 @@ def _replay_model(b: Bundle, meta: dict, backend: str, variant: str | None) -> t
     ran_on, ran_variant = str(meta.get("backend") or ""), str(meta.get("variant") or "fp32")
     want = variant or ran_variant
     notes = []
+    if variant and variant != "fp32" and variant not in b.graph("main").variants:  # asked for by name: a typo
+        raise ValueError(f"--variant {variant}: bundle {b.source} holds {', '.join(['fp32', *b.graph('main').variants])}")
     if want != "fp32" and want not in b.graph("main").variants:
         notes.append(f"{'the session ran' if want == ran_variant else 'asked for'} variant {want}, which this bundle "
                      "does not hold: re-ran fp32")

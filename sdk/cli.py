@@ -1010,6 +1010,11 @@ def main(argv: list[str] | None = None) -> int:
     args, extra = parser.parse_known_args(argv)
     if extra:  # a subcommand's unknown flag: that subcommand's usage, not the top level's
         subparsers[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
+    sub = subparsers[args.command]
+    empty = [k for k, v in vars(args).items() if v == "" and sub.get_default(k) != ""]
+    if empty:  # an empty path read as the current folder, an empty --device as no device: a script's unset variable
+        sub.error(f"{', '.join(k.replace('_', '-') for k in empty)}: given as an empty string; give a value, or leave "
+                  "the option out")
     args.verbose, args.global_quiet = verbosity(args)
     _configure_logging(args.verbose, args.global_quiet)
     if args.global_quiet and hasattr(args, "quiet"):

@@ -226,3 +226,12 @@ def test_values_a_script_might_produce_are_bad_input_not_tracebacks(tmp_path, ca
         assert main(["validate", str(plant), "--device", "sim://plant?model=msd&rate=50", "--sessions", "1",
                      "--duration", "1", "--no-ray", "--out", str(tmp_path / "v"), flag, value]) == 2, flag
         assert said in capsys.readouterr().err, flag
+
+
+def test_an_empty_string_is_refused_not_read_as_the_current_folder_or_no_device(mlp_bundle):
+    """A script's unset variable gives "": `inspect ""` inspected the current folder, `run --device ""` ran on
+    synthetic frames, `rl-train --out ""` wrote into the current folder."""
+    for args in (["inspect", ""], ["run", str(mlp_bundle), "--device", "", "--duration", "0.2"]):
+        r = _run(*args)
+        assert r.returncode == 2 and "given as an empty string" in r.stderr, (args, r.stderr)
+        assert f"usage: closedloop {args[0]}" in r.stderr

@@ -182,5 +182,7 @@ def test_replay_falls_back_and_says_so_where_the_sessions_backend_cannot_run(dec
     assert "ran on no-such-backend, which cannot run here" in note and "rounding" in note
     model, note = _replay_model(b, {}, "recorded", None)
     assert "does not name the session's backend" in note
+    with pytest.raises(ValueError, match="--variant bogus: bundle .* holds fp32"):  # a variant asked for by name
+        _replay_model(b, {"backend": "numba"}, "recorded", "bogus")
     model, note = _replay_model(b, {"backend": "numba"}, "onnxruntime", None)  # asked for by name: as given
     assert model.backend_name == "onnxruntime" and note == ""
