@@ -552,7 +552,9 @@ def _bench(a: argparse.Namespace) -> int:
     cfg = BenchConfig(**{field: getattr(a, key) for key, field in _BUNDLE_ONLY.values()
                          if field and getattr(a, key) is not None})
     # progress on stderr: stdout holds the tables, so `closedloop bench B > table.txt` keeps only them
-    benches = bench_bundles(a.bundles, cfg, report=lambda line: print(line, file=sys.stderr, flush=True))
+    quiet = getattr(a, "global_quiet", False)  # -q: only warnings and errors on stderr
+    benches = bench_bundles(a.bundles, cfg, report=lambda line: None if quiet else print(line, file=sys.stderr,
+                                                                                          flush=True))
     for bench in benches:
         print()
         print(format_bench_table(bench))
@@ -823,7 +825,9 @@ def _package(a: argparse.Namespace) -> int:
                           cpu=a.cpu, priority=a.priority, user=a.user, overwrite=a.overwrite, trust=a.trust,
                           inputs=_held_inputs(a.input), overrun=a.overrun, watchdog_limit_s=a.watchdog_limit,
                           sign_key=a.sign)
-    package(a.bundles, a.out, opts, report=lambda s: print(s, file=sys.stderr))
+    quiet = getattr(a, "global_quiet", False)  # -q: warnings, errors and the digest of SHA256SUMS, its result
+    package(a.bundles, a.out, opts,
+            report=lambda s: None if quiet and not s.startswith("SHA256SUMS") else print(s, file=sys.stderr))
     return 0
 
 
