@@ -541,6 +541,12 @@ def _bench(a: argparse.Namespace) -> int:
         print("closedloop bench: error: --quick and --out belong to the spine benchmark (no BUNDLE); with a BUNDLE "
               "use --steps, --paced-seconds, --json FILE and --plot FILE.png", file=sys.stderr)
         return 2
+    from pathlib import Path
+
+    for flag, path in (("--json", a.json_out), ("--plot", a.plot)):  # said before minutes of timing, not after
+        if path and Path(path).is_dir():
+            print(f"closedloop bench: error: {flag} {path} is a folder: give a file path", file=sys.stderr)
+            return 2
     if a.plot and not _importable("matplotlib"):  # said before minutes of timing, not after
         print("closedloop bench: error: --plot needs matplotlib, which is not installed: pip install matplotlib "
               "(or leave out --plot; --json keeps the numbers)", file=sys.stderr)
@@ -623,8 +629,14 @@ def _certify_args(p: argparse.ArgumentParser) -> None:
 @command("certify", "re-check an observer bundle's stability certificate from its own weights and print the report",
          _certify_args)
 def _certify(a: argparse.Namespace) -> int:
+    from closedloop.runtime.bundle import _open, _read_manifest
     from closedloop.runtime.families.observer.certificate_bundle import certify_bundle_record
 
+    _root, _source = _open(a.bundle)
+    family = _read_manifest(_root, _source).family
+    if family != "observer":  # the wrong kind of bundle is bad input, as calibrate and evaluate say it
+        raise ValueError(f"{a.bundle} is a {family!r} bundle: certify re-checks an observer bundle's stability "
+                         "certificate (docs/observer.md)")
     rec = certify_bundle_record(a.bundle)
     print(json_text({"bundle": a.bundle, **rec}) if a.json else rec["report"])
     # 2: the bundle does not verify (bad input, as everywhere else; whatever its certificate's check gave on bytes

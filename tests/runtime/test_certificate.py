@@ -281,3 +281,18 @@ def test_certify_of_a_bundle_that_does_not_verify_ends_refused_and_exits_2(obser
     (flipped / "main.onnx").write_bytes(bytes(data))
     assert main(["certify", str(flipped), "--json"]) == 2
     assert json.loads(capsys.readouterr().out)["bundle_verifies"] is False
+
+
+def test_certify_of_a_bundle_of_another_family_is_bad_input(tmp_path, capsys):
+    import torch
+
+    from closedloop.export import export_bundle
+    from closedloop.sdk.cli import main
+    from closedloop.sdk.models import MLPPolicy
+
+    other = export_bundle(MLPPolicy(1, 1, (4,)).eval(), tmp_path / "plain", kind="feedforward",
+                          example_input=torch.zeros(1, 1), rate_hz=50.0, variants=(), tensorrt=False,
+                          report=lambda s: None)
+    assert main(["certify", str(other), "--json"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and "is a 'generic' bundle: certify re-checks an observer bundle" in err
