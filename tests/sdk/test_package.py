@@ -164,7 +164,7 @@ def test_install_sh_refuses_a_package_changed_since_it_was_built(installed, tmp_
 
 def _resum(folder: Path) -> None:
     """Write ``folder``'s SHA256SUMS again for what it holds now (a package changed and re-summed consistently)."""
-    files = sorted(p for p in folder.rglob("*") if p.is_file() and p.name != "SHA256SUMS")
+    files = sorted(p for p in folder.rglob("*") if p.is_file() and p.name not in ("SHA256SUMS", "SHA256SUMS.sig"))
     (folder / "SHA256SUMS").write_text("".join(
         f"{hashlib.sha256(p.read_bytes()).hexdigest()}  ./{p.relative_to(folder).as_posix()}\n" for p in files))
 
@@ -302,9 +302,15 @@ def test_a_board_that_trusts_keys_installs_only_a_package_one_of_them_signed(dec
     assert main(base + ["--out", str(tmp_path / "good"), "--sign", str(key)]) == 0
     err = capsys.readouterr().err
     assert f"SHA256SUMS signed with key {kid} (trust/lab.pub" in err
-    assert main(base + ["--out", str(tmp_path / "unsigned")]) == 0
-    assert main(["package", str(signed), "--target", "host", "--from-installed", "--ort-only", "--cpu", "0",
-                 "--out", str(tmp_path / "keyless"), "--sign", str(key)]) == 0  # signed, but trusting no key
+    from closedloop.runtime.signing import read_private_key
+
+    shutil.copytree(tmp_path / "good", tmp_path / "unsigned")
+    (tmp_path / "unsigned" / "SHA256SUMS.sig").unlink()  # the same package without --sign
+    keyless = tmp_path / "keyless"  # signed by the lab's key, but built without --trust
+    shutil.copytree(tmp_path / "good", keyless)
+    shutil.rmtree(keyless / "trust")
+    _resum(keyless)
+    (keyless / "SHA256SUMS.sig").write_bytes(read_private_key(key).sign((keyless / "SHA256SUMS").read_bytes()))
     assert main(base + ["--out", str(tmp_path / "theirs"), "--sign", str(other_key)]) == 0
     assert "its public key is not among --trust" in capsys.readouterr().err
     assert main(base + ["--out", str(tmp_path / "x"), "--sign", str(pub)]) == 2  # a public key cannot sign
