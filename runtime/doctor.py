@@ -410,19 +410,21 @@ def _writable(folder: Path) -> tuple[bool, str]:
 
 def _owner(folder: Path) -> str | None:
     try:
-        import pwd
-
-        return pwd.getpwuid(folder.stat().st_uid).pw_name
-    except (ImportError, KeyError, OSError):
+        return _user_name(folder.stat().st_uid)
+    except OSError:
         return None
 
 
 def _owner_of_me() -> str | None:
+    return _user_name(os.geteuid())
+
+
+def _user_name(uid: int) -> str | None:
     try:
         import pwd
 
-        return pwd.getpwuid(os.geteuid()).pw_name
-    except (ImportError, KeyError, OSError):
+        return pwd.getpwuid(uid).pw_name
+    except (ImportError, KeyError):
         return None
 
 

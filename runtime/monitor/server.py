@@ -75,8 +75,6 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         pass
-    import socket
-
     try:
         found = {info[4][0] for info in socket.getaddrinfo(host, None)}
     except (OSError, UnicodeError):

@@ -56,11 +56,12 @@ def data_warnings(sessions: Sequence[Any]) -> list[str]:
     for s in sessions:
         if not s.trials:
             continue
-        if has_no_counts(s):
+        counts = session_counts(s)  # once a session: a long recording's every bin is summed here
+        if not counts.any():
             out.append(f"{where(s)} holds no counts at all (every bin of every channel is 0): nothing in it can be "
                        "decoded; check the recording and the export that wrote the file")
             continue
-        silent = silent_channels(s)
+        silent = [int(c) for c in np.flatnonzero(counts == 0)]
         if silent:
             out.append(f"{where(s)}: {len(silent)} of {s.n_channels} channels are silent throughout (no count in any "
                        f"bin: channel(s) {_channels(silent)}); a decoder gets nothing from them, so check the array's "

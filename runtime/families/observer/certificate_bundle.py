@@ -281,6 +281,9 @@ def certify_bundle_record(path: str | Path) -> dict[str, Any]:
 
     root, source = _open(path)
     manifest = _read_manifest(root, source)
+    if manifest.family != "observer":  # the wrong kind of bundle is bad input, as calibrate and evaluate say it
+        raise ValueError(f"{path} is a {manifest.family!r} bundle: certify re-checks an observer bundle's stability "
+                         "certificate (docs/observer.md)")
     result = check_bundle_certificate(Bundle(root=root, manifest=manifest, source=source))
     text = format_certificate_report(result, str(source))
     _, problems, _ = check_bundle(path)
