@@ -10,6 +10,7 @@ gets a third row: each group of it (states, disturbances) over time.
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
 import numpy as np
@@ -48,12 +49,12 @@ def plot_recording(recording: str | Path, out: str | Path) -> Path:
         title += "\ntyped: " + (text if len(text) <= 110 else "..." + text[-107:])
     fig.suptitle(title, fontsize=11)
     out = Path(out)
-    tmp = out.with_name(f".{out.stem}.tmp{out.suffix or '.png'}")
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    atomic_write_bytes(out, tmp.read_bytes())
-    tmp.unlink()
-    return out
+    buf = io.BytesIO()  # drawn in memory, then written atomically: a failure leaves no partial or stray file
+    try:
+        fig.savefig(buf, dpi=110, format=out.suffix[1:].lower() or "png")
+    finally:
+        plt.close(fig)
+    return atomic_write_bytes(out, buf.getvalue())
 
 
 def _no_steps(ax, what: str) -> None:

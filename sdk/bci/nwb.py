@@ -270,6 +270,9 @@ def _read(path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[str], np
         with contextlib.suppress(TypeError, ValueError, AttributeError):
             notes = json.loads(nwb.notes or "{}").get(_NOTES_KEY, {})
         start = nwb.session_start_time.date() if nwb.session_start_time is not None else None
+    if spikes.shape[0] != len(timestamps) == spikes.shape[1]:
+        raise _fail(path, f"binned_spikes has shape {spikes.shape}: {spikes.shape[1]} columns, one per timestamp, so it "
+                          "is stored (channels, bins); store it as (bins, channels), e.g. data=counts.T")
     if not len(timestamps) == spikes.shape[0] == len(mask):
         raise _fail(path, f"binned_spikes has {spikes.shape[0]} bins, its timestamps {len(timestamps)} and "
                           f"eval_mask {len(mask)}; they must match")

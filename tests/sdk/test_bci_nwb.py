@@ -167,6 +167,18 @@ def test_unreadable_or_inconsistent_files_are_refused_clearly(tmp_path):
         load_falcon_h2(mismatch)
     with pytest.raises(FileNotFoundError, match="no .nwb files"):
         load_falcon_h2_dir(tmp_path / "empty")
+    # counts stored (channels, bins): named as transposed, not as a bin-count mismatch
+    import h5py
+
+    transposed = _write_raw(tmp_path / "transposed.nwb")  # 8 bins x 4 channels, then rewritten as h5py would
+    with h5py.File(transposed, "r+") as f:
+        data = f["acquisition/binned_spikes/data"]
+        counts, attrs = data[()], dict(data.attrs)
+        del f["acquisition/binned_spikes/data"]
+        f.create_dataset("acquisition/binned_spikes/data", data=counts.T).attrs.update(attrs)
+    with pytest.raises(FalconFileError, match=r"shape \(4, 8\): 8 columns, one per timestamp, so it is stored "
+                                              r"\(channels, bins\); store it as \(bins, channels\)"):
+        load_falcon_h2(transposed)
 
 
 def test_timestamps_too_coarse_to_cut_trials_are_refused_saying_so(tmp_path):
