@@ -24,7 +24,7 @@ from .manifest import SCHEMA_VERSION, GraphSpec, Manifest, TensorSpec, Window
 from .model import Model
 from .observe import CommandBatch, RunBatch, SessionObserver, StepBatch
 from .realtime import RealtimeConfig, RealtimeError, RealtimeGrant, apply_realtime
-from .recording import RecordingReader, RecordingWriter, RecordType
+from .recording import RecordingError, RecordingReader, RecordingWriter, RecordType
 from .replay import ReplayReport, replay_recording
 from .session import (
     DeviceChangedError,
@@ -60,6 +60,7 @@ __all__ = [
     "Model",
     "RealtimeConfig",
     "RealtimeError",
+    "RecordingError",
     "RealtimeGrant",
     "RecordType",
     "RecordingReader",

@@ -52,6 +52,15 @@ class OverrunPolicy(str, enum.Enum):
     STOP = "stop"
 
 
+def overrun_policy(value: object) -> OverrunPolicy:
+    """``value`` as an :class:`OverrunPolicy` (the enum or its name); anything else is refused naming the choices."""
+    try:
+        return OverrunPolicy(value)
+    except ValueError:
+        raise ValueError(f"overrun {value!r}: expected one of {', '.join(p.value for p in OverrunPolicy)} (skip: drop "
+                         "the late periods; hold: re-send the last command for each; stop: end the run)") from None
+
+
 @dataclass
 class LoopConfig:
     """Settings of the real-time loop."""
@@ -78,7 +87,7 @@ class LoopConfig:
             raise ValueError(f"duration_s must be > 0 (None: until stopped), got {self.duration_s}")
         if self.max_steps is not None and self.max_steps < 1:
             raise ValueError(f"max_steps must be >= 1 (None: no limit), got {self.max_steps}")
-        self.overrun = OverrunPolicy(self.overrun)
+        self.overrun = overrun_policy(self.overrun)
         if self.spin_us < 0:
             raise ValueError(f"spin_us must be >= 0, got {self.spin_us}")
 

@@ -197,12 +197,21 @@ class Record:
     payload: bytes
 
     def json(self) -> Any:
+        """The JSON value of a META, EVENT or SUMMARY record."""
+        self._expect("json", (RecordType.META, RecordType.EVENT, RecordType.SUMMARY))
         return json.loads(self.payload)
 
     def output(self) -> tuple[int, int, np.ndarray]:
         """(loop step, input frame sequence number, float32 values) of an OUTPUT, MORE_OUTPUT or FAMILY_STATE record."""
+        self._expect("output", (RecordType.OUTPUT, RecordType.MORE_OUTPUT, RecordType.FAMILY_STATE))
         step, seq = struct.unpack_from("<II", self.payload)
         return step, seq, np.frombuffer(self.payload, dtype=np.float32, offset=12 if self.output_index else 8)
+
+    def _expect(self, method: str, types: tuple[RecordType, ...]) -> None:
+        if self.type not in types:
+            name = RecordType(self.type).name if self.type in RecordType._value2member_map_ else f"type {self.type}"
+            raise ValueError(f"Record.{method}() reads {', '.join(t.name for t in types)} records; this record is {name} "
+                             "record (docs/recording.md: what each record type holds)")
 
     @property
     def output_index(self) -> int:

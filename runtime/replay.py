@@ -127,6 +127,9 @@ class ReplayReport:
     #: the family's state (FAMILY_STATE records: an observer's estimate) against the re-run's, as ``outputs``;
     #: ``compared`` 0 for a recording without them
     family_state: dict[str, float | int | None] = field(default_factory=dict)
+    #: recorded outputs on input frames where this bundle's window was not due (a bundle with another window or hop
+    #: than the session's): their frames were fed to the window, but this bundle computed nothing to compare there
+    outputs_not_due: int = 0
 
     def format(self) -> str:
         lines = [
@@ -135,6 +138,9 @@ class ReplayReport:
             f"max |difference| {self.max_abs_diff:.3g}, mean {self.mean_abs_diff:.3g}"
             + (f"; {self.missing_inputs} outputs had no recorded input frame" if self.missing_inputs else "")
         ]
+        if self.outputs_not_due:
+            lines.append(f"  {self.outputs_not_due} recorded outputs fall on input frames where this bundle's window "
+                         "was not due (another window or hop than the session's bundle): not compared")
         if self.backend_note:
             lines.append(f"  {self.backend_note}")
         if len(self.outputs) > 1:
@@ -286,6 +292,8 @@ def replay_recording(recording: str | Path, bundle: Bundle | str | Path, backend
     diffs: list[float] = []
     per_name = {name: _OutputDiff() for name in names}
     missing = 0
+    not_due = 0
+    fed: set[int] = set()  # windowed: the sequence numbers of the input frames fed to the window
     unmatched = 0  # MORE_OUTPUT records with no output of this bundle (or no re-run OUTPUT) to compare with
     in_loop = False  # the RX before META is the handshake; a HELLO after it reset the family (re-handshake)
     # The commands the session sent (TX records), given to the family where the session gave them (an observer of
@@ -322,6 +330,7 @@ def replay_recording(recording: str | Path, bundle: Bundle | str | Path, backend
                         inputs[f.seq] = (f.message, f.timestamp_us)
                         continue
                     fam.frame_time_us = f.timestamp_us  # as the session set it (an observer's gaps: its clock)
+                    fed.add(f.seq)
                     cmd, bad = fam.guarded_step(f.message)
                     if bad == "held":
                         continue
@@ -337,7 +346,10 @@ def replay_recording(recording: str | Path, bundle: Bundle | str | Path, backend
             if windowed:
                 found = computed.pop(seq, None)
                 if found is None:
-                    missing += 1
+                    if seq in fed:
+                        not_due += 1
+                    else:
+                        missing += 1
                     continue
                 current = (seq, *found)
             else:
@@ -376,6 +388,7 @@ def replay_recording(recording: str | Path, bundle: Bundle | str | Path, backend
         max_abs_diff=max(d.max for d in compared) if compared else float("nan"),
         mean_abs_diff=per_name[names[0]].mean,
         missing_inputs=missing,
+        outputs_not_due=not_due,
         backend=model.backend_name,
         variant=model.variant or "fp32",
         backend_note=backend_note,

@@ -47,9 +47,10 @@ from closedloop.firmware_bridge import (
 )
 from closedloop.runtime.protect.scrubber import session_scrubber
 
+from .backends.registry import get_backend_class
 from .bundle import Bundle, load_bundle
 from .families import FamilyPlugin, get_family
-from .loop import LoopConfig, OverrunPolicy, RealTimeLoop
+from .loop import LoopConfig, OverrunPolicy, RealTimeLoop, overrun_policy
 from .manifest import GraphSpec
 from .model import Model
 from .observe.record_steps import StepRecorder
@@ -93,6 +94,24 @@ class DeviceChangedError(DeviceMismatchError):
 
 @dataclass
 class SessionConfig:
+    """How to run a session; only ``device`` is required.
+
+    ``device``: the device URL (``serial:///dev/ttyACM0``, ``sim://headstage``, ``lsl://NAME``, ``replay://FILE``;
+    docs/devices.md). ``backend``: ``"auto"`` (time each available backend, keep the fastest p99) or a name;
+    ``variant``: a bundle variant (``fp16``, ``int8``...; None: fp32). ``duration_s`` / ``max_steps``: when to end
+    (None: until stopped). ``rate_hz``: the loop's rate (None: the bundle's). ``record``: a new ``.clrec`` file to
+    write (an existing one is refused). ``watchdog_s``: seconds without input before the safe command goes out;
+    ``watchdog_limit_s``: seconds without input before the session ends (a safety stop; None: never).
+    ``handshake_timeout_s``: seconds to wait for the device's HELLO. ``overrun``: what a period the loop missed does,
+    ``"skip"``, ``"hold"`` (re-send the last command) or ``"stop"`` (end the session). ``key``: the link's shared
+    secret (hex) for signed frames. ``status``: the live status line on ``out`` (stderr); False for library use.
+    ``inputs``: values of the data inputs the device does not stream (a goal). ``trust``: public key files or folders;
+    a bundle none of them signed is refused. ``observers``: ``SessionObserver`` objects (per-step hooks).
+    ``monitor``: ``[HOST:]PORT`` of the browser monitor. ``lsl_out``: NAME of the LSL outlets. ``rt``, ``rt_cpu``,
+    ``rt_priority``: SCHED_FIFO, the CPU to pin to and the priority (docs/realtime.md). ``wake_on_input``: step as
+    each frame arrives. The other fields are documented where they are declared. Wrong values are refused here.
+    """
+
     device: str
     backend: str = "auto"
     variant: str | None = None
@@ -142,8 +161,16 @@ class SessionConfig:
     wake_on_input: bool = False
 
     def __post_init__(self) -> None:
+        if not (isinstance(self.device, str) and self.device.strip()):
+            raise ValueError(f"SessionConfig.device {self.device!r}: give the device's URL, like "
+                             "'serial:///dev/ttyACM0', 'sim://headstage' or 'lsl://NAME' (docs/devices.md)")
+        # None stands for the default here too, as the messages below say
+        for name in ("watchdog_s", "handshake_timeout_s", "reconnect_interval_s"):
+            if getattr(self, name) is None:
+                setattr(self, name, next(f.default for f in fields(self) if f.name == name))
         # 0 or a negative number here is a mistake, never "the default" (None is): refuse it by name
         for name, value in (("rate_hz", self.rate_hz), ("duration_s", self.duration_s),
+                            ("reconnect_interval_s", self.reconnect_interval_s),
                             ("watchdog_s", self.watchdog_s), ("watchdog_limit_s", self.watchdog_limit_s),
                             ("handshake_timeout_s", self.handshake_timeout_s)):
             if value is not None and not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
@@ -160,6 +187,21 @@ class SessionConfig:
         if self.lsl_out_wait_s and not self.lsl_out:
             raise ValueError("SessionConfig.lsl_out_wait_s (--lsl-out-wait) waits for consumers of the LSL outlets; "
                              "give lsl_out (--lsl-out NAME) too")
+        overrun_policy(self.overrun)  # a misspelt policy is refused here, naming the choices, not once the loop starts
+        if not (isinstance(self.backend, str) and self.backend):
+            raise ValueError(f"SessionConfig.backend {self.backend!r}: give a backend's name, or 'auto'")
+        if self.backend != "auto":
+            get_backend_class(self.backend)  # an unknown name: BackendUnavailableError, naming the known ones
+        for name, want in (("observers", "SessionObserver objects"), ("trust", "public key files or folders")):
+            value = getattr(self, name)
+            if isinstance(value, (str, bytes, Path)) or not isinstance(value, (list, tuple)):
+                raise TypeError(f"SessionConfig.{name} {value!r}: give a list of {want}")
+        for obs in self.observers:
+            if isinstance(obs, type):
+                raise TypeError(f"SessionConfig.observers holds the class {obs.__name__}, not an object of it: give "
+                                f"{obs.__name__}(...)")
+        if not isinstance(self.inputs, dict):
+            raise TypeError(f"SessionConfig.inputs {self.inputs!r}: give a dict {{input name: values}}")
         if self.scrub_policy not in ("fallback", "stop"):
             raise ValueError(f"SessionConfig.scrub_policy {self.scrub_policy!r}: expected 'fallback' (restore an "
                              "unrepairable block from the last good copy) or 'stop' (safe command, end the session)")
@@ -175,6 +217,15 @@ class SessionConfig:
 
 @dataclass
 class SessionSummary:
+    """What a session did, as ``run()`` returns it and the recording's SUMMARY keeps it (``to_dict()``).
+
+    ``loop``: the loop's timing (``LoopSummary``: steps, latency and lateness percentiles in microseconds, missed
+    deadlines, ``stopped_by``). Counts: frames received, inputs used or skipped, commands sent (the model's, safe,
+    re-sent on overrun, at stop), watchdog trips, non-finite or refused inputs, disconnects and reconnects. ``link``:
+    the connection's counters (frames lost, CRC errors, ...). ``error``: what ended the session, or None.
+    docs/recording.md lists every field.
+    """
+
     loop: LoopSummary
     device: dict[str, Any]
     backend: str
@@ -307,6 +358,9 @@ class Session:
     """One closed-loop session. Use ``run()``; see ``run_session`` for the one-call form."""
 
     def __init__(self, bundle: Bundle | str | Path, config: SessionConfig, out: TextIO | None = None):
+        if not isinstance(config, SessionConfig):
+            raise TypeError(f"config: give a SessionConfig(device=...), not {type(config).__name__}"
+                            + (" (SessionConfig(**settings) builds one from a dict)" if isinstance(config, dict) else ""))
         self.config = config
         self._device_shown = redact_device_url(config.device)  # what recordings, the monitor and messages show
         self.out = out if out is not None else sys.stderr
@@ -427,6 +481,7 @@ class Session:
             self._tap.event(record)
 
     def start(self) -> Hello:
+        """Open the device and handshake (``run()`` does it where it was not done); return the device's HELLO."""
         # The loop freezes the garbage collector; the full collection before that is done here, while the
         # device is still idle. After the handshake it streams, and a collection in a big process (a notebook,
         # a test suite) can take a second: frames pile up unread, and timed device events pass unseen.
@@ -875,6 +930,8 @@ class Session:
             loop.stop(reason)
 
     def run(self) -> SessionSummary:
+        """Run the loop until the duration, ``max_steps``, ``stop()``, a safety stop or Ctrl-C; send the safe
+        command; return the summary (also the recording's last record)."""
         if self.hello is None:
             self.start()
         cfg = self.config
@@ -956,6 +1013,7 @@ class Session:
         return summary
 
     def close(self) -> None:
+        """Close the device, the monitor and the LSL outlets (``with Session(...)`` does it on the way out)."""
         self.close_tap()
         if self.link is not None:
             self.link.close()
@@ -1024,7 +1082,8 @@ def _no_hello_reason(link: Link) -> str:
 
 
 def run_session(bundle: Bundle | str | Path, config: SessionConfig, out: TextIO | None = None) -> SessionSummary:
-    """Open, handshake, run until the duration or Ctrl-C, send the safe command, close."""
+    """Open, handshake, run until the duration or Ctrl-C, send the safe command, close. ``out``: where the status
+    line and warnings go (default stderr; ``SessionConfig.status=False`` turns the status line off)."""
     with Session(bundle, config, out) as s:
         s.start()
         return s.run()

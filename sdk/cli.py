@@ -364,6 +364,10 @@ def _replay(a: argparse.Namespace) -> int:
         print(f"error: none of the {report.missing_inputs} recorded outputs could be re-run: their input frames are "
               "not the bundle's session input (manifest extra.session.input, docs/bundle.md)", file=sys.stderr)
         return 1
+    if report.outputs_compared == 0 and report.outputs_not_due:
+        print(f"error: none of the {report.outputs_not_due} recorded outputs falls where this bundle's window is due "
+              "(another window or hop than the session's bundle): nothing was compared", file=sys.stderr)
+        return 1
     if report.outputs_compared == 0:  # nothing was compared: no verdict either way, the recording holds no run
         print(f"error: {a.recording} holds no model output to re-run (no OUTPUT record: a session refused before it "
               "ran, or one that ended before its first step); nothing was compared", file=sys.stderr)

@@ -71,8 +71,13 @@ class _Runner(threading.Thread):
         self.event_cursor = hub.ring.events_published
         self.run_cursor = hub.ring.runs_published
         self.sent_cursor = hub.ring.commands_published
-        self.wants_runs = type(observer).on_runs is not SessionObserver.on_runs
-        self.wants_commands = type(observer).on_commands is not SessionObserver.on_commands
+        # an object that does not subclass SessionObserver works too: a method it lacks is the base's (nothing)
+        cls = type(observer)
+        self.wants_runs = getattr(cls, "on_runs", SessionObserver.on_runs) is not SessionObserver.on_runs
+        self.wants_commands = getattr(cls, "on_commands", SessionObserver.on_commands) is not SessionObserver.on_commands
+        self.max_batch = getattr(observer, "max_batch", None)
+        self.on = {name: getattr(observer, name, None) or getattr(SessionObserver(), name)
+                   for name in ("on_start", "on_steps", "on_runs", "on_commands", "on_event", "on_stop")}
         self.lost = 0
         self.runs_lost = 0
         self.commands_lost = 0
@@ -84,26 +89,26 @@ class _Runner(threading.Thread):
         ring = self.hub.ring
         events, self.event_cursor, _ = ring.read_events(self.event_cursor)
         for ev in events:
-            self.observer.on_event(ev)
-        batch, self.cursor = ring.read(self.cursor, self.observer.max_batch)
+            self.on["on_event"](ev)
+        batch, self.cursor = ring.read(self.cursor, self.max_batch)
         self.lost += batch.lost
         if len(batch) or batch.lost:
             self.delivered += len(batch)
-            self.observer.on_steps(batch)
+            self.on["on_steps"](batch)
         if self.wants_runs:
-            runs, self.run_cursor = ring.read_runs(self.run_cursor, self.observer.max_batch)
+            runs, self.run_cursor = ring.read_runs(self.run_cursor, self.max_batch)
             self.runs_lost += runs.lost
             if len(runs) or runs.lost:
-                self.observer.on_runs(runs)
+                self.on["on_runs"](runs)
         if self.wants_commands:
-            sent, self.sent_cursor = ring.read_commands(self.sent_cursor, self.observer.max_batch)
+            sent, self.sent_cursor = ring.read_commands(self.sent_cursor, self.max_batch)
             self.commands_lost += sent.lost
             if len(sent) or sent.lost:
-                self.observer.on_commands(sent)
+                self.on["on_commands"](sent)
 
     def run(self) -> None:
         try:
-            self.observer.on_start(self.hub.info)
+            self.on["on_start"](self.hub.info)
             while not self.hub.stopping.is_set():
                 self.drain()
                 self.hub.stopping.wait(self.hub.interval_s)
@@ -136,17 +141,19 @@ class ObserverHub:
             r.start()
 
     def stop(self, summary: dict[str, Any], timeout_s: float = 5.0) -> dict[str, dict[str, Any]]:
-        """Deliver what is left, call ``on_stop``, join; return per-observer counts (delivered, lost, error)."""
+        """Deliver what is left, call ``on_stop``, join; return per-observer counts (delivered, lost, error), by the
+        observer's class name (``NAME#2`` for a second observer of the same class, in the order given)."""
         self.stopping.set()
         report = {}
         for r in self._runners:
             r.join(timeout_s)
             if r.error is None and not r.is_alive():
                 try:
-                    r.observer.on_stop(summary)
+                    r.on["on_stop"](summary)
                 except Exception:  # noqa: BLE001
                     r.error = traceback.format_exc(limit=4)
-            name = type(r.observer).__name__
+            name = type(r.observer).__name__  # the class's name; a second observer of one class: NAME#2, and so on
+            name = next(n for n in (name, *(f"{name}#{i}" for i in range(2, len(self._runners) + 2))) if n not in report)
             report[name] = {"delivered": r.delivered, "lost": r.lost, "error": r.error,
                             "still_running": r.is_alive()}
             if r.wants_runs:

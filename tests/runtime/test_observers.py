@@ -365,6 +365,58 @@ def test_an_observer_that_raises_is_detached_with_a_warning(capsys):
     assert "session observer Broken failed and was detached" in capsys.readouterr().err
 
 
+def test_an_object_with_only_the_methods_it_needs_observes_and_two_of_one_class_are_reported_apart():
+    class Duck:  # not a SessionObserver: only what it needs
+        def __init__(self):
+            self.steps = []
+
+        def on_steps(self, batch):
+            self.steps += batch.step.tolist()
+
+    class Broken(SessionObserver):
+        def on_steps(self, batch):
+            raise RuntimeError("this one broke")
+
+    duck, good, bad = Duck(), _Collect(), Broken()
+    ring = StepRing.create(n_in=1, n_out=1, n_cmd=1, capacity=64)
+    hub = ObserverHub(ring, [duck, good, Broken(), bad], interval_s=0.001)
+    hub.start({"family": "test"})
+    for k in range(10):
+        ring.begin(k, 0)
+        ring.publish(1, 1)
+    ring.event({"event": "watchdog", "step": 9})
+    report = hub.stop({"steps": 10})
+    ring.close()
+    assert duck.steps == list(range(10)) and report["Duck"]["error"] is None
+    assert good.steps == list(range(10))
+    # the second Broken has its own entry: neither hides the other
+    assert set(report) == {"Duck", "_Collect", "Broken", "Broken#2"}
+    assert all("this one broke" in report[n]["error"] for n in ("Broken", "Broken#2"))
+
+
+def test_session_settings_are_checked_when_given_naming_what_to_give():
+    from closedloop.runtime import SessionConfig
+    from closedloop.runtime.errors import BackendUnavailableError
+
+    with pytest.raises(ValueError, match=r"overrun 'bogus': expected one of skip, hold, stop"):
+        SessionConfig(device="sim://headstage", overrun="bogus")
+    with pytest.raises(BackendUnavailableError, match=r"unknown backend 'bogus'; known backends: .*numba"):
+        SessionConfig(device="sim://headstage", backend="bogus")
+    with pytest.raises(ValueError, match=r"SessionConfig.device '': give the device's URL"):
+        SessionConfig(device="")
+    with pytest.raises(TypeError, match=r"holds the class _Collect, not an object of it: give _Collect\(...\)"):
+        SessionConfig(device="sim://headstage", observers=[_Collect])
+    with pytest.raises(TypeError, match=r"SessionConfig.observers .*: give a list of SessionObserver objects"):
+        SessionConfig(device="sim://headstage", observers=_Collect())
+    with pytest.raises(TypeError, match=r"SessionConfig.trust 'lab.pub': give a list of public key files"):
+        SessionConfig(device="sim://headstage", trust="lab.pub")
+    # None is the default, as the refusal of 0 says
+    with pytest.raises(ValueError, match=r"watchdog_s 0: must be a positive number of seconds \(None: the default\)"):
+        SessionConfig(device="sim://headstage", watchdog_s=0)
+    cfg = SessionConfig(device="sim://headstage", watchdog_s=None, handshake_timeout_s=None)
+    assert (cfg.watchdog_s, cfg.handshake_timeout_s) == (0.25, 10.0)
+
+
 @pytest.fixture(scope="module")
 def plant_bundle(tmp_path_factory):
     import torch

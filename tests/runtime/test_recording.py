@@ -38,6 +38,12 @@ def test_round_trip_every_record_type(tmp_path):
     assert r.dropped_bytes == 0
     hosts = [rec.host_ns for rec in r]
     assert hosts == sorted(hosts)
+    # a record read as what it is not is refused, naming what it is (not JSON text read as floats)
+    with pytest.raises(ValueError, match=r"Record.output\(\) reads OUTPUT, MORE_OUTPUT, FAMILY_STATE records; "
+                                         r"this record is META"):
+        r.of_type(RecordType.META)[0].output()
+    with pytest.raises(ValueError, match=r"Record.json\(\) reads META, EVENT, SUMMARY records; this record is OUTPUT"):
+        r.of_type(RecordType.OUTPUT)[0].json()
 
 
 def test_never_overwrites(tmp_path):

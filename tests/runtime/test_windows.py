@@ -8,6 +8,7 @@ have arrived. Streaming gives exactly what the model gives on the same windows o
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -268,7 +269,19 @@ def test_a_windowed_session_replays_to_the_same_outputs(cnn_bundle, tmp_path):
                                                     record=str(record)))
     report = replay_recording(record, cnn_bundle, backend="onnxruntime")
     assert report.outputs_compared == summary.commands_sent and report.missing_inputs == 0
-    assert report.max_abs_diff == 0.0
+    assert report.max_abs_diff == 0.0 and report.outputs_not_due == 0
+    # the same weights with a hop of 8: every other recorded output falls where its window is not due; those are
+    # said as such, not as outputs whose input frame the recording lacks
+    import shutil
+
+    hop8 = _with_window(Path(shutil.copytree(cnn_bundle, tmp_path / "hop8")), {"length": LENGTH, "hop": 8,
+                                                                               "layout": "channel_major"})
+    other = replay_recording(record, hop8, backend="onnxruntime")
+    assert other.missing_inputs == 0 and other.max_abs_diff == 0.0
+    assert other.outputs_compared + other.outputs_not_due == report.outputs_compared
+    assert abs(other.outputs_compared - other.outputs_not_due) <= 1
+    assert f"{other.outputs_not_due} recorded outputs fall on input frames where this bundle's window was not due" \
+        in other.format()
 
 
 def test_inspect_shows_each_inputs_role_and_its_window(cnn_bundle, capsys):
