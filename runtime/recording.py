@@ -41,6 +41,7 @@ from typing import Any
 
 import numpy as np
 
+from closedloop.common.atomic import atomic_write_bytes
 from closedloop.common.jsonout import finite
 
 MAGIC = b"CLREC\x00" + struct.pack("<H", 1)
@@ -220,9 +221,14 @@ class Record:
 
 
 class RecordingReader:
-    """Read every intact record; stop at a torn or corrupt tail and say how much was dropped."""
+    """Read every intact record; stop at a torn or corrupt tail and say how much was dropped.
 
-    def __init__(self, path: str | Path):
+    With ``resync`` a damaged record inside the file (a disk or copy error: a bad checksum or length with intact
+    records after it) is skipped and reading goes on from the next intact record; ``skipped`` lists each such
+    stretch as ``(start byte, end byte)``. Without it (the format's rule, docs/recording.md) reading stops there.
+    """
+
+    def __init__(self, path: str | Path, resync: bool = False):
         self.path = Path(path)
         if not self.path.is_file():
             what = "is a folder" if self.path.is_dir() else "does not exist"
@@ -237,6 +243,7 @@ class RecordingReader:
         if version != 1:
             raise RecordingError(f"{self.path}: recording format version {version} is not supported (this reads 1)")
         self.records: list[Record] = []
+        self.skipped: list[tuple[int, int]] = []  # with resync: damaged stretches skipped, (start, end) bytes
         pos = len(MAGIC)
         self.tail_problem = ""
         self.damaged = False  # a bad record with more of the file after it (not a tail cut short by a crash)
@@ -250,6 +257,10 @@ class RecordingReader:
                 # a crash cuts the last record short; a length no writer writes, or intact records further on,
                 # say the file was damaged here instead
                 later = _next_intact(data, pos + 1, self.records[-1].host_ns if self.records else 0)
+                if resync and later is not None:
+                    self.skipped.append((pos, later))
+                    pos = later
+                    continue
                 self.damaged = n > MAX_RECORD or later is not None
                 self.tail_problem = (f"record length {n} over the {MAX_RECORD}-byte limit" if n > MAX_RECORD
                                      else "torn record (length runs past the end of the file)")
@@ -261,6 +272,12 @@ class RecordingReader:
             payload = data[pos + _HEAD.size : end]
             if _crc(n, rtype, host_ns, payload) != crc:
                 # the last record of a file cut short, or a record damaged inside a file that goes on after it
+                later = (_next_intact(data, pos + 1, self.records[-1].host_ns if self.records else 0)
+                         if resync and end < len(data) else None)
+                if later is not None:
+                    self.skipped.append((pos, later))
+                    pos = later
+                    continue
                 self.damaged = end < len(data)
                 self.tail_problem = ("record checksum mismatch" if not self.damaged else
                                      f"record checksum mismatch at byte {pos}, with {len(data) - end} more bytes "
@@ -274,7 +291,10 @@ class RecordingReader:
             self.records.append(Record(t, host_ns, payload))
             pos = end
         self.valid_bytes = pos
-        self.dropped_bytes = len(data) - pos
+        self.tail_bytes = len(data) - pos  # dropped at the end: a file cut short, or damage with nothing readable after
+        self._tail_damaged = self.damaged
+        self.dropped_bytes = self.tail_bytes + sum(b - a for a, b in self.skipped)
+        self.damaged = self.damaged or bool(self.skipped)
 
     def __iter__(self) -> Iterator[Record]:
         return iter(self.records)
@@ -297,9 +317,12 @@ class RecordingReader:
         or a session cut short), a session that never ended (no SUMMARY) or never ran (no META). Empty for a whole
         recording of a session that ended."""
         out = []
-        if self.dropped_bytes:
-            out.append(f"{self.dropped_bytes} bytes were dropped at a bad record ({self.tail_problem})"
-                       + ("" if self.damaged else ": the session did not end cleanly"))
+        for a, b in self.skipped:
+            out.append(f"{b - a} bytes were skipped at a damaged record (bytes {a} to {b}: a disk or copy error); "
+                       "reading went on from the next intact record, so the records of that stretch are missing")
+        if self.tail_bytes:
+            out.append(f"{self.tail_bytes} bytes were dropped at a bad record ({self.tail_problem})"
+                       + ("" if self._tail_damaged else ": the session did not end cleanly"))
         elif self.summary is None and self.meta:
             out.append("no SUMMARY record: the session did not end (its process was killed, or the machine "
                        "stopped); what it recorded until then is here")
@@ -316,7 +339,23 @@ class RecordingReader:
             name = r.type.name if isinstance(r.type, RecordType) else f"type{r.type}"
             counts[name] = counts.get(name, 0) + 1
         s = f"{self.path}: {len(self.records)} records ({', '.join(f'{k} {v}' for k, v in counts.items())})"
-        if self.dropped_bytes:
-            s += (f"; dropped a {self.dropped_bytes}-byte tail ({self.tail_problem})"
-                  + ("" if self.damaged else " - the session did not end cleanly"))
+        if self.skipped:
+            s += (f"; skipped {sum(b - a for a, b in self.skipped)} damaged bytes in {len(self.skipped)} "
+                  f"stretch{'es' if len(self.skipped) > 1 else ''} (from byte {self.skipped[0][0]})")
+        if self.tail_bytes:
+            s += (f"; dropped a {self.tail_bytes}-byte tail ({self.tail_problem})"
+                  + ("" if self._tail_damaged else " - the session did not end cleanly"))
         return s
+
+    def said_by_describe(self) -> int:
+        """How many of ``problems()``, from the first, ``describe()`` has already said (the skips and the tail)."""
+        return len(self.skipped) + (1 if self.tail_bytes else 0)
+
+    def salvage(self, out: str | Path) -> Path:
+        """Write every record read (with ``resync``: past damaged stretches too) to a new recording ``out``, which
+        every reader then reads whole; ``out`` must not exist (recordings are never overwritten)."""
+        out = Path(out)
+        if out.exists():
+            raise RecordingError(f"{out} already exists; recordings are never overwritten, choose a new name")
+        body = b"".join(encode_record(int(r.type), r.payload, r.host_ns) for r in self.records)
+        return atomic_write_bytes(out, MAGIC + body)

@@ -400,6 +400,9 @@ def _recording_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", default=None, metavar="OUT.png",
                    help="draw latency over time, its histogram, the input stream, the commands and the events")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --plot file")
+    p.add_argument("--salvage", default=None, metavar="OUT.clrec",
+                   help="a recording damaged inside (a disk or copy error): read on past each damaged record and "
+                        "write every intact record to a new recording OUT.clrec, which reads whole")
 
 
 @command("recording", "summarise a recording (records, torn tail, session summary); --plot draws it", _recording_args)
@@ -416,7 +419,13 @@ def _recording(a: argparse.Namespace) -> int:
         if Path(a.plot).is_dir():
             raise ValueError(f"--plot {a.plot} is a folder: give the figure's file, like {Path(a.plot) / 'session.png'}")
         refuse_existing(a.plot, a.overwrite)
-    r = RecordingReader(a.recording)
+    if a.salvage:
+        from pathlib import Path
+
+        if Path(a.salvage).exists():
+            raise ValueError(f"--salvage {a.salvage} already exists: recordings are never overwritten; give a new path")
+    r = RecordingReader(a.recording, resync=bool(a.salvage))
+    salvaged = str(r.salvage(a.salvage)) if a.salvage else None
     plotted = None
     if a.plot:
         from .recording_plot import plot_recording
@@ -428,13 +437,16 @@ def _recording(a: argparse.Namespace) -> int:
             name = rec.type.name if hasattr(rec.type, "name") else f"type{rec.type}"
             counts[name] = counts.get(name, 0) + 1
         print(json_text({"path": str(r.path), "records": counts, "dropped_bytes": r.dropped_bytes,
-                          "tail_problem": r.tail_problem, "damaged": r.damaged, "problems": r.problems(),
-                          "meta": r.meta, "summary": r.summary, "plot": plotted}))
+                          "tail_problem": r.tail_problem, "damaged": r.damaged, "skipped": r.skipped,
+                          "problems": r.problems(), "meta": r.meta, "summary": r.summary, "plot": plotted,
+                          "salvaged": salvaged}))
         return 0
     if plotted:
         print(f"wrote {plotted}")
+    if salvaged:
+        print(f"wrote {salvaged}: the {len(r.records)} intact records")
     print(r.describe())
-    for problem in r.problems()[1 if r.dropped_bytes else 0:]:  # describe() has said the first already
+    for problem in r.problems()[r.said_by_describe():]:  # describe() has said those already
         print(f"  {problem}")
     if r.meta:
         bundle = r.meta.get("bundle_name") or r.meta.get("bundle")

@@ -98,6 +98,22 @@ def test_corrupt_record_stops_reading_there(tmp_path):
     assert r.tail_problem == ("record checksum mismatch at byte 82, with 74 more bytes after that record: the file "
                               "was damaged there (a disk or copy error), not cut short")
     assert "did not end cleanly" not in r.describe()
+    # read on past it (resync): the records after the damaged one are there, the damaged stretch said
+    again = RecordingReader(p, resync=True)
+    assert [rec.payload[0] for rec in again.records] == [0, 1, 3, 4]
+    assert again.skipped == [(82, 119)] and again.dropped_bytes == 37 and again.damaged and again.tail_bytes == 0
+    assert again.problems()[0].startswith("37 bytes were skipped at a damaged record (bytes 82 to 119")
+    assert "skipped 37 damaged bytes in 1 stretch (from byte 82)" in again.describe()
+    # salvaged into a new recording, which reads whole; the damaged file is kept as it is
+    from closedloop.sdk.cli import main
+
+    out = tmp_path / "salvaged.clrec"
+    assert main(["recording", str(p), "--salvage", str(out)]) == 0
+    whole = RecordingReader(out)
+    assert [(x.type, x.host_ns, x.payload) for x in whole.records] == [(x.type, x.host_ns, x.payload)
+                                                                         for x in again.records]
+    assert whole.dropped_bytes == 0 and not whole.damaged and p.read_bytes() == bytes(data)
+    assert main(["recording", str(p), "--salvage", str(out)]) == 2  # never overwritten
     # the same mismatch in the last record is a tail cut short by a crash
     p.write_bytes(bytes(data[:len(MAGIC) + 3 * 37]))
     r = RecordingReader(p)
@@ -131,6 +147,8 @@ def test_a_damaged_length_in_the_middle_is_damage_not_a_session_cut_short(tmp_pa
     assert len(r.records) == 2 and r.damaged and r.dropped_bytes == 4 * 37
     assert "intact records again from byte 119" in r.tail_problem and "not cut short" in r.tail_problem
     assert "did not end cleanly" not in r.describe() and "did not end cleanly" not in " ".join(r.problems())
+    again = RecordingReader(p, resync=True)  # the length cannot be trusted; the next intact record can
+    assert [rec.payload[0] for rec in again.records] == [0, 1, 3, 4, 5] and again.skipped == [(82, 119)]
     # the same length in the last record, with nothing after it: a session cut short
     p.write_bytes(bytes(data[:len(MAGIC) + 3 * 37]))
     r = RecordingReader(p)
