@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import hashlib
+import logging
 import math
 import os
 import sys
@@ -53,6 +54,7 @@ from .families import FamilyPlugin, get_family
 from .loop import LoopConfig, OverrunPolicy, RealTimeLoop, overrun_policy
 from .manifest import GraphSpec
 from .model import Model
+from .observe.event_log import EventLog
 from .observe.record_steps import StepRecorder
 from .observe.ring import FLAG_DISCONNECTED, FLAG_WATCHDOG
 from .observe.tap import SessionTap
@@ -78,6 +80,9 @@ PLAIN_STATUS_S = 10.0
 STATUS_TEXT_CHARS = 1000
 # STATUS codes of docs/devices.md: the host asks for a REPORT, the device answers with one (JSON text).
 REQUEST_REPORT, REPORT = 1, 2
+
+
+_log = logging.getLogger("closedloop.session")
 
 
 class SessionError(RuntimeError):
@@ -367,6 +372,12 @@ class Session:
         _warn_unwritable_numba_cache(self.out)
         self.bundle = bundle if isinstance(bundle, Bundle) else load_bundle(bundle, trust=config.trust or None)
         self.model = Model(self.bundle, backend=config.backend, variant=config.variant, trust=config.trust or None)
+        if _log.isEnabledFor(logging.INFO):
+            choice = self.model.choice
+            _log.info("backend %s (%s)%s", self.model.backend_name, self.model.variant or "fp32",
+                      " chosen by timing each that runs here" if config.backend == "auto" else "")
+            if config.backend == "auto":
+                _log.debug("backend timings, p99 us: %s; not timed: %s", choice.p99_us, choice.skipped or "none")
         self.family: FamilyPlugin = get_family(self.bundle.manifest.family)(self.bundle, self.model)
         recipe = self.bundle.manifest.provenance.get("recipe") if isinstance(self.bundle.manifest.provenance, dict) else None
         if isinstance(recipe, dict) and recipe.get("learned") is False:  # informational, never a check: said loudly
@@ -541,6 +552,8 @@ class Session:
         observers = list(cfg.observers)
         if self.writer is not None:
             observers.append(StepRecorder(self.writer))
+        if _log.isEnabledFor(logging.INFO):  # -v: the start, the events and the end as log messages, off the loop
+            observers.append(EventLog())
         if cfg.lsl_out:
             from .observe.lsl_out import LslOutlets
 

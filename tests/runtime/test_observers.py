@@ -290,6 +290,30 @@ def test_a_sessions_observer_sees_session_info_and_each_commands_time_after_its_
     assert abs(max(delays_us) - s.command_latency_max_us) < 1e-3
 
 
+def test_verbose_logging_says_what_ran_on_what_each_event_and_the_end(plant_bundle, caplog):
+    """closedloop -v run: the session's start, its events and its end as INFO log messages (written by an observer
+    on its own thread); without INFO enabled, no such observer is attached."""
+    import logging
+
+    from closedloop.runtime import SessionConfig, run_session
+
+    url = "sim://plant?model=msd&rate=200&seed=2&disconnect_at=0.3&disconnect_s=0.4"
+    cfg = SessionConfig(device=url, duration_s=1.2, status=False, backend="onnxruntime")
+    with caplog.at_level(logging.INFO, logger="closedloop.session"):
+        s = run_session(plant_bundle, cfg)
+    said = [r.getMessage() for r in caplog.records if r.name == "closedloop.session"]
+    assert said[0] == "backend onnxruntime (fp32)"
+    assert any(m.startswith(f"session: bundle {plant_bundle}") and "device sim://plant?model=msd" in m for m in said)
+    assert any(m.startswith("device: {") and '"kind": "plant"' in m for m in said), said
+    assert any(": disconnected {" in m for m in said) and any(": reconnected" in m for m in said), said
+    assert said[-1].startswith("session ended (duration): ") and f"{s.commands_sent} commands sent" in said[-1]
+    assert "EventLog" in s.observers
+    caplog.clear()
+    quiet = run_session(plant_bundle, SessionConfig(device="sim://plant?model=msd&rate=200&seed=2", duration_s=0.3,
+                                                    status=False, backend="onnxruntime"))
+    assert "EventLog" not in quiet.observers
+
+
 class _Collect(SessionObserver):
     def __init__(self, delay_s: float = 0.0):
         self.steps: list[int] = []
