@@ -15,8 +15,6 @@ from closedloop.runtime import SessionConfig, run_session
 from closedloop.runtime.recording_view import view_recording
 from closedloop.sdk.models import MLPPolicy
 
-pytestmark = pytest.mark.timing  # wall-clock bounds: make test runs this file alone, after the parallel part
-
 
 @pytest.fixture(scope="module")
 def plant_recording(tmp_path_factory):
