@@ -80,7 +80,7 @@ def test_an_lsl_stream_drives_a_session_is_recorded_with_its_clocks_and_replays(
     # clocked: the session's 50 Hz clock; wake-on-input: a step as each sample arrives, the clock only the
     # watchdog's tick while the source is gone
     name = f"cltest-{uuid.uuid4().hex[:10]}"
-    src = _Source(name, gone_at_s=2.0, gone_s=0.5, run_s=8.0)
+    src = _Source(name, gone_at_s=2.0, gone_s=0.5, run_s=7.0)  # outlives the 6-s session
     src.start()
     rec = tmp_path / "lsl.clrec"
     cfg = SessionConfig(device=f"lsl://{name}?timeout=3&lost_s=0.3", duration_s=6.0, status=False,
@@ -127,7 +127,7 @@ def test_lsl_out_publishes_the_commands_a_session_sends_stamped_just_after_they_
     from closedloop.runtime.observe import LslOutlets
 
     name = f"cltest-{uuid.uuid4().hex[:10]}"
-    src = _Source(name, gone_at_s=1e9, gone_s=0.0, run_s=5.0)
+    src = _Source(name, gone_at_s=1e9, gone_s=0.0, run_s=4.0)  # outlives the 3-s session that it feeds
     src.start()
     obs = LslOutlets(f"{name}-out")
     got: dict[str, list] = {"x": [], "t": []}
@@ -139,17 +139,20 @@ def test_lsl_out_publishes_the_commands_a_session_sends_stamped_just_after_they_
         inlet = pylsl.StreamInlet(found[0])
         inlet.open_stream(timeout=5.0)
         got["text_outlet"] = pylsl.resolve_byprop("name", f"{name}-out-text", 1, 1.0)  # a decoder that types no text
-        end = time.monotonic() + 6.0
-        while time.monotonic() < end:
+        end = time.monotonic() + 10.0
+        while time.monotonic() < end and not (ended.is_set() and time.monotonic() > ended_at[0] + 1.0):
             x, t = inlet.pull_chunk(timeout=0.1)
             got["x"] += x
             got["t"] += t
 
+    ended, ended_at = threading.Event(), [0.0]  # the consumer reads until a second after the session has ended
     reader_thread = threading.Thread(target=consume, daemon=True)
     reader_thread.start()
     rec = tmp_path / "out.clrec"
     s = run_session(neural_bundle, SessionConfig(device=f"lsl://{name}?timeout=3", duration_s=3.0, status=False,
                                                  record=str(rec), backend="onnxruntime", observers=[obs]))
+    ended_at[0] = time.monotonic()
+    ended.set()
     reader_thread.join()
     src.join()
     assert s.commands_sent > 50 and len(got["t"]) > 0.5 * s.commands_sent, (len(got["t"]), s.commands_sent)
@@ -272,16 +275,19 @@ def test_lsl_out_wait_holds_publishing_until_a_recorder_connects_so_it_gets_ever
             inlets[which] = pylsl.StreamInlet(found[which][0])
             inlets[which].open_stream(timeout=5.0)
         connected.append(pylsl.local_clock())
-        end = time.monotonic() + 5.0
-        while time.monotonic() < end:
+        end = time.monotonic() + 10.0
+        while time.monotonic() < end and not (ended.is_set() and time.monotonic() > ended_at[0] + 1.0):
             for which, inlet in inlets.items():
                 got[which] += inlet.pull_chunk(timeout=0.05)[1]
 
     connected: list[float] = []
+    ended, ended_at = threading.Event(), [0.0]  # the recorder reads until a second after the session has ended
     recorder = threading.Thread(target=record, daemon=True)
     recorder.start()
     s = run_session(neural_bundle, SessionConfig(device=f"lsl://{name}?timeout=3", duration_s=2.0, status=False,
                                                  backend="onnxruntime", observers=[obs, steps := CommandSteps()]))
+    ended_at[0] = time.monotonic()
+    ended.set()
     recorder.join()
     src.join()
     assert obs.without_consumer == [] and 0.8 < obs.waited_s < 5.0
