@@ -154,7 +154,7 @@ def test_the_page_shows_the_prompt_the_device_reports(typing_bundle, page):
 def test_a_silent_plant_shows_safe_and_the_watchdog_then_recovers(plant_bundle, page, screenshot_dir, tmp_path,
                                                                    watchdog_rule):
     rec = tmp_path / "silent.clrec"
-    bg = Background(plant_bundle, device="sim://plant?model=msd&rate=200&seed=5&silence_at=2.5&silence_s=2.5",
+    bg = Background(plant_bundle, device="sim://plant?model=msd&rate=200&seed=5&silence_at=1.5&silence_s=1.5",
                     duration_s=7.0, watchdog_s=0.15, monitor="127.0.0.1:0", record=str(rec))
     page.goto(bg.session.monitor_url)
     page.wait_for_function("() => monitorState.step > 100", timeout=30_000)
@@ -173,7 +173,7 @@ def test_a_silent_plant_shows_safe_and_the_watchdog_then_recovers(plant_bundle, 
 
 
 def test_a_reconnect_shows(plant_bundle, page):
-    bg = Background(plant_bundle, device="sim://plant?model=msd&rate=200&seed=6&disconnect_at=2.0&disconnect_s=0.6",
+    bg = Background(plant_bundle, device="sim://plant?model=msd&rate=200&seed=6&disconnect_at=1.2&disconnect_s=0.6",
                     duration_s=5.0, watchdog_s=0.15, monitor="0")
     page.goto(bg.session.monitor_url)
     page.wait_for_function("() => monitorState.events.some(e => e.event === 'reconnected')", timeout=30_000)
