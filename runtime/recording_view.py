@@ -27,6 +27,7 @@ from closedloop.firmware_bridge import (
     NeuralFrame,
     PlantMeasurement,
 )
+from closedloop.firmware_bridge.signing import UnverifiedTags
 from closedloop.firmware_bridge.transports.lsl import STATUS_LSL_CHANNELS
 
 from .observe.record_steps import STEPS_RECORD_TYPE, decode_steps
@@ -102,6 +103,8 @@ class RecordingView:
     odd_frames: dict[str, int] = field(default_factory=dict)
     #: what the reader found wrong with the file (``RecordingReader.problems``)
     file_problems: list[str] = field(default_factory=list)
+    #: frames of a signed link (the device's, the host's) read without checking their tags: no key is given here
+    signed_unchecked: tuple[int, int] = (0, 0)
 
     def problems(self) -> list[str]:
         """What a reader of this recording should know before trusting what it shows: the file's problems (data
@@ -112,7 +115,11 @@ class RecordingView:
         changed = ([f"the LSL source's channel descriptions changed during the session ({len(described)} different "
                     f"ones, the last from {max(times):.1f} s): `channels` and the NWB comments hold the first"]
                    if len(described) > 1 and times else [])
-        return self.file_problems + changed + [
+        dev, host = self.signed_unchecked
+        signed = ([f"the link was signed: {dev} device frames and {host} host frames are shown without checking their "
+                   "tags (the session checked the device's as they arrived; `closedloop replay FILE --bundle B --key "
+                   "HEX` checks them again)"] if dev or host else [])
+        return self.file_problems + changed + signed + [
             f"{n} frame(s) of {name} had another size than the stream's and are left out (the session refused "
             "them: input_refused events)" for name, n in self.odd_frames.items()]
 
@@ -166,7 +173,9 @@ def _complete_descriptions(events):
 def view_recording(recording: str | Path | RecordingReader) -> RecordingView:
     reader = recording if isinstance(recording, RecordingReader) else RecordingReader(recording)
     t0 = reader.records[0].host_ns if reader.records else 0
-    rx, tx = FrameParser(), FrameParser()
+    # a signed link's frames carry tags this reader has no key for: read them unchecked, and say how many
+    rx_tags, tx_tags = UnverifiedTags(), UnverifiedTags()
+    rx, tx = FrameParser(rx_tags), FrameParser(tx_tags)
     inputs: dict[str, Series] = {}
     commands, outputs, state = Series(), Series(), Series()
     more: dict[str, Series] = {}
@@ -231,4 +240,5 @@ def view_recording(recording: str | Path | RecordingReader) -> RecordingView:
                          described=reader.describe(), more_outputs=more, state=state,
                          state_labels=[str(x) for x in reader.meta.get("family_state") or []],
                          meta_host_s=next(((r.host_ns - t0) / 1e9 for r in reader.records if r.type == RecordType.META),
-                                          0.0), odd_frames=odd, file_problems=reader.problems())
+                                          0.0), odd_frames=odd, file_problems=reader.problems(),
+                         signed_unchecked=(rx_tags.signed, tx_tags.signed))

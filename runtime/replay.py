@@ -26,7 +26,7 @@ from urllib.parse import parse_qsl, urlsplit
 import numpy as np
 
 from closedloop.firmware_bridge import Hello, Message, Transport, make_parser, register_transport
-from closedloop.firmware_bridge.signing import FrameVerifier, derive_link_keys
+from closedloop.firmware_bridge.signing import FrameVerifier, UnverifiedTags, derive_link_keys
 
 from .bundle import Bundle, load_bundle
 from .errors import BackendUnavailableError
@@ -188,22 +188,9 @@ class _OutputDiff:
                 "mean_abs_diff": self.mean if self.count else None}
 
 
-class _UnverifiedTags(FrameVerifier):
-    """Accepts a signed frame's tag unchecked: replaying a signed session without its key. The frames were
-    verified when they were recorded; without the key nobody can check that again, and the report says so."""
-
-    def __init__(self) -> None:
-        super().__init__(None, required=False)
-        self.signed = 0
-
-    def check(self, signed_region, counter: int, tag) -> tuple[str, str] | None:
-        self.signed += 1
-        return None
-
-
 def _replay_verifier(key: bytes | str | None) -> FrameVerifier:
     if key is None:
-        return _UnverifiedTags()
+        return UnverifiedTags()
     try:
         secret = bytes.fromhex(key) if isinstance(key, str) else bytes(key)
     except ValueError:
@@ -300,7 +287,8 @@ def replay_recording(recording: str | Path, bundle: Bundle | str | Path, backend
     # a device that does not report its applied input takes the last one sent as applied): those written before
     # a run's input arrived, before the run; the one written just before a run's OUTPUT record, after the run
     # (the session sends a run's command and then records the run).
-    tx_parser, sent_values = make_parser(None), fam.command.values
+    # the host's own frames, signed on a signed link: read without checking (the key of that direction is not here)
+    tx_parser, sent_values = make_parser(UnverifiedTags()), fam.command.values
     pending: list[np.ndarray] = []
     just_sent = False  # the previous record was a TX holding a command: the next OUTPUT's own, if one follows
 
@@ -402,7 +390,7 @@ def replay_recording(recording: str | Path, bundle: Bundle | str | Path, backend
 
 
 def _signing_note(verifier: FrameVerifier, parser) -> str:
-    if isinstance(verifier, _UnverifiedTags):
+    if isinstance(verifier, UnverifiedTags):
         return (f"\n{verifier.signed} signed frames replayed without checking their tags (no key given; "
                 "pass the link's key to check them)") if verifier.signed else ""
     refused = parser.stats.bad_tag + parser.stats.replayed

@@ -1080,10 +1080,13 @@ def _no_hello_reason(link: Link) -> str:
     garbled = st.crc_errors + st.malformed + st.oversize
     last = link.parser.last_rejection
     if st.malformed and not st.crc_errors and not st.oversize:  # the bytes arrive intact: the layout is wrong
+        header = bool(last) and str(last[1]).startswith("magic/version")
+        advice = ("check the raw frame's header against docs/protocol.md section 4: magic 'CL' (bytes 43 4C), "
+                  "then the protocol version byte 01" if header else
+                  "check each message's layout against docs/protocol.md, field by field (a HELLO takes exactly its "
+                  "fields: extra bytes make it malformed)")
         return (f"{st.malformed} frames arrived intact (their CRC-32C checks, so the baud rate is right) but "
-                f"malformed" + (f" (the last: {last[1]})" if last else "") + ": check each message's layout "
-                "against docs/protocol.md, field by field (a HELLO takes exactly its fields: extra bytes make it "
-                "malformed)")
+                f"malformed" + (f" (the last: {last[1]})" if last else "") + ": " + advice)
     if garbled:
         return (f"{garbled} frames arrived but were refused (crc errors {st.crc_errors}, malformed {st.malformed}, "
                 f"oversize {st.oversize}): check the baud rate and that the device speaks closedloop protocol "

@@ -402,4 +402,8 @@ class FamilyPlugin:
         return self.command.build(command, (self._frame_bin if self._frame_bin is not None else step) & 0xFFFFFFFF)
 
     def safe_message(self, step: int) -> Message | None:
-        return self.command.build(np.ascontiguousarray(self.safe_output()), step)
+        """The safe command's message; its ``bin_index`` follows ``command_message``'s rule (the newest frame's own
+        bin where the stream numbers its bins, the loop step otherwise), so it never names a bin the device did not
+        send."""
+        bin_index = self._frame_bin if self._frame_bin is not None else step
+        return self.command.build(np.ascontiguousarray(self.safe_output()), bin_index & 0xFFFFFFFF)

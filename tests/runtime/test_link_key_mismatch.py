@@ -100,3 +100,27 @@ def test_a_hello_with_a_field_too_many_is_named_malformed_not_a_baud_rate_proble
     msg = _refused(bundle, pty_board(board), None, handshake_timeout_s=1.5)
     assert "arrived intact (their CRC-32C checks, so the baud rate is right) but malformed (the last: " in msg, msg
     assert "check the baud rate" not in msg and "a HELLO takes exactly its fields" in msg
+
+
+def test_a_frame_of_another_protocol_version_is_named_with_the_header_to_check(bundle, pty_board):
+    """Intact frames whose header says another protocol version: the advice is the raw frame's header (magic and
+    version byte), not the message fields."""
+    from closedloop.firmware_bridge.cobs import cobs_decode, cobs_encode
+    from closedloop.firmware_bridge.crc import crc32c
+    from closedloop.firmware_bridge.frame import encode_frame
+
+    raw = bytearray(cobs_decode(encode_frame(Hello(kind="plant", n_channels=1, rate_hz=100.0), 0, 0)[:-1]))
+    raw[2] = 2  # the version byte
+    raw[-4:] = crc32c(bytes(raw[:-4])).to_bytes(4, "little")
+    wire = cobs_encode(bytes(raw)) + b"\x00"
+
+    def board(end, stop):
+        while not stop.is_set():
+            end.read(4096)
+            end.write(wire)
+            stop.wait(0.3)
+
+    msg = _refused(bundle, pty_board(board), None, handshake_timeout_s=1.5)
+    assert "but malformed (the last: magic/version 434c/2; expected 434c/1)" in msg, msg
+    assert "check the raw frame's header against docs/protocol.md section 4" in msg
+    assert "a HELLO takes exactly its fields" not in msg

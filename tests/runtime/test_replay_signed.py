@@ -64,3 +64,24 @@ def test_the_recording_never_holds_the_link_secret_given_in_the_url(signed_sessi
     meta = RecordingReader(record).meta
     assert meta["device_url"].endswith("&key=***") and meta["config"]["device"] == meta["device_url"]
     assert meta["device_url"].startswith("sim://plant?model=msd&rate=100&seed=1")
+
+
+def test_the_view_the_figure_and_the_nwb_of_a_signed_session_hold_its_frames_and_say_they_are_unchecked(
+        signed_session, tmp_path):
+    """The recording's readers without a key (the view, --plot, export-nwb) read a signed link's frames with their
+    tags unchecked, and say so, rather than drop every frame and command unsaid."""
+    import pynwb
+
+    from closedloop.runtime.recording_view import view_recording
+    from closedloop.sdk.nwb_export import recording_to_nwb
+
+    _, record, s = signed_session
+    view = view_recording(record)
+    assert len(view.inputs["plant_output_y"]) == s.inputs_used + s.inputs_skipped
+    assert len(view.commands) == s.commands_sent + s.safe_commands_sent + s.commands_resent + s.stop_commands_sent
+    dev, host = view.signed_unchecked
+    assert dev >= s.frames_received and host >= len(view.commands)
+    assert any("the link was signed" in p and "without checking their tags" in p for p in view.problems())
+    with pynwb.NWBHDF5IO(str(recording_to_nwb(record, tmp_path / "signed.nwb")), "r") as io:
+        nwb = io.read()
+        assert nwb.acquisition["plant_output_y"].data.shape[0] == len(view.inputs["plant_output_y"])

@@ -127,6 +127,22 @@ def test_headstage_session_decodes_records_and_replays(neural_bundle, tmp_path, 
     assert rep.max_abs_diff <= 1e-6
 
 
+def test_a_decoders_safe_outputs_name_the_newest_bin_read_never_one_the_device_did_not_send(neural_bundle, tmp_path):
+    """docs/protocol.md: a safe DECODER_OUTPUT (all-zero probabilities) carries the newest NEURAL_FRAME's bin_index,
+    during a silence of the headstage and at the session's stop, not the loop's step count."""
+    from closedloop.firmware_bridge import DecoderOutput
+
+    cfg = _cfg("sim://headstage?channels=12&seed=5&silence_at=0.4&silence_s=0.5", tmp_path, duration_s=1.2)
+    s = run_session(neural_bundle, cfg)
+    assert s.safe_commands_sent > 0 and s.stop_commands_sent == 1
+    read = [(t, m.bin_index) for t, m in _frames(cfg.record, NeuralFrame, RecordType.RX)]
+    safe = [(t, m.bin_index) for t, m in _commands_sent(cfg.record, DecoderOutput) if not np.any(m.char_probs)]
+    assert len(safe) == s.safe_commands_sent + s.stop_commands_sent
+    bins = {b for _, b in read}
+    for t, b in safe:  # a bin read before it went out: the newest the loop had acted on
+        assert b in bins and b <= max(bi for tr, bi in read if tr < t), (b, t)
+
+
 def test_replay_url_drives_a_session(neural_bundle, tmp_path):
     cfg = _cfg("sim://headstage?channels=12&seed=4", tmp_path, duration_s=1.0)
     first = run_session(neural_bundle, cfg)
