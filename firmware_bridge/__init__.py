@@ -26,6 +26,7 @@ from .errors import (
     SignatureError,
     TransportError,
     UnknownTransportError,
+    WriteBlockedError,
 )
 from .frame import (
     FLAG_SIGNED,
@@ -88,5 +89,5 @@ __all__ = [
     "SerialTransport", "FdTransport", "SpyTransport", "Link", "LinkStats", "open_link",
     # errors
     "ProtocolError", "FrameError", "PayloadError", "MessageError", "SignatureError", "TransportError",
-    "DeviceNotConnectedError", "UnknownTransportError",
+    "DeviceNotConnectedError", "UnknownTransportError", "WriteBlockedError",
 ]

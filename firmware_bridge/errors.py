@@ -19,6 +19,7 @@ __all__ = [
     "TransportError",
     "DeviceNotConnectedError",
     "UnknownTransportError",
+    "WriteBlockedError",
 ]
 
 
@@ -57,6 +58,11 @@ class MessageError(ProtocolError):
 
 class TransportError(OSError):
     """A transport could not be opened or used."""
+
+
+class WriteBlockedError(TransportError):
+    """A bounded write (``Transport.bound_writes``) could not put any of a frame on the wire in time: the device is
+    not reading and its input buffer is full. Nothing of the frame was written; the transport stays open."""
 
 
 class DeviceNotConnectedError(ConnectionError):

@@ -105,12 +105,18 @@ class RecordingWriter:
             raise RecordingError(f"{self.path} already exists; recordings are never overwritten, choose a new name") from None
         os.write(self._fd, MAGIC)
         self._buf = bytearray()
+        self._unflushed = 0  # records in _buf
         self._lock = threading.Lock()
+        self._flush_lock = threading.Lock()
         self._fsync = fsync
         self._interval = flush_interval_s
         self._closed = threading.Event()
         self.bytes_written = len(MAGIC)
         self.records = 0
+        #: why writing stopped (a full disk: "OSError: [Errno 28] No space left on device"), None while it works.
+        #: From then on records are counted in ``records_dropped`` and not kept: the session goes on without them.
+        self.error: str | None = None
+        self.records_dropped = 0
         self._thread = threading.Thread(target=self._flusher, name="closedloop-recorder", daemon=True)
         self._thread.start()
 
@@ -120,11 +126,15 @@ class RecordingWriter:
         n = len(payload)
         if n > MAX_RECORD:
             raise RecordingError(f"record of {n} bytes exceeds the {MAX_RECORD}-byte limit")
+        if self.error is not None:  # writing has failed: nothing is kept (no buffer grows without end)
+            self.records_dropped += 1
+            return
         head = _HEAD.pack(n, _crc(n, rtype, host_ns, payload), rtype, host_ns)
         with self._lock:
             self._buf += head
             self._buf += payload
             self.records += 1
+            self._unflushed += 1
 
     def append_json(self, rtype: int, obj: Any, host_ns: int | None = None) -> None:
         """Strict JSON (a non-finite number as null, as ``--json`` writes it), so any JSON reader takes the record."""
@@ -149,16 +159,25 @@ class RecordingWriter:
         self.append(rtype, head + values.astype(np.float32, copy=False).tobytes(), host_ns)
 
     def flush(self) -> None:
-        with self._lock:
-            data, self._buf = self._buf, bytearray()
-        if data:
+        """Write what was appended. A failed write (a full disk) is not raised: it is kept in ``error``, and the
+        file ends with what was written until then (its last record torn, as a crash leaves it)."""
+        with self._flush_lock:  # one flush at a time (the flusher thread's, a caller's): records stay in order
+            with self._lock:
+                data, self._buf, n_records = self._buf, bytearray(), self._unflushed
+                self._unflushed = 0
+            if not data or self.error is not None:
+                return
             view = memoryview(data)
-            while view:
-                n = os.write(self._fd, view)
-                view = view[n:]
-            self.bytes_written += len(data)
-            if self._fsync:
-                os.fsync(self._fd)
+            try:
+                while view:
+                    n = os.write(self._fd, view)
+                    view = view[n:]
+                    self.bytes_written += n
+                if self._fsync:
+                    os.fsync(self._fd)
+            except OSError as exc:
+                self.error = f"{type(exc).__name__}: {exc}"
+                self.records_dropped += n_records
 
     def _flusher(self) -> None:
         while not self._closed.wait(self._interval):

@@ -43,6 +43,7 @@ from closedloop.firmware_bridge import (
     ParserStats,
     Status,
     Transport,
+    WriteBlockedError,
     open_transport,
     redact_device_url,
 )
@@ -246,10 +247,14 @@ class SessionSummary:
     nonfinite_outputs: int = 0  # model outputs or commands with a NaN/inf: safe command sent instead
     inputs_refused: int = 0  # input frames of another size than the device's HELLO said: safe command sent instead
     disconnects: int = 0
+    # frames not sent because the device was not reading (its input buffer full): the loop did not wait for it
+    frames_unsent: int = 0
     reconnects: int = 0
     link: dict[str, Any] = field(default_factory=dict)
     family: dict[str, Any] = field(default_factory=dict)
     recording: str | None = None
+    # why the recording stopped mid-session (a full disk), with how much it kept; None when it was written whole
+    recording_error: str | None = None
     scrub: dict[str, Any] = field(default_factory=dict)
     monitor_url: str | None = None
     # the monitor server's exit status where it ended mid-session (killed, crashed: its page stopped updating there)
@@ -283,7 +288,8 @@ class SessionSummary:
                "after its step began" if self.command_latency_p99_us is not None else ""),
             f"  link: lost {lk.get('lost', 0)}, crc errors {lk.get('crc_errors', 0)}, duplicates {lk.get('duplicate', 0)}, "
             f"out of order {lk.get('out_of_order', 0)}, bad tag {lk.get('bad_tag', 0)}",
-            f"  watchdog trips {self.watchdog_trips}, disconnects {self.disconnects}, reconnects {self.reconnects}",
+            f"  watchdog trips {self.watchdog_trips}, disconnects {self.disconnects}, reconnects {self.reconnects}"
+            + (f"; frames not sent, the device not reading {self.frames_unsent}" if self.frames_unsent else ""),
             f"  non-finite inputs {self.nonfinite_inputs}, outputs {self.nonfinite_outputs} (safe command sent instead)"
             + (f"; inputs of the wrong size {self.inputs_refused}" if self.inputs_refused else ""),
         ]
@@ -414,7 +420,10 @@ class Session:
             frames_received=0, inputs_used=0, inputs_skipped=0, commands_sent=0, safe_commands_sent=0,
             commands_resent=0, stop_commands_sent=0,
             watchdog_trips=0, nonfinite_inputs=0, nonfinite_outputs=0, inputs_refused=0, disconnects=0, reconnects=0,
+            frames_unsent=0,
         )
+        self._unsent_run = 0  # frames not sent in a row because the device was not reading
+        self._recording_failed_said = False
         self._last_input_ns = 0
         self._safe = False
         self._nonfinite_run = 0  # consecutive steps refused for a non-finite value (0: acting normally)
@@ -445,6 +454,9 @@ class Session:
 
     def _open_link(self) -> Link:
         inner = open_transport(self.config.device)
+        # A device that stops reading fills its input buffer; a write must not then hold the loop (its watchdog,
+        # its deadline, its stop) until the device reads again: wait a quarter period at most (5 ms at most)
+        inner.bound_writes(min(0.005, 0.25 / self.rate_hz))
         # A sim:// URL with key=... carries its secret; --key overrides.
         key = self._key if self._key is not None else getattr(inner, "shared_secret", None)
         return Link(_Tap(inner, self.writer), shared_secret=key, role="host")
@@ -649,7 +661,16 @@ class Session:
             return False
         try:
             self.link.send(message)
+            if self._unsent_run:  # the device reads again
+                self._event("device_reading", frames_unsent=self._unsent_run)
+                self._unsent_run = 0
             return True
+        except WriteBlockedError as exc:  # the device is not reading: this frame is not sent; the loop goes on
+            self.summary_counts["frames_unsent"] += 1
+            if not self._unsent_run:
+                self._event("device_not_reading", reason=str(exc))
+            self._unsent_run += 1
+            return False
         except (DeviceNotConnectedError, OSError) as exc:
             if not self._disconnected:
                 self._disconnected = True
@@ -868,6 +889,13 @@ class Session:
         fam = self.family
         if self._tap is not None and (fam.typed_count() != self._typed or fam.typed_resets() != self._typed_resets):
             self._typed_event(fam.typed_count(), fam.typed_resets())
+        if self.writer is not None and self.writer.error is not None and not self._recording_failed_said:
+            self._recording_failed_said = True  # once: the session goes on (its device stays controlled)
+            said = (f"the recording stopped: {self.writer.error}; the session goes on without it ({self.config.record} "
+                    f"holds its first {self.writer.bytes_written:,} bytes)")
+            self.out.write(f"\nwarning: {said}\n")
+            if self._tap is not None:
+                self._tap.event({"event": "recording_failed", "step": k, "reason": said})
         if self._tap is not None and self._tap.status_due():
             self._tap.event(self._status_event())
             if self.config.monitor is not None and now >= self._next_report_ns:
@@ -1020,6 +1048,10 @@ class Session:
             self._tap = None
         if self.writer is not None:
             self.writer.append_json(RecordType.SUMMARY, summary.to_dict())
+            self.writer.flush()  # the SUMMARY on disk, or the write's failure known now
+            if self.writer.error is not None:
+                summary.recording_error = (f"{self.writer.error} ({self.writer.bytes_written:,} bytes kept; "
+                                           f"{self.writer.records_dropped:,} records, the SUMMARY among them, not written)")
         if error is not None:
             error.summary = summary  # type: ignore[attr-defined]  # what the session did before it stopped
             raise error
@@ -1080,7 +1112,7 @@ def _no_hello_reason(link: Link) -> str:
     garbled = st.crc_errors + st.malformed + st.oversize
     last = link.parser.last_rejection
     if st.malformed and not st.crc_errors and not st.oversize:  # the bytes arrive intact: the layout is wrong
-        header = bool(last) and str(last[1]).startswith("magic/version")
+        header = last is not None and str(last[1]).startswith("magic/version")
         advice = ("check the raw frame's header against docs/protocol.md section 4: magic 'CL' (bytes 43 4C), "
                   "then the protocol version byte 01" if header else
                   "check each message's layout against docs/protocol.md, field by field (a HELLO takes exactly its "

@@ -206,6 +206,10 @@ def _run(a: argparse.Namespace) -> int:
             print(f"closedloop run: stopped: {exc}", file=sys.stderr)
             return EXIT_FAILED
         print(json_text(summary.to_dict()) if a.json else summary.format())
+        if summary.recording_error:  # the session ran on; what it should have kept is partly lost: not a clean end
+            print(f"closedloop run: error: the recording {a.record} stopped: {summary.recording_error}",
+                  file=sys.stderr)
+            return max(_exit_code(summary.loop.stopped_by), EXIT_FAILED)
         return _exit_code(summary.loop.stopped_by)
     device_only = [flag for flag, value in (("--record", a.record), ("--key", a.key), ("--monitor", a.monitor),
                                             ("--lsl-out", a.lsl_out), ("--lsl-out-wait", a.lsl_out_wait)) if value]

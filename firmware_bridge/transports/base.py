@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import re
 import threading
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from types import TracebackType
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
-from ..errors import DeviceNotConnectedError, TransportError, UnknownTransportError
+from ..errors import DeviceNotConnectedError, TransportError, UnknownTransportError, WriteBlockedError
 
 __all__ = [
     "Transport", "TransportFactory", "register_transport", "open_transport", "registered_schemes",
@@ -38,6 +39,10 @@ class Transport(ABC):
     def __init__(self, url: str) -> None:
         self.url = url
         self._open = True
+        #: None: ``write`` blocks until every byte is written (a device's own end, a tool). A number of seconds
+        #: (``bound_writes``): it never waits longer for the device to take the bytes (a host's real-time loop).
+        self.write_deadline_s: float | None = None
+        self._pending = b""  # with bounded writes: the tail of a frame the device took only in part
 
     @property
     def is_open(self) -> bool:
@@ -57,9 +62,41 @@ class Transport(ABC):
         return self._read(max_bytes, timeout)
 
     def write(self, data: bytes | bytearray | memoryview) -> int:
-        """Send all of ``data``; return the number of bytes written."""
+        """Send all of ``data``; return the number of bytes written.
+
+        With :meth:`bound_writes` it waits at most ``write_deadline_s`` for the device to take the bytes: a frame
+        the device took in part has its tail written first by the next call (a frame is never cut short on the
+        wire by a later one), and a frame of which nothing could be written raises :class:`WriteBlockedError`.
+        """
         self._check_open("write to")
-        return self._write(bytes(data))
+        if self.write_deadline_s is None:
+            return self._write(bytes(data))
+        deadline = time.monotonic() + self.write_deadline_s
+        if self._pending:
+            self._pending = self._pending[self._write_some(self._pending, deadline):]
+            if self._pending:
+                raise WriteBlockedError(f"{self.url}: the device is not reading (its input buffer is full); a frame "
+                                        f"of {len(data)} bytes was not sent")
+        data = bytes(data)
+        n = self._write_some(data, deadline)
+        if n == 0 and data:
+            raise WriteBlockedError(f"{self.url}: the device is not reading (its input buffer is full); a frame of "
+                                    f"{len(data)} bytes was not sent")
+        self._pending = data[n:]
+        return len(data)
+
+    def bound_writes(self, seconds: float) -> None:
+        """From now on ``write`` never waits longer than ``seconds`` for the device (see ``write``). A real-time
+        host calls this: a device that stops reading must not stall its loop, its watchdog or its stop."""
+        if not seconds > 0:
+            raise ValueError(f"seconds must be > 0; got {seconds}")
+        self.write_deadline_s = float(seconds)
+
+    def _write_some(self, data: bytes, deadline: float) -> int:
+        """Write as much of ``data`` as the device takes before ``deadline`` (``time.monotonic()``); return how
+        many bytes. This default writes it all, as ``_write`` does: transports that can be held up by a device
+        that does not read (a tty, a socket) override it."""
+        return self._write(data)
 
     def close(self) -> None:
         """Release the device; further reads and writes raise. Closing twice is harmless."""

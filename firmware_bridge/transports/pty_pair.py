@@ -74,12 +74,43 @@ class FdTransport(Transport):
             raise self._lost(exc) from exc
         return len(data)
 
+    def bound_writes(self, seconds: float) -> None:
+        super().bound_writes(seconds)
+        os.set_blocking(self.fd, False)  # writes then take what the kernel accepts now; reads select() first
+
+    def _write_some(self, data: bytes, deadline: float) -> int:
+        return write_until(self.fd, data, deadline, self._lost)
+
     def _close(self) -> None:
         for fd in (self.fd, *self._keep_open):
             try:
                 os.close(fd)
             except OSError:
                 pass
+
+
+def write_until(fd: int, data: bytes, deadline: float, lost) -> int:
+    """Write ``data`` to the non-blocking ``fd`` as the kernel takes it until ``deadline`` (``time.monotonic()``);
+    return the bytes written (0 when the device's buffer stayed full). ``lost(exc)``: the error for a failed write."""
+    import time
+
+    view, written = memoryview(data), 0
+    while view:
+        try:
+            n = os.write(fd, view)
+        except BlockingIOError:
+            n = 0
+        except InterruptedError:
+            continue
+        except OSError as exc:
+            raise lost(exc) from exc
+        written += n
+        view = view[n:]
+        left = deadline - time.monotonic()
+        if not view or left <= 0:
+            break
+        select.select([], [fd], [], left)
+    return written
 
 
 def _raw_pty() -> tuple[int, int, str]:

@@ -71,6 +71,23 @@ class SerialTransport(Transport):
             raise self._lost(exc) from exc
         return len(data) if written is None else written
 
+    def bound_writes(self, seconds: float) -> None:
+        super().bound_writes(seconds)
+        self.port.write_timeout = seconds  # the ports without a descriptor of their own (pyserial's URL handlers)
+
+    def _write_some(self, data: bytes, deadline: float) -> int:
+        from .pty_pair import write_until
+
+        if isinstance(self.port, serial.Serial) and self._fd is not None:  # a local port: its fd is non-blocking
+            return write_until(self._fd, data, deadline, self._lost)
+        try:
+            written = self.port.write(data)
+        except serial.SerialTimeoutException:  # pyserial's write timeout: the device is not reading
+            return 0
+        except (serial.SerialException, OSError) as exc:
+            raise self._lost(exc) from exc
+        return len(data) if written is None else written
+
     def _close(self) -> None:
         self.port.close()
 

@@ -13,6 +13,7 @@ from closedloop.firmware_bridge import (
     Heartbeat,
     Link,
     NeuralFrame,
+    WriteBlockedError,
     open_link,
     open_pty_pair,
 )
@@ -28,6 +29,33 @@ def test_send_numbers_frames_and_returns_what_was_sent() -> None:
         got = [b.recv(1.0), b.recv(1.0)]
         assert [(f.seq, f.message, f.timestamp_us) for f in got] == [(f.seq, f.message, 123) for f in sent]
         assert b.stats.received.lost == 0 and a.stats.frames_sent == 2
+
+
+def test_a_bounded_write_to_a_device_that_does_not_read_never_waits_past_its_bound_and_keeps_frames_whole() -> None:
+    """A host's real-time loop bounds its writes (the session does): with a device that stopped reading, each write
+    returns within the bound, a frame nothing of which fit is refused (WriteBlockedError), one that fit in part is
+    finished first by the next write; what the device then reads is whole frames, in order, none cut short."""
+    host, device = open_pty_pair()
+    host.bound_writes(0.002)
+    a, b = Link(host), Link(device)
+    sent, refused, slowest = [], 0, 0.0
+    for k in range(800):  # far more than the pty's buffer holds
+        t = time.monotonic()
+        try:
+            sent.append(a.send(ActuatorCommand([float(k), -1.0])).message.u[0])
+        except WriteBlockedError:
+            refused += 1
+        slowest = max(slowest, time.monotonic() - t)
+    assert refused > 0 and slowest < 0.2, (refused, slowest)
+    got = []
+    while (f := b.recv(0.5)) is not None:
+        got.append(f.message.u[0])
+    # every frame the device gets is one that was sent, whole (no CRC error), in order; the last of them may still
+    # be waiting in the host's pending tail
+    assert got == sent[:len(got)] and len(got) >= len(sent) - 1
+    assert b.stats.received.crc_errors == 0 and b.stats.received.malformed == 0
+    a.close()
+    b.close()
 
 
 def test_poll_never_blocks_and_recv_times_out() -> None:

@@ -143,6 +143,19 @@ def test_a_decoders_safe_outputs_name_the_newest_bin_read_never_one_the_device_d
         assert b in bins and b <= max(bi for tr, bi in read if tr < t), (b, t)
 
 
+def test_a_device_that_stops_reading_never_holds_the_loop_its_duration_or_its_stop(plant_bundle, tmp_path):
+    """The emulator closes its port for 30 s: the commands the session sends fill the pty's buffer, and a write that
+    waited for the device would hold the loop until it came back. The session ends at its duration, says the device
+    was not reading and counts the frames not sent."""
+    url = "sim://plant?model=msd&rate=200&seed=1&disconnect_at=0.5&disconnect_s=30"
+    t0 = time.monotonic()
+    s = run_session(plant_bundle, _cfg(url, tmp_path, duration_s=5.0))
+    assert time.monotonic() - t0 < 15 and s.loop.stopped_by == "duration" and s.loop.duration_s < 6.0
+    assert s.frames_unsent > 0 and s.loop.latency_max_us < 500_000
+    kinds = [r.json()["event"] for r in RecordingReader(tmp_path / "s.clrec").of_type(RecordType.EVENT)]
+    assert "disconnected" in kinds and "device_not_reading" in kinds
+
+
 def test_replay_url_drives_a_session(neural_bundle, tmp_path):
     cfg = _cfg("sim://headstage?channels=12&seed=4", tmp_path, duration_s=1.0)
     first = run_session(neural_bundle, cfg)

@@ -186,3 +186,44 @@ def test_replay_falls_back_and_says_so_where_the_sessions_backend_cannot_run(dec
         _replay_model(b, {"backend": "numba"}, "recorded", "bogus")
     model, note = _replay_model(b, {"backend": "numba"}, "onnxruntime", None)  # asked for by name: as given
     assert model.backend_name == "onnxruntime" and note == ""
+
+
+def test_a_recording_that_cannot_be_written_on_is_said_and_the_session_goes_on_to_its_end(decoder_bundle, tmp_path,
+                                                                                           monkeypatch, capsys):
+    """A full disk mid-session: the session keeps its device controlled to its end, says the recording stopped,
+    prints its summary with recording_error and exits 1 (not a clean end: data were lost); the file keeps what was
+    written, readable, and nothing piles up in memory meanwhile."""
+    import errno
+    import os
+
+    from closedloop.runtime import RecordingReader
+    from closedloop.runtime import recording as recording_module
+
+    class FullDisk:  # the recording's os module: its writes fail with ENOSPC past 6,000 bytes, as a full disk's do
+        written = 0
+
+        def __getattr__(self, name):
+            return getattr(os, name)
+
+        def write(self, fd, data):
+            room = 6_000 - self.written
+            if room <= 0:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            n = os.write(fd, bytes(data)[:room])
+            self.written += n
+            return n
+
+    monkeypatch.setattr(recording_module, "os", FullDisk())
+    rec = tmp_path / "full.clrec"
+    rc = main(["run", str(decoder_bundle), "--device", "sim://headstage?channels=12&seed=2", "--duration", "2.0",
+               "--record", str(rec), "--backend", "onnxruntime", "--json"])
+    out, err = capsys.readouterr()
+    assert rc == 1, err[-2000:]
+    summary = json.loads(out)
+    assert summary["loop"]["stopped_by"] == "duration" and summary["commands_sent"] > 50
+    assert summary["recording_error"].startswith("OSError: [Errno 28] No space left on device (6,000 bytes kept; ")
+    assert "records, the SUMMARY among them, not written)" in summary["recording_error"]
+    assert "warning: the recording stopped: OSError: [Errno 28] No space left on device; the session goes on" in err
+    assert "closedloop run: error: the recording" in err
+    reader = RecordingReader(rec)
+    assert rec.stat().st_size == 6_000 and reader.meta and reader.summary is None
