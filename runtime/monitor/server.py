@@ -172,7 +172,8 @@ class MonitorApp:
         self.period_s = 1.0 / float(info.get("rate_hz") or 1.0)
         self.t0_ns = int(info.get("t0_ns") or time.monotonic_ns())
         self.clients: set[_Client] = set()
-        self.events: list[dict[str, Any]] = []  # every event so far (a session has few), for late joiners
+        self.events: list[dict[str, Any]] = []  # the session's events but status updates, for late joiners
+        self.last_status: dict[str, Any] | None = None  # the latest status update
         self.history: list[str] = []  # the last few steps messages, for late joiners
         self.pushes = 0
         self.ended = asyncio.Event()  # the session wrote session_end and every record before it was pushed
@@ -202,10 +203,9 @@ class MonitorApp:
 
         if not authorised(request, self.token):
             return web.json_response({"error": "token required"}, status=403)
-        status = next((e for e in reversed(self.events) if e.get("event") == "status"), None)
         return web.json_response({"info": self.info, "published": self.ring.published, "pushes": self.pushes,
-                                  "clients": len(self.clients), "status": status,
-                                  "events": [e for e in self.events if e.get("event") != "status"][-50:]})
+                                  "clients": len(self.clients), "status": self.last_status,
+                                  "events": self.events[-50:]})
 
     async def websocket(self, request: Any) -> Any:
         from aiohttp import web
@@ -215,7 +215,9 @@ class MonitorApp:
         ws = web.WebSocketResponse(heartbeat=10.0, max_msg_size=MAX_CLIENT_MESSAGE)
         await ws.prepare(request)
         client = _Client(ws)
-        hello = {"type": "hello", "info": self.info, "events": self.events[-200:]}
+        # the session's last 200 events (watchdog trips, reconnects...) and then its latest status
+        hello = {"type": "hello", "info": self.info,
+                 "events": self.events[-200:] + ([self.last_status] if self.last_status else [])}
         await ws.send_str(json.dumps(hello))
         for text in self.history:
             client.offer(text)
@@ -273,7 +275,9 @@ class MonitorApp:
                     continue
                 if ev.get("event") == "session_info":  # later pages get it in their hello
                     self.info.update({k: v for k, v in ev.items() if k not in ("event", "step")})
-                if ev.get("event") != "typed":  # a page that joins later has the whole text from the last status
+                if ev.get("event") == "status":  # several a second: only the latest is kept for late joiners
+                    self.last_status = ev
+                elif ev.get("event") != "typed":  # a page that joins later has the whole text from the last status
                     self.events.append(ev)
                 if len(self.events) > 5000:
                     del self.events[:1000]

@@ -276,3 +276,38 @@ def test_values_reach_the_page_with_six_significant_digits_however_small():
     got = rounded_rows(a)[0]
     assert got == [2.34568e-07, 0.3, 123457.0, None, 0.0, -4.5e-12, 3.0, 7.0]
     assert json.dumps(got) == "[2.34568e-07, 0.3, 123457.0, null, 0.0, -4.5e-12, 3.0, 7.0]"  # short, strict JSON
+
+
+def test_a_page_that_joins_late_gets_the_sessions_events_and_its_latest_status_not_only_status_updates():
+    """A long session sends a status update several times a second: a page that joins after 300 of them still gets
+    the watchdog trip from before them, and the latest status; the server keeps the latest status only."""
+    import asyncio
+
+    import aiohttp
+
+    ring = StepRing.create(n_in=4, n_out=2, n_cmd=2, capacity=64)
+    mon = MonitorProcess(ring, "127.0.0.1", 0, None, INFO | {"t0_ns": time.monotonic_ns()})
+    try:
+        ring.event({"event": "watchdog", "step": 3, "silent_s": 0.3})
+        for k in range(300):
+            ring.event({"event": "status", "step": 10 + k, "state": "running", "text": "", "chars": 0})
+            if k % 50 == 0:
+                time.sleep(0.1)  # the server reads the ring's events as they come, as in a session
+        time.sleep(0.5)
+
+        async def hello():
+            async with aiohttp.ClientSession() as http, http.ws_connect(mon.url + "ws") as ws:
+                return json.loads((await ws.receive()).data)
+
+        got: list = []
+        t = threading.Thread(target=lambda: got.append(asyncio.run(hello())))
+        t.start()
+        t.join(30)
+        events = got[0]["events"]
+        assert [e["event"] for e in events] == ["watchdog", "status"], [e["event"] for e in events][:5]
+        assert events[-1]["step"] == 309
+        state = json.loads(urllib.request.urlopen(mon.url + "api/state", timeout=5).read())
+        assert state["status"]["step"] == 309 and [e["event"] for e in state["events"]] == ["watchdog"]
+    finally:
+        mon.stop()
+        ring.close()
