@@ -266,7 +266,7 @@ class FamilyPlugin:
         if hello.rate_hz and abs(hello.rate_hz - rate) > 0.01 * rate:
             problems.append(f"device streams at {hello.rate_hz:g} Hz, the bundle runs at {rate:g} Hz")
         low, high = self.command_limits()
-        if self.command.message is not None and hello.command_low.size:
+        if self.command.message is not None and self.command.hello_limits and hello.command_low.size:
             if low is None or high is None or low.size != hello.command_low.size:
                 problems.append(
                     f"device takes {hello.command_low.size} command values within limits, the bundle "

@@ -44,6 +44,10 @@ class CommandKind:
     #: The values a sent message of this kind carries (what ``build`` was given), or None for a message that is
     #: not this kind's (another joint mode): replay reads the commands a recording's TX records hold with it.
     values: Callable[[Message], np.ndarray | None] = lambda m: None
+    #: Whether a device HELLO's ``command_low/high`` bound this kind's values. A joint-space device states its
+    #: joint position limits there; joint velocities it clips to its own velocity limits, so a bundle's velocity
+    #: limits are not compared with the HELLO's.
+    hello_limits: bool = True
 
 
 def _sized(values: np.ndarray, out: np.ndarray, what: str) -> None:
@@ -87,7 +91,7 @@ COMMAND_KINDS: dict[str, CommandKind] = {
     "joint_position": CommandKind(JointCommand, lambda v, k: JointCommand(JointMode.POSITION, v.reshape(-1)),
                                   _joint_values(JointMode.POSITION)),
     "joint_velocity": CommandKind(JointCommand, lambda v, k: JointCommand(JointMode.VELOCITY, v.reshape(-1)),
-                                  _joint_values(JointMode.VELOCITY)),
+                                  _joint_values(JointMode.VELOCITY), hello_limits=False),
     "decoder_output": CommandKind(DecoderOutput, lambda v, k: DecoderOutput(bin_index=k, char_probs=v.reshape(-1)),
                                   lambda m: m.char_probs if isinstance(m, DecoderOutput) else None),
     "none": CommandKind(None, lambda v, k: None),

@@ -462,6 +462,26 @@ def test_panda_session_clips_joint_commands(tmp_path, watchdog_rule):
     assert np.all(cmds >= low - 1e-6) and np.all(cmds <= high + 1e-6)
 
 
+def test_a_joint_velocity_bundle_is_not_checked_against_the_arms_position_limits(tmp_path):
+    """sim://panda's HELLO states its joint position limits (joint 4's excludes 0); a bundle that sends joint
+    velocities within +-0.05 rad/s is not refused for them (it was: 'bundle high limit 0.05 is above the device's
+    0'), and the arm gets VELOCITY commands."""
+    pytest.importorskip("pybullet")
+    from closedloop.firmware_bridge import JointMode
+
+    torch.manual_seed(3)
+    bundle = export_bundle(
+        MLPPolicy(16, 8, (16,)).eval(), tmp_path / "vel", kind="feedforward", example_input=torch.zeros(1, 16),
+        rate_hz=50.0, postprocess={"scale": [0.05] * 8, "low": [-0.05] * 8, "high": [0.05] * 8},
+        extra={"session": {"input": "joint_state", "command": "joint_velocity"}},
+        variants=(), tensorrt=False, report=lambda s: None)
+    cfg = _cfg("sim://panda?rate=50", tmp_path, duration_s=1.0)
+    s = run_session(bundle, cfg)
+    assert s.commands_sent > 20
+    sent = [m for _, m in _commands_sent(cfg.record, JointCommand)]
+    assert sent and all(m.mode == JointMode.VELOCITY and np.all(np.abs(m.values) <= 0.05 + 1e-6) for m in sent)
+
+
 def test_a_joint_position_command_without_a_safe_pose_holds_the_measured_one(tmp_path):
     """Zeros, the default safe command, would drive every joint of an arm to 0 rad: a joint-position bundle that
     states no safe pose holds the joints where they were last measured, and sends none before it has seen them."""
