@@ -42,7 +42,10 @@ def plot_recording(recording: str | Path, out: str | Path) -> Path:
     _commands(axes["commands"], v)
     for i, group in enumerate(groups):
         _state(axes[f"state{i}"], v, *group)
-    title = (f"{v.meta.get('bundle_name') or v.meta.get('bundle', '?')} on {v.meta.get('device_url', '?')} "
+    device = str(v.meta.get("device_url", "?"))
+    if len(device) > 90:  # a long URL (fault options) would run off both ends of the figure
+        device = device[:87] + "..."
+    title = (f"{v.meta.get('bundle_name') or v.meta.get('bundle', '?')} on {device} "
              f"({v.meta.get('family', '?')}, {rate:g} Hz, backend {v.meta.get('backend', '?')})")
     if v.text:  # a decoder that types (a generic decoder's DECODER_OUTPUTs carry values, no text)
         text = v.text
@@ -99,9 +102,16 @@ def _histogram(ax, v: RecordingView, period_us: float | None) -> None:
     for q, ls in ((50, "-"), (99, "--")):
         x = float(np.percentile(lat, q))
         ax.axvline(x, color="k", ls=ls, lw=0.9, label=f"p{q} {x:.0f} us")
-    ax.axvline(float(lat.max()), color="tab:red", ls=":", lw=0.9, label=f"max {lat.max():.0f} us")
+    top = float(lat.max())
+    if top <= hi:
+        ax.axvline(top, color="tab:red", ls=":", lw=0.9, label=f"max {top:.0f} us")
+    else:  # a stall far out would squeeze the distribution into one bar: the axis ends at p99.9 x 1.2, the rest said
+        over = int((lat > hi).sum())
+        ax.plot([], [], " ", label=f"max {top:.0f} us; {over} step{'s' if over != 1 else ''} past the axis, in its "
+                                   "last bar")
     if period_us and period_us <= hi:
         ax.axvline(period_us, color="0.5", ls="--", lw=0.8, label="period")
+    ax.set_xlim(0, hi)
     ax.set_xlabel("latency (us)")
     ax.set_ylabel("steps")
     ax.legend(fontsize=8)
@@ -200,16 +210,24 @@ def _commands(ax, v: RecordingView) -> None:
     if s["step"].size:
         safe = (s["flags"] & FLAG_SAFE) != 0
         _shade(ax, s["t_s"], safe)
-    seen: set[str] = set()
+    # events: a dotted line each; past 40 of them (a long or faulty session) a tick each in a strip along the top,
+    # so they do not hide the commands
+    by_kind: dict[str, list[float]] = {}
     for t, ev in v.events:
         kind = str(ev.get("event"))
-        if kind in ("steps_lost",):
-            continue
+        if kind not in ("steps_lost",):
+            by_kind.setdefault(kind, []).append(t)
+    many = sum(len(ts) for ts in by_kind.values()) > 40
+    for kind, ts in by_kind.items():
         colour = _EVENT_COLOURS.get(kind, "0.4")
-        ax.axvline(t, color=colour, lw=0.8, ls=":", label=kind if kind not in seen else None)
-        seen.add(kind)
-    if seen:
-        ax.legend(fontsize=7, loc="lower right")
+        label = f"{kind} ({len(ts)})" if many else kind
+        if many:
+            ax.vlines(ts, 0.92, 1.0, transform=ax.get_xaxis_transform(), color=colour, lw=0.8, label=label)
+        else:
+            for i, t in enumerate(ts):
+                ax.axvline(t, color=colour, lw=0.8, ls=":", label=label if i == 0 else None)
+    if by_kind:
+        ax.legend(fontsize=7, loc="lower right", ncol=2 if len(by_kind) > 6 else 1)
     ax.set_xlabel("host time (s)")
 
 
