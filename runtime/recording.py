@@ -210,7 +210,7 @@ def _json_default(o: Any) -> Any:
     raise TypeError(f"cannot record {type(o).__name__} as JSON")
 
 
-@dataclass
+@dataclass(slots=True)  # a long session's recording holds millions: no per-record __dict__
 class Record:
     type: RecordType | int
     host_ns: int
