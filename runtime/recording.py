@@ -231,7 +231,7 @@ class Record:
         if self.type not in types:
             name = RecordType(self.type).name if self.type in RecordType._value2member_map_ else f"type {self.type}"
             raise ValueError(f"Record.{method}() reads {', '.join(t.name for t in types)} records; this record is {name} "
-                             "record (docs/recording.md: what each record type holds)")
+                             "(docs/recording.md: what each record type holds)")
 
     @property
     def output_index(self) -> int:

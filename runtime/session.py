@@ -470,7 +470,8 @@ class Session:
         next_hello = 0.0
         while time.monotonic() < deadline:
             if time.monotonic() >= next_hello:
-                link.send(self._host_hello())
+                with contextlib.suppress(WriteBlockedError):  # a device not reading yet: the HELLO goes again in 0.5 s
+                    link.send(self._host_hello())
                 next_hello = time.monotonic() + 0.5
             frame = link.recv(timeout=0.1)
             if frame is not None and isinstance(frame.message, Hello):

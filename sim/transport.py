@@ -153,6 +153,12 @@ class SimTransport(FdTransport):
         except DeviceNotConnectedError as exc:  # FdTransport closed itself; report why
             raise self._peer_lost(exc) from exc
 
+    def _write_some(self, data: bytes, deadline: float) -> int:
+        try:
+            return super()._write_some(data, deadline)
+        except DeviceNotConnectedError as exc:  # as _write: say whether the emulator exited
+            raise self._peer_lost(exc) from exc
+
     def _close(self) -> None:
         self._finalizer()
 

@@ -73,7 +73,10 @@ class SerialTransport(Transport):
 
     def bound_writes(self, seconds: float) -> None:
         super().bound_writes(seconds)
-        self.port.write_timeout = seconds  # the ports without a descriptor of their own (pyserial's URL handlers)
+        if self._fd is not None and not isinstance(self.port, serial.Serial):
+            # a URL handler over a socket (socket://, rfc2217://): pyserial's own write timeout bounds it. (loop://,
+            # in memory, never waits for a reader; its write timeout would instead time the bytes at its baud rate)
+            self.port.write_timeout = seconds
 
     def _write_some(self, data: bytes, deadline: float) -> int:
         from .pty_pair import write_until
