@@ -944,7 +944,7 @@ class Session:
                 "lost": self.link.parser.stats.lost if self.link is not None else 0,
                 "watchdog_trips": c["watchdog_trips"], "reconnects": c["reconnects"],
                 "inputs_used": c["inputs_used"], "commands_sent": c["commands_sent"],
-                "safe_commands_sent": c["safe_commands_sent"], **metrics}
+                "safe_commands_sent": c["safe_commands_sent"], "frames_unsent": c["frames_unsent"], **metrics}
 
     def status_line(self) -> str:
         lat = self._loop.latency if hasattr(self, "_loop") else None
@@ -955,7 +955,10 @@ class Session:
         parts = [f"{self.rate_hz:g} Hz", f"p99 {p99:.0f} us"]
         if cmd.count:  # how long after its step began the command went out (the step goes on to record it)
             parts.append(f"out p99 {cmd.recent_percentile_us(99):.0f} us")
-        parts += [f"missed {missed}", f"lost {lost}", self._state()]
+        parts += [f"missed {missed}", f"lost {lost}"]
+        if self.summary_counts["frames_unsent"]:  # the device stopped reading at some point: frames not sent
+            parts.append(f"unsent {self.summary_counts['frames_unsent']}")
+        parts.append(self._state())
         parts += [f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in self.family.live_metrics().items()]
         return " | ".join(parts)
 
