@@ -250,7 +250,8 @@ class RecordingReader:
     def __init__(self, path: str | Path, resync: bool = False):
         self.path = Path(path)
         if not self.path.is_file():
-            what = "is a folder" if self.path.is_dir() else "does not exist"
+            what = ("is a folder" if self.path.is_dir() else "does not exist" if not self.path.exists() else
+                    "is not a regular file (a pipe or a device; a recording is read whole: copy it to a file first)")
             raise RecordingError(f"{self.path} {what}: give a recording file (closedloop run ... --record FILE.clrec)")
         data = self.path.read_bytes()
         if not data.startswith(MAGIC[:6]):

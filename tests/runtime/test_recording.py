@@ -87,6 +87,18 @@ def test_a_file_cut_before_its_meta_does_not_say_the_session_was_refused(tmp_pat
     assert not any("refused before it ran" in p for p in problems)
 
 
+def test_a_path_that_is_no_file_is_named_for_what_it_is(tmp_path):
+    import os
+
+    with pytest.raises(RecordingError, match="does not exist"):
+        RecordingReader(tmp_path / "none.clrec")
+    with pytest.raises(RecordingError, match="is a folder"):
+        RecordingReader(tmp_path)
+    os.mkfifo(tmp_path / "fifo.clrec")
+    with pytest.raises(RecordingError, match=r"is not a regular file \(a pipe or a device"):
+        RecordingReader(tmp_path / "fifo.clrec")
+
+
 def test_corrupt_record_stops_reading_there(tmp_path):
     p = _rx_recording(tmp_path / "s.clrec", 5)
     data = bytearray(p.read_bytes())
