@@ -206,6 +206,11 @@ def _run(a: argparse.Namespace) -> int:
             print(f"closedloop run: stopped: {exc}", file=sys.stderr)
             return EXIT_FAILED
         print(json_text(summary.to_dict()) if a.json else summary.format())
+        if summary.commands_sent == 0 and (summary.inputs_refused or summary.nonfinite_inputs):
+            print(f"closedloop run: warning: the model never acted: every input frame was refused "
+                  f"({summary.nonfinite_inputs} with a value not finite, {summary.inputs_refused} of the wrong size), "
+                  "so the device got only the safe command; check the device's stream (docs/recording.md: "
+                  "input_refused and nonfinite events)", file=sys.stderr)
         if summary.recording_error:  # the session ran on; what it should have kept is partly lost: not a clean end
             print(f"closedloop run: error: the recording {a.record} stopped: {summary.recording_error}",
                   file=sys.stderr)

@@ -227,3 +227,21 @@ def test_a_recording_that_cannot_be_written_on_is_said_and_the_session_goes_on_t
     assert "closedloop run: error: the recording" in err
     reader = RecordingReader(rec)
     assert rec.stat().st_size == 6_000 and reader.meta and reader.summary is None
+
+
+def test_a_session_whose_every_input_was_refused_says_the_model_never_acted(tmp_path, capsys):
+    """Every measurement of the device not finite: the session sends only the safe command; run says so on stderr
+    (its exit code stays 0: no safety rule stopped it, and the summary holds the counts)."""
+    from closedloop.sdk.models import MLPPolicy
+
+    torch.manual_seed(1)
+    bundle = export_bundle(MLPPolicy(1, 1, (8,)).eval(), tmp_path / "ctl", kind="feedforward",
+                           example_input=torch.zeros(1, 1), rate_hz=100.0, postprocess={"low": [-2.0], "high": [2.0]},
+                           extra={"session": {"input": "plant_measurement", "command": "actuator_command"}},
+                           variants=(), tensorrt=False, report=lambda s: None)
+    rc = main(["run", str(bundle), "--device", "sim://plant?model=msd&rate=100&seed=1&nonfinite=1", "--duration", "1",
+               "--backend", "onnxruntime", "--json"])
+    out, err = capsys.readouterr()
+    summary = json.loads(out)
+    assert rc == 0 and summary["commands_sent"] == 0 and summary["nonfinite_inputs"] > 50
+    assert "warning: the model never acted: every input frame was refused" in err
