@@ -229,7 +229,7 @@ class Record:
 
     def _expect(self, method: str, types: tuple[RecordType, ...]) -> None:
         if self.type not in types:
-            name = RecordType(self.type).name if self.type in RecordType._value2member_map_ else f"type {self.type}"
+            name = self.type.name if isinstance(self.type, RecordType) else f"type {self.type}"
             raise ValueError(f"Record.{method}() reads {', '.join(t.name for t in types)} records; this record is {name} "
                              "(docs/recording.md: what each record type holds)")
 

@@ -416,23 +416,20 @@ def _recording_args(p: argparse.ArgumentParser) -> None:
 
 @command("recording", "summarise a recording (records, torn tail, session summary); --plot draws it", _recording_args)
 def _recording(a: argparse.Namespace) -> int:
+    from pathlib import Path
+
     from closedloop.common.atomic import refuse_existing
     from closedloop.runtime import RecordingReader
 
     if a.plot:
-        from pathlib import Path
-
         if Path(a.plot).resolve() == Path(a.recording).resolve():
             raise ValueError(f"--plot {a.plot} is the recording itself: recordings are never overwritten; give the "
                              "figure another path")
         if Path(a.plot).is_dir():
             raise ValueError(f"--plot {a.plot} is a folder: give the figure's file, like {Path(a.plot) / 'session.png'}")
         refuse_existing(a.plot, a.overwrite)
-    if a.salvage:
-        from pathlib import Path
-
-        if Path(a.salvage).exists():
-            raise ValueError(f"--salvage {a.salvage} already exists: recordings are never overwritten; give a new path")
+    if a.salvage and Path(a.salvage).exists():  # said before a long recording is read
+        raise ValueError(f"--salvage {a.salvage} already exists: recordings are never overwritten; give a new path")
     r = RecordingReader(a.recording, resync=bool(a.salvage))
     salvaged = str(r.salvage(a.salvage)) if a.salvage else None
     plotted = None

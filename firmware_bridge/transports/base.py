@@ -72,13 +72,10 @@ class Transport(ABC):
         if self.write_deadline_s is None:
             return self._write(bytes(data))
         deadline = time.monotonic() + self.write_deadline_s
-        if self._pending:
+        if self._pending:  # the tail of the last frame goes first
             self._pending = self._pending[self._write_some(self._pending, deadline):]
-            if self._pending:
-                raise WriteBlockedError(f"{self.url}: the device is not reading (its input buffer is full); a frame "
-                                        f"of {len(data)} bytes was not sent")
         data = bytes(data)
-        n = self._write_some(data, deadline)
+        n = 0 if self._pending else self._write_some(data, deadline)
         if n == 0 and data:
             raise WriteBlockedError(f"{self.url}: the device is not reading (its input buffer is full); a frame of "
                                     f"{len(data)} bytes was not sent")

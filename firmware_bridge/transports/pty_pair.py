@@ -12,6 +12,7 @@ from __future__ import annotations
 import errno
 import os
 import select
+import time
 from typing import Any
 
 from ..errors import DeviceNotConnectedError, TransportError
@@ -92,8 +93,6 @@ class FdTransport(Transport):
 def write_until(fd: int, data: bytes, deadline: float, lost) -> int:
     """Write ``data`` to the non-blocking ``fd`` as the kernel takes it until ``deadline`` (``time.monotonic()``);
     return the bytes written (0 when the device's buffer stayed full). ``lost(exc)``: the error for a failed write."""
-    import time
-
     view, written = memoryview(data), 0
     while view:
         try:

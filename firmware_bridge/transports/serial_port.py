@@ -23,6 +23,7 @@ import serial
 
 from ..errors import DeviceNotConnectedError, TransportError
 from .base import Transport, register_transport, split_device_url
+from .pty_pair import write_until
 
 __all__ = ["SerialTransport", "open_serial", "open_pyserial_url", "ftdi_latency_timer_ms", "LatencyWarning"]
 
@@ -67,6 +68,8 @@ class SerialTransport(Transport):
     def _write(self, data: bytes) -> int:
         try:
             written = self.port.write(data)
+        except serial.SerialTimeoutException:  # a write bounded by bound_writes that the device did not take
+            return 0
         except (serial.SerialException, OSError) as exc:
             raise self._lost(exc) from exc
         return len(data) if written is None else written
@@ -79,17 +82,9 @@ class SerialTransport(Transport):
             self.port.write_timeout = seconds
 
     def _write_some(self, data: bytes, deadline: float) -> int:
-        from .pty_pair import write_until
-
         if isinstance(self.port, serial.Serial) and self._fd is not None:  # a local port: its fd is non-blocking
             return write_until(self._fd, data, deadline, self._lost)
-        try:
-            written = self.port.write(data)
-        except serial.SerialTimeoutException:  # pyserial's write timeout: the device is not reading
-            return 0
-        except (serial.SerialException, OSError) as exc:
-            raise self._lost(exc) from exc
-        return len(data) if written is None else written
+        return self._write(data)  # pyserial's write timeout bounds it (bound_writes)
 
     def _close(self) -> None:
         self.port.close()

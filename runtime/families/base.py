@@ -396,14 +396,15 @@ class FamilyPlugin:
         """
         return self.model.reset_nonfinite_state()
 
+    def _bin_index(self, step: int) -> int:
+        """A DECODER_OUTPUT's ``bin_index``: the newest input frame's own bin where the stream numbers its bins
+        (docs/protocol.md), the loop step otherwise; so a command never names a bin the device did not send."""
+        return (self._frame_bin if self._frame_bin is not None else step) & 0xFFFFFFFF
+
     def command_message(self, command: np.ndarray, step: int) -> Message | None:
-        """The message carrying ``command``; a DECODER_OUTPUT's ``bin_index`` is the input frame's own bin where
-        the stream numbers its bins (docs/protocol.md), the loop step otherwise."""
-        return self.command.build(command, (self._frame_bin if self._frame_bin is not None else step) & 0xFFFFFFFF)
+        """The message carrying ``command`` (its ``bin_index``: ``_bin_index``)."""
+        return self.command.build(command, self._bin_index(step))
 
     def safe_message(self, step: int) -> Message | None:
-        """The safe command's message; its ``bin_index`` follows ``command_message``'s rule (the newest frame's own
-        bin where the stream numbers its bins, the loop step otherwise), so it never names a bin the device did not
-        send."""
-        bin_index = self._frame_bin if self._frame_bin is not None else step
-        return self.command.build(np.ascontiguousarray(self.safe_output()), bin_index & 0xFFFFFFFF)
+        """The safe command's message (its ``bin_index`` as the model's commands have it)."""
+        return self.command.build(np.ascontiguousarray(self.safe_output()), self._bin_index(step))

@@ -76,7 +76,8 @@ class _Runner(threading.Thread):
         self.wants_runs = getattr(cls, "on_runs", SessionObserver.on_runs) is not SessionObserver.on_runs
         self.wants_commands = getattr(cls, "on_commands", SessionObserver.on_commands) is not SessionObserver.on_commands
         self.max_batch = getattr(observer, "max_batch", None)
-        self.on = {name: getattr(observer, name, None) or getattr(SessionObserver(), name)
+        base = SessionObserver()
+        self.on = {name: getattr(observer, name, None) or getattr(base, name)
                    for name in ("on_start", "on_steps", "on_runs", "on_commands", "on_event", "on_stop")}
         self.lost = 0
         self.runs_lost = 0
